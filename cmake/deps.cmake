@@ -1,0 +1,11 @@
+# Third-party libraries, all from Debian packages (see .ci/run for the apt line).
+find_package(PkgConfig REQUIRED)
+find_package(Threads REQUIRED)
+find_package(nlohmann_json 3.10 REQUIRED)
+find_package(tl-expected REQUIRED)
+find_package(CLI11 REQUIRED)
+find_package(GTest REQUIRED)
+pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
+pkg_check_modules(UTF8PROC REQUIRED IMPORTED_TARGET libutf8proc)
+pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
+pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)

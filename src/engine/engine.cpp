@@ -1,0 +1,442 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <thread>
+#include <unordered_map>
+
+#include "core/check.h"
+#include "core/log.h"
+#include "engine/model_runner.h"
+#include "model/config.h"
+#include "model/kv_cache.h"
+#include "model/m3_model.h"
+#include "sched/scheduler.h"
+
+namespace m3::engine {
+
+using Clock = std::chrono::steady_clock;
+
+// ---------------------------------------------------------------- Histogram, RequestStream
+
+Histogram Histogram::with_bounds(std::vector<double> b) {
+  Histogram h;
+  h.bounds = std::move(b);
+  h.counts.assign(h.bounds.size() + 1, 0);
+  return h;
+}
+
+void Histogram::observe(double v) {
+  const size_t i = std::lower_bound(bounds.begin(), bounds.end(), v) - bounds.begin();
+  ++counts[i];
+  sum += v;
+  ++count;
+}
+
+std::optional<RequestOutput> RequestStream::next(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (finished_taken_) return std::nullopt;
+  if (!cv_.wait_for(lock, timeout, [&] { return !queue_.empty(); })) return std::nullopt;
+  RequestOutput o = std::move(queue_.front());
+  queue_.pop_front();
+  if (o.finished) finished_taken_ = true;
+  return o;
+}
+
+void RequestStream::push(RequestOutput out) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_pushed_) return;  // exactly one finished output per request
+    if (out.finished) finished_pushed_ = true;
+    queue_.push_back(std::move(out));
+  }
+  cv_.notify_all();
+}
+
+bool RequestStream::done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return finished_taken_;
+}
+
+// ---------------------------------------------------------------- EngineImpl
+
+class EngineImpl {
+ public:
+  EngineConfig cfg;
+  ModelInfo info;
+  std::unique_ptr<ModelRunner> runner;
+  std::unique_ptr<sched::Scheduler> scheduler;
+
+  // Shared with HTTP threads (guarded by mu).
+  std::mutex mu;
+  std::condition_variable cv;
+  struct Pending {
+    uint64_t id;
+    GenerateRequest req;
+    std::shared_ptr<RequestStream> stream;
+    Clock::time_point arrival;
+  };
+  std::vector<Pending> incoming;
+  std::vector<uint64_t> aborts;
+  bool stopping = false;
+  bool drain = true;
+  std::atomic<bool> accepting{true};
+  std::atomic<bool> healthy{true};
+  std::atomic<uint64_t> next_id{1};
+  std::atomic<int> num_waiting_total{0};  // incoming + scheduler waiting (admission bound)
+
+  mutable std::mutex stats_mu;
+  EngineStats stats;
+
+  // Engine-thread only.
+  struct Live {
+    std::shared_ptr<RequestStream> stream;
+    Clock::time_point arrival;
+    Clock::time_point last_token;
+    bool got_first = false;
+    bool prompt_logprobs_sent = false;
+    int num_prompt_tokens = 0;
+  };
+  std::unordered_map<uint64_t, Live> live;
+  std::unordered_map<uint64_t, RunnerRequestState> states;
+  std::thread thread;
+
+  void loop();
+  void admit(Pending& p);
+  void finish_abort(uint64_t id);
+  void publish(const std::vector<sched::RequestUpdate>& updates);
+  void refresh_stats();
+};
+
+void EngineImpl::admit(Pending& p) {
+  sched::StopCriteria stop;
+  const SamplingParams& sp = p.req.params;
+  stop.max_tokens = sp.max_tokens;
+  stop.min_tokens = sp.min_tokens;
+  stop.eos_token_ids = info.eos_token_ids;
+  stop.stop_token_ids = sp.stop_token_ids;
+  stop.ignore_eos = sp.ignore_eos;
+  // Prompt logprobs need every prompt position computed: a unique salt keeps this request off
+  // the prefix cache (no hits, and its pages are not shared).
+  const uint64_t salt = sp.prompt_logprobs >= 0 ? (p.id | (1ull << 63)) : 0;
+  auto r = std::make_unique<sched::Request>(p.id, p.req.prompt_token_ids, stop, p.req.priority, salt);
+  RunnerRequestState st;
+  st.params = sp;
+  st.rng = Sampler::make_rng(sp);
+  st.history = p.req.prompt_token_ids;
+  st.num_prompt_tokens = static_cast<int>(p.req.prompt_token_ids.size());
+  if (sp.prompt_logprobs >= 0) st.prompt_logprobs.assign(st.num_prompt_tokens, std::nullopt);
+  auto added = scheduler->add_request(std::move(r));
+  if (!added) {
+    RequestOutput o;
+    o.finished = true;
+    o.finish_reason = "error";
+    o.error = added.error().message;
+    p.stream->push(std::move(o));
+    return;
+  }
+  states.emplace(p.id, std::move(st));
+  Live l;
+  l.stream = p.stream;
+  l.arrival = p.arrival;
+  l.num_prompt_tokens = static_cast<int>(p.req.prompt_token_ids.size());
+  live.emplace(p.id, std::move(l));
+}
+
+void EngineImpl::finish_abort(uint64_t id) {
+  auto it = live.find(id);
+  if (it == live.end()) return;
+  scheduler->abort_request(id);
+  RequestOutput o;
+  o.finished = true;
+  o.finish_reason = "abort";
+  o.num_prompt_tokens = it->second.num_prompt_tokens;
+  it->second.stream->push(std::move(o));
+  {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    ++stats.requests_finished_abort;
+  }
+  live.erase(it);
+  states.erase(id);
+}
+
+void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
+  const auto now = Clock::now();
+  std::lock_guard<std::mutex> slock(stats_mu);
+  for (const auto& u : updates) {
+    auto it = live.find(u.request_id);
+    if (it == live.end()) continue;  // aborted by us already
+    Live& l = it->second;
+    RunnerRequestState& st = states.at(u.request_id);
+    RequestOutput o;
+    o.new_token_ids = u.new_token_ids;
+    if (st.params.logprobs >= 0) {
+      o.logprobs = st.step_logprobs;
+      o.logprobs.resize(o.new_token_ids.size());
+    }
+    if (st.params.prompt_logprobs >= 0 && !l.prompt_logprobs_sent && !u.new_token_ids.empty()) {
+      o.prompt_logprobs = st.prompt_logprobs;
+      l.prompt_logprobs_sent = true;
+    }
+    o.num_prompt_tokens = u.num_prompt_tokens;
+    o.num_output_tokens = u.num_output_tokens;
+    o.num_cached_tokens = u.num_cached_tokens;
+    if (!u.new_token_ids.empty()) {
+      stats.generation_tokens_total += static_cast<int64_t>(u.new_token_ids.size());
+      if (!l.got_first) {
+        l.got_first = true;
+        stats.time_to_first_token_s.observe(std::chrono::duration<double>(now - l.arrival).count());
+        stats.prompt_tokens_total += u.num_prompt_tokens;
+      } else {
+        stats.inter_token_latency_s.observe(std::chrono::duration<double>(now - l.last_token).count());
+      }
+      l.last_token = now;
+    }
+    if (u.finished) {
+      o.finished = true;
+      switch (u.finish_reason) {
+        case sched::FinishReason::kStop: o.finish_reason = "stop"; ++stats.requests_finished_stop; break;
+        case sched::FinishReason::kLength: o.finish_reason = "length"; ++stats.requests_finished_length; break;
+        default: o.finish_reason = "abort"; ++stats.requests_finished_abort; break;
+      }
+      o.stop_token_id = u.stop_token_id;
+      stats.e2e_request_latency_s.observe(std::chrono::duration<double>(now - l.arrival).count());
+      stats.prompt_tokens_per_request.observe(u.num_prompt_tokens);
+      stats.generation_tokens_per_request.observe(u.num_output_tokens);
+    }
+    if (o.new_token_ids.empty() && !o.finished) continue;
+    l.stream->push(std::move(o));
+    if (u.finished) {
+      live.erase(it);
+      states.erase(u.request_id);
+    }
+  }
+}
+
+void EngineImpl::refresh_stats() {
+  const sched::SchedulerStats s = scheduler->stats();
+  std::lock_guard<std::mutex> lock(stats_mu);
+  stats.num_running = s.num_running;
+  stats.num_waiting = s.num_waiting;
+  stats.kv_cache_usage = s.kv_cache_usage;
+  stats.prefix_cache_queries = s.prefix_cache_queries;
+  stats.prefix_cache_hits = s.prefix_cache_hits;
+  stats.num_preemptions = s.num_preemptions;
+  num_waiting_total = s.num_waiting;
+}
+
+void EngineImpl::loop() {
+  for (;;) {
+    std::vector<Pending> in;
+    std::vector<uint64_t> ab;
+    bool stop_now = false;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] {
+        return !incoming.empty() || !aborts.empty() || stopping || scheduler->has_unfinished();
+      });
+      in.swap(incoming);
+      ab.swap(aborts);
+      stop_now = stopping && (!drain || (!scheduler->has_unfinished() && in.empty()));
+      if (stopping && !drain) {
+        // Abort everything still queued or running.
+        for (auto& p : in) ab.push_back(p.id);
+      }
+    }
+    for (auto& p : in) {
+      if (stopping && !drain) {
+        RequestOutput o;
+        o.finished = true;
+        o.finish_reason = "abort";
+        p.stream->push(std::move(o));
+        continue;
+      }
+      admit(p);
+    }
+    for (uint64_t id : ab) finish_abort(id);
+    if (stop_now) {
+      std::vector<uint64_t> ids;
+      for (auto& [id, l] : live) ids.push_back(id);
+      for (uint64_t id : ids) finish_abort(id);
+      refresh_stats();
+      return;
+    }
+    if (!scheduler->has_unfinished()) {
+      refresh_stats();
+      continue;
+    }
+    sched::SchedulerOutput so = scheduler->schedule();
+    sched::RunnerOutput ro;
+    if (!so.empty()) ro = runner->execute(so, states);
+    publish(scheduler->update_from_output(so, ro));
+    refresh_stats();
+    if (so.empty()) {
+      // Nothing could run (all waiting for pages that running requests hold cannot happen, but
+      // never spin): wait for new work or an abort.
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait_for(lock, std::chrono::milliseconds(5));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- Engine
+
+Engine::Engine(std::unique_ptr<EngineImpl> impl) : impl_(std::move(impl)) {}
+
+Engine::~Engine() { shutdown(false); }
+
+Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
+  auto impl = std::make_unique<EngineImpl>();
+  impl->cfg = config;
+  M3_TRY(auto model, model::M3Model::load(config.model_dir));
+  const model::M3Config& mc = model->config();
+  M3_TRY_STATUS(model::check_kv_block_size(mc, config.block_size));
+  const int64_t bs = mc.sparse_block_size;
+  const int64_t page_bytes = model::KvCache::page_bytes(mc);
+  int64_t max_len = config.max_model_len > 0 ? config.max_model_len : mc.max_position_embeddings;
+  if (config.max_model_len > mc.max_position_embeddings) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--max-model-len " + std::to_string(config.max_model_len) +
+                          " is above the model's max_position_embeddings (" +
+                          std::to_string(mc.max_position_embeddings) + ")",
+                      "--max-model-len");
+  }
+  int64_t bytes = config.kv_cache_memory_bytes;
+  if (bytes <= 0) {
+    const int64_t want_tokens =
+        std::min<int64_t>(max_len, 4096) * std::max(1, config.max_num_seqs);
+    bytes = std::min<int64_t>(((want_tokens + bs - 1) / bs) * page_bytes, int64_t{4} << 30);
+  }
+  int64_t num_pages = bytes / page_bytes;
+  if (config.max_model_len <= 0) max_len = std::min<int64_t>(max_len, num_pages * bs);
+  if (num_pages * bs < max_len || num_pages < 1) {
+    return make_error(
+        ErrorCode::kInvalidArgument,
+        "the KV cache holds " + std::to_string(num_pages * bs) + " tokens (" +
+            std::to_string(num_pages) + " pages of " + std::to_string(page_bytes) +
+            " bytes) but --max-model-len is " + std::to_string(max_len) +
+            "; raise --kv-cache-memory-bytes to at least " +
+            std::to_string(((max_len + bs - 1) / bs) * page_bytes) + " or lower --max-model-len",
+        "--kv-cache-memory-bytes");
+  }
+  sched::SchedulerConfig sc;
+  sc.max_num_seqs = config.max_num_seqs;
+  sc.max_num_batched_tokens = config.max_num_batched_tokens;
+  sc.max_model_len = static_cast<int>(max_len);
+  sc.block_size = static_cast<int>(bs);
+  sc.num_blocks = static_cast<int>(num_pages);
+  sc.enable_prefix_caching = config.enable_prefix_caching;
+  sc.policy = config.priority_scheduling ? sched::Policy::kPriority : sched::Policy::kFcfs;
+  M3_TRY_STATUS(sc.validate());
+
+  ModelInfo& info = impl->info;
+  info.model_dir = config.model_dir;
+  info.summary = mc.summary();
+  info.vocab_size = mc.vocab_size;
+  info.max_model_len = static_cast<int>(max_len);
+  info.block_size = static_cast<int>(bs);
+  info.num_kv_blocks = num_pages;
+  info.kv_tokens = num_pages * bs;
+  for (int64_t e : mc.eos_token_ids) info.eos_token_ids.push_back(static_cast<int32_t>(e));
+
+  impl->runner = std::make_unique<ModelRunner>(std::move(model), num_pages);
+  impl->scheduler = std::make_unique<sched::Scheduler>(sc);
+  auto& st = impl->stats;
+  const std::vector<double> lat = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                                   0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0};
+  st.time_to_first_token_s = Histogram::with_bounds(lat);
+  st.inter_token_latency_s = Histogram::with_bounds(lat);
+  st.e2e_request_latency_s = Histogram::with_bounds(lat);
+  const std::vector<double> toks = {1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000};
+  st.prompt_tokens_per_request = Histogram::with_bounds(toks);
+  st.generation_tokens_per_request = Histogram::with_bounds(toks);
+  st.num_kv_blocks = num_pages;
+  EngineImpl* raw = impl.get();
+  impl->thread = std::thread([raw] { raw->loop(); });
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Result<std::shared_ptr<RequestStream>> Engine::submit(GenerateRequest req) {
+  EngineImpl& e = *impl_;
+  if (!e.accepting) {
+    return make_error(ErrorCode::kUnavailable, "the server is shutting down; retry on another replica");
+  }
+  const auto& p = req.params;
+  if (req.prompt_token_ids.empty()) {
+    return make_error(ErrorCode::kInvalidArgument, "the prompt is empty; give at least one token", "prompt");
+  }
+  for (size_t i = 0; i < req.prompt_token_ids.size(); ++i) {
+    const int32_t t = req.prompt_token_ids[i];
+    if (t < 0 || t >= e.info.vocab_size) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "prompt token " + std::to_string(i) + " has id " + std::to_string(t) +
+                            ", outside the vocabulary [0, " + std::to_string(e.info.vocab_size) + ")",
+                        "prompt");
+    }
+  }
+  if (p.max_tokens < 1) {
+    return make_error(ErrorCode::kInvalidArgument, "max_tokens must be at least 1", "max_tokens");
+  }
+  const int64_t total = static_cast<int64_t>(req.prompt_token_ids.size()) + p.max_tokens;
+  if (total > e.info.max_model_len) {
+    return make_error(ErrorCode::kContextLength,
+                      "This model's maximum context length is " + std::to_string(e.info.max_model_len) +
+                          " tokens. However, you requested " + std::to_string(total) + " tokens (" +
+                          std::to_string(req.prompt_token_ids.size()) + " in the prompt, " +
+                          std::to_string(p.max_tokens) +
+                          " for the completion). Please reduce the prompt or max_tokens.",
+                      req.prompt_token_ids.size() >= static_cast<size_t>(e.info.max_model_len)
+                          ? "messages"
+                          : "max_tokens");
+  }
+  const uint64_t id = e.next_id++;
+  auto stream = std::make_shared<RequestStream>(id);
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    const int waiting = e.num_waiting_total.load() + static_cast<int>(e.incoming.size());
+    if (waiting >= e.cfg.max_queue_len) {
+      return make_error(ErrorCode::kQueueFull,
+                        "the request queue is full (" + std::to_string(waiting) +
+                            " waiting, --max-queue-len " + std::to_string(e.cfg.max_queue_len) +
+                            "); retry later");
+    }
+    if (e.stopping) {
+      return make_error(ErrorCode::kUnavailable, "the server is shutting down");
+    }
+    e.incoming.push_back({id, std::move(req), stream, Clock::now()});
+  }
+  e.cv.notify_all();
+  return stream;
+}
+
+void Engine::abort(uint64_t request_id) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->aborts.push_back(request_id);
+  }
+  impl_->cv.notify_all();
+}
+
+const ModelInfo& Engine::model_info() const { return impl_->info; }
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->stats_mu);
+  return impl_->stats;
+}
+
+bool Engine::healthy() const { return impl_->healthy && impl_->accepting; }
+
+void Engine::shutdown(bool drain) {
+  if (!impl_) return;
+  impl_->accepting = false;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->stopping = true;
+    impl_->drain = drain;
+  }
+  impl_->cv.notify_all();
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+}  // namespace m3::engine

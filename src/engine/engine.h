@@ -1,0 +1,151 @@
+// Engine: the one surface the server (and `m3serve chat`) uses to run requests. It owns the model,
+// the scheduler and one engine-loop thread (schedule -> execute -> update); HTTP threads submit
+// token-id requests and read per-request output streams. Plain data only: no JSON, no text.
+// Invariants: every submitted request ends with exactly one output whose `finished` is true
+// (stop, length, abort or error); aborting frees the request's pages within one step.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/sampling_params.h"
+
+namespace m3::engine {
+
+struct EngineConfig {
+  std::string model_dir;
+  int max_num_seqs = 64;
+  int max_num_batched_tokens = 2048;
+  int max_model_len = 0;              // 0: the model's max_position_embeddings, capped by the KV pool
+  int block_size = 128;               // must equal the model's sparse_block_size
+  int64_t kv_cache_memory_bytes = 0;  // 0: enough for max_num_seqs sequences of up to 4096 tokens, <= 4 GiB
+  bool enable_prefix_caching = true;
+  bool priority_scheduling = false;   // else first-come-first-served
+  int max_queue_len = 1024;           // waiting requests beyond this are refused (kQueueFull)
+};
+
+// Histogram with fixed upper bounds (Prometheus style: counts are per bucket, not cumulative).
+struct Histogram {
+  std::vector<double> bounds;   // ascending upper bounds; an implicit +Inf bucket follows
+  std::vector<uint64_t> counts; // bounds.size() + 1
+  double sum = 0.0;
+  uint64_t count = 0;
+  void observe(double v);
+  static Histogram with_bounds(std::vector<double> b);
+};
+
+struct EngineStats {
+  int num_running = 0;
+  int num_waiting = 0;
+  double kv_cache_usage = 0.0;  // 0..1 of the KV pages in use
+  int64_t num_kv_blocks = 0;
+  int64_t prefix_cache_queries = 0;  // tokens
+  int64_t prefix_cache_hits = 0;     // tokens
+  int64_t num_preemptions = 0;
+  int64_t prompt_tokens_total = 0;
+  int64_t generation_tokens_total = 0;
+  int64_t requests_finished_stop = 0;
+  int64_t requests_finished_length = 0;
+  int64_t requests_finished_abort = 0;
+  int64_t requests_finished_error = 0;
+  Histogram time_to_first_token_s;
+  Histogram inter_token_latency_s;
+  Histogram e2e_request_latency_s;
+  Histogram prompt_tokens_per_request;
+  Histogram generation_tokens_per_request;
+};
+
+struct ModelInfo {
+  std::string model_dir;
+  std::string summary;   // one line from M3Config::summary()
+  int64_t vocab_size = 0;
+  int max_model_len = 0;
+  int block_size = 0;
+  int64_t num_kv_blocks = 0;
+  int64_t kv_tokens = 0;    // num_kv_blocks * block_size
+  std::vector<int32_t> eos_token_ids;
+};
+
+struct TokenLogprobOut {
+  int32_t token = 0;
+  float logprob = 0.f;
+  std::vector<std::pair<int32_t, float>> top;  // best first
+};
+
+// One increment of a request's output.
+struct RequestOutput {
+  std::vector<int32_t> new_token_ids;
+  std::vector<TokenLogprobOut> logprobs;  // one per new token when SamplingParams::logprobs >= 0
+  // First output only, when prompt_logprobs >= 0: entry 0 is empty (token 0 has no context).
+  std::optional<std::vector<std::optional<TokenLogprobOut>>> prompt_logprobs;
+  bool finished = false;
+  std::string finish_reason;            // "stop" | "length" | "abort" | "error"
+  std::optional<int32_t> stop_token_id; // the stop_token_ids entry that ended it
+  std::string error;                    // finish_reason == "error"
+  int num_prompt_tokens = 0;
+  int num_output_tokens = 0;
+  int num_cached_tokens = 0;
+};
+
+// The consumer end of one request's outputs. Thread-safe; the engine thread produces.
+class RequestStream {
+ public:
+  explicit RequestStream(uint64_t id) : id_(id) {}
+  uint64_t id() const { return id_; }
+  // Blocks up to `timeout` for the next output; nullopt on timeout. After the finished output
+  // has been returned, returns nullopt at once.
+  std::optional<RequestOutput> next(std::chrono::milliseconds timeout);
+  void push(RequestOutput out);  // engine side
+  bool done() const;
+
+ private:
+  uint64_t id_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<RequestOutput> queue_;
+  bool finished_pushed_ = false;
+  bool finished_taken_ = false;
+};
+
+struct GenerateRequest {
+  std::vector<int32_t> prompt_token_ids;
+  SamplingParams params;
+  int priority = 0;  // lower first, with EngineConfig::priority_scheduling
+};
+
+class EngineImpl;
+
+class Engine {
+ public:
+  // Loads the model and starts the engine thread. Errors: bad model, KV pool too small for one
+  // sequence of max_model_len tokens (names the flag to change), bad block size.
+  static Result<std::unique_ptr<Engine>> create(const EngineConfig& config);
+  ~Engine();
+
+  // Validates and queues a request. Errors: empty prompt / ids outside the vocabulary
+  // (kInvalidArgument), prompt + max_tokens over max_model_len (kContextLength, with the numbers),
+  // queue full (kQueueFull), shutting down (kUnavailable).
+  Result<std::shared_ptr<RequestStream>> submit(GenerateRequest request);
+  // Aborts a request (no-op when it already finished). Its stream gets a finished "abort" output.
+  void abort(uint64_t request_id);
+
+  const ModelInfo& model_info() const;
+  EngineStats stats() const;
+  bool healthy() const;
+  // Stop accepting; with drain, finish running and waiting requests first; then stop the thread.
+  void shutdown(bool drain);
+
+ private:
+  explicit Engine(std::unique_ptr<EngineImpl> impl);
+  std::unique_ptr<EngineImpl> impl_;
+};
+
+}  // namespace m3::engine

@@ -1,0 +1,52 @@
+// ModelRunner: turns one SchedulerOutput into the flat ForwardBatch the model reads (token ids,
+// absolute positions, block tables as CSR, logits rows), runs the forward pass, and samples the
+// requests that reach the end of their known tokens. Owns the KV cache storage whose pages the
+// scheduler hands out. Called only from the engine thread.
+// Invariant: page ids in the block tables index this runner's KvCache.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <random>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/sampler.h"
+#include "model/kv_cache.h"
+#include "model/m3_model.h"
+#include "sched/scheduler_output.h"
+
+namespace m3::engine {
+
+// What the runner keeps per request between steps.
+struct RunnerRequestState {
+  SamplingParams params;
+  std::mt19937_64 rng;
+  std::vector<int32_t> history;  // prompt + sampled tokens (penalties)
+  int num_prompt_tokens = 0;
+  // prompt logprobs, filled while the prompt is computed (entry 0 stays empty)
+  std::vector<std::optional<TokenLogprobOut>> prompt_logprobs;
+  int prompt_logprobs_filled = 0;
+  // logprobs of the tokens sampled in the last step, consumed by the engine
+  std::vector<TokenLogprobOut> step_logprobs;
+};
+
+class ModelRunner {
+ public:
+  ModelRunner(std::unique_ptr<model::M3Model> model, int64_t num_pages);
+
+  const model::M3Model& model() const { return *model_; }
+  int64_t num_pages() const { return cache_.num_pages(); }
+
+  // Runs the step; returns the sampled tokens for requests with will_sample.
+  sched::RunnerOutput execute(const sched::SchedulerOutput& out,
+                              std::unordered_map<uint64_t, RunnerRequestState>& states);
+
+ private:
+  std::unique_ptr<model::M3Model> model_;
+  model::KvCache cache_;
+};
+
+}  // namespace m3::engine

@@ -1,0 +1,182 @@
+// Paged KV writes, causal paged attention (dense or over selected blocks) and MSA block
+// selection. Work is split over (token, kv head) pairs; each pair gathers its key list once and
+// serves all query heads of its GQA group.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "core/check.h"
+#include "core/thread_pool.h"
+#include "kernels/cpu/ops.h"
+
+namespace m3::kernels::cpu {
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  float tail = 0.f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+}
+
+inline int32_t page_of(const TokenLayout& L, int32_t seq, int64_t block) {
+  return L.block_table[L.block_table_offsets[seq] + block];
+}
+
+}  // namespace
+
+void kv_write(const KvPages& c, const TokenLayout& L, const float* k, const float* v,
+              const float* ik) {
+  const int64_t row = c.num_kv_heads * c.head_dim;
+  for (int64_t t = 0; t < L.num_tokens; ++t) {
+    const int32_t p = L.positions[t];
+    const int32_t s = L.seq_ids[t];
+    const int64_t nblk = L.block_table_offsets[s + 1] - L.block_table_offsets[s];
+    M3_CHECK(p / c.page_size < nblk, "kv_write: position %d beyond the block table (%lld pages)",
+             p, (long long)nblk);
+    const int32_t page = page_of(L, s, p / c.page_size);
+    M3_CHECK(page >= 0 && page < c.num_pages, "kv_write: page %d out of range", page);
+    const int64_t slot = static_cast<int64_t>(page) * c.page_size + p % c.page_size;
+    std::memcpy(c.k + slot * row, k + t * row, row * sizeof(float));
+    std::memcpy(c.v + slot * row, v + t * row, row * sizeof(float));
+    if (ik) {
+      M3_CHECK(c.ik != nullptr, "kv_write: layer has no index-K cache");
+      std::memcpy(c.ik + slot * c.index_dim, ik + t * c.index_dim, c.index_dim * sizeof(float));
+    }
+  }
+}
+
+void attention_paged(const float* q, int64_t num_heads, const KvPages& c, const TokenLayout& L,
+                     const int32_t* blocks, int64_t max_blocks, float scale, float* out) {
+  const int64_t nkv = c.num_kv_heads, d = c.head_dim, bs = c.page_size;
+  M3_CHECK(num_heads % nkv == 0);
+  const int64_t group = num_heads / nkv;
+  parallel_for(L.num_tokens * nkv, [&](int64_t w0, int64_t w1) {
+    std::vector<int64_t> slots;  // cache slots of the visible keys, ascending position
+    std::vector<float> scores;
+    std::vector<float> qt, mx, sum;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t t = w / nkv, g = w % nkv;
+      const int32_t p = L.positions[t], s = L.seq_ids[t];
+      const int64_t nb = p / bs + 1;
+      slots.clear();
+      auto add_block = [&](int64_t b) {
+        const int64_t page = page_of(L, s, b);
+        const int64_t last = std::min<int64_t>(bs, p - b * bs + 1);  // causal within the block
+        for (int64_t o = 0; o < last; ++o) slots.push_back(page * bs + o);
+      };
+      if (blocks == nullptr) {
+        for (int64_t b = 0; b < nb; ++b) add_block(b);
+      } else {
+        const int32_t* sel = blocks + (t * nkv + g) * max_blocks;
+        for (int64_t i = 0; i < max_blocks; ++i) {
+          if (sel[i] < 0) continue;
+          M3_CHECK(sel[i] < nb, "attention: selected block %d is in the future", sel[i]);
+          add_block(sel[i]);
+        }
+      }
+      // All query heads of the group at once: each key and value row is read once per group.
+      // q is transposed to [d][group] and scores kept as [key][group], so the inner loops run
+      // over the group's heads contiguously (one vector FMA chain per key dimension).
+      const int64_t nk = static_cast<int64_t>(slots.size());
+      scores.resize(nk * group);
+      qt.resize(d * group);
+      const float* qg = q + (t * num_heads + g * group) * d;
+      for (int64_t h = 0; h < group; ++h)
+        for (int64_t i = 0; i < d; ++i) qt[i * group + h] = qg[h * d + i] * scale;
+      for (int64_t j = 0; j < nk; ++j) {
+        const float* kj = c.k + (slots[j] * nkv + g) * d;
+        float* sj = scores.data() + j * group;
+        for (int64_t h = 0; h < group; ++h) sj[h] = 0.f;
+        for (int64_t i = 0; i < d; ++i) {
+          const float kv = kj[i];
+          const float* qi = qt.data() + i * group;
+          for (int64_t h = 0; h < group; ++h) sj[h] += qi[h] * kv;
+        }
+      }
+      mx.assign(group, -std::numeric_limits<float>::infinity());
+      sum.assign(group, 0.f);
+      for (int64_t j = 0; j < nk; ++j) {
+        const float* sj = scores.data() + j * group;
+        for (int64_t h = 0; h < group; ++h) mx[h] = std::max(mx[h], sj[h]);
+      }
+      for (int64_t j = 0; j < nk; ++j) {
+        float* sj = scores.data() + j * group;
+        for (int64_t h = 0; h < group; ++h) {
+          sj[h] = std::exp(sj[h] - mx[h]);
+          sum[h] += sj[h];
+        }
+      }
+      float* og = out + (t * num_heads + g * group) * d;
+      std::fill(og, og + group * d, 0.f);
+      for (int64_t j = 0; j < nk; ++j) {
+        const float* vj = c.v + (slots[j] * nkv + g) * d;
+        const float* sj = scores.data() + j * group;
+        for (int64_t h = 0; h < group; ++h) {
+          const float wj = sj[h];
+          float* o = og + h * d;
+          for (int64_t i = 0; i < d; ++i) o[i] += wj * vj[i];
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        const float inv = 1.0f / sum[h];
+        float* o = og + h * d;
+        for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+      }
+    }
+  });
+}
+
+void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& c,
+                       const TokenLayout& L, int64_t topk, int64_t init_blocks,
+                       int64_t local_blocks, int32_t* out) {
+  const int64_t bs = c.page_size, di = c.index_dim;
+  M3_CHECK(c.ik != nullptr, "msa_select_blocks: layer has no index-K cache");
+  parallel_for(L.num_tokens * num_index_heads, [&](int64_t w0, int64_t w1) {
+    std::vector<float> score;
+    std::vector<int32_t> order;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t t = w / num_index_heads;  // index head = w % num_index_heads
+      const int32_t p = L.positions[t], s = L.seq_ids[t];
+      const int64_t nb = p / bs + 1;
+      int32_t* o = out + w * topk;
+      std::fill(o, o + topk, -1);
+      if (nb <= topk) {
+        for (int64_t b = 0; b < nb; ++b) o[b] = static_cast<int32_t>(b);
+        continue;
+      }
+      const float* qv = iq + w * di;
+      const float inf = std::numeric_limits<float>::infinity();
+      score.assign(nb, -inf);
+      for (int64_t b = 0; b < nb; ++b) {
+        const bool forced = b < init_blocks || b >= nb - local_blocks;
+        if (forced) {
+          score[b] = inf;
+          continue;
+        }
+        // Block b < nb - local_blocks lies wholly before p: every token in it is visible.
+        const int64_t page = page_of(L, s, b);
+        const float* kb = c.ik + page * bs * di;
+        float mx = -inf;
+        for (int64_t j = 0; j < bs; ++j) mx = std::max(mx, dot(qv, kb + j * di, di));
+        score[b] = mx;
+      }
+      order.resize(nb);
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + topk, order.end(), [&](int32_t a, int32_t b) {
+        return score[a] > score[b] || (score[a] == score[b] && a < b);
+      });
+      std::sort(order.begin(), order.begin() + topk);
+      for (int64_t i = 0; i < topk; ++i) o[i] = order[i];
+    }
+  });
+}
+
+}  // namespace m3::kernels::cpu

@@ -1,0 +1,120 @@
+// Elementwise-ish ops: Gemma RMSNorm, partial NeoX RoPE, SwiGLU-OAI, the sigmoid router.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "core/check.h"
+#include "core/thread_pool.h"
+#include "kernels/cpu/ops.h"
+
+namespace m3::kernels::cpu {
+
+void rmsnorm_gemma(const float* x, int64_t rows, int64_t dim, const VecRef& w, float eps,
+                   float* out) {
+  M3_CHECK(w.n == dim, "rmsnorm: weight has %lld entries, dim %lld", (long long)w.n,
+           (long long)dim);
+  std::vector<float> scale(dim);
+  for (int64_t i = 0; i < dim; ++i) scale[i] = 1.0f + w.at(i);
+  parallel_for(
+      rows,
+      [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* xr = x + r * dim;
+          float* o = out + r * dim;
+          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          int64_t i = 0;
+          for (; i + 8 <= dim; i += 8)
+            for (int l = 0; l < 8; ++l) acc[l] += xr[i + l] * xr[i + l];
+          float ss = 0.f;
+          for (; i < dim; ++i) ss += xr[i] * xr[i];
+          for (int l = 0; l < 8; ++l) ss += acc[l];
+          const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+          for (int64_t j = 0; j < dim; ++j) o[j] = (xr[j] * inv) * scale[j];
+        }
+      },
+      16);
+}
+
+void rope_neox(float* x, int64_t n, int64_t num_heads, int64_t head_dim, int64_t rot_dim,
+               const int32_t* positions, double theta) {
+  M3_CHECK(rot_dim % 2 == 0 && rot_dim <= head_dim);
+  if (rot_dim == 0) return;
+  const int64_t half = rot_dim / 2;
+  // inv_freq exactly as the reference computes it in fp32: 1 / theta^(2i / rot_dim).
+  std::vector<float> inv_freq(half);
+  for (int64_t i = 0; i < half; ++i) {
+    const float e = static_cast<float>(2 * i) / static_cast<float>(rot_dim);
+    inv_freq[i] = 1.0f / std::pow(static_cast<float>(theta), e);
+  }
+  parallel_for(
+      n,
+      [&](int64_t t0, int64_t t1) {
+        std::vector<float> c(half), s(half);
+        for (int64_t t = t0; t < t1; ++t) {
+          const float p = static_cast<float>(positions[t]);
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = p * inv_freq[i];
+            c[i] = std::cos(a);
+            s[i] = std::sin(a);
+          }
+          for (int64_t h = 0; h < num_heads; ++h) {
+            float* v = x + (t * num_heads + h) * head_dim;
+            for (int64_t i = 0; i < half; ++i) {
+              const float x1 = v[i], x2 = v[i + half];
+              v[i] = x1 * c[i] - x2 * s[i];
+              v[i + half] = x2 * c[i] + x1 * s[i];
+            }
+          }
+        }
+      },
+      4);
+}
+
+void swiglu_oai(const float* gate, const float* up, int64_t n, int64_t inter, float alpha,
+                float limit, float beta, float* out) {
+  parallel_for(
+      n,
+      [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const float* g = gate + t * inter;
+          const float* u = up + t * inter;
+          float* o = out + t * inter;
+          for (int64_t i = 0; i < inter; ++i) {
+            const float gc = std::min(g[i], limit);
+            const float uc = std::clamp(u[i], -limit, limit);
+            const float glu = gc * (1.0f / (1.0f + std::exp(-alpha * gc)));
+            o[i] = (uc + beta) * glu;
+          }
+        }
+      },
+      4);
+}
+
+void router_topk(const float* logits, int64_t n, int64_t num_experts, const float* bias,
+                 int64_t k, float scale, int32_t* ids, float* weights) {
+  M3_CHECK(k > 0 && k <= num_experts);
+  parallel_for(n, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s(num_experts), choice(num_experts);
+    std::vector<int32_t> order(num_experts);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* l = logits + t * num_experts;
+      for (int64_t e = 0; e < num_experts; ++e) {
+        s[e] = 1.0f / (1.0f + std::exp(-l[e]));
+        choice[e] = s[e] + (bias ? bias[e] : 0.0f);
+      }
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+        return choice[a] > choice[b] || (choice[a] == choice[b] && a < b);
+      });
+      float sum = 0.f;
+      for (int64_t j = 0; j < k; ++j) sum += s[order[j]];
+      for (int64_t j = 0; j < k; ++j) {
+        ids[t * k + j] = order[j];
+        weights[t * k + j] = s[order[j]] / sum * scale;
+      }
+    }
+  });
+}
+
+}  // namespace m3::kernels::cpu

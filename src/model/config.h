@@ -1,0 +1,75 @@
+// M3Config: the model's geometry and options, read from config.json (model/config.cpp).
+// Accepts the shipped form (text_config + sparse_attention_config, moe_layer_freq,
+// sparse_attention_freq, rotary_dim, rope_theta) and the flat form transformers writes
+// (index_* keys, layer_types, mlp_layer_types, rope_parameters). Key names are the checkpoint's.
+// Invariant after load_config/parse_config succeeds: every field is set and validated, the
+// per-layer vectors have num_hidden_layers entries, and the activation is always SwiGLU-OAI.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/error.h"
+
+namespace m3::model {
+
+struct M3Config {
+  std::string model_type;  // top-level model_type as written ("minimax_m3_vl", ...)
+
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t intermediate_size = 0;         // routed expert intermediate
+  int64_t dense_intermediate_size = 0;   // dense MLP (layers with layer_is_moe[i] == false)
+  int64_t shared_intermediate_size = 0;  // shared expert intermediate (0: no shared expert)
+  int64_t num_local_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t n_shared_experts = 1;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 5000000.0;
+  int64_t rotary_dim = 0;                // rotated dims per head (NeoX halves), <= head_dim
+  double swiglu_alpha = 1.702;
+  double swiglu_limit = 7.0;
+  double swiglu_beta = 1.0;              // the "+1" on up; absent in the file means 1.0
+  double routed_scaling_factor = 1.0;
+  bool use_routing_bias = true;          // e_score_correction_bias present and used for selection
+  bool tie_word_embeddings = false;
+
+  // MiniMax Sparse Attention (used on layers with layer_is_sparse[i]).
+  int64_t index_n_heads = 0;    // == num_key_value_heads (checked)
+  int64_t index_head_dim = 0;
+  int64_t sparse_block_size = 128;  // tokens per scored block == KV page size
+  int64_t sparse_topk_blocks = 16;
+  int64_t sparse_init_blocks = 0;   // leading blocks always selected
+  int64_t sparse_local_blocks = 1;  // most recent blocks always selected (incl. the query's own)
+
+  std::vector<bool> layer_is_sparse;  // [num_hidden_layers]: MSA (else full attention)
+  std::vector<bool> layer_is_moe;     // [num_hidden_layers]: MoE (else dense MLP)
+
+  int64_t bos_token_id = 200034;
+  std::vector<int64_t> eos_token_ids = {200020};
+  bool has_vision_config = false;
+
+  int64_t q_size() const { return num_attention_heads * head_dim; }
+  int64_t kv_size() const { return num_key_value_heads * head_dim; }
+  int64_t num_sparse_layers() const;
+  bool any_sparse() const { return num_sparse_layers() > 0; }
+  std::string summary() const;  // one line: layers, hidden, heads, experts, MSA geometry
+};
+
+// Parses config.json text. `source` names the file in error messages.
+Result<M3Config> parse_config(std::string_view json_text, std::string_view source = "config.json");
+// Reads <model_dir>/config.json.
+Result<M3Config> load_config(const std::string& model_dir);
+
+// The paged KV cache page must be the MSA block (design.md: "the KV page is the MSA block").
+// Returns an error naming --block-size and the value that works when they differ.
+Status check_kv_block_size(const M3Config& cfg, int64_t block_size);
+
+}  // namespace m3::model

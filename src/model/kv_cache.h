@@ -1,0 +1,37 @@
+// KvCache: the CPU storage of the paged KV cache for every layer. A page holds sparse_block_size
+// (128) tokens of K and V for all KV heads and, on sparse layers, the index-K of the same tokens,
+// so a selected MSA block is exactly one page and K/V/index-K pages move as one unit.
+// Who allocates pages is not decided here (sched/ in the server, a bump allocator in tests).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cpu/ops.h"
+#include "model/config.h"
+
+namespace m3::model {
+
+class KvCache {
+ public:
+  KvCache(const M3Config& cfg, int64_t num_pages);
+
+  int64_t num_pages() const { return num_pages_; }
+  int64_t page_size() const { return page_size_; }
+  kernels::cpu::KvPages layer(int64_t i);
+  // Bytes of one page across all layers (K + V + index-K).
+  static int64_t page_bytes(const M3Config& cfg);
+  int64_t total_bytes() const { return num_pages_ * bytes_per_page_; }
+
+ private:
+  struct LayerStore {
+    std::vector<float> k, v, ik;
+  };
+  const M3Config* cfg_;
+  int64_t num_pages_;
+  int64_t page_size_;
+  int64_t bytes_per_page_;
+  std::vector<LayerStore> layers_;
+};
+
+}  // namespace m3::model

@@ -1,0 +1,63 @@
+// M3Weights: views of every text-model tensor, taken from a Checkpoint with the checkpoint's own
+// names (m3-model.md §2). bf16/f32 tensors are used in place from the mapping; f16 is widened to
+// f32 and MXFP8 (F8_E4M3 + E8M0 `weight_scale_inv`, 1x32 blocks) is dequantised to bf16 (exact)
+// at load, into storage owned here. Vision tensors are never touched.
+// Invariant: after load_weights succeeds every view has the shape the config implies.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cpu/ops.h"
+#include "model/config.h"
+#include "model/safetensors.h"
+
+namespace m3::model {
+
+using kernels::cpu::MatRef;
+using kernels::cpu::VecRef;
+
+struct ExpertWeights {
+  MatRef w1;  // gate [inter, hidden]
+  MatRef w3;  // up   [inter, hidden]
+  MatRef w2;  // down [hidden, inter]
+};
+
+struct LayerWeights {
+  VecRef input_norm, post_attention_norm;  // [hidden]
+  MatRef q_proj, k_proj, v_proj, o_proj;   // [q,h] [kv,h] [kv,h] [h,q]
+  VecRef q_norm, k_norm;                   // [head_dim]
+  // MSA (sparse layers only)
+  MatRef index_q_proj, index_k_proj;  // [index_heads*index_dim, h], [index_dim, h]
+  VecRef index_q_norm, index_k_norm;  // [index_dim]
+  // dense MLP (dense layers only)
+  MatRef gate_proj, up_proj, down_proj;
+  // MoE (moe layers only)
+  MatRef router;               // [experts, hidden], f32 in M3 checkpoints
+  VecRef router_bias;          // [experts] f32 (n == 0 when use_routing_bias is false)
+  std::vector<ExpertWeights> experts;
+  bool has_shared_expert = false;
+  MatRef shared_gate, shared_up, shared_down;
+};
+
+struct M3Weights {
+  MatRef embed_tokens;  // [vocab, hidden]
+  VecRef final_norm;    // [hidden]
+  MatRef lm_head;       // [vocab, hidden]
+  std::vector<LayerWeights> layers;
+
+  std::shared_ptr<Checkpoint> checkpoint;         // keeps the mappings alive
+  std::vector<std::vector<uint16_t>> owned_u16;   // dequantised bf16 copies
+  std::vector<std::vector<float>> owned_f32;      // widened f16 copies
+  size_t bytes_in_place = 0;                      // weight bytes read from the mapping
+  size_t bytes_owned = 0;                         // weight bytes converted at load
+};
+
+// Loads and checks every text tensor the config implies. Errors name the tensor, what was found
+// and the expected shape and dtype.
+Result<std::unique_ptr<M3Weights>> load_weights(std::shared_ptr<Checkpoint> ckpt,
+                                                const M3Config& cfg);
+
+}  // namespace m3::model

@@ -1,0 +1,89 @@
+// BlockPool: the paged KV memory as ids — num_blocks pages of block_size tokens (K, V and the
+// index-K of every layer move together), ref counts, an LRU free queue and the prefix-cache map.
+// Called only by KVCacheManager (and tests). Invariants: free + in-use == num_blocks at all times;
+// a block is in the free queue iff its ref count is 0; the free queue is in eviction order (head =
+// evicted first, blocks freed last sit at the tail); hash -> block holds only blocks whose hash
+// field equals that key, and a block keeps its hash while free until it is reused.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "sched/block_hash.h"
+
+namespace m3::sched {
+
+class BlockPool {
+ public:
+  BlockPool(int num_blocks, int block_size, bool enable_prefix_caching);
+
+  int num_blocks() const { return num_blocks_; }
+  int block_size() const { return block_size_; }
+  bool prefix_caching_enabled() const { return enable_prefix_caching_; }
+  int num_free_blocks() const { return num_free_; }
+  // Fraction of pages held by requests, 0..1 (free cached pages count as free).
+  double usage() const;
+  // Number of blocks registered in the prefix-cache map (in use or free).
+  int num_cached_blocks() const { return static_cast<int>(cached_.size()); }
+
+  // The block holding the prefix that ends with this hash, if cached (it may be free).
+  std::optional<int32_t> get_cached_block(BlockHash hash) const;
+
+  // Pops n blocks from the head of the free queue with ref count 1; a popped block that still
+  // carries a cached hash loses it (eviction). The caller checks num_free_blocks() first.
+  std::vector<int32_t> get_new_blocks(int n);
+
+  // Takes one more reference on each block; a block at ref count 0 leaves the free queue (a
+  // prefix-cache hit on a free page).
+  void touch(std::span<const int32_t> block_ids);
+
+  // Drops one reference on each block, in the given order; blocks reaching 0 join the free queue
+  // tail in that order, so the first one given is evicted first.
+  void free_blocks(std::span<const int32_t> block_ids);
+
+  // Registers a full, computed, in-use block under its chain hash. If another block already holds
+  // this hash (two requests computed the same prefix at once) the map keeps the first one and this
+  // block stays unhashed. Returns whether the block was registered. No-op when caching is off.
+  bool cache_block(int32_t block_id, BlockHash hash);
+
+  // Drops every cached hash; only possible when no page is in use. Returns whether it was done.
+  bool reset_prefix_cache();
+
+  // Introspection for tests and metrics.
+  int ref_count(int32_t block_id) const;
+  std::optional<BlockHash> block_hash(int32_t block_id) const;
+  // Block ids in free-queue order (head first).
+  std::vector<int32_t> free_queue() const;
+  // Aborts (M3_CHECK) if any invariant in the header comment is broken. O(num_blocks).
+  void check_consistency() const;
+
+ private:
+  struct Block {
+    int32_t ref_cnt = 0;
+    bool has_hash = false;
+    BlockHash hash = 0;
+    // Intrusive doubly linked free queue, so a cache hit removes a block from the middle in O(1).
+    int32_t prev = -1;
+    int32_t next = -1;
+    bool in_free_queue = false;
+  };
+
+  void queue_remove(int32_t id);
+  void queue_push_back(int32_t id);
+  int32_t queue_pop_front();
+  void drop_hash(int32_t id);
+
+  int num_blocks_;
+  int block_size_;
+  bool enable_prefix_caching_;
+  std::vector<Block> blocks_;
+  int32_t head_ = -1;  // next block to evict / reuse
+  int32_t tail_ = -1;
+  int num_free_ = 0;
+  std::unordered_map<BlockHash, int32_t> cached_;
+};
+
+}  // namespace m3::sched

@@ -1,0 +1,123 @@
+#include "sched/kv_cache_manager.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+
+namespace m3::sched {
+
+namespace {
+const std::vector<int32_t> kNoBlocks;
+
+int ceil_div(int a, int b) {
+  return (a + b - 1) / b;
+}
+}  // namespace
+
+KVCacheManager::KVCacheManager(int num_blocks, int block_size, bool enable_prefix_caching)
+    : pool_(num_blocks, block_size, enable_prefix_caching) {}
+
+void KVCacheManager::update_block_hashes(Request& request, int num_full_blocks) const {
+  const int bs = pool_.block_size();
+  M3_CHECK(num_full_blocks * bs <= request.num_tokens(), "%d full blocks of %d tokens",
+           num_full_blocks, request.num_tokens());
+  std::vector<int32_t> tokens(bs);
+  for (int b = static_cast<int>(request.block_hashes.size()); b < num_full_blocks; ++b) {
+    for (int i = 0; i < bs; ++i) tokens[i] = request.token_at(b * bs + i);
+    const BlockHash parent = b == 0 ? kRootBlockHash : request.block_hashes[b - 1];
+    request.block_hashes.push_back(hash_block(parent, request.cache_salt, tokens));
+  }
+}
+
+ComputedBlocks KVCacheManager::get_computed_blocks(Request& request) {
+  ComputedBlocks hit;
+  if (!pool_.prefix_caching_enabled() || request.num_tokens() == 0) return hit;
+  // (num_tokens - 1) / bs full blocks at most: the last token always stays to be computed.
+  const int max_hit_blocks = (request.num_tokens() - 1) / pool_.block_size();
+  update_block_hashes(request, max_hit_blocks);
+  for (int b = 0; b < max_hit_blocks; ++b) {
+    auto id = pool_.get_cached_block(request.block_hashes[b]);
+    if (!id) break;  // the chain hash makes every later block a miss too
+    hit.block_ids.push_back(*id);
+  }
+  hit.num_computed_tokens = static_cast<int>(hit.block_ids.size()) * pool_.block_size();
+  return hit;
+}
+
+bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens,
+                                    const ComputedBlocks* computed) {
+  M3_CHECK(num_new_tokens >= 0, "num_new_tokens %d", num_new_tokens);
+  const int bs = pool_.block_size();
+  auto it = req_blocks_.find(request.request_id);
+  const int num_held = it == req_blocks_.end() ? 0 : static_cast<int>(it->second.size());
+  const int num_hit_blocks = computed ? static_cast<int>(computed->block_ids.size()) : 0;
+  const int num_hit_tokens = computed ? computed->num_computed_tokens : 0;
+  M3_CHECK(num_hit_blocks == 0 || num_held == 0, "request %llu: prefix hit while holding pages",
+           static_cast<unsigned long long>(request.request_id));
+  const int total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens;
+  M3_CHECK(total_tokens <= request.num_tokens(), "request %llu: %d slots for %d tokens",
+           static_cast<unsigned long long>(request.request_id), total_tokens, request.num_tokens());
+  const int num_new_blocks = std::max(0, ceil_div(total_tokens, bs) - num_held - num_hit_blocks);
+
+  // Hit pages at ref count 0 sit in the free queue; touching them takes them out of it, so they
+  // cannot also serve as new pages.
+  int num_hit_free = 0;
+  for (int i = 0; i < num_hit_blocks; ++i)
+    num_hit_free += pool_.ref_count(computed->block_ids[i]) == 0;
+  if (num_new_blocks > pool_.num_free_blocks() - num_hit_free) return false;
+
+  if (num_new_blocks == 0 && num_hit_blocks == 0 && it != req_blocks_.end()) return true;
+  std::vector<int32_t>& blocks =
+      it == req_blocks_.end() ? req_blocks_[request.request_id] : it->second;
+  if (num_hit_blocks > 0) {
+    pool_.touch(computed->block_ids);
+    blocks.insert(blocks.end(), computed->block_ids.begin(), computed->block_ids.end());
+    // Hit pages already carry their hashes.
+    num_cached_blocks_[request.request_id] = num_hit_blocks;
+  }
+  std::vector<int32_t> fresh = pool_.get_new_blocks(num_new_blocks);
+  blocks.insert(blocks.end(), fresh.begin(), fresh.end());
+  if (computed && pool_.prefix_caching_enabled()) {
+    prefix_cache_queries_ += request.num_tokens();
+    prefix_cache_hits_ += num_hit_tokens;
+  }
+  return true;
+}
+
+void KVCacheManager::cache_blocks(Request& request, int num_computed_tokens) {
+  if (!pool_.prefix_caching_enabled()) return;
+  auto it = req_blocks_.find(request.request_id);
+  if (it == req_blocks_.end()) return;
+  const int num_full = num_computed_tokens / pool_.block_size();
+  int& num_cached = num_cached_blocks_[request.request_id];
+  if (num_full <= num_cached) return;
+  M3_CHECK(num_full <= static_cast<int>(it->second.size()),
+           "request %llu: %d full blocks, %zu pages",
+           static_cast<unsigned long long>(request.request_id), num_full, it->second.size());
+  update_block_hashes(request, num_full);
+  for (int b = num_cached; b < num_full; ++b)
+    pool_.cache_block(it->second[b], request.block_hashes[b]);
+  num_cached = num_full;
+}
+
+void KVCacheManager::free(const Request& request) {
+  auto it = req_blocks_.find(request.request_id);
+  if (it == req_blocks_.end()) return;
+  std::vector<int32_t> reversed(it->second.rbegin(), it->second.rend());
+  pool_.free_blocks(reversed);
+  req_blocks_.erase(it);
+  num_cached_blocks_.erase(request.request_id);
+}
+
+const std::vector<int32_t>& KVCacheManager::block_ids(uint64_t request_id) const {
+  auto it = req_blocks_.find(request_id);
+  return it == req_blocks_.end() ? kNoBlocks : it->second;
+}
+
+int64_t KVCacheManager::num_held_references() const {
+  int64_t n = 0;
+  for (const auto& [id, blocks] : req_blocks_) n += static_cast<int64_t>(blocks.size());
+  return n;
+}
+
+}  // namespace m3::sched

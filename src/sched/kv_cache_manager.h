@@ -1,0 +1,72 @@
+// KVCacheManager: which KV pages each request holds, prefix-cache lookups and registration.
+// Called by Scheduler each step (lookup + allocate when admitting, allocate for running requests,
+// cache after the runner computed tokens, free on finish / abort / preemption).
+// Invariants: a request's block list covers exactly ceil(tokens allocated / block_size) pages in
+// position order; its first num_cached_blocks pages are registered in the prefix cache and were
+// computed; a prefix hit is full blocks only and never covers the last token of the request.
+#pragma once
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "sched/block_pool.h"
+#include "sched/request.h"
+
+namespace m3::sched {
+
+// A prefix-cache hit: pages to share, in position order, and the tokens they cover.
+struct ComputedBlocks {
+  std::vector<int32_t> block_ids;
+  int num_computed_tokens = 0;
+};
+
+class KVCacheManager {
+ public:
+  KVCacheManager(int num_blocks, int block_size, bool enable_prefix_caching);
+
+  // Longest cached prefix of the request's tokens in full blocks, capped so that at least the last
+  // token is recomputed (the model must run it to produce logits). Takes no reference; pass the
+  // result to allocate_slots in the same step. Grows request.block_hashes.
+  ComputedBlocks get_computed_blocks(Request& request);
+
+  // Makes room for num_new_tokens more tokens after request.num_computed_tokens (+ the hit, for a
+  // request being admitted). All or nothing: returns false and changes nothing when pages run out.
+  // Counts the hit in the prefix-cache counters when `computed` is given and allocation succeeds.
+  bool allocate_slots(Request& request, int num_new_tokens,
+                      const ComputedBlocks* computed = nullptr);
+
+  // Registers the request's full blocks of computed tokens (prompt and generated) in the prefix
+  // cache. Called after the runner computed them: num_computed_tokens is the request's new total.
+  void cache_blocks(Request& request, int num_computed_tokens);
+
+  // Returns the request's pages to the pool, last page first, so the tail is evicted first.
+  void free(const Request& request);
+
+  // The request's block table (empty when it holds none).
+  const std::vector<int32_t>& block_ids(uint64_t request_id) const;
+
+  // Total references held by requests (== sum of ref counts over the pool).
+  int64_t num_held_references() const;
+  int num_requests_holding_blocks() const { return static_cast<int>(req_blocks_.size()); }
+
+  const BlockPool& block_pool() const { return pool_; }
+  BlockPool& block_pool() { return pool_; }
+  int block_size() const { return pool_.block_size(); }
+  double usage() const { return pool_.usage(); }
+
+  // Prefix-cache counters (tokens): queried at admission, and hit. Only counted when caching is on.
+  int64_t prefix_cache_queries() const { return prefix_cache_queries_; }
+  int64_t prefix_cache_hits() const { return prefix_cache_hits_; }
+
+ private:
+  void update_block_hashes(Request& request, int num_full_blocks) const;
+
+  BlockPool pool_;
+  std::unordered_map<uint64_t, std::vector<int32_t>> req_blocks_;
+  std::unordered_map<uint64_t, int> num_cached_blocks_;
+  int64_t prefix_cache_queries_ = 0;
+  int64_t prefix_cache_hits_ = 0;
+};
+
+}  // namespace m3::sched

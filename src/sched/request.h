@@ -1,0 +1,67 @@
+// Request: one generation as the scheduler sees it — token ids, progress, stop rules, status.
+// Created by the engine, handed to Scheduler::add_request, which owns it from then on; the
+// KVCacheManager keeps its block hashes. The engine reads results only through RequestUpdate.
+// Invariant: 0 <= num_computed_tokens <= num_tokens(); a waiting or preempted request has
+// num_computed_tokens == 0 and holds no KV pages; block_hashes covers only full blocks of tokens.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "sched/block_hash.h"
+
+namespace m3::sched {
+
+enum class RequestStatus {
+  kWaiting,
+  kRunning,
+  kPreempted,        // pages freed, waiting to be recomputed (prompt + outputs so far)
+  kFinishedStopped,  // an eos or stop token id was sampled
+  kFinishedLength,   // max_tokens, max_model_len, or longer than the KV pool can ever hold
+  kFinishedAborted,  // Scheduler::abort_request
+};
+
+bool is_finished(RequestStatus status);
+
+enum class FinishReason { kNone, kStop, kLength, kAbort };
+
+// "stop", "length", "abort" (OpenAI finish_reason spelling; kNone -> "").
+const char* finish_reason_name(FinishReason reason);
+
+struct StopCriteria {
+  int max_tokens = 16;  // output tokens; the request finishes with length at this count
+  int min_tokens = 0;   // eos / stop ids do not stop before this many output tokens
+  std::vector<int32_t> eos_token_ids;   // ignored when ignore_eos
+  std::vector<int32_t> stop_token_ids;  // always honoured (after min_tokens)
+  bool ignore_eos = false;
+};
+
+struct Request {
+  Request(uint64_t id, std::vector<int32_t> prompt, StopCriteria stop_criteria,
+          int priority_value = 0, uint64_t cache_salt_value = 0);
+
+  int num_prompt_tokens() const { return static_cast<int>(prompt_token_ids.size()); }
+  int num_output_tokens() const { return static_cast<int>(output_token_ids.size()); }
+  int num_tokens() const { return num_prompt_tokens() + num_output_tokens(); }
+  // Token at absolute position idx of prompt ++ output (what a resumed request recomputes).
+  int32_t token_at(int idx) const;
+
+  uint64_t request_id;
+  std::vector<int32_t> prompt_token_ids;
+  std::vector<int32_t> output_token_ids;  // every sampled token, including a final eos / stop id
+  StopCriteria stop;
+  int priority = 0;  // lower value is served first under Policy::kPriority
+  uint64_t cache_salt =
+      0;  // mixed into every block hash: requests with different salts never share pages
+  uint64_t arrival_seq = 0;  // set by Scheduler::add_request; ties and FCFS order use it
+
+  RequestStatus status = RequestStatus::kWaiting;
+  int num_computed_tokens = 0;  // tokens whose KV is in this request's pages
+  int num_cached_tokens = -1;   // prefix-cache hit at first scheduling; -1 until then
+  int num_preemptions = 0;
+  std::optional<int32_t> stop_token_id;  // the stop_token_ids entry that finished it (not eos)
+  std::vector<BlockHash> block_hashes;   // hash chain of full blocks, grown by KVCacheManager
+};
+
+}  // namespace m3::sched

@@ -1,0 +1,108 @@
+// Scheduler: continuous batching under one invariant (design.md §1): every step each scheduled
+// request gets num_new_tokens = min(num_tokens - num_computed_tokens, budget left), running
+// requests first, then waiting ones in policy order. Chunked prefill, decode, prefix hits and
+// preemption by recompute all follow from that. Driven by the engine thread only (not thread
+// safe): schedule() -> runner -> update_from_output(), once per step, every step.
+// Invariants: total tokens per step <= max_num_batched_tokens; running <= max_num_seqs; only
+// running requests hold pages; every added request eventually gets exactly one finished update.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "core/error.h"
+#include "sched/kv_cache_manager.h"
+#include "sched/request.h"
+#include "sched/scheduler_output.h"
+
+namespace m3::sched {
+
+enum class Policy {
+  kFcfs,      // arrival order
+  kPriority,  // lower Request::priority first, then arrival order
+};
+
+struct SchedulerConfig {
+  int max_num_seqs = 256;
+  int max_num_batched_tokens = 8192;
+  int max_model_len = 8192;
+  int block_size = 128;
+  int num_blocks = 0;
+  bool enable_prefix_caching = true;
+  bool enable_chunked_prefill = true;
+  Policy policy = Policy::kFcfs;
+
+  // Checks the values a user can set by flag; the message names the flag and the fix.
+  Status validate() const;
+};
+
+struct SchedulerStats {
+  int num_running = 0;
+  int num_waiting = 0;
+  int num_free_blocks = 0;
+  double kv_cache_usage = 0.0;       // 0..1
+  int64_t prefix_cache_queries = 0;  // tokens looked up at admission
+  int64_t prefix_cache_hits = 0;     // tokens found
+  int64_t num_preemptions = 0;       // total since start
+  int64_t num_steps = 0;             // schedule() calls
+};
+
+class Scheduler {
+ public:
+  // config must pass validate() (M3_CHECK); the engine validates flags first.
+  explicit Scheduler(const SchedulerConfig& config);
+
+  // Queues a request (status waiting). Fails when the id is already in use.
+  Status add_request(std::unique_ptr<Request> request);
+  // Frees its pages now; it is reported finished with abort in the next update_from_output.
+  // Unknown or already finished ids are a no-op.
+  void abort_request(uint64_t request_id);
+
+  SchedulerOutput schedule();
+  // Must follow every schedule() with that step's output (also an empty one: pending abort and
+  // length updates are delivered here). Returns updates for requests that sampled or finished.
+  std::vector<RequestUpdate> update_from_output(const SchedulerOutput& scheduler_output,
+                                                const RunnerOutput& runner_output);
+
+  bool has_unfinished() const;
+  int num_running() const { return static_cast<int>(running_.size()); }
+  int num_waiting() const { return static_cast<int>(waiting_.size()); }
+  SchedulerStats stats() const;
+
+  const SchedulerConfig& config() const { return config_; }
+  // Requests still owned (waiting, running, or finished but not yet reported); nullptr otherwise.
+  const Request* find_request(uint64_t request_id) const;
+  std::vector<uint64_t> running_ids() const;
+  std::vector<uint64_t> waiting_ids() const;  // in the order they will be admitted
+  const KVCacheManager& kv_cache_manager() const { return kv_; }
+  // Drops all cached prefixes; only when no request holds pages. Returns whether it was done.
+  bool reset_prefix_cache() { return kv_.block_pool().reset_prefix_cache(); }
+
+ private:
+  // True when a goes before b in the waiting order / is kept over b when preempting.
+  bool goes_before(const Request& a, const Request& b) const;
+  void insert_waiting(Request* request, bool front);
+  void remove_waiting(Request* request);
+  void preempt(Request* request);
+  // Finishes a request that is not running (or already removed from running) and queues its update.
+  void finish(Request* request, RequestStatus status, FinishReason reason);
+  // Checks stop rules after appending one sampled token; returns the reason it finished, if any.
+  FinishReason check_stop(Request& request, int32_t token) const;
+  RequestUpdate make_update(const Request& request) const;
+
+  SchedulerConfig config_;
+  KVCacheManager kv_;
+  std::unordered_map<uint64_t, std::unique_ptr<Request>> requests_;
+  std::vector<Request*> running_;               // in admission order
+  std::deque<Request*> waiting_;                // admission order (policy order for kPriority)
+  std::vector<RequestUpdate> pending_updates_;  // finished outside a step (abort, too long)
+  std::vector<uint64_t> finished_since_schedule_;
+  uint64_t next_arrival_seq_ = 0;
+  int64_t num_preemptions_ = 0;
+  int64_t num_steps_ = 0;
+};
+
+}  // namespace m3::sched

@@ -1,0 +1,56 @@
+// The plain data that crosses the scheduler <-> model runner seam each step (design.md
+// "Plain-data seams"): SchedulerOutput (what to compute), RunnerOutput (what was sampled) and
+// RequestUpdate (what the engine forwards to the request's stream). Built by Scheduler, read by
+// the engine. Invariant: ScheduledRequest covers positions [start_idx, start_idx +
+// token_ids.size()) of the request, and its block_ids cover every position up to the end of that
+// range.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "sched/request.h"
+
+namespace m3::sched {
+
+struct ScheduledRequest {
+  uint64_t request_id = 0;
+  std::vector<int32_t> token_ids;  // tokens to compute this step, positions start_idx...
+  int start_idx = 0;               // == the request's num_computed_tokens before this step
+  std::vector<int32_t> block_ids;  // the whole block table: page i holds positions [i*bs, (i+1)*bs)
+  bool will_sample = false;        // this step reaches the last known token: sample one after it
+  bool from_waiting = false;  // new or resumed after preemption this step (runner resets state)
+  int num_new_tokens() const { return static_cast<int>(token_ids.size()); }
+};
+
+struct SchedulerOutput {
+  std::vector<ScheduledRequest> requests;  // running requests first, then admitted ones
+  int total_num_tokens = 0;                // sum of num_new_tokens, <= max_num_batched_tokens
+  std::vector<uint64_t> preempted_ids;     // preempted this step: pages freed, state to drop
+  std::vector<uint64_t> finished_ids;      // finished (any reason) since the previous schedule()
+  bool empty() const { return requests.empty(); }
+};
+
+struct SampledTokens {
+  uint64_t request_id = 0;
+  std::vector<int32_t> token_ids;  // usually one; more with speculative decoding
+};
+
+struct RunnerOutput {
+  std::vector<SampledTokens> sampled;  // one entry per ScheduledRequest with will_sample
+};
+
+struct RequestUpdate {
+  uint64_t request_id = 0;
+  std::vector<int32_t> new_token_ids;  // appended this step (a final eos / stop id included)
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::kNone;
+  std::optional<int32_t> stop_token_id;  // the stop_token_ids entry matched (not set for eos)
+  int num_prompt_tokens = 0;
+  int num_output_tokens = 0;
+  int num_cached_tokens = 0;  // prefix-cache hit at first scheduling (usage details)
+  int num_preemptions = 0;
+};
+
+}  // namespace m3::sched

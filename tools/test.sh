@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test command: builds, then runs every CPU test (unit, model goldens, end to end).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build/release}
+bash tools/build.sh "$BUILD"
+ctest --test-dir "$BUILD" -L cpu --output-on-failure -j "${M3_TEST_JOBS:-2}" --timeout 900
