@@ -15,6 +15,7 @@ namespace m3::app {
 // Registers the subcommand and returns the function that runs it (returns the exit code).
 using RunFn = std::function<int()>;
 RunFn register_generate(CLI::App& app);
+RunFn register_serve(CLI::App& app);
 
 // Prints "m3serve: error: <message>" to stderr and returns 1 (or `code`).
 int fail(const std::string& message, int code = 1);

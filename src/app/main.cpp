@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("m3serve ") + M3_VERSION);
   std::map<std::string, m3::app::RunFn> runs;
   runs["generate"] = m3::app::register_generate(app);
+  runs["serve"] = m3::app::register_serve(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,308 @@
+// `m3serve serve [MODEL_DIR]`: the OpenAI-compatible server (vLLM's flag names). Loads the model
+// into an Engine, the tokenizer / chat template / generation defaults into the server, binds,
+// prints one start-up line, and serves until SIGTERM/SIGINT, which drains: new requests get 503,
+// running ones finish, then the process exits. A second signal exits at once.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "app/commands.h"
+#include "core/log.h"
+#include "engine/engine.h"
+#include "server/http_server.h"
+
+namespace m3::app {
+
+namespace {
+
+struct ServeArgs {
+  std::string model_dir;
+  std::string model_flag;
+  std::string host = "0.0.0.0";
+  int port = 8000;
+  std::vector<std::string> served_model_names;
+  int max_model_len = 0;
+  int max_num_seqs = 64;
+  int max_num_batched_tokens = 2048;
+  int block_size = 128;
+  bool enable_prefix_caching = true;
+  bool no_enable_prefix_caching = false;
+  std::string api_key;
+  std::string tool_call_parser = "minimax_m3";
+  std::string reasoning_parser = "minimax_m3";
+  bool enable_auto_tool_choice = false;
+  std::string chat_template;
+  std::string default_chat_template_kwargs;
+  std::string generation_config = "auto";
+  int max_queue_len = 1024;
+  bool language_model_only = false;
+  std::string kv_cache_memory_bytes;
+  std::string scheduling_policy = "fcfs";
+  std::string log_level = "info";
+  int http_threads = 0;
+};
+
+Result<int64_t> parse_bytes(const std::string& s) {
+  if (s.empty()) return int64_t{0};
+  size_t pos = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &pos);
+  } catch (...) {
+    return make_error(ErrorCode::kInvalidArgument, "--kv-cache-memory-bytes '" + s + "' is not a size like 4294967296 or 4GiB",
+                      "--kv-cache-memory-bytes");
+  }
+  std::string unit = s.substr(pos);
+  double mul = 1;
+  if (unit.empty() || unit == "B") mul = 1;
+  else if (unit == "K" || unit == "KB") mul = 1e3;
+  else if (unit == "M" || unit == "MB") mul = 1e6;
+  else if (unit == "G" || unit == "GB") mul = 1e9;
+  else if (unit == "KiB" || unit == "k") mul = 1024.0;
+  else if (unit == "MiB" || unit == "m") mul = 1024.0 * 1024;
+  else if (unit == "GiB" || unit == "g") mul = 1024.0 * 1024 * 1024;
+  else {
+    return make_error(ErrorCode::kInvalidArgument, "--kv-cache-memory-bytes unit '" + unit + "' is unknown; use B, KiB, MiB, GiB (or K, M, G)",
+                      "--kv-cache-memory-bytes");
+  }
+  if (v <= 0) return make_error(ErrorCode::kInvalidArgument, "--kv-cache-memory-bytes must be positive", "--kv-cache-memory-bytes");
+  return static_cast<int64_t>(v * mul);
+}
+
+// <repo>/models/demo, found from $M3SERVE_MODELS_DIR or next to / above the executable.
+std::string find_demo_model() {
+  namespace fs = std::filesystem;
+  if (const char* env = std::getenv("M3SERVE_MODELS_DIR")) {
+    fs::path p = fs::path(env) / "demo";
+    if (fs::exists(p / "config.json")) return p.string();
+  }
+  std::error_code ec;
+  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return {};
+  fs::path dir = exe.parent_path();
+  for (int up = 0; up < 5 && !dir.empty(); ++up) {
+    fs::path p = dir / "models" / "demo";
+    if (fs::exists(p / "config.json")) return p.string();
+    dir = dir.parent_path();
+  }
+  return {};
+}
+
+// Prints an updating "loading" line on a terminal while the model loads.
+class LoadProgress {
+ public:
+  explicit LoadProgress(std::string what) : what_(std::move(what)), tty_(isatty(2) != 0) {
+    if (!tty_) {
+      std::fprintf(stderr, "m3serve: loading %s ...\n", what_.c_str());
+      return;
+    }
+    thread_ = std::thread([this] {
+      const auto t0 = std::chrono::steady_clock::now();
+      static const char kSpin[] = "|/-\\";
+      int i = 0;
+      while (!done_) {
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::fprintf(stderr, "\r\033[Km3serve: loading %s %c %.1fs", what_.c_str(), kSpin[i++ % 4], s);
+        std::fflush(stderr);
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      }
+      std::fprintf(stderr, "\r\033[K");
+      std::fflush(stderr);
+    });
+  }
+  ~LoadProgress() { stop(); }
+  void stop() {
+    done_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::string what_;
+  bool tty_;
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
+int run_serve(ServeArgs a) {
+  if (!a.model_flag.empty()) {
+    if (!a.model_dir.empty() && a.model_dir != a.model_flag) return fail("give the model directory once (positional or --model)");
+    a.model_dir = a.model_flag;
+  }
+  if (a.model_dir.empty()) {
+    a.model_dir = find_demo_model();
+    if (a.model_dir.empty()) {
+      return fail("no MODEL_DIR given and no demo model found (looked in $M3SERVE_MODELS_DIR/demo and "
+                  "models/demo above the executable); run `m3serve serve /path/to/model`");
+    }
+    if (a.served_model_names.empty()) a.served_model_names.push_back("demo");
+  }
+  if (!std::filesystem::exists(std::filesystem::path(a.model_dir) / "config.json")) {
+    return fail("model directory '" + a.model_dir + "' has no config.json");
+  }
+  if (a.log_level == "debug") set_log_level(LogLevel::kDebug);
+  else if (a.log_level == "info") set_log_level(LogLevel::kInfo);
+  else if (a.log_level == "warning" || a.log_level == "warn") set_log_level(LogLevel::kWarn);
+  else if (a.log_level == "error" || a.log_level == "critical") set_log_level(LogLevel::kError);
+  else if (a.log_level != "trace") return fail("--log-level must be debug, info, warning, error or critical");
+  if (a.tool_call_parser != "minimax_m3" && a.tool_call_parser != "none") {
+    return fail("--tool-call-parser '" + a.tool_call_parser + "' is not supported; this server speaks the MiniMax-M3 format: use minimax_m3");
+  }
+  if (a.reasoning_parser != "minimax_m3" && a.reasoning_parser != "none" && !a.reasoning_parser.empty()) {
+    return fail("--reasoning-parser '" + a.reasoning_parser + "' is not supported; use minimax_m3 (or none)");
+  }
+  if (a.scheduling_policy != "fcfs" && a.scheduling_policy != "priority") {
+    return fail("--scheduling-policy must be fcfs or priority");
+  }
+  if (a.block_size != 128) {
+    return fail("--block-size " + std::to_string(a.block_size) +
+                " is refused: MiniMax-M3's sparse attention scores 128-token blocks and a KV page must be one "
+                "such block; use --block-size 128");
+  }
+  if (a.max_num_seqs < 1) return fail("--max-num-seqs must be at least 1");
+  if (a.max_queue_len < 1) return fail("--max-queue-len must be at least 1");
+  if (a.port < 0 || a.port > 65535) return fail("--port must be in 0..65535");
+  auto kv_bytes = parse_bytes(a.kv_cache_memory_bytes);
+  if (!kv_bytes) return fail(kv_bytes.error().message);
+  server::OrderedJson default_kwargs = server::OrderedJson::object();
+  if (!a.default_chat_template_kwargs.empty()) {
+    default_kwargs = server::OrderedJson::parse(a.default_chat_template_kwargs, nullptr, false);
+    if (default_kwargs.is_discarded() || !default_kwargs.is_object()) {
+      return fail("--default-chat-template-kwargs must be a JSON object, e.g. '{\"thinking_mode\": \"disabled\"}'");
+    }
+  }
+  if (a.api_key.empty()) {
+    if (const char* k = std::getenv("M3SERVE_API_KEY")) a.api_key = k;
+    else if (const char* k2 = std::getenv("VLLM_API_KEY")) a.api_key = k2;
+  }
+  if (a.served_model_names.empty()) a.served_model_names.push_back(a.model_dir);
+
+  // Signals are taken by one thread (sigwait); every thread started below inherits the mask.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  signal(SIGPIPE, SIG_IGN);  // a client that went away must not kill the server
+
+  auto assets = server::load_server_assets(a.model_dir, a.chat_template, default_kwargs, a.generation_config);
+  if (!assets) return fail(assets.error().message);
+
+  engine::EngineConfig ec;
+  ec.model_dir = a.model_dir;
+  ec.max_num_seqs = a.max_num_seqs;
+  ec.max_num_batched_tokens = a.max_num_batched_tokens;
+  ec.max_model_len = a.max_model_len;
+  ec.block_size = a.block_size;
+  ec.kv_cache_memory_bytes = *kv_bytes;
+  ec.enable_prefix_caching = a.enable_prefix_caching && !a.no_enable_prefix_caching;
+  ec.priority_scheduling = a.scheduling_policy == "priority";
+  ec.max_queue_len = a.max_queue_len;
+  std::unique_ptr<engine::Engine> eng;
+  {
+    LoadProgress progress(a.model_dir);
+    auto e = engine::Engine::create(ec);
+    progress.stop();
+    if (!e) return fail(e.error().message);
+    eng = std::move(*e);
+  }
+
+  server::ServerConfig sc;
+  sc.host = a.host;
+  sc.port = a.port;
+  sc.served_model_names = a.served_model_names;
+  sc.api_key = a.api_key;
+  sc.parse_reasoning = a.reasoning_parser == "minimax_m3";
+  sc.parse_tool_calls = a.tool_call_parser == "minimax_m3";
+  // Auto tool choice is on by default (the only parser is M3's); the vLLM flag is accepted.
+  sc.enable_auto_tool_choice = true;
+  sc.version = M3_VERSION;
+  sc.num_http_threads = a.http_threads;
+  sc.max_num_seqs = a.max_num_seqs;
+  auto http = std::make_unique<server::HttpServer>(*eng, std::move(*assets), sc);
+  if (auto st = http->bind(); !st) {
+    eng->shutdown(false);
+    return fail(st.error().message);
+  }
+  const auto& info = eng->model_info();
+  std::printf("m3serve %s: serving %s as '%s' (%s) | KV cache: %lld tokens (%lld pages of %d) | max-model-len %d | "
+              "prefix caching %s | listening on http://%s:%d\n",
+              M3_VERSION, a.model_dir.c_str(), a.served_model_names[0].c_str(), info.summary.c_str(),
+              static_cast<long long>(info.kv_tokens), static_cast<long long>(info.num_kv_blocks), info.block_size,
+              info.max_model_len, ec.enable_prefix_caching ? "on" : "off", a.host.c_str(), http->bound_port());
+  std::fflush(stdout);
+
+  std::thread signals([&http, sigs] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    std::fprintf(stderr, "m3serve: %s received: draining (new requests get 503; send it again to exit now)\n",
+                 sig == SIGTERM ? "SIGTERM" : "SIGINT");
+    std::thread second([sigs] {
+      int s2 = 0;
+      sigwait(&sigs, &s2);
+      std::fprintf(stderr, "m3serve: second signal: exiting now\n");
+      std::_Exit(130);
+    });
+    second.detach();
+    http->drain_and_stop();
+  });
+  auto st = http->run();
+  if (!http->draining()) {
+    // The listener failed on its own: wake the signal thread so it can be joined.
+    kill(getpid(), SIGTERM);
+  }
+  signals.join();
+  eng->shutdown(/*drain=*/true);
+  if (!st) return fail(st.error().message);
+  std::fprintf(stderr, "m3serve: drained, exiting\n");
+  return 0;
+}
+
+}  // namespace
+
+RunFn register_serve(CLI::App& app) {
+  auto a = std::make_shared<ServeArgs>();
+  CLI::App* sub = app.add_subcommand("serve", "Serve a model over an OpenAI-compatible HTTP API");
+  sub->add_option("model_dir", a->model_dir, "Model directory (default: the embedded demo model)");
+  sub->add_option("--model", a->model_flag, "Model directory (same as the positional argument)");
+  sub->add_option("--host", a->host, "Address to listen on")->capture_default_str();
+  sub->add_option("--port", a->port, "TCP port (0: pick a free one)")->capture_default_str();
+  sub->add_option("--served-model-name", a->served_model_names, "Model name(s) clients use (default: MODEL_DIR)");
+  sub->add_option("--max-model-len", a->max_model_len, "Max tokens per sequence (prompt + output); 0: from the model and KV pool");
+  sub->add_option("--max-num-seqs", a->max_num_seqs, "Max sequences per engine step")->capture_default_str();
+  sub->add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "Token budget per engine step")->capture_default_str();
+  sub->add_option("--block-size", a->block_size, "KV page size in tokens (must be 128 for MiniMax-M3)")->capture_default_str();
+  sub->add_flag("--enable-prefix-caching", a->enable_prefix_caching, "Reuse KV pages of shared prompt prefixes (default)");
+  sub->add_flag("--no-enable-prefix-caching", a->no_enable_prefix_caching, "Turn prefix caching off");
+  sub->add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' on /v1 (also $M3SERVE_API_KEY, $VLLM_API_KEY)");
+  sub->add_option("--tool-call-parser", a->tool_call_parser, "minimax_m3 (default) or none")->capture_default_str();
+  sub->add_option("--reasoning-parser", a->reasoning_parser, "minimax_m3 (default) or none")->capture_default_str();
+  sub->add_flag("--enable-auto-tool-choice", a->enable_auto_tool_choice, "Accepted for vLLM compatibility (always on)");
+  sub->add_option("--chat-template", a->chat_template, "Jinja chat template file (default: the model's)");
+  sub->add_option("--default-chat-template-kwargs", a->default_chat_template_kwargs,
+                  "JSON object of chat template kwargs applied to every request, e.g. '{\"thinking_mode\":\"disabled\"}'");
+  sub->add_option("--generation-config", a->generation_config,
+                  "Sampling defaults: auto (the model's generation_config.json), vllm (none), or a directory")
+      ->capture_default_str();
+  sub->add_option("--max-queue-len", a->max_queue_len, "Waiting requests beyond this get HTTP 429")->capture_default_str();
+  sub->add_flag("--language-model-only", a->language_model_only, "Accepted: this server runs the text model only");
+  sub->add_option("--kv-cache-memory-bytes", a->kv_cache_memory_bytes, "KV cache size (bytes, or with KiB/MiB/GiB)");
+  sub->add_option("--scheduling-policy", a->scheduling_policy, "fcfs or priority")->capture_default_str();
+  sub->add_option("--log-level,--uvicorn-log-level", a->log_level, "debug, info, warning, error")->capture_default_str();
+  sub->add_option("--http-threads", a->http_threads, "HTTP worker threads (0: from --max-num-seqs)");
+  return [a] { return run_serve(*a); };
+}
+
+}  // namespace m3::app

@@ -1,0 +1,103 @@
+// ChoiceOutput: turns one choice's engine outputs (token ids) into what the client sees:
+// incremental detokenization, stop strings, and for chat the reasoning + tool-call parsers.
+// Called by HttpServer's request loop on the HTTP worker thread, one per choice; not thread-safe.
+// Invariant: the concatenated deltas equal the whole-output fields (text, reasoning, tool calls);
+// a stop string or a stop token never reaches the client; once finished() nothing more is added.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "server/stop_matcher.h"
+#include "text/chat_output_parser.h"
+#include "text/detokenizer.h"
+#include "text/tokenizer.h"
+
+namespace m3::server {
+
+struct ChoiceOptions {
+  std::shared_ptr<const text::Tokenizer> tokenizer;
+  bool skip_special_tokens = true;
+  std::vector<std::string> stop;
+  bool include_stop_str = false;
+  std::vector<int32_t> eos_token_ids;  // a trailing one that ended the output is not shown
+  // Chat output parsing (reasoning and/or tool calls); nullopt: plain text (completions).
+  std::optional<text::ChatOutputOptions> chat;
+};
+
+// One token's logprob entry with the token texts the API shows.
+struct TokenLogprob {
+  int32_t token = 0;
+  std::string text;
+  float logprob = 0.f;
+  std::vector<std::pair<std::string, float>> top;  // best first
+};
+
+struct ChoiceDelta {
+  std::string text;  // completions text, or chat content
+  std::string reasoning;
+  std::vector<text::ToolCallDelta> tool_calls;
+  std::vector<TokenLogprob> logprobs;
+  bool empty() const { return text.empty() && reasoning.empty() && tool_calls.empty() && logprobs.empty(); }
+};
+
+class ChoiceOutput {
+ public:
+  explicit ChoiceOutput(ChoiceOptions options);
+
+  // Processes one engine output (ignored once finished()).
+  ChoiceDelta add(const engine::RequestOutput& out);
+
+  // The engine finished it, or a stop string matched (then the caller aborts the engine request).
+  bool finished() const { return finished_; }
+  bool stop_string_hit() const { return stop_.stopped(); }
+  // "stop" | "length" | "tool_calls" | "abort" | "error" (valid once finished()).
+  std::string finish_reason() const;
+  const std::string& error() const { return error_; }
+
+  int num_prompt_tokens() const { return num_prompt_tokens_; }
+  int num_cached_tokens() const { return num_cached_tokens_; }
+  int num_output_tokens() const { return num_output_tokens_; }
+  int64_t num_reasoning_tokens() const;
+  const std::vector<int32_t>& output_token_ids() const { return output_ids_; }
+
+  // Whole output so far (the sum of the deltas).
+  const std::string& text() const { return result_.content; }
+  const std::string& reasoning() const { return result_.reasoning; }
+  const std::vector<text::ToolCall>& tool_calls() const { return result_.tool_calls; }
+  const std::vector<TokenLogprob>& logprobs() const { return logprobs_; }
+  // From the first output when prompt logprobs were asked for.
+  const std::optional<std::vector<std::optional<engine::TokenLogprobOut>>>& prompt_logprobs() const {
+    return prompt_logprobs_;
+  }
+
+  // Text for one token as the logprobs fields show it.
+  static std::string token_text(const text::Tokenizer& tok, int32_t id);
+
+ private:
+  void route(std::string_view text, ChoiceDelta& delta);
+  void finish_text(ChoiceDelta& delta);
+  bool is_marker(int32_t id) const;
+
+  ChoiceOptions opt_;
+  text::IncrementalDetokenizer detok_;
+  StopMatcher stop_;
+  std::optional<text::ChatOutputParser> parser_;
+  std::vector<int32_t> marker_ids_;  // parser markers, always rendered as text for the parsers
+  text::ChatOutputResult result_;
+  std::vector<TokenLogprob> logprobs_;
+  std::optional<std::vector<std::optional<engine::TokenLogprobOut>>> prompt_logprobs_;
+  std::vector<int32_t> output_ids_;
+  bool finished_ = false;
+  std::string engine_reason_;
+  std::string error_;
+  int num_prompt_tokens_ = 0;
+  int num_cached_tokens_ = 0;
+  int num_output_tokens_ = 0;
+};
+
+}  // namespace m3::server

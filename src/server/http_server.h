@@ -1,0 +1,72 @@
+// HttpServer: the OpenAI-compatible HTTP front end (cpp-httplib) over one Engine:
+// /v1/chat/completions, /v1/completions (JSON and SSE), /v1/models, /tokenize, /detokenize,
+// /health, /version, /metrics. Called by `m3serve serve` (app/cmd_serve.cpp).
+// Threads (design.md §1): each HTTP worker parses, renders, tokenizes, submits, then reads its
+// RequestStreams and writes the response; the engine thread never waits on a socket.
+// Invariant: every request submitted to the engine is finished or aborted before its handler
+// returns, including when the client disconnects mid-stream.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "engine/engine.h"
+#include "server/chat_prompt.h"
+#include "server/openai_request.h"
+#include "text/tokenizer.h"
+
+namespace m3::server {
+
+struct ServerConfig {
+  std::string host = "0.0.0.0";
+  int port = 8000;
+  std::vector<std::string> served_model_names;  // [0] is reported in responses
+  std::string api_key;                           // empty: no auth
+  bool parse_reasoning = true;                   // --reasoning-parser minimax_m3
+  bool parse_tool_calls = true;                  // --tool-call-parser minimax_m3
+  bool enable_auto_tool_choice = true;
+  std::string version = "0.0.0";
+  int num_http_threads = 0;  // 0: from max_num_seqs
+  int max_num_seqs = 64;
+};
+
+// What the server reads from the model directory besides the weights.
+struct ServerAssets {
+  std::shared_ptr<const text::Tokenizer> tokenizer;
+  std::shared_ptr<const ChatPrompt> chat;
+  GenerationDefaults defaults;
+};
+
+// tokenizer.json, the chat template and generation_config.json from `model_dir`.
+// `generation_config`: "auto"/"" (the model dir), "vllm" (none: OpenAI defaults), or a directory.
+Result<ServerAssets> load_server_assets(const std::string& model_dir, const std::string& chat_template_path,
+                                        const OrderedJson& default_chat_template_kwargs,
+                                        const std::string& generation_config);
+
+class HttpServerImpl;
+
+class HttpServer {
+ public:
+  HttpServer(engine::Engine& engine, ServerAssets assets, ServerConfig config);
+  ~HttpServer();
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Binds host:port (port 0 picks a free one). Errors name --host / --port.
+  Status bind();
+  int bound_port() const;
+  // Serves until stop(); blocks the calling thread.
+  Status run();
+  // Stops accepting generation requests (503), waits for the ones in flight, stops listening.
+  void drain_and_stop();
+  bool draining() const;
+
+ private:
+  std::unique_ptr<HttpServerImpl> impl_;
+};
+
+}  // namespace m3::server

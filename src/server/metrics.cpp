@@ -1,0 +1,116 @@
+#include "server/metrics.h"
+
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+#include <vector>
+
+namespace m3::server {
+
+namespace {
+
+std::string num(double v) {
+  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
+  if (std::isnan(v)) return "NaN";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  return buf;
+}
+
+std::string escape_label(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+class Writer {
+ public:
+  explicit Writer(std::string model) : labels_("model_name=\"" + escape_label(model) + "\"") {}
+
+  void scalar(const std::string& name, const char* type, const char* help, double value,
+              const std::string& extra_labels = "") {
+    for (const char* prefix : {"vllm:", "m3:"}) {
+      const std::string full = prefix + name;
+      header(full, type, help);
+      os_ << full << "{" << labels_ << extra_labels << "} " << num(value) << "\n";
+    }
+  }
+
+  // Several label values of one counter family.
+  void family(const std::string& name, const char* type, const char* help,
+              const std::vector<std::pair<std::string, double>>& labelled) {
+    for (const char* prefix : {"vllm:", "m3:"}) {
+      const std::string full = prefix + name;
+      header(full, type, help);
+      for (const auto& [lab, v] : labelled) os_ << full << "{" << labels_ << "," << lab << "} " << num(v) << "\n";
+    }
+  }
+
+  void histogram(const std::string& name, const char* help, const engine::Histogram& h) {
+    for (const char* prefix : {"vllm:", "m3:"}) {
+      const std::string full = prefix + name;
+      header(full, "histogram", help);
+      uint64_t cum = 0;
+      for (size_t i = 0; i < h.bounds.size(); ++i) {
+        cum += i < h.counts.size() ? h.counts[i] : 0;
+        os_ << full << "_bucket{" << labels_ << ",le=\"" << num(h.bounds[i]) << "\"} " << cum << "\n";
+      }
+      // The +Inf bucket must equal _count even if the per-bucket vector is short.
+      os_ << full << "_bucket{" << labels_ << ",le=\"+Inf\"} " << h.count << "\n";
+      os_ << full << "_sum{" << labels_ << "} " << num(h.sum) << "\n";
+      os_ << full << "_count{" << labels_ << "} " << h.count << "\n";
+    }
+  }
+
+  std::string str() const { return os_.str(); }
+
+ private:
+  void header(const std::string& full, const char* type, const char* help) {
+    os_ << "# HELP " << full << " " << help << "\n# TYPE " << full << " " << type << "\n";
+  }
+  std::string labels_;
+  std::ostringstream os_;
+};
+
+}  // namespace
+
+std::string format_metrics(const engine::EngineStats& s, const std::string& model_name,
+                           const ServerGauges& g) {
+  Writer w(model_name);
+  w.scalar("num_requests_running", "gauge", "Number of requests in model execution batches.", s.num_running);
+  w.scalar("num_requests_waiting", "gauge", "Number of requests waiting to be processed.", s.num_waiting);
+  w.scalar("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage);
+  w.scalar("num_kv_blocks", "gauge", "Number of KV-cache blocks (128-token pages).", static_cast<double>(s.num_kv_blocks));
+  w.scalar("prefix_cache_queries_total", "counter", "Prefix cache queries, in number of queried tokens.",
+           static_cast<double>(s.prefix_cache_queries));
+  w.scalar("prefix_cache_hits_total", "counter", "Prefix cache hits, in number of cached tokens.",
+           static_cast<double>(s.prefix_cache_hits));
+  w.scalar("num_preemptions_total", "counter", "Cumulative number of preemptions.", static_cast<double>(s.num_preemptions));
+  w.scalar("prompt_tokens_total", "counter", "Number of prefill tokens processed.", static_cast<double>(s.prompt_tokens_total));
+  w.scalar("generation_tokens_total", "counter", "Number of generation tokens processed.",
+           static_cast<double>(s.generation_tokens_total));
+  w.family("request_success_total", "counter", "Count of finished requests by finish reason.",
+           {{"finished_reason=\"stop\"", static_cast<double>(s.requests_finished_stop)},
+            {"finished_reason=\"length\"", static_cast<double>(s.requests_finished_length)},
+            {"finished_reason=\"abort\"", static_cast<double>(s.requests_finished_abort)},
+            {"finished_reason=\"error\"", static_cast<double>(s.requests_finished_error)}});
+  w.histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.", s.time_to_first_token_s);
+  w.histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", s.inter_token_latency_s);
+  w.histogram("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", s.e2e_request_latency_s);
+  w.histogram("request_prompt_tokens", "Number of prefill tokens processed per request.", s.prompt_tokens_per_request);
+  w.histogram("request_generation_tokens", "Number of generation tokens processed per request.",
+              s.generation_tokens_per_request);
+  w.scalar("http_requests_in_flight", "gauge", "HTTP generation requests being served.",
+           static_cast<double>(g.http_requests_in_flight));
+  w.scalar("server_draining", "gauge", "1 while the server drains after SIGTERM/SIGINT.", g.draining ? 1.0 : 0.0);
+  return w.str();
+}
+
+}  // namespace m3::server

@@ -1,0 +1,582 @@
+#include "server/openai_request.h"
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+namespace m3::server {
+
+namespace {
+
+tl::unexpected<Error> bad(const std::string& param, const std::string& message) {
+  return make_error(ErrorCode::kInvalidArgument, message, param);
+}
+
+tl::unexpected<Error> unsupported(const std::string& param, const std::string& message) {
+  return make_error(ErrorCode::kUnsupported, message, param);
+}
+
+std::string type_of(const OrderedJson& j) {
+  if (j.is_number_integer() || j.is_number_unsigned()) return "integer";
+  if (j.is_number_float()) return "number";
+  return j.type_name();
+}
+
+const OrderedJson* field(const OrderedJson& obj, const char* key) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+Result<std::optional<double>> opt_number(const OrderedJson& obj, const char* key) {
+  const OrderedJson* v = field(obj, key);
+  if (!v) return std::optional<double>();
+  if (!v->is_number()) {
+    return bad(key, std::string("'") + key + "' must be a number, got " + type_of(*v));
+  }
+  const double d = v->get<double>();
+  if (!std::isfinite(d)) return bad(key, std::string("'") + key + "' must be a finite number");
+  return std::optional<double>(d);
+}
+
+Result<std::optional<int64_t>> opt_integer(const OrderedJson& obj, const char* key) {
+  const OrderedJson* v = field(obj, key);
+  if (!v) return std::optional<int64_t>();
+  if (v->is_number_integer()) return std::optional<int64_t>(v->get<int64_t>());
+  if (v->is_number_unsigned()) {
+    const uint64_t u = v->get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return bad(key, std::string("'") + key + "' is too large");
+    }
+    return std::optional<int64_t>(static_cast<int64_t>(u));
+  }
+  if (v->is_number_float()) {
+    const double d = v->get<double>();
+    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15) {
+      return std::optional<int64_t>(static_cast<int64_t>(d));
+    }
+  }
+  return bad(key, std::string("'") + key + "' must be an integer, got " + type_of(*v));
+}
+
+Result<std::optional<bool>> opt_bool(const OrderedJson& obj, const char* key) {
+  const OrderedJson* v = field(obj, key);
+  if (!v) return std::optional<bool>();
+  if (!v->is_boolean()) {
+    return bad(key, std::string("'") + key + "' must be a boolean, got " + type_of(*v));
+  }
+  return std::optional<bool>(v->get<bool>());
+}
+
+Result<std::optional<std::string>> opt_string(const OrderedJson& obj, const char* key) {
+  const OrderedJson* v = field(obj, key);
+  if (!v) return std::optional<std::string>();
+  if (!v->is_string()) {
+    return bad(key, std::string("'") + key + "' must be a string, got " + type_of(*v));
+  }
+  return std::optional<std::string>(v->get<std::string>());
+}
+
+std::string fmt_num(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+// Reads an optional float in [lo, hi] (open at lo when lo_open).
+Status read_float(const OrderedJson& obj, const char* key, double lo, double hi, bool lo_open,
+                  std::optional<float>& out) {
+  M3_TRY(auto v, opt_number(obj, key));
+  if (!v) return {};
+  const bool low_ok = lo_open ? *v > lo : *v >= lo;
+  if (!low_ok || *v > hi) {
+    return bad(key, std::string("'") + key + "' must be in " + (lo_open ? "(" : "[") + fmt_num(lo) +
+                        ", " + fmt_num(hi) + "], got " + fmt_num(*v));
+  }
+  out = static_cast<float>(*v);
+  return {};
+}
+
+Result<OrderedJson> parse_body(std::string_view body) {
+  OrderedJson j;
+  try {
+    j = OrderedJson::parse(body.begin(), body.end());
+  } catch (const nlohmann::json::exception& e) {
+    return bad("", std::string("request body is not valid JSON: ") + e.what());
+  }
+  if (!j.is_object()) {
+    return bad("", "request body must be a JSON object, got " + type_of(j));
+  }
+  return j;
+}
+
+// Fields that both endpoints read.
+Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
+  M3_TRY(auto model, opt_string(j, "model"));
+  if (model) p.model = *model;
+
+  M3_TRY(auto n, opt_integer(j, "n"));
+  if (n) {
+    if (*n < 1 || *n > kMaxN) {
+      return bad("n", "'n' must be between 1 and " + std::to_string(kMaxN) + ", got " +
+                          std::to_string(*n));
+    }
+    p.n = static_cast<int32_t>(*n);
+  }
+  M3_TRY(auto best_of, opt_integer(j, "best_of"));
+  if (best_of && *best_of != p.n) {
+    return unsupported("best_of", "'best_of' different from 'n' is not supported; leave it out");
+  }
+
+  M3_TRY(auto stream, opt_bool(j, "stream"));
+  p.stream = stream.value_or(false);
+  if (const OrderedJson* so = field(j, "stream_options")) {
+    if (!so->is_object()) {
+      return bad("stream_options", "'stream_options' must be an object, got " + type_of(*so));
+    }
+    M3_TRY(auto iu, opt_bool(*so, "include_usage"));
+    M3_TRY(auto cu, opt_bool(*so, "continuous_usage_stats"));
+    p.include_usage = iu.value_or(false);
+    p.continuous_usage_stats = cu.value_or(false);
+  }
+
+  // max_completion_tokens is the newer name; it wins when both are given.
+  for (const char* key : {"max_tokens", "max_completion_tokens"}) {
+    M3_TRY(auto mt, opt_integer(j, key));
+    if (!mt) continue;
+    if (*mt < 1 || *mt > std::numeric_limits<int32_t>::max()) {
+      return bad(key, std::string("'") + key + "' must be at least 1, got " + std::to_string(*mt));
+    }
+    p.max_tokens = static_cast<int32_t>(*mt);
+  }
+  M3_TRY(auto min_tokens, opt_integer(j, "min_tokens"));
+  if (min_tokens) {
+    if (*min_tokens < 0 || *min_tokens > std::numeric_limits<int32_t>::max()) {
+      return bad("min_tokens", "'min_tokens' must be >= 0, got " + std::to_string(*min_tokens));
+    }
+    if (p.max_tokens && *min_tokens > *p.max_tokens) {
+      return bad("min_tokens", "'min_tokens' (" + std::to_string(*min_tokens) +
+                                   ") must not exceed max_tokens (" + std::to_string(*p.max_tokens) + ")");
+    }
+    p.min_tokens = static_cast<int32_t>(*min_tokens);
+  }
+
+  M3_TRY_STATUS(read_float(j, "temperature", 0.0, 100.0, false, p.temperature));
+  M3_TRY_STATUS(read_float(j, "top_p", 0.0, 1.0, true, p.top_p));
+  M3_TRY_STATUS(read_float(j, "min_p", 0.0, 1.0, false, p.min_p));
+  M3_TRY_STATUS(read_float(j, "presence_penalty", -2.0, 2.0, false, p.presence_penalty));
+  M3_TRY_STATUS(read_float(j, "frequency_penalty", -2.0, 2.0, false, p.frequency_penalty));
+  M3_TRY_STATUS(read_float(j, "repetition_penalty", 0.0, 2.0, true, p.repetition_penalty));
+  M3_TRY(auto top_k, opt_integer(j, "top_k"));
+  if (top_k) {
+    if (*top_k < -1 || *top_k > std::numeric_limits<int32_t>::max()) {
+      return bad("top_k", "'top_k' must be -1 (off), 0 (off) or a positive integer, got " +
+                              std::to_string(*top_k));
+    }
+    p.top_k = static_cast<int32_t>(*top_k);
+  }
+  if (const OrderedJson* seed = field(j, "seed")) {
+    if (seed->is_number_unsigned()) {
+      p.seed = seed->get<uint64_t>();
+    } else if (seed->is_number_integer()) {
+      p.seed = static_cast<uint64_t>(seed->get<int64_t>());
+    } else {
+      return bad("seed", "'seed' must be an integer, got " + type_of(*seed));
+    }
+  }
+
+  if (const OrderedJson* stop = field(j, "stop")) {
+    if (stop->is_string()) {
+      if (!stop->get<std::string>().empty()) p.stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      for (size_t i = 0; i < stop->size(); ++i) {
+        const auto& s = (*stop)[i];
+        if (!s.is_string()) {
+          return bad("stop", "'stop[" + std::to_string(i) + "]' must be a string, got " + type_of(s));
+        }
+        if (!s.get<std::string>().empty()) p.stop.push_back(s.get<std::string>());
+      }
+    } else {
+      return bad("stop", "'stop' must be a string or an array of strings, got " + type_of(*stop));
+    }
+  }
+  if (const OrderedJson* ids = field(j, "stop_token_ids")) {
+    if (!ids->is_array()) {
+      return bad("stop_token_ids", "'stop_token_ids' must be an array of integers, got " + type_of(*ids));
+    }
+    for (const auto& id : *ids) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
+          id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+        return bad("stop_token_ids", "'stop_token_ids' entries must be non-negative token ids");
+      }
+      p.stop_token_ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
+    }
+  }
+  M3_TRY(auto ignore_eos, opt_bool(j, "ignore_eos"));
+  p.ignore_eos = ignore_eos.value_or(false);
+  M3_TRY(auto skip, opt_bool(j, "skip_special_tokens"));
+  p.skip_special_tokens = skip.value_or(true);
+  M3_TRY(auto incl, opt_bool(j, "include_stop_str_in_output"));
+  p.include_stop_str_in_output = incl.value_or(false);
+  M3_TRY(auto priority, opt_integer(j, "priority"));
+  if (priority) {
+    if (*priority < std::numeric_limits<int32_t>::min() || *priority > std::numeric_limits<int32_t>::max()) {
+      return bad("priority", "'priority' must fit in 32 bits");
+    }
+    p.priority = static_cast<int32_t>(*priority);
+  }
+
+  if (const OrderedJson* lb = field(j, "logit_bias")) {
+    if (!lb->is_object()) return bad("logit_bias", "'logit_bias' must be an object");
+    if (!lb->empty()) return unsupported("logit_bias", "'logit_bias' is not supported by this server; leave it out");
+  }
+  if (const OrderedJson* rf = field(j, "response_format")) {
+    if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string()) {
+      return bad("response_format", "'response_format' must be an object with a string 'type'");
+    }
+    const std::string t = (*rf)["type"].get<std::string>();
+    if (t != "text") {
+      return unsupported("response_format",
+                         "response_format type '" + t +
+                             "' needs guided decoding, which this server does not have yet; "
+                             "use {\"type\": \"text\"} and describe the format in the prompt");
+    }
+  }
+  for (const char* guided : {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}) {
+    if (field(j, guided)) {
+      return unsupported(guided, std::string("'") + guided + "' (guided decoding) is not supported by this server");
+    }
+  }
+  (void)chat;
+  return {};
+}
+
+Result<std::vector<int32_t>> token_array(const OrderedJson& arr, const std::string& param) {
+  std::vector<int32_t> ids;
+  ids.reserve(arr.size());
+  for (const auto& v : arr) {
+    if (!(v.is_number_integer() || v.is_number_unsigned())) {
+      return bad(param, "'" + param + "' must hold only integer token ids, got " + type_of(v));
+    }
+    const int64_t id = v.is_number_unsigned() ? static_cast<int64_t>(std::min<uint64_t>(v.get<uint64_t>(), 1ull << 40))
+                                              : v.get<int64_t>();
+    if (id < 0 || id > std::numeric_limits<int32_t>::max()) {
+      return bad(param, "'" + param + "' holds token id " + std::to_string(id) + ", which is not a valid id");
+    }
+    ids.push_back(static_cast<int32_t>(id));
+  }
+  if (ids.empty()) return bad(param, "'" + param + "' must not be an empty list of token ids");
+  return ids;
+}
+
+// Message content: a string, null, or an array of {"type": "text", "text": ...} parts
+// (joined with "\n", as vLLM does for string-content templates).
+Result<OrderedJson> normalise_content(const OrderedJson& content, const std::string& param) {
+  if (content.is_null() || content.is_string()) return content;
+  if (!content.is_array()) {
+    return bad(param, "'" + param + "' must be a string, null or an array of content parts, got " +
+                          type_of(content));
+  }
+  std::string text;
+  bool first = true;
+  for (size_t i = 0; i < content.size(); ++i) {
+    const auto& part = content[i];
+    const std::string pp = param + "[" + std::to_string(i) + "]";
+    if (part.is_string()) {
+      text += (first ? "" : "\n") + part.get<std::string>();
+      first = false;
+      continue;
+    }
+    if (!part.is_object() || !part.contains("type") || !part["type"].is_string()) {
+      return bad(pp, "'" + pp + "' must be an object with a string 'type'");
+    }
+    const std::string type = part["type"].get<std::string>();
+    if (type == "text" || type == "input_text" || type == "output_text") {
+      if (!part.contains("text") || !part["text"].is_string()) {
+        return bad(pp + ".text", "'" + pp + ".text' must be a string");
+      }
+      text += (first ? "" : "\n") + part["text"].get<std::string>();
+      first = false;
+    } else if (type == "refusal") {
+      continue;
+    } else {
+      return unsupported(pp, "content part type '" + type +
+                                 "' is not supported: this server serves the text model only; send text parts");
+    }
+  }
+  return OrderedJson(text);
+}
+
+Result<OrderedJson> parse_messages(const OrderedJson& j) {
+  const OrderedJson* msgs = field(j, "messages");
+  if (!msgs) return bad("messages", "'messages' is required: a non-empty array of {role, content}");
+  if (!msgs->is_array()) return bad("messages", "'messages' must be an array, got " + type_of(*msgs));
+  if (msgs->empty()) return bad("messages", "'messages' must not be empty");
+  OrderedJson out = OrderedJson::array();
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const std::string mp = "messages[" + std::to_string(i) + "]";
+    const auto& m = (*msgs)[i];
+    if (!m.is_object()) return bad(mp, "'" + mp + "' must be an object, got " + type_of(m));
+    if (!m.contains("role") || !m["role"].is_string() || m["role"].get<std::string>().empty()) {
+      return bad(mp + ".role", "'" + mp + ".role' must be a non-empty string");
+    }
+    OrderedJson msg = m;
+    const std::string role = m["role"].get<std::string>();
+    if (m.contains("content")) {
+      M3_TRY(auto c, normalise_content(m["content"], mp + ".content"));
+      msg["content"] = std::move(c);
+    } else if (role != "assistant") {
+      return bad(mp + ".content", "'" + mp + ".content' is required for role '" + role + "'");
+    } else {
+      msg["content"] = nullptr;
+    }
+    // Reasoning round-trips under either name (interleaved thinking must stay in history).
+    for (const char* key : {"reasoning_content", "reasoning"}) {
+      if (msg.contains(key) && !msg[key].is_null() && !msg[key].is_string()) {
+        return bad(mp + "." + key, "'" + mp + "." + key + "' must be a string");
+      }
+    }
+    if (msg.contains("reasoning") && msg["reasoning"].is_string() &&
+        (!msg.contains("reasoning_content") || msg["reasoning_content"].is_null())) {
+      msg["reasoning_content"] = msg["reasoning"];
+    }
+    if (msg.contains("tool_calls") && !msg["tool_calls"].is_null()) {
+      const auto& tcs = msg["tool_calls"];
+      if (!tcs.is_array()) return bad(mp + ".tool_calls", "'" + mp + ".tool_calls' must be an array");
+      OrderedJson calls = OrderedJson::array();
+      for (size_t k = 0; k < tcs.size(); ++k) {
+        const std::string tp = mp + ".tool_calls[" + std::to_string(k) + "]";
+        const auto& tc = tcs[k];
+        if (!tc.is_object() || !tc.contains("function") || !tc["function"].is_object()) {
+          return bad(tp, "'" + tp + "' must be an object with a 'function' object");
+        }
+        OrderedJson call = tc;
+        OrderedJson& fn = call["function"];
+        if (!fn.contains("name") || !fn["name"].is_string()) {
+          return bad(tp + ".function.name", "'" + tp + ".function.name' must be a string");
+        }
+        // Templates iterate the arguments as a mapping; clients send them as a JSON string.
+        if (fn.contains("arguments") && fn["arguments"].is_string()) {
+          OrderedJson args = OrderedJson::parse(fn["arguments"].get<std::string>(), nullptr, false);
+          if (!args.is_discarded() && args.is_object()) fn["arguments"] = std::move(args);
+        }
+        calls.push_back(std::move(call));
+      }
+      msg["tool_calls"] = std::move(calls);
+    }
+    out.push_back(std::move(msg));
+  }
+  return out;
+}
+
+Status parse_tools(const OrderedJson& j, ChatRequest& r) {
+  const OrderedJson* tools = field(j, "tools");
+  if (tools) {
+    if (!tools->is_array()) return bad("tools", "'tools' must be an array, got " + type_of(*tools));
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const std::string tp = "tools[" + std::to_string(i) + "]";
+      const auto& t = (*tools)[i];
+      if (!t.is_object()) return bad(tp, "'" + tp + "' must be an object");
+      if (t.contains("type") && (!t["type"].is_string() || t["type"].get<std::string>() != "function")) {
+        return unsupported(tp + ".type", "'" + tp + ".type' must be \"function\"");
+      }
+      if (!t.contains("function") || !t["function"].is_object()) {
+        return bad(tp + ".function", "'" + tp + ".function' must be an object with 'name'");
+      }
+      const auto& fn = t["function"];
+      if (!fn.contains("name") || !fn["name"].is_string() || fn["name"].get<std::string>().empty()) {
+        return bad(tp + ".function.name", "'" + tp + ".function.name' must be a non-empty string");
+      }
+      if (fn.contains("parameters") && !fn["parameters"].is_null() && !fn["parameters"].is_object()) {
+        return bad(tp + ".function.parameters", "'" + tp + ".function.parameters' must be a JSON schema object");
+      }
+    }
+    if (!tools->empty()) r.tools = *tools;
+  }
+  const OrderedJson* tc = field(j, "tool_choice");
+  if (!tc) {
+    r.tool_choice.kind = r.tools.is_array() ? ToolChoiceKind::kAuto : ToolChoiceKind::kNone;
+    return {};
+  }
+  r.tool_choice_given = true;
+  if (tc->is_string()) {
+    const std::string s = tc->get<std::string>();
+    if (s == "auto") r.tool_choice.kind = ToolChoiceKind::kAuto;
+    else if (s == "none") r.tool_choice.kind = ToolChoiceKind::kNone;
+    else if (s == "required") r.tool_choice.kind = ToolChoiceKind::kRequired;
+    else return bad("tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}, got \"" + s + "\"");
+  } else if (tc->is_object()) {
+    const auto fn = tc->find("function");
+    if (fn == tc->end() || !fn->is_object() || !fn->contains("name") || !(*fn)["name"].is_string()) {
+      return bad("tool_choice", "'tool_choice' object must be {\"type\": \"function\", \"function\": {\"name\": ...}}");
+    }
+    r.tool_choice.kind = ToolChoiceKind::kNamed;
+    r.tool_choice.name = (*fn)["name"].get<std::string>();
+  } else {
+    return bad("tool_choice", "'tool_choice' must be a string or an object, got " + type_of(*tc));
+  }
+  if (r.tool_choice.kind == ToolChoiceKind::kRequired || r.tool_choice.kind == ToolChoiceKind::kNamed) {
+    if (!r.tools.is_array()) {
+      return bad("tool_choice", "tool_choice '" + std::string(r.tool_choice.kind == ToolChoiceKind::kNamed ? "function" : "required") +
+                                    "' needs a non-empty 'tools' list");
+    }
+  }
+  if (r.tool_choice.kind == ToolChoiceKind::kNamed) {
+    bool found = false;
+    for (const auto& t : r.tools) found = found || t["function"]["name"].get<std::string>() == r.tool_choice.name;
+    if (!found) {
+      return bad("tool_choice", "tool_choice names function '" + r.tool_choice.name + "', which is not in 'tools'");
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+Result<GenerationDefaults> GenerationDefaults::from_json_text(std::string_view text, std::string_view source) {
+  nlohmann::json j = nlohmann::json::parse(text.begin(), text.end(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return make_error(ErrorCode::kFormat, std::string(source) + " is not a JSON object");
+  }
+  GenerationDefaults d;
+  auto num = [&](const char* key, std::optional<float>& out) {
+    auto it = j.find(key);
+    if (it != j.end() && it->is_number()) out = it->get<float>();
+  };
+  num("temperature", d.temperature);
+  num("top_p", d.top_p);
+  num("min_p", d.min_p);
+  num("repetition_penalty", d.repetition_penalty);
+  num("presence_penalty", d.presence_penalty);
+  num("frequency_penalty", d.frequency_penalty);
+  if (auto it = j.find("top_k"); it != j.end() && it->is_number_integer()) d.top_k = it->get<int32_t>();
+  if (auto it = j.find("max_new_tokens"); it != j.end() && it->is_number_integer()) {
+    d.max_new_tokens = it->get<int32_t>();
+  }
+  // transformers writes do_sample=false for greedy checkpoints.
+  if (auto it = j.find("do_sample"); it != j.end() && it->is_boolean() && !it->get<bool>()) {
+    d.temperature = 0.0f;
+  }
+  return d;
+}
+
+Result<GenerationDefaults> GenerationDefaults::from_dir(const std::string& dir) {
+  const std::string path = dir + "/generation_config.json";
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return GenerationDefaults{};
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return from_json_text(ss.str(), path);
+}
+
+Result<CompletionRequest> parse_completion_request(std::string_view body) {
+  M3_TRY(OrderedJson j, parse_body(body));
+  CompletionRequest r;
+  M3_TRY_STATUS(parse_common(j, r.common, false));
+  const OrderedJson* prompt = field(j, "prompt");
+  if (!prompt) return bad("prompt", "'prompt' is required: a string, a list of strings or token ids");
+  if (prompt->is_string()) {
+    r.prompts.push_back({true, prompt->get<std::string>(), {}});
+  } else if (prompt->is_array()) {
+    if (prompt->empty()) return bad("prompt", "'prompt' must not be an empty list");
+    const auto& first = (*prompt)[0];
+    if (first.is_number()) {
+      M3_TRY(auto ids, token_array(*prompt, "prompt"));
+      r.prompts.push_back({false, {}, std::move(ids)});
+    } else {
+      for (size_t i = 0; i < prompt->size(); ++i) {
+        const auto& p = (*prompt)[i];
+        const std::string pp = "prompt[" + std::to_string(i) + "]";
+        if (p.is_string()) {
+          r.prompts.push_back({true, p.get<std::string>(), {}});
+        } else if (p.is_array()) {
+          M3_TRY(auto ids, token_array(p, pp));
+          r.prompts.push_back({false, {}, std::move(ids)});
+        } else {
+          return bad(pp, "'" + pp + "' must be a string or a list of token ids, got " + type_of(p));
+        }
+      }
+    }
+  } else {
+    return bad("prompt", "'prompt' must be a string, a list of strings or token ids, got " + type_of(*prompt));
+  }
+  for (size_t i = 0; i < r.prompts.size(); ++i) {
+    if (r.prompts[i].is_text && r.prompts[i].text.empty()) {
+      return bad(r.prompts.size() == 1 ? "prompt" : "prompt[" + std::to_string(i) + "]",
+                 "the prompt is empty; send at least one character or token id");
+    }
+  }
+  if (r.prompts.size() * static_cast<size_t>(r.common.n) > static_cast<size_t>(kMaxN) * 8) {
+    return bad("prompt", "too many prompts x n in one request; split it into several requests");
+  }
+  M3_TRY(auto echo, opt_bool(j, "echo"));
+  r.echo = echo.value_or(false);
+  if (const OrderedJson* lp = field(j, "logprobs")) {
+    if (!(lp->is_number_integer() || lp->is_number_unsigned())) {
+      return bad("logprobs", "'logprobs' must be an integer (0.." + std::to_string(kMaxLogprobs) + ") for completions, got " + type_of(*lp));
+    }
+    const int64_t k = lp->get<int64_t>();
+    if (k < 0 || k > kMaxLogprobs) {
+      return bad("logprobs", "'logprobs' must be between 0 and " + std::to_string(kMaxLogprobs) + ", got " + std::to_string(k));
+    }
+    r.common.logprobs = static_cast<int32_t>(k);
+  }
+  M3_TRY(auto suffix, opt_string(j, "suffix"));
+  if (suffix && !suffix->empty()) return unsupported("suffix", "'suffix' (fill-in-the-middle) is not supported; leave it out");
+  return r;
+}
+
+Result<ChatRequest> parse_chat_request(std::string_view body) {
+  M3_TRY(OrderedJson j, parse_body(body));
+  ChatRequest r;
+  M3_TRY_STATUS(parse_common(j, r.common, true));
+  M3_TRY(r.messages, parse_messages(j));
+  M3_TRY_STATUS(parse_tools(j, r));
+  if (const OrderedJson* kw = field(j, "chat_template_kwargs")) {
+    if (!kw->is_object()) return bad("chat_template_kwargs", "'chat_template_kwargs' must be an object, got " + type_of(*kw));
+    r.chat_template_kwargs = *kw;
+  }
+  M3_TRY(auto agp, opt_bool(j, "add_generation_prompt"));
+  r.add_generation_prompt = agp.value_or(true);
+  M3_TRY(auto cfm, opt_bool(j, "continue_final_message"));
+  r.continue_final_message = cfm.value_or(false);
+  if (r.continue_final_message && r.add_generation_prompt && agp) {
+    return bad("continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both be true");
+  }
+  if (r.continue_final_message) r.add_generation_prompt = false;
+  M3_TRY(auto lp, opt_bool(j, "logprobs"));
+  r.logprobs = lp.value_or(false);
+  M3_TRY(auto tlp, opt_integer(j, "top_logprobs"));
+  if (tlp) {
+    if (*tlp < 0 || *tlp > kMaxLogprobs) {
+      return bad("top_logprobs", "'top_logprobs' must be between 0 and " + std::to_string(kMaxLogprobs) + ", got " + std::to_string(*tlp));
+    }
+    if (!r.logprobs && *tlp > 0) return bad("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    r.top_logprobs = static_cast<int32_t>(*tlp);
+  }
+  r.common.logprobs = r.logprobs ? r.top_logprobs : -1;
+  return r;
+}
+
+engine::SamplingParams make_sampling_params(const CommonParams& p, const GenerationDefaults& d) {
+  engine::SamplingParams sp;
+  sp.temperature = p.temperature.value_or(d.temperature.value_or(1.0f));
+  sp.top_p = p.top_p.value_or(d.top_p.value_or(1.0f));
+  sp.top_k = p.top_k.value_or(d.top_k.value_or(0));
+  if (sp.top_k < 0) sp.top_k = 0;
+  sp.min_p = p.min_p.value_or(d.min_p.value_or(0.0f));
+  sp.presence_penalty = p.presence_penalty.value_or(d.presence_penalty.value_or(0.0f));
+  sp.frequency_penalty = p.frequency_penalty.value_or(d.frequency_penalty.value_or(0.0f));
+  sp.repetition_penalty = p.repetition_penalty.value_or(d.repetition_penalty.value_or(1.0f));
+  sp.seed = p.seed;
+  sp.logprobs = p.logprobs;
+  sp.n = 1;  // the server submits one engine request per choice
+  sp.min_tokens = p.min_tokens;
+  sp.ignore_eos = p.ignore_eos;
+  sp.stop_token_ids = p.stop_token_ids;
+  if (p.max_tokens) sp.max_tokens = *p.max_tokens;
+  return sp;
+}
+
+}  // namespace m3::server

@@ -1,0 +1,111 @@
+// OpenAI request types for /v1/completions and /v1/chat/completions, parsed and validated from
+// the JSON body, plus the mapping to engine::SamplingParams with the model's defaults.
+// Called by HttpServer's handlers (HTTP worker threads). Invariant: a parsed request has every
+// value in range; every rejection is a kInvalidArgument/kUnsupported Error whose `param` names
+// the offending field (dotted path, e.g. "messages[2].content") and whose message says the fix.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "engine/sampling_params.h"
+
+namespace m3::server {
+
+using OrderedJson = nlohmann::ordered_json;
+
+// Sampling defaults from the model's generation_config.json (used when the request omits them).
+struct GenerationDefaults {
+  std::optional<float> temperature;
+  std::optional<float> top_p;
+  std::optional<int32_t> top_k;
+  std::optional<float> min_p;
+  std::optional<float> repetition_penalty;
+  std::optional<float> presence_penalty;
+  std::optional<float> frequency_penalty;
+  std::optional<int32_t> max_new_tokens;
+
+  // Reads the keys above from generation_config.json text (unknown keys ignored).
+  static Result<GenerationDefaults> from_json_text(std::string_view text, std::string_view source);
+  // <dir>/generation_config.json; an absent file gives empty defaults.
+  static Result<GenerationDefaults> from_dir(const std::string& dir);
+};
+
+// What both endpoints share. Sampling knobs stay optional so the model defaults can fill them.
+struct CommonParams {
+  std::string model;  // empty: not given
+  int32_t n = 1;
+  bool stream = false;
+  bool include_usage = false;            // stream_options.include_usage
+  bool continuous_usage_stats = false;   // stream_options.continuous_usage_stats (vLLM)
+  std::optional<int32_t> max_tokens;     // max_tokens / max_completion_tokens
+  int32_t min_tokens = 0;
+  std::optional<float> temperature;
+  std::optional<float> top_p;
+  std::optional<int32_t> top_k;
+  std::optional<float> min_p;
+  std::optional<float> presence_penalty;
+  std::optional<float> frequency_penalty;
+  std::optional<float> repetition_penalty;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;        // non-empty strings
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  bool skip_special_tokens = true;
+  bool include_stop_str_in_output = false;
+  int32_t priority = 0;
+  int32_t logprobs = -1;  // -1 none; k >= 0: chosen token + top k
+};
+
+// One completions prompt: text, or token ids.
+struct PromptInput {
+  bool is_text = true;
+  std::string text;
+  std::vector<int32_t> token_ids;
+};
+
+struct CompletionRequest {
+  CommonParams common;
+  std::vector<PromptInput> prompts;  // at least one
+  bool echo = false;
+};
+
+enum class ToolChoiceKind { kAuto, kNone, kRequired, kNamed };
+
+struct ToolChoice {
+  ToolChoiceKind kind = ToolChoiceKind::kAuto;
+  std::string name;  // kNamed
+};
+
+struct ChatRequest {
+  CommonParams common;
+  OrderedJson messages;  // validated array of {role, content, ...}; content normalised to string
+  OrderedJson tools;     // null or a validated array of {"type":"function","function":{...}}
+  ToolChoice tool_choice;
+  bool tool_choice_given = false;
+  OrderedJson chat_template_kwargs = OrderedJson::object();
+  bool add_generation_prompt = true;
+  bool continue_final_message = false;
+  bool logprobs = false;
+  int32_t top_logprobs = 0;
+};
+
+// Maximum logprobs / top_logprobs the server returns (OpenAI's limit).
+inline constexpr int32_t kMaxLogprobs = 20;
+inline constexpr int32_t kMaxN = 128;
+
+Result<CompletionRequest> parse_completion_request(std::string_view body);
+Result<ChatRequest> parse_chat_request(std::string_view body);
+
+// Request values first, then the model's generation_config defaults, then OpenAI defaults
+// (temperature 1, top_p 1). max_tokens is filled by the caller (it depends on the prompt).
+engine::SamplingParams make_sampling_params(const CommonParams& params,
+                                            const GenerationDefaults& defaults);
+
+}  // namespace m3::server

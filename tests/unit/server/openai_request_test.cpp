@@ -1,0 +1,227 @@
+// Request parsing and validation: every bad input is a 400-class Error naming the parameter.
+#include <gtest/gtest.h>
+
+#include "server/api_error.h"
+#include "server/openai_request.h"
+
+namespace m3::server {
+namespace {
+
+Error chat_error(const std::string& body) {
+  auto r = parse_chat_request(body);
+  EXPECT_FALSE(r.has_value()) << body;
+  return r ? Error{} : r.error();
+}
+
+Error completion_error(const std::string& body) {
+  auto r = parse_completion_request(body);
+  EXPECT_FALSE(r.has_value()) << body;
+  return r ? Error{} : r.error();
+}
+
+TEST(OpenAIRequest, ParsesAFullChatRequest) {
+  auto r = parse_chat_request(R"({
+    "model": "m3", "messages": [{"role": "system", "content": "be brief"},
+                                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+    "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.1, "n": 3, "seed": 7,
+    "max_completion_tokens": 33, "stop": "END", "stream": true,
+    "stream_options": {"include_usage": true}, "logprobs": true, "top_logprobs": 4,
+    "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+    "min_tokens": 2, "ignore_eos": true, "stop_token_ids": [5, 6], "skip_special_tokens": false,
+    "priority": -3, "chat_template_kwargs": {"thinking_mode": "disabled"}})");
+  ASSERT_TRUE(r.has_value()) << r.error().message;
+  EXPECT_EQ(r->messages[1]["content"], "a\nb");
+  EXPECT_EQ(r->common.n, 3);
+  EXPECT_EQ(*r->common.max_tokens, 33);
+  EXPECT_EQ(r->common.stop, std::vector<std::string>{"END"});
+  EXPECT_TRUE(r->common.stream);
+  EXPECT_TRUE(r->common.include_usage);
+  EXPECT_EQ(r->common.logprobs, 4);
+  EXPECT_EQ(r->common.priority, -3);
+  EXPECT_EQ(r->chat_template_kwargs["thinking_mode"], "disabled");
+  EXPECT_EQ(r->tool_choice.kind, ToolChoiceKind::kNone);  // no tools
+
+  GenerationDefaults d;
+  d.temperature = 1.0f;
+  d.top_k = 20;
+  auto sp = make_sampling_params(r->common, d);
+  EXPECT_FLOAT_EQ(sp.temperature, 0.5f);  // request wins over the model default
+  EXPECT_EQ(sp.top_k, 40);
+  EXPECT_FLOAT_EQ(sp.min_p, 0.1f);
+  EXPECT_EQ(sp.max_tokens, 33);
+  EXPECT_EQ(sp.min_tokens, 2);
+  EXPECT_TRUE(sp.ignore_eos);
+  EXPECT_EQ(sp.stop_token_ids, (std::vector<int32_t>{5, 6}));
+  EXPECT_EQ(*sp.seed, 7u);
+  EXPECT_EQ(sp.logprobs, 4);
+}
+
+TEST(OpenAIRequest, ModelDefaultsFillOmittedKnobs) {
+  auto r = parse_chat_request(R"({"messages": [{"role": "user", "content": "hi"}]})");
+  ASSERT_TRUE(r.has_value());
+  auto d = GenerationDefaults::from_json_text(R"({"temperature": 0.7, "top_p": 0.95, "top_k": 40})", "g");
+  ASSERT_TRUE(d.has_value());
+  auto sp = make_sampling_params(r->common, *d);
+  EXPECT_FLOAT_EQ(sp.temperature, 0.7f);
+  EXPECT_FLOAT_EQ(sp.top_p, 0.95f);
+  EXPECT_EQ(sp.top_k, 40);
+  auto none = make_sampling_params(r->common, GenerationDefaults{});
+  EXPECT_FLOAT_EQ(none.temperature, 1.0f);
+  EXPECT_EQ(none.logprobs, -1);
+  auto greedy = GenerationDefaults::from_json_text(R"({"do_sample": false})", "g");
+  EXPECT_FLOAT_EQ(*greedy->temperature, 0.0f);
+}
+
+TEST(OpenAIRequest, RejectsMalformedJson) {
+  Error e = chat_error("{\"messages\": [");
+  EXPECT_EQ(http_status(e), 400);
+  EXPECT_NE(e.message.find("not valid JSON"), std::string::npos);
+  e = chat_error("[1, 2]");
+  EXPECT_EQ(http_status(e), 400);
+}
+
+TEST(OpenAIRequest, RejectsWrongTypesNamingTheParameter) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+  struct Case { std::string field; std::string param; };
+  for (const Case& c : std::vector<Case>{{R"("temperature": "hot")", "temperature"},
+                                         {R"("max_tokens": 1.5)", "max_tokens"},
+                                         {R"("n": true)", "n"},
+                                         {R"("stream": "yes")", "stream"},
+                                         {R"("stop": 5)", "stop"},
+                                         {R"("stop": ["a", 1])", "stop"},
+                                         {R"("seed": "x")", "seed"},
+                                         {R"("top_k": 1.5)", "top_k"},
+                                         {R"("logprobs": 3)", "logprobs"},
+                                         {R"("tools": {})", "tools"},
+                                         {R"("tool_choice": 3)", "tool_choice"},
+                                         {R"("chat_template_kwargs": [])", "chat_template_kwargs"},
+                                         {R"("stream_options": 1)", "stream_options"}}) {
+    Error e = chat_error("{" + msgs + ", " + c.field + "}");
+    EXPECT_EQ(e.param, c.param) << c.field;
+    EXPECT_EQ(http_status(e), 400) << c.field;
+    EXPECT_EQ(error_body(e)["error"]["param"], c.param);
+    EXPECT_EQ(error_body(e)["error"]["type"], "invalid_request_error");
+  }
+}
+
+TEST(OpenAIRequest, RejectsOutOfRangeValues) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+  struct Case { std::string field; std::string param; };
+  for (const Case& c : std::vector<Case>{{R"("temperature": -0.1)", "temperature"},
+                                         {R"("top_p": 0)", "top_p"},
+                                         {R"("top_p": 1.5)", "top_p"},
+                                         {R"("min_p": 2)", "min_p"},
+                                         {R"("top_k": -2)", "top_k"},
+                                         {R"("n": 0)", "n"},
+                                         {R"("n": 100000)", "n"},
+                                         {R"("max_tokens": 0)", "max_tokens"},
+                                         {R"("max_completion_tokens": -5)", "max_completion_tokens"},
+                                         {R"("presence_penalty": 3)", "presence_penalty"},
+                                         {R"("frequency_penalty": -2.5)", "frequency_penalty"},
+                                         {R"("repetition_penalty": 0)", "repetition_penalty"},
+                                         {R"("logprobs": true, "top_logprobs": 21)", "top_logprobs"},
+                                         {R"("top_logprobs": 2)", "top_logprobs"},
+                                         {R"("max_tokens": 5, "min_tokens": 6)", "min_tokens"},
+                                         {R"("stop_token_ids": [-1])", "stop_token_ids"}}) {
+    Error e = chat_error("{" + msgs + ", " + c.field + "}");
+    EXPECT_EQ(e.param, c.param) << c.field;
+    EXPECT_EQ(http_status(e), 400) << c.field;
+  }
+}
+
+TEST(OpenAIRequest, ValidatesMessages) {
+  EXPECT_EQ(chat_error(R"({"model": "m3"})").param, "messages");
+  EXPECT_EQ(chat_error(R"({"messages": []})").param, "messages");
+  EXPECT_EQ(chat_error(R"({"messages": "hi"})").param, "messages");
+  EXPECT_EQ(chat_error(R"({"messages": [{"content": "x"}]})").param, "messages[0].role");
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user"}]})").param, "messages[0].content");
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": 5}]})").param, "messages[0].content");
+  Error img = chat_error(R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})");
+  EXPECT_EQ(img.param, "messages[0].content[0]");
+  EXPECT_EQ(img.code, ErrorCode::kUnsupported);
+  EXPECT_EQ(http_status(img), 400);
+}
+
+TEST(OpenAIRequest, AssistantHistoryIsNormalisedForTemplates) {
+  auto r = parse_chat_request(R"({"messages": [
+    {"role": "user", "content": "w?"},
+    {"role": "assistant", "reasoning": "think", "tool_calls": [{"id": "c1", "type": "function",
+      "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "ok"}]})");
+  ASSERT_TRUE(r.has_value()) << r.error().message;
+  const auto& a = r->messages[1];
+  EXPECT_TRUE(a["content"].is_null());
+  EXPECT_EQ(a["reasoning_content"], "think");
+  EXPECT_EQ(a["tool_calls"][0]["function"]["arguments"]["a"], 1);
+}
+
+TEST(OpenAIRequest, ToolChoiceForms) {
+  const std::string base = R"("messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])";
+  auto r = parse_chat_request("{" + base + "}");
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->tool_choice.kind, ToolChoiceKind::kAuto);
+  r = parse_chat_request("{" + base + R"(, "tool_choice": "required"})");
+  EXPECT_EQ(r->tool_choice.kind, ToolChoiceKind::kRequired);
+  r = parse_chat_request("{" + base + R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})");
+  EXPECT_EQ(r->tool_choice.kind, ToolChoiceKind::kNamed);
+  EXPECT_EQ(r->tool_choice.name, "get_weather");
+  EXPECT_EQ(chat_error("{" + base + R"(, "tool_choice": {"type": "function", "function": {"name": "nope"}}})").param, "tool_choice");
+  EXPECT_EQ(chat_error("{" + base + R"(, "tool_choice": "sometimes"})").param, "tool_choice");
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})").param, "tool_choice");
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]})").param,
+            "tools[0].function.name");
+}
+
+TEST(OpenAIRequest, UnsupportedFeaturesAreNamed) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+  Error e = chat_error("{" + msgs + R"(, "response_format": {"type": "json_object"}})");
+  EXPECT_EQ(e.param, "response_format");
+  EXPECT_EQ(error_body(e)["error"]["code"], "unsupported_value");
+  EXPECT_TRUE(parse_chat_request("{" + msgs + R"(, "response_format": {"type": "text"}})").has_value());
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "logit_bias": {"5": 1}})").param, "logit_bias");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "best_of": 3})").param, "best_of");
+}
+
+TEST(OpenAIRequest, CompletionPromptForms) {
+  auto r = parse_completion_request(R"({"prompt": "hello"})");
+  ASSERT_TRUE(r.has_value());
+  ASSERT_EQ(r->prompts.size(), 1u);
+  EXPECT_TRUE(r->prompts[0].is_text);
+  r = parse_completion_request(R"({"prompt": ["a", "b"]})");
+  ASSERT_EQ(r->prompts.size(), 2u);
+  r = parse_completion_request(R"({"prompt": [1, 2, 3]})");
+  ASSERT_EQ(r->prompts.size(), 1u);
+  EXPECT_EQ(r->prompts[0].token_ids, (std::vector<int32_t>{1, 2, 3}));
+  r = parse_completion_request(R"({"prompt": [[1, 2], [3]], "echo": true, "logprobs": 2})");
+  ASSERT_EQ(r->prompts.size(), 2u);
+  EXPECT_TRUE(r->echo);
+  EXPECT_EQ(r->common.logprobs, 2);
+  EXPECT_EQ(completion_error(R"({})").param, "prompt");
+  EXPECT_EQ(completion_error(R"({"prompt": ""})").param, "prompt");
+  EXPECT_EQ(completion_error(R"({"prompt": []})").param, "prompt");
+  EXPECT_EQ(completion_error(R"({"prompt": [1, "a"]})").param, "prompt");
+  EXPECT_EQ(completion_error(R"({"prompt": [1, -4]})").param, "prompt");
+  EXPECT_EQ(completion_error(R"({"prompt": ["a", 5]})").param, "prompt[1]");
+  EXPECT_EQ(completion_error(R"({"prompt": [[1], []]})").param, "prompt[1]");
+  EXPECT_EQ(completion_error(R"({"prompt": "x", "logprobs": 21})").param, "logprobs");
+  EXPECT_EQ(completion_error(R"({"prompt": "x", "logprobs": true})").param, "logprobs");
+  EXPECT_EQ(completion_error(R"({"prompt": "x", "suffix": "y"})").param, "suffix");
+}
+
+TEST(ApiError, StatusAndBodyPerCode) {
+  EXPECT_EQ(http_status(Error{ErrorCode::kUnauthorized, "x", ""}), 401);
+  EXPECT_EQ(http_status(Error{ErrorCode::kModelNotFound, "x", "model"}), 404);
+  EXPECT_EQ(http_status(Error{ErrorCode::kQueueFull, "x", ""}), 429);
+  EXPECT_EQ(http_status(Error{ErrorCode::kUnavailable, "x", ""}), 503);
+  EXPECT_EQ(http_status(Error{ErrorCode::kInternal, "x", ""}), 500);
+  auto b = error_body(Error{ErrorCode::kContextLength, "too long", "messages"});
+  EXPECT_EQ(b["error"]["code"], "context_length_exceeded");
+  EXPECT_EQ(b["error"]["param"], "messages");
+  EXPECT_EQ(b["error"]["message"], "too long");
+  EXPECT_TRUE(error_body(Error{ErrorCode::kInternal, "x", ""})["error"]["param"].is_null());
+  // Invalid UTF-8 in a message must not throw when dumped.
+  EXPECT_NO_THROW(error_json(Error{ErrorCode::kInvalidArgument, std::string("bad \xff byte"), ""}));
+}
+
+}  // namespace
+}  // namespace m3::server
