@@ -26,6 +26,26 @@
 
 namespace m3::app {
 
+// <repo>/models/demo, found from $M3SERVE_MODELS_DIR or next to / above the executable.
+std::string find_demo_model() {
+  namespace fs = std::filesystem;
+  if (const char* env = std::getenv("M3SERVE_MODELS_DIR")) {
+    fs::path p = fs::path(env) / "demo";
+    if (fs::exists(p / "config.json")) return p.string();
+  }
+  std::error_code ec;
+  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return {};
+  fs::path dir = exe.parent_path();
+  for (int up = 0; up < 5 && !dir.empty(); ++up) {
+    fs::path p = dir / "models" / "demo";
+    if (fs::exists(p / "config.json")) return p.string();
+    dir = dir.parent_path();
+  }
+  return {};
+}
+
+
 namespace {
 
 struct ServeArgs {
@@ -80,25 +100,6 @@ Result<int64_t> parse_bytes(const std::string& s) {
   }
   if (v <= 0) return make_error(ErrorCode::kInvalidArgument, "--kv-cache-memory-bytes must be positive", "--kv-cache-memory-bytes");
   return static_cast<int64_t>(v * mul);
-}
-
-// <repo>/models/demo, found from $M3SERVE_MODELS_DIR or next to / above the executable.
-std::string find_demo_model() {
-  namespace fs = std::filesystem;
-  if (const char* env = std::getenv("M3SERVE_MODELS_DIR")) {
-    fs::path p = fs::path(env) / "demo";
-    if (fs::exists(p / "config.json")) return p.string();
-  }
-  std::error_code ec;
-  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (ec) return {};
-  fs::path dir = exe.parent_path();
-  for (int up = 0; up < 5 && !dir.empty(); ++up) {
-    fs::path p = dir / "models" / "demo";
-    if (fs::exists(p / "config.json")) return p.string();
-    dir = dir.parent_path();
-  }
-  return {};
 }
 
 // Prints an updating "loading" line on a terminal while the model loads.

@@ -15,7 +15,13 @@ namespace m3::app {
 // Registers the subcommand and returns the function that runs it (returns the exit code).
 using RunFn = std::function<int()>;
 RunFn register_generate(CLI::App& app);
+RunFn register_tokenize(CLI::App& app);
+RunFn register_detokenize(CLI::App& app);
 RunFn register_serve(CLI::App& app);
+RunFn register_chat(CLI::App& app);
+
+// The embedded demo model directory (<repo>/models/demo, or $M3SERVE_MODELS_DIR/demo), or "".
+std::string find_demo_model();
 
 // Prints "m3serve: error: <message>" to stderr and returns 1 (or `code`).
 int fail(const std::string& message, int code = 1);

@@ -22,7 +22,10 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("m3serve ") + M3_VERSION);
   std::map<std::string, m3::app::RunFn> runs;
   runs["generate"] = m3::app::register_generate(app);
+  runs["tokenize"] = m3::app::register_tokenize(app);
+  runs["detokenize"] = m3::app::register_detokenize(app);
   runs["serve"] = m3::app::register_serve(app);
+  runs["chat"] = m3::app::register_chat(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
