@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
     }
     const double td = seconds_since(t0);
     std::printf("batch %d: prefill %d tokens x %d: %.1f tokens/s | decode %d steps: %.1f tokens/s, "
-                "%.2f ms/step, weights read %.2f GB/s (%.0f%% of the read ceiling)\n",
+                "%.2f ms/step, all weight bytes / step time %.2f GB/s (%.0f%% of the read ceiling)\n",
                 batch, prefill_len, batch, batch * prefill_len / tp, steps, batch * steps / td,
                 1e3 * td / steps, weight_bytes * steps / td / 1e9,
                 100.0 * weight_bytes * steps / td / bw);
