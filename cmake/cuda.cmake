@@ -12,7 +12,14 @@ if(NOT M3_CUDA STREQUAL "OFF")
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)
     set(M3_HAS_CUDA ON)
-    # CMake 3.25 drops CMAKE_CUDA_STANDARD 20 for nvcc; pass it by hand.
+    # CMake 3.25 does not know nvcc's C++20 flag, yet CUDA targets inherit CXX_STANDARD 20 and
+    # fail to generate ("requires the language dialect CUDA20"): tell it the flag. Newer CMake
+    # (4.x on the GPU machine) knows it already. The flag is passed by hand as well (same
+    # value twice is accepted silently by nvcc).
+    if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+      set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+      set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+    endif()
     set(M3_CUDA_FLAGS -std=c++20 --expt-relaxed-constexpr)
   elseif(M3_CUDA STREQUAL "ON")
     message(FATAL_ERROR "M3_CUDA=ON but no CUDA compiler was found; install the CUDA toolkit or use -DM3_CUDA=OFF")

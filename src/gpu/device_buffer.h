@@ -1,0 +1,91 @@
+// DeviceBuffer<T>: an owning, move-only cudaMalloc'd array, and Stream: an owning cudaStream_t.
+// Used by the CUDA ops' tests and benches, and later by the engine's GPU weights and KV pages.
+// Invariant: data() is null exactly when size() == 0; the memory is freed once, by the owner,
+// and every CUDA call is checked (a fault ends the process, design.md §4).
+#pragma once
+
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "core/check.h"
+#include "gpu/cuda_check.h"
+
+namespace m3::gpu {
+
+template <class T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n) : size_(n) {
+    if (n > 0) M3_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&data_), n * sizeof(T)));
+  }
+  // A device copy of `host` (synchronous).
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) {
+    copy_from(host.data(), host.size());
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  ~DeviceBuffer() { release(); }
+
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  size_t size() const { return size_; }
+  size_t bytes() const { return size_ * sizeof(T); }
+
+  // Synchronous host <-> device copies of the first n elements.
+  void copy_from(const T* host, size_t n) {
+    M3_CHECK(n <= size_, "DeviceBuffer: copy of %zu elements into %zu", n, size_);
+    if (n > 0) M3_CUDA_CHECK(cudaMemcpy(data_, host, n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  void copy_to(T* host, size_t n) const {
+    M3_CHECK(n <= size_, "DeviceBuffer: copy of %zu elements into %zu", n, size_);
+    if (n > 0) M3_CUDA_CHECK(cudaMemcpy(host, data_, n * sizeof(T), cudaMemcpyDeviceToHost));
+  }
+  std::vector<T> to_host() const {
+    std::vector<T> out(size_);
+    copy_to(out.data(), size_);
+    return out;
+  }
+  // Sets every byte to `byte` (e.g. 0xff fills floats with NaN to catch unwritten outputs).
+  void fill_bytes(int byte) {
+    if (size_ > 0) M3_CUDA_CHECK(cudaMemset(data_, byte, bytes()));
+  }
+
+ private:
+  void release() {
+    if (data_ != nullptr) cudaFree(data_);  // cannot fail usefully in a destructor
+    data_ = nullptr;
+    size_ = 0;
+  }
+  T* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// An owning non-blocking CUDA stream.
+class Stream {
+ public:
+  Stream() { M3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  ~Stream() { cudaStreamDestroy(stream_); }
+  cudaStream_t get() const { return stream_; }
+  void synchronize() const { M3_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace m3::gpu

@@ -1,0 +1,111 @@
+// linear (a tiled SIMT GEMM: fp32 activations × bf16/f32 weights -> fp32) and embedding.
+// Phase-1 kernels: correct for any shape, not yet fast (no tensor cores; the bf16 weights are
+// widened to fp32 in shared memory so results keep fp32 semantics, like the CPU op).
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops.h"
+
+namespace m3::kernels::cuda {
+
+namespace {
+
+using detail::ceil_div;
+using detail::load_weight;
+
+// Tile: kTileT tokens × kTileR weight rows per block, kTileK of the reduction dim per step;
+// 256 threads as 16 × 16, each owning a 4 × 4 patch of outputs.
+constexpr int kTileT = 64, kTileR = 64, kTileK = 16, kLinearThreads = 256, kPatch = 4;
+static_assert(kTileT * kTileK == kLinearThreads * 4 && kTileR * kTileK == kLinearThreads * 4);
+static_assert(kTileT == 16 * kPatch && kTileR == 16 * kPatch);
+
+__global__ void __launch_bounds__(kLinearThreads)
+    linear_kernel(const float* __restrict__ x, const void* __restrict__ w, bool w_bf16,
+                  float* __restrict__ y, int64_t n, int64_t m, int64_t k) {
+  // Stored k-major so the inner loop reads 4 consecutive tokens / rows per step; +4 pads rows.
+  __shared__ float xs[kTileK][kTileT + 4];
+  __shared__ float ws[kTileK][kTileR + 4];
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTileT;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTileR;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  float acc[kPatch][kPatch];
+#pragma unroll
+  for (int i = 0; i < kPatch; ++i)
+#pragma unroll
+    for (int j = 0; j < kPatch; ++j) acc[i][j] = 0.f;
+
+  for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      const int e = threadIdx.x + l * kLinearThreads;
+      const int row = e / kTileK, kk = e % kTileK;
+      const int64_t gk = k0 + kk;
+      const int64_t gt = t0 + row, gr = r0 + row;
+      xs[kk][row] = (gt < n && gk < k) ? x[gt * k + gk] : 0.f;
+      ws[kk][row] = (gr < m && gk < k) ? load_weight(w, w_bf16, gr * k + gk) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kTileK; ++kk) {
+      float a[kPatch], b[kPatch];
+#pragma unroll
+      for (int i = 0; i < kPatch; ++i) a[i] = xs[kk][ty * kPatch + i];
+#pragma unroll
+      for (int j = 0; j < kPatch; ++j) b[j] = ws[kk][tx * kPatch + j];
+#pragma unroll
+      for (int i = 0; i < kPatch; ++i)
+#pragma unroll
+        for (int j = 0; j < kPatch; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < kPatch; ++i) {
+    const int64_t t = t0 + ty * kPatch + i;
+    if (t >= n) continue;
+#pragma unroll
+    for (int j = 0; j < kPatch; ++j) {
+      const int64_t r = r0 + tx * kPatch + j;
+      if (r < m) y[t * m + r] = acc[i][j];
+    }
+  }
+}
+
+__global__ void embedding_kernel(const void* __restrict__ table, bool bf16, int64_t rows,
+                                 int64_t cols, const int32_t* __restrict__ ids,
+                                 float* __restrict__ out) {
+  const int64_t t = blockIdx.x;
+  const int32_t id = ids[t];
+  M3_DEVICE_CHECK(id >= 0 && id < rows, "embedding id %d out of range [0, %lld)", id,
+                  static_cast<long long>(rows));
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    out[t * cols + c] = load_weight(table, bf16, static_cast<int64_t>(id) * cols + c);
+}
+
+void check_dtype(const MatRef& w, const char* op) {
+  M3_CHECK(w.dtype == DType::kBF16 || w.dtype == DType::kF32, "%s: weight dtype %s", op,
+           dtype_name(w.dtype));
+}
+
+}  // namespace
+
+void linear(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream) {
+  check_dtype(w, "cuda::linear");
+  if (n == 0 || w.rows == 0) return;
+  M3_CHECK(ceil_div(n, kTileT) <= 65535u, "cuda::linear: %lld tokens is too many for one call",
+           static_cast<long long>(n));
+  const dim3 grid(ceil_div(w.rows, kTileR), ceil_div(n, kTileT));
+  linear_kernel<<<grid, kLinearThreads, 0, stream>>>(x, w.data, w.dtype == DType::kBF16, y, n,
+                                                    w.rows, w.cols);
+  M3_CUDA_CHECK_LAUNCH("linear_kernel");
+}
+
+void embedding(const MatRef& table, const int32_t* ids, int64_t n, float* out,
+               cudaStream_t stream) {
+  check_dtype(table, "cuda::embedding");
+  if (n == 0) return;
+  M3_CHECK(n <= 0x7fffffff, "cuda::embedding: %lld ids", static_cast<long long>(n));
+  embedding_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(
+      table.data, table.dtype == DType::kBF16, table.rows, table.cols, ids, out);
+  M3_CUDA_CHECK_LAUNCH("embedding_kernel");
+}
+
+}  // namespace m3::kernels::cuda
