@@ -139,6 +139,9 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
                        int64_t local_blocks, int32_t* out) {
   const int64_t bs = c.page_size, di = c.index_dim;
   M3_CHECK(c.ik != nullptr, "msa_select_blocks: layer has no index-K cache");
+  // The query's own (partial) block is always forced, so every scored block lies wholly before
+  // the query; the config loader refuses sparse_local_block < 1.
+  M3_CHECK(local_blocks >= 1, "msa_select_blocks: local_blocks must be >= 1");
   parallel_for(L.num_tokens * num_index_heads, [&](int64_t w0, int64_t w1) {
     std::vector<float> score;
     std::vector<int32_t> order;
