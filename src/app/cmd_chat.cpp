@@ -46,6 +46,7 @@ int run_chat(const ChatArgs& args) {
   engine::EngineConfig ec;
   ec.model_dir = a.model_dir;
   ec.max_num_seqs = 1;
+  ec.num_sampleable_tokens = (*tok)->vocab_size();
   auto eng = engine::Engine::create(ec);
   if (!eng) return fail(eng.error().message);
   const auto& info = (*eng)->model_info();

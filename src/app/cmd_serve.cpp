@@ -211,6 +211,7 @@ int run_serve(ServeArgs a) {
   ec.enable_prefix_caching = a.enable_prefix_caching && !a.no_enable_prefix_caching;
   ec.priority_scheduling = a.scheduling_policy == "priority";
   ec.max_queue_len = a.max_queue_len;
+  ec.num_sampleable_tokens = assets->tokenizer->vocab_size();  // never sample padding rows
   std::unique_ptr<engine::Engine> eng;
   {
     LoadProgress progress(a.model_dir);

@@ -340,7 +340,10 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   info.kv_tokens = num_pages * bs;
   for (int64_t e : mc.eos_token_ids) info.eos_token_ids.push_back(static_cast<int32_t>(e));
 
-  impl->runner = std::make_unique<ModelRunner>(std::move(model), num_pages);
+  const int64_t sampleable = config.num_sampleable_tokens > 0
+                                 ? std::min<int64_t>(config.num_sampleable_tokens, mc.vocab_size)
+                                 : mc.vocab_size;
+  impl->runner = std::make_unique<ModelRunner>(std::move(model), num_pages, sampleable);
   impl->scheduler = std::make_unique<sched::Scheduler>(sc);
   auto& st = impl->stats;
   const std::vector<double> lat = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,

@@ -30,6 +30,9 @@ struct EngineConfig {
   bool enable_prefix_caching = true;
   bool priority_scheduling = false;   // else first-come-first-served
   int max_queue_len = 1024;           // waiting requests beyond this are refused (kQueueFull)
+  // Ids at or above this are never sampled (embedding rows past the tokenizer's vocabulary, e.g.
+  // M3's padding rows 200061-200063). 0: the model's vocab_size.
+  int64_t num_sampleable_tokens = 0;
 };
 
 // Histogram with fixed upper bounds (Prometheus style: counts are per bucket, not cumulative).

@@ -14,8 +14,9 @@ TokenLogprobOut to_out(const TokenLogprob& lp) {
 }
 }  // namespace
 
-ModelRunner::ModelRunner(std::unique_ptr<model::M3Model> model, int64_t num_pages)
-    : model_(std::move(model)), cache_(model_->config(), num_pages) {}
+ModelRunner::ModelRunner(std::unique_ptr<model::M3Model> model, int64_t num_pages,
+                         int64_t num_sampleable)
+    : model_(std::move(model)), cache_(model_->config(), num_pages), num_sampleable_(num_sampleable) {}
 
 sched::RunnerOutput ModelRunner::execute(
     const sched::SchedulerOutput& out, std::unordered_map<uint64_t, RunnerRequestState>& states) {
@@ -76,7 +77,7 @@ sched::RunnerOutput ModelRunner::execute(
     if (st.params.logprobs >= 0) raw.assign(lr.begin(), lr.end());
     std::span<const int32_t> gen(st.history.data() + st.num_prompt_tokens,
                                  st.history.size() - st.num_prompt_tokens);
-    const int32_t tok = Sampler::sample(lr, st.params, st.history, gen, st.rng, V);
+    const int32_t tok = Sampler::sample(lr, st.params, st.history, gen, st.rng, num_sampleable_);
     if (st.params.logprobs >= 0)
       st.step_logprobs.push_back(to_out(Sampler::logprobs(raw, tok, st.params.logprobs)));
     st.history.push_back(tok);

@@ -35,7 +35,8 @@ struct RunnerRequestState {
 
 class ModelRunner {
  public:
-  ModelRunner(std::unique_ptr<model::M3Model> model, int64_t num_pages);
+  // `num_sampleable` (<= vocab size): ids at or above it are never sampled.
+  ModelRunner(std::unique_ptr<model::M3Model> model, int64_t num_pages, int64_t num_sampleable);
 
   const model::M3Model& model() const { return *model_; }
   int64_t num_pages() const { return cache_.num_pages(); }
@@ -47,6 +48,7 @@ class ModelRunner {
  private:
   std::unique_ptr<model::M3Model> model_;
   model::KvCache cache_;
+  int64_t num_sampleable_;
 };
 
 }  // namespace m3::engine

@@ -202,6 +202,23 @@ TEST(Engine, SeededSamplingIsReproducible) {
   EXPECT_NE(run(42), run(43));  // 12 tokens from a non-trivial distribution: a clash is ~impossible
 }
 
+TEST(Engine, IdsPastTheSampleableVocabularyAreNeverSampled) {
+  EngineConfig cfg;
+  cfg.block_size = 8;
+  cfg.num_sampleable_tokens = 7;  // as if the tokenizer defined only ids 0..6
+  auto e = make_engine(cfg);
+  ASSERT_TRUE(e);
+  for (float temp : {0.0f, 1.5f}) {
+    GenerateRequest r;
+    r.prompt_token_ids = random_prompt(9, 11, static_cast<int>(e->model_info().vocab_size));
+    r.params.temperature = temp;
+    r.params.seed = 1;
+    r.params.max_tokens = 24;
+    r.params.ignore_eos = true;
+    for (int32_t t : collect(**e->submit(r)).tokens) EXPECT_LT(t, 7) << "temperature " << temp;
+  }
+}
+
 TEST(Engine, AbortFreesPagesAndFinishesTheStream) {
   EngineConfig cfg;
   cfg.block_size = 8;
