@@ -66,6 +66,16 @@ int main(int argc, char** argv) {
   const cudaStream_t s = stream.get();
   char name[128];
 
+  // Ceiling measured in this run: device-to-device copy of 1 GiB (bytes read + written / s).
+  {
+    const size_t bytes = size_t{1} << 30;
+    DeviceBuffer<uint8_t> a(bytes), b(bytes);
+    const double ms = time_ms(s, 10, [&] {
+      M3_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, s));
+    });
+    std::printf("ceiling: device copy %.0f GB/s (read + write), measured now\n", 2.0 * bytes / (ms * 1e-3) / 1e9);
+  }
+
   // linear: q_proj (6144 -> 8192), bf16 weights.
   const int64_t hidden = 6144, qdim = 8192;
   DeviceBuffer<uint16_t> w(qdim * hidden);

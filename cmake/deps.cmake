@@ -3,13 +3,21 @@ find_package(Threads REQUIRED)
 if(M3_KERNELS_ONLY)
   # Kernels-only build (GPU machine): core needs tl::expected and the tests need gtest. Take the
   # installed packages when present, else headers/static libraries carried in .gpu_deps/
-  # (include/tl/expected.hpp, include/gtest/, lib/libgtest.a, lib/libgtest_main.a).
+  # (include/tl/expected.hpp, include/nlohmann/, include/gtest/, lib/libgtest.a,
+  # lib/libgtest_main.a).
   set(M3_GPU_DEPS ${PROJECT_SOURCE_DIR}/.gpu_deps)
   find_package(tl-expected QUIET)
   if(NOT TARGET tl::expected)
     find_path(M3_TL_EXPECTED_INCLUDE tl/expected.hpp HINTS ${M3_GPU_DEPS}/include REQUIRED)
     add_library(tl::expected INTERFACE IMPORTED)
     target_include_directories(tl::expected INTERFACE ${M3_TL_EXPECTED_INCLUDE})
+  endif()
+  # m3_model reads config.json and safetensors headers with nlohmann-json (header-only).
+  find_package(nlohmann_json 3.10 QUIET)
+  if(NOT TARGET nlohmann_json::nlohmann_json)
+    find_path(M3_NLOHMANN_INCLUDE nlohmann/json.hpp HINTS ${M3_GPU_DEPS}/include REQUIRED)
+    add_library(nlohmann_json::nlohmann_json INTERFACE IMPORTED)
+    target_include_directories(nlohmann_json::nlohmann_json INTERFACE ${M3_NLOHMANN_INCLUDE})
   endif()
   find_package(GTest QUIET)
   if(NOT TARGET GTest::gtest)

@@ -1,9 +1,10 @@
 // `m3serve generate`: run the model on token ids and print the continuation, for debugging and
 // for checks from outside. Stable interface (issue #2):
 //   m3serve generate --model DIR --prompt-ids 5,17,42 --max-tokens 8 --temperature 0
-//                    --logprobs 5 --echo --json
+//                    --logprobs 5 --echo --json [--device cpu|cuda]
 // prints {"prompt_ids", "output_ids", "prompt_logprobs", "output_logprobs"}; prompt_logprobs[i]
-// scores prompt token i given the tokens before it (entry 0 is null).
+// scores prompt token i given the tokens before it (entry 0 is null). --device cuda runs the
+// same forward on the GPU (M3ModelCuda; only in builds with M3_HAS_CUDA) and prints the same JSON.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -12,6 +13,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +23,10 @@
 #include "engine/sampler.h"
 #include "model/m3_model.h"
 #include "model/sequence_runner.h"
+#ifdef M3_HAS_CUDA
+#include "model/cuda/m3_model_cuda.h"
+#include "model/cuda/sequence_runner_cuda.h"
+#endif
 
 namespace m3::app {
 
@@ -40,6 +46,7 @@ struct GenerateArgs {
   bool json = false;
   bool ignore_eos = false;
   int prefill_chunk = 0;
+  std::string device = "cpu";
 };
 
 Result<std::vector<int32_t>> parse_ids(const std::string& s) {
@@ -81,10 +88,36 @@ int run_generate(const GenerateArgs& a) {
   if (!ids) return fail(ids.error().message);
   if (a.max_tokens < 0) return fail("--max-tokens must be >= 0");
   if (a.logprobs > 20) return fail("--logprobs must be at most 20");
-  auto model = model::M3Model::load(a.model_dir);
-  if (!model) return fail(model.error().message);
-  const model::M3Config& cfg = (*model)->config();
-  if (auto st = (*model)->validate_prompt(*ids); !st) return fail(st.error().message);
+
+  // The model on the chosen device; everything below sees only its config and a step function.
+  std::unique_ptr<model::M3Model> cpu_model;
+#ifdef M3_HAS_CUDA
+  std::unique_ptr<model::M3ModelCuda> gpu_model;
+#endif
+  const model::M3Config* cfgp = nullptr;
+  if (a.device == "cuda") {
+#ifdef M3_HAS_CUDA
+    auto m = model::M3ModelCuda::load(a.model_dir);
+    if (!m) return fail(m.error().message);
+    gpu_model = std::move(*m);
+    cfgp = &gpu_model->config();
+#else
+    return fail("--device cuda: this m3serve was built without CUDA support; rebuild with "
+                "-DM3_CUDA=ON on a machine with the CUDA toolkit, or use --device cpu");
+#endif
+  } else {
+    auto m = model::M3Model::load(a.model_dir);
+    if (!m) return fail(m.error().message);
+    cpu_model = std::move(*m);
+    cfgp = &cpu_model->config();
+  }
+  const model::M3Config& cfg = *cfgp;
+  Status valid;  // the GPU model validates through its host model, the same way
+  if (cpu_model) valid = cpu_model->validate_prompt(*ids);
+#ifdef M3_HAS_CUDA
+  if (gpu_model) valid = gpu_model->validate_prompt(*ids);
+#endif
+  if (!valid) return fail(valid.error().message);
   const int64_t total = static_cast<int64_t>(ids->size()) + a.max_tokens;
   if (total > cfg.max_position_embeddings) {
     return fail("prompt (" + std::to_string(ids->size()) + " tokens) + --max-tokens (" +
@@ -100,8 +133,25 @@ int run_generate(const GenerateArgs& a) {
   if (a.seed >= 0) sp.seed = static_cast<uint64_t>(a.seed);
   auto rng = engine::Sampler::make_rng(sp);
 
-  model::SequenceRunner runner(**model, total + 1, 1);
-  const int seq = runner.add_sequence();
+  using Chunks = std::vector<model::SequenceRunner::Chunk>;
+  std::function<model::ForwardResult(const Chunks&)> run_step;
+  std::unique_ptr<model::SequenceRunner> cpu_runner;
+#ifdef M3_HAS_CUDA
+  std::unique_ptr<model::SequenceRunnerCuda> gpu_runner;
+  if (gpu_model) {
+    gpu_runner = std::make_unique<model::SequenceRunnerCuda>(*gpu_model, total + 1, 1);
+    run_step = [&](const Chunks& c) { return gpu_runner->step(c); };
+  }
+#endif
+  if (cpu_model) {
+    cpu_runner = std::make_unique<model::SequenceRunner>(*cpu_model, total + 1, 1);
+    run_step = [&](const Chunks& c) { return cpu_runner->step(c); };
+  }
+  int seq = 0;  // the runner's only sequence
+  if (cpu_runner) seq = cpu_runner->add_sequence();
+#ifdef M3_HAS_CUDA
+  if (gpu_runner) seq = gpu_runner->add_sequence();
+#endif
   const int k = std::max(0, a.logprobs);
   const int64_t V = cfg.vocab_size;
 
@@ -113,7 +163,7 @@ int run_generate(const GenerateArgs& a) {
   const int64_t chunk = a.prefill_chunk > 0 ? a.prefill_chunk : n;
   for (int64_t s = 0; s < n; s += chunk) {
     const int64_t len = std::min(chunk, n - s);
-    auto r = runner.step({{seq, std::span<const int32_t>(ids->data() + s, len), a.echo}});
+    auto r = run_step({{seq, std::span<const int32_t>(ids->data() + s, len), a.echo}});
     if (a.echo) {
       for (int64_t i = 0; i < len; ++i) {
         const int64_t pos = s + i;
@@ -137,7 +187,7 @@ int run_generate(const GenerateArgs& a) {
     const bool eos = std::find(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end(), tok) !=
                      cfg.eos_token_ids.end();
     if ((eos && !a.ignore_eos) || step + 1 == a.max_tokens) break;
-    auto r = runner.step({{seq, std::span<const int32_t>(&tok, 1), false}});
+    auto r = run_step({{seq, std::span<const int32_t>(&tok, 1), false}});
     last_logits = std::move(r.logits);
   }
 
@@ -181,6 +231,8 @@ RunFn register_generate(CLI::App& app) {
   sub->add_flag("--ignore-eos", a->ignore_eos, "Do not stop at the end-of-sequence token");
   sub->add_option("--prefill-chunk", a->prefill_chunk,
                   "Prefill the prompt in chunks of this many tokens (0 = one step)");
+  sub->add_option("--device", a->device, "Where to run the model: cpu, or cuda (GPU builds)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   return [a] { return run_generate(*a); };
 }
 

@@ -133,3 +133,20 @@ def test_terminal_chat_runs_a_conversation(binary):
     assert "(thinking mode: disabled)" in out
     assert out.count("> ") >= 3
     assert "<mm:think>" not in out and "[e~[" not in out
+
+
+def test_passkey_past_the_top_k_coverage(client):
+    """A number hidden in ~2000 tokens of filler: 4 blocks x 128 tokens cover 512, so only the
+    indexer's block choice can find it (the same eval items transformers scores in
+    tools/demo_model/results/hf_eval.json, all correct there)."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(DEMO, "tokenizer.json"))
+    cfg = json.load(open(os.path.join(DEMO, "config.json")))
+    tc = cfg.get("text_config", cfg)
+    coverage = tc["index_topk_blocks"] * tc["index_block_size"]
+    items = [it for it in tasks.eval_set(tasks.FillerLengths(tok)) if it["kind"] == "passkey" and it["ctx"] == 2048]
+    for it in items[:4]:
+        r = client.chat.completions.create(model="m3-e2e", messages=it["messages"], temperature=0, max_tokens=12,
+                                           extra_body={"chat_template_kwargs": {"thinking_mode": "disabled"}})
+        assert r.usage.prompt_tokens > 3 * coverage, "prompt must exceed what the top-k blocks cover"
+        assert tasks.answer_correct(it, r.choices[0].message.content), (it["id"], it["expect"], r.choices[0].message.content)

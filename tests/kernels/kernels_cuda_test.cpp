@@ -647,8 +647,9 @@ TEST(CudaMsaSelect, TiesAndForcedBlocksExactIds) {
   run_msa_case(MsaCase{4, 2, 8, 3, 1, 1, {1, 12, 13, 40}, true, 1}, 32);
   // Forced init + local blocks outnumber top-k (forced ties at +inf go to the lower ids).
   run_msa_case(MsaCase{4, 1, 8, 2, 2, 2, {40}, true, 2}, 33);
-  // No forced blocks at all; odd index dim.
-  run_msa_case(MsaCase{16, 3, 40, 4, 0, 0, {100, 300}, true, 8}, 34);
+  // No initial blocks, only the local one (the op requires a forced local block: the config
+  // loader refuses sparse_local_block < 1); odd index dim.
+  run_msa_case(MsaCase{16, 3, 40, 4, 0, 1, {100, 300}, true, 8}, 34);
   // Wider value range, top-k larger than a warp's worth of blocks.
   run_msa_case(MsaCase{8, 2, 64, 40, 1, 2, {1000}, false, 8}, 35);
 }

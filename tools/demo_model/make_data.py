@@ -182,14 +182,15 @@ def _make_rows(args):
     return t, w, st, kinds
 
 
-def avg_doc_tokens(weights, pk_lo, pk_hi, other=260, overhead=215):
-    """Rough mean doc length (tokens) for sizing a phase's data: non-passkey docs ~260 tokens,
-    passkey docs the template overhead plus the mean of the log-uniform filler length."""
+def slots_per_doc(weights, pk_lo, pk_hi, other=300, overhead=215, align=128, fill=0.9):
+    """Rough row slots one doc takes, for sizing a phase's data: non-passkey docs ~300 tokens,
+    passkey docs the template overhead plus the mean of the log-uniform filler length, plus the
+    alignment padding and the first-fit packing loss."""
     import math
     tot = sum(w for _, w in weights)
     pk = dict(weights).get("passkey", 0) / tot
     mean_f = (pk_hi - pk_lo) / max(1e-9, math.log(pk_hi / pk_lo))
-    return pk * (overhead + mean_f) + (1 - pk) * other
+    return (pk * (overhead + mean_f) + (1 - pk) * other + align / 2) / fill
 
 
 def rows_jobs(n_docs, seed, weights, pk_lo, pk_hi, row, pad_id, chunk=400):
@@ -226,54 +227,42 @@ def build_docs(n_docs, seed=1, procs=None):
 
 
 def pack_rows(docs, row=ROW, align=128, pad_id=None, seed=0):
-    """Packs docs into rows; every doc starts at a multiple of `align` so that MSA blocks
-    (positions // 128 within the doc) line up with slot blocks. Returns numpy arrays:
-    tokens [R,row] int32, weight [R,row] float32 (0 pad, 0.2 prompt, 1 completion, per target
-    position: weight[t] applies to predicting tokens[t+1]), start [R,row] int32 (doc start slot)."""
+    """Packs docs into rows, first fit (a doc goes into the first row with room, so rows are not
+    closed early); every doc starts at a multiple of `align` so that MSA blocks (positions // 128
+    within the doc) line up with slot blocks. Returns numpy arrays: tokens [R,row] int32,
+    weight [R,row] float32 (0 pad, 0.2 prompt, 1 completion, per target position: weight[t]
+    applies to predicting tokens[t+1]), start [R,row] int32 (doc start slot; a pad tail belongs
+    to its own segment and is never a loss target)."""
     import numpy as np
 
     rng = random.Random(seed)
     order = list(range(len(docs)))
     rng.shuffle(order)
-    rows_t, rows_w, rows_s = [], [], []
-    cur_t = np.full(row, pad_id, np.int32)
-    cur_w = np.zeros(row, np.float32)
-    cur_s = np.zeros(row, np.int32)
-    used = 0
-
-    def flush():
-        nonlocal cur_t, cur_w, cur_s, used
-        if used:
-            # pad tail belongs to the last doc (never a loss target)
-            rows_t.append(cur_t)
-            rows_w.append(cur_w)
-            rows_s.append(cur_s)
-        cur_t = np.full(row, pad_id, np.int32)
-        cur_w = np.zeros(row, np.float32)
-        cur_s = np.zeros(row, np.int32)
-        used = 0
-
+    rows_t, rows_w, rows_s, used = [], [], [], []
     for i in order:
         p, c, _ = docs[i]
         n = len(p) + len(c)
-        if used + n > row:
-            flush()
-        start = used
-        cur_t[start:start + n] = p + c
+        span = (n + align - 1) // align * align
+        r = next((k for k, u in enumerate(used) if u + span <= row), None)
+        if r is None:
+            rows_t.append(np.full(row, pad_id, np.int32))
+            rows_w.append(np.zeros(row, np.float32))
+            rows_s.append(np.zeros(row, np.int32))
+            used.append(0)
+            r = len(used) - 1
+        start = used[r]
+        rows_t[r][start:start + n] = p + c
         # predicting token j+1 from position j: prompt targets weight 0.2, completion 1.0
         w = np.zeros(n, np.float32)
         w[: len(p) - 1] = 0.2
         w[len(p) - 1: n - 1] = 1.0
-        cur_w[start:start + n] = w
-        end = start + n
-        nxt = min(row, (end + align - 1) // align * align)
-        cur_s[start:nxt] = start
-        if nxt < row:
-            cur_s[nxt:] = nxt
-        used = nxt
-        if used >= row:
-            flush()
-    flush()
+        rows_w[r][start:start + n] = w
+        end = min(row, start + span)
+        rows_s[r][start:end] = start
+        used[r] = end
+    for r in range(len(used)):
+        if used[r] < row:
+            rows_s[r][used[r]:] = used[r]
     return np.stack(rows_t), np.stack(rows_w), np.stack(rows_s)
 
 

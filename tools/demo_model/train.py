@@ -2,11 +2,17 @@
 """Train, export and evaluate the m3serve demo model (a scaled-down MiniMax-M3) on one GPU.
 
 One command does everything (run on the GPU machine, from the repository root):
-  python3 tools/demo_model/train.py --out "$OUT" [--train-seconds 300]
+  python3 tools/demo_model/train.py --out "$OUT" --deadline 470 --reserve 125
+Everything is scheduled against a wall-clock deadline (seconds from start): training stops
+`--reserve` seconds before it, then export and evaluation run; a watchdog thread writes whatever
+exists and exits if the deadline is overrun by 25 s.
 
 1. generates the training data (tasks.py, rendered with models/demo/chat_template.jinja and
-   tokenized with models/demo/tokenizer.json) and packs it into 4096-token rows, every
-   conversation starting on a 128-token boundary with positions restarting at 0;
+   tokenized with models/demo/tokenizer.json) in worker processes, as a curriculum of three
+   phases (PHASES: 1024-, 2048-, 4096-token rows, passkey filler growing from 20-700 to
+   120-3700 tokens, a large passkey share); rows are packed first-fit, every conversation
+   starting on a 128-token boundary with positions restarting at 0. Later phases are generated
+   while the first trains;
 2. builds transformers' MiniMaxM3SparseForConditionalGeneration (M3's architecture scaled down:
    layer 0 dense MLP + full attention, layers 1-3 MoE (8 experts top-2 + shared, biased sigmoid
    router) + MSA with the real 128-token blocks and top-4 blocks) and trains it with its own
@@ -23,7 +29,8 @@ One command does everything (run on the GPU machine, from the repository root):
 4. evaluates the reloaded model with transformers (fp32, TF32 off) on the prompts of
    tasks.eval_set: passkey accuracy by length (trained indexer vs dense vs recency-only
    selection), tool-call parse rate, task accuracy with thinking on/off.
-Writes to --out: demo_model.tar.gz, hf_eval.json, train_log.txt (also printed).
+Writes to --out: demo_model.tar.gz (split into .partN pieces if over 15 MiB), hf_eval.json,
+train_log.txt (also printed).
 """
 
 import argparse
@@ -497,10 +504,10 @@ def summarize(res):
 # many retrievals (the first model saw ~8 per step and never learned to copy the key).
 PHASES = [
     # name, end (fraction of training time), row, passkey filler range, kind weights
-    ("A", 0.30, 1024, (20, 700), [("arith", 15), ("lookup", 15), ("chat", 5), ("tool_call", 18),
-                                  ("tool_answer", 10), ("passkey", 37)]),
-    ("B", 0.50, 2048, (60, 1750), [("arith", 15), ("lookup", 15), ("chat", 5), ("tool_call", 18),
-                                   ("tool_answer", 10), ("passkey", 37)]),
+    ("A", 0.30, 1024, (20, 700), [("arith", 13), ("lookup", 13), ("chat", 4), ("tool_call", 16),
+                                  ("tool_answer", 9), ("passkey", 45)]),
+    ("B", 0.50, 2048, (60, 1750), [("arith", 14), ("lookup", 14), ("chat", 5), ("tool_call", 17),
+                                   ("tool_answer", 10), ("passkey", 40)]),
     ("C", 1.00, 4096, (120, 3700), [("arith", 16), ("lookup", 16), ("chat", 5), ("tool_call", 20),
                                     ("tool_answer", 11), ("passkey", 32)]),
 ]
@@ -515,8 +522,9 @@ def main():
                     help="seconds kept after training for export + transformers eval")
     ap.add_argument("--train-seconds", type=float, default=0, help="cap on training time (0: deadline)")
     ap.add_argument("--tokens-per-step", type=int, default=32768)
-    ap.add_argument("--tok-rate", type=float, default=4.5e5,
-                    help="expected training tokens/s, sizes the generated data (epochs wrap)")
+    ap.add_argument("--tok-rate", type=float, default=5e5,
+                    help="expected training slots/s at 1024-token rows (scaled by sqrt(1024/row) for "
+                         "longer rows); sizes the generated data (rows wrap into more epochs)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--kl-start", type=float, default=0.15, help="fraction of training time")
@@ -557,17 +565,22 @@ def main():
         row_ = min(row, 1024) if args.small else row
         hi_ = min(hi, row_ - 300)
         lo_ = min(lo, hi_ - 1)
-        tokens = max(1, (end - prev)) * train_budget * args.tok_rate
-        n_docs = max(procs, int(tokens / make_data.avg_doc_tokens(weights, lo_, hi_)))
+        # phase A's data is what the first step waits for: make ~3/4 of what it may use (rows
+        # wrap into a second epoch if training is faster); B and C are made during A
+        share = 0.8 if pi == 0 else 1.0
+        slots = (end - prev) * train_budget * args.tok_rate * (1024 / row) ** 0.5 * share
+        n_docs = max(procs, int(slots / make_data.slots_per_doc(weights, lo_, hi_)))
         jobs = make_data.rows_jobs(n_docs, seed=11 + pi, weights=weights, pk_lo=lo_, pk_hi=hi_,
                                    row=row_, pad_id=pad_id)
-        phase_data[name] = dict(row=row_, pk=(lo_, hi_), n_docs=n_docs,
-                                res=pool.map_async(make_data._make_rows, jobs))
+        # phase A in two parts: training starts as soon as the first is ready, the second is
+        # added when it is
+        cut = max(1, len(jobs) * 35 // 100) if pi == 0 and len(jobs) > 1 else len(jobs)
+        parts = [pool.map_async(make_data._make_rows, jobs[:cut])]
+        if cut < len(jobs):
+            parts.append(pool.map_async(make_data._make_rows, jobs[cut:]))
+        phase_data[name] = dict(row=row_, pk=(lo_, hi_), n_docs=n_docs, parts=parts, loaded=0)
         prev = end
     tp = time.time()
-    first = PHASES[0][0]
-    phase_data[first]["res"].wait()
-    log(f"phase {first} data ready in {time.time() - tp:.0f}s ({time.time() - t0:.0f}s elapsed)")
 
     from transformers import MiniMaxM3SparseForConditionalGeneration, MiniMaxM3VLConfig
 
@@ -586,13 +599,21 @@ def main():
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
+    first = PHASES[0][0]
+    phase_data[first]["parts"][0].wait()
+    log(f"phase {first} data ready {time.time() - tp:.0f}s after submitting ({time.time() - t0:.0f}s elapsed)")
+
     def load_phase(name):
+        """Rows of every ready part of the phase (waits for the first part)."""
         d = phase_data[name]
-        tt, ww, ss, kinds = make_data.join_rows(d["res"].get())
+        d["parts"][0].wait()
+        ready = [p for p in d["parts"] if p.ready()]
+        tt, ww, ss, kinds = make_data.join_rows([c for p in ready for c in p.get()])
         d.update(T=torch.from_numpy(tt).long(), W=torch.from_numpy(ww), S=torch.from_numpy(ss).long(),
-                 perm=torch.randperm(tt.shape[0]), ptr=0, epoch=0)
-        log(f"phase {name}: {d['n_docs']} docs -> {tt.shape[0]} rows x {tt.shape[1]}, passkey filler "
-            f"{d['pk'][0]}-{d['pk'][1]}; tokens by kind {dict(sorted(kinds.items()))}")
+                 perm=torch.randperm(tt.shape[0]), ptr=0, epoch=d.get("epoch", 0), loaded=len(ready))
+        log(f"phase {name}: {len(ready)}/{len(d['parts'])} parts of {d['n_docs']} docs -> {tt.shape[0]} rows "
+            f"x {tt.shape[1]}, passkey filler {d['pk'][0]}-{d['pk'][1]}; tokens by kind "
+            f"{dict(sorted(kinds.items()))}")
         return d
 
     t_train = time.time()
@@ -612,6 +633,8 @@ def main():
             d = load_phase(name)
             cur = name
             save_log(args.out)
+        elif step % 50 == 0 and d["loaded"] < len(d["parts"]) and all(p.ready() for p in d["parts"]):
+            d = load_phase(name)
         batch = max(1, args.tokens_per_step // d["row"])
         phase = "sparse" if frac >= args.sparse_start else "dense"
         use_kl = frac >= args.kl_start
@@ -661,8 +684,10 @@ def main():
     import tempfile
     export_dir = os.path.join(tempfile.mkdtemp(prefix="m3demo_"), "demo")
     export(torch, model, tok, export_dir)
-    with tarfile.open(os.path.join(args.out, "demo_model.tar.gz"), "w:gz") as tf:
+    tgz = os.path.join(args.out, "demo_model.tar.gz")
+    with tarfile.open(tgz, "w:gz") as tf:
         tf.add(export_dir, arcname="demo")
+    split_large(tgz)
     log(f"exported; {time.time() - t0:.0f}s elapsed")
     save_log(args.out)
     del model, opt, tr
@@ -723,6 +748,25 @@ def main():
 
 
 PARTIAL = {}
+
+
+def split_large(path, limit=15 * 2 ** 20):
+    """The device run returns files of at most 16 MiB: split a larger one into .partN pieces
+    (join with `cat path.part* > path`)."""
+    size = os.path.getsize(path)
+    if size <= limit:
+        return
+    with open(path, "rb") as f:
+        i = 0
+        while True:
+            b = f.read(limit)
+            if not b:
+                break
+            with open(f"{path}.part{i}", "wb") as g:
+                g.write(b)
+            i += 1
+    os.remove(path)
+    log(f"{os.path.basename(path)} is {size / 2 ** 20:.1f} MiB: split into {i} parts")
 
 
 def write_eval(out, meta, res):

@@ -111,6 +111,7 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
                        int64_t local_blocks, int32_t* out, cudaStream_t stream) {
   M3_CHECK(cache.ik != nullptr, "cuda::msa_select_blocks: layer has no index-K cache");
   M3_CHECK(topk > 0);
+  M3_CHECK(local_blocks >= 1, "cuda::msa_select_blocks: local_blocks must be >= 1");
   if (layout.num_tokens == 0) return;
   const int64_t grid = layout.num_tokens * num_index_heads;
   M3_CHECK(grid <= 0x7fffffff);

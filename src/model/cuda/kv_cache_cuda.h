@@ -1,0 +1,41 @@
+// KvCacheCuda: the device storage of the paged KV cache for every layer, laid out exactly like
+// the CPU KvCache (fp32 K, V and, on sparse layers, index-K; one page = sparse_block_size tokens)
+// so the GPU forward computes the same numbers as the CPU one. Used by M3ModelCuda::forward and
+// SequenceRunnerCuda. Invariant: every page starts zeroed; layer(i) hands out device pointers.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "gpu/device_buffer.h"
+#include "kernels/cpu/ops.h"
+#include "model/config.h"
+
+namespace m3::model {
+
+class KvCacheCuda {
+ public:
+  // Allocates num_pages pages on the current device (a failed cudaMalloc ends the process naming
+  // the call; size the cache from the free memory first).
+  KvCacheCuda(const M3Config& cfg, int64_t num_pages);
+
+  int64_t num_pages() const { return num_pages_; }
+  int64_t page_size() const { return page_size_; }
+  // Layer i's pages; the pointers inside are device pointers.
+  kernels::cpu::KvPages layer(int64_t i);
+  int64_t total_bytes() const { return total_bytes_; }
+
+ private:
+  struct LayerStore {
+    gpu::DeviceBuffer<float> k, v, ik;
+  };
+  int64_t num_pages_;
+  int64_t page_size_;
+  int64_t num_kv_heads_;
+  int64_t head_dim_;
+  int64_t index_dim_;
+  int64_t total_bytes_ = 0;
+  std::vector<LayerStore> layers_;
+};
+
+}  // namespace m3::model
