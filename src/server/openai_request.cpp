@@ -1,3 +1,4 @@
+#include <algorithm>
 #include "server/openai_request.h"
 
 #include <cmath>
@@ -145,8 +146,12 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
   for (const char* key : {"max_tokens", "max_completion_tokens"}) {
     M3_TRY(auto mt, opt_integer(j, key));
     if (!mt) continue;
-    if (*mt < 1 || *mt > std::numeric_limits<int32_t>::max()) {
+    if (*mt < 1) {
       return bad(key, std::string("'") + key + "' must be at least 1, got " + std::to_string(*mt));
+    }
+    if (*mt > std::numeric_limits<int32_t>::max()) {
+      return bad(key, std::string("'") + key + "' is too large (" + std::to_string(*mt) +
+                          "); prompt + completion must fit the model's context (--max-model-len)");
     }
     p.max_tokens = static_cast<int32_t>(*mt);
   }
@@ -323,6 +328,12 @@ Result<OrderedJson> parse_messages(const OrderedJson& j) {
     }
     OrderedJson msg = m;
     const std::string role = m["role"].get<std::string>();
+    // The roles chat templates know ("root" carries M3's identity override).
+    static const char* const kRoles[] = {"system", "developer", "user", "assistant", "tool", "function", "root"};
+    if (std::find(std::begin(kRoles), std::end(kRoles), role) == std::end(kRoles)) {
+      return bad(mp + ".role", "'" + mp + ".role' is '" + role +
+                                   "'; use one of system, developer, user, assistant, tool, root");
+    }
     if (m.contains("content")) {
       M3_TRY(auto c, normalise_content(m["content"], mp + ".content"));
       msg["content"] = std::move(c);

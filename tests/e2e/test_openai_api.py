@@ -259,7 +259,7 @@ def test_wrong_types_are_400_naming_the_param(server, field, value, param):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1), ("top_p", 1.5), ("top_k", -5), ("n", 0), ("max_tokens", 0),
-    ("presence_penalty", 9), ("min_p", 2), ("top_logprobs", 50),
+    ("presence_penalty", 9), ("min_p", 2), ("top_logprobs", 50), ("max_tokens", 10 ** 12),
 ])
 def test_out_of_range_values_are_400(client, field, value):
     extra = {field: value}
@@ -269,6 +269,14 @@ def test_out_of_range_values_are_400(client, field, value):
         client.chat.completions.create(model=MODEL_NAME, messages=USER, extra_body=extra)
     assert e.value.status_code == 400
     assert e.value.body["param"] == field
+
+
+def test_unknown_role_is_400(server):
+    body = {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "hi"}]}
+    status, err = error_of(http(server, "POST", "/v1/chat/completions", body))
+    assert status == 400
+    assert err["param"] == "messages[0].role"
+    assert "wizard" in err["message"]
 
 
 def test_completions_bad_prompts(client):
