@@ -1,4 +1,5 @@
 #include "text/json_schema_types.h"
+#include "text/marker_scan.h"
 
 #include <algorithm>
 #include <cctype>
@@ -22,15 +23,7 @@ std::string ascii_lower(std::string_view s) {
   return out;
 }
 
-bool is_ws(char c) {
-  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
-}
-
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && is_ws(s.front())) s.remove_prefix(1);
-  while (!s.empty() && is_ws(s.back())) s.remove_suffix(1);
-  return s;
-}
+std::string_view trim(std::string_view s) { return trim_ascii_ws(s); }
 
 bool iequals(std::string_view a, std::string_view b) {
   if (a.size() != b.size()) return false;

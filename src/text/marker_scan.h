@@ -10,6 +10,17 @@
 
 namespace m3::text {
 
+// ASCII whitespace as Python's str.strip() sees it in the markup the parsers read.
+inline bool is_ascii_ws(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
+
+inline std::string_view trim_ascii_ws(std::string_view s) {
+  while (!s.empty() && is_ascii_ws(s.front())) s.remove_prefix(1);
+  while (!s.empty() && is_ascii_ws(s.back())) s.remove_suffix(1);
+  return s;
+}
+
 // Length of the longest suffix of `s` that is a proper prefix of `marker` (0 if none): those
 // bytes must be held back until the next delta shows whether the marker follows.
 inline size_t partial_marker_len(std::string_view s, std::string_view marker) {

@@ -12,15 +12,8 @@ namespace {
 constexpr std::string_view kNs = ToolCallParser::kNamespace;
 constexpr std::string_view kInvokeEnd = "]<]minimax[>[</invoke>";
 
-bool is_ws(char c) {
-  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
-}
-
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && is_ws(s.front())) s.remove_prefix(1);
-  while (!s.empty() && is_ws(s.back())) s.remove_suffix(1);
-  return s;
-}
+bool is_ws(char c) { return is_ascii_ws(c); }
+std::string_view trim(std::string_view s) { return trim_ascii_ws(s); }
 
 bool starts_with(std::string_view s, std::string_view p) {
   return s.substr(0, p.size()) == p;
