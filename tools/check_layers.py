@@ -23,6 +23,11 @@ ALLOWED = {
 # server talks to the engine only through engine/engine.h (and the plain types it includes)
 SERVER_ENGINE_HEADERS = {"engine/engine.h", "engine/sampling_params.h"}
 
+# Sub-folders that pull in CUDA: only app/ (and the folders they belong to) may include them, so
+# the engine, scheduler and server build and run without the CUDA toolkit.
+CUDA_ONLY = ("model/cuda/", "kernels/cuda/", "gpu/")
+CUDA_ALLOWED = {"app", "model", "kernels", "gpu"}
+
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
@@ -42,6 +47,8 @@ def main() -> int:
                 continue  # a local or third-party header
             if top != folder and top not in ALLOWED[folder]:
                 bad.append(f"{path}: includes {inc}, but {folder}/ may not depend on {top}/")
+            if inc.startswith(CUDA_ONLY) and folder not in CUDA_ALLOWED:
+                bad.append(f"{path}: includes {inc}; {folder}/ must build without CUDA (only app/ wires the GPU in)")
             if folder == "server" and top == "engine" and inc not in SERVER_ENGINE_HEADERS:
                 bad.append(f"{path}: server/ may use the engine only through engine/engine.h, not {inc}")
     for b in bad:

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "app/commands.h"
+#include "app/device_backend.h"
 #include "engine/engine.h"
 #include "text/chat_output_parser.h"
 #include "text/chat_template.h"
@@ -31,6 +32,7 @@ struct ChatArgs {
   int max_tokens = 512;
   float temperature = 0.f;
   std::string system;
+  DeviceArgs device;
 };
 
 int run_chat(const ChatArgs& args) {
@@ -39,6 +41,8 @@ int run_chat(const ChatArgs& args) {
   if (a.model_dir.empty()) return fail("no MODEL_DIR given and no demo model found; run `m3serve chat /path/to/model`");
   auto mode = text::thinking_mode_from_string(a.thinking_mode);
   if (!mode) return fail(mode.error().message);
+  auto backend_factory = make_backend_factory(a.device, 0);  // probes the GPU for cuda
+  if (!backend_factory) return fail(backend_factory.error().message);
   auto tok = text::Tokenizer::from_file((std::filesystem::path(a.model_dir) / "tokenizer.json").string());
   if (!tok) return fail(tok.error().message);
   auto tpl = text::ChatTemplate::from_model_dir(a.model_dir);
@@ -47,14 +51,15 @@ int run_chat(const ChatArgs& args) {
   ec.model_dir = a.model_dir;
   ec.max_num_seqs = 1;
   ec.num_sampleable_tokens = (*tok)->vocab_size();
+  ec.backend_factory = std::move(*backend_factory);
   auto eng = engine::Engine::create(ec);
   if (!eng) return fail(eng.error().message);
   const auto& info = (*eng)->model_info();
   const bool tty = isatty(1) != 0;
   const char* dim = tty ? "\033[2m" : "";
   const char* reset = tty ? "\033[0m" : "";
-  std::printf("m3serve chat: %s (%d tokens of context). /think enabled|disabled|adaptive, /reset, /quit\n",
-              a.model_dir.c_str(), info.max_model_len);
+  std::printf("m3serve chat: %s on %s (%d tokens of context). /think enabled|disabled|adaptive, /reset, /quit\n",
+              a.model_dir.c_str(), info.device.c_str(), info.max_model_len);
 
   nlohmann::ordered_json messages = nlohmann::ordered_json::array();
   if (!a.system.empty()) messages.push_back({{"role", "system"}, {"content", a.system}});
@@ -158,6 +163,7 @@ RunFn register_chat(CLI::App& app) {
   sub->add_option("--max-tokens", a->max_tokens, "Tokens per answer");
   sub->add_option("--temperature", a->temperature, "0 = greedy");
   sub->add_option("--system", a->system, "System prompt");
+  add_device_options(sub, a->device);
   return [a] { return run_chat(*a); };
 }
 

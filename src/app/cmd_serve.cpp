@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "app/commands.h"
+#include "app/device_backend.h"
 #include "core/log.h"
 #include "engine/engine.h"
 #include "server/http_server.h"
@@ -73,6 +74,7 @@ struct ServeArgs {
   std::string scheduling_policy = "fcfs";
   std::string log_level = "info";
   int http_threads = 0;
+  DeviceArgs device;
 };
 
 Result<int64_t> parse_bytes(const std::string& s) {
@@ -177,6 +179,8 @@ int run_serve(ServeArgs a) {
   if (a.port < 0 || a.port > 65535) return fail("--port must be in 0..65535");
   auto kv_bytes = parse_bytes(a.kv_cache_memory_bytes);
   if (!kv_bytes) return fail(kv_bytes.error().message);
+  auto backend_factory = make_backend_factory(a.device, *kv_bytes);  // probes the GPU for cuda
+  if (!backend_factory) return fail(backend_factory.error().message);
   server::OrderedJson default_kwargs = server::OrderedJson::object();
   if (!a.default_chat_template_kwargs.empty()) {
     default_kwargs = server::OrderedJson::parse(a.default_chat_template_kwargs, nullptr, false);
@@ -212,6 +216,7 @@ int run_serve(ServeArgs a) {
   ec.priority_scheduling = a.scheduling_policy == "priority";
   ec.max_queue_len = a.max_queue_len;
   ec.num_sampleable_tokens = assets->tokenizer->vocab_size();  // never sample padding rows
+  ec.backend_factory = std::move(*backend_factory);
   std::unique_ptr<engine::Engine> eng;
   {
     LoadProgress progress(a.model_dir);
@@ -239,10 +244,10 @@ int run_serve(ServeArgs a) {
     return fail(st.error().message);
   }
   const auto& info = eng->model_info();
-  std::printf("m3serve %s: serving %s as '%s' (%s) | KV cache: %lld tokens (%lld pages of %d) | max-model-len %d | "
-              "prefix caching %s | listening on http://%s:%d\n",
+  std::printf("m3serve %s: serving %s as '%s' (%s) on %s | KV cache: %lld tokens (%lld pages of %d) | "
+              "max-model-len %d | prefix caching %s | listening on http://%s:%d\n",
               M3_VERSION, a.model_dir.c_str(), a.served_model_names[0].c_str(), info.summary.c_str(),
-              static_cast<long long>(info.kv_tokens), static_cast<long long>(info.num_kv_blocks), info.block_size,
+              info.device.c_str(), static_cast<long long>(info.kv_tokens), static_cast<long long>(info.num_kv_blocks), info.block_size,
               info.max_model_len, ec.enable_prefix_caching ? "on" : "off", a.host.c_str(), http->bound_port());
   std::fflush(stdout);
 
@@ -304,6 +309,7 @@ RunFn register_serve(CLI::App& app) {
   sub->add_option("--scheduling-policy", a->scheduling_policy, "fcfs or priority")->capture_default_str();
   sub->add_option("--log-level,--uvicorn-log-level", a->log_level, "debug, info, warning, error")->capture_default_str();
   sub->add_option("--http-threads", a->http_threads, "HTTP worker threads (0: from --max-num-seqs)");
+  add_device_options(sub, a->device);
   return [a] { return run_serve(*a); };
 }
 

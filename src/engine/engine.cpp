@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
+#include <cstdint>
 #include <cmath>
 #include <thread>
 #include <unordered_map>
@@ -10,6 +12,7 @@
 #include "core/log.h"
 #include "engine/model_runner.h"
 #include "model/config.h"
+#include "model/forward_backend.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
 #include "sched/scheduler.h"
@@ -308,18 +311,37 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
         std::min<int64_t>(max_len, 4096) * std::max(1, config.max_num_seqs);
     bytes = std::min<int64_t>(((want_tokens + bs - 1) / bs) * page_bytes, int64_t{4} << 30);
   }
-  int64_t num_pages = bytes / page_bytes;
-  if (config.max_model_len <= 0) max_len = std::min<int64_t>(max_len, num_pages * bs);
-  if (num_pages * bs < max_len || num_pages < 1) {
+  const int64_t cpu_num_pages = bytes / page_bytes;
+  const bool max_len_given = config.max_model_len > 0;
+  // One sequence of max_len tokens must fit in the pool; with no --max-model-len the pool caps it.
+  auto check_fit = [&](int64_t num_pages, const std::string& where,
+                       const std::string& flag) -> Status {
+    if (!max_len_given) max_len = std::min<int64_t>(max_len, num_pages * bs);
+    if (num_pages >= 1 && num_pages * bs >= max_len) return {};
     return make_error(
         ErrorCode::kInvalidArgument,
-        "the KV cache holds " + std::to_string(num_pages * bs) + " tokens (" +
+        "the KV cache " + where + " holds " + std::to_string(num_pages * bs) + " tokens (" +
             std::to_string(num_pages) + " pages of " + std::to_string(page_bytes) +
-            " bytes) but --max-model-len is " + std::to_string(max_len) +
-            "; raise --kv-cache-memory-bytes to at least " +
-            std::to_string(((max_len + bs - 1) / bs) * page_bytes) + " or lower --max-model-len",
-        "--kv-cache-memory-bytes");
+            " bytes) but --max-model-len is " + std::to_string(max_len) + "; it needs at least " +
+            std::to_string(((max_len + bs - 1) / bs) * page_bytes) + " bytes: raise " + flag +
+            " or lower --max-model-len",
+        flag);
+  };
+  std::unique_ptr<model::ForwardBackend> backend;
+  if (config.backend_factory) {
+    M3_TRY(backend, config.backend_factory(std::move(model), cpu_num_pages));
+    M3_CHECK(backend != nullptr, "engine: the backend factory returned null");
+  } else {
+    // Refuse before allocating: the CPU pool is exactly the requested bytes.
+    M3_TRY_STATUS(check_fit(cpu_num_pages, "on cpu", "--kv-cache-memory-bytes"));
+    M3_TRY(backend, model::make_cpu_backend(std::move(model), cpu_num_pages));
   }
+  const int64_t num_pages = backend->num_pages();
+  const model::M3Config& bc = backend->config();  // `mc` went with the model into the backend
+  M3_CHECK(bc.sparse_block_size == bs && num_pages <= INT32_MAX,
+           "engine: backend %s has block size %lld and %lld pages", backend->device_name().c_str(),
+           static_cast<long long>(bc.sparse_block_size), static_cast<long long>(num_pages));
+  M3_TRY_STATUS(check_fit(num_pages, "on " + backend->device_name(), backend->kv_cache_flag()));
   sched::SchedulerConfig sc;
   sc.max_num_seqs = config.max_num_seqs;
   sc.max_num_batched_tokens = config.max_num_batched_tokens;
@@ -332,18 +354,19 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
 
   ModelInfo& info = impl->info;
   info.model_dir = config.model_dir;
-  info.summary = mc.summary();
-  info.vocab_size = mc.vocab_size;
+  info.summary = bc.summary();
+  info.vocab_size = bc.vocab_size;
   info.max_model_len = static_cast<int>(max_len);
   info.block_size = static_cast<int>(bs);
   info.num_kv_blocks = num_pages;
   info.kv_tokens = num_pages * bs;
-  for (int64_t e : mc.eos_token_ids) info.eos_token_ids.push_back(static_cast<int32_t>(e));
+  info.device = backend->device_name();
+  for (int64_t e : bc.eos_token_ids) info.eos_token_ids.push_back(static_cast<int32_t>(e));
 
   const int64_t sampleable = config.num_sampleable_tokens > 0
-                                 ? std::min<int64_t>(config.num_sampleable_tokens, mc.vocab_size)
-                                 : mc.vocab_size;
-  impl->runner = std::make_unique<ModelRunner>(std::move(model), num_pages, sampleable);
+                                 ? std::min<int64_t>(config.num_sampleable_tokens, bc.vocab_size)
+                                 : bc.vocab_size;
+  impl->runner = std::make_unique<ModelRunner>(std::move(backend), sampleable);
   impl->scheduler = std::make_unique<sched::Scheduler>(sc);
   auto& st = impl->stats;
   const std::vector<double> lat = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,

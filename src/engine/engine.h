@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -18,7 +19,18 @@
 #include "core/error.h"
 #include "engine/sampling_params.h"
 
+namespace m3::model {
+class ForwardBackend;
+class M3Model;
+}  // namespace m3::model
+
 namespace m3::engine {
+
+// Builds the device backend from the model the engine loaded on the host. `cpu_num_pages` is the
+// pool the engine sized from kv_cache_memory_bytes (what the CPU backend gets); a GPU factory may
+// size its own pool instead (model/cuda/cuda_backend.h). The engine never sees CUDA types.
+using BackendFactory = std::function<Result<std::unique_ptr<model::ForwardBackend>>(
+    std::unique_ptr<model::M3Model> host_model, int64_t cpu_num_pages)>;
 
 struct EngineConfig {
   std::string model_dir;
@@ -33,6 +45,8 @@ struct EngineConfig {
   // Ids at or above this are never sampled (embedding rows past the tokenizer's vocabulary, e.g.
   // M3's padding rows 200061-200063). 0: the model's vocab_size.
   int64_t num_sampleable_tokens = 0;
+  // Where the forward runs. Empty: the CPU backend (model::make_cpu_backend).
+  BackendFactory backend_factory;
 };
 
 // Histogram with fixed upper bounds (Prometheus style: counts are per bucket, not cumulative).
@@ -74,6 +88,7 @@ struct ModelInfo {
   int block_size = 0;
   int64_t num_kv_blocks = 0;
   int64_t kv_tokens = 0;    // num_kv_blocks * block_size
+  std::string device;       // ForwardBackend::device_name(), e.g. "cpu"
   std::vector<int32_t> eos_token_ids;
 };
 
@@ -128,8 +143,9 @@ class EngineImpl;
 
 class Engine {
  public:
-  // Loads the model and starts the engine thread. Errors: bad model, KV pool too small for one
-  // sequence of max_model_len tokens (names the flag to change), bad block size.
+  // Loads the model, builds its backend (config.backend_factory, or the CPU one) and starts the
+  // engine thread. Errors: bad model, the factory's error, KV pool too small for one sequence of
+  // max_model_len tokens (names the backend's flag to change), bad block size.
   static Result<std::unique_ptr<Engine>> create(const EngineConfig& config);
   ~Engine();
 

@@ -14,9 +14,10 @@ TokenLogprobOut to_out(const TokenLogprob& lp) {
 }
 }  // namespace
 
-ModelRunner::ModelRunner(std::unique_ptr<model::M3Model> model, int64_t num_pages,
-                         int64_t num_sampleable)
-    : model_(std::move(model)), cache_(model_->config(), num_pages), num_sampleable_(num_sampleable) {}
+ModelRunner::ModelRunner(std::unique_ptr<model::ForwardBackend> backend, int64_t num_sampleable)
+    : backend_(std::move(backend)), num_sampleable_(num_sampleable) {
+  M3_CHECK(backend_ != nullptr);
+}
 
 sched::RunnerOutput ModelRunner::execute(
     const sched::SchedulerOutput& out, std::unordered_map<uint64_t, RunnerRequestState>& states) {
@@ -57,7 +58,7 @@ sched::RunnerOutput ModelRunner::execute(
     }
   }
   model::ForwardResult res;
-  model_->forward(b, cache_, &res);
+  backend_->forward(b, &res, /*capture_msa=*/false);
   const int64_t V = res.vocab_size;
 
   sched::RunnerOutput ro;

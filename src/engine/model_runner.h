@@ -1,8 +1,8 @@
 // ModelRunner: turns one SchedulerOutput into the flat ForwardBatch the model reads (token ids,
 // absolute positions, block tables as CSR, logits rows), runs the forward pass, and samples the
-// requests that reach the end of their known tokens. Owns the KV cache storage whose pages the
-// scheduler hands out. Called only from the engine thread.
-// Invariant: page ids in the block tables index this runner's KvCache.
+// requests that reach the end of their known tokens. Owns the ForwardBackend (model + KV pages on
+// one device) whose pages the scheduler hands out. Called only from the engine thread.
+// Invariant: page ids in the block tables index the backend's KV cache.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +14,7 @@
 
 #include "engine/engine.h"
 #include "engine/sampler.h"
-#include "model/kv_cache.h"
+#include "model/forward_backend.h"
 #include "model/m3_model.h"
 #include "sched/scheduler_output.h"
 
@@ -36,18 +36,17 @@ struct RunnerRequestState {
 class ModelRunner {
  public:
   // `num_sampleable` (<= vocab size): ids at or above it are never sampled.
-  ModelRunner(std::unique_ptr<model::M3Model> model, int64_t num_pages, int64_t num_sampleable);
+  ModelRunner(std::unique_ptr<model::ForwardBackend> backend, int64_t num_sampleable);
 
-  const model::M3Model& model() const { return *model_; }
-  int64_t num_pages() const { return cache_.num_pages(); }
+  const model::ForwardBackend& backend() const { return *backend_; }
+  int64_t num_pages() const { return backend_->num_pages(); }
 
   // Runs the step; returns the sampled tokens for requests with will_sample.
   sched::RunnerOutput execute(const sched::SchedulerOutput& out,
                               std::unordered_map<uint64_t, RunnerRequestState>& states);
 
  private:
-  std::unique_ptr<model::M3Model> model_;
-  model::KvCache cache_;
+  std::unique_ptr<model::ForwardBackend> backend_;
   int64_t num_sampleable_;
 };
 

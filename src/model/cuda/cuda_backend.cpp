@@ -1,0 +1,113 @@
+#include "model/cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <string>
+
+#include "core/log.h"
+#include "gpu/cuda_check.h"
+#include "gpu/device.h"
+#include "model/cuda/kv_cache_cuda.h"
+#include "model/cuda/m3_model_cuda.h"
+#include "model/kv_cache.h"
+
+namespace m3::model {
+
+namespace {
+
+std::string mib(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / (1 << 20));
+  return buf;
+}
+
+std::string fraction(double f) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", f);
+  return buf;
+}
+
+class CudaBackend final : public ForwardBackend {
+ public:
+  CudaBackend(std::unique_ptr<M3ModelCuda> model, int64_t num_pages, int device, std::string name)
+      : model_(std::move(model)),
+        cache_(model_->config(), num_pages),
+        device_(device),
+        name_(std::move(name)) {}
+
+  const M3Config& config() const override { return model_->config(); }
+  int64_t num_pages() const override { return cache_.num_pages(); }
+  void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) override {
+    // The current device is per host thread, and the engine thread is not the one that loaded.
+    M3_CUDA_CHECK(cudaSetDevice(device_));
+    model_->forward(batch, cache_, out, capture_msa);
+  }
+  std::string device_name() const override { return name_; }
+  std::string kv_cache_flag() const override { return flag_; }
+  void set_kv_cache_flag(std::string flag) { flag_ = std::move(flag); }
+
+ private:
+  std::unique_ptr<M3ModelCuda> model_;
+  KvCacheCuda cache_;
+  int device_;
+  std::string name_;
+  std::string flag_ = "--gpu-memory-utilization";
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Model> host,
+                                                          const CudaBackendOptions& opts) {
+  const double util = opts.gpu_memory_utilization;
+  if (!(util > 0.0 && util <= 1.0)) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--gpu-memory-utilization " + fraction(util) +
+                          " is outside (0, 1]; it is the fraction of the GPU memory free after "
+                          "the weights that the KV cache may take, e.g. 0.9",
+                      "--gpu-memory-utilization");
+  }
+  const int64_t page_bytes = KvCache::page_bytes(host->config());  // KvCacheCuda: same layout
+  M3_TRY(auto model, M3ModelCuda::from_host(std::move(host), opts.device));
+  // Free memory now that the weights are resident (probe also reads cudaMemGetInfo).
+  M3_TRY(gpu::DeviceInfo info, gpu::probe_device(opts.device));
+  const double free_bytes = static_cast<double>(info.free_bytes);
+  const std::string where = "cuda:" + std::to_string(opts.device) + " (" + info.name + ")";
+  const bool explicit_bytes = opts.kv_cache_memory_bytes > 0;
+  const std::string flag = explicit_bytes ? "--kv-cache-memory-bytes" : "--gpu-memory-utilization";
+  double budget = explicit_bytes ? static_cast<double>(opts.kv_cache_memory_bytes) : free_bytes * util;
+  if (explicit_bytes && budget > free_bytes) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--kv-cache-memory-bytes asks for " + mib(budget) + " of KV cache but " +
+                          where + " has " + mib(free_bytes) +
+                          " free after the weights; lower --kv-cache-memory-bytes",
+                      flag);
+  }
+  const int64_t num_pages =
+      std::min<int64_t>(static_cast<int64_t>(budget / static_cast<double>(page_bytes)), INT32_MAX);
+  if (num_pages < 1) {
+    const std::string how =
+        explicit_bytes ? "--kv-cache-memory-bytes gives " + mib(budget)
+                       : mib(free_bytes) + " free after the weights x --gpu-memory-utilization " +
+                             fraction(util) + " = " + mib(budget);
+    return make_error(ErrorCode::kInvalidArgument,
+                      "no KV page fits on " + where + ": " + how + ", but one page (" +
+                          std::to_string(model->config().sparse_block_size) + " tokens) needs " +
+                          mib(static_cast<double>(page_bytes)) + "; raise " + flag +
+                          ", free GPU memory, or use --device cpu",
+                      flag);
+  }
+  const int64_t tokens = num_pages * model->config().sparse_block_size;
+  const std::string source = explicit_bytes ? std::string("--kv-cache-memory-bytes")
+                                            : mib(free_bytes) + " free after the weights x " +
+                                                  fraction(util);
+  M3_LOG_INFO("KV cache on %s: %s (%s) = %lld pages of %s = %lld tokens", where.c_str(),
+              mib(static_cast<double>(num_pages) * static_cast<double>(page_bytes)).c_str(),
+              source.c_str(), static_cast<long long>(num_pages),
+              mib(static_cast<double>(page_bytes)).c_str(), static_cast<long long>(tokens));
+  auto backend = std::make_unique<CudaBackend>(std::move(model), num_pages, opts.device, where);
+  backend->set_kv_cache_flag(flag);
+  return std::unique_ptr<ForwardBackend>(std::move(backend));
+}
+
+}  // namespace m3::model

@@ -1,0 +1,46 @@
+#include "model/forward_backend.h"
+
+#include "core/check.h"
+#include "model/kv_cache.h"
+
+namespace m3::model {
+
+namespace {
+
+class CpuBackend final : public ForwardBackend {
+ public:
+  // The cache keeps a pointer to the model's config, so the model is built first and outlives it
+  // (members are destroyed in reverse order).
+  CpuBackend(std::unique_ptr<M3Model> model, int64_t num_pages)
+      : model_(std::move(model)), cache_(model_->config(), num_pages) {}
+
+  const M3Config& config() const override { return model_->config(); }
+  int64_t num_pages() const override { return cache_.num_pages(); }
+  void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) override {
+    model_->forward(batch, cache_, out, capture_msa);
+  }
+  std::string device_name() const override { return "cpu"; }
+  std::string kv_cache_flag() const override { return "--kv-cache-memory-bytes"; }
+
+ private:
+  std::unique_ptr<M3Model> model_;
+  KvCache cache_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ForwardBackend>> make_cpu_backend(std::unique_ptr<M3Model> model,
+                                                         int64_t num_pages) {
+  M3_CHECK(model != nullptr);
+  if (num_pages < 1) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "the CPU KV cache would have " + std::to_string(num_pages) +
+                          " pages; raise --kv-cache-memory-bytes to at least " +
+                          std::to_string(KvCache::page_bytes(model->config())) +
+                          " (one page)",
+                      "--kv-cache-memory-bytes");
+  }
+  return std::unique_ptr<ForwardBackend>(new CpuBackend(std::move(model), num_pages));
+}
+
+}  // namespace m3::model

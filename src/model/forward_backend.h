@@ -1,0 +1,37 @@
+// ForwardBackend: the seam between the engine and a device. One backend owns a model and the KV
+// pages its forward reads and writes (CPU: M3Model + KvCache; GPU: M3ModelCuda + KvCacheCuda in
+// model/cuda/cuda_backend.h), so the engine's ModelRunner drives any device through this header
+// alone and never includes CUDA headers. Called only from the engine thread.
+// Invariant: page ids in a batch's block tables index [0, num_pages()); forward() has
+// M3Model::forward's contract (host batch in, host logits out) and has finished when it returns.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/error.h"
+#include "model/config.h"
+#include "model/m3_model.h"
+
+namespace m3::model {
+
+class ForwardBackend {
+ public:
+  virtual ~ForwardBackend() = default;
+
+  virtual const M3Config& config() const = 0;
+  // KV pages of config().sparse_block_size tokens each; the scheduler hands out exactly these.
+  virtual int64_t num_pages() const = 0;
+  virtual void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) = 0;
+  // For logs and the start-up line, e.g. "cpu" or "cuda:0 (NVIDIA H200)".
+  virtual std::string device_name() const = 0;
+  // The command-line flag that sizes this backend's KV cache, named in "too small" errors.
+  virtual std::string kv_cache_flag() const = 0;
+};
+
+// The CPU backend: `model` and a zeroed KvCache of `num_pages` pages. Errors: num_pages < 1.
+Result<std::unique_ptr<ForwardBackend>> make_cpu_backend(std::unique_ptr<M3Model> model,
+                                                         int64_t num_pages);
+
+}  // namespace m3::model

@@ -1,0 +1,132 @@
+// The GPU ForwardBackend (model/cuda/cuda_backend.h) behind the engine, as `serve --device cuda`
+// wires it: greedy tokens through the engine on the GPU equal the transformers goldens (up to the
+// first near-tie), the KV pool is sized from the free memory or an explicit byte count, and bad
+// sizing values are refused with the flag named. GPU tests skip where no GPU is usable; the
+// argument checks run everywhere (they fail before touching the device).
+//
+// Tolerance: kGreedyMarginFloor is model_cuda_test's (the CPU golden test's, derived there): a
+// greedy step whose top-2 logprob margin in the golden is below it may flip on summation order,
+// so the comparison stops at the first such step.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+#include "engine/engine.h"
+#include "gpu/device.h"
+#include "model/cuda/cuda_backend.h"
+#include "model/kv_cache.h"
+#include "model/m3_model.h"
+
+namespace m3::model {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+constexpr double kGreedyMarginFloor = 4e-3;
+const std::string kModel = std::string(M3_SOURCE_DIR) + "/tests/golden/model/msa_small_blocks";
+
+std::string no_gpu_reason() {
+  auto info = gpu::probe_device(0);
+  return info ? std::string() : info.error().message;
+}
+
+engine::BackendFactory cuda_factory(CudaBackendOptions opts) {
+  return [opts](std::unique_ptr<M3Model> host, int64_t) { return make_cuda_backend(std::move(host), opts); };
+}
+
+engine::EngineConfig engine_config(CudaBackendOptions opts) {
+  engine::EngineConfig cfg;
+  cfg.model_dir = kModel;
+  cfg.block_size = 8;  // msa_small_blocks' sparse_block_size
+  cfg.max_model_len = 256;
+  cfg.backend_factory = cuda_factory(opts);
+  return cfg;
+}
+
+TEST(CudaBackend, UtilizationOutsideZeroOneIsRefusedNamingTheFlag) {
+  for (double u : {0.0, -0.5, 1.01}) {
+    CudaBackendOptions opts;
+    opts.gpu_memory_utilization = u;
+    auto e = engine::Engine::create(engine_config(opts));
+    ASSERT_FALSE(e.has_value());
+    EXPECT_NE(e.error().message.find("--gpu-memory-utilization"), std::string::npos)
+        << e.error().message;
+  }
+}
+
+TEST(CudaBackend, EngineGreedyOnTheGpuMatchesTransformers) {
+  if (!no_gpu_reason().empty()) GTEST_SKIP() << "no usable GPU: " << no_gpu_reason();
+  CudaBackendOptions opts;
+  opts.gpu_memory_utilization = 0.05;  // a small slice: other tests may share the GPU
+  auto e = engine::Engine::create(engine_config(opts));
+  ASSERT_TRUE(e.has_value()) << e.error().message;
+  const auto& info = (*e)->model_info();
+  EXPECT_EQ(info.device.rfind("cuda:0", 0), 0u) << info.device;
+  EXPECT_GE(info.num_kv_blocks * info.block_size, 256);
+  std::ifstream f(fs::path(kModel) / "golden.json");
+  const json golden = json::parse(f);
+  for (const auto& c : golden["cases"]) {
+    const auto want = c["greedy_ids"].get<std::vector<int32_t>>();
+    const auto margin = c["greedy_margin"].get<std::vector<double>>();
+    size_t n = 0;
+    while (n < want.size() && margin[n] >= kGreedyMarginFloor) ++n;
+    if (n == 0) continue;
+    engine::GenerateRequest r;
+    r.prompt_token_ids = c["prompt_ids"].get<std::vector<int32_t>>();
+    r.params.temperature = 0;
+    r.params.max_tokens = static_cast<int>(n);
+    r.params.ignore_eos = true;
+    auto s = (*e)->submit(r);
+    ASSERT_TRUE(s.has_value()) << s.error().message;
+    std::vector<int32_t> got;
+    for (;;) {
+      auto o = (*s)->next(std::chrono::milliseconds(120000));
+      ASSERT_TRUE(o.has_value()) << "stream timed out";
+      got.insert(got.end(), o->new_token_ids.begin(), o->new_token_ids.end());
+      if (o->finished) break;
+    }
+    EXPECT_EQ(got, std::vector<int32_t>(want.begin(), want.begin() + n)) << c["name"];
+  }
+}
+
+TEST(CudaBackend, ExplicitBytesGiveExactlyThatManyPages) {
+  if (!no_gpu_reason().empty()) GTEST_SKIP() << "no usable GPU: " << no_gpu_reason();
+  auto host = M3Model::load(kModel);
+  ASSERT_TRUE(host.has_value());
+  CudaBackendOptions opts;
+  opts.kv_cache_memory_bytes = 40 * KvCache::page_bytes((*host)->config()) + 1;
+  auto b = make_cuda_backend(std::move(*host), opts);
+  ASSERT_TRUE(b.has_value()) << b.error().message;
+  EXPECT_EQ((*b)->num_pages(), 40);
+  EXPECT_EQ((*b)->kv_cache_flag(), "--kv-cache-memory-bytes");
+}
+
+TEST(CudaBackend, BudgetsThatCannotFitAreRefusedWithTheNumbers) {
+  if (!no_gpu_reason().empty()) GTEST_SKIP() << "no usable GPU: " << no_gpu_reason();
+  {
+    auto host = M3Model::load(kModel);
+    ASSERT_TRUE(host.has_value());
+    CudaBackendOptions opts;
+    opts.kv_cache_memory_bytes = int64_t{1} << 50;  // 1 PiB
+    auto b = make_cuda_backend(std::move(*host), opts);
+    ASSERT_FALSE(b.has_value());
+    EXPECT_NE(b.error().message.find("free after the weights"), std::string::npos)
+        << b.error().message;
+  }
+  {
+    auto host = M3Model::load(kModel);
+    ASSERT_TRUE(host.has_value());
+    CudaBackendOptions opts;
+    opts.kv_cache_memory_bytes = 1;  // under one page
+    auto b = make_cuda_backend(std::move(*host), opts);
+    ASSERT_FALSE(b.has_value());
+    EXPECT_NE(b.error().message.find("no KV page fits"), std::string::npos) << b.error().message;
+  }
+}
+
+}  // namespace
+}  // namespace m3::model

@@ -1,0 +1,191 @@
+// The engine's backend seam (EngineConfig::backend_factory, model/forward_backend.h): an injected
+// backend is what the engine runs, its page count is the scheduler's pool, its device name and KV
+// flag reach ModelInfo and the errors, and the CPU backend through a factory gives the same
+// greedy tokens as the scheduler-free SequenceRunner.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+
+#include "engine/engine.h"
+#include "model/forward_backend.h"
+#include "model/kv_cache.h"
+#include "model/m3_model.h"
+#include "model/sequence_runner.h"
+
+namespace m3::engine {
+namespace {
+
+const std::string kModel = std::string(M3_SOURCE_DIR) + "/tests/golden/model/msa_small_blocks";
+
+std::vector<int32_t> random_prompt(int n, uint32_t seed, int vocab) {
+  std::mt19937 g(seed);
+  std::uniform_int_distribution<int32_t> d(0, vocab - 1);
+  std::vector<int32_t> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+std::vector<int32_t> reference_greedy(const model::M3Model& m, const std::vector<int32_t>& prompt,
+                                      int n) {
+  model::SequenceRunner r(m, static_cast<int64_t>(prompt.size()) + n + 1, 1);
+  const int s = r.add_sequence();
+  auto out = r.step({{s, prompt, false}});
+  std::vector<int32_t> toks;
+  for (int i = 0; i < n; ++i) {
+    const int32_t t = static_cast<int32_t>(
+        std::max_element(out.logits.begin(), out.logits.end()) - out.logits.begin());
+    toks.push_back(t);
+    if (i + 1 < n) out = r.step({{s, std::span<const int32_t>(&t, 1), false}});
+  }
+  return toks;
+}
+
+std::vector<int32_t> collect(RequestStream& s, std::string* finish_reason) {
+  std::vector<int32_t> toks;
+  for (;;) {
+    auto o = s.next(std::chrono::milliseconds(60000));
+    if (!o) {
+      ADD_FAILURE() << "stream timed out";
+      return toks;
+    }
+    toks.insert(toks.end(), o->new_token_ids.begin(), o->new_token_ids.end());
+    if (o->finished) {
+      *finish_reason = o->finish_reason;
+      return toks;
+    }
+  }
+}
+
+// What the engine did through the seam, read after the engine is gone or idle.
+struct Record {
+  int64_t factory_cpu_num_pages = -1;
+  int forwards = 0;
+  int64_t tokens = 0;
+  int32_t max_page_id = -1;
+};
+
+// Delegates to the real CPU backend and records every call the engine makes.
+class RecordingBackend final : public model::ForwardBackend {
+ public:
+  RecordingBackend(std::unique_ptr<model::ForwardBackend> inner, Record* rec)
+      : inner_(std::move(inner)), rec_(rec) {}
+  const model::M3Config& config() const override { return inner_->config(); }
+  int64_t num_pages() const override { return inner_->num_pages(); }
+  void forward(const model::ForwardBatch& b, model::ForwardResult* out, bool capture) override {
+    ++rec_->forwards;
+    rec_->tokens += static_cast<int64_t>(b.token_ids.size());
+    for (int32_t p : b.block_table) rec_->max_page_id = std::max(rec_->max_page_id, p);
+    inner_->forward(b, out, capture);
+  }
+  std::string device_name() const override { return "recording(" + inner_->device_name() + ")"; }
+  std::string kv_cache_flag() const override { return "--recording-pool"; }
+
+ private:
+  std::unique_ptr<model::ForwardBackend> inner_;
+  Record* rec_;
+};
+
+// A factory giving the CPU backend `pages` pages (ignoring the engine's CPU sizing), recorded.
+BackendFactory recording_factory(int64_t pages, Record* rec) {
+  return [pages, rec](std::unique_ptr<model::M3Model> host, int64_t cpu_num_pages)
+             -> Result<std::unique_ptr<model::ForwardBackend>> {
+    rec->factory_cpu_num_pages = cpu_num_pages;
+    M3_TRY(auto inner, model::make_cpu_backend(std::move(host), pages));
+    return std::unique_ptr<model::ForwardBackend>(new RecordingBackend(std::move(inner), rec));
+  };
+}
+
+TEST(EngineBackend, InjectedCpuBackendGivesTheReferenceGreedyTokens) {
+  auto m = model::M3Model::load(kModel);
+  ASSERT_TRUE(m.has_value()) << m.error().message;
+  const auto& mc = (*m)->config();
+  Record rec;
+  EngineConfig cfg;
+  cfg.model_dir = kModel;
+  cfg.block_size = static_cast<int>(mc.sparse_block_size);
+  cfg.max_model_len = 96;
+  cfg.max_num_seqs = 4;
+  // The engine sizes 500 CPU pages; the backend keeps 14, so four 40-token sequences (5 pages
+  // each at the end) must preempt: only the backend's count can have been the scheduler's pool.
+  cfg.kv_cache_memory_bytes = 500 * model::KvCache::page_bytes(mc);
+  cfg.backend_factory = recording_factory(14, &rec);
+  auto e = Engine::create(cfg);
+  ASSERT_TRUE(e.has_value()) << e.error().message;
+  EXPECT_EQ(rec.factory_cpu_num_pages, 500);
+  EXPECT_EQ((*e)->model_info().num_kv_blocks, 14);
+  EXPECT_EQ((*e)->model_info().kv_tokens, 14 * mc.sparse_block_size);
+  EXPECT_EQ((*e)->model_info().device, "recording(cpu)");
+  EXPECT_EQ((*e)->stats().num_kv_blocks, 14);
+
+  const int V = static_cast<int>((*e)->model_info().vocab_size);
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 4; ++i) {
+    prompts.push_back(random_prompt(20, 31 + i, V));
+    GenerateRequest r;
+    r.prompt_token_ids = prompts.back();
+    r.params.temperature = 0;
+    r.params.max_tokens = 20;
+    r.params.ignore_eos = true;
+    auto s = (*e)->submit(r);
+    ASSERT_TRUE(s.has_value()) << s.error().message;
+    streams.push_back(*s);
+  }
+  for (int i = 0; i < 4; ++i) {
+    std::string reason;
+    EXPECT_EQ(collect(*streams[i], &reason), reference_greedy(**m, prompts[i], 20)) << i;
+    EXPECT_EQ(reason, "length");
+  }
+  EXPECT_GT((*e)->stats().num_preemptions, 0) << "a 14-page pool was meant to force preemption";
+  (*e)->shutdown(true);
+  // Every step went through the injected backend, and only its pages were handed out. At least
+  // 4 x 20 prompt tokens and 4 x 19 decode inputs were computed (more after preemption).
+  EXPECT_GE(rec.tokens, 4 * 20 + 4 * 19);
+  EXPECT_GE(rec.forwards, 20);
+  EXPECT_GE(rec.max_page_id, 0);
+  EXPECT_LT(rec.max_page_id, 14);
+}
+
+TEST(EngineBackend, FactoryErrorsReachTheCaller) {
+  EngineConfig cfg;
+  cfg.model_dir = kModel;
+  cfg.block_size = 8;
+  cfg.backend_factory = [](std::unique_ptr<model::M3Model>, int64_t)
+      -> Result<std::unique_ptr<model::ForwardBackend>> {
+    return make_error(ErrorCode::kUnavailable, "test device is unplugged; use --device cpu",
+                      "--device");
+  };
+  auto e = Engine::create(cfg);
+  ASSERT_FALSE(e.has_value());
+  EXPECT_EQ(e.error().code, ErrorCode::kUnavailable);
+  EXPECT_EQ(e.error().message, "test device is unplugged; use --device cpu");
+}
+
+TEST(EngineBackend, ABackendPoolTooSmallForMaxModelLenNamesTheBackendsFlag) {
+  Record rec;
+  EngineConfig cfg;
+  cfg.model_dir = kModel;
+  cfg.block_size = 8;
+  cfg.max_model_len = 96;  // 12 pages of 8 tokens; the backend has 2
+  cfg.backend_factory = recording_factory(2, &rec);
+  auto e = Engine::create(cfg);
+  ASSERT_FALSE(e.has_value());
+  const std::string& msg = e.error().message;
+  EXPECT_NE(msg.find("--recording-pool"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("recording(cpu)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("holds 16 tokens"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("--kv-cache-memory-bytes"), std::string::npos) << msg;
+}
+
+TEST(EngineBackend, CpuBackendRefusesAnEmptyPool) {
+  auto m = model::M3Model::load(kModel);
+  ASSERT_TRUE(m.has_value());
+  auto b = model::make_cpu_backend(std::move(*m), 0);
+  ASSERT_FALSE(b.has_value());
+  EXPECT_NE(b.error().message.find("--kv-cache-memory-bytes"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace m3::engine
