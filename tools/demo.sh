@@ -21,21 +21,32 @@ def chat(body):
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
                                  data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     return json.load(urllib.request.urlopen(req, timeout=300))
-r = chat({"model": "demo", "messages": [{"role": "user", "content": "What is 12 + 7?"}],
+r = chat({"model": "demo", "messages": [{"role": "user", "content": "What is 23 + 19?"}],
           "chat_template_kwargs": {"thinking_mode": "enabled"}, "max_tokens": 120})
 m = r["choices"][0]["message"]
-print("user: What is 12 + 7?   (thinking enabled)")
+print("user: What is 23 + 19?   (thinking enabled)")
 print("  reasoning:", m.get("reasoning"))
 print("  content:  ", m.get("content"))
 print("  usage:    ", r["usage"])
-tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}}]
-r = chat({"model": "demo", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-          "tools": tools, "max_tokens": 120})
+tools = [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"},
+                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}},
+         {"type": "function", "function": {"name": "set_timer", "description": "Start a countdown timer.",
+          "parameters": {"type": "object", "properties": {"minutes": {"type": "integer"}, "label": {"type": "string"}},
+                         "required": ["minutes", "label"]}}}]
+q = "What is the weather in Paris in celsius?"
+r = chat({"model": "demo", "messages": [{"role": "user", "content": q}], "tools": tools, "max_tokens": 120})
 c = r["choices"][0]
-print("user: What is the weather in Paris?   (tools: get_weather)")
+print(f"user: {q}   (tools: get_weather, set_timer)")
 for call in c["message"].get("tool_calls") or []:
     print("  tool call:", call["function"]["name"], call["function"]["arguments"])
 print("  finish_reason:", c["finish_reason"])
+calls = c["message"].get("tool_calls") or []
+if calls:
+    result = {"city": "Paris", "temperature": 18, "unit": "celsius", "condition": "sunny"}
+    msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": None, "tool_calls": calls[:1]},
+            {"role": "tool", "tool_call_id": calls[0]["id"], "content": json.dumps(result)}]
+    r = chat({"model": "demo", "messages": msgs, "tools": tools, "max_tokens": 120})
+    print("tool result:", json.dumps(result))
+    print("  answer:", r["choices"][0]["message"].get("content"))
 PY
