@@ -4,38 +4,33 @@
 
 namespace m3::model {
 
-namespace {
-int64_t pages_for(int64_t tokens, int64_t page) { return (tokens + page - 1) / page; }
-}  // namespace
+int64_t SequencePages::pages_needed(int64_t max_total_tokens, int64_t max_seqs, int64_t page_size) {
+  return (max_total_tokens + page_size - 1) / page_size + max_seqs;
+}
 
-SequenceRunner::SequenceRunner(const M3Model& model, int64_t max_total_tokens, int64_t max_seqs)
-    : model_(model),
-      cache_(model.config(),
-             pages_for(max_total_tokens, model.config().sparse_block_size) + max_seqs) {}
-
-int SequenceRunner::add_sequence() {
+int SequencePages::add_sequence() {
   seqs_.emplace_back();
   return static_cast<int>(seqs_.size()) - 1;
 }
 
-ForwardResult SequenceRunner::step(const std::vector<Chunk>& chunks, bool capture_msa) {
+ForwardBatch SequencePages::build_step(const std::vector<SequenceChunk>& chunks) {
   ForwardBatch b;
-  const int64_t page = cache_.page_size();
-  // Every sequence in the runner gets a CSR slot; seq_ids index it directly.
-  for (const Chunk& c : chunks) {
+  for (const SequenceChunk& c : chunks) {
     Seq& s = seqs_[c.seq];
-    const int64_t need = pages_for(s.length + static_cast<int64_t>(c.tokens.size()), page);
+    const int64_t tokens = s.length + static_cast<int64_t>(c.tokens.size());
+    const int64_t need = (tokens + page_size_ - 1) / page_size_;
     while (static_cast<int64_t>(s.pages.size()) < need) {
-      M3_CHECK(next_page_ < cache_.num_pages(), "SequenceRunner: out of KV pages");
+      M3_CHECK(next_page_ < num_pages_, "SequencePages: out of KV pages");
       s.pages.push_back(static_cast<int32_t>(next_page_++));
     }
   }
+  // Every sequence gets a CSR slot; seq_ids index it directly.
   b.block_table_offsets.push_back(0);
   for (const Seq& s : seqs_) {
     b.block_table.insert(b.block_table.end(), s.pages.begin(), s.pages.end());
     b.block_table_offsets.push_back(static_cast<int32_t>(b.block_table.size()));
   }
-  for (const Chunk& c : chunks) {
+  for (const SequenceChunk& c : chunks) {
     Seq& s = seqs_[c.seq];
     const int64_t n = static_cast<int64_t>(c.tokens.size());
     for (int64_t i = 0; i < n; ++i) {
@@ -47,6 +42,17 @@ ForwardResult SequenceRunner::step(const std::vector<Chunk>& chunks, bool captur
     }
     s.length += n;
   }
+  return b;
+}
+
+SequenceRunner::SequenceRunner(const M3Model& model, int64_t max_total_tokens, int64_t max_seqs)
+    : model_(model),
+      cache_(model.config(), SequencePages::pages_needed(max_total_tokens, max_seqs,
+                                                         model.config().sparse_block_size)),
+      pages_(cache_.num_pages(), cache_.page_size()) {}
+
+ForwardResult SequenceRunner::step(const std::vector<Chunk>& chunks, bool capture_msa) {
+  ForwardBatch b = pages_.build_step(chunks);
   ForwardResult r;
   model_.forward(b, cache_, &r, capture_msa);
   return r;

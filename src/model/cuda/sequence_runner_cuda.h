@@ -21,21 +21,16 @@ class SequenceRunnerCuda {
   // Room for `max_total_tokens` tokens over all sequences (rounded up to pages per sequence).
   SequenceRunnerCuda(M3ModelCuda& model, int64_t max_total_tokens, int64_t max_seqs = 64);
 
-  int add_sequence();
-  int64_t length(int seq) const { return seqs_[seq].length; }
+  int add_sequence() { return pages_.add_sequence(); }
+  int64_t length(int seq) const { return pages_.length(seq); }
 
   // As SequenceRunner::step: logits rows in chunk order. Running out of pages is a bug.
   ForwardResult step(const std::vector<Chunk>& chunks, bool capture_msa = false);
 
  private:
-  struct Seq {
-    int64_t length = 0;
-    std::vector<int32_t> pages;
-  };
   M3ModelCuda& model_;
   KvCacheCuda cache_;
-  int64_t next_page_ = 0;
-  std::vector<Seq> seqs_;
+  SequencePages pages_;  // same page assignment and batch as the CPU runner
 };
 
 }  // namespace m3::model
