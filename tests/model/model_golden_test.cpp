@@ -25,6 +25,7 @@
 #include <set>
 
 #include "kernels/cpu/ops.h"
+#include "model/golden_util.h"
 #include "model/config.h"
 #include "model/m3_model.h"
 #include "model/sequence_runner.h"
@@ -35,35 +36,12 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-constexpr double kLogprobTol = 2e-3;
-// Greedy steps whose golden top-2 logit margin is below this may legitimately flip.
-constexpr double kGreedyMarginFloor = 4e-3;
-// MSA block choices whose k-th vs (k+1)-th block-score margin is below this may flip: block
-// scores are fp32 dots of unit-scale normed vectors (|score| <~ 30), error <~ 30*128*2^-24.
-constexpr double kMsaMarginFloor = 3e-4;
-
-std::string golden_root() { return std::string(M3_SOURCE_DIR) + "/tests/golden/model"; }
-
-std::vector<std::string> golden_names() {
-  std::vector<std::string> r;
-  if (!fs::exists(golden_root())) return r;
-  for (const auto& e : fs::directory_iterator(golden_root()))
-    if (fs::exists(e.path() / "golden.json")) r.push_back(e.path().filename().string());
-  std::sort(r.begin(), r.end());
-  return r;
-}
-
-json read_json(const fs::path& p) {
-  std::ifstream f(p);
-  return json::parse(f);
-}
-
-std::vector<float> log_softmax_rows(const std::vector<float>& logits, int64_t vocab) {
-  std::vector<float> out(logits.size());
-  kernels::cpu::log_softmax(logits.data(), static_cast<int64_t>(logits.size()) / vocab, vocab,
-                            out.data());
-  return out;
-}
+// The tolerances (kLogprobTol = 2e-3 as derived above; the greedy near-tie floor 4e-3; the MSA
+// margin floor 3e-4: block scores are fp32 dots of unit-scale normed vectors, |score| <~ 30,
+// error <~ 30*128*2^-24) and the golden readers are in golden_util.h, shared with the GPU test.
+using namespace golden;
+std::string golden_root() { return golden::root(); }
+std::vector<std::string> golden_names() { return golden::names(); }
 
 // One whole-prompt prefill per (model, case), shared by the tests that need it (the 2450-token
 // prompt is the slowest thing in the suite). The runner stays usable for decoding after it.

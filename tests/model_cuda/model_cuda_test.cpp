@@ -34,6 +34,7 @@
 #include "gpu/device.h"
 #include "kernels/cpu/ops.h"
 #include "model/cuda/m3_model_cuda.h"
+#include "model/golden_util.h"
 #include "model/cuda/sequence_runner_cuda.h"
 #include "model/m3_model.h"
 #include "model/sequence_runner.h"
@@ -44,34 +45,12 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-constexpr double kLogprobTol = 2e-3;
-constexpr double kGreedyMarginFloor = 4e-3;
-constexpr double kMsaMarginFloor = 3e-4;
+using namespace golden;  // shared tolerances and readers (tests/model/golden_util.h)
 constexpr double kGpuCpuTol = 2e-4;
 constexpr double kStepTol = 1e-5;
 
-std::string golden_root() { return std::string(M3_SOURCE_DIR) + "/tests/golden/model"; }
-
-std::vector<std::string> golden_names() {
-  std::vector<std::string> r;
-  if (!fs::exists(golden_root())) return r;
-  for (const auto& e : fs::directory_iterator(golden_root()))
-    if (fs::exists(e.path() / "golden.json")) r.push_back(e.path().filename().string());
-  std::sort(r.begin(), r.end());
-  return r;
-}
-
-json read_json(const fs::path& p) {
-  std::ifstream f(p);
-  return json::parse(f);
-}
-
-std::vector<float> log_softmax_rows(const std::vector<float>& logits, int64_t vocab) {
-  std::vector<float> out(logits.size());
-  kernels::cpu::log_softmax(logits.data(), static_cast<int64_t>(logits.size()) / vocab, vocab,
-                            out.data());
-  return out;
-}
+std::string golden_root() { return golden::root(); }
+std::vector<std::string> golden_names() { return golden::names(); }
 
 // Why no GPU can be used, or "" when one can (probed once per process).
 const std::string& no_gpu_reason() {
