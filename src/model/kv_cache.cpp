@@ -3,15 +3,20 @@
 namespace m3::model {
 
 KvCache::KvCache(const M3Config& cfg, int64_t num_pages)
+    : KvCache(cfg, num_pages, cfg.num_key_value_heads) {}
+
+KvCache::KvCache(const M3Config& cfg, int64_t num_pages, int64_t num_kv_heads)
     : cfg_(&cfg),
       num_pages_(num_pages),
       page_size_(cfg.sparse_block_size),
-      bytes_per_page_(page_bytes(cfg)) {
+      num_kv_heads_(num_kv_heads),
+      bytes_per_page_(page_bytes(cfg, num_kv_heads)) {
   layers_.resize(cfg.num_hidden_layers);
   const int64_t slots = num_pages * page_size_;
+  const int64_t row = num_kv_heads * cfg.head_dim;
   for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
-    layers_[i].k.assign(slots * cfg.kv_size(), 0.f);
-    layers_[i].v.assign(slots * cfg.kv_size(), 0.f);
+    layers_[i].k.assign(slots * row, 0.f);
+    layers_[i].v.assign(slots * row, 0.f);
     if (cfg.layer_is_sparse[i]) layers_[i].ik.assign(slots * cfg.index_head_dim, 0.f);
   }
 }
@@ -24,14 +29,18 @@ kernels::cpu::KvPages KvCache::layer(int64_t i) {
   p.ik = L.ik.empty() ? nullptr : L.ik.data();
   p.num_pages = num_pages_;
   p.page_size = page_size_;
-  p.num_kv_heads = cfg_->num_key_value_heads;
+  p.num_kv_heads = num_kv_heads_;
   p.head_dim = cfg_->head_dim;
   p.index_dim = L.ik.empty() ? 0 : cfg_->index_head_dim;
   return p;
 }
 
 int64_t KvCache::page_bytes(const M3Config& cfg) {
-  const int64_t per_token = cfg.num_hidden_layers * 2 * cfg.kv_size() +
+  return page_bytes(cfg, cfg.num_key_value_heads);
+}
+
+int64_t KvCache::page_bytes(const M3Config& cfg, int64_t num_kv_heads) {
+  const int64_t per_token = cfg.num_hidden_layers * 2 * num_kv_heads * cfg.head_dim +
                             cfg.num_sparse_layers() * cfg.index_head_dim;
   return per_token * cfg.sparse_block_size * static_cast<int64_t>(sizeof(float));
 }

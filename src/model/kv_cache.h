@@ -2,6 +2,7 @@
 // (128) tokens of K and V for all KV heads and, on sparse layers, the index-K of the same tokens,
 // so a selected MSA block is exactly one page and K/V/index-K pages move as one unit.
 // Who allocates pages is not decided here (sched/ in the server, a bump allocator in tests).
+// A tensor-parallel rank's cache holds only its KV heads (M3Model::cache_kv_heads()).
 #pragma once
 
 #include <cstdint>
@@ -15,12 +16,15 @@ namespace m3::model {
 class KvCache {
  public:
   KvCache(const M3Config& cfg, int64_t num_pages);
+  // A rank's cache: `num_kv_heads` KV heads per layer (plus the one index-K head).
+  KvCache(const M3Config& cfg, int64_t num_pages, int64_t num_kv_heads);
 
   int64_t num_pages() const { return num_pages_; }
   int64_t page_size() const { return page_size_; }
   kernels::cpu::KvPages layer(int64_t i);
   // Bytes of one page across all layers (K + V + index-K).
   static int64_t page_bytes(const M3Config& cfg);
+  static int64_t page_bytes(const M3Config& cfg, int64_t num_kv_heads);
   int64_t total_bytes() const { return num_pages_ * bytes_per_page_; }
 
  private:
@@ -30,6 +34,7 @@ class KvCache {
   const M3Config* cfg_;
   int64_t num_pages_;
   int64_t page_size_;
+  int64_t num_kv_heads_;
   int64_t bytes_per_page_;
   std::vector<LayerStore> layers_;
 };

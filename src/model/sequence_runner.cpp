@@ -48,7 +48,8 @@ ForwardBatch SequencePages::build_step(const std::vector<SequenceChunk>& chunks)
 SequenceRunner::SequenceRunner(const M3Model& model, int64_t max_total_tokens, int64_t max_seqs)
     : model_(model),
       cache_(model.config(), SequencePages::pages_needed(max_total_tokens, max_seqs,
-                                                         model.config().sparse_block_size)),
+                                                         model.config().sparse_block_size),
+             model.cache_kv_heads()),
       pages_(cache_.num_pages(), cache_.page_size()) {}
 
 ForwardResult SequenceRunner::step(const std::vector<Chunk>& chunks, bool capture_msa) {

@@ -1,0 +1,101 @@
+#include "app/parallel_args.h"
+
+#include <CLI/CLI.hpp>
+
+#include "model/forward_backend.h"
+#include "model/m3_model.h"
+
+namespace m3::app {
+
+void add_parallel_options(CLI::App* sub, ParallelArgs& a) {
+  sub->add_option("--tensor-parallel-size,--tp", a.tensor_parallel_size,
+                  "Ranks that split each layer (query heads, MLP/expert intermediates, "
+                  "vocabulary); on the CPU they are threads of this process")
+      ->capture_default_str();
+  sub->add_flag("--enable-expert-parallel", a.enable_expert_parallel,
+                "MoE layers: each rank owns whole experts (E / ranks) instead of a slice of "
+                "every expert");
+  sub->add_option("--data-parallel-size,--dp", a.data_parallel_size,
+                  "Attention data-parallel ranks: each runs its own sequences with all heads, "
+                  "the routed experts are split over all of them (CPU: threads; not combined "
+                  "with --tensor-parallel-size yet)")
+      ->capture_default_str();
+  sub->add_option("--nnodes", a.nnodes,
+                  "Nodes in the group (only 1 for now; see "
+                  "docs/MULTI_NODE.md)")
+      ->capture_default_str();
+  sub->add_option("--node-rank", a.node_rank, "This node's rank in [0, --nnodes)")
+      ->capture_default_str();
+  sub->add_option("--master-addr", a.master_addr,
+                  "Address of node 0, where the ranks rendezvous (multi-node)")
+      ->capture_default_str();
+  sub->add_option("--master-port", a.master_port, "TCP port of the rendezvous on node 0")
+      ->capture_default_str();
+}
+
+namespace {
+Status bad(const std::string& msg, const std::string& flag) {
+  return make_error(ErrorCode::kInvalidArgument, msg, flag);
+}
+}  // namespace
+
+Status validate_parallel(const ParallelArgs& a, const std::string& device) {
+  if (a.tensor_parallel_size < 1)
+    return bad("--tensor-parallel-size must be >= 1, got " + std::to_string(a.tensor_parallel_size),
+               "--tensor-parallel-size");
+  if (a.data_parallel_size < 1)
+    return bad("--data-parallel-size must be >= 1, got " + std::to_string(a.data_parallel_size),
+               "--data-parallel-size");
+  if (a.nnodes < 1)
+    return bad("--nnodes must be >= 1, got " + std::to_string(a.nnodes), "--nnodes");
+  if (a.node_rank < 0 || a.node_rank >= a.nnodes)
+    return bad("--node-rank " + std::to_string(a.node_rank) + " is outside [0, " +
+                   std::to_string(a.nnodes) + ") for --nnodes " + std::to_string(a.nnodes),
+               "--node-rank");
+  if (a.master_port < 1 || a.master_port > 65535)
+    return bad("--master-port " + std::to_string(a.master_port) + " is not a TCP port (1-65535)",
+               "--master-port");
+  if (a.master_addr.empty())
+    return bad("--master-addr is empty; give node 0's host name or IP address", "--master-addr");
+  if (a.nnodes > 1)
+    return make_error(ErrorCode::kUnsupported,
+                      "--nnodes " + std::to_string(a.nnodes) +
+                          ": running across nodes is not implemented yet; run one node "
+                          "(--nnodes 1) and see docs/MULTI_NODE.md for the plan",
+                      "--nnodes");
+  if (a.data_parallel_size > 1 && a.tensor_parallel_size > 1)
+    return make_error(ErrorCode::kUnsupported,
+                      "--data-parallel-size " + std::to_string(a.data_parallel_size) +
+                          " together with --tensor-parallel-size " +
+                          std::to_string(a.tensor_parallel_size) +
+                          " is not implemented yet; use one of them (docs/MULTI_NODE.md)",
+                      "--data-parallel-size");
+  if (a.data_parallel_size > 1 && device == "cuda")
+    return make_error(ErrorCode::kUnsupported,
+                      "--data-parallel-size " + std::to_string(a.data_parallel_size) +
+                          " with --device cuda is not implemented yet; use --device cpu or "
+                          "--data-parallel-size 1",
+                      "--data-parallel-size");
+  if (a.tensor_parallel_size > 1 && device == "cuda")
+    return make_error(ErrorCode::kUnsupported,
+                      "--tensor-parallel-size " + std::to_string(a.tensor_parallel_size) +
+                          " with --device cuda is not implemented yet (the NCCL communicator "
+                          "exists; the GPU sharded forward does not); use --device cpu or "
+                          "--tensor-parallel-size 1",
+                      "--tensor-parallel-size");
+  return {};
+}
+
+engine::BackendFactory wrap_backend_factory(const ParallelArgs& a,
+                                            engine::BackendFactory device_factory) {
+  if (!wants_sharding(a)) return device_factory;
+  const int tp = a.tensor_parallel_size, dp = a.data_parallel_size;
+  const bool ep = a.enable_expert_parallel;
+  return engine::BackendFactory(
+      [tp, ep, dp](std::unique_ptr<model::M3Model> host,
+                   int64_t cpu_num_pages) -> Result<std::unique_ptr<model::ForwardBackend>> {
+        return model::make_cpu_sharded_backend(std::move(host), cpu_num_pages, tp, ep, dp);
+      });
+}
+
+}  // namespace m3::app

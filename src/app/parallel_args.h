@@ -1,0 +1,50 @@
+// The parallelism flags of `serve`, `chat` and `generate` (issue #7): --tensor-parallel-size,
+// --enable-expert-parallel, --data-parallel-size and the multi-node rendezvous flags --nnodes,
+// --node-rank, --master-addr, --master-port. Registers them, validates them, and wraps a device's
+// backend factory so the engine gets the tensor- or data-parallel CPU backend
+// (model::make_cpu_sharded_backend) when asked.
+// Invariant: what is not implemented yet (data and tensor parallel together, more than one node,
+// any parallelism on --device cuda) is refused here with one line, before the weights are read.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/error.h"
+#include "engine/engine.h"
+
+namespace CLI {
+class App;
+}
+
+namespace m3::app {
+
+struct ParallelArgs {
+  int tensor_parallel_size = 1;
+  bool enable_expert_parallel = false;
+  int data_parallel_size = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+};
+
+void add_parallel_options(CLI::App* sub, ParallelArgs& a);
+
+// Errors (one line each, naming the flag): sizes < 1, --node-rank outside [0, --nnodes), a port
+// outside [1, 65535], an empty --master-addr, and what is not implemented yet: --nnodes > 1 (the
+// message points at docs/MULTI_NODE.md), DP and TP both > 1, TP or DP > 1 on `device` cuda.
+Status validate_parallel(const ParallelArgs& a, const std::string& device);
+
+// True when the flags ask for more than one rank.
+inline bool wants_sharding(const ParallelArgs& a) {
+  return a.tensor_parallel_size > 1 || a.data_parallel_size > 1;
+}
+
+// For --device cpu with --tensor-parallel-size or --data-parallel-size > 1: the sharded CPU
+// backend (the engine's CPU page count, rank threads over a CPU communicator). Otherwise returns
+// `device_factory` unchanged. Call after validate_parallel.
+engine::BackendFactory wrap_backend_factory(const ParallelArgs& a,
+                                            engine::BackendFactory device_factory);
+
+}  // namespace m3::app

@@ -1,0 +1,310 @@
+#include "model/shard.h"
+
+#include <cstring>
+#include <sstream>
+
+#include "core/check.h"
+
+namespace m3::model {
+
+namespace {
+
+Error split_error(const std::string& what, int64_t size, int world, const std::string& fix) {
+  return Error{ErrorCode::kInvalidArgument,
+               "--tensor-parallel-size " + std::to_string(world) + " does not divide " + what +
+                   " (" + std::to_string(size) + ")" + (fix.empty() ? "" : "; " + fix),
+               "--tensor-parallel-size"};
+}
+
+std::string divisors_of(int64_t n) {
+  std::string s;
+  for (int64_t d = 1; d <= n && d <= 64; ++d)
+    if (n % d == 0) s += (s.empty() ? "" : ", ") + std::to_string(d);
+  return s;
+}
+
+// Columns [c0, c0 + n) of `m`, copied into storage owned by `owner` (inner vectors never move
+// their heap buffers when the outer vector grows, so the view stays valid).
+MatRef copy_cols(const MatRef& m, int64_t c0, int64_t n, M3Weights& owner) {
+  M3_CHECK(c0 >= 0 && c0 + n <= m.cols);
+  if (c0 == 0 && n == m.cols) return m;  // whole (data parallel): the view itself
+  MatRef r = m;
+  r.cols = n;
+  if (m.dtype == DType::kF32) {
+    auto& buf = owner.owned_f32.emplace_back(static_cast<size_t>(m.rows * n));
+    const float* src = static_cast<const float*>(m.data);
+    for (int64_t i = 0; i < m.rows; ++i)
+      std::memcpy(buf.data() + i * n, src + i * m.cols + c0, n * sizeof(float));
+    r.data = buf.data();
+    owner.bytes_owned += buf.size() * sizeof(float);
+  } else {
+    M3_CHECK(m.dtype == DType::kBF16, "copy_cols: dtype %s", dtype_name(m.dtype));
+    auto& buf = owner.owned_u16.emplace_back(static_cast<size_t>(m.rows * n));
+    const uint16_t* src = static_cast<const uint16_t*>(m.data);
+    for (int64_t i = 0; i < m.rows; ++i)
+      std::memcpy(buf.data() + i * n, src + i * m.cols + c0, n * sizeof(uint16_t));
+    r.data = buf.data();
+    owner.bytes_owned += buf.size() * sizeof(uint16_t);
+  }
+  return r;
+}
+
+// KV-cache bytes per token (fp32, all layers) for `kv_heads` heads per layer.
+int64_t kv_bytes_per_token(const M3Config& cfg, int64_t kv_heads) {
+  return (cfg.num_hidden_layers * 2 * kv_heads * cfg.head_dim +
+          cfg.num_sparse_layers() * cfg.index_head_dim) *
+         static_cast<int64_t>(sizeof(float));
+}
+
+bool any_dense(const M3Config& cfg) {
+  for (bool m : cfg.layer_is_moe)
+    if (!m) return true;
+  return false;
+}
+bool any_moe(const M3Config& cfg) {
+  for (bool m : cfg.layer_is_moe)
+    if (m) return true;
+  return false;
+}
+
+// Attention data parallel: everything whole except the routed experts.
+Result<ShardPlan> make_dp_plan(const M3Config& cfg, const ShardSpec& spec) {
+  const int W = spec.world;
+  ShardPlan p;
+  p.rank = spec.rank;
+  p.world = W;
+  p.expert_parallel = spec.expert_parallel;
+  p.data_parallel = true;
+  p.num_q_heads = cfg.num_attention_heads;
+  p.gqa_group = cfg.num_attention_heads / cfg.num_key_value_heads;
+  p.num_kv_heads = cfg.num_key_value_heads;
+  p.dense_inter = cfg.dense_intermediate_size;
+  p.shared_inter = cfg.shared_intermediate_size;
+  p.vocab_chunk = p.vocab_count = cfg.vocab_size;
+  if (spec.expert_parallel) {
+    if (cfg.num_local_experts % W != 0) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "--data-parallel-size " + std::to_string(W) +
+                            " does not divide the routed experts (" +
+                            std::to_string(cfg.num_local_experts) +
+                            "); expert parallelism gives each rank whole experts",
+                        "--data-parallel-size");
+    }
+    p.num_experts = cfg.num_local_experts / W;
+    p.expert_begin = spec.rank * p.num_experts;
+    p.expert_inter = cfg.intermediate_size;
+  } else {
+    if (cfg.intermediate_size % W != 0) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "--data-parallel-size " + std::to_string(W) +
+                            " does not divide the routed experts' intermediate size (" +
+                            std::to_string(cfg.intermediate_size) +
+                            "); try --enable-expert-parallel",
+                        "--data-parallel-size");
+    }
+    p.num_experts = cfg.num_local_experts;
+    p.expert_inter = cfg.intermediate_size / W;
+    p.expert_inter_begin = spec.rank * p.expert_inter;
+  }
+  return p;
+}
+
+}  // namespace
+
+int64_t ShardPlan::kv_head_begin_of(int r) const {
+  if (!kv_replicated) return static_cast<int64_t>(r) * num_kv_heads;
+  // num_q_heads per rank divides the GQA group: rank r's heads all use KV head q0 / group.
+  return static_cast<int64_t>(r) * num_q_heads / gqa_group;
+}
+
+Result<ShardPlan> make_shard_plan(const M3Config& cfg, const ShardSpec& spec) {
+  const int W = spec.world;
+  if (W < 1) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--tensor-parallel-size must be >= 1, got " + std::to_string(W),
+                      "--tensor-parallel-size");
+  }
+  M3_CHECK(spec.rank >= 0 && spec.rank < W, "shard rank %d outside [0, %d)", spec.rank, W);
+  if (spec.comm != nullptr) {
+    M3_CHECK(spec.comm->world_size() == W && spec.comm->rank() == spec.rank,
+             "communicator rank %d/%d does not match the shard %d/%d", spec.comm->rank(),
+             spec.comm->world_size(), spec.rank, W);
+  }
+  const int64_t nq = cfg.num_attention_heads, nkv = cfg.num_key_value_heads;
+  if (spec.data_parallel) return make_dp_plan(cfg, spec);
+  if (nq % W != 0) {
+    return tl::unexpected(split_error("the query heads", nq, W, "use one of " + divisors_of(nq)));
+  }
+  ShardPlan p;
+  p.rank = spec.rank;
+  p.world = W;
+  p.expert_parallel = spec.expert_parallel;
+  p.num_q_heads = nq / W;
+  p.gqa_group = nq / nkv;
+  p.q_head_begin = spec.rank * p.num_q_heads;
+  if (W <= nkv) {
+    if (nkv % W != 0) {
+      return tl::unexpected(
+          split_error("the KV heads", nkv, W,
+                      "use a size that divides " + std::to_string(nkv) + " or a multiple of it"));
+    }
+    p.num_kv_heads = nkv / W;
+    p.kv_head_begin = spec.rank * p.num_kv_heads;
+  } else {
+    // More ranks than KV heads: each KV head is replicated on W / nkv ranks, which requires the
+    // query heads of one rank to fall into a single GQA group.
+    if (W % nkv != 0) {
+      return tl::unexpected(Error{ErrorCode::kInvalidArgument,
+                                  "--tensor-parallel-size " + std::to_string(W) +
+                                      " is above the model's " + std::to_string(nkv) +
+                                      " KV heads but not a multiple of them, so a rank's query "
+                                      "heads would need two KV heads; use a multiple of " +
+                                      std::to_string(nkv),
+                                  "--tensor-parallel-size"});
+    }
+    p.kv_replicated = true;
+    p.num_kv_heads = 1;
+    p.kv_head_begin = p.q_head_begin / p.gqa_group;
+  }
+  if (any_dense(cfg)) {
+    if (cfg.dense_intermediate_size % W != 0)
+      return tl::unexpected(
+          split_error("the dense MLP intermediate size", cfg.dense_intermediate_size, W, ""));
+    p.dense_inter = cfg.dense_intermediate_size / W;
+    p.dense_inter_begin = spec.rank * p.dense_inter;
+  }
+  if (any_moe(cfg)) {
+    if (cfg.shared_intermediate_size > 0) {
+      if (cfg.shared_intermediate_size % W != 0)
+        return tl::unexpected(split_error("the shared-expert intermediate size",
+                                          cfg.shared_intermediate_size, W, ""));
+      p.shared_inter = cfg.shared_intermediate_size / W;
+      p.shared_inter_begin = spec.rank * p.shared_inter;
+    }
+    if (spec.expert_parallel) {
+      if (cfg.num_local_experts % W != 0)
+        return tl::unexpected(split_error("the routed experts", cfg.num_local_experts, W,
+                                          "expert parallelism gives each rank whole experts"));
+      p.num_experts = cfg.num_local_experts / W;
+      p.expert_begin = spec.rank * p.num_experts;
+      p.expert_inter = cfg.intermediate_size;
+    } else {
+      if (cfg.intermediate_size % W != 0)
+        return tl::unexpected(split_error("the routed experts' intermediate size",
+                                          cfg.intermediate_size, W,
+                                          "try --enable-expert-parallel"));
+      p.num_experts = cfg.num_local_experts;
+      p.expert_inter = cfg.intermediate_size / W;
+      p.expert_inter_begin = spec.rank * p.expert_inter;
+    }
+  }
+  // Vocabulary: M3 pads its embedding rows, but any V works: chunks of ceil(V / W), the last
+  // shorter (possibly empty for tiny vocabularies).
+  const int64_t V = cfg.vocab_size;
+  p.vocab_chunk = (V + W - 1) / W;
+  p.vocab_begin = std::min<int64_t>(V, spec.rank * p.vocab_chunk);
+  p.vocab_count = std::min<int64_t>(V, p.vocab_begin + p.vocab_chunk) - p.vocab_begin;
+  return p;
+}
+
+std::string ShardPlan::describe(const M3Config& cfg) const {
+  std::ostringstream os;
+  if (data_parallel) {
+    os << "attention data parallel " << world << (expert_parallel ? " + expert parallel" : "")
+       << ": rank " << rank << " runs its own sequences with all " << num_q_heads
+       << " query heads and the whole dense MLP, shared expert and vocabulary; routed experts ";
+    if (expert_parallel) {
+      os << "[" << expert_begin << ", " << expert_begin + num_experts << ")";
+    } else {
+      os << "1/" << world << " of each";
+    }
+    os << "; KV cache " << kv_bytes_per_token(cfg, num_kv_heads)
+       << " B/token on this rank (all heads, this rank's sequences only)";
+    return os.str();
+  }
+  os << "tensor parallel " << world << (expert_parallel ? " + expert parallel" : "") << ": rank "
+     << rank << " has query heads [" << q_head_begin << ", " << q_head_begin + num_q_heads
+     << "), KV heads [" << kv_head_begin << ", " << kv_head_begin + num_kv_heads << ")";
+  if (expert_parallel) {
+    os << ", experts [" << expert_begin << ", " << expert_begin + num_experts << ")";
+  } else if (num_experts > 0) {
+    os << ", 1/" << world << " of every expert";
+  }
+  os << ", vocab rows [" << vocab_begin << ", " << vocab_begin + vocab_count << ")";
+  const int64_t full = kv_bytes_per_token(cfg, cfg.num_key_value_heads);
+  const int64_t mine = kv_bytes_per_token(cfg, num_kv_heads);
+  os << "; KV cache " << mine << " B/token on this rank, " << mine * world
+     << " B/token over all ranks vs " << full << " unsharded";
+  if (kv_replicated) {
+    os << " (the model has " << cfg.num_key_value_heads << " KV heads: each is replicated on "
+       << world / cfg.num_key_value_heads << " ranks, and index-K on all " << world << ")";
+  } else if (cfg.any_sparse() && world > 1) {
+    os << " (index-K, one head, is replicated on all " << world << " ranks)";
+  }
+  return os.str();
+}
+
+std::unique_ptr<M3Weights> shard_weights(const M3Weights& full, const M3Config& cfg,
+                                         const ShardPlan& p) {
+  auto w = std::make_unique<M3Weights>();
+  w->checkpoint = full.checkpoint;
+  if (!p.sharded()) {
+    // The unsharded views, unchanged (the owned storage stays with `full`).
+    w->embed_tokens = full.embed_tokens;
+    w->final_norm = full.final_norm;
+    w->lm_head = full.lm_head;
+    w->layers = full.layers;
+    return w;
+  }
+  const int64_t d = cfg.head_dim, di = cfg.index_head_dim;
+  w->embed_tokens = full.embed_tokens.slice_rows(p.vocab_begin, p.vocab_count);
+  w->lm_head = full.lm_head.slice_rows(p.vocab_begin, p.vocab_count);
+  w->final_norm = full.final_norm;
+  w->layers.resize(full.layers.size());
+  for (size_t li = 0; li < full.layers.size(); ++li) {
+    const LayerWeights& F = full.layers[li];
+    LayerWeights& L = w->layers[li];
+    L.input_norm = F.input_norm;
+    L.post_attention_norm = F.post_attention_norm;
+    L.q_norm = F.q_norm;
+    L.k_norm = F.k_norm;
+    L.q_proj = F.q_proj.slice_rows(p.q_head_begin * d, p.num_q_heads * d);
+    L.k_proj = F.k_proj.slice_rows(p.kv_head_begin * d, p.num_kv_heads * d);
+    L.v_proj = F.v_proj.slice_rows(p.kv_head_begin * d, p.num_kv_heads * d);
+    L.o_proj = copy_cols(F.o_proj, p.q_head_begin * d, p.num_q_heads * d, *w);
+    if (cfg.layer_is_sparse[li]) {
+      L.index_q_proj = F.index_q_proj.slice_rows(p.kv_head_begin * di, p.num_kv_heads * di);
+      L.index_k_proj = F.index_k_proj;
+      L.index_q_norm = F.index_q_norm;
+      L.index_k_norm = F.index_k_norm;
+    }
+    if (!cfg.layer_is_moe[li]) {
+      L.gate_proj = F.gate_proj.slice_rows(p.dense_inter_begin, p.dense_inter);
+      L.up_proj = F.up_proj.slice_rows(p.dense_inter_begin, p.dense_inter);
+      L.down_proj = copy_cols(F.down_proj, p.dense_inter_begin, p.dense_inter, *w);
+      continue;
+    }
+    L.router = F.router;
+    L.router_bias = F.router_bias;
+    L.experts.resize(p.num_experts);
+    for (int64_t e = 0; e < p.num_experts; ++e) {
+      const ExpertWeights& E = F.experts[p.expert_begin + e];
+      if (p.expert_parallel) {
+        L.experts[e] = E;  // whole experts, in place
+      } else {
+        L.experts[e].w1 = E.w1.slice_rows(p.expert_inter_begin, p.expert_inter);
+        L.experts[e].w3 = E.w3.slice_rows(p.expert_inter_begin, p.expert_inter);
+        L.experts[e].w2 = copy_cols(E.w2, p.expert_inter_begin, p.expert_inter, *w);
+      }
+    }
+    L.has_shared_expert = F.has_shared_expert;
+    if (F.has_shared_expert) {
+      L.shared_gate = F.shared_gate.slice_rows(p.shared_inter_begin, p.shared_inter);
+      L.shared_up = F.shared_up.slice_rows(p.shared_inter_begin, p.shared_inter);
+      L.shared_down = copy_cols(F.shared_down, p.shared_inter_begin, p.shared_inter, *w);
+    }
+  }
+  return w;
+}
+
+}  // namespace m3::model

@@ -1,0 +1,76 @@
+// ShardSpec / ShardPlan: how one rank of a tensor-parallel (optionally expert-parallel) or
+// attention data-parallel group splits the M3 text model, and the per-rank weight views. Called by
+// M3Model::make_shard (model/m3_model.h), which runs the same forward on these views plus
+// collectives, and by the sharded CPU backend (model/forward_backend.h).
+// Invariant: make_shard_plan accepts a spec only if every split is exact (heads, KV groups,
+// intermediates, experts); the vocabulary may split unevenly (chunks of ceil(V / N) rows, the
+// last rank shorter). world == 1 gives a plan whose views are the unsharded model's, unchanged.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/error.h"
+#include "dist/communicator.h"
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace m3::model {
+
+struct ShardSpec {
+  int rank = 0;
+  int world = 1;                       // tensor-parallel size (ranks of the group)
+  bool expert_parallel = false;        // MoE: own E/N whole experts instead of slicing each
+  dist::Communicator* comm = nullptr;  // required when world > 1; not owned
+  // Attention data parallel: the world ranks are DP ranks, each running embedding, attention,
+  // dense MLP, shared expert and lm_head in full for its own sequences; only the routed experts
+  // are split over the world (EP, or sliced experts without it).
+  bool data_parallel = false;
+};
+
+// What this rank holds. Ranges are [begin, begin + count) in the unsharded model's numbering.
+struct ShardPlan {
+  int rank = 0;
+  int world = 1;
+  bool expert_parallel = false;
+  bool data_parallel = false;  // see ShardSpec; the ranges below are then whole except experts
+  // Attention: query heads split evenly. KV heads split when world <= num_kv_heads; else each
+  // rank keeps the one KV head its query heads use (replicated across world / num_kv_heads ranks).
+  // MSA index-q heads follow the KV heads; index-K (one head) is computed on every rank.
+  int64_t q_head_begin = 0, num_q_heads = 0;
+  int64_t kv_head_begin = 0, num_kv_heads = 0;
+  bool kv_replicated = false;
+  int64_t gqa_group = 1;  // query heads per KV head (unsharded)
+  // MLP intermediates (SwiGLU is elementwise over them: split gate/up rows, down columns).
+  int64_t dense_inter_begin = 0, dense_inter = 0;
+  int64_t shared_inter_begin = 0, shared_inter = 0;
+  int64_t expert_inter_begin = 0, expert_inter = 0;  // whole intermediate under EP
+  int64_t expert_begin = 0, num_experts = 0;         // every expert without EP
+  // Vocabulary rows of embed_tokens and lm_head: chunks of vocab_chunk rows.
+  int64_t vocab_chunk = 0, vocab_begin = 0, vocab_count = 0;
+
+  bool sharded() const { return world > 1; }
+  // Tensor parallel: layers split, every rank sees every token.
+  bool tensor_sharded() const { return world > 1 && !data_parallel; }
+  // Data parallel: each rank runs its own sequences; experts split.
+  bool data_sharded() const { return world > 1 && data_parallel; }
+  // The DP rank that runs the sequence whose first KV page is `first_page`. A function of the
+  // first page, so sequences sharing cached prefix pages always run on the same rank.
+  int dp_owner(int32_t first_page) const { return static_cast<int>(first_page % world); }
+  // First KV head of rank r (for reassembling per-head outputs such as MSA selections).
+  int64_t kv_head_begin_of(int r) const;
+  // One start-up line: what is split, what is replicated and its memory cost.
+  std::string describe(const M3Config& cfg) const;
+};
+
+// Checks the spec against the config (the communicator may be null here: validation only).
+// Errors name the dimension that does not divide and the sizes that would.
+Result<ShardPlan> make_shard_plan(const M3Config& cfg, const ShardSpec& spec);
+
+// The rank's weight views over `full`: row slices point into `full` (which must outlive the
+// result); column slices (o_proj, down projections) are copied into storage the result owns.
+std::unique_ptr<M3Weights> shard_weights(const M3Weights& full, const M3Config& cfg,
+                                         const ShardPlan& plan);
+
+}  // namespace m3::model
