@@ -1,8 +1,12 @@
 // Paged KV writes and causal paged attention (dense, or over MSA-selected blocks), GQA.
-// Attention: one thread block per (token, kv head) serving all query heads of the group; keys
-// stream through shared memory kChunk at a time with an online (running max) fp32 softmax.
+// The fast path (group <= 16, head_dim % 4 == 0, head_dim <= 128) is split-KV: one CTA of four
+// warps per (token, kv head, split); each warp streams 32-key tiles (K via cp.async into shared
+// memory, one lane per key for the scores; V straight from global memory, one lane per 4 output
+// dims) with its own online fp32 softmax; the CTA merges its warps, and
+// attention_combine_kernel merges the splits. Other geometries use the generic kernel: one CTA per (token, kv head), 32-key chunks.
 #include <algorithm>
 
+#include "kernels/cuda/attn_common.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -49,7 +53,7 @@ struct AttnSmem {
 };
 
 __global__ void __launch_bounds__(kAttnThreads)
-    attention_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
+    attention_generic_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
                      const int32_t* __restrict__ blocks, int64_t max_blocks, float scale,
                      float* __restrict__ out) {
   extern __shared__ __align__(16) unsigned char attn_smem[];
@@ -143,6 +147,322 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
 }
 
+// ---- split-KV fast path ----
+constexpr int kSplitWarps = 4;
+constexpr int kSplitThreads = kSplitWarps * detail::kWarp;
+constexpr int kTile = 32;         // keys per warp tile: one per lane for the scores
+constexpr int kMaxSplits = 256;   // the combine kernel keeps one weight per split in smem
+constexpr int kFastMaxDim = 128;  // one lane per 4 output dims
+constexpr int kFastMaxGroup = 16;
+constexpr int kCombineThreads = 128;
+
+// Shared memory of one split CTA, in floats: q·scale transposed [D][G]; per warp a K tile
+// [kTile][D + 4] (rows padded: lane-per-row float4 reads are conflict-free) then the tile's
+// probabilities [kTile][G]; per-warp softmax states and merge weights [warps][G] x 3; the CTA's
+// max and sum [G] x 2. Every region is a multiple of 4 floats (16-byte aligned).
+struct SplitSmem {
+  int g, d;
+  __host__ __device__ int q_floats() const { return d * g; }
+  __host__ __device__ int warp_floats() const { return kTile * (d + 4) + kTile * g; }
+  __host__ __device__ int state_offset() const { return q_floats() + kSplitWarps * warp_floats(); }
+  __host__ __device__ size_t bytes() const {
+    return sizeof(float) * (state_offset() + 3 * kSplitWarps * g + 2 * g);
+  }
+};
+
+// G: the GQA group rounded up to a power of two (extra heads have q = 0 and are not stored).
+// Split `blockIdx.y` of (token, kv head) `blockIdx.x` covers tiles [tile0, tile1) of the token's
+// key list: dense, positions 0..p; selected, entry e of the list covers keys e*bs .. e*bs+bs-1 of
+// block sel[e] (none for -1), each masked to positions <= p. Warps take every 4th tile.
+template <int G>
+__global__ void __launch_bounds__(kSplitThreads)
+    attention_split_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c,
+                           TokenLayout L, const int32_t* __restrict__ blocks, int64_t max_blocks,
+                           float scale, int64_t max_kv_len, int num_splits,
+                           float* __restrict__ part_o, float* __restrict__ part_ml,
+                           float* __restrict__ out) {
+  using detail::kWarp;
+  extern __shared__ __align__(16) float split_smem[];
+  const int D = static_cast<int>(c.head_dim);
+  const int64_t nkv = c.num_kv_heads, bs = c.page_size;
+  const int group = static_cast<int>(num_heads / nkv);
+  const SplitSmem lay{G, D};
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  float* qT = split_smem;
+  float* Ks = split_smem + lay.q_floats() + warp * lay.warp_floats();
+  float* Ps = Ks + kTile * (D + 4);
+  float* Wm = split_smem + lay.state_offset();
+  float* Wl = Wm + kSplitWarps * G;
+  float* Wt = Wl + kSplitWarps * G;
+  float* Ms = Wt + kSplitWarps * G;
+  float* Ls = Ms + G;
+
+  const int64_t t = blockIdx.x / nkv, g = blockIdx.x % nkv;
+  const int split = blockIdx.y;
+  const int32_t p = L.positions[t], s = L.seq_ids[t];
+  M3_DEVICE_CHECK(max_kv_len <= 0 || p < max_kv_len,
+                  "attention: position %d beyond max_kv_len %lld", p,
+                  static_cast<long long>(max_kv_len));
+  const int64_t nb = p / bs + 1;
+  const int32_t* table = L.block_table + L.block_table_offsets[s];
+  const int32_t* sel = blocks ? blocks + (t * nkv + g) * max_blocks : nullptr;
+  const int64_t nvirt = sel ? max_blocks * bs : static_cast<int64_t>(p) + 1;
+  const int64_t ntiles = (nvirt + kTile - 1) / kTile;
+  const int64_t per = (ntiles + num_splits - 1) / num_splits;
+  const int64_t tile0 = split * per, tile1 = min(ntiles, tile0 + per);
+
+  // q·scale (as the CPU op: scale first, then the dot), transposed to [D][G]; extra heads 0.
+  // Read as float4 in memory order, all of a thread's loads issued before any store.
+  const float4* qg = reinterpret_cast<const float4*>(q + (t * num_heads + g * group) * D);
+  constexpr int kQPerThread = (kFastMaxGroup * kFastMaxDim / 4 + kSplitThreads - 1) / kSplitThreads;
+  const int nq4 = G * D / 4, real4 = group * D / 4;
+  float4 qv[kQPerThread];
+#pragma unroll
+  for (int u = 0; u < kQPerThread; ++u) {
+    const int e = threadIdx.x + u * kSplitThreads;
+    qv[u] = e < real4 ? qg[e] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int u = 0; u < kQPerThread; ++u) {
+    const int e = threadIdx.x + u * kSplitThreads;
+    if (e >= nq4) continue;
+    const int h = (e * 4) / D, i = (e * 4) % D;  // D % 4 == 0: the 4 values share a head
+    qT[(i + 0) * G + h] = qv[u].x * scale;
+    qT[(i + 1) * G + h] = qv[u].y * scale;
+    qT[(i + 2) * G + h] = qv[u].z * scale;
+    qT[(i + 3) * G + h] = qv[u].w * scale;
+  }
+  __syncthreads();
+
+  float m[G], lsum[G], acc[G][4];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    m[h] = -INFINITY;
+    lsum[h] = 0.f;
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) acc[h][cc] = 0.f;
+  }
+  const bool has_d = lane * 4 < D;
+  for (int64_t tt = tile0 + warp; tt < tile1; tt += kSplitWarps) {
+    // This lane's key: its cache row (in units of D floats), or -1 if masked.
+    const int64_t vk = tt * kTile + lane;
+    int64_t row = -1;
+    if (vk < nvirt) {
+      const int64_t o = vk % bs;
+      int64_t b = vk / bs;
+      if (sel) {
+        b = sel[b];
+        M3_DEVICE_CHECK(b < nb, "attention: selected block %lld is in the future (token at %d)",
+                        static_cast<long long>(b), p);
+      }
+      if (b >= 0 && b * bs + o <= p) row = (static_cast<int64_t>(table[b]) * bs + o) * nkv + g;
+    }
+    if (__ballot_sync(0xffffffffu, row >= 0) == 0) continue;  // a fully masked tile
+    for (int r = 0; r < kTile; ++r) {
+      const int64_t rr = __shfl_sync(0xffffffffu, row, r);
+      if (rr < 0) continue;
+      for (int cix = lane; cix < D / 4; cix += kWarp)
+        detail::cp_async16(Ks + r * (D + 4) + cix * 4, c.k + rr * D + cix * 4);
+    }
+    detail::cp_async_commit();
+    detail::cp_async_wait<0>();
+    __syncwarp();
+
+    // Scores of this lane's key for every head, summed over i in order as the CPU op does.
+    float sc[G];
+#pragma unroll
+    for (int h = 0; h < G; ++h) sc[h] = 0.f;
+    const float* kr = Ks + lane * (D + 4);
+    for (int i = 0; i < D; i += 4) {
+      const float4 k4 = *reinterpret_cast<const float4*>(kr + i);
+      const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+      for (int ii = 0; ii < 4; ++ii) {
+        const float* qi = qT + (i + ii) * G;
+        if constexpr (G % 4 == 0) {
+#pragma unroll
+          for (int h4 = 0; h4 < G / 4; ++h4) {
+            const float4 q4 = reinterpret_cast<const float4*>(qi)[h4];
+            sc[4 * h4 + 0] = fmaf(q4.x, kv[ii], sc[4 * h4 + 0]);
+            sc[4 * h4 + 1] = fmaf(q4.y, kv[ii], sc[4 * h4 + 1]);
+            sc[4 * h4 + 2] = fmaf(q4.z, kv[ii], sc[4 * h4 + 2]);
+            sc[4 * h4 + 3] = fmaf(q4.w, kv[ii], sc[4 * h4 + 3]);
+          }
+        } else {
+#pragma unroll
+          for (int h = 0; h < G; ++h) sc[h] = fmaf(qi[h], kv[ii], sc[h]);
+        }
+      }
+    }
+    // Online softmax of the warp (m is warp-uniform; lsum is this lane's share of the sum).
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      const float sv = row >= 0 ? sc[h] : -INFINITY;
+      const float nm = fmaxf(m[h], detail::warp_max(sv));
+      const float corr = m[h] == -INFINITY ? 0.f : expf(m[h] - nm);
+      const float pr = row >= 0 ? expf(sv - nm) : 0.f;
+      lsum[h] = lsum[h] * corr + pr;
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) acc[h][cc] *= corr;
+      m[h] = nm;
+      Ps[lane * G + h] = pr;
+    }
+    __syncwarp();
+    // acc[h][:] += p[h][j] * v_j[lane*4 .. lane*4+3]; V rows straight from global memory (a
+    // warp reads one 4·D-byte row per key, coalesced), 8 rows in flight. Masked rows are not
+    // read (their p is 0).
+    for (int j0 = 0; j0 < kTile; j0 += 8) {
+      float4 v4[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int64_t rr = __shfl_sync(0xffffffffu, row, j0 + u);
+        v4[u] = (rr >= 0 && has_d) ? __ldg(reinterpret_cast<const float4*>(c.v + rr * D) + lane)
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const float* pj = Ps + (j0 + u) * G;
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          const float w = pj[h];
+          acc[h][0] = fmaf(w, v4[u].x, acc[h][0]);
+          acc[h][1] = fmaf(w, v4[u].y, acc[h][1]);
+          acc[h][2] = fmaf(w, v4[u].z, acc[h][2]);
+          acc[h][3] = fmaf(w, v4[u].w, acc[h][3]);
+        }
+      }
+    }
+    __syncwarp();  // Ks and Ps are rewritten by the next tile
+  }
+#pragma unroll
+  for (int h = 0; h < G; ++h) lsum[h] = detail::warp_sum(lsum[h]);
+
+  // Merge the warps: each parks its unnormalised output [G][D] in its (now free) K tile.
+  float* Ow = Ks;
+  if (has_d) {
+#pragma unroll
+    for (int h = 0; h < G; ++h)
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) Ow[h * D + lane * 4 + cc] = acc[h][cc];
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      Wm[warp * G + h] = m[h];
+      Wl[warp * G + h] = lsum[h];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int h = threadIdx.x;
+    float mx = -INFINITY;
+    for (int w = 0; w < kSplitWarps; ++w) mx = fmaxf(mx, Wm[w * G + h]);
+    float l = 0.f;
+    for (int w = 0; w < kSplitWarps; ++w) {
+      const float wt = Wm[w * G + h] == -INFINITY ? 0.f : expf(Wm[w * G + h] - mx);
+      Wt[w * G + h] = wt;
+      l += wt * Wl[w * G + h];
+    }
+    Ms[h] = mx;
+    Ls[h] = l;
+  }
+  __syncthreads();
+  const int64_t idx = (t * nkv + g) * num_splits + split;
+  for (int e = threadIdx.x; e < group * D; e += blockDim.x) {
+    const int h = e / D, i = e % D;
+    float o = 0.f;
+    for (int w = 0; w < kSplitWarps; ++w)
+      o = fmaf(Wt[w * G + h], split_smem[lay.q_floats() + w * lay.warp_floats() + h * D + i], o);
+    if (num_splits == 1) {
+      out[(t * num_heads + g * group + h) * D + i] = o * (1.0f / Ls[h]);
+    } else {
+      part_o[(idx * group + h) * D + i] = o;
+    }
+  }
+  if (num_splits > 1 && threadIdx.x < group) {
+    part_ml[(idx * group + threadIdx.x) * 2] = Ms[threadIdx.x];
+    part_ml[(idx * group + threadIdx.x) * 2 + 1] = Ls[threadIdx.x];
+  }
+}
+
+// Merges the splits of one (token, query head): out = Σ_s w_s o_s / Σ_s w_s l_s with
+// w_s = exp(m_s - max m) (0 for an empty split).
+__global__ void __launch_bounds__(kCombineThreads)
+    attention_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                             int64_t num_heads, int64_t nkv, int64_t d, int num_splits,
+                             float* __restrict__ out) {
+  __shared__ float wts[kMaxSplits];
+  __shared__ float red[32];
+  const int64_t t = blockIdx.x / num_heads, hq = blockIdx.x % num_heads;
+  const int64_t group = num_heads / nkv, g = hq / group, h = hq % group;
+  const int64_t base = (t * nkv + g) * num_splits;
+  float mx = -INFINITY;
+  for (int s = threadIdx.x; s < num_splits; s += blockDim.x)
+    mx = fmaxf(mx, part_ml[((base + s) * group + h) * 2]);
+  mx = detail::block_max(mx, red);
+  float l = 0.f;
+  for (int s = threadIdx.x; s < num_splits; s += blockDim.x) {
+    const float ms = part_ml[((base + s) * group + h) * 2];
+    const float w = ms == -INFINITY ? 0.f : expf(ms - mx);
+    wts[s] = w;
+    l += w * part_ml[((base + s) * group + h) * 2 + 1];
+  }
+  l = detail::block_sum(l, red);  // also orders the wts writes before the reads below
+  const float inv = 1.0f / l;
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+    float o = 0.f;
+    for (int s = 0; s < num_splits; ++s) o = fmaf(wts[s], part_o[((base + s) * group + h) * d + i], o);
+    out[(t * num_heads + hq) * d + i] = o * inv;
+  }
+}
+
+bool split_path_supported(int64_t group, int64_t d) {
+  return group >= 1 && group <= kFastMaxGroup && d >= 4 && d <= kFastMaxDim && d % 4 == 0;
+}
+
+int pow2_group(int64_t group) {
+  int g = 1;
+  while (g < group) g *= 2;
+  return g;
+}
+
+// Splits per (token, kv head): enough CTAs for ~2 per SM, at least one tile per warp per split.
+int choose_splits(int64_t num_tokens, const KvPages& c, int64_t max_blocks, int64_t max_kv_len) {
+  if (max_kv_len <= 0) return 1;
+  const int64_t nvirt = max_blocks > 0 ? max_blocks * c.page_size : max_kv_len;
+  const int64_t ntiles = (nvirt + kTile - 1) / kTile;
+  const int64_t units = num_tokens * c.num_kv_heads;
+  int64_t s = (2 * detail::num_sms() + units - 1) / units;
+  s = std::min<int64_t>(s, (ntiles + kSplitWarps - 1) / kSplitWarps);
+  s = std::min<int64_t>(s, kMaxSplits);
+  return static_cast<int>(std::max<int64_t>(s, 1));
+}
+
+size_t split_bytes(int64_t num_tokens, int64_t num_heads, int64_t d, int splits) {
+  if (splits <= 1) return 0;
+  return sizeof(float) * static_cast<size_t>(num_tokens * num_heads * splits * (d + 2));
+}
+
+template <int G>
+void launch_split(const float* q, int64_t num_heads, const KvPages& c, const TokenLayout& L,
+                  const int32_t* blocks, int64_t max_blocks, float scale, int64_t max_kv_len,
+                  int splits, float* part_o, float* part_ml, float* out, cudaStream_t stream) {
+  const size_t smem = SplitSmem{G, static_cast<int>(c.head_dim)}.bytes();
+  // The largest (head_dim 128) size, allowed once per instantiation (thread-safe static init).
+  static const bool attr_set = [] {
+    M3_CUDA_CHECK(cudaFuncSetAttribute(attention_split_kernel<G>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(SplitSmem{G, kFastMaxDim}.bytes())));
+    return true;
+  }();
+  (void)attr_set;
+  const dim3 grid(static_cast<unsigned>(L.num_tokens * c.num_kv_heads),
+                  static_cast<unsigned>(splits));
+  attention_split_kernel<G><<<grid, kSplitThreads, smem, stream>>>(
+      q, num_heads, c, L, blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out);
+  M3_CUDA_CHECK_LAUNCH("attention_split_kernel");
+}
+
 }  // namespace
 
 void kv_write(const KvPages& cache, const TokenLayout& layout, const float* k, const float* v,
@@ -155,25 +475,66 @@ void kv_write(const KvPages& cache, const TokenLayout& layout, const float* k, c
   M3_CUDA_CHECK_LAUNCH("kv_write_kernel");
 }
 
+size_t attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, const KvPages& cache,
+                                 int64_t max_blocks, int64_t max_kv_len) {
+  if (num_tokens <= 0 || cache.num_kv_heads <= 0) return 0;
+  if (!split_path_supported(num_heads / cache.num_kv_heads, cache.head_dim)) return 0;
+  return split_bytes(num_tokens, num_heads, cache.head_dim,
+                     choose_splits(num_tokens, cache, max_blocks, max_kv_len));
+}
+
 void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
                      const TokenLayout& layout, const int32_t* blocks, int64_t max_blocks,
-                     float scale, float* out, cudaStream_t stream) {
+                     float scale, int64_t max_kv_len, Workspace ws, float* out,
+                     cudaStream_t stream) {
   M3_CHECK(cache.num_kv_heads > 0 && num_heads % cache.num_kv_heads == 0);
   if (layout.num_tokens == 0) return;
-  const int64_t grid = layout.num_tokens * cache.num_kv_heads;
-  M3_CHECK(grid <= 0x7fffffff);
-  const AttnSmem lay{num_heads / cache.num_kv_heads, cache.head_dim};
+  const int64_t T = layout.num_tokens, group = num_heads / cache.num_kv_heads;
+  M3_CHECK(T * cache.num_kv_heads <= 0x7fffffff);
+  if (split_path_supported(group, cache.head_dim)) {
+    int splits = choose_splits(T, cache, blocks ? max_blocks : 0, max_kv_len);
+    const size_t per_split = split_bytes(T, num_heads, cache.head_dim, 2) / 2;
+    if (splits > 1 && ws.bytes < per_split * splits) {
+      splits = static_cast<int>(std::min<size_t>(ws.bytes / per_split, kMaxSplits));
+      if (splits < 2) splits = 1;
+    }
+    float* part_o = nullptr;
+    float* part_ml = nullptr;
+    if (splits > 1) {
+      M3_CHECK(ws.data != nullptr);
+      part_o = static_cast<float*>(ws.data);
+      part_ml = part_o + T * num_heads * splits * cache.head_dim;
+    }
+    switch (pow2_group(group)) {
+      case 1: launch_split<1>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out, stream); break;
+      case 2: launch_split<2>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out, stream); break;
+      case 4: launch_split<4>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out, stream); break;
+      case 8: launch_split<8>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out, stream); break;
+      default: launch_split<16>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out, stream); break;
+    }
+    if (splits > 1) {
+      M3_CHECK(T * num_heads <= 0x7fffffff);
+      attention_combine_kernel<<<static_cast<unsigned>(T * num_heads), kCombineThreads, 0,
+                                 stream>>>(part_o, part_ml, num_heads, cache.num_kv_heads,
+                                           cache.head_dim, splits, out);
+      M3_CUDA_CHECK_LAUNCH("attention_combine_kernel");
+    }
+    return;
+  }
+  // Other geometries (head_dim not a multiple of 4 or above 128, groups above 16).
+  const int64_t grid = T * cache.num_kv_heads;
+  const AttnSmem lay{group, cache.head_dim};
   const size_t smem = lay.bytes();
   M3_CHECK(smem <= 227 * 1024, "cuda::attention: %zu bytes of shared memory (group %lld, head "
            "dim %lld)", smem, (long long)lay.group, (long long)lay.d);
   if (smem > 48 * 1024) {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel,
+    M3_CUDA_CHECK(cudaFuncSetAttribute(attention_generic_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
   }
-  attention_kernel<<<static_cast<unsigned>(grid), kAttnThreads, smem, stream>>>(
+  attention_generic_kernel<<<static_cast<unsigned>(grid), kAttnThreads, smem, stream>>>(
       q, num_heads, cache, layout, blocks, max_blocks, scale, out);
-  M3_CUDA_CHECK_LAUNCH("attention_kernel");
+  M3_CUDA_CHECK_LAUNCH("attention_generic_kernel");
 }
 
 }  // namespace m3::kernels::cuda

@@ -1,7 +1,12 @@
-// linear (a tiled SIMT GEMM: fp32 activations × bf16/f32 weights -> fp32) and embedding.
-// Phase-1 kernels: correct for any shape, not yet fast (no tensor cores; the bf16 weights are
-// widened to fp32 in shared memory so results keep fp32 semantics, like the CPU op).
+// linear (fp32 activations × bf16/f32 weights -> fp32) and embedding. linear picks its engine
+// by token count: up to blas::kGemvMaxTokens the bandwidth-bound GEMV (gemv.cuh, exact fp32
+// arithmetic), above it cuBLASLt (blas.cu, under the GEMM precision); a tiled SIMT GEMM serves
+// every layout neither can read (cols not a multiple of the 16-byte vector, misaligned data).
+#include <algorithm>
+
+#include "kernels/cuda/blas.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gemv.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace m3::kernels::cuda {
@@ -87,15 +92,112 @@ void check_dtype(const MatRef& w, const char* op) {
 
 }  // namespace
 
-void linear(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream) {
-  check_dtype(w, "cuda::linear");
-  if (n == 0 || w.rows == 0) return;
+namespace {
+
+__global__ void splitk_sum_kernel(const float* __restrict__ part, int splits, int64_t count,
+                                  float* __restrict__ y) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    float s = part[i];
+    for (int z = 1; z < splits; ++z) s += part[z * count + i];
+    y[i] = s;
+  }
+}
+
+void linear_simt(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream) {
   M3_CHECK(ceil_div(n, kTileT) <= 65535u, "cuda::linear: %lld tokens is too many for one call",
            static_cast<long long>(n));
   const dim3 grid(ceil_div(w.rows, kTileR), ceil_div(n, kTileT));
   linear_kernel<<<grid, kLinearThreads, 0, stream>>>(x, w.data, w.dtype == DType::kBF16, y, n,
                                                     w.rows, w.cols);
   M3_CUDA_CHECK_LAUNCH("linear_kernel");
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <class W>
+void linear_gemv(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream) {
+  constexpr int kRows = gemv::kLoadRows;
+  const int64_t m = w.rows, k = w.cols, unit = gemv::k_unit<W>();
+  const int sms = blas::num_sms();
+  // Few rows (the router): smaller CTAs, then split k so that about 2 CTAs per SM run. The
+  // choice depends on (m, k) only, so a token's result does not depend on n.
+  int warps = gemv::kThreads / 32;
+  while (warps > 2 && static_cast<int64_t>(ceil_div(m, warps * kRows)) < sms) warps /= 2;
+  const int64_t ctas = ceil_div(m, warps * kRows);
+  int64_t splits = 1;
+  if (ctas < sms)
+    splits = std::clamp<int64_t>((2 * sms + ctas - 1) / ctas, 1, std::max<int64_t>(1, k / unit));
+  int64_t k_split = (k + splits - 1) / splits;
+  k_split = (k_split + unit - 1) / unit * unit;
+  splits = (k + k_split - 1) / k_split;
+
+  const int nt = gemv::nt_bucket(n);
+  gemv::Params p;
+  p.x = x;
+  p.w = w.data;
+  p.m = m;
+  p.k = k;
+  p.n = n;
+  p.k_split = k_split;
+  p.kc = gemv::chunk_k<W>(nt, k_split);
+  float* part = nullptr;
+  if (splits > 1) {
+    part = static_cast<float*>(blas::pool_alloc(splits * n * m * sizeof(float), stream));
+    p.y = part;
+    p.y_split_stride = n * m;
+  } else {
+    p.y = y;
+  }
+  M3_CHECK(splits <= 65535);
+  gemv::launch<W, false>(p, nt, dim3(static_cast<unsigned>(ctas), 1, static_cast<unsigned>(splits)),
+                         warps * 32, stream);
+  if (part != nullptr) {
+    const int64_t count = n * m;
+    const int64_t blocks = std::min<int64_t>((count + 255) / 256, 4096);
+    splitk_sum_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+        part, static_cast<int>(splits), count, y);
+    M3_CUDA_CHECK_LAUNCH("splitk_sum_kernel");
+    blas::pool_free(part, stream);
+  }
+}
+
+}  // namespace
+
+namespace blas {
+
+bool gemv_supports(const MatRef& w) {
+  const int64_t vec = w.dtype == DType::kBF16 ? 8 : 4;
+  return (w.dtype == DType::kBF16 || w.dtype == DType::kF32) && w.cols > 0 &&
+         w.cols % vec == 0 && aligned16(w.data);
+}
+
+LinearPath auto_path(int64_t n, const MatRef& w) {
+  return n <= kGemvMaxTokens && gemv_supports(w) ? LinearPath::kGemv : LinearPath::kGemm;
+}
+
+void linear_with(LinearPath path, const float* x, int64_t n, const MatRef& w, float* y,
+                 cudaStream_t stream) {
+  check_dtype(w, "cuda::linear");
+  if (n == 0 || w.rows == 0) return;
+  if (path == LinearPath::kAuto) path = auto_path(n, w);
+  if (path == LinearPath::kGemv && gemv_supports(w) && aligned16(x)) {
+    if (w.dtype == DType::kBF16)
+      linear_gemv<uint16_t>(x, n, w, y, stream);
+    else
+      linear_gemv<float>(x, n, w, y, stream);
+    return;
+  }
+  const bool lt_layout = w.cols > 0 && (w.dtype == DType::kF32 || w.cols % 8 == 0);
+  if (path == LinearPath::kGemm && lt_layout && gemm(x, n, w, y, stream)) return;
+  linear_simt(x, n, w, y, stream);
+}
+
+}  // namespace blas
+
+void linear(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream) {
+  blas::linear_with(blas::LinearPath::kAuto, x, n, w, y, stream);
 }
 
 void embedding(const MatRef& table, const int32_t* ids, int64_t n, float* out,

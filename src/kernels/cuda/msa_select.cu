@@ -1,9 +1,14 @@
-// MSA block selection: one thread block per (token, index head). Warps score the blocks
-// (max over the block's keys of <iq, ik_j>; forced init/local blocks score +inf) into shared
-// memory, then topk block-wide argmax passes pick in rank order (score descending, ties to the
-// lower block id), and the picks are written in ascending block order.
+// MSA block selection. (a) msa_score_kernel: CTAs over (token, block range), two per SM; each
+// warp scores 32 index-K rows at a time, one lane per row loading it straight from global memory
+// and summing it for every index head in the CPU op's order; per-block maxima go to the
+// workspace [tokens, index_heads, nb_stride]. (b) msa_topk_kernel: one CTA per
+// (token, index head): the keys go to shared memory, a 4-pass 8-bit radix select finds the k-th
+// key by (score desc, id asc), forced blocks keyed as +inf, then an ordered compaction emits
+// ascending ids. Geometries the fast scorer does not cover use msa_score_generic_kernel; callers
+// without a workspace use msa_fused_kernel (scores in shared memory, same top-k).
 #include <algorithm>
 
+#include "kernels/cuda/attn_common.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -11,122 +16,449 @@ namespace m3::kernels::cuda {
 
 namespace {
 
-using detail::block_best;
-using detail::kNoId;
 using detail::kWarp;
-using detail::ranks_before;
-using detail::warp_max;
 
-constexpr int kMsaThreads = 256;
+constexpr int kScoreThreads = 256;
+constexpr int kGenericScoreWarps = 4;
+constexpr int kGenericScoreThreads = kGenericScoreWarps * kWarp;
+constexpr int kScoreRows = 32;  // index-K rows per warp row group: one per lane
+constexpr int kFastMaxIndexDim = 128;
+constexpr int kTopkThreads = 512;
+constexpr size_t kTopkSmemKeys = 40960;  // keys of up to 5M tokens (128-token pages) in smem
+constexpr int kFusedThreads = 256;
 
-__global__ void __launch_bounds__(kMsaThreads)
-    msa_select_kernel(const float* __restrict__ iq, int64_t num_index_heads, KvPages c,
-                      TokenLayout L, int64_t topk, int64_t init_blocks, int64_t local_blocks,
-                      int64_t max_nb, int32_t* __restrict__ out) {
-  extern __shared__ __align__(16) unsigned char msa_smem[];
-  __shared__ float red_s[32];
-  __shared__ int32_t red_i[32];
+// Scores as unsigned keys whose order is the float order; -0 and +0 get one key (they tie on the
+// CPU too). Forced blocks score +inf on the CPU: the same key here.
+__device__ __forceinline__ uint32_t order_key(float s) {
+  const uint32_t u = __float_as_uint(s + 0.0f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ uint32_t forced_key() { return order_key(INFINITY); }
+
+// The CPU op's dot (kernels/cpu/attn_msa.cpp): 8 interleaved accumulators, summed in pairs, plus
+// the tail; the same order gives the same fp32 scores, so near-ties break the same way.
+__device__ __forceinline__ float cpu_order_dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+#pragma unroll
+    for (int l = 0; l < 8; ++l) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
+  float tail = 0.f;
+  for (; i < n; ++i) tail = fmaf(a[i], b[i], tail);
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+}
+
+// ---- (a) scores ----
+
+// The block range [b0, b1) of chunk `chunk` of `chunks` over the scored blocks [init, nb - local)
+// of a token with nb blocks; empty when every block is selected or forced.
+struct ScoreRange {
+  int64_t b0 = 0, b1 = 0;
+};
+__device__ __forceinline__ ScoreRange score_range(int64_t nb, int64_t topk, int64_t init_blocks,
+                                                  int64_t local_blocks, int64_t chunk,
+                                                  int64_t chunks) {
+  ScoreRange r;
+  if (nb <= topk) return r;
+  const int64_t lo = min(init_blocks, nb), hi = nb - local_blocks;
+  if (hi <= lo) return r;
+  const int64_t per = (hi - lo + chunks - 1) / chunks;
+  r.b0 = lo + chunk * per;
+  r.b1 = min(hi, r.b0 + per);
+  if (r.b0 > r.b1) r.b0 = r.b1;
+  return r;
+}
+
+bool fast_score_supported(const KvPages& c, int64_t ni) {
   const int64_t bs = c.page_size, di = c.index_dim;
-  float* qv = reinterpret_cast<float*>(msa_smem);  // [di]
-  float* score = qv + di;                          // [max_nb]
-  int32_t* picks = reinterpret_cast<int32_t*>(score + max_nb);  // [topk]
+  return ni >= 1 && ni <= 8 && di >= 4 && di % 4 == 0 && di <= kFastMaxIndexDim &&
+         (bs % kScoreRows == 0 || kScoreRows % bs == 0);
+}
 
-  const int64_t w = blockIdx.x;
-  const int64_t t = w / num_index_heads;
+// NIP: index heads rounded up to 4 or 8 (q of the extra heads is 0; they are not stored).
+// A warp's work is a list of units: one block when page_size >= 32 (page_size / 32 row groups),
+// else 32 / page_size whole blocks (one row group); warps take every 8th unit. One lane per row:
+// it loads its own row straight from global memory through the read-only path, 8 float4 in
+// flight (the second half of each 32-byte sector is an L1 hit), and sums it for every head in
+// the CPU op's order. (A version staging rows through shared memory with cp.async, one CTA per
+// SM, ran at half this speed on the H200.)
+template <int NIP>
+__global__ void __launch_bounds__(kScoreThreads)
+    msa_score_kernel(const float* __restrict__ iq, int64_t ni, KvPages c, TokenLayout L,
+                     int64_t topk, int64_t init_blocks, int64_t local_blocks, int64_t nb_stride,
+                     float* __restrict__ scores) {
+  __shared__ __align__(16) float qT[kFastMaxIndexDim * NIP];  // [di][NIP]
+  const int bs = static_cast<int>(c.page_size);
+  const int di = static_cast<int>(c.index_dim);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int nwarps = blockDim.x / kWarp;
+  const int64_t t = blockIdx.x;
+  const int32_t p = L.positions[t], s = L.seq_ids[t];
+  const int64_t nb = p / bs + 1;
+  const ScoreRange rg = score_range(nb, topk, init_blocks, local_blocks, blockIdx.y, gridDim.y);
+  if (rg.b0 >= rg.b1) return;  // uniform over the CTA
+  M3_DEVICE_CHECK(nb <= nb_stride, "msa_select: position %d beyond max_kv_len (%lld blocks)", p,
+                  static_cast<long long>(nb_stride));
+  for (int e = threadIdx.x; e < di * NIP; e += blockDim.x) {
+    const int i = e / NIP, h = e % NIP;
+    qT[e] = h < ni ? iq[(t * ni + h) * di + i] : 0.f;
+  }
+  __syncthreads();
+  const int32_t* table = L.block_table + L.block_table_offsets[s];
+  const int bpu = bs >= kScoreRows ? 1 : kScoreRows / bs;  // blocks per unit
+  const int spu = bs >= kScoreRows ? bs / kScoreRows : 1;  // row groups per unit
+  const int nunits = static_cast<int>((rg.b1 - rg.b0 + bpu - 1) / bpu);
+  const int di8 = di & ~7;
+  for (int unit = warp; unit < nunits; unit += nwarps) {
+    float run[NIP];
+#pragma unroll
+    for (int h = 0; h < NIP; ++h) run[h] = -INFINITY;
+    for (int st = 0; st < spu; ++st) {
+      const int r = st * kScoreRows + lane;
+      const int64_t blk = rg.b0 + static_cast<int64_t>(unit) * bpu + r / bs;
+      const bool valid = blk < rg.b1;
+      const float* kr =
+          valid ? c.ik + (static_cast<int64_t>(table[blk]) * bs + r % bs) * di : c.ik;
+      float acc[NIP][8];
+      float tail[NIP];
+#pragma unroll
+      for (int h = 0; h < NIP; ++h) {
+        tail[h] = 0.f;
+#pragma unroll
+        for (int l = 0; l < 8; ++l) acc[h][l] = 0.f;
+      }
+      for (int i0 = 0; i0 < di8; i0 += 32) {
+        float4 kv4[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          kv4[u] = (valid && i0 + 4 * u < di8)
+                       ? __ldg(reinterpret_cast<const float4*>(kr + i0) + u)
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int u2 = 0; u2 < 4; ++u2) {
+          if (i0 + 8 * u2 >= di8) break;
+          const float kv[8] = {kv4[2 * u2].x,     kv4[2 * u2].y,     kv4[2 * u2].z,
+                               kv4[2 * u2].w,     kv4[2 * u2 + 1].x, kv4[2 * u2 + 1].y,
+                               kv4[2 * u2 + 1].z, kv4[2 * u2 + 1].w};
+#pragma unroll
+          for (int l = 0; l < 8; ++l) {
+            const float4* qi = reinterpret_cast<const float4*>(qT + (i0 + 8 * u2 + l) * NIP);
+#pragma unroll
+            for (int h4 = 0; h4 < NIP / 4; ++h4) {
+              const float4 q4 = qi[h4];
+              acc[4 * h4 + 0][l] = fmaf(q4.x, kv[l], acc[4 * h4 + 0][l]);
+              acc[4 * h4 + 1][l] = fmaf(q4.y, kv[l], acc[4 * h4 + 1][l]);
+              acc[4 * h4 + 2][l] = fmaf(q4.z, kv[l], acc[4 * h4 + 2][l]);
+              acc[4 * h4 + 3][l] = fmaf(q4.w, kv[l], acc[4 * h4 + 3][l]);
+            }
+          }
+        }
+      }
+      for (int i = di8; i < di; ++i) {
+        const float kv = valid ? __ldg(kr + i) : 0.f;
+#pragma unroll
+        for (int h = 0; h < NIP; ++h) tail[h] = fmaf(qT[i * NIP + h], kv, tail[h]);
+      }
+      float d[NIP];
+#pragma unroll
+      for (int h = 0; h < NIP; ++h) {
+        const float* a = acc[h];
+        d[h] = valid ? ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + tail[h]
+                     : -INFINITY;
+      }
+      if (bs >= kScoreRows) {
+#pragma unroll
+        for (int h = 0; h < NIP; ++h) run[h] = fmaxf(run[h], detail::warp_max(d[h]));
+      } else {
+        for (int off = 1; off < bs; off <<= 1) {
+#pragma unroll
+          for (int h = 0; h < NIP; ++h)
+            d[h] = fmaxf(d[h], __shfl_xor_sync(0xffffffffu, d[h], off));
+        }
+        if (lane % bs == 0 && valid) {
+#pragma unroll
+          for (int h = 0; h < NIP; ++h)
+            if (h < ni) scores[(t * ni + h) * nb_stride + blk] = d[h];
+        }
+      }
+    }
+    if (bs >= kScoreRows && lane == 0) {
+      const int64_t blk = rg.b0 + unit;
+#pragma unroll
+      for (int h = 0; h < NIP; ++h)
+        if (h < ni) scores[(t * ni + h) * nb_stride + blk] = run[h];
+    }
+  }
+}
+
+// Any geometry: a warp per block, lanes over its rows, index-K read from global memory.
+__global__ void __launch_bounds__(kGenericScoreThreads)
+    msa_score_generic_kernel(const float* __restrict__ iq, int64_t ni, KvPages c, TokenLayout L,
+                             int64_t topk, int64_t init_blocks, int64_t local_blocks,
+                             int64_t nb_stride, float* __restrict__ scores) {
+  extern __shared__ __align__(16) float gen_smem[];  // q [ni][di]
+  const int64_t bs = c.page_size, di = c.index_dim;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t t = blockIdx.x;
+  const int32_t p = L.positions[t], s = L.seq_ids[t];
+  const int64_t nb = p / bs + 1;
+  const ScoreRange rg = score_range(nb, topk, init_blocks, local_blocks, blockIdx.y, gridDim.y);
+  if (rg.b0 >= rg.b1) return;
+  M3_DEVICE_CHECK(nb <= nb_stride, "msa_select: position %d beyond max_kv_len (%lld blocks)", p,
+                  static_cast<long long>(nb_stride));
+  for (int64_t e = threadIdx.x; e < ni * di; e += blockDim.x) gen_smem[e] = iq[t * ni * di + e];
+  __syncthreads();
+  const int32_t* table = L.block_table + L.block_table_offsets[s];
+  for (int64_t b = rg.b0 + warp; b < rg.b1; b += kGenericScoreWarps) {
+    const float* kb = c.ik + static_cast<int64_t>(table[b]) * bs * di;
+    for (int64_t h = 0; h < ni; ++h) {
+      float mx = -INFINITY;
+      for (int64_t j = lane; j < bs; j += kWarp)
+        mx = fmaxf(mx, cpu_order_dot(gen_smem + h * di, kb + j * di, di));
+      mx = detail::warp_max(mx);
+      if (lane == 0) scores[(t * ni + h) * nb_stride + b] = mx;
+    }
+  }
+}
+
+// ---- (b) top-k ----
+
+struct TopkShared {
+  uint32_t hist[256];
+  uint32_t scan[33];
+  uint32_t digit, need;
+};
+
+// Writes the topk ids of [0, nb) ranked by (key desc, id asc) to o, ascending. nb > topk.
+// Histogram passes visit ids strided over the threads (coalesced; lanes with one bin add once,
+// through __match_any_sync); the compaction walks chunks of blockDim ids in order.
+template <class KeyFn>
+__device__ void radix_topk(KeyFn key, int64_t nb, int64_t topk, int32_t* __restrict__ o,
+                           TopkShared& sh) {
+  const int nt = blockDim.x, tid = threadIdx.x, lane = tid % kWarp;
+  uint32_t prefix = 0, mask = 0, need = static_cast<uint32_t>(topk);
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = tid; i < 256; i += nt) sh.hist[i] = 0;
+    __syncthreads();
+    for (int64_t b0 = 0; b0 < nb; b0 += nt) {
+      const int64_t b = b0 + tid;
+      const uint32_t k = b < nb ? key(b) : 0u;
+      const bool hit = b < nb && (k & mask) == prefix;
+      const uint32_t bin = (k >> shift) & 0xffu;
+      const unsigned active = __ballot_sync(0xffffffffu, hit);
+      if (hit) {
+        const unsigned peers = __match_any_sync(active, bin);
+        if (lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], static_cast<uint32_t>(__popc(peers)));
+      }
+    }
+    __syncthreads();
+    if (tid < kWarp) {
+      // Lane l owns digits 8l..8l+7; find the digit where the count from the top reaches need.
+      uint32_t cnt[8], sum = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        cnt[j] = sh.hist[tid * 8 + j];
+        sum += cnt[j];
+      }
+      uint32_t incl = sum;  // elements in the digits of lanes >= this one
+      for (int off = 1; off < kWarp; off <<= 1) {
+        const uint32_t n = __shfl_down_sync(0xffffffffu, incl, off);
+        if (tid + off < kWarp) incl += n;
+      }
+      uint32_t above = incl - sum;
+#pragma unroll
+      for (int j = 7; j >= 0; --j) {
+        if (above < need && above + cnt[j] >= need) {
+          sh.digit = static_cast<uint32_t>(tid * 8 + j);
+          sh.need = need - above;
+        }
+        above += cnt[j];
+      }
+    }
+    __syncthreads();
+    prefix |= sh.digit << shift;
+    mask |= 0xffu << shift;
+    need = sh.need;
+  }
+  // prefix is the k-th key: take every larger key and the `need` lowest ids equal to it. An id's
+  // output slot is (larger keys before it) + min(equal keys before it, need).
+  const uint32_t thr = prefix, need_eq = need;
+  uint32_t base_gt = 0, base_eq = 0;
+  for (int64_t b0 = 0; b0 < nb; b0 += nt) {
+    const int64_t b = b0 + tid;
+    const uint32_t k = b < nb ? key(b) : 0u;
+    const uint32_t gt = b < nb && k > thr, eq = b < nb && k == thr;
+    uint32_t total;
+    const uint32_t ex = detail::block_exclusive_scan(gt << 16 | eq, sh.scan, &total);
+    const uint32_t gt_before = base_gt + (ex >> 16), eq_before = base_eq + (ex & 0xffffu);
+    if (gt || (eq && eq_before < need_eq))
+      o[gt_before + min(eq_before, need_eq)] = static_cast<int32_t>(b);
+    base_gt += total >> 16;
+    base_eq += total & 0xffffu;
+    if (base_gt + min(base_eq, need_eq) >= topk) break;  // uniform: all topk written
+  }
+}
+
+__device__ __forceinline__ bool write_all_blocks(int64_t nb, int64_t topk, int32_t* o) {
+  if (nb > topk) return false;
+  for (int64_t i = threadIdx.x; i < topk; i += blockDim.x)
+    o[i] = i < nb ? static_cast<int32_t>(i) : -1;
+  return true;
+}
+
+// keys_in_smem: the token's keys are converted once into shared memory [nb_stride] (else every
+// pass reads the score row from global memory).
+__global__ void __launch_bounds__(kTopkThreads)
+    msa_topk_kernel(int64_t ni, TokenLayout L, int64_t bs, int64_t topk, int64_t init_blocks,
+                    int64_t local_blocks, int64_t nb_stride, bool keys_in_smem,
+                    const float* __restrict__ scores, int32_t* __restrict__ out) {
+  extern __shared__ uint32_t topk_keys[];
+  __shared__ TopkShared sh;
+  const int64_t w = blockIdx.x, t = w / ni;
+  const int64_t nb = L.positions[t] / bs + 1;
+  int32_t* o = out + w * topk;
+  if (write_all_blocks(nb, topk, o)) return;
+  M3_DEVICE_CHECK(nb <= nb_stride, "msa_select: position %d beyond max_kv_len (%lld blocks)",
+                  L.positions[t], static_cast<long long>(nb_stride));
+  const float* sc = scores + w * nb_stride;
+  const int64_t hi_forced = nb - local_blocks;
+  auto key = [&](int64_t b) {
+    return (b < init_blocks || b >= hi_forced) ? forced_key() : order_key(sc[b]);
+  };
+  if (keys_in_smem) {
+    for (int64_t b = threadIdx.x; b < nb; b += blockDim.x) topk_keys[b] = key(b);
+    __syncthreads();
+    radix_topk([&](int64_t b) { return topk_keys[b]; }, nb, topk, o, sh);
+  } else {
+    radix_topk(key, nb, topk, o, sh);
+  }
+}
+
+// No workspace: one CTA per (token, index head) scores into shared memory, then the same top-k.
+__global__ void __launch_bounds__(kFusedThreads)
+    msa_fused_kernel(const float* __restrict__ iq, int64_t ni, KvPages c, TokenLayout L,
+                     int64_t topk, int64_t init_blocks, int64_t local_blocks, int64_t max_nb,
+                     int32_t* __restrict__ out) {
+  extern __shared__ __align__(16) float fused_smem[];
+  __shared__ TopkShared sh;
+  const int64_t bs = c.page_size, di = c.index_dim;
+  float* qv = fused_smem;       // [di]
+  float* score = qv + di;       // [max_nb]
+  const int64_t w = blockIdx.x, t = w / ni;
   const int32_t p = L.positions[t], s = L.seq_ids[t];
   const int64_t nb = p / bs + 1;
   int32_t* o = out + w * topk;
-  if (nb <= topk) {
-    for (int64_t i = threadIdx.x; i < topk; i += blockDim.x)
-      o[i] = i < nb ? static_cast<int32_t>(i) : -1;
-    return;
-  }
+  if (write_all_blocks(nb, topk, o)) return;
   M3_DEVICE_CHECK(nb <= max_nb, "msa_select: %lld blocks, more than the %lld supported",
                   static_cast<long long>(nb), static_cast<long long>(max_nb));
-  const int32_t* table = L.block_table + L.block_table_offsets[s];
   for (int64_t i = threadIdx.x; i < di; i += blockDim.x) qv[i] = iq[w * di + i];
   __syncthreads();
-
+  const int32_t* table = L.block_table + L.block_table_offsets[s];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int num_warps = blockDim.x / kWarp;
-  for (int64_t b = warp; b < nb; b += num_warps) {
-    if (b < init_blocks || b >= nb - local_blocks) {
-      if (lane == 0) score[b] = INFINITY;
-      continue;
-    }
-    // As the CPU op: every slot of the block (it lies wholly before p when local_blocks >= 1).
+  const int64_t hi_forced = nb - local_blocks;
+  for (int64_t b = init_blocks + warp; b < hi_forced; b += num_warps) {
     const float* kb = c.ik + static_cast<int64_t>(table[b]) * bs * di;
     float mx = -INFINITY;
-    for (int64_t j = lane; j < bs; j += kWarp) {
-      const float* kj = kb + j * di;
-      float dot = 0.f;
-      for (int64_t i = 0; i < di; ++i) dot = fmaf(qv[i], kj[i], dot);
-      mx = fmaxf(mx, dot);
-    }
-    mx = warp_max(mx);
+    for (int64_t j = lane; j < bs; j += kWarp) mx = fmaxf(mx, cpu_order_dot(qv, kb + j * di, di));
+    mx = detail::warp_max(mx);
     if (lane == 0) score[b] = mx;
   }
   __syncthreads();
-
-  float prev_s = 0.f;
-  int32_t prev_id = kNoId;  // no pick yet: every block is eligible
-  for (int64_t j = 0; j < topk; ++j) {
-    float best_s = 0.f;
-    int32_t best_id = kNoId;
-    for (int64_t b = threadIdx.x; b < nb; b += blockDim.x) {
-      const int32_t id = static_cast<int32_t>(b);
-      if (prev_id != kNoId && !ranks_before(prev_s, prev_id, score[b], id)) continue;
-      if (ranks_before(score[b], id, best_s, best_id)) {
-        best_s = score[b];
-        best_id = id;
-      }
-    }
-    block_best(best_s, best_id, red_s, red_i);
-    if (threadIdx.x == 0) picks[j] = best_id == kNoId ? -1 : best_id;
-    prev_s = best_s;
-    prev_id = best_id;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    // Ascending block ids; -1 (only if scores were NaN) sorts to the end.
-    for (int64_t i = 1; i < topk; ++i) {
-      const int32_t v = picks[i];
-      const uint32_t key = static_cast<uint32_t>(v);
-      int64_t j = i - 1;
-      while (j >= 0 && static_cast<uint32_t>(picks[j]) > key) {
-        picks[j + 1] = picks[j];
-        --j;
-      }
-      picks[j + 1] = v;
-    }
-  }
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < topk; i += blockDim.x) o[i] = picks[i];
+  radix_topk(
+      [&](int64_t b) {
+        return (b < init_blocks || b >= hi_forced) ? forced_key() : order_key(score[b]);
+      },
+      nb, topk, o, sh);
 }
 
 }  // namespace
 
+size_t msa_select_workspace_bytes(int64_t num_tokens, int64_t num_index_heads,
+                                  const KvPages& cache, int64_t max_kv_len) {
+  if (num_tokens <= 0 || max_kv_len <= 0 || cache.page_size <= 0) return 0;
+  const int64_t nb_stride = (max_kv_len + cache.page_size - 1) / cache.page_size;
+  return sizeof(float) * static_cast<size_t>(num_tokens * num_index_heads * nb_stride);
+}
+
 void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& cache,
                        const TokenLayout& layout, int64_t topk, int64_t init_blocks,
-                       int64_t local_blocks, int32_t* out, cudaStream_t stream) {
+                       int64_t local_blocks, int64_t max_kv_len, Workspace ws, int32_t* out,
+                       cudaStream_t stream) {
   M3_CHECK(cache.ik != nullptr, "cuda::msa_select_blocks: layer has no index-K cache");
-  M3_CHECK(topk > 0);
+  M3_CHECK(topk > 0 && init_blocks >= 0);
   M3_CHECK(local_blocks >= 1, "cuda::msa_select_blocks: local_blocks must be >= 1");
-  if (layout.num_tokens == 0) return;
-  const int64_t grid = layout.num_tokens * num_index_heads;
-  M3_CHECK(grid <= 0x7fffffff);
-  // A sequence's blocks map to distinct pages, so it spans at most num_pages blocks.
-  const int64_t max_nb = std::min(std::max(cache.num_pages, topk + 1), kMaxMsaBlocks);
-  const size_t smem = sizeof(float) * (cache.index_dim + max_nb) + sizeof(int32_t) * topk;
-  M3_CHECK(smem <= 200 * 1024, "cuda::msa_select_blocks: %zu bytes of shared memory", smem);
-  if (smem > 48 * 1024) {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(msa_select_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
+  const int64_t T = layout.num_tokens, ni = num_index_heads, bs = cache.page_size;
+  if (T == 0) return;
+  M3_CHECK(T * ni <= 0x7fffffff);
+  const size_t per_token = msa_select_workspace_bytes(1, ni, cache, max_kv_len);
+  const int64_t chunk =
+      (per_token > 0 && ws.data != nullptr) ? static_cast<int64_t>(ws.bytes / per_token) : 0;
+  if (chunk == 0) {
+    // A sequence's blocks map to distinct pages, so it spans at most num_pages blocks.
+    const int64_t max_nb = std::min(std::max(cache.num_pages, topk + 1), kMaxMsaBlocks);
+    const size_t smem = sizeof(float) * (cache.index_dim + max_nb);
+    M3_CHECK(smem <= 200 * 1024, "cuda::msa_select_blocks: %zu bytes of shared memory", smem);
+    if (smem > 48 * 1024) {
+      M3_CUDA_CHECK(cudaFuncSetAttribute(msa_fused_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+    }
+    msa_fused_kernel<<<static_cast<unsigned>(T * ni), kFusedThreads, smem, stream>>>(
+        iq, ni, cache, layout, topk, init_blocks, local_blocks, max_nb, out);
+    M3_CUDA_CHECK_LAUNCH("msa_fused_kernel");
+    return;
   }
-  msa_select_kernel<<<static_cast<unsigned>(grid), kMsaThreads, smem, stream>>>(
-      iq, num_index_heads, cache, layout, topk, init_blocks, local_blocks, max_nb, out);
-  M3_CUDA_CHECK_LAUNCH("msa_select_kernel");
+  const int64_t nb_stride = (max_kv_len + bs - 1) / bs;
+  float* scores = static_cast<float*>(ws.data);
+  const bool fast = fast_score_supported(cache, ni);
+  const bool keys_in_smem = static_cast<size_t>(nb_stride) <= kTopkSmemKeys;
+  const size_t topk_smem = keys_in_smem ? sizeof(uint32_t) * nb_stride : 0;
+  static const bool topk_attr_set = [] {
+    M3_CUDA_CHECK(cudaFuncSetAttribute(msa_topk_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(sizeof(uint32_t) * kTopkSmemKeys)));
+    return true;
+  }();
+  (void)topk_attr_set;
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    const int64_t n = std::min(chunk, T - t0);
+    TokenLayout sub = layout;
+    sub.num_tokens = n;
+    sub.positions = layout.positions + t0;
+    sub.seq_ids = layout.seq_ids + t0;
+    const float* iq_n = iq + t0 * ni * cache.index_dim;
+    if (nb_stride > topk) {  // else every token selects all its blocks: nothing to score
+      // One wave over the chunk's tokens (the scorer holds two CTAs per SM): a second, partial
+      // wave would double the time.
+      const int64_t slots = 2 * static_cast<int64_t>(detail::num_sms());
+      int64_t chunks = n <= slots ? slots / n : 1;
+      chunks = std::max<int64_t>(1, std::min<int64_t>({chunks, nb_stride, 65535}));
+      const unsigned cu = static_cast<unsigned>(chunks);
+      if (fast) {
+        const dim3 grid(static_cast<unsigned>(n), cu);
+        if (ni <= 4) {
+          msa_score_kernel<4><<<grid, kScoreThreads, 0, stream>>>(
+              iq_n, ni, cache, sub, topk, init_blocks, local_blocks, nb_stride, scores);
+        } else {
+          msa_score_kernel<8><<<grid, kScoreThreads, 0, stream>>>(
+              iq_n, ni, cache, sub, topk, init_blocks, local_blocks, nb_stride, scores);
+        }
+        M3_CUDA_CHECK_LAUNCH("msa_score_kernel");
+      } else {
+        const size_t smem = sizeof(float) * ni * cache.index_dim;
+        M3_CHECK(smem <= 48 * 1024, "cuda::msa_select_blocks: index q of %zu bytes", smem);
+        msa_score_generic_kernel<<<dim3(static_cast<unsigned>(n), cu), kGenericScoreThreads, smem,
+                                   stream>>>(iq_n, ni, cache, sub, topk, init_blocks,
+                                             local_blocks, nb_stride, scores);
+        M3_CUDA_CHECK_LAUNCH("msa_score_generic_kernel");
+      }
+    }
+    msa_topk_kernel<<<static_cast<unsigned>(n * ni), kTopkThreads, topk_smem, stream>>>(
+        ni, sub, bs, topk, init_blocks, local_blocks, nb_stride, keys_in_smem, scores,
+        out + t0 * ni * topk);
+    M3_CUDA_CHECK_LAUNCH("msa_topk_kernel");
+  }
 }
 
 }  // namespace m3::kernels::cuda

@@ -50,19 +50,109 @@ void router_topk(const float* logits, int64_t n, int64_t num_experts, const floa
 void kv_write(const KvPages& cache, const TokenLayout& layout, const float* k, const float* v,
               const float* ik, cudaStream_t stream);
 
+// ---- attention and MSA (attn_paged.cu, msa_select.cu) ----
+// Scratch device memory an op may use for one call (split-KV partials, MSA block scores). It is
+// the caller's: ops never allocate. Contents need not survive between calls, so one buffer may
+// serve every op of a step on the same stream. `bytes` may be smaller than the op's *_bytes()
+// helper asks for: the op then uses fewer KV splits / scores fewer tokens per launch.
+struct Workspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
 // Causal paged attention, GQA, dense (blocks == null) or over selected blocks
-// [num_tokens, num_kv_heads, max_blocks] (-1 padded). One thread block per (token, kv head),
-// online softmax in fp32.
+// [num_tokens, num_kv_heads, max_blocks] (-1 padded), the CPU op's semantics. max_kv_len: a host
+// upper bound of position + 1 over the step's tokens (a device check traps if a token exceeds
+// it); it and the workspace size the split-KV ("flash decoding") grid so that a batch of one
+// fills the GPU. One CTA per (token, kv head, KV split) serves all query heads of the group, so
+// each K/V row is read once per token; a second kernel merges the splits. max_kv_len <= 0 or an
+// empty workspace: no split (one CTA per (token, kv head)), still exact.
 void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
                      const TokenLayout& layout, const int32_t* blocks, int64_t max_blocks,
-                     float scale, float* out, cudaStream_t stream);
+                     float scale, int64_t max_kv_len, Workspace ws, float* out,
+                     cudaStream_t stream);
+// Bytes of workspace attention_paged uses at most for such a call (max_blocks = 0: dense).
+size_t attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, const KvPages& cache,
+                                 int64_t max_blocks, int64_t max_kv_len);
+// Without a workspace: the same op, no KV split (kept for callers without scratch space).
+inline void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
+                            const TokenLayout& layout, const int32_t* blocks, int64_t max_blocks,
+                            float scale, float* out, cudaStream_t stream) {
+  attention_paged(q, num_heads, cache, layout, blocks, max_blocks, scale, 0, Workspace{}, out,
+                  stream);
+}
 
 // MSA block selection (see the CPU op): out [num_tokens, num_index_heads, topk], ascending,
-// -1 padded. One thread block per (token, index head). A sequence may span at most
-// kMaxMsaBlocks blocks (the scores live in shared memory); more traps the kernel.
-inline constexpr int64_t kMaxMsaBlocks = 16384;
+// -1 padded, ids equal to the CPU op's. Two kernels: (a) index scores, many CTAs per token over
+// block ranges, each index-K row read once for all index heads, block maxima into the workspace
+// [tokens, index_heads, ceil(max_kv_len / page_size)]; (b) one CTA per (token, index head): radix
+// select of the top-k by (score desc, block id asc) with the forced init/local blocks, no limit on
+// the number of blocks. max_kv_len as for attention_paged. A workspace too small for all tokens
+// is used token-chunk by token-chunk; one too small for one token (or none) falls back to a
+// single kernel per (token, index head) holding the scores in shared memory (kMaxMsaBlocks).
 void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& cache,
                        const TokenLayout& layout, int64_t topk, int64_t init_blocks,
-                       int64_t local_blocks, int32_t* out, cudaStream_t stream);
+                       int64_t local_blocks, int64_t max_kv_len, Workspace ws, int32_t* out,
+                       cudaStream_t stream);
+// Bytes of workspace msa_select_blocks uses for all tokens in one launch pair.
+size_t msa_select_workspace_bytes(int64_t num_tokens, int64_t num_index_heads,
+                                  const KvPages& cache, int64_t max_kv_len);
+// Without a workspace: the single-kernel path; a sequence may span at most kMaxMsaBlocks blocks
+// (6M tokens at 128-token pages; more traps the kernel).
+inline constexpr int64_t kMaxMsaBlocks = 49152;
+inline void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& cache,
+                              const TokenLayout& layout, int64_t topk, int64_t init_blocks,
+                              int64_t local_blocks, int32_t* out, cudaStream_t stream) {
+  msa_select_blocks(iq, num_index_heads, cache, layout, topk, init_blocks, local_blocks, 0,
+                    Workspace{}, out, stream);
+}
+
+// ---- GEMM precision and the MoE experts (blas.cu, linear.cu, moe_experts.cu) ----
+
+// How linear() multiplies fp32 activations by bf16 weights on the tensor cores (more than
+// blas::kGemvMaxTokens tokens; the GEMV path is always exact fp32 arithmetic).
+//  kExact: x is split into bf16 terms t0 = bf16(x), t1 = bf16(x - t0), t2 = bf16(x - t0 - t1)
+//          and y = Σ W·t_i with fp32 accumulation: 3 terms hold all of x's fp32 bits (the
+//          default; blas::exact_split_terms() says how many, M3_GEMM_EXACT_TERMS=2 trades
+//          accuracy, 2^-17 relative on x, for a third less prefill time).
+//  kBf16:  one GEMM on bf16(x) (2^-9 relative on x), what other engines do; the speed mode.
+// Process-wide; set it before work is enqueued (a change is not ordered with enqueued work).
+enum class GemmPrecision { kExact, kBf16 };
+void set_gemm_precision(GemmPrecision p);
+GemmPrecision gemm_precision();
+
+// The routed experts of one MoE layer: each projection stored contiguously over the experts,
+// expert e's matrix at base + e * rows * cols elements (w1/w3: [inter, hidden], w2:
+// [hidden, inter]), all of one dtype (bf16 or f32).
+struct MoeExpertWeights {
+  const void* w1 = nullptr;  // gate
+  const void* w3 = nullptr;  // up
+  const void* w2 = nullptr;  // down
+  DType dtype = DType::kBF16;
+  int64_t num_experts = 0, inter = 0, hidden = 0;
+};
+
+// SwiGLU-OAI constants (see swiglu_oai).
+struct SwigluParams {
+  float alpha = 1.702f, limit = 7.0f, beta = 1.0f;
+};
+
+// Up to this many tokens (bench_gemm_moe: n = 256 runs 2.7x faster grouped than per expert) the
+// experts run as grouped GEMVs with no host sync; above it the
+// counts are read back once (one host sync per call) and each active expert runs linear() over
+// its gathered tokens.
+inline constexpr int64_t kMoeGemvMaxTokens = 256;
+
+// Device bytes moe_experts needs as `workspace` for n tokens.
+size_t moe_workspace_bytes(int64_t n, int64_t k, const MoeExpertWeights& w);
+
+// out[t] = shared[t] (if non-null) + the sum over t's k routed experts, in ascending expert id,
+// of weights[t, j] * down(swiglu(gate(x[t]), up(x[t]))): the CPU model's MoE after its router.
+// ids/weights: [n, k] from router_topk (device); x, shared, out: [n, hidden] f32 (out may alias
+// shared). Tokens are grouped per expert on the device, ascending within an expert, as the CPU
+// path orders them; the combine uses no atomics (deterministic). An id out of range traps.
+void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights, int64_t k,
+                 const MoeExpertWeights& w, const SwigluParams& act, const float* shared,
+                 float* out, void* workspace, cudaStream_t stream);
 
 }  // namespace m3::kernels::cuda

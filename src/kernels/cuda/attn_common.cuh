@@ -1,0 +1,89 @@
+// Device helpers of the attention and MSA kernels (attn_paged.cu, msa_select.cu): cp.async
+// copies, block max / exclusive scan, the SM count that sizes split grids. Included only by .cu
+// files in this folder. Invariant: block-wide helpers assume blockDim.x is a multiple of 32,
+// at most 1024, and are called by every thread of the block.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/common.cuh"
+
+namespace m3::kernels::cuda::detail {
+
+// 16-byte global -> shared copy that bypasses L1 (the data is streamed once).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most N committed groups of this thread are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Max over the block; every thread gets it. `red` is __shared__ float[32].
+__device__ __forceinline__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int num_warps = blockDim.x / kWarp;
+  v = warp_max(v);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float t = lane < num_warps ? red[lane] : -INFINITY;
+    t = warp_max(t);
+    if (lane == 0) red[0] = t;
+  }
+  __syncthreads();
+  const float r = red[0];
+  __syncthreads();
+  return r;
+}
+
+// Exclusive prefix sum over the block in thread order; every thread gets its prefix and the
+// block's total. `red` is __shared__ uint32_t[33].
+__device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* red,
+                                                         uint32_t* total) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int num_warps = blockDim.x / kWarp;
+  uint32_t incl = v;
+  for (int o = 1; o < kWarp; o <<= 1) {
+    const uint32_t n = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += n;
+  }
+  if (lane == kWarp - 1) red[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const uint32_t tot = lane < num_warps ? red[lane] : 0u;
+    uint32_t x = tot;
+    for (int o = 1; o < kWarp; o <<= 1) {
+      const uint32_t n = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += n;
+    }
+    if (lane < num_warps) red[lane] = x - tot;  // exclusive prefix of the warp totals
+    if (lane == num_warps - 1) red[32] = x;
+  }
+  __syncthreads();
+  const uint32_t r = red[warp] + incl - v;
+  *total = red[32];
+  __syncthreads();  // red may be reused right after
+  return r;
+}
+
+// Multiprocessors of the current device (sizes split grids; read once per process).
+inline int num_sms() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0)
+      return 132;  // H200; only the grid shape depends on it
+    return v;
+  }();
+  return n;
+}
+
+}  // namespace m3::kernels::cuda::detail

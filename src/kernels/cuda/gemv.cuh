@@ -1,0 +1,264 @@
+// The bandwidth-bound GEMV behind linear() for a few tokens and behind the MoE experts (grouped:
+// one weight matrix per expert, each applied to that expert's tokens). Included by linear.cu and
+// moe_experts.cu only.
+// Invariant: each weight element is read from memory once per group of up to NT tokens; lane l
+// of a warp always owns the k positions {s * 32 * kVec + l * kVec + i}, so a token's result
+// depends on neither the other tokens, nor the chunking of k through shared memory, nor n: only
+// on (m, k) through the split-K choice, which the host makes from the weight shape alone.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops.h"
+
+namespace m3::kernels::cuda::gemv {
+
+inline constexpr int kThreads = 256;  // 8 warps per CTA
+inline constexpr int kIters = 4;      // the most 16-byte weight loads per row per lane in flight
+inline constexpr int kLoadRows = 4;   // weight rows each warp loads per k step (fused: 2 + 2)
+inline constexpr size_t kSmemBudget = 64 * 1024;  // staged x per CTA: 3 CTAs fit an SM
+
+// Loads in flight per row and CTAs per SM by token-group size: registers hold the loads, NT x 4
+// accumulators and the widened weights; two CTAs per SM let one compute while the other waits.
+constexpr int iters(int nt) { return nt <= 2 ? 4 : 2; }
+constexpr int min_ctas(int nt) { return nt <= 8 ? 2 : 1; }
+
+template <class W>
+struct Traits;
+template <>
+struct Traits<uint16_t> {  // bf16 bits
+  static constexpr int kVec = 8;
+  using Raw = uint4;
+  __device__ static void widen(const Raw& r, float* f) {
+    const uint32_t u[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(u[i] << 16);          // element 2i: the low half
+      f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    }
+  }
+};
+template <>
+struct Traits<float> {
+  static constexpr int kVec = 4;
+  using Raw = float4;
+  __device__ static void widen(const Raw& r, float* f) {
+    f[0] = r.x;
+    f[1] = r.y;
+    f[2] = r.z;
+    f[3] = r.w;
+  }
+};
+
+// k elements one warp covers per load: lane l reads [l * kVec, (l + 1) * kVec).
+template <class W>
+constexpr int64_t seg() {
+  return 32 * Traits<W>::kVec;
+}
+// The unit every chunk and split of k is a multiple of.
+template <class W>
+constexpr int64_t k_unit() {
+  return seg<W>() * kIters;
+}
+
+struct Params {
+  const float* x = nullptr;          // input rows [*, k] f32
+  const int32_t* x_rows = nullptr;   // x row of position p (null: p itself)
+  const void* w = nullptr;           // [m, k] (grouped: expert 0's; expert e at + e * w_stride)
+  const void* w_up = nullptr;        // fused: the up matrix beside w (gate)
+  int64_t w_stride = 0;              // elements between experts
+  int64_t m = 0, k = 0;
+  float* y = nullptr;                // [positions, m] (split-K: partials, + z * y_split_stride)
+  int64_t y_split_stride = 0;
+  int64_t n = 0;                     // positions when not grouped
+  const int32_t* offsets = nullptr;  // grouped: [experts + 1] position ranges (null: dense)
+  const int32_t* active = nullptr;   // grouped: active expert ids, ascending
+  const int32_t* num_active = nullptr;
+  int64_t k_split = 0;               // k elements per blockIdx.z
+  int64_t kc = 0;                    // k elements staged per chunk
+  SwigluParams act;
+};
+
+__device__ __forceinline__ float swiglu_oai(float g, float u, const SwigluParams& a) {
+  // The CPU op's formula term by term (see norm_rope_mlp.cu).
+  const float gc = a.limit < g ? a.limit : g;
+  const float uc = u < -a.limit ? -a.limit : (a.limit < u ? a.limit : u);
+  const float glu = gc * (1.0f / (1.0f + expf(-a.alpha * gc)));
+  return (uc + a.beta) * glu;
+}
+
+// Smem slot of element o (0 <= o < seg) of a segment: lane l's 16-byte quarters q sit at
+// q * 128 + l * 4 floats, so a warp reading quarter q touches 512 consecutive bytes (no bank
+// conflicts).
+template <class W>
+__device__ __forceinline__ int smem_slot(int o) {
+  constexpr int V = Traits<W>::kVec;
+  return ((o % V) / 4) * 128 + (o / V) * 4;
+}
+
+// Grid: x = row tiles of (warps * rows per warp), y = expert slot (grouped) or 1, z = k splits.
+template <class W, int NT, bool kFused>
+__global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) {
+  using T = Traits<W>;
+  constexpr int kIt = iters(NT);
+  using Raw = typename T::Raw;
+  constexpr int V = T::kVec;
+  constexpr int64_t kSeg = seg<W>();
+  constexpr int kRows = kFused ? kLoadRows / 2 : kLoadRows;  // output rows per warp
+  extern __shared__ float4 gemv_smem[];
+  float* xs = reinterpret_cast<float*>(gemv_smem);
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  int64_t p0 = 0, p1 = p.n;
+  const W* w = static_cast<const W*>(p.w);
+  const W* wu = static_cast<const W*>(p.w_up);
+  if (p.offsets != nullptr) {
+    const int slot = blockIdx.y;
+    if (slot >= *p.num_active) return;  // fewer active experts than slots: nothing to do
+    const int e = p.active[slot];
+    p0 = p.offsets[e];
+    p1 = p.offsets[e + 1];
+    w += e * p.w_stride;
+    if (kFused) wu += e * p.w_stride;
+  }
+  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * nwarps + warp) * kRows;
+  const int64_t kb = static_cast<int64_t>(blockIdx.z) * p.k_split;
+  const int64_t ke = min(p.k, kb + p.k_split);
+  float* y = p.y + blockIdx.z * p.y_split_stride;
+
+  // Rows this warp loads: unfused rows row0..row0+3; fused gate rows row0, row0+1 then the
+  // same rows of up.
+  const W* wrow[kLoadRows];
+  bool row_ok[kLoadRows];
+#pragma unroll
+  for (int r = 0; r < kLoadRows; ++r) {
+    const int64_t row = row0 + (kFused ? r % kRows : r);
+    row_ok[r] = row < p.m;
+    const W* base = (kFused && r >= kRows) ? wu : w;
+    wrow[r] = base + (row_ok[r] ? row : 0) * p.k;
+  }
+
+  for (int64_t pg = p0; pg < p1; pg += NT) {
+    const int nt = static_cast<int>(min(static_cast<int64_t>(NT), p1 - pg));
+    float acc[NT][kLoadRows];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int r = 0; r < kLoadRows; ++r) acc[t][r] = 0.f;
+
+    for (int64_t kc = kb; kc < ke; kc += p.kc) {
+      const int64_t klen = min(p.kc, ke - kc);
+      __syncthreads();  // the previous chunk's reads of xs are done
+      const int q_per_tok = static_cast<int>(p.kc / 4);
+      for (int i = threadIdx.x; i < NT * q_per_tok; i += blockDim.x) {
+        const int t = i / q_per_tok;
+        const int kk = (i % q_per_tok) * 4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t < nt && kk < klen) {
+          const int64_t pos = pg + t;
+          const int64_t xr = p.x_rows ? p.x_rows[pos] : pos;
+          v = *reinterpret_cast<const float4*>(p.x + xr * p.k + kc + kk);
+        }
+        const int s = kk / static_cast<int>(kSeg), o = kk % static_cast<int>(kSeg);
+        *reinterpret_cast<float4*>(xs + t * p.kc + s * kSeg + smem_slot<W>(o)) = v;
+      }
+      __syncthreads();
+      // Sub-steps of kIt segments: all their weight loads are issued before the first use.
+      for (int64_t sub = 0; sub < klen; sub += kIt * kSeg) {
+        Raw raw[kIt][kLoadRows];
+#pragma unroll
+        for (int it = 0; it < kIt; ++it) {
+          const int64_t kk = sub + it * kSeg + lane * V;
+#pragma unroll
+          for (int r = 0; r < kLoadRows; ++r) {
+            if (kk < klen && row_ok[r])
+              raw[it][r] = __ldg(reinterpret_cast<const Raw*>(wrow[r] + kc + kk));
+            else
+              raw[it][r] = Raw{};
+          }
+        }
+#pragma unroll
+        for (int it = 0; it < kIt; ++it) {
+          if (sub + it * kSeg >= klen) break;  // uniform: a short last chunk
+          float wf[kLoadRows][V];
+#pragma unroll
+          for (int r = 0; r < kLoadRows; ++r) T::widen(raw[it][r], wf[r]);
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            if (t >= nt) break;  // uniform
+            float xv[V];
+            const float* xt = xs + t * p.kc + sub + it * kSeg + lane * 4;
+#pragma unroll
+            for (int q = 0; q < V / 4; ++q) {
+              const float4 f = *reinterpret_cast<const float4*>(xt + q * 128);
+              xv[4 * q] = f.x;
+              xv[4 * q + 1] = f.y;
+              xv[4 * q + 2] = f.z;
+              xv[4 * q + 3] = f.w;
+            }
+#pragma unroll
+            for (int r = 0; r < kLoadRows; ++r)
+#pragma unroll
+              for (int i = 0; i < V; ++i) acc[t][r] = fmaf(wf[r][i], xv[i], acc[t][r]);
+          }
+        }
+      }
+    }
+    // Warp sums; lane 0 writes.
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t >= nt) break;
+#pragma unroll
+      for (int r = 0; r < kLoadRows; ++r) acc[t][r] = detail::warp_sum(acc[t][r]);
+      if (lane == 0) {
+        float* yt = y + (pg + t) * p.m;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          if (!row_ok[r]) continue;
+          yt[row0 + r] = kFused ? swiglu_oai(acc[t][r], acc[t][r + kRows], p.act) : acc[t][r];
+        }
+      }
+    }
+  }
+}
+
+// Token-group size for up to n positions per group: 1, 2, 4, 8 or 16 (more loop).
+inline int nt_bucket(int64_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : n <= 8 ? 8 : 16; }
+
+// Largest chunk of k to stage for nt tokens within the shared-memory budget, at most k_split.
+template <class W>
+int64_t chunk_k(int nt, int64_t k_split) {
+  const int64_t unit = k_unit<W>();
+  const int64_t max_kc = std::max<int64_t>(unit, static_cast<int64_t>(kSmemBudget) / (nt * 4) / unit * unit);
+  return std::min(max_kc, (k_split + unit - 1) / unit * unit);
+}
+
+template <class W, int NT, bool kFused>
+void launch_nt(const Params& p, dim3 grid, int threads, cudaStream_t stream) {
+  auto kernel = gemv_kernel<W, NT, kFused>;
+  const size_t smem = static_cast<size_t>(NT) * p.kc * sizeof(float);
+  if (smem > 48 * 1024) {
+    // Above 48 KiB the dynamic limit must be raised (per function; cheap, and idempotent).
+    M3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kSmemBudget)));
+  }
+  kernel<<<grid, threads, smem, stream>>>(p);
+  M3_CUDA_CHECK_LAUNCH("gemv_kernel");
+}
+
+// Launches the instance for token groups of `nt` (from nt_bucket); p.kc from chunk_k<W>(nt, ..).
+template <class W, bool kFused>
+void launch(const Params& p, int nt, dim3 grid, int threads, cudaStream_t stream) {
+  switch (nt) {
+    case 1: return launch_nt<W, 1, kFused>(p, grid, threads, stream);
+    case 2: return launch_nt<W, 2, kFused>(p, grid, threads, stream);
+    case 4: return launch_nt<W, 4, kFused>(p, grid, threads, stream);
+    case 8: return launch_nt<W, 8, kFused>(p, grid, threads, stream);
+    default: M3_CHECK(nt == 16, "gemv: token group %d", nt);
+             return launch_nt<W, 16, kFused>(p, grid, threads, stream);
+  }
+}
+
+}  // namespace m3::kernels::cuda::gemv

@@ -1,0 +1,342 @@
+// The routed experts of an MoE layer on the GPU (moe_experts in ops.h): device-side grouping of
+// the router's picks by expert, then either grouped GEMVs (few tokens: no host sync) or, for
+// many tokens, one read-back of the per-expert counts and linear() per active expert over its
+// gathered tokens. Both end in the CPU model's combine order: routed = 0, then += weight * out
+// per expert in ascending id; out = shared + routed.
+#include <algorithm>
+#include <vector>
+
+#include "kernels/cuda/blas.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gemv.cuh"
+#include "kernels/cuda/ops.h"
+
+namespace m3::kernels::cuda {
+
+namespace {
+
+using detail::ceil_div;
+
+constexpr int kRouteThreads = 1024;
+constexpr int64_t kMaxExperts = 1024;  // the grouping kernel's per-warp counts live in smem
+constexpr int64_t kMaxTopK = 16;       // the combine sorts a token's picks in registers
+
+// Routing arrays at the start of the workspace; then the path's activations.
+struct Layout {
+  int32_t* offsets;      // [ne + 1] position ranges per expert
+  int32_t* active;       // [ne] active expert ids, ascending
+  int32_t* num_active;   // [1]
+  int32_t* pair_token;   // [P] token of each position (positions sorted by expert, then token)
+  float* pair_weight;    // [P] its routing weight
+  int32_t* pair_pos;     // [P] position of pick (t, j) = ids[t * k + j]
+  // few tokens (grouped GEMV)
+  float* act;            // [P, inter] swiglu(gate, up) per position
+  float* ye;             // [P, hidden] expert output per position
+  // many tokens (per-expert linear)
+  float* xe;             // [n, hidden] one expert's gathered tokens
+  float* g;              // [n, inter]
+  float* u;              // [n, inter]
+  float* ye_e;           // [n, hidden]
+  float* routed;         // [n, hidden]
+  size_t bytes;
+};
+
+Layout layout_for(void* base, int64_t n, int64_t k, const MoeExpertWeights& w) {
+  Layout l{};
+  const int64_t P = n * k, ne = w.num_experts;
+  const bool few = n <= kMoeGemvMaxTokens;
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    void* p = base ? static_cast<uint8_t*>(base) + off : nullptr;
+    off += (bytes + 255) / 256 * 256;
+    return p;
+  };
+  l.offsets = static_cast<int32_t*>(take((ne + 1) * sizeof(int32_t)));
+  l.active = static_cast<int32_t*>(take(ne * sizeof(int32_t)));
+  l.num_active = static_cast<int32_t*>(take(sizeof(int32_t)));
+  l.pair_token = static_cast<int32_t*>(take(P * sizeof(int32_t)));
+  l.pair_weight = static_cast<float*>(take(P * sizeof(float)));
+  l.pair_pos = static_cast<int32_t*>(take(P * sizeof(int32_t)));
+  if (few) {
+    l.act = static_cast<float*>(take(P * w.inter * sizeof(float)));
+    l.ye = static_cast<float*>(take(P * w.hidden * sizeof(float)));
+  }
+  // The many-token buffers are always laid out: the few-token path falls back to them when the
+  // GEMV cannot read the weights' layout.
+  l.xe = static_cast<float*>(take(n * w.hidden * sizeof(float)));
+  l.g = static_cast<float*>(take(n * w.inter * sizeof(float)));
+  l.u = static_cast<float*>(take(n * w.inter * sizeof(float)));
+  l.ye_e = static_cast<float*>(take(n * w.hidden * sizeof(float)));
+  l.routed = static_cast<float*>(take(n * w.hidden * sizeof(float)));
+  l.bytes = off;
+  return l;
+}
+
+// Groups the P = n * k picks by expert with a stable counting sort in one CTA: counts, an
+// exclusive scan into offsets (and the ascending list of active experts), then the picks in
+// chunks of blockDim, each placed after the picks of earlier chunks, earlier warps
+// (per-warp counts in smem) and earlier lanes (__match_any_sync) of the same expert.
+__global__ void __launch_bounds__(kRouteThreads)
+    moe_route_kernel(const int32_t* __restrict__ ids, const float* __restrict__ wts, int P, int k,
+                     int ne, int32_t* __restrict__ offsets, int32_t* __restrict__ active,
+                     int32_t* __restrict__ num_active, int32_t* __restrict__ pair_token,
+                     float* __restrict__ pair_weight, int32_t* __restrict__ pair_pos) {
+  extern __shared__ int32_t route_smem[];
+  int32_t* cnt = route_smem;                                        // [ne]
+  int32_t* base = route_smem + ne;                                  // [ne]
+  uint8_t* wcnt = reinterpret_cast<uint8_t*>(route_smem + 2 * ne);  // [32 warps][ne]
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  for (int e = tid; e < ne; e += blockDim.x) cnt[e] = 0;
+  for (int i = tid; i < 32 * ne; i += blockDim.x) wcnt[i] = 0;
+  __syncthreads();
+  for (int p = tid; p < P; p += blockDim.x) {
+    const int e = ids[p];
+    M3_DEVICE_CHECK(e >= 0 && e < ne, "moe: expert id %d of %d", e, ne);
+    atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    // Lane l scans experts [lo, hi); a warp scan joins the lanes.
+    const int per = (ne + 31) / 32, lo = min(ne, lane * per), hi = min(ne, lo + per);
+    int local = 0, local_active = 0;
+    for (int e = lo; e < hi; ++e) {
+      local += cnt[e];
+      local_active += cnt[e] > 0;
+    }
+    int incl = local, incl_active = local_active;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int a = __shfl_up_sync(0xffffffffu, incl, o);
+      const int b = __shfl_up_sync(0xffffffffu, incl_active, o);
+      if (lane >= o) {
+        incl += a;
+        incl_active += b;
+      }
+    }
+    int run = incl - local, run_active = incl_active - local_active;
+    for (int e = lo; e < hi; ++e) {
+      base[e] = run;
+      offsets[e] = run;
+      run += cnt[e];
+      if (cnt[e] > 0) active[run_active++] = e;
+    }
+    if (lane == 31) {
+      offsets[ne] = incl;
+      *num_active = incl_active;
+    }
+  }
+  __syncthreads();
+  const unsigned lt_mask = (1u << lane) - 1u;
+  for (int c = 0; c < P; c += blockDim.x) {
+    const int p = c + tid;
+    const bool valid = p < P;
+    const int e = valid ? ids[p] : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    const int rank = __popc(peers & lt_mask);
+    if (valid && rank == 0) wcnt[warp * ne + e] = static_cast<uint8_t>(__popc(peers));
+    __syncthreads();
+    int pos = 0;
+    if (valid) {
+      int pre = 0;
+      for (int w = 0; w < warp; ++w) pre += wcnt[w * ne + e];
+      pos = base[e] + pre + rank;
+      pair_pos[p] = pos;
+      pair_token[pos] = p / k;
+      pair_weight[pos] = wts[p];
+    }
+    __syncthreads();
+    if (valid) {
+      atomicMax(&base[e], pos + 1);
+      if (rank == 0) wcnt[warp * ne + e] = 0;
+    }
+    __syncthreads();
+  }
+}
+
+// out[t] = shared[t] + Σ_j weight * ye[pos_j] over t's picks in ascending position (= ascending
+// expert id). One CTA per token.
+__global__ void moe_combine_kernel(const float* __restrict__ ye, const int32_t* __restrict__ pair_pos,
+                                   const float* __restrict__ pair_weight, int k, int64_t hidden,
+                                   const float* shared, float* out) {
+  const int64_t t = blockIdx.x;
+  int32_t pos[kMaxTopK];
+  float wt[kMaxTopK];
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    if (j >= k) break;
+    int32_t v = pair_pos[t * k + j];
+    int i = j;  // insertion sort
+    while (i > 0 && pos[i - 1] > v) {
+      pos[i] = pos[i - 1];
+      --i;
+    }
+    pos[i] = v;
+  }
+  for (int j = 0; j < k; ++j) wt[j] = pair_weight[pos[j]];
+  for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
+    float routed = 0.f;
+    for (int j = 0; j < k; ++j) routed += wt[j] * ye[pos[j] * hidden + c];
+    out[t * hidden + c] = shared ? shared[t * hidden + c] + routed : routed;
+  }
+}
+
+__global__ void gather_rows_kernel(const float* __restrict__ x, const int32_t* __restrict__ rows,
+                                   int64_t cols, float* __restrict__ out) {
+  const int64_t i = blockIdx.x;
+  const float* src = x + static_cast<int64_t>(rows[i]) * cols;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) out[i * cols + c] = src[c];
+}
+
+// routed[rows[i]] += weight[i] * ye[i]; the rows of one expert are distinct (no races).
+__global__ void scatter_add_rows_kernel(const float* __restrict__ ye,
+                                        const int32_t* __restrict__ rows,
+                                        const float* __restrict__ weight, int64_t cols,
+                                        float* __restrict__ routed) {
+  const int64_t i = blockIdx.x;
+  float* dst = routed + static_cast<int64_t>(rows[i]) * cols;
+  const float wgt = weight[i];
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dst[c] += wgt * ye[i * cols + c];
+}
+
+__global__ void add_kernel(const float* shared, const float* __restrict__ routed, int64_t count,
+                           float* out) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += step)
+    out[i] = shared ? shared[i] + routed[i] : routed[i];
+}
+
+__global__ void swiglu_kernel(float* g, const float* __restrict__ u, int64_t count,
+                              SwigluParams a) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += step)
+    g[i] = gemv::swiglu_oai(g[i], u[i], a);
+}
+
+unsigned grid_for(int64_t count) {
+  return static_cast<unsigned>(std::clamp<int64_t>((count + 255) / 256, 1, 4096));
+}
+
+cpu::MatRef expert_mat(const void* base, DType dt, int64_t e, int64_t rows, int64_t cols) {
+  return cpu::MatRef{static_cast<const uint8_t*>(base) + e * rows * cols * dtype_size(dt), dt,
+                     rows, cols};
+}
+
+template <class W>
+void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& w,
+                  const SwigluParams& act, const Layout& l, cudaStream_t stream) {
+  const int64_t P = n * k;
+  const unsigned slots = static_cast<unsigned>(std::min(P, w.num_experts));
+  // Token groups sized for twice the mean tokens per expert, at most 8 (registers): most
+  // experts then run one group; one with more tokens loops (re-reading its rows, mostly from L2).
+  const int64_t mean2 = (2 * P + w.num_experts - 1) / w.num_experts;
+  const int nt = gemv::nt_bucket(std::min<int64_t>({n, mean2, 8}));
+  const int warps = gemv::kThreads / 32;
+  {
+    gemv::Params p;
+    p.x = x;
+    p.x_rows = l.pair_token;
+    p.w = w.w1;
+    p.w_up = w.w3;
+    p.w_stride = w.inter * w.hidden;
+    p.m = w.inter;
+    p.k = w.hidden;
+    p.y = l.act;
+    p.offsets = l.offsets;
+    p.active = l.active;
+    p.num_active = l.num_active;
+    p.k_split = w.hidden;
+    p.kc = gemv::chunk_k<W>(nt, w.hidden);
+    p.act = act;
+    const unsigned tiles = ceil_div(w.inter, warps * gemv::kLoadRows / 2);
+    gemv::launch<W, true>(p, nt, dim3(tiles, slots, 1), gemv::kThreads, stream);
+  }
+  {
+    gemv::Params p;
+    p.x = l.act;
+    p.w = w.w2;
+    p.w_stride = w.hidden * w.inter;
+    p.m = w.hidden;
+    p.k = w.inter;
+    p.y = l.ye;
+    p.offsets = l.offsets;
+    p.active = l.active;
+    p.num_active = l.num_active;
+    p.k_split = w.inter;
+    p.kc = gemv::chunk_k<W>(nt, w.inter);
+    const unsigned tiles = ceil_div(w.hidden, warps * gemv::kLoadRows);
+    gemv::launch<W, false>(p, nt, dim3(tiles, slots, 1), gemv::kThreads, stream);
+  }
+}
+
+bool gemv_layout_ok(const float* x, const MoeExpertWeights& w) {
+  const int64_t vec = w.dtype == DType::kBF16 ? 8 : 4;
+  auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return w.hidden % vec == 0 && w.inter % vec == 0 && al(w.w1) && al(w.w3) && al(w.w2) && al(x);
+}
+
+}  // namespace
+
+size_t moe_workspace_bytes(int64_t n, int64_t k, const MoeExpertWeights& w) {
+  return layout_for(nullptr, n, k, w).bytes;
+}
+
+void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights, int64_t k,
+                 const MoeExpertWeights& w, const SwigluParams& act, const float* shared,
+                 float* out, void* workspace, cudaStream_t stream) {
+  M3_CHECK(w.dtype == DType::kBF16 || w.dtype == DType::kF32, "moe_experts: dtype %s",
+           dtype_name(w.dtype));
+  M3_CHECK(w.num_experts > 0 && w.num_experts <= kMaxExperts, "moe_experts: %lld experts (max %lld)",
+           static_cast<long long>(w.num_experts), static_cast<long long>(kMaxExperts));
+  M3_CHECK(k > 0 && k <= kMaxTopK && k <= w.num_experts, "moe_experts: top-%lld",
+           static_cast<long long>(k));
+  if (n == 0) return;
+  const int64_t P = n * k;
+  M3_CHECK(P <= 0x7fffffff && n <= 0x7fffffff);
+  const Layout l = layout_for(workspace, n, k, w);
+  const int ne = static_cast<int>(w.num_experts);
+
+  const size_t smem = 2 * ne * sizeof(int32_t) + 32 * ne;
+  moe_route_kernel<<<1, kRouteThreads, smem, stream>>>(ids, weights, static_cast<int>(P),
+                                                      static_cast<int>(k), ne, l.offsets,
+                                                      l.active, l.num_active, l.pair_token,
+                                                      l.pair_weight, l.pair_pos);
+  M3_CUDA_CHECK_LAUNCH("moe_route_kernel");
+
+  if (n <= kMoeGemvMaxTokens && gemv_layout_ok(x, w)) {
+    if (w.dtype == DType::kBF16)
+      experts_gemv<uint16_t>(x, n, k, w, act, l, stream);
+    else
+      experts_gemv<float>(x, n, k, w, act, l, stream);
+    moe_combine_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(
+        l.ye, l.pair_pos, l.pair_weight, static_cast<int>(k), w.hidden, shared, out);
+    M3_CUDA_CHECK_LAUNCH("moe_combine_kernel");
+    return;
+  }
+
+  // Many tokens: the counts decide the GEMM shapes, so read them back (the one host sync).
+  std::vector<int32_t> offsets(ne + 1);
+  M3_CUDA_CHECK(cudaMemcpyAsync(offsets.data(), l.offsets, (ne + 1) * sizeof(int32_t),
+                                cudaMemcpyDeviceToHost, stream));
+  M3_CUDA_CHECK(cudaStreamSynchronize(stream));
+  M3_CUDA_CHECK(cudaMemsetAsync(l.routed, 0, n * w.hidden * sizeof(float), stream));
+  for (int e = 0; e < ne; ++e) {
+    const int64_t begin = offsets[e], m = offsets[e + 1] - begin;
+    if (m == 0) continue;
+    gather_rows_kernel<<<static_cast<unsigned>(m), 256, 0, stream>>>(x, l.pair_token + begin,
+                                                                     w.hidden, l.xe);
+    M3_CUDA_CHECK_LAUNCH("gather_rows_kernel");
+    linear(l.xe, m, expert_mat(w.w1, w.dtype, e, w.inter, w.hidden), l.g, stream);
+    linear(l.xe, m, expert_mat(w.w3, w.dtype, e, w.inter, w.hidden), l.u, stream);
+    swiglu_kernel<<<grid_for(m * w.inter), 256, 0, stream>>>(l.g, l.u, m * w.inter, act);
+    M3_CUDA_CHECK_LAUNCH("swiglu_kernel");
+    linear(l.g, m, expert_mat(w.w2, w.dtype, e, w.hidden, w.inter), l.ye_e, stream);
+    scatter_add_rows_kernel<<<static_cast<unsigned>(m), 256, 0, stream>>>(
+        l.ye_e, l.pair_token + begin, l.pair_weight + begin, w.hidden, l.routed);
+    M3_CUDA_CHECK_LAUNCH("scatter_add_rows_kernel");
+  }
+  add_kernel<<<grid_for(n * w.hidden), 256, 0, stream>>>(shared, l.routed, n * w.hidden, out);
+  M3_CUDA_CHECK_LAUNCH("add_kernel");
+}
+
+}  // namespace m3::kernels::cuda

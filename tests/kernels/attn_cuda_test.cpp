@@ -1,0 +1,458 @@
+// The split-KV attention and the two-kernel MSA selection (kernels/cuda/ops.h, with a workspace)
+// against the CPU ops (kernels/cpu/ops.h): M3's geometry (64 q / 4 KV heads × 128, 4 index heads
+// × 128, 128-token pages, top-16, local 1) and odd ones; one decode token, partial last pages,
+// contexts below and above top-k blocks, batches of sequences of different lengths, prefill
+// chunks, mixed batches, 64K-token contexts (many KV splits), small and missing workspaces.
+// Block ids must be equal; attention within tolerances derived below. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu/device.h"
+#include "gpu/device_buffer.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/ops.h"
+
+namespace {
+
+namespace cpu = m3::kernels::cpu;
+namespace gk = m3::kernels::cuda;
+using m3::gpu::DeviceBuffer;
+using m3::gpu::Stream;
+
+const std::string& gpu_unavailable_reason() {
+  static const std::string reason = [] {
+    auto dev = m3::gpu::probe_device(0);
+    return dev ? std::string() : dev.error().message;
+  }();
+  return reason;
+}
+
+#define SKIP_WITHOUT_GPU()                                                                  \
+  do {                                                                                      \
+    if (!gpu_unavailable_reason().empty()) GTEST_SKIP() << gpu_unavailable_reason();        \
+  } while (0)
+
+// Multiples of 1/8 in [-r/8, r/8]. With r <= 64 a product is a multiple of 1/64 of magnitude
+// <= 1, so a dot of up to 2^12 terms stays a multiple of 1/64 below 2^12 < 2^24/64: exact in
+// fp32 in any summation order. Index scores built from them are bit-identical on both sides.
+void fill_eighths(float* v, size_t n, std::mt19937& g, int r) {
+  std::uniform_int_distribution<int> d(-r, r);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>(d(g)) / 8.f;
+}
+
+void fill_normal(float* v, size_t n, std::mt19937& g) {
+  std::normal_distribution<float> d(0.f, 1.f);
+  for (size_t i = 0; i < n; ++i) v[i] = d(g);
+}
+
+// Sequences in a shuffled page pool; every slot below a sequence's length holds data, every other
+// slot NaN (on both sides), so a kernel that reads a masked or unwritten key poisons its output.
+struct Paged {
+  int64_t bs, nkv, d, di, num_pages = 0;
+  std::vector<int64_t> lens;
+  std::vector<int32_t> bt_offsets{0}, block_table;
+  std::vector<float> k, v, ik;  // host caches
+  std::vector<int32_t> positions, seq_ids;
+
+  Paged(int64_t bs_, int64_t nkv_, int64_t d_, int64_t di_, std::vector<int64_t> lens_,
+        std::mt19937& g, int ik_range, bool kv = true)
+      : bs(bs_), nkv(nkv_), d(d_), di(di_), lens(std::move(lens_)) {
+    int64_t total = 0;
+    for (int64_t len : lens) {
+      total += (len + bs - 1) / bs;
+      bt_offsets.push_back(static_cast<int32_t>(total));
+    }
+    num_pages = total + 2;  // spare pages never referenced
+    std::vector<int32_t> pages(num_pages);
+    std::iota(pages.begin(), pages.end(), 0);
+    std::shuffle(pages.begin(), pages.end(), g);
+    block_table.assign(pages.begin(), pages.begin() + total);
+    const size_t slots = static_cast<size_t>(num_pages * bs);
+    if (kv) {
+      k.assign(slots * nkv * d, NAN);
+      v.assign(slots * nkv * d, NAN);
+    }
+    ik.assign(slots * di, NAN);
+    for (size_t s = 0; s < lens.size(); ++s) {
+      for (int64_t b = 0; b * bs < lens[s]; ++b) {
+        const int64_t page = block_table[bt_offsets[s] + b];
+        const int64_t n = std::min(bs, lens[s] - b * bs);
+        if (kv) {
+          fill_normal(k.data() + page * bs * nkv * d, n * nkv * d, g);
+          fill_normal(v.data() + page * bs * nkv * d, n * nkv * d, g);
+        }
+        // Index keys fill whole pages: the selection scores every slot of a past block.
+        fill_eighths(ik.data() + page * bs * di, bs * di, g, ik_range);
+      }
+    }
+  }
+  void add(int32_t seq, int32_t pos) {
+    seq_ids.push_back(seq);
+    positions.push_back(pos);
+  }
+  int64_t tokens() const { return static_cast<int64_t>(positions.size()); }
+  int64_t max_kv_len() const {
+    return positions.empty() ? 0 : *std::max_element(positions.begin(), positions.end()) + 1;
+  }
+  cpu::KvPages host_pages() {
+    return cpu::KvPages{k.empty() ? nullptr : k.data(), v.empty() ? nullptr : v.data(),
+                        ik.data(), num_pages, bs, nkv, d, di};
+  }
+  cpu::TokenLayout host_layout() const {
+    return cpu::TokenLayout{tokens(), positions.data(), seq_ids.data(), bt_offsets.data(),
+                            block_table.data()};
+  }
+};
+
+// The same cache and step in device memory.
+struct DevicePaged {
+  DeviceBuffer<float> k, v, ik;
+  DeviceBuffer<int32_t> positions, seq_ids, bt_offsets, block_table;
+  gk::KvPages pages;
+  gk::TokenLayout layout;
+  explicit DevicePaged(const Paged& p)
+      : k(p.k), v(p.v), ik(p.ik), positions(p.positions), seq_ids(p.seq_ids),
+        bt_offsets(p.bt_offsets), block_table(p.block_table) {
+    pages = gk::KvPages{k.data(), v.data(), ik.data(), p.num_pages, p.bs, p.nkv, p.d, p.di};
+    layout = gk::TokenLayout{p.tokens(), positions.data(), seq_ids.data(), bt_offsets.data(),
+                             block_table.data()};
+  }
+};
+
+// A device buffer of NaNs (bytes 0xff): an output the kernel never writes fails the comparison.
+DeviceBuffer<float> nan_buffer(size_t n) {
+  DeviceBuffer<float> b(n);
+  b.fill_bytes(0xff);
+  return b;
+}
+
+std::string ids_str(const int32_t* a, int64_t n) {
+  std::string s;
+  for (int64_t i = 0; i < n; ++i) s += std::to_string(a[i]) + " ";
+  return s;
+}
+
+// ---------------------------------------------------------------- MSA selection
+
+struct MsaCase {
+  int64_t bs, ni, di, topk, init, local;
+  std::vector<int64_t> lens;
+  bool all_positions;  // every position of every sequence (prefill); else a sample (decode)
+  int range;           // index values are multiples of 1/8 in [-range/8, range/8]
+};
+
+enum class MsaWs { kFull, kTwoTokens, kNone };
+
+void run_msa(const MsaCase& c, uint32_t seed, MsaWs ws_kind = MsaWs::kFull) {
+  std::mt19937 g(seed);
+  const std::string what = "msa bs=" + std::to_string(c.bs) + " ni=" + std::to_string(c.ni) +
+                           " di=" + std::to_string(c.di) + " topk=" + std::to_string(c.topk) +
+                           " init=" + std::to_string(c.init) + " local=" +
+                           std::to_string(c.local) + " ws=" + std::to_string(int(ws_kind));
+  Paged P(c.bs, 1, 1, c.di, c.lens, g, c.range, /*kv=*/false);
+  for (size_t s = 0; s < c.lens.size(); ++s) {
+    const int64_t len = c.lens[s];
+    std::vector<int64_t> ps;
+    if (c.all_positions) {
+      ps.resize(len);
+      std::iota(ps.begin(), ps.end(), 0);
+    } else {
+      ps = {len - 1, 0, len / 2, c.bs * c.topk - 1, c.bs * c.topk, c.bs * (c.topk + 1)};
+      std::uniform_int_distribution<int64_t> pd(0, len - 1);
+      for (int j = 0; j < 3; ++j) ps.push_back(pd(g));
+    }
+    std::sort(ps.begin(), ps.end());
+    ps.erase(std::unique(ps.begin(), ps.end()), ps.end());
+    for (int64_t p : ps)
+      if (p >= 0 && p < len) P.add(static_cast<int32_t>(s), static_cast<int32_t>(p));
+  }
+  const int64_t T = P.tokens();
+  std::vector<float> iq(T * c.ni * c.di);
+  fill_eighths(iq.data(), iq.size(), g, c.range);
+  std::vector<int32_t> want(T * c.ni * c.topk);
+  cpu::msa_select_blocks(iq.data(), c.ni, P.host_pages(), P.host_layout(), c.topk, c.init,
+                         c.local, want.data());
+
+  DevicePaged D(P);
+  DeviceBuffer<float> diq(iq);
+  const int64_t mkl = P.max_kv_len();
+  size_t bytes = gk::msa_select_workspace_bytes(T, c.ni, D.pages, mkl);
+  if (ws_kind == MsaWs::kTwoTokens) bytes = gk::msa_select_workspace_bytes(2, c.ni, D.pages, mkl) + 4;
+  if (ws_kind == MsaWs::kNone) bytes = 0;
+  DeviceBuffer<uint8_t> ws(bytes);
+  ws.fill_bytes(0xff);
+  DeviceBuffer<int32_t> dout(want.size());
+  dout.fill_bytes(0x7f);  // garbage ids: an unwritten entry fails
+  Stream stream;
+  gk::msa_select_blocks(diq.data(), c.ni, D.pages, D.layout, c.topk, c.init, c.local, mkl,
+                        gk::Workspace{ws.data(), bytes}, dout.data(), stream.get());
+  stream.synchronize();
+  const auto got = dout.to_host();
+  int64_t bad = 0;
+  for (int64_t w = 0; w < T * c.ni; ++w) {
+    if (!std::equal(got.begin() + w * c.topk, got.begin() + (w + 1) * c.topk,
+                    want.begin() + w * c.topk) &&
+        ++bad <= 5) {
+      ADD_FAILURE() << what << ": token " << w / c.ni << " (position " << P.positions[w / c.ni]
+                    << ") head " << w % c.ni << "\n gpu: " << ids_str(got.data() + w * c.topk, c.topk)
+                    << "\n cpu: " << ids_str(want.data() + w * c.topk, c.topk);
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << " (" << T << " tokens)";
+}
+
+TEST(AttnCudaMsa, RealGeometryDecodeAndBatches) {
+  SKIP_WITHOUT_GPU();
+  // 1 block, exactly 16 (all selected), 17 (one dropped), 40, 157 blocks; wide value range
+  // (few ties) and a narrow one (many).
+  const MsaCase m3{128, 4, 128, 16, 0, 1, {1, 128, 2048, 2049, 5000, 20000}, false, 64};
+  run_msa(m3, 101);
+  MsaCase narrow = m3;
+  narrow.range = 2;
+  run_msa(narrow, 102);
+  // The same with the workspace for two tokens at a time (token chunks) and without one.
+  run_msa(m3, 103, MsaWs::kTwoTokens);
+  run_msa(m3, 104, MsaWs::kNone);
+}
+
+TEST(AttnCudaMsa, RealGeometryPrefillAndMixed) {
+  SKIP_WITHOUT_GPU();
+  // Every position of a 2600-token sequence (20 full blocks + a partial one) beside a short one.
+  run_msa(MsaCase{128, 4, 128, 16, 0, 1, {2600, 300}, true, 64}, 111);
+  run_msa(MsaCase{128, 4, 128, 16, 0, 1, {2600}, true, 3}, 112);
+}
+
+TEST(AttnCudaMsa, LongContextExactIds) {
+  SKIP_WITHOUT_GPU();
+  // 256K tokens (2048 blocks) and 64K in one batch: many score CTAs per token.
+  run_msa(MsaCase{128, 4, 128, 16, 0, 1, {262144, 65536 + 77}, false, 64}, 121);
+  run_msa(MsaCase{128, 4, 128, 16, 0, 1, {65536}, false, 1}, 122);  // heavy ties
+}
+
+TEST(AttnCudaMsa, OddGeometriesAndForcedBlocks) {
+  SKIP_WITHOUT_GPU();
+  // Pages below a warp (segmented maxima), ties everywhere, init + local forced.
+  run_msa(MsaCase{4, 2, 8, 3, 1, 1, {1, 12, 13, 40}, true, 1}, 131);
+  run_msa(MsaCase{8, 3, 12, 5, 2, 2, {300}, true, 8}, 132);  // di % 8 = 4: the tail sum
+  run_msa(MsaCase{16, 6, 40, 4, 0, 1, {100, 700}, true, 8}, 133);  // 6 heads: padded to 8
+  // Forced blocks outnumber top-k (ties at +inf go to the lower ids).
+  run_msa(MsaCase{4, 1, 8, 2, 2, 2, {40}, true, 2}, 134);
+  // Pages of 64 and 256 rows (several sub-tiles per block); top-k above a warp's worth.
+  run_msa(MsaCase{64, 4, 64, 40, 1, 2, {9000}, false, 16}, 135);
+  run_msa(MsaCase{256, 2, 128, 6, 1, 1, {9000}, false, 16}, 136);
+  // Geometries of the generic scorer: 24-row pages, index dim 6, 9 index heads.
+  run_msa(MsaCase{24, 2, 16, 4, 1, 1, {1000}, false, 8}, 137);
+  run_msa(MsaCase{16, 2, 6, 4, 0, 1, {500}, true, 4}, 138);
+  run_msa(MsaCase{16, 9, 8, 4, 0, 1, {500}, false, 4}, 139);
+}
+
+// ---------------------------------------------------------------- attention
+
+struct AttnCase {
+  int64_t bs, nkv, heads, d, max_blocks;  // max_blocks: selected-list length (0: dense only)
+  std::vector<int64_t> lens;
+  // Query positions per sequence: kLast (decode), kAll (prefill), kSample, or kTail (the last
+  // `tail` positions: a prefill chunk after a cached prefix).
+  enum Q { kLast, kAll, kSample, kTail } q;
+  int64_t tail = 0;
+};
+
+enum class AttnWs { kFull, kHalf, kNone };
+
+void run_attn(const AttnCase& c, uint32_t seed, AttnWs ws_kind = AttnWs::kFull) {
+  std::mt19937 g(seed);
+  const std::string what = "attention bs=" + std::to_string(c.bs) + " nkv=" +
+                           std::to_string(c.nkv) + " heads=" + std::to_string(c.heads) +
+                           " d=" + std::to_string(c.d) + " ws=" + std::to_string(int(ws_kind));
+  Paged P(c.bs, c.nkv, c.d, 4, c.lens, g, 8);
+  for (size_t s = 0; s < c.lens.size(); ++s) {
+    const int64_t len = c.lens[s];
+    std::vector<int64_t> ps;
+    switch (c.q) {
+      case AttnCase::kLast: ps = {len - 1}; break;
+      case AttnCase::kAll: ps.resize(len); std::iota(ps.begin(), ps.end(), 0); break;
+      case AttnCase::kTail:
+        for (int64_t p = std::max<int64_t>(0, len - c.tail); p < len; ++p) ps.push_back(p);
+        break;
+      case AttnCase::kSample: {
+        ps = {len - 1, 0, len / 2, c.bs - 1, c.bs, len - 2};
+        std::uniform_int_distribution<int64_t> pd(0, len - 1);
+        for (int i = 0; i < 3; ++i) ps.push_back(pd(g));
+        std::sort(ps.begin(), ps.end());
+        ps.erase(std::unique(ps.begin(), ps.end()), ps.end());
+      }
+    }
+    for (int64_t p : ps)
+      if (p >= 0 && p < len) P.add(static_cast<int32_t>(s), static_cast<int32_t>(p));
+  }
+  const int64_t T = P.tokens();
+  std::vector<float> q(T * c.heads * c.d);
+  fill_normal(q.data(), q.size(), g);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  // Selected blocks per (token, kv head): the own block, random past ones, -1 gaps, in random
+  // order (the op must not depend on the list order).
+  const int64_t mb = std::max<int64_t>(c.max_blocks, 1);
+  std::vector<int32_t> sel(T * c.nkv * mb, -1);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t nb = P.positions[t] / c.bs + 1;
+    for (int64_t h = 0; h < c.nkv; ++h) {
+      std::vector<int32_t> past(nb - 1);
+      std::iota(past.begin(), past.end(), 0);
+      std::shuffle(past.begin(), past.end(), g);
+      std::vector<int32_t> pick{static_cast<int32_t>(nb - 1)};
+      for (int32_t b : past)
+        if (static_cast<int64_t>(pick.size()) < mb - 1) pick.push_back(b);
+      std::vector<int64_t> slot(mb);
+      std::iota(slot.begin(), slot.end(), 0);
+      std::shuffle(slot.begin(), slot.end(), g);
+      for (size_t i = 0; i < pick.size(); ++i) sel[(t * c.nkv + h) * mb + slot[i]] = pick[i];
+    }
+  }
+
+  DevicePaged D(P);
+  DeviceBuffer<float> dq(q);
+  DeviceBuffer<int32_t> dsel(sel);
+  const int64_t mkl = P.max_kv_len();
+  float vmax = 0.f;
+  for (float x : P.v)
+    if (!std::isnan(x)) vmax = std::max(vmax, std::fabs(x));
+  Stream stream;
+  for (bool selected : {false, true}) {
+    if (selected && c.max_blocks == 0) continue;
+    std::vector<float> want(T * c.heads * c.d);
+    cpu::attention_paged(q.data(), c.heads, P.host_pages(), P.host_layout(),
+                         selected ? sel.data() : nullptr, mb, scale, want.data());
+    size_t bytes = gk::attention_workspace_bytes(T, c.heads, D.pages, selected ? mb : 0, mkl);
+    if (ws_kind == AttnWs::kHalf) bytes /= 2;
+    if (ws_kind == AttnWs::kNone) bytes = 0;
+    DeviceBuffer<uint8_t> ws(bytes);
+    ws.fill_bytes(0xff);
+    auto dout = nan_buffer(want.size());
+    gk::attention_paged(dq.data(), c.heads, D.pages, D.layout, selected ? dsel.data() : nullptr,
+                        mb, scale, mkl, gk::Workspace{ws.data(), bytes}, dout.data(),
+                        stream.get());
+    stream.synchronize();
+    const auto got = dout.to_host();
+    // out = Σ w_j v_j / Σ w_j, so |Δout| <= max_j |Δw_j / w_j| · max|v|. Scores are fp32 dots
+    // of length d summed in the same order on both sides (fma vs a possibly unfused CPU add:
+    // <= d·u·scale·Σ|q_i k_i| ≈ 128·6e-8·0.09·128·0.8 ≈ 7e-5 worst case, ~6e-6 as a random walk),
+    // which exp turns into the same relative weight error; the online softmax rescales (one
+    // exp and multiply per tile and per merge, a few u each) add ~1e-6. 2e-5·max|v| covers that,
+    // while one dropped or extra key of a 64K-key softmax moves the output by ~exp(s)/Σ ≈
+    // 1e-5..1e-3 relative: the NaN-filled masked slots catch those outright.
+    const double tol = 2e-5 * vmax;
+    int64_t bad = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const double diff = std::fabs(static_cast<double>(got[i]) - want[i]);
+      if (!(diff <= tol) && ++bad <= 5) {
+        const int64_t t = static_cast<int64_t>(i) / (c.heads * c.d);
+        ADD_FAILURE() << what << (selected ? " selected" : " dense") << ": token " << t
+                      << " (position " << P.positions[t] << ") element " << i << " gpu "
+                      << got[i] << " cpu " << want[i] << " tol " << tol;
+      }
+    }
+    EXPECT_EQ(bad, 0) << what << (selected ? " selected" : " dense") << " (" << T << " tokens)";
+  }
+}
+
+TEST(AttnCudaAttention, RealGeometryDecode) {
+  SKIP_WITHOUT_GPU();
+  // One decode token: one key; a partial last page; below and above 16 blocks.
+  for (int64_t len : {1, 129, 2047, 2048, 2049, 5000})
+    run_attn(AttnCase{128, 4, 64, 128, 16, {len}, AttnCase::kLast}, 200 + len);
+  // A decode batch of 8 sequences of different lengths.
+  run_attn(AttnCase{128, 4, 64, 128, 16, {1, 5, 130, 700, 2048, 3001, 9000, 17}, AttnCase::kLast},
+           211);
+}
+
+TEST(AttnCudaAttention, RealGeometryPrefillAndMixed) {
+  SKIP_WITHOUT_GPU();
+  // Every position of a 700-token sequence (prefill from scratch).
+  run_attn(AttnCase{128, 4, 64, 128, 16, {700}, AttnCase::kAll}, 221);
+  // A 200-token prefill chunk after a 2500-token cached prefix beside two decoding sequences
+  // (a mixed step: the chunk's tokens share the sequence's pages).
+  run_attn(AttnCase{128, 4, 64, 128, 16, {2700, 40, 1500}, AttnCase::kTail, 200}, 222);
+  run_attn(AttnCase{128, 4, 64, 128, 16, {3000, 7, 129}, AttnCase::kSample}, 223);
+}
+
+TEST(AttnCudaAttention, LongContextSplits) {
+  SKIP_WITHOUT_GPU();
+  // 64K-token contexts: the dense path splits each (token, kv head) over up to ~66 CTAs.
+  run_attn(AttnCase{128, 4, 64, 128, 16, {65536}, AttnCase::kLast}, 231);
+  run_attn(AttnCase{128, 4, 64, 128, 16, {65536 + 45, 30000}, AttnCase::kSample}, 232);
+  // Half the workspace (fewer splits) and none (no split) give the same results.
+  run_attn(AttnCase{128, 4, 64, 128, 16, {65536 + 45}, AttnCase::kLast}, 233, AttnWs::kHalf);
+  run_attn(AttnCase{128, 4, 64, 128, 16, {20000}, AttnCase::kLast}, 234, AttnWs::kNone);
+}
+
+TEST(AttnCudaAttention, OddGeometries) {
+  SKIP_WITHOUT_GPU();
+  // GQA group 3 (padded to 4), head dim 40, 16-token pages, every position.
+  run_attn(AttnCase{16, 2, 6, 40, 3, {1, 17, 50, 600}, AttnCase::kAll}, 241);
+  // Group 8, 32-token pages; MQA with group 16 and 8-token pages; group 1, head dim 4.
+  run_attn(AttnCase{32, 1, 8, 128, 2, {100, 5, 4000}, AttnCase::kSample}, 242);
+  run_attn(AttnCase{8, 1, 16, 64, 5, {3000}, AttnCase::kSample}, 243);
+  run_attn(AttnCase{8, 3, 3, 4, 4, {20, 900}, AttnCase::kAll}, 244);
+  // Geometries of the generic kernel: group 32, head dim 1, head dim 132.
+  run_attn(AttnCase{16, 1, 32, 64, 3, {300}, AttnCase::kSample}, 245);
+  run_attn(AttnCase{8, 3, 3, 1, 4, {20}, AttnCase::kAll}, 246);
+  run_attn(AttnCase{16, 2, 4, 132, 3, {200}, AttnCase::kSample}, 247);
+}
+
+// ---------------------------------------------------------------- MSA decode end to end
+
+TEST(AttnCudaMsaDecode, SelectThenAttendMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  // One M3 sparse layer's decode step for 8 sequences: GPU selection (exact ids) feeds the
+  // GPU sparse attention; the CPU does the same with its own ids.
+  std::mt19937 g(301);
+  const int64_t bs = 128, nkv = 4, heads = 64, d = 128, ni = 4, di = 128, topk = 16;
+  Paged P(bs, nkv, d, di, {1, 200, 2048, 2049, 4000, 9999, 20000, 33000}, g, 64);
+  for (size_t s = 0; s < P.lens.size(); ++s)
+    P.add(static_cast<int32_t>(s), static_cast<int32_t>(P.lens[s] - 1));
+  const int64_t T = P.tokens();
+  std::vector<float> q(T * heads * d), iq(T * ni * di);
+  fill_normal(q.data(), q.size(), g);
+  fill_eighths(iq.data(), iq.size(), g, 64);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  std::vector<int32_t> want_sel(T * ni * topk);
+  cpu::msa_select_blocks(iq.data(), ni, P.host_pages(), P.host_layout(), topk, 0, 1,
+                         want_sel.data());
+  std::vector<float> want(T * heads * d);
+  cpu::attention_paged(q.data(), heads, P.host_pages(), P.host_layout(), want_sel.data(), topk,
+                       scale, want.data());
+
+  DevicePaged D(P);
+  DeviceBuffer<float> dq(q), diq(iq);
+  const int64_t mkl = P.max_kv_len();
+  const size_t bytes = std::max(gk::msa_select_workspace_bytes(T, ni, D.pages, mkl),
+                                gk::attention_workspace_bytes(T, heads, D.pages, topk, mkl));
+  DeviceBuffer<uint8_t> ws(bytes);
+  DeviceBuffer<int32_t> dsel(want_sel.size());
+  auto dout = nan_buffer(want.size());
+  Stream stream;
+  gk::msa_select_blocks(diq.data(), ni, D.pages, D.layout, topk, 0, 1, mkl,
+                        gk::Workspace{ws.data(), bytes}, dsel.data(), stream.get());
+  gk::attention_paged(dq.data(), heads, D.pages, D.layout, dsel.data(), topk, scale, mkl,
+                      gk::Workspace{ws.data(), bytes}, dout.data(), stream.get());
+  stream.synchronize();
+  EXPECT_EQ(dsel.to_host(), want_sel);
+  const auto got = dout.to_host();
+  float vmax = 0.f;
+  for (float x : P.v)
+    if (!std::isnan(x)) vmax = std::max(vmax, std::fabs(x));
+  int64_t bad = 0;
+  for (size_t i = 0; i < want.size(); ++i)  // tolerance as derived in run_attn
+    if (!(std::fabs(static_cast<double>(got[i]) - want[i]) <= 2e-5 * vmax) && ++bad <= 5)
+      ADD_FAILURE() << "element " << i << " gpu " << got[i] << " cpu " << want[i];
+  EXPECT_EQ(bad, 0);
+}
+
+}  // namespace
