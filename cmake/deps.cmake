@@ -1,44 +1,84 @@
 # Third-party libraries, all from Debian packages (see .ci/run for the apt line).
+#
+# The GPU machine lacks most of them (no apt there). tools/gpu_deps.sh copies headers and
+# libraries from this machine's packages into the ignored folder .gpu_deps/ (include/, lib/),
+# which the `run` tool carries over; every library below falls back to it when the system has no
+# package. M3_KERNELS_ONLY builds need only tl-expected, nlohmann-json and gtest.
 find_package(Threads REQUIRED)
+set(M3_GPU_DEPS ${PROJECT_SOURCE_DIR}/.gpu_deps)
+
+# Header-only library `target` from .gpu_deps/include when its package is absent.
+function(m3_header_fallback target header)
+  if(NOT TARGET ${target})
+    string(MAKE_C_IDENTIFIER "M3_INC_${header}" var)
+    find_path(${var} ${header} HINTS ${M3_GPU_DEPS}/include)
+    if(NOT ${var})
+      message(FATAL_ERROR "${target} not found: install its Debian package (tools/setup.sh) or "
+                          "fill .gpu_deps/ with tools/gpu_deps.sh")
+    endif()
+    add_library(${target} INTERFACE IMPORTED GLOBAL)
+    target_include_directories(${target} INTERFACE ${${var}})
+  endif()
+endfunction()
+
+# A static (or shared) library `target` from .gpu_deps/lib/`file` when its package is absent.
+function(m3_lib_fallback target kind file)
+  if(NOT TARGET ${target})
+    set(path ${M3_GPU_DEPS}/lib/${file})
+    if(NOT EXISTS ${path})
+      message(FATAL_ERROR "${target} not found: install its Debian package (tools/setup.sh) or "
+                          "fill .gpu_deps/ with tools/gpu_deps.sh (no ${path})")
+    endif()
+    add_library(${target} ${kind} IMPORTED GLOBAL)
+    set_target_properties(${target} PROPERTIES IMPORTED_LOCATION ${path}
+      INTERFACE_INCLUDE_DIRECTORIES ${M3_GPU_DEPS}/include)
+  endif()
+endfunction()
+
+find_package(tl-expected QUIET)
+m3_header_fallback(tl::expected tl/expected.hpp)
+find_package(nlohmann_json 3.10 QUIET)
+m3_header_fallback(nlohmann_json::nlohmann_json nlohmann/json.hpp)
+find_package(GTest QUIET)
+if(NOT TARGET GTest::gtest)
+  m3_lib_fallback(GTest::gtest STATIC libgtest.a)
+  set_target_properties(GTest::gtest PROPERTIES INTERFACE_LINK_LIBRARIES Threads::Threads)
+  m3_lib_fallback(GTest::gtest_main STATIC libgtest_main.a)
+  set_target_properties(GTest::gtest_main PROPERTIES INTERFACE_LINK_LIBRARIES GTest::gtest)
+endif()
 if(M3_KERNELS_ONLY)
-  # Kernels-only build (GPU machine): core needs tl::expected and the tests need gtest. Take the
-  # installed packages when present, else headers/static libraries carried in .gpu_deps/
-  # (include/tl/expected.hpp, include/nlohmann/, include/gtest/, lib/libgtest.a,
-  # lib/libgtest_main.a).
-  set(M3_GPU_DEPS ${PROJECT_SOURCE_DIR}/.gpu_deps)
-  find_package(tl-expected QUIET)
-  if(NOT TARGET tl::expected)
-    find_path(M3_TL_EXPECTED_INCLUDE tl/expected.hpp HINTS ${M3_GPU_DEPS}/include REQUIRED)
-    add_library(tl::expected INTERFACE IMPORTED)
-    target_include_directories(tl::expected INTERFACE ${M3_TL_EXPECTED_INCLUDE})
-  endif()
-  # m3_model reads config.json and safetensors headers with nlohmann-json (header-only).
-  find_package(nlohmann_json 3.10 QUIET)
-  if(NOT TARGET nlohmann_json::nlohmann_json)
-    find_path(M3_NLOHMANN_INCLUDE nlohmann/json.hpp HINTS ${M3_GPU_DEPS}/include REQUIRED)
-    add_library(nlohmann_json::nlohmann_json INTERFACE IMPORTED)
-    target_include_directories(nlohmann_json::nlohmann_json INTERFACE ${M3_NLOHMANN_INCLUDE})
-  endif()
-  find_package(GTest QUIET)
-  if(NOT TARGET GTest::gtest)
-    find_path(M3_GTEST_INCLUDE gtest/gtest.h HINTS ${M3_GPU_DEPS}/include REQUIRED)
-    find_library(M3_GTEST_LIB gtest HINTS ${M3_GPU_DEPS}/lib REQUIRED)
-    find_library(M3_GTEST_MAIN_LIB gtest_main HINTS ${M3_GPU_DEPS}/lib REQUIRED)
-    add_library(GTest::gtest STATIC IMPORTED)
-    set_target_properties(GTest::gtest PROPERTIES IMPORTED_LOCATION ${M3_GTEST_LIB}
-      INTERFACE_INCLUDE_DIRECTORIES ${M3_GTEST_INCLUDE} INTERFACE_LINK_LIBRARIES Threads::Threads)
-    add_library(GTest::gtest_main STATIC IMPORTED)
-    set_target_properties(GTest::gtest_main PROPERTIES IMPORTED_LOCATION ${M3_GTEST_MAIN_LIB}
-      INTERFACE_LINK_LIBRARIES GTest::gtest)
-  endif()
   return()
 endif()
-find_package(PkgConfig REQUIRED)
-find_package(nlohmann_json 3.10 REQUIRED)
-find_package(tl-expected REQUIRED)
-find_package(CLI11 REQUIRED)
-find_package(GTest REQUIRED)
-pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
-pkg_check_modules(UTF8PROC REQUIRED IMPORTED_TARGET libutf8proc)
-pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
-pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
+
+find_package(CLI11 QUIET)
+m3_header_fallback(CLI11::CLI11 CLI/CLI.hpp)
+find_package(PkgConfig QUIET)
+if(PKG_CONFIG_FOUND)
+  pkg_check_modules(PCRE2 QUIET IMPORTED_TARGET libpcre2-8)
+  pkg_check_modules(UTF8PROC QUIET IMPORTED_TARGET libutf8proc)
+  pkg_check_modules(HTTPLIB QUIET IMPORTED_TARGET cpp-httplib)
+  pkg_check_modules(XXHASH QUIET IMPORTED_TARGET libxxhash)
+endif()
+m3_lib_fallback(PkgConfig::PCRE2 STATIC libpcre2-8.a)
+m3_lib_fallback(PkgConfig::UTF8PROC STATIC libutf8proc.a)
+m3_lib_fallback(PkgConfig::XXHASH STATIC libxxhash.a)
+if(NOT TARGET PkgConfig::HTTPLIB)
+  # Debian's cpp-httplib is a .so built with OpenSSL, zlib and brotli; its header's class layouts
+  # depend on the same defines, so they are kept. The .so's own dependencies (libssl, libcrypto,
+  # libz, libbrotli*) sit beside it: -rpath-link finds them at link time, and an old-style RPATH
+  # (DT_RPATH, which unlike DT_RUNPATH also applies to the .so's dependencies) at run time.
+  file(GLOB M3_HTTPLIB_SO ${M3_GPU_DEPS}/lib/libcpp-httplib.so.*)
+  if(NOT M3_HTTPLIB_SO)
+    message(FATAL_ERROR "cpp-httplib not found: install libcpp-httplib-dev (tools/setup.sh) or "
+                        "fill .gpu_deps/ with tools/gpu_deps.sh")
+  endif()
+  list(GET M3_HTTPLIB_SO 0 M3_HTTPLIB_SO)
+  add_library(PkgConfig::HTTPLIB SHARED IMPORTED GLOBAL)
+  set_target_properties(PkgConfig::HTTPLIB PROPERTIES IMPORTED_LOCATION ${M3_HTTPLIB_SO}
+    INTERFACE_INCLUDE_DIRECTORIES ${M3_GPU_DEPS}/include
+    INTERFACE_COMPILE_DEFINITIONS
+      "CPPHTTPLIB_OPENSSL_SUPPORT;CPPHTTPLIB_ZLIB_SUPPORT;CPPHTTPLIB_BROTLI_SUPPORT"
+    INTERFACE_LINK_OPTIONS
+      "-Wl,-rpath-link,${M3_GPU_DEPS}/lib;-Wl,-rpath,${M3_GPU_DEPS}/lib;-Wl,--disable-new-dtags"
+    INTERFACE_LINK_LIBRARIES Threads::Threads)
+endif()

@@ -16,6 +16,7 @@
 
 #include "app/commands.h"
 #include "app/device_backend.h"
+#include "app/model_choice.h"
 #include "engine/engine.h"
 #include "text/chat_output_parser.h"
 #include "text/chat_template.h"
@@ -28,6 +29,7 @@ namespace {
 
 struct ChatArgs {
   std::string model_dir;
+  std::string tokenizer;
   std::string thinking_mode = "adaptive";
   int max_tokens = 512;
   float temperature = 0.f;
@@ -41,11 +43,15 @@ int run_chat(const ChatArgs& args) {
   if (a.model_dir.empty()) return fail("no MODEL_DIR given and no demo model found; run `m3serve chat /path/to/model`");
   auto mode = text::thinking_mode_from_string(a.thinking_mode);
   if (!mode) return fail(mode.error().message);
-  auto backend_factory = make_backend_factory(a.device, 0);  // probes the GPU for cuda
+  auto choice = resolve_model(a.model_dir, a.tokenizer, a.device.device, find_demo_model());
+  if (!choice) return fail(choice.error().message);
+  auto backend_factory =  // probes the GPU for cuda
+      make_backend_factory(a.device, 0, 0, choice->spec.seed);
   if (!backend_factory) return fail(backend_factory.error().message);
-  auto tok = text::Tokenizer::from_file((std::filesystem::path(a.model_dir) / "tokenizer.json").string());
+  auto tok = text::Tokenizer::from_file(
+      (std::filesystem::path(choice->tokenizer_dir) / "tokenizer.json").string());
   if (!tok) return fail(tok.error().message);
-  auto tpl = text::ChatTemplate::from_model_dir(a.model_dir);
+  auto tpl = text::ChatTemplate::from_model_dir(choice->tokenizer_dir);
   if (!tpl) return fail(tpl.error().message);
   engine::EngineConfig ec;
   ec.model_dir = a.model_dir;
@@ -158,7 +164,12 @@ int run_chat(const ChatArgs& args) {
 RunFn register_chat(CLI::App& app) {
   auto a = std::make_shared<ChatArgs>();
   CLI::App* sub = app.add_subcommand("chat", "Interactive terminal chat (the demo model when no MODEL_DIR)");
-  sub->add_option("model_dir", a->model_dir, "Model directory (default: the embedded demo model)");
+  sub->add_option("model_dir", a->model_dir,
+                  "Model directory (default: the embedded demo model), or synthetic:layers=N[,seed=S] "
+                  "with --device cuda");
+  sub->add_option("--tokenizer", a->tokenizer,
+                  "Directory with tokenizer.json and the chat template (default: the model's; for "
+                  "a synthetic model, the demo model's)");
   sub->add_option("--thinking-mode", a->thinking_mode, "enabled | disabled | adaptive");
   sub->add_option("--max-tokens", a->max_tokens, "Tokens per answer");
   sub->add_option("--temperature", a->temperature, "0 = greedy");

@@ -21,6 +21,7 @@
 
 #include "app/commands.h"
 #include "app/device_backend.h"
+#include "app/model_choice.h"
 #include "core/log.h"
 #include "engine/engine.h"
 #include "server/http_server.h"
@@ -52,6 +53,7 @@ namespace {
 struct ServeArgs {
   std::string model_dir;
   std::string model_flag;
+  std::string tokenizer;
   std::string host = "0.0.0.0";
   int port = 8000;
   std::vector<std::string> served_model_names;
@@ -152,7 +154,10 @@ int run_serve(ServeArgs a) {
     }
     if (a.served_model_names.empty()) a.served_model_names.push_back("demo");
   }
-  if (!std::filesystem::exists(std::filesystem::path(a.model_dir) / "config.json")) {
+  auto choice = resolve_model(a.model_dir, a.tokenizer, a.device.device, find_demo_model());
+  if (!choice) return fail(choice.error().message);
+  if (!choice->synthetic &&
+      !std::filesystem::exists(std::filesystem::path(a.model_dir) / "config.json")) {
     return fail("model directory '" + a.model_dir + "' has no config.json");
   }
   if (a.log_level == "debug") set_log_level(LogLevel::kDebug);
@@ -179,7 +184,8 @@ int run_serve(ServeArgs a) {
   if (a.port < 0 || a.port > 65535) return fail("--port must be in 0..65535");
   auto kv_bytes = parse_bytes(a.kv_cache_memory_bytes);
   if (!kv_bytes) return fail(kv_bytes.error().message);
-  auto backend_factory = make_backend_factory(a.device, *kv_bytes);  // probes the GPU for cuda
+  auto backend_factory =  // probes the GPU for cuda
+      make_backend_factory(a.device, *kv_bytes, a.max_model_len, choice->spec.seed);
   if (!backend_factory) return fail(backend_factory.error().message);
   server::OrderedJson default_kwargs = server::OrderedJson::object();
   if (!a.default_chat_template_kwargs.empty()) {
@@ -202,11 +208,12 @@ int run_serve(ServeArgs a) {
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);  // a client that went away must not kill the server
 
-  auto assets = server::load_server_assets(a.model_dir, a.chat_template, default_kwargs, a.generation_config);
+  auto assets = server::load_server_assets(choice->tokenizer_dir, a.chat_template, default_kwargs,
+                                           a.generation_config);
   if (!assets) return fail(assets.error().message);
 
   engine::EngineConfig ec;
-  ec.model_dir = a.model_dir;
+  ec.model_dir = a.model_dir;  // a synthetic spec loads config-only (M3Model::load)
   ec.max_num_seqs = a.max_num_seqs;
   ec.max_num_batched_tokens = a.max_num_batched_tokens;
   ec.max_model_len = a.max_model_len;
@@ -283,7 +290,12 @@ RunFn register_serve(CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
   CLI::App* sub = app.add_subcommand("serve", "Serve a model over an OpenAI-compatible HTTP API");
   sub->add_option("model_dir", a->model_dir, "Model directory (default: the embedded demo model)");
-  sub->add_option("--model", a->model_flag, "Model directory (same as the positional argument)");
+  sub->add_option("--model", a->model_flag,
+                  "Model directory (same as the positional argument), or synthetic:layers=N[,seed=S] "
+                  "(M3's shapes, weights generated on the GPU; needs --device cuda)");
+  sub->add_option("--tokenizer", a->tokenizer,
+                  "Directory with tokenizer.json, chat template and generation_config.json "
+                  "(default: the model's; for a synthetic model, the demo model's)");
   sub->add_option("--host", a->host, "Address to listen on")->capture_default_str();
   sub->add_option("--port", a->port, "TCP port (0: pick a free one)")->capture_default_str();
   sub->add_option("--served-model-name", a->served_model_names, "Model name(s) clients use (default: MODEL_DIR)");

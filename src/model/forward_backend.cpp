@@ -32,6 +32,13 @@ class CpuBackend final : public ForwardBackend {
 Result<std::unique_ptr<ForwardBackend>> make_cpu_backend(std::unique_ptr<M3Model> model,
                                                          int64_t num_pages) {
   M3_CHECK(model != nullptr);
+  if (!model->has_weights()) {
+    return make_error(ErrorCode::kUnsupported,
+                      "the model " + model->config().model_type +
+                          " has no weights on the host (a synthetic model is generated on the "
+                          "GPU and is too big for the CPU path); use --device cuda",
+                      "--device");
+  }
   if (num_pages < 1) {
     return make_error(ErrorCode::kInvalidArgument,
                       "the CPU KV cache would have " + std::to_string(num_pages) +

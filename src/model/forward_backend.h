@@ -24,6 +24,9 @@ class ForwardBackend {
   // KV pages of config().sparse_block_size tokens each; the scheduler hands out exactly these.
   virtual int64_t num_pages() const = 0;
   virtual void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) = 0;
+  // True when forward() honours ForwardBatch::device_samples / host_logits_rows (the GPU
+  // backend samples next to the logits and copies back token ids instead of vocabulary rows).
+  virtual bool samples_on_device() const { return false; }
   // For logs and the start-up line, e.g. "cpu" or "cuda:0 (NVIDIA H200)".
   virtual std::string device_name() const = 0;
   // The command-line flag that sizes this backend's KV cache, named in "too small" errors.
@@ -33,5 +36,20 @@ class ForwardBackend {
 // The CPU backend: `model` and a zeroed KvCache of `num_pages` pages. Errors: num_pages < 1.
 Result<std::unique_ptr<ForwardBackend>> make_cpu_backend(std::unique_ptr<M3Model> model,
                                                          int64_t num_pages);
+
+// Tensor-parallel (optionally expert-parallel) CPU backend: `tensor_parallel_size` ranks as
+// threads of this process over a CpuCommunicator, each with its shard of `model` (model/shard.h)
+// and a KvCache of `num_pages` pages holding only its KV heads. With data_parallel_size D > 1
+// (and tensor_parallel_size 1) the D ranks are attention data-parallel instead: each runs its own
+// sequences with all heads (a full-head KvCache of num_pages pages per rank) and the routed
+// experts are split over all D. forward() runs every rank on the same batch (rank 0 on the
+// calling thread) and returns rank 0's logits, which equal every rank's. Logs the split and the
+// per-rank KV memory at start. Errors: num_pages < 1, a config-only model, TP and DP both > 1,
+// or a split that does not divide the model (the message names the flag).
+Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(std::unique_ptr<M3Model> model,
+                                                                 int64_t num_pages,
+                                                                 int tensor_parallel_size,
+                                                                 bool expert_parallel,
+                                                                 int data_parallel_size = 1);
 
 }  // namespace m3::model

@@ -4,6 +4,10 @@
 // Called by the engine's model runner, `m3serve generate` and the model tests.
 // Invariant: forward() writes K, V and index-K of every step token into its page before any
 // attention reads the cache, so tokens of the same step see each other causally.
+// Sharding (model/shard.h): make_shard gives one rank of a tensor/expert-parallel or attention
+// data-parallel group; every rank runs forward() on the same batch at the same time and gets the
+// same logits (a DP rank computes only its own sequences). An unsharded model (world 1, no
+// communicator) runs exactly the single-device code path.
 #pragma once
 
 #include <cstdint>
@@ -13,8 +17,10 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/sample.h"
 #include "model/config.h"
 #include "model/kv_cache.h"
+#include "model/shard.h"
 #include "model/weights.h"
 
 namespace m3::model {
@@ -29,11 +35,22 @@ struct ForwardBatch {
   std::vector<int32_t> block_table_offsets;  // [S + 1]
   std::vector<int32_t> block_table;          // physical page ids
   std::vector<int32_t> logits_indices;       // rows of T whose logits are wanted, in order
+  // Sampling on the device (backends whose samples_on_device() is true; others ignore both
+  // fields): each entry samples logits row `row` (an index into logits_indices) and its token
+  // comes back in ForwardResult::sampled, in the same order. Only the logits rows listed in
+  // `host_logits_rows` (indices into logits_indices, ascending) are then copied to the host.
+  std::vector<kernels::cpu::SampleRow> device_samples;
+  std::vector<int32_t> host_logits_rows;
+  int64_t num_sampleable = 0;  // ids >= this are never sampled on the device (0: vocab size)
 };
 
 struct ForwardResult {
   int64_t vocab_size = 0;
-  std::vector<float> logits;  // [logits_indices.size(), vocab] fp32
+  // [logits_indices.size(), vocab] fp32; when the batch had device_samples, only the rows
+  // `logits_rows` of logits_indices (== the batch's host_logits_rows), in that order.
+  std::vector<float> logits;
+  std::vector<int32_t> logits_rows;
+  std::vector<int32_t> sampled;  // one token per ForwardBatch::device_samples entry
   // When capture_msa: per layer, the selected blocks [T, num_kv_heads, topk] (-1 padded);
   // empty for full-attention layers.
   std::vector<std::vector<int32_t>> msa_blocks;
@@ -43,28 +60,67 @@ struct LoadOptions {
   bool language_model_only = true;  // vision tensors are not read
 };
 
+// Checks user-supplied ids against a config: non-empty and inside [0, vocab_size).
+Status validate_prompt_ids(const M3Config& cfg, std::span<const int32_t> ids);
+
 class M3Model {
  public:
+  // `model_dir` may also be a synthetic spec ("synthetic:layers=N[,seed=S]",
+  // model/synthetic_model.h): the result is then config-only (has_weights() false), which the
+  // engine hands to a GPU backend that generates the weights there; the CPU backend refuses it.
   static Result<std::unique_ptr<M3Model>> load(const std::string& model_dir,
                                                const LoadOptions& opts = {});
   M3Model(M3Config cfg, std::unique_ptr<M3Weights> w);
+  // A model with a config and no weights (forward() must not be called).
+  static std::unique_ptr<M3Model> config_only(M3Config cfg);
+  bool has_weights() const { return !w_->layers.empty(); }
+
+  // Rank spec.rank of a sharded group over this model's weights (shared, not copied, except the
+  // column slices shard.h lists). The shard keeps the weights alive; this model may go away.
+  // Errors: a split that does not divide (make_shard_plan), or a config-only model.
+  Result<std::unique_ptr<M3Model>> make_shard(const ShardSpec& spec) const;
 
   const M3Config& config() const { return cfg_; }
+  // The views forward() reads: the whole model, or this rank's slices when sharded.
   const M3Weights& weights() const { return *w_; }
+  const ShardPlan& shard_plan() const { return plan_; }
+  // KV heads this model's KvCache must hold (all of them unless sharded).
+  int64_t cache_kv_heads() const { return plan_.num_kv_heads; }
 
   // Checks user-supplied ids: non-empty and inside the vocabulary.
   Status validate_prompt(std::span<const int32_t> ids) const;
 
+  // When sharded, every rank must call forward with the same batch and capture_msa (the
+  // collectives pair up), and `cache` holds cache_kv_heads() heads; each rank's `out` (may be
+  // null) gets the full logits and MSA selections.
   void forward(const ForwardBatch& batch, KvCache& cache, ForwardResult* out,
                bool capture_msa = false) const;
 
  private:
+  M3Model(M3Config cfg, std::shared_ptr<const M3Weights> base, std::unique_ptr<M3Weights> views,
+          ShardPlan plan, dist::Communicator* comm);
+  void all_reduce(std::vector<float>& v, int64_t n) const;
+  void embed(const ForwardBatch& b, float* x) const;
+  void lm_head(const float* hs, int64_t rows, float* logits) const;
+  std::vector<int32_t> gather_msa(const std::vector<int32_t>& sel, int64_t num_tokens) const;
+  // The single-device / tensor-parallel forward over `batch` (all of it is this rank's).
+  void forward_local(const ForwardBatch& batch, KvCache& cache, ForwardResult* out,
+                     bool capture_msa) const;
+  // Attention data parallel: this rank's sequences through forward_local, outputs gathered.
+  void forward_dp(const ForwardBatch& batch, KvCache& cache, ForwardResult* out,
+                  bool capture_msa) const;
   void moe(const LayerWeights& L, const float* x, int64_t n, float* out) const;
+  // Router + this rank's experts over n tokens: routed [n, hidden] (overwritten).
+  void routed_experts(const LayerWeights& L, const float* x, int64_t n, float* routed) const;
+  void routed_experts_dp(const LayerWeights& L, const float* x, int64_t n, float* routed) const;
   void dense_mlp(const MatRef& gate, const MatRef& up, const MatRef& down, const float* x,
                  int64_t n, float* out) const;
 
   M3Config cfg_;
-  std::unique_ptr<M3Weights> w_;
+  std::shared_ptr<const M3Weights> base_;  // the unsharded weights (owner of in-place views)
+  std::shared_ptr<const M3Weights> w_;     // what forward reads: base_ itself, or rank views
+  ShardPlan plan_;
+  dist::Communicator* comm_ = nullptr;     // non-null iff plan_.sharded(); not owned
 };
 
 }  // namespace m3::model

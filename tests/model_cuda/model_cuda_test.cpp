@@ -14,11 +14,12 @@
 //   most 1.6e-5 over all golden cases (model_golden_test's "max |logprob error|" lines); one
 //   decimal order above it, 2e-4, still sits 10x under the golden tolerance and 500x under what a
 //   modelling bug produces (>= 1e-1).
-// - kStepTol (the GPU against itself with a different batch composition): every GPU op computes
-//   each row independently of the other rows of the step, in an order that does not depend on
-//   them (linear: one thread per output over k; attention / MSA: one block per (token, head);
-//   MoE: each expert's rows independent), so results should agree to the bit; 1e-5 as the CPU
-//   test allows.
+// - kStepTol (the GPU against itself with a different batch composition): the GEMM engine
+//   depends on the number of rows in a step (a GEMV for n <= 2, cuBLASLt above, whose algorithm
+//   and split-K also vary with n; attention splits the KV range by the step's longest context),
+//   so a row's summation order changes with the batch around it. Each path is within the
+//   GPU-vs-CPU bound above of the exact result, so two paths differ by at most twice that
+//   bound's size in the worst case; measured 1.1e-5 .. 3.1e-5. kGpuCpuTol (2e-4) is the bound.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -47,7 +48,7 @@ using nlohmann::json;
 
 using namespace golden;  // shared tolerances and readers (tests/model/golden_util.h)
 constexpr double kGpuCpuTol = 2e-4;
-constexpr double kStepTol = 1e-5;
+constexpr double kStepTol = kGpuCpuTol;
 
 std::string golden_root() { return golden::root(); }
 std::vector<std::string> golden_names() { return golden::names(); }
@@ -241,7 +242,7 @@ TEST_P(ModelGoldenCuda, GpuLogitsMatchCpuOnTheSameBatch) {
   auto ids = longest_prompt(golden_);
   if (ids.size() > 512) ids.resize(512);  // the CPU side is the slow one
   const int64_t n = static_cast<int64_t>(ids.size());
-  SequenceRunner cpu(model_->host(), n + 1, 1);
+  SequenceRunner cpu(*model_->host(), n + 1, 1);
   SequenceRunnerCuda gpu(*model_, n + 1, 1);
   const int cs = cpu.add_sequence(), gs = gpu.add_sequence();
   const auto c = cpu.step({{cs, ids, true}}, /*capture_msa=*/true);

@@ -10,6 +10,7 @@
 #include "gpu/device.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
+#include "model/kv_budget.h"
 #include "model/kv_cache.h"
 
 namespace m3::model {
@@ -43,6 +44,7 @@ class CudaBackend final : public ForwardBackend {
     M3_CUDA_CHECK(cudaSetDevice(device_));
     model_->forward(batch, cache_, out, capture_msa);
   }
+  bool samples_on_device() const override { return true; }
   std::string device_name() const override { return name_; }
   std::string kv_cache_flag() const override { return flag_; }
   void set_kv_cache_flag(std::string flag) { flag_ = std::move(flag); }
@@ -55,20 +57,39 @@ class CudaBackend final : public ForwardBackend {
   std::string flag_ = "--gpu-memory-utilization";
 };
 
+Status check_utilization(double util) {
+  if (util > 0.0 && util <= 1.0) return {};
+  return make_error(ErrorCode::kInvalidArgument,
+                    "--gpu-memory-utilization " + fraction(util) +
+                        " is outside (0, 1]; it is the fraction of the GPU memory free after "
+                        "the weights that the KV cache may take, e.g. 0.9",
+                    "--gpu-memory-utilization");
+}
+
 }  // namespace
 
 Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Model> host,
                                                           const CudaBackendOptions& opts) {
-  const double util = opts.gpu_memory_utilization;
-  if (!(util > 0.0 && util <= 1.0)) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "--gpu-memory-utilization " + fraction(util) +
-                          " is outside (0, 1]; it is the fraction of the GPU memory free after "
-                          "the weights that the KV cache may take, e.g. 0.9",
-                      "--gpu-memory-utilization");
+  M3_CHECK(host != nullptr);
+  M3_TRY_STATUS(check_utilization(opts.gpu_memory_utilization));
+  std::unique_ptr<M3ModelCuda> model;
+  if (host->has_weights()) {
+    M3_TRY(model, M3ModelCuda::from_host(std::move(host), opts.device));
+  } else {
+    M3_TRY(model, M3ModelCuda::synthetic(host->config(), opts.synthetic_seed, opts.device));
+    M3_LOG_INFO("synthetic weights on cuda:%d: %.2f GiB generated from seed %llu", opts.device,
+                static_cast<double>(model->weight_bytes()) / (1 << 30),
+                static_cast<unsigned long long>(opts.synthetic_seed));
   }
-  const int64_t page_bytes = KvCache::page_bytes(host->config());  // KvCacheCuda: same layout
-  M3_TRY(auto model, M3ModelCuda::from_host(std::move(host), opts.device));
+  return make_cuda_backend(std::move(model), opts);
+}
+
+Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3ModelCuda> model,
+                                                          const CudaBackendOptions& opts) {
+  M3_CHECK(model != nullptr);
+  const double util = opts.gpu_memory_utilization;
+  M3_TRY_STATUS(check_utilization(util));
+  const int64_t page_bytes = KvCache::page_bytes(model->config());  // KvCacheCuda: same layout
   // Free memory now that the weights are resident (probe also reads cudaMemGetInfo).
   M3_TRY(gpu::DeviceInfo info, gpu::probe_device(opts.device));
   const double free_bytes = static_cast<double>(info.free_bytes);
@@ -101,6 +122,14 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Mode
   const std::string source = explicit_bytes ? std::string("--kv-cache-memory-bytes")
                                             : mib(free_bytes) + " free after the weights x " +
                                                   fraction(util);
+  KvPoolFacts facts;
+  facts.num_pages = num_pages;
+  facts.page_size = model->config().sparse_block_size;
+  facts.page_bytes = page_bytes;
+  facts.where = where;
+  facts.sized_by = explicit_bytes ? "--kv-cache-memory-bytes " + mib(budget) : source;
+  facts.flag = explicit_bytes ? "--kv-cache-memory-bytes" : "--gpu-memory-utilization";
+  M3_TRY_STATUS(check_max_model_len_fits(opts.max_model_len, facts));
   M3_LOG_INFO("KV cache on %s: %s (%s) = %lld pages of %s = %lld tokens", where.c_str(),
               mib(static_cast<double>(num_pages) * static_cast<double>(page_bytes)).c_str(),
               source.c_str(), static_cast<long long>(num_pages),

@@ -21,12 +21,24 @@ struct CudaBackendOptions {
   double gpu_memory_utilization = 0.9;
   // > 0: exactly this many bytes of KV pages (--kv-cache-memory-bytes), instead of the fraction.
   int64_t kv_cache_memory_bytes = 0;
+  // > 0: refuse, before the pool is allocated, when one sequence of this many tokens does not
+  // fit (--max-model-len; model/kv_budget.h).
+  int64_t max_model_len = 0;
+  // Seed of the weights when the host model is config-only (`--model synthetic:...,seed=S`).
+  uint64_t synthetic_seed = 0;
 };
 
 // Errors (each names the numbers and the flag to change): utilization outside (0, 1], no usable
-// GPU, weights that do not fit, a KV budget smaller than one page or larger than the free memory.
-// Prints one info line with the pool size in pages and tokens.
+// GPU, weights that do not fit, a KV budget smaller than one page or larger than the free memory,
+// a --max-model-len whose pages do not fit in the pool. Prints one info line with the pool size in
+// pages and tokens. A config-only host (M3Model::has_weights() false, i.e. a synthetic model) gets
+// weights generated on the GPU from opts.synthetic_seed (M3ModelCuda::synthetic).
 Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Model> host,
+                                                          const CudaBackendOptions& opts);
+
+class M3ModelCuda;
+// The same for a model already on the device (tests build a synthetic one directly).
+Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3ModelCuda> model,
                                                           const CudaBackendOptions& opts);
 
 }  // namespace m3::model

@@ -8,7 +8,10 @@
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/sample.h"
 #include "model/cuda/row_ops.h"
+#include "model/cuda/synthetic_weights.h"
+#include "model/synthetic_model.h"
 
 namespace m3::model {
 
@@ -17,6 +20,8 @@ namespace ops = kernels::cuda;
 namespace {
 // Left free after the weights for the KV cache, scratch and the CUDA context's own needs.
 constexpr size_t kHeadroomBytes = size_t{512} << 20;
+// MSA scores beyond this are computed token chunk by token chunk (prefill at long contexts).
+constexpr size_t kAttnWorkspaceCap = size_t{64} << 20;
 
 std::string gib(size_t bytes) {
   char buf[32];
@@ -48,12 +53,152 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::from_host(std::unique_ptr<M3Mo
                           " free; use a smaller model or --device cpu",
                       "--device");
   }
-  std::unique_ptr<M3ModelCuda> m(new M3ModelCuda(std::move(host)));
+  M3Config cfg = host->config();
+  std::unique_ptr<M3ModelCuda> m(new M3ModelCuda(std::move(cfg), std::move(host)));
   m->upload_weights();
   return m;
 }
 
-M3ModelCuda::M3ModelCuda(std::unique_ptr<M3Model> host) : host_(std::move(host)) {}
+Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg, uint64_t seed,
+                                                            int device) {
+  M3_TRY(gpu::DeviceInfo info, gpu::probe_device(device));  // also makes `device` current
+  const size_t need = static_cast<size_t>(synthetic_weight_bytes(cfg));
+  if (need + kHeadroomBytes > info.free_bytes) {
+    // What fits: the fixed part (embeddings, dense layers 0-2) plus whole MoE layers.
+    const int64_t per_moe = cfg.num_hidden_layers > 3
+                                ? synthetic_weight_bytes(synthetic_m3_config(4)) -
+                                      synthetic_weight_bytes(synthetic_m3_config(3))
+                                : 0;
+    int64_t max_layers = 0;
+    for (int64_t l = 1; l <= kSyntheticMaxLayers; ++l) {
+      if (static_cast<size_t>(synthetic_weight_bytes(synthetic_m3_config(l))) + kHeadroomBytes <=
+          info.free_bytes)
+        max_layers = l;
+    }
+    return make_error(ErrorCode::kUnavailable,
+                      "synthetic:layers=" + std::to_string(cfg.num_hidden_layers) + " needs " +
+                          gib(need) + " of weights on the GPU (plus " + gib(kHeadroomBytes) +
+                          " headroom; " + gib(static_cast<size_t>(per_moe)) +
+                          " per MoE layer) but " + info.name + " (device " +
+                          std::to_string(device) + ") has " + gib(info.free_bytes) +
+                          " free; use layers=" + std::to_string(max_layers) + " or fewer",
+                      "--model");
+  }
+  std::unique_ptr<M3ModelCuda> m(new M3ModelCuda(cfg, nullptr));
+  m->generate_weights(seed);
+  return m;
+}
+
+M3ModelCuda::M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host)
+    : cfg_(std::move(cfg)), host_(std::move(host)) {}
+
+void* M3ModelCuda::alloc_weight(size_t bytes) {
+  storage_.emplace_back(bytes);
+  weight_bytes_ += bytes;
+  return storage_.back().data();
+}
+
+void M3ModelCuda::generate_weights(uint64_t seed) {
+  const M3Config& c = cfg_;
+  const int64_t h = c.hidden_size;
+  cudaStream_t s = stream_.get();
+  uint64_t next_id = 0;  // tensor ids in a fixed order: the same seed gives the same weights
+  // Uniform in [-b, b) has std b/sqrt(3): b = sqrt(3/fan_in) gives std 1/sqrt(fan_in), so a
+  // matrix maps unit-variance inputs to unit-variance outputs.
+  auto mat = [&](int64_t rows, int64_t cols, float std_dev) {
+    MatRef r;
+    r.dtype = DType::kBF16;
+    r.rows = rows;
+    r.cols = cols;
+    const size_t n = static_cast<size_t>(rows * cols);
+    auto* p = static_cast<uint16_t*>(alloc_weight(n * sizeof(uint16_t)));
+    fill_uniform_bf16(p, n, std_dev * std::sqrt(3.0f), seed, next_id++, s);
+    r.data = p;
+    return r;
+  };
+  auto linear_w = [&](int64_t out, int64_t in) {
+    return mat(out, in, 1.0f / std::sqrt(static_cast<float>(in)));
+  };
+  // Gemma norms scale by (1 + w): small w keeps the scale near 1 while still exercising w.
+  auto norm = [&](int64_t n) {
+    VecRef v;
+    v.dtype = DType::kBF16;
+    v.n = n;
+    auto* p = static_cast<uint16_t*>(alloc_weight(static_cast<size_t>(n) * sizeof(uint16_t)));
+    fill_uniform_bf16(p, static_cast<size_t>(n), 0.05f, seed, next_id++, s);
+    v.data = p;
+    return v;
+  };
+  // Experts of a layer: one allocation per projection, expert e at offset e * rows * cols.
+  auto experts_proj = [&](int64_t ne, int64_t rows, int64_t cols, std::vector<ExpertWeights>& ex,
+                          MatRef ExpertWeights::*field) {
+    const size_t per = static_cast<size_t>(rows * cols);
+    auto* p = static_cast<uint16_t*>(alloc_weight(per * ne * sizeof(uint16_t)));
+    fill_uniform_bf16(p, per * ne, std::sqrt(3.0f / static_cast<float>(cols)), seed, next_id++,
+                      s);
+    for (int64_t e = 0; e < ne; ++e) {
+      MatRef& r = ex[e].*field;
+      r.dtype = DType::kBF16;
+      r.rows = rows;
+      r.cols = cols;
+      r.data = p + e * per;
+    }
+  };
+
+  dev_.embed_tokens = mat(c.vocab_size, h, 1.0f);
+  dev_.final_norm = norm(h);
+  dev_.lm_head = linear_w(c.vocab_size, h);
+  dev_.layers.resize(c.num_hidden_layers);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    LayerWeights& d = dev_.layers[i];
+    d.input_norm = norm(h);
+    d.post_attention_norm = norm(h);
+    d.q_proj = linear_w(c.q_size(), h);
+    d.k_proj = linear_w(c.kv_size(), h);
+    d.v_proj = linear_w(c.kv_size(), h);
+    d.o_proj = linear_w(h, c.q_size());
+    d.q_norm = norm(c.head_dim);
+    d.k_norm = norm(c.head_dim);
+    if (c.layer_is_sparse[i]) {
+      d.index_q_proj = linear_w(c.index_n_heads * c.index_head_dim, h);
+      d.index_k_proj = linear_w(c.index_head_dim, h);
+      d.index_q_norm = norm(c.index_head_dim);
+      d.index_k_norm = norm(c.index_head_dim);
+    }
+    if (c.layer_is_moe[i]) {
+      const int64_t ne = c.num_local_experts, inter = c.intermediate_size;
+      // Router f32 [experts, hidden] as in M3 checkpoints; logits of std 1 spread the sigmoid.
+      d.router.dtype = DType::kF32;
+      d.router.rows = ne;
+      d.router.cols = h;
+      auto* rw = static_cast<float*>(alloc_weight(static_cast<size_t>(ne * h) * sizeof(float)));
+      fill_uniform_f32(rw, static_cast<size_t>(ne * h), std::sqrt(3.0f / static_cast<float>(h)),
+                       seed, next_id++, s);
+      d.router.data = rw;
+      // Selection-only bias, small next to the logits so routing still depends on the token.
+      d.router_bias.dtype = DType::kF32;
+      d.router_bias.n = ne;
+      auto* rb = static_cast<float*>(alloc_weight(static_cast<size_t>(ne) * sizeof(float)));
+      fill_uniform_f32(rb, static_cast<size_t>(ne), 0.01f, seed, next_id++, s);
+      d.router_bias.data = rb;
+      d.experts.resize(ne);
+      experts_proj(ne, inter, h, d.experts, &ExpertWeights::w1);
+      experts_proj(ne, inter, h, d.experts, &ExpertWeights::w3);
+      experts_proj(ne, h, inter, d.experts, &ExpertWeights::w2);
+      d.has_shared_expert = c.shared_intermediate_size > 0;
+      if (d.has_shared_expert) {
+        d.shared_gate = linear_w(c.shared_intermediate_size, h);
+        d.shared_up = linear_w(c.shared_intermediate_size, h);
+        d.shared_down = linear_w(h, c.shared_intermediate_size);
+      }
+    } else {
+      d.gate_proj = linear_w(c.dense_intermediate_size, h);
+      d.up_proj = linear_w(c.dense_intermediate_size, h);
+      d.down_proj = linear_w(h, c.dense_intermediate_size);
+    }
+  }
+  stream_.synchronize();  // weights are complete before any forward reads them
+}
 
 MatRef M3ModelCuda::upload(const MatRef& m) {
   MatRef r = m;
@@ -118,12 +263,26 @@ void M3ModelCuda::upload_weights() {
     d.down_proj = upload(h.down_proj);
     d.router = upload(h.router);
     d.router_bias = upload_f32(h.router_bias);
+    // Experts: one buffer per projection, expert e at e * rows * cols (what moe_experts reads).
     d.experts.resize(h.experts.size());
-    for (size_t e = 0; e < h.experts.size(); ++e) {
-      d.experts[e].w1 = upload(h.experts[e].w1);
-      d.experts[e].w3 = upload(h.experts[e].w3);
-      d.experts[e].w2 = upload(h.experts[e].w2);
-    }
+    auto upload_experts = [&](MatRef ExpertWeights::*field) {
+      if (h.experts.empty()) return;
+      const MatRef& first = h.experts[0].*field;
+      const size_t per = static_cast<size_t>(first.rows * first.cols) * dtype_size(first.dtype);
+      auto* base = static_cast<uint8_t*>(alloc_weight(per * h.experts.size()));
+      for (size_t e = 0; e < h.experts.size(); ++e) {
+        const MatRef& src = h.experts[e].*field;
+        M3_CHECK(src.dtype == first.dtype && src.rows == first.rows && src.cols == first.cols,
+                 "layer %zu expert %zu: shape or dtype differs from expert 0", i, e);
+        M3_CUDA_CHECK(cudaMemcpy(base + e * per, src.data, per, cudaMemcpyHostToDevice));
+        MatRef& dst = d.experts[e].*field;
+        dst = src;
+        dst.data = base + e * per;
+      }
+    };
+    upload_experts(&ExpertWeights::w1);
+    upload_experts(&ExpertWeights::w3);
+    upload_experts(&ExpertWeights::w2);
     d.has_shared_expert = h.has_shared_expert;
     d.shared_gate = upload(h.shared_gate);
     d.shared_up = upload(h.shared_up);
@@ -168,7 +327,7 @@ void M3ModelCuda::moe(const LayerWeights& L, const float* x, int64_t n, float* o
   const M3Config& cfg = config();
   const int64_t h = cfg.hidden_size, ne = cfg.num_local_experts, k = cfg.num_experts_per_tok;
   cudaStream_t s = stream_.get();
-  // Router on the GPU (f32 weight, bias for selection only), then ids/weights to the host.
+  // Router on the GPU (f32 weight, bias for selection only); ids and weights stay on the device.
   float* logits = ensure(ws_.router_logits, n * ne);  // [n, experts] f32
   ops::linear(x, n, L.router, logits, s);
   int32_t* ids = ensure(ws_.route_ids, n * k);
@@ -176,52 +335,38 @@ void M3ModelCuda::moe(const LayerWeights& L, const float* x, int64_t n, float* o
   ops::router_topk(logits, n, ne, L.router_bias.n > 0 ? static_cast<const float*>(L.router_bias.data)
                                                       : nullptr,
                    k, static_cast<float>(cfg.routed_scaling_factor), ids, wts, s);
-  h_ids_.resize(n * k);
-  h_w_.resize(n * k);
-  M3_CUDA_CHECK(cudaMemcpyAsync(h_ids_.data(), ids, n * k * sizeof(int32_t),
-                                cudaMemcpyDeviceToHost, s));
-  M3_CUDA_CHECK(cudaMemcpyAsync(h_w_.data(), wts, n * k * sizeof(float), cudaMemcpyDeviceToHost, s));
-  stream_.synchronize();
 
-  // Group by expert (counting sort, tokens ascending within an expert, as the CPU path does).
-  h_offsets_.assign(ne + 1, 0);
-  for (int64_t i = 0; i < n * k; ++i) {
-    M3_CHECK(h_ids_[i] >= 0 && h_ids_[i] < ne, "router_topk gave expert %d of %lld", h_ids_[i],
-             static_cast<long long>(ne));
-    ++h_offsets_[h_ids_[i] + 1];
-  }
-  for (int64_t e = 0; e < ne; ++e) h_offsets_[e + 1] += h_offsets_[e];
-  h_rows_.resize(n * k);
-  h_tok_w_.resize(n * k);
-  std::vector<int32_t> fill(h_offsets_.begin(), h_offsets_.end() - 1);
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t e = h_ids_[t * k + j];
-      h_rows_[fill[e]] = static_cast<int32_t>(t);
-      h_tok_w_[fill[e]] = h_w_[t * k + j];
-      ++fill[e];
-    }
-  }
-  const int32_t* rows = upload_async(ws_.tok_rows, h_rows_.data(), h_rows_.size());
-  const float* tok_w = upload_async(ws_.tok_w, h_tok_w_.data(), h_tok_w_.size());
-
-  // Each active expert over its gathered tokens, accumulated weighted in expert order.
-  float* routed = ensure(ws_.routed, n * h);  // [n, hidden] f32
-  float* xe = ensure(ws_.xe, n * h);          // gathered tokens, at most n per expert
-  float* ye = ensure(ws_.ye, n * h);
-  M3_CUDA_CHECK(cudaMemsetAsync(routed, 0, n * h * sizeof(float), s));
+  // The experts as moe_experts reads them: contiguous per projection (upload_weights and the
+  // synthetic factory both lay them out so).
+  M3_CHECK(static_cast<int64_t>(L.experts.size()) == ne);
+  const MatRef& e0 = L.experts[0].w1;
+  ops::MoeExpertWeights ew;
+  ew.w1 = e0.data;
+  ew.w3 = L.experts[0].w3.data;
+  ew.w2 = L.experts[0].w2.data;
+  ew.dtype = e0.dtype;
+  ew.num_experts = ne;
+  ew.inter = e0.rows;
+  ew.hidden = h;
+  const size_t per = static_cast<size_t>(ew.inter * h) * dtype_size(ew.dtype);
   for (int64_t e = 0; e < ne; ++e) {
-    const int64_t begin = h_offsets_[e], m = h_offsets_[e + 1] - begin;
-    if (m == 0) continue;
-    cuda_gather_rows(x, rows + begin, m, h, xe, s);
-    dense_mlp(L.experts[e].w1, L.experts[e].w3, L.experts[e].w2, xe, m, ye);
-    cuda_scatter_add_rows(ye, rows + begin, tok_w + begin, m, h, routed, s);
+    const ExpertWeights& E = L.experts[e];
+    M3_CHECK(E.w1.data == static_cast<const uint8_t*>(ew.w1) + e * per &&
+                 E.w3.data == static_cast<const uint8_t*>(ew.w3) + e * per &&
+                 E.w2.data == static_cast<const uint8_t*>(ew.w2) + e * per &&
+                 E.w1.dtype == ew.dtype && E.w3.dtype == ew.dtype && E.w2.dtype == ew.dtype,
+             "MoE layer: expert %lld is not in the contiguous per-projection layout",
+             static_cast<long long>(e));
   }
+  const ops::SwigluParams act{static_cast<float>(cfg.swiglu_alpha),
+                              static_cast<float>(cfg.swiglu_limit),
+                              static_cast<float>(cfg.swiglu_beta)};
+  uint8_t* work = ensure(ws_.moe, ops::moe_workspace_bytes(n, k, ew));
   if (L.has_shared_expert) {
-    dense_mlp(L.shared_gate, L.shared_up, L.shared_down, x, n, out);
-    cuda_add_inplace(out, routed, n * h, s);
+    dense_mlp(L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // out = shared expert
+    ops::moe_experts(x, n, ids, wts, k, ew, act, out, out, work, s);
   } else {
-    M3_CUDA_CHECK(cudaMemcpyAsync(out, routed, n * h * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    ops::moe_experts(x, n, ids, wts, k, ew, act, nullptr, out, work, s);
   }
 }
 
@@ -288,9 +433,19 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
       ops::kv_write(pages, layout, k, v, ik, s);
       const int64_t topk = cfg.sparse_topk_blocks;
       int32_t* sel = ensure(ws_.sel, T * ni * topk);
+      // Host bound of the step's key count: sizes the score rows and the KV splits (no sync).
+      const int64_t max_kv_len = 1 + *std::max_element(b.positions.begin(), b.positions.end());
+      // MSA scores of all tokens, capped (the op then scores token chunk by chunk), or the
+      // split-KV partials, whichever is larger; both are consumed before the next op.
+      const size_t ws_bytes = std::max(
+          std::min(ops::msa_select_workspace_bytes(T, ni, pages, max_kv_len),
+                   std::max(kAttnWorkspaceCap,
+                            ops::msa_select_workspace_bytes(1, ni, pages, max_kv_len))),
+          ops::attention_workspace_bytes(T, nq, pages, topk, max_kv_len));
+      const ops::Workspace aws{ensure(ws_.attn_ws, ws_bytes), ws_bytes};
       ops::msa_select_blocks(iq, ni, pages, layout, topk, cfg.sparse_init_blocks,
-                             cfg.sparse_local_blocks, sel, s);
-      ops::attention_paged(q, nq, pages, layout, sel, topk, scale, attn, s);
+                             cfg.sparse_local_blocks, max_kv_len, aws, sel, s);
+      ops::attention_paged(q, nq, pages, layout, sel, topk, scale, max_kv_len, aws, attn, s);
       if (out && capture_msa) {
         auto& dst = out->msa_blocks[li];
         dst.resize(T * ni * topk);
@@ -300,7 +455,10 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
       }
     } else {
       ops::kv_write(pages, layout, k, v, nullptr, s);
-      ops::attention_paged(q, nq, pages, layout, nullptr, 0, scale, attn, s);
+      const int64_t max_kv_len = 1 + *std::max_element(b.positions.begin(), b.positions.end());
+      const size_t ws_bytes = ops::attention_workspace_bytes(T, nq, pages, 0, max_kv_len);
+      const ops::Workspace aws{ensure(ws_.attn_ws, ws_bytes), ws_bytes};
+      ops::attention_paged(q, nq, pages, layout, nullptr, 0, scale, max_kv_len, aws, attn, s);
     }
     ops::linear(attn, T, L.o_proj, y, s);  // y: [T, hidden]
     cuda_add_inplace(x, y, T * H, s);
@@ -321,7 +479,9 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   const int64_t R = static_cast<int64_t>(b.logits_indices.size());
   const int64_t V = cfg.vocab_size;
   out->vocab_size = V;
-  out->logits.assign(R * V, 0.f);
+  out->logits.clear();
+  out->logits_rows.clear();
+  out->sampled.clear();
   if (R == 0) {
     stream_.synchronize();
     return;
@@ -334,8 +494,33 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   ops::rmsnorm_gemma(hs, R, H, dev_.final_norm, eps, hs, s);
   float* logits = ensure(ws_.logits, R * V);  // [R, vocab] f32
   ops::linear(hs, R, dev_.lm_head, logits, s);
-  M3_CUDA_CHECK(cudaMemcpyAsync(out->logits.data(), logits, R * V * sizeof(float),
+  const int64_t ns = static_cast<int64_t>(b.device_samples.size());
+  if (ns == 0) {  // every row to the host
+    out->logits.resize(R * V);
+    M3_CUDA_CHECK(cudaMemcpyAsync(out->logits.data(), logits, R * V * sizeof(float),
+                                  cudaMemcpyDeviceToHost, s));
+    stream_.synchronize();
+    return;
+  }
+  // Sample next to the logits; only token ids and the rows the host still needs come back.
+  for (const auto& sr : b.device_samples)
+    M3_CHECK(sr.row >= 0 && sr.row < R, "device sample row %d of %lld", sr.row,
+             static_cast<long long>(R));
+  const ops::SampleRow* d_rows = upload_async(smp_rows_, b.device_samples.data(), ns);
+  int32_t* d_ids = ensure(smp_ids_, ns);
+  const int64_t valid = b.num_sampleable > 0 ? std::min<int64_t>(b.num_sampleable, V) : V;
+  ops::sample_rows(logits, V, valid, d_rows, ns, d_ids, s);
+  out->sampled.resize(ns);
+  M3_CUDA_CHECK(cudaMemcpyAsync(out->sampled.data(), d_ids, ns * sizeof(int32_t),
                                 cudaMemcpyDeviceToHost, s));
+  out->logits_rows = b.host_logits_rows;
+  out->logits.resize(b.host_logits_rows.size() * V);
+  for (size_t j = 0; j < b.host_logits_rows.size(); ++j) {
+    const int32_t r = b.host_logits_rows[j];
+    M3_CHECK(r >= 0 && r < R, "host logits row %d of %lld", r, static_cast<long long>(R));
+    M3_CUDA_CHECK(cudaMemcpyAsync(out->logits.data() + j * V, logits + r * V, V * sizeof(float),
+                                  cudaMemcpyDeviceToHost, s));
+  }
   stream_.synchronize();
 }
 

@@ -1,0 +1,277 @@
+#!/usr/bin/env python3
+"""Serve benchmark: C concurrent streaming /v1/completions against `m3serve serve`.
+
+Starts `m3serve serve --model synthetic:layers=N --device cuda` (or connects to --url), sends C
+concurrent streaming requests of a fixed token-id prompt with max_tokens output tokens and
+ignore_eos, for each C in --concurrency, and prints per C: output tokens/s over the whole run,
+mean time per output token (TPOT, per request: (last token - first token) / (tokens - 1)), mean
+time to first token (TTFT), and the bandwidth ceiling of a decode step: the weight bytes one
+step of C sequences must read (all non-expert weights + the expected distinct routed experts)
+divided by the measured device copy bandwidth (torch, else bench_cuda_ops, else --bandwidth-gbs).
+
+Python standard library only (http.client, threading): it runs on the GPU machine as is.
+Example (GPU machine):
+  python3 bench/bench_serve.py --m3serve build/gpu/bin/m3serve --layers 4 --concurrency 1,16,64
+"""
+import argparse
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+
+# MiniMax-M3 shapes (docs m3-model.md §1-2), as `synthetic:layers=N` builds them.
+H, NQ, NKV, D, E, TOPK, IE, ID, NI, DI, VOCAB = 6144, 64, 4, 128, 128, 4, 3072, 12288, 4, 128, 200064
+BF16 = 2
+
+
+def step_bytes(layers, concurrency, context):
+    """Bytes one decode step of `concurrency` sequences reads: every non-expert weight once, the
+    expected distinct experts (uniform routing: E * (1 - (1 - k/E)^C)) per MoE layer, the
+    embedding rows, and the KV cache (fp32 K, V, index-K) of `context` tokens per sequence."""
+    attn = (2 * NQ * D * H + 2 * NKV * D * H + 2 * D + 2 * H) * BF16
+    index = ((NI + 1) * DI * H + 2 * DI) * BF16
+    dense = 3 * ID * H * BF16
+    shared = 3 * IE * H * BF16
+    router = E * H * 4 + E * 4
+    expert = 3 * IE * H * BF16
+    distinct = E * (1.0 - (1.0 - TOPK / E) ** concurrency)
+    total = VOCAB * H * BF16 + H * BF16  # lm_head + final norm
+    total += concurrency * H * BF16      # embedding rows
+    kv = 0
+    for i in range(layers):
+        total += attn
+        sparse = i >= 3
+        kv_tok = (2 * NKV * D + (DI if sparse else 0)) * 4
+        # MSA reads at most top-16 blocks of 128 tokens per KV head.
+        seen = min(context, 16 * 128) if sparse else context
+        kv += concurrency * seen * kv_tok
+        if sparse:
+            total += index
+        total += (router + shared + distinct * expert) if i >= 3 else dense
+    return total + kv
+
+
+def measure_bandwidth(bench_cuda_ops):
+    """Device copy bandwidth in GB/s (read + write), and how it was measured."""
+    try:
+        import torch  # noqa: the GPU machine has torch; everything else here is stdlib
+
+        if torch.cuda.is_available():
+            n = 1 << 30
+            a = torch.empty(n, dtype=torch.uint8, device="cuda")
+            b = torch.empty_like(a)
+            for _ in range(3):
+                b.copy_(a)
+            torch.cuda.synchronize()
+            reps = 20
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                b.copy_(a)
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / reps
+            del a, b
+            torch.cuda.empty_cache()
+            return 2 * n / dt / 1e9, "torch 1 GiB device copy"
+    except Exception as e:  # no torch / no GPU: fall through
+        print(f"bench_serve: torch bandwidth probe unavailable ({e})", file=sys.stderr)
+    if bench_cuda_ops and os.path.exists(bench_cuda_ops):
+        out = subprocess.run([bench_cuda_ops], capture_output=True, text=True, timeout=300).stdout
+        m = re.search(r"ceiling: device copy (\d+(?:\.\d+)?) GB/s", out)
+        if m:
+            return float(m.group(1)), "bench_cuda_ops device copy"
+    return None, None
+
+
+class Result:
+    def __init__(self):
+        self.ttft = None
+        self.token_times = []
+        self.tokens = 0
+        self.retries = 0
+        self.error = None
+
+
+def one_request(host, port, model, prompt_ids, max_tokens, res, t_start):
+    body = json.dumps({"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    # A burst of connects can overflow the server's listen queue (cpp-httplib 0.11 listens with a
+    # backlog of 5) and the kernel then resets some; such a request never reached the server, so
+    # it is sent again, and the wait counts in its TTFT.
+    for attempt in range(20):
+        try:
+            conn = http.client.HTTPConnection(host, port, timeout=600)
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            break
+        except (ConnectionResetError, ConnectionRefusedError, BrokenPipeError,
+                http.client.RemoteDisconnected) as e:
+            res.retries += 1
+            if attempt == 19:
+                res.error = repr(e)
+                return
+            time.sleep(0.01 * (attempt + 1))
+    try:
+        if r.status != 200:
+            res.error = f"HTTP {r.status}: {r.read()[:300]!r}"
+            return
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            now = time.perf_counter()
+            j = json.loads(data)
+            if j.get("usage"):
+                res.tokens = j["usage"]["completion_tokens"]
+            if j.get("choices"):
+                # One chunk per engine step that produced tokens for this request (its text may
+                # be empty while a UTF-8 character is incomplete; the chunk still marks the step).
+                if res.ttft is None:
+                    res.ttft = now - t_start
+                res.token_times.append(now)
+        conn.close()
+    except Exception as e:
+        res.error = repr(e)
+
+
+def run_level(host, port, model, prompt_ids, max_tokens, c):
+    results = [Result() for _ in range(c)]
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one_request,
+                                args=(host, port, model, prompt_ids, max_tokens, results[i], t0))
+               for i in range(c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    errs = [r.error for r in results if r.error]
+    if errs:
+        raise RuntimeError(f"{len(errs)} of {c} requests failed, first: {errs[0]}")
+    total = sum(r.tokens for r in results)
+    tpots = []
+    for r in results:
+        if len(r.token_times) >= 2 and r.tokens >= 2:
+            tpots.append((r.token_times[-1] - r.token_times[0]) / (r.tokens - 1))
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    return {"concurrency": c, "requests": c, "output_tokens": total, "wall_s": wall,
+            "output_tok_per_s": total / wall,
+            "mean_tpot_ms": 1e3 * sum(tpots) / len(tpots) if tpots else float("nan"),
+            "mean_ttft_ms": 1e3 * sum(ttfts) / len(ttfts) if ttfts else float("nan"),
+            "connect_retries": sum(r.retries for r in results)}
+
+
+def wait_ready(host, port, proc, timeout):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"m3serve exited with {proc.returncode} before it was ready")
+        try:
+            conn = http.client.HTTPConnection(host, port, timeout=5)
+            conn.request("GET", "/v1/models")
+            r = conn.getresponse()
+            body = json.loads(r.read())
+            conn.close()
+            if r.status == 200:
+                return body["data"][0]["id"]
+        except (OSError, ValueError, KeyError, http.client.HTTPException):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"m3serve not ready after {timeout} s")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url", help="connect to a running server (http://host:port) instead of starting one")
+    ap.add_argument("--m3serve", default="build/gpu/bin/m3serve", help="m3serve binary to start")
+    ap.add_argument("--layers", type=int, default=4, help="synthetic:layers=N")
+    ap.add_argument("--model", help="model to serve instead of synthetic:layers=N (e.g. models/demo "
+                    "with --device cpu, to try the script without a GPU)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--concurrency", default="1,16,64", help="comma-separated C values")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt length in token ids")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up requests before measuring")
+    ap.add_argument("--extra-args", default="", help="more m3serve serve flags")
+    ap.add_argument("--bench-cuda-ops", default="build/gpu/bin/bench_cuda_ops",
+                    help="fallback bandwidth probe when torch is missing")
+    ap.add_argument("--bandwidth-gbs", type=float, help="copy bandwidth to use for the ceiling")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--ready-timeout", type=float, default=300)
+    a = ap.parse_args()
+    levels = [int(x) for x in a.concurrency.split(",") if x]
+
+    bw, bw_how = (a.bandwidth_gbs, "--bandwidth-gbs") if a.bandwidth_gbs else (None, None)
+    if bw is None and not a.url:
+        bw, bw_how = measure_bandwidth(a.bench_cuda_ops)  # before the server takes the GPU
+
+    proc = None
+    if a.url:
+        u = urllib.parse.urlparse(a.url)
+        host, port = u.hostname, u.port or 80
+    else:
+        host, port = "127.0.0.1", a.port
+        served = a.model or f"synthetic:layers={a.layers}"
+        cmd = [a.m3serve, "serve", "--model", served, "--device", a.device,
+               "--host", host, "--port", str(port), "--max-num-seqs", str(max(levels)),
+               "--max-model-len", str(a.prompt_len + a.max_tokens + 128)] + a.extra_args.split()
+        print("bench_serve: starting", " ".join(cmd), flush=True)
+        proc = subprocess.Popen(cmd)
+    try:
+        model = wait_ready(host, port, proc, a.ready_timeout)
+        prompt_ids = [(1000 + 37 * i) % 2600 + 10 for i in range(a.prompt_len)]
+        for _ in range(a.warmup):
+            run_level(host, port, model, prompt_ids, 8, 1)
+        rows = []
+        for c in levels:
+            r = run_level(host, port, model, prompt_ids, a.max_tokens, c)
+            ctx = a.prompt_len + a.max_tokens // 2  # mean context over the decode
+            r["step_gb"] = step_bytes(a.layers, c, ctx) / 1e9
+            if bw:
+                step_s = r["step_gb"] / bw
+                r["ceiling_tpot_ms"] = 1e3 * step_s
+                r["ceiling_tok_per_s"] = c / step_s
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    print()
+    served = a.model or f"synthetic:layers={a.layers}"
+    print(f"m3serve serve --model {served} --device {a.device}: prompt {a.prompt_len} "
+          f"token ids, {a.max_tokens} output tokens (ignore_eos), greedy")
+    if bw:
+        print(f"ceiling: weight + KV bytes per decode step / {bw:.0f} GB/s ({bw_how}); "
+              f"routed experts read = expected distinct of C x top-4 under uniform routing")
+    print(f"{'C':>4} {'out tok/s':>10} {'TPOT ms':>9} {'TTFT ms':>9} {'GB/step':>8} "
+          f"{'ceil tok/s':>11} {'ceil TPOT ms':>13} {'retries':>8}")
+    for r in rows:
+        print(f"{r['concurrency']:>4} {r['output_tok_per_s']:>10.1f} {r['mean_tpot_ms']:>9.1f} "
+              f"{r['mean_ttft_ms']:>9.1f} {r['step_gb']:>8.2f} "
+              f"{r.get('ceiling_tok_per_s', float('nan')):>11.1f} "
+              f"{r.get('ceiling_tpot_ms', float('nan')):>13.2f} {r['connect_retries']:>8}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"layers": a.layers, "bandwidth_gbs": bw, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+// Synthetic weight generation and the device checksum (see synthetic_weights.h). The generator
+// is splitmix64 over a counter: cheap, stateless per element, and good enough that weight
+// statistics (mean 0, std bound/sqrt(3)) hold for every tensor size we draw.
+#include "model/cuda/synthetic_weights.h"
+
+#include <algorithm>
+
+#include <cuda_bf16.h>
+
+#include "core/check.h"
+#include "gpu/cuda_check.h"
+
+namespace m3::model {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__host__ __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// A per-tensor key, so tensors of one seed draw independent streams.
+__host__ __device__ __forceinline__ uint64_t tensor_key(uint64_t seed, uint64_t tensor_id) {
+  return splitmix64(splitmix64(seed) ^ (tensor_id * 0xd1342543de82ef95ULL));
+}
+
+// Uniform in [-1, 1) from the top 24 bits (exact in f32).
+__device__ __forceinline__ float uniform_pm1(uint64_t key, uint64_t i) {
+  const uint64_t r = splitmix64(key ^ (i * 0x9e3779b97f4a7c15ULL));
+  return static_cast<float>(r >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+unsigned blocks_for(size_t n) {
+  // Grid-stride loops: enough blocks to fill an H200 several times over.
+  return static_cast<unsigned>(std::clamp<size_t>((n + kThreads - 1) / kThreads, 1, 132 * 64));
+}
+
+__global__ void fill_bf16_kernel(uint16_t* __restrict__ dst, size_t n, float bound, uint64_t key) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const __nv_bfloat16 b = __float2bfloat16_rn(uniform_pm1(key, i) * bound);
+    dst[i] = *reinterpret_cast<const uint16_t*>(&b);
+  }
+}
+
+__global__ void fill_f32_kernel(float* __restrict__ dst, size_t n, float bound, uint64_t key) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    dst[i] = uniform_pm1(key, i) * bound;
+  }
+}
+
+__global__ void checksum_kernel(const uint8_t* __restrict__ p, size_t bytes,
+                                unsigned long long* out) {
+  const size_t words = (bytes + 7) / 8;
+  uint64_t acc = 0;
+  for (size_t w = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; w < words;
+       w += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint64_t v = 0;
+    const size_t base = w * 8;
+    if (base + 8 <= bytes && (reinterpret_cast<uintptr_t>(p) % 8) == 0) {
+      v = reinterpret_cast<const uint64_t*>(p)[w];
+    } else {
+      for (size_t b = 0; b < 8 && base + b < bytes; ++b) v |= static_cast<uint64_t>(p[base + b]) << (8 * b);
+    }
+    acc += splitmix64(v ^ splitmix64(w));
+  }
+  // Sum of 64-bit values modulo 2^64: order-independent, so any reduction order agrees.
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0) atomicAdd(out, static_cast<unsigned long long>(acc));
+}
+
+}  // namespace
+
+void fill_uniform_bf16(uint16_t* dst, size_t n, float bound, uint64_t seed, uint64_t tensor_id,
+                       cudaStream_t stream) {
+  if (n == 0) return;
+  M3_CHECK(dst != nullptr && bound >= 0.f);
+  fill_bf16_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dst, n, bound,
+                                                           tensor_key(seed, tensor_id));
+  M3_CUDA_CHECK(cudaGetLastError());
+}
+
+void fill_uniform_f32(float* dst, size_t n, float bound, uint64_t seed, uint64_t tensor_id,
+                      cudaStream_t stream) {
+  if (n == 0) return;
+  M3_CHECK(dst != nullptr && bound >= 0.f);
+  fill_f32_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dst, n, bound,
+                                                          tensor_key(seed, tensor_id));
+  M3_CUDA_CHECK(cudaGetLastError());
+}
+
+uint64_t device_checksum(const void* p, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return 0;
+  unsigned long long* d = nullptr;
+  M3_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&d), sizeof *d, stream));
+  M3_CUDA_CHECK(cudaMemsetAsync(d, 0, sizeof *d, stream));
+  checksum_kernel<<<blocks_for((bytes + 7) / 8), kThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(p), bytes, d);
+  M3_CUDA_CHECK(cudaGetLastError());
+  unsigned long long h = 0;
+  M3_CUDA_CHECK(cudaMemcpyAsync(&h, d, sizeof h, cudaMemcpyDeviceToHost, stream));
+  M3_CUDA_CHECK(cudaFreeAsync(d, stream));
+  M3_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return static_cast<uint64_t>(h);
+}
+
+}  // namespace m3::model

@@ -1,0 +1,48 @@
+// Synthetic MiniMax-M3 models: `--model synthetic:layers=N[,seed=S]` names a model with M3's real
+// geometry (m3-model.md §1-2) and N layers whose weights are generated on the GPU
+// (model/cuda/synthetic_weights.h), for benchmarks at the real shapes without the checkpoint.
+// Called by src/app (flag parsing), M3Model::load (a config-only host model for the engine) and
+// the CUDA backend. Invariant: a parsed spec has 1 <= layers <= 60; the config is M3's with
+// num_hidden_layers = layers and the per-layer vectors cut to that length.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "core/error.h"
+#include "model/config.h"
+
+namespace m3::model {
+
+struct SyntheticSpec {
+  int64_t layers = 0;
+  uint64_t seed = 0;
+};
+
+inline constexpr std::string_view kSyntheticPrefix = "synthetic:";
+inline constexpr int64_t kSyntheticMaxLayers = 60;  // M3 has 60 decoder layers
+
+// Whether a --model value names a synthetic model (starts with "synthetic:").
+bool is_synthetic_model(std::string_view model);
+
+// Parses "synthetic:layers=N[,seed=S]" (keys in any order, each once). Errors name the bad part
+// and show the accepted form.
+Result<SyntheticSpec> parse_synthetic_spec(std::string_view model);
+
+// M3's text config (hidden 6144, 64q/4kv x 128, rotary 64, 128 experts top-4 of 3072 with sigmoid
+// + bias + scale 2.0, shared expert 3072, dense 12288 on layers 0-2, MSA from layer 3, index
+// 4 x 128, block 128, top-16, vocab 200064) with `layers` layers. model_type is
+// "minimax_m3_synthetic" so logs and /v1/models show it is not the checkpoint.
+M3Config synthetic_m3_config(int64_t layers);
+
+// Parameters and bytes of the synthetic weights (bf16 everywhere except the f32 router weight
+// and router bias, as in M3 checkpoints). For 60 layers the count is M3's text total,
+// 426,174,572,928 (m3-model.md §1.5).
+int64_t synthetic_param_count(const M3Config& cfg);
+int64_t synthetic_weight_bytes(const M3Config& cfg);
+
+// The message for `--device cpu` with a synthetic model (too big for the CPU path).
+std::string synthetic_needs_cuda_message(std::string_view model);
+
+}  // namespace m3::model
