@@ -2,6 +2,8 @@
 // for checks from outside. Stable interface (issue #2):
 //   m3serve generate --model DIR --prompt-ids 5,17,42 --max-tokens 8 --temperature 0
 //                    --logprobs 5 --echo --json [--device cpu|cuda]
+//                    [--tensor-parallel-size N | --data-parallel-size N] [--enable-expert-parallel]
+//                    (CPU: N rank threads)
 // prints {"prompt_ids", "output_ids", "prompt_logprobs", "output_logprobs"}; prompt_logprobs[i]
 // scores prompt token i given the tokens before it (entry 0 is null). --device cuda runs the
 // same forward on the GPU (M3ModelCuda; only in builds with M3_HAS_CUDA) and prints the same JSON.
@@ -19,10 +21,14 @@
 #include <vector>
 
 #include "app/commands.h"
+#include "app/device_backend.h"
+#include "app/parallel_args.h"
 #include "core/error.h"
 #include "engine/sampler.h"
+#include "model/forward_backend.h"
 #include "model/m3_model.h"
 #include "model/sequence_runner.h"
+#include "model/synthetic_model.h"
 #ifdef M3_HAS_CUDA
 #include "model/cuda/m3_model_cuda.h"
 #include "model/cuda/sequence_runner_cuda.h"
@@ -47,6 +53,8 @@ struct GenerateArgs {
   bool ignore_eos = false;
   int prefill_chunk = 0;
   std::string device = "cpu";
+  ParallelArgs parallel;
+  std::string gemm_precision = "exact";
 };
 
 Result<std::vector<int32_t>> parse_ids(const std::string& s) {
@@ -88,6 +96,7 @@ int run_generate(const GenerateArgs& a) {
   if (!ids) return fail(ids.error().message);
   if (a.max_tokens < 0) return fail("--max-tokens must be >= 0");
   if (a.logprobs > 20) return fail("--logprobs must be at most 20");
+  if (auto st = validate_parallel(a.parallel, a.device); !st) return fail(st.error().message);
 
   // The model on the chosen device; everything below sees only its config and a step function.
   std::unique_ptr<model::M3Model> cpu_model;
@@ -95,9 +104,21 @@ int run_generate(const GenerateArgs& a) {
   std::unique_ptr<model::M3ModelCuda> gpu_model;
 #endif
   const model::M3Config* cfgp = nullptr;
+  const bool synthetic = model::is_synthetic_model(a.model_dir);
+  model::SyntheticSpec spec;
+  if (synthetic) {
+    auto parsed = model::parse_synthetic_spec(a.model_dir);
+    if (!parsed) return fail(parsed.error().message);
+    spec = *parsed;
+    if (a.device != "cuda") return fail(model::synthetic_needs_cuda_message(a.model_dir));
+  }
+  (void)spec;  // read only by the CUDA branch below
   if (a.device == "cuda") {
 #ifdef M3_HAS_CUDA
-    auto m = model::M3ModelCuda::load(a.model_dir);
+    apply_gemm_precision(a.gemm_precision);
+    auto m = synthetic ? model::M3ModelCuda::synthetic(model::synthetic_m3_config(spec.layers),
+                                                       spec.seed)
+                       : model::M3ModelCuda::load(a.model_dir);
     if (!m) return fail(m.error().message);
     gpu_model = std::move(*m);
     cfgp = &gpu_model->config();
@@ -143,12 +164,34 @@ int run_generate(const GenerateArgs& a) {
     run_step = [&](const Chunks& c) { return gpu_runner->step(c); };
   }
 #endif
-  if (cpu_model) {
+  // --tensor-parallel-size > 1 on the CPU: rank threads over the model's weights (shared), each
+  // with its own KV pages; the bump page allocator is the runner's.
+  std::unique_ptr<model::ForwardBackend> sharded;
+  std::unique_ptr<model::SequencePages> sharded_pages;
+  if (cpu_model && wants_sharding(a.parallel)) {
+    auto view = cpu_model->make_shard(model::ShardSpec{});  // shares the weights
+    if (!view) return fail(view.error().message);
+    const int64_t bs = cfg.sparse_block_size;
+    auto be = model::make_cpu_sharded_backend(
+        std::move(*view), model::SequencePages::pages_needed(total + 1, 1, bs),
+        a.parallel.tensor_parallel_size, a.parallel.enable_expert_parallel,
+        a.parallel.data_parallel_size);
+    if (!be) return fail(be.error().message);
+    sharded = std::move(*be);
+    sharded_pages = std::make_unique<model::SequencePages>(sharded->num_pages(), bs);
+    run_step = [&](const Chunks& c) {
+      model::ForwardBatch b = sharded_pages->build_step(c);
+      model::ForwardResult r;
+      sharded->forward(b, &r, false);
+      return r;
+    };
+  } else if (cpu_model) {
     cpu_runner = std::make_unique<model::SequenceRunner>(*cpu_model, total + 1, 1);
     run_step = [&](const Chunks& c) { return cpu_runner->step(c); };
   }
   int seq = 0;  // the runner's only sequence
   if (cpu_runner) seq = cpu_runner->add_sequence();
+  if (sharded_pages) seq = sharded_pages->add_sequence();
 #ifdef M3_HAS_CUDA
   if (gpu_runner) seq = gpu_runner->add_sequence();
 #endif
@@ -217,7 +260,10 @@ int run_generate(const GenerateArgs& a) {
 RunFn register_generate(CLI::App& app) {
   auto a = std::make_shared<GenerateArgs>();
   CLI::App* sub = app.add_subcommand("generate", "Run the model on token ids (debugging, checks)");
-  sub->add_option("--model", a->model_dir, "Model directory (config.json + safetensors)")->required();
+  sub->add_option("--model", a->model_dir,
+                  "Model directory (config.json + safetensors), or synthetic:layers=N[,seed=S] "
+                  "(M3's shapes, weights generated on the GPU; needs --device cuda)")
+      ->required();
   sub->add_option("--prompt-ids", a->prompt_ids, "Comma-separated prompt token ids")->required();
   sub->add_option("--max-tokens", a->max_tokens, "Tokens to generate");
   sub->add_option("--temperature", a->temperature, "0 = greedy");
@@ -233,6 +279,8 @@ RunFn register_generate(CLI::App& app) {
                   "Prefill the prompt in chunks of this many tokens (0 = one step)");
   sub->add_option("--device", a->device, "Where to run the model: cpu, or cuda (GPU builds)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  add_parallel_options(sub, a->parallel);
+  add_gemm_precision_option(sub, a->gemm_precision);
   return [a] { return run_generate(*a); };
 }
 

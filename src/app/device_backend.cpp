@@ -9,6 +9,7 @@
 #include "model/m3_model.h"
 #ifdef M3_HAS_CUDA
 #include "gpu/device.h"
+#include "kernels/cuda/ops.h"
 #include "model/cuda/cuda_backend.h"
 #endif
 
@@ -22,10 +23,32 @@ void add_device_options(CLI::App* sub, DeviceArgs& a) {
                   "With --device cuda: fraction (0, 1] of the GPU memory free after the weights "
                   "that the KV cache takes (--kv-cache-memory-bytes overrides it)")
       ->capture_default_str();
+  add_parallel_options(sub, a.parallel);
+  add_gemm_precision_option(sub, a.gemm_precision);
+}
+
+void add_gemm_precision_option(CLI::App* sub, std::string& value) {
+  sub->add_option("--gemm-precision", value,
+                  "With --device cuda: exact (fp32 activations through a 3-term bf16 split: the "
+                  "CPU reference's numbers) or bf16 (activations rounded to bf16 once: ~3x the "
+                  "prefill GEMM rate, ~1e-2 logprob drift)")
+      ->check(CLI::IsMember({"exact", "bf16"}))
+      ->capture_default_str();
+}
+
+void apply_gemm_precision(const std::string& value) {
+#ifdef M3_HAS_CUDA
+  kernels::cuda::set_gemm_precision(value == "bf16" ? kernels::cuda::GemmPrecision::kBf16
+                                                    : kernels::cuda::GemmPrecision::kExact);
+#else
+  (void)value;
+#endif
 }
 
 Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
-                                                    int64_t kv_cache_memory_bytes) {
+                                                    int64_t kv_cache_memory_bytes,
+                                                    int64_t max_model_len,
+                                                    uint64_t synthetic_seed) {
   const double util = a.gpu_memory_utilization;
   if (!(util > 0.0 && util <= 1.0)) {
     char buf[160];
@@ -34,12 +57,15 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
                   util);
     return make_error(ErrorCode::kInvalidArgument, buf, "--gpu-memory-utilization");
   }
-  if (a.device == "cpu") return engine::BackendFactory{};
+  M3_TRY_STATUS(validate_parallel(a.parallel, a.device));
+  // cpu: the engine's default backend, or the tensor-parallel one.
+  if (a.device == "cpu") return wrap_backend_factory(a.parallel, engine::BackendFactory{});
   if (a.device != "cuda") {
     return make_error(ErrorCode::kInvalidArgument,
                       "--device '" + a.device + "' is unknown; use cpu or cuda", "--device");
   }
 #ifdef M3_HAS_CUDA
+  apply_gemm_precision(a.gemm_precision);
   // Probe before the checkpoint is read: a machine without a GPU fails in milliseconds.
   auto probe = gpu::probe_device(0);
   if (!probe) {
@@ -50,6 +76,8 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
   opts.device = 0;
   opts.gpu_memory_utilization = util;
   opts.kv_cache_memory_bytes = kv_cache_memory_bytes;
+  opts.max_model_len = max_model_len;
+  opts.synthetic_seed = synthetic_seed;
   return engine::BackendFactory(
       [opts](std::unique_ptr<model::M3Model> host,
              int64_t /*cpu_num_pages: the GPU pool is sized from GPU memory*/)
@@ -58,6 +86,8 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
       });
 #else
   (void)kv_cache_memory_bytes;
+  (void)max_model_len;
+  (void)synthetic_seed;
   return make_error(ErrorCode::kUnavailable,
                     "--device cuda: this m3serve was built without CUDA support; rebuild with "
                     "-DM3_CUDA=ON on a machine with the CUDA toolkit, or use --device cpu",

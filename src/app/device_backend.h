@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "app/parallel_args.h"
 #include "core/error.h"
 #include "engine/engine.h"
 
@@ -20,14 +21,28 @@ namespace m3::app {
 struct DeviceArgs {
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;
+  ParallelArgs parallel;  // --tensor-parallel-size and friends (app/parallel_args.h)
+  std::string gemm_precision = "exact";  // --gemm-precision exact|bf16 (GPU GEMMs)
 };
 
+// Registers --gemm-precision on `sub` (serve, chat and generate share it).
+void add_gemm_precision_option(CLI::App* sub, std::string& value);
+// Applies --gemm-precision to the GPU GEMMs (a no-op in builds without CUDA). "exact" keeps fp32
+// activations exact to ~2^-24 through a 3-term bf16 split (the CPU ops' numbers, ~1/3 of the
+// tensor-core rate at prefill); "bf16" rounds activations to bf16 once, as other engines do.
+void apply_gemm_precision(const std::string& value);
+
+// Also registers the parallelism flags (add_parallel_options).
 void add_device_options(CLI::App* sub, DeviceArgs& a);
 
 // The factory for EngineConfig::backend_factory: empty for cpu (the engine's default), the CUDA
-// backend for cuda (its KV pool from --kv-cache-memory-bytes when > 0, else from the utilization).
-// Errors, one line each: utilization outside (0, 1], cuda in a build without CUDA, no usable GPU.
+// backend for cuda (its KV pool from --kv-cache-memory-bytes when > 0, else from the utilization;
+// max_model_len > 0 is checked against the pool before it is allocated; a synthetic model's
+// weights come from synthetic_seed). Errors, one line each: utilization outside (0, 1], cuda in a
+// build without CUDA, no usable GPU.
 Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
-                                                    int64_t kv_cache_memory_bytes);
+                                                    int64_t kv_cache_memory_bytes,
+                                                    int64_t max_model_len = 0,
+                                                    uint64_t synthetic_seed = 0);
 
 }  // namespace m3::app

@@ -127,6 +127,7 @@ void EngineImpl::admit(Pending& p) {
   RunnerRequestState st;
   st.params = sp;
   st.rng = Sampler::make_rng(sp);
+  st.device_seed = sp.seed ? *sp.seed : st.rng();
   st.history = p.req.prompt_token_ids;
   st.num_prompt_tokens = static_cast<int>(p.req.prompt_token_ids.size());
   if (sp.prompt_logprobs >= 0) st.prompt_logprobs.assign(st.num_prompt_tokens, std::nullopt);

@@ -57,9 +57,54 @@ sched::RunnerOutput ModelRunner::execute(
       b.seq_ids.push_back(static_cast<int32_t>(i));
     }
   }
+  // Rows the device can sample (no penalties or logprobs need the raw row on the host); the
+  // rest of the rows come back as logits.
+  const bool on_device = backend_->samples_on_device();
+  std::vector<int32_t> device_slot(out.requests.size(), -1);
+  if (on_device) {
+    b.num_sampleable = num_sampleable_;
+    std::vector<bool> host_row(b.logits_indices.size(), false);
+    for (size_t i = 0; i < out.requests.size(); ++i) {
+      for (const auto& pr : want[i].prompt_rows) host_row[pr.second] = true;
+      if (want[i].sample_row < 0) continue;
+      const RunnerRequestState& st = states.at(out.requests[i].request_id);
+      const SamplingParams& p = st.params;
+      const bool needs_host = p.logprobs >= 0 || p.repetition_penalty != 1.0f ||
+                              p.presence_penalty != 0.f || p.frequency_penalty != 0.f;
+      if (needs_host) {
+        host_row[want[i].sample_row] = true;
+        continue;
+      }
+      kernels::cpu::SampleRow sr;
+      sr.row = want[i].sample_row;
+      sr.temperature = p.temperature;
+      sr.top_p = p.top_p;
+      sr.top_k = p.top_k;
+      sr.min_p = p.min_p;
+      sr.seed = st.device_seed;
+      sr.step = st.history.size() - static_cast<size_t>(st.num_prompt_tokens);
+      device_slot[i] = static_cast<int32_t>(b.device_samples.size());
+      b.device_samples.push_back(sr);
+    }
+    for (size_t r = 0; r < host_row.size(); ++r)
+      if (host_row[r]) b.host_logits_rows.push_back(static_cast<int32_t>(r));
+  }
   model::ForwardResult res;
   backend_->forward(b, &res, /*capture_msa=*/false);
   const int64_t V = res.vocab_size;
+  // Where logits row r (of logits_indices) sits in res.logits.
+  std::vector<int32_t> row_at;
+  if (!b.device_samples.empty()) {  // then res.logits holds exactly res.logits_rows
+    row_at.assign(b.logits_indices.size(), -1);
+    for (size_t j = 0; j < res.logits_rows.size(); ++j) row_at[res.logits_rows[j]] = static_cast<int32_t>(j);
+  }
+  auto logits_row = [&](int32_t r) {
+    const int32_t at = row_at.empty() ? r : row_at[r];
+    M3_CHECK(at >= 0, "runner: logits row %d was not copied to the host", r);
+    return res.logits.data() + static_cast<int64_t>(at) * V;
+  };
+  M3_CHECK(res.sampled.size() == b.device_samples.size() || !on_device,
+           "runner: backend sampled %zu of %zu rows", res.sampled.size(), b.device_samples.size());
 
   sched::RunnerOutput ro;
   for (size_t i = 0; i < out.requests.size(); ++i) {
@@ -67,13 +112,19 @@ sched::RunnerOutput ModelRunner::execute(
     RunnerRequestState& st = states.at(r.request_id);
     st.step_logprobs.clear();
     for (const auto& [pos, row] : want[i].prompt_rows) {
-      std::span<const float> lr(res.logits.data() + static_cast<int64_t>(row) * V, V);
+      std::span<const float> lr(logits_row(row), V);
       st.prompt_logprobs[pos + 1] =
           to_out(Sampler::logprobs(lr, st.history[pos + 1], st.params.prompt_logprobs));
       st.prompt_logprobs_filled = pos + 1;
     }
     if (want[i].sample_row < 0) continue;
-    std::span<float> lr(res.logits.data() + static_cast<int64_t>(want[i].sample_row) * V, V);
+    if (device_slot[i] >= 0) {
+      const int32_t tok = res.sampled[device_slot[i]];
+      st.history.push_back(tok);
+      ro.sampled.push_back({r.request_id, {tok}});
+      continue;
+    }
+    std::span<float> lr(logits_row(want[i].sample_row), V);
     std::vector<float> raw;
     if (st.params.logprobs >= 0) raw.assign(lr.begin(), lr.end());
     std::span<const int32_t> gen(st.history.data() + st.num_prompt_tokens,

@@ -47,6 +47,27 @@ int32_t Sampler::sample(std::span<float> logits, const SamplingParams& p,
   }
   for (int64_t i = 0; i < V; ++i) logits[i] /= p.temperature;
 
+  // No filter: draw from the whole softmax in id order (sorting 200K candidates would cost more
+  // than the rest of a decode step).
+  if (p.top_k <= 0 && p.top_p >= 1.0f && p.min_p <= 0.f) {
+    float mx = logits[0];
+    for (int64_t i = 1; i < V; ++i) mx = std::max(mx, logits[i]);
+    double total = 0.0;
+    for (int64_t i = 0; i < V; ++i) total += std::exp(static_cast<double>(logits[i] - mx));
+    std::uniform_real_distribution<double> u(0.0, total);
+    const double r = u(rng);
+    double acc = 0.0;
+    int64_t last = 0;
+    for (int64_t i = 0; i < V; ++i) {
+      const double e = std::exp(static_cast<double>(logits[i] - mx));
+      if (e <= 0.0) continue;
+      acc += e;
+      last = i;
+      if (r < acc) return static_cast<int32_t>(i);
+    }
+    return static_cast<int32_t>(last);
+  }
+
   // Candidates sorted by logit, best first (ties by id) — top_k/top_p/min_p all cut this list.
   std::vector<int32_t> idx(V);
   std::iota(idx.begin(), idx.end(), 0);

@@ -6,12 +6,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <random>
 
 #include "engine/engine.h"
 #include "model/forward_backend.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
+#include "kernels/cpu/sample.h"
 #include "model/sequence_runner.h"
 
 namespace m3::engine {
@@ -146,6 +148,95 @@ TEST(EngineBackend, InjectedCpuBackendGivesTheReferenceGreedyTokens) {
   EXPECT_GE(rec.forwards, 20);
   EXPECT_GE(rec.max_page_id, 0);
   EXPECT_LT(rec.max_page_id, 14);
+}
+
+// A backend that samples "on the device" the way the GPU backend does (kernels/cpu/sample_rows
+// is the GPU sampler's oracle) and returns only the logits rows the runner asks for.
+struct DeviceRecord {
+  int64_t device_rows = 0;
+  int64_t host_rows = 0;
+};
+class DeviceSamplingBackend final : public model::ForwardBackend {
+ public:
+  DeviceSamplingBackend(std::unique_ptr<model::ForwardBackend> inner, DeviceRecord* rec)
+      : inner_(std::move(inner)), rec_(rec) {}
+  const model::M3Config& config() const override { return inner_->config(); }
+  int64_t num_pages() const override { return inner_->num_pages(); }
+  bool samples_on_device() const override { return true; }
+  void forward(const model::ForwardBatch& b, model::ForwardResult* out, bool capture) override {
+    model::ForwardResult full;
+    inner_->forward(b, &full, capture);
+    const int64_t V = full.vocab_size;
+    out->vocab_size = V;
+    out->sampled.assign(b.device_samples.size(), -1);
+    if (!b.device_samples.empty()) {
+      kernels::cpu::sample_rows(full.logits.data(), V, b.num_sampleable, b.device_samples.data(),
+                                static_cast<int64_t>(b.device_samples.size()), out->sampled.data());
+    }
+    out->logits_rows = b.host_logits_rows;
+    out->logits.clear();
+    for (int32_t r : b.host_logits_rows)
+      out->logits.insert(out->logits.end(), full.logits.begin() + r * V,
+                         full.logits.begin() + (r + 1) * V);
+    rec_->device_rows += static_cast<int64_t>(b.device_samples.size());
+    rec_->host_rows += static_cast<int64_t>(b.host_logits_rows.size());
+  }
+  std::string device_name() const override { return "device-sampling"; }
+  std::string kv_cache_flag() const override { return "--kv-cache-memory-bytes"; }
+
+ private:
+  std::unique_ptr<model::ForwardBackend> inner_;
+  DeviceRecord* rec_;
+};
+
+std::unique_ptr<Engine> device_sampling_engine(DeviceRecord* rec) {
+  EngineConfig cfg;
+  cfg.model_dir = kModel;
+  cfg.block_size = 8;
+  cfg.max_model_len = 96;
+  cfg.max_num_seqs = 4;
+  cfg.backend_factory = [rec](std::unique_ptr<model::M3Model> host, int64_t pages)
+      -> Result<std::unique_ptr<model::ForwardBackend>> {
+    M3_TRY(auto inner, model::make_cpu_backend(std::move(host), pages));
+    return std::unique_ptr<model::ForwardBackend>(new DeviceSamplingBackend(std::move(inner), rec));
+  };
+  auto e = Engine::create(cfg);
+  EXPECT_TRUE(e.has_value()) << e.error().message;
+  return e ? std::move(*e) : nullptr;
+}
+
+TEST(EngineBackend, DeviceSamplingGreedyEqualsReferenceAndSeedsReproduce) {
+  auto m = model::M3Model::load(kModel);
+  ASSERT_TRUE(m.has_value());
+  DeviceRecord rec;
+  auto e = device_sampling_engine(&rec);
+  ASSERT_NE(e, nullptr);
+  const int V = static_cast<int>(e->model_info().vocab_size);
+  const auto prompt = random_prompt(20, 77, V);
+  auto run = [&](float t, std::optional<uint64_t> seed, int logprobs) {
+    GenerateRequest r;
+    r.prompt_token_ids = prompt;
+    r.params.temperature = t;
+    r.params.seed = seed;
+    r.params.max_tokens = 12;
+    r.params.ignore_eos = true;
+    r.params.logprobs = logprobs;
+    auto s = e->submit(r);
+    EXPECT_TRUE(s.has_value());
+    std::string reason;
+    return collect(**s, &reason);
+  };
+  EXPECT_EQ(run(0.f, std::nullopt, -1), reference_greedy(**m, prompt, 12));
+  const int64_t device_rows = rec.device_rows;
+  EXPECT_GE(device_rows, 12) << "greedy rows should have been sampled on the device";
+  const auto a = run(1.5f, 5, -1), b = run(1.5f, 5, -1), c = run(1.5f, 6, -1);
+  EXPECT_EQ(a, b) << "same seed, same tokens";
+  EXPECT_NE(a, c) << "another seed should draw other tokens at temperature 1.5";
+  // A request with logprobs needs its raw row: it is sampled on the host from copied logits.
+  const int64_t host_before = rec.host_rows;
+  EXPECT_EQ(run(0.f, std::nullopt, 2), reference_greedy(**m, prompt, 12));
+  EXPECT_GE(rec.host_rows - host_before, 12);
+  e->shutdown(true);
 }
 
 TEST(EngineBackend, FactoryErrorsReachTheCaller) {

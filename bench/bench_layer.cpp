@@ -1,0 +1,158 @@
+// One MiniMax-M3 MoE + MSA layer at the real shapes (synthetic weights generated on the GPU):
+// decode steps at batch 1, 8, 64, 256 (each sequence at `ctx` tokens of context) and prefill of
+// 8K and 32K tokens, through M3ModelCuda::forward (the path `serve --device cuda` runs).
+// Prints, per decode batch, the bytes of weights and KV the step must read and the achieved rate
+// as a fraction of the device copy bandwidth measured in the same run; per prefill, the FLOPs of
+// the GEMM and MoE parts over the layer time (a lower bound on their rate: attention, norms and
+// routing share the time). Usage: bench_layer [ctx=8192] [iters=20] [exact|bf16] (the GEMM
+// precision, `--gemm-precision` of serve).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "gpu/cuda_check.h"
+#include "gpu/device.h"
+#include "gpu/device_buffer.h"
+#include "kernels/cuda/ops.h"
+#include "model/cuda/kv_cache_cuda.h"
+#include "model/cuda/m3_model_cuda.h"
+#include "model/synthetic_model.h"
+
+namespace {
+
+using m3::model::ForwardBatch;
+using m3::model::KvCacheCuda;
+using m3::model::M3Config;
+using m3::model::M3ModelCuda;
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Device copy bandwidth (bytes read + written per second) over a 2 GiB buffer.
+double copy_bandwidth() {
+  const size_t n = size_t{1} << 31;
+  m3::gpu::DeviceBuffer<uint8_t> a(n), b(n);
+  M3_CUDA_CHECK(cudaMemset(a.data(), 1, n));
+  M3_CUDA_CHECK(cudaDeviceSynchronize());
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    const double t0 = now_s();
+    M3_CUDA_CHECK(cudaMemcpy(b.data(), a.data(), n, cudaMemcpyDeviceToDevice));
+    M3_CUDA_CHECK(cudaDeviceSynchronize());
+    best = std::max(best, 2.0 * n / (now_s() - t0));
+  }
+  return best;
+}
+
+// `num_seqs` sequences, each owning `pages_per_seq` consecutive pages from `first_page`, with
+// `new_tokens` tokens each at positions [ctx, ctx + new_tokens).
+ForwardBatch make_batch(int num_seqs, int64_t ctx, int new_tokens, int64_t pages_per_seq,
+                        int64_t vocab) {
+  ForwardBatch b;
+  b.block_table_offsets.push_back(0);
+  for (int s = 0; s < num_seqs; ++s) {
+    for (int64_t p = 0; p < pages_per_seq; ++p)
+      b.block_table.push_back(static_cast<int32_t>(s * pages_per_seq + p));
+    b.block_table_offsets.push_back(static_cast<int32_t>(b.block_table.size()));
+    for (int j = 0; j < new_tokens; ++j) {
+      b.token_ids.push_back(static_cast<int32_t>((s * 7919 + j * 104729) % vocab));
+      b.positions.push_back(static_cast<int32_t>(ctx + j));
+      b.seq_ids.push_back(s);
+    }
+  }
+  return b;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t ctx = argc > 1 ? std::atoll(argv[1]) : 8192;
+  const int iters = argc > 2 ? std::atoi(argv[2]) : 20;
+  const std::string precision = argc > 3 ? argv[3] : "exact";
+  m3::kernels::cuda::set_gemm_precision(precision == "bf16" ? m3::kernels::cuda::GemmPrecision::kBf16
+                                                            : m3::kernels::cuda::GemmPrecision::kExact);
+  auto dev = m3::gpu::probe_device(0);
+  if (!dev) {
+    std::fprintf(stderr, "bench_layer: %s\n", dev.error().message.c_str());
+    return 1;
+  }
+  // One layer that is both MoE and MSA (M3's layers 3..59).
+  M3Config cfg = m3::model::synthetic_m3_config(1);
+  cfg.layer_is_moe.assign(1, true);
+  cfg.layer_is_sparse.assign(1, true);
+  auto model = M3ModelCuda::synthetic(cfg, 1);
+  if (!model) {
+    std::fprintf(stderr, "bench_layer: %s\n", model.error().message.c_str());
+    return 1;
+  }
+  M3ModelCuda& m = **model;
+  const double bw = copy_bandwidth();
+  std::printf("device: %s; copy bandwidth (read+write) %.0f GB/s; GEMM precision %s\n",
+              dev->name.c_str(), bw / 1e9, precision.c_str());
+
+  const double H = cfg.hidden_size, Ie = cfg.intermediate_size, E = cfg.num_local_experts,
+               K = cfg.num_experts_per_tok;
+  const double attn_params = (cfg.q_size() + 2.0 * cfg.kv_size() +
+                              cfg.index_n_heads * cfg.index_head_dim + cfg.index_head_dim) * H +
+                             H * cfg.q_size();
+  const double expert_params = 3.0 * Ie * H;
+  const double bytes_fixed = attn_params * 2 + E * H * 4 /*router f32*/ + expert_params * 2;
+  const int64_t page = cfg.sparse_block_size;
+  const int64_t kv_token_bytes = (2 * cfg.kv_size() + cfg.index_head_dim) * 4;  // fp32 cache
+
+  std::printf("\n# decode: one MoE+MSA layer, context %lld tokens per sequence\n",
+              static_cast<long long>(ctx));
+  std::printf("%6s %10s %12s %12s %10s %8s\n", "batch", "ms/step", "weights MB", "KV MB", "GB/s",
+              "of bw");
+  for (int B : {1, 8, 64, 256}) {
+    const int64_t pages_per_seq = (ctx + 1 + page - 1) / page;
+    KvCacheCuda cache(cfg, B * pages_per_seq);
+    ForwardBatch b = make_batch(B, ctx, 1, pages_per_seq, cfg.vocab_size);
+    m.forward(b, cache, nullptr);  // warm-up (scratch allocation)
+    m.forward(b, cache, nullptr);
+    const double t0 = now_s();
+    for (int i = 0; i < iters; ++i) m.forward(b, cache, nullptr);
+    const double dt = (now_s() - t0) / iters;
+    // Experts read: expected distinct experts among B x top-k picks under uniform routing.
+    const double experts = E * (1.0 - std::pow(1.0 - K / E, B));
+    const double wbytes = bytes_fixed + experts * expert_params * 2;
+    const double blocks = std::min<double>(cfg.sparse_topk_blocks, (ctx + 1.0 + page - 1) / page);
+    const double kv_bytes =
+        B * (blocks * page * 2.0 * cfg.kv_size() * 4 + (ctx + 1.0) * cfg.index_head_dim * 4 +
+             kv_token_bytes /*the new token's write*/);
+    std::printf("%6d %10.3f %12.1f %12.1f %10.0f %7.1f%%\n", B, dt * 1e3, wbytes / 1e6,
+                kv_bytes / 1e6, (wbytes + kv_bytes) / dt / 1e9,
+                100.0 * (wbytes + kv_bytes) / dt / bw);
+  }
+
+  std::printf("\n# prefill: one sequence through one MoE+MSA layer\n");
+  std::printf("%7s %10s %14s %14s %14s\n", "tokens", "ms", "GEMM+MoE TF", "TFLOP/s (lb)",
+              "attn TF");
+  for (int64_t T : {int64_t{8192}, int64_t{32768}}) {
+    const int64_t pages = (T + page - 1) / page;
+    KvCacheCuda cache(cfg, pages);
+    ForwardBatch b = make_batch(1, 0, static_cast<int>(T), pages, cfg.vocab_size);
+    m.forward(b, cache, nullptr);  // warm-up
+    const int reps = 3;
+    const double t0 = now_s();
+    for (int i = 0; i < reps; ++i) m.forward(b, cache, nullptr);
+    const double dt = (now_s() - t0) / reps;
+    const double gemm_flops =
+        2.0 * T * (attn_params + E * H /*router*/ + expert_params * (1 + K));
+    // Causal MSA: each query attends to min(pos+1, topk*page) keys, 64 heads, QK and PV.
+    double keys = 0;
+    const double cap = static_cast<double>(cfg.sparse_topk_blocks * page);
+    for (int64_t p = 0; p < T; ++p) keys += std::min<double>(p + 1, cap);
+    const double attn_flops = 4.0 * keys * cfg.head_dim * cfg.num_attention_heads +
+                              2.0 * (T * (T + 1) / 2.0) * cfg.index_head_dim * cfg.index_n_heads;
+    std::printf("%7lld %10.2f %14.2f %14.1f %14.2f\n", static_cast<long long>(T), dt * 1e3,
+                gemm_flops / 1e12, gemm_flops / dt / 1e12, attn_flops / 1e12);
+  }
+  return 0;
+}
