@@ -25,6 +25,8 @@ void add_device_options(CLI::App* sub, DeviceArgs& a) {
       ->capture_default_str();
   add_parallel_options(sub, a.parallel);
   add_gemm_precision_option(sub, a.gemm_precision);
+  sub->add_flag("--enforce-eager", a.enforce_eager,
+                "With --device cuda: run every step eagerly (no CUDA graph replay of decode steps)");
 }
 
 void add_gemm_precision_option(CLI::App* sub, std::string& value) {
@@ -78,6 +80,7 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
   opts.kv_cache_memory_bytes = kv_cache_memory_bytes;
   opts.max_model_len = max_model_len;
   opts.synthetic_seed = synthetic_seed;
+  opts.enforce_eager = a.enforce_eager;
   return engine::BackendFactory(
       [opts](std::unique_ptr<model::M3Model> host,
              int64_t /*cpu_num_pages: the GPU pool is sized from GPU memory*/)

@@ -23,6 +23,7 @@ struct DeviceArgs {
   double gpu_memory_utilization = 0.9;
   ParallelArgs parallel;  // --tensor-parallel-size and friends (app/parallel_args.h)
   std::string gemm_precision = "exact";  // --gemm-precision exact|bf16 (GPU GEMMs)
+  bool enforce_eager = false;             // --enforce-eager: no CUDA graphs
 };
 
 // Registers --gemm-precision on `sub` (serve, chat and generate share it).

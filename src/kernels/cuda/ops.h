@@ -155,4 +155,13 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
                  const MoeExpertWeights& w, const SwigluParams& act, const float* shared,
                  float* out, void* workspace, cudaStream_t stream);
 
+// ---- tensor parallelism (shard_ops.cu) ----
+// The embedding of a rank that holds vocabulary rows [vocab_begin, vocab_begin + table.rows):
+// out[i, :] = table[ids[i] - vocab_begin, :] for ids in that range, zeros for every other id, so
+// a sum over the ranks (all-reduce) is the full embedding exactly (one non-zero term). `table`
+// may have 0 rows (a rank past a tiny vocabulary); an id outside [0, vocab_size) traps.
+void embedding_vocab_slice(const MatRef& table, int64_t vocab_begin, int64_t vocab_size,
+                           int64_t hidden, const int32_t* ids, int64_t n, float* out,
+                           cudaStream_t stream);
+
 }  // namespace m3::kernels::cuda

@@ -87,6 +87,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Mode
 Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3ModelCuda> model,
                                                           const CudaBackendOptions& opts) {
   M3_CHECK(model != nullptr);
+  if (opts.enforce_eager) model->set_use_graphs(false);
   const double util = opts.gpu_memory_utilization;
   M3_TRY_STATUS(check_utilization(util));
   const int64_t page_bytes = KvCache::page_bytes(model->config());  // KvCacheCuda: same layout

@@ -26,6 +26,8 @@ struct CudaBackendOptions {
   int64_t max_model_len = 0;
   // Seed of the weights when the host model is config-only (`--model synthetic:...,seed=S`).
   uint64_t synthetic_seed = 0;
+  // --enforce-eager: never capture CUDA graphs for decode steps.
+  bool enforce_eager = false;
 };
 
 // Errors (each names the numbers and the flag to change): utilization outside (0, 1], no usable

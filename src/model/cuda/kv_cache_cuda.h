@@ -18,12 +18,17 @@ class KvCacheCuda {
   // Allocates num_pages pages on the current device (a failed cudaMalloc ends the process naming
   // the call; size the cache from the free memory first).
   KvCacheCuda(const M3Config& cfg, int64_t num_pages);
+  // A tensor-parallel rank's cache: only `num_kv_heads` KV heads per layer (the shard plan's
+  // num_kv_heads); index-K (one head) is kept whole, as on every rank.
+  KvCacheCuda(const M3Config& cfg, int64_t num_pages, int64_t num_kv_heads);
 
   int64_t num_pages() const { return num_pages_; }
   int64_t page_size() const { return page_size_; }
   // Layer i's pages; the pointers inside are device pointers.
   kernels::cpu::KvPages layer(int64_t i);
   int64_t total_bytes() const { return total_bytes_; }
+  // Unique per cache object in the process (keys the model's captured CUDA graphs).
+  uint64_t id() const { return id_; }
 
  private:
   struct LayerStore {
@@ -35,6 +40,7 @@ class KvCacheCuda {
   int64_t head_dim_;
   int64_t index_dim_;
   int64_t total_bytes_ = 0;
+  uint64_t id_;
   std::vector<LayerStore> layers_;
 };
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
 #include "core/check.h"
 #include "gpu/cuda_check.h"
@@ -22,6 +23,12 @@ namespace {
 constexpr size_t kHeadroomBytes = size_t{512} << 20;
 // MSA scores beyond this are computed token chunk by token chunk (prefill at long contexts).
 constexpr size_t kAttnWorkspaceCap = size_t{64} << 20;
+// Steps of up to this many tokens replay CUDA graphs: the MoE's grouped path (no host sync)
+// takes this many; above it the MoE reads its expert counts on the host.
+constexpr int64_t kGraphMaxTokens = ops::kMoeGemvMaxTokens;
+// The key-count bound passed to attention / MSA is rounded up to this many tokens.
+constexpr int64_t kKvLenBucket = 1024;
+constexpr size_t kMaxGraphs = 1024;
 
 std::string gib(size_t bytes) {
   char buf[32];
@@ -90,7 +97,10 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg,
 }
 
 M3ModelCuda::M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host)
-    : cfg_(std::move(cfg)), host_(std::move(host)) {}
+    : cfg_(std::move(cfg)), host_(std::move(host)) {
+  const char* eager = std::getenv("M3_ENFORCE_EAGER");
+  use_graphs_ = !(eager != nullptr && std::string(eager) == "1");
+}
 
 void* M3ModelCuda::alloc_weight(size_t bytes) {
   storage_.emplace_back(bytes);
@@ -294,9 +304,62 @@ template <class T>
 T* M3ModelCuda::ensure(gpu::DeviceBuffer<T>& b, size_t n) {
   if (b.size() < n) {
     stream_.synchronize();  // kernels may still read the old buffer
-    b = gpu::DeviceBuffer<T>(n);
+    // Small buffers (step arrays, decode activations) grow geometrically, so a growing block
+    // table does not invalidate the captured graphs every step; large ones exactly.
+    const size_t want = n * sizeof(T) < (size_t{64} << 20) ? std::max(n, 2 * b.size()) : n;
+    b = gpu::DeviceBuffer<T>(want);
+    ++generation_;  // captured graphs point at the old buffer
   }
   return b.data();
+}
+
+M3ModelCuda::~M3ModelCuda() { clear_graphs(); }
+
+void M3ModelCuda::clear_graphs() {
+  for (auto& [key, e] : graphs_)
+    if (e.exec) cudaGraphExecDestroy(e.exec);
+  graphs_.clear();
+}
+
+void M3ModelCuda::set_use_graphs(bool on) {
+  use_graphs_ = on;
+  if (!on) clear_graphs();
+}
+
+void M3ModelCuda::replay_or_capture(const StepShape& shape, const int32_t* tokens,
+                                    const ops::TokenLayout& layout) {
+  cudaStream_t s = stream_.get();
+  if (graphs_.size() > kMaxGraphs) clear_graphs();
+  GraphEntry& e = graphs_[{shape.num_tokens, shape.max_kv_len, shape.cache->id()}];
+  if (e.exec && e.generation == generation_) {
+    M3_CUDA_CHECK(cudaGraphLaunch(e.exec, s));
+    ++graph_replays_;
+    return;
+  }
+  if (!e.seen || e.seen_generation != generation_) {
+    // First step of this shape (or buffers moved since): eager, which also sizes every buffer
+    // the capture will use, so nothing allocates or synchronises inside the capture.
+    run_layers(shape, tokens, layout, nullptr);
+    e.seen = true;
+    e.seen_generation = generation_;
+    return;
+  }
+  if (e.exec) {
+    M3_CUDA_CHECK(cudaGraphExecDestroy(e.exec));
+    e.exec = nullptr;
+  }
+  const uint64_t gen = generation_;
+  M3_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+  run_layers(shape, tokens, layout, nullptr);
+  cudaGraph_t g = nullptr;
+  M3_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  M3_CHECK(gen == generation_, "a scratch buffer grew while capturing a CUDA graph");
+  M3_CUDA_CHECK(cudaGraphInstantiate(&e.exec, g, 0));
+  M3_CUDA_CHECK(cudaGraphDestroy(g));
+  e.generation = gen;
+  ++graph_captures_;
+  M3_CUDA_CHECK(cudaGraphLaunch(e.exec, s));
+  ++graph_replays_;
 }
 
 template <class T>
@@ -370,29 +433,16 @@ void M3ModelCuda::moe(const LayerWeights& L, const float* x, int64_t n, float* o
   }
 }
 
-void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResult* out,
-                          bool capture_msa) {
+void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
+                             const ops::TokenLayout& layout, ForwardResult* msa_out) {
   const M3Config& cfg = config();
-  const int64_t T = static_cast<int64_t>(b.token_ids.size());
-  M3_CHECK(T > 0 && b.positions.size() == (size_t)T && b.seq_ids.size() == (size_t)T);
-  M3_CHECK(!b.block_table_offsets.empty() && !b.block_table.empty());
-  M3_CHECK(cache.page_size() == cfg.sparse_block_size);
+  const int64_t T = shape.num_tokens, max_kv_len = shape.max_kv_len;
+  KvCacheCuda& cache = *shape.cache;
   const int64_t H = cfg.hidden_size, nq = cfg.num_attention_heads, nkv = cfg.num_key_value_heads,
                 d = cfg.head_dim;
   const float eps = static_cast<float>(cfg.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   cudaStream_t s = stream_.get();
-
-  // The step's host arrays, copied to the device once per step.
-  const int32_t* tokens = upload_async(ws_.tokens, b.token_ids.data(), T);
-  ops::TokenLayout layout;
-  layout.num_tokens = T;
-  layout.positions = upload_async(ws_.positions, b.positions.data(), T);
-  layout.seq_ids = upload_async(ws_.seq_ids, b.seq_ids.data(), T);
-  layout.block_table_offsets =
-      upload_async(ws_.bt_offsets, b.block_table_offsets.data(), b.block_table_offsets.size());
-  layout.block_table = upload_async(ws_.block_table, b.block_table.data(), b.block_table.size());
-
   float* x = ensure(ws_.x, T * H);  // residual stream [T, hidden] f32
   float* a = ensure(ws_.a, T * H);
   float* q = ensure(ws_.q, T * nq * d);
@@ -401,11 +451,6 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   float* attn = ensure(ws_.attn, T * nq * d);
   float* y = ensure(ws_.y, T * H);
   ops::embedding(dev_.embed_tokens, tokens, T, x, s);
-
-  if (out) {
-    out->msa_blocks.clear();
-    if (capture_msa) out->msa_blocks.resize(cfg.num_hidden_layers);
-  }
 
   for (int64_t li = 0; li < cfg.num_hidden_layers; ++li) {
     const LayerWeights& L = dev_.layers[li];
@@ -433,8 +478,6 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
       ops::kv_write(pages, layout, k, v, ik, s);
       const int64_t topk = cfg.sparse_topk_blocks;
       int32_t* sel = ensure(ws_.sel, T * ni * topk);
-      // Host bound of the step's key count: sizes the score rows and the KV splits (no sync).
-      const int64_t max_kv_len = 1 + *std::max_element(b.positions.begin(), b.positions.end());
       // MSA scores of all tokens, capped (the op then scores token chunk by chunk), or the
       // split-KV partials, whichever is larger; both are consumed before the next op.
       const size_t ws_bytes = std::max(
@@ -446,8 +489,8 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
       ops::msa_select_blocks(iq, ni, pages, layout, topk, cfg.sparse_init_blocks,
                              cfg.sparse_local_blocks, max_kv_len, aws, sel, s);
       ops::attention_paged(q, nq, pages, layout, sel, topk, scale, max_kv_len, aws, attn, s);
-      if (out && capture_msa) {
-        auto& dst = out->msa_blocks[li];
+      if (msa_out) {
+        auto& dst = msa_out->msa_blocks[li];
         dst.resize(T * ni * topk);
         M3_CUDA_CHECK(cudaMemcpyAsync(dst.data(), sel, dst.size() * sizeof(int32_t),
                                       cudaMemcpyDeviceToHost, s));
@@ -455,7 +498,6 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
       }
     } else {
       ops::kv_write(pages, layout, k, v, nullptr, s);
-      const int64_t max_kv_len = 1 + *std::max_element(b.positions.begin(), b.positions.end());
       const size_t ws_bytes = ops::attention_workspace_bytes(T, nq, pages, 0, max_kv_len);
       const ops::Workspace aws{ensure(ws_.attn_ws, ws_bytes), ws_bytes};
       ops::attention_paged(q, nq, pages, layout, nullptr, 0, scale, max_kv_len, aws, attn, s);
@@ -471,6 +513,47 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
     }
     cuda_add_inplace(x, y, T * H, s);
   }
+
+}
+
+void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResult* out,
+                          bool capture_msa) {
+  const M3Config& cfg = config();
+  const int64_t T = static_cast<int64_t>(b.token_ids.size());
+  M3_CHECK(T > 0 && b.positions.size() == (size_t)T && b.seq_ids.size() == (size_t)T);
+  M3_CHECK(!b.block_table_offsets.empty() && !b.block_table.empty());
+  M3_CHECK(cache.page_size() == cfg.sparse_block_size);
+  const int64_t H = cfg.hidden_size;
+  const float eps = static_cast<float>(cfg.rms_norm_eps);
+  cudaStream_t s = stream_.get();
+
+  // The step's host arrays, copied to the device once per step (outside any graph: a replay
+  // reads them from these buffers).
+  const int32_t* tokens = upload_async(ws_.tokens, b.token_ids.data(), T);
+  ops::TokenLayout layout;
+  layout.num_tokens = T;
+  layout.positions = upload_async(ws_.positions, b.positions.data(), T);
+  layout.seq_ids = upload_async(ws_.seq_ids, b.seq_ids.data(), T);
+  layout.block_table_offsets =
+      upload_async(ws_.bt_offsets, b.block_table_offsets.data(), b.block_table_offsets.size());
+  layout.block_table = upload_async(ws_.block_table, b.block_table.data(), b.block_table.size());
+  // Host bound of the step's key count, rounded up to a bucket: it sizes the MSA score rows
+  // and the KV splits, so a captured graph stays valid for every step of its bucket (eager
+  // steps use the same bound, so replay and eager compute the same numbers).
+  const int64_t max_pos = *std::max_element(b.positions.begin(), b.positions.end());
+  const int64_t max_kv_len = (max_pos / kKvLenBucket + 1) * kKvLenBucket;
+
+  if (out) {
+    out->msa_blocks.clear();
+    if (capture_msa) out->msa_blocks.resize(cfg.num_hidden_layers);
+  }
+  const StepShape shape{T, max_kv_len, &cache};
+  if (!capture_msa && use_graphs_ && T <= kGraphMaxTokens) {
+    replay_or_capture(shape, tokens, layout);
+  } else {
+    run_layers(shape, tokens, layout, capture_msa ? out : nullptr);
+  }
+  float* x = ws_.x.data();  // the residual stream after the last layer
 
   if (!out) {
     stream_.synchronize();  // the cache holds this step's tokens once forward returns

@@ -4,18 +4,25 @@
 // instead generates M3-shaped weights on the device (no host weights at all). The model keeps its
 // own M3Config. Called by `m3serve generate|serve --device cuda`, SequenceRunnerCuda,
 // model/cuda/cuda_backend.cpp and tests/model_cuda.
+// Tensor parallelism: from_host() of a shard (M3Model::make_shard) runs that rank's part of the
+// forward on its GPU with the same plan and collectives as the CPU shard, the collectives
+// enqueued on a device communicator's stream ordered after/before the model's stream by events
+// (so they are captured into the decode graphs too); model/cuda/cuda_shard_backend.cpp drives it.
 // Invariant: forward() has M3Model::forward's contract (host batch in, host logits out, K/V/index-K
 // of every step token written before any attention reads them) and has finished on the device
 // when it returns. Not thread-safe: one forward at a time (it owns its stream and scratch space).
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <tuple>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "core/error.h"
+#include "dist/communicator.h"
 #include "gpu/device_buffer.h"
 #include "model/config.h"
 #include "model/cuda/kv_cache_cuda.h"
@@ -30,8 +37,15 @@ class M3ModelCuda {
   static Result<std::unique_ptr<M3ModelCuda>> load(const std::string& model_dir,
                                                    const LoadOptions& opts = {}, int device = 0);
   // Uploads an already-loaded host model (tests reuse one for the CPU comparison).
+  // A shard (host->shard_plan().tensor_sharded()) needs `comm`, a communicator of the same
+  // rank/world over device memory of `device` that enqueues its collectives on `comm_stream`
+  // (dist::NcclCommunicator and its stream()); every rank must then call forward() with the same
+  // batch. Errors: as load(), and shards this path does not run yet (expert parallel, attention
+  // data parallel), naming the flag.
   static Result<std::unique_ptr<M3ModelCuda>> from_host(std::unique_ptr<M3Model> host,
-                                                        int device = 0);
+                                                        int device = 0,
+                                                        dist::Communicator* comm = nullptr,
+                                                        cudaStream_t comm_stream = nullptr);
   // Weights generated on the device from `seed` (model/cuda/synthetic_weights.h) for `cfg`
   // (model/synthetic_model.h's synthetic_m3_config): uniform with std 1/sqrt(fan_in) for the
   // matrices, std 1 for the embedding, near-zero Gemma norm weights ((1 + w) ~ 1) and a small
@@ -53,11 +67,39 @@ class M3ModelCuda {
   size_t weight_bytes() const { return weight_bytes_; }
   // The device views of every weight (device pointers), e.g. for checksums in tests.
   const M3Weights& device_weights() const { return dev_; }
+  // What this model holds of the whole (the unsharded plan unless built from a shard); a
+  // rank's KvCacheCuda must hold shard_plan().num_kv_heads heads.
+  const ShardPlan& shard_plan() const { return plan_; }
 
+  // Decode-sized steps (at most kGraphMaxTokens tokens, no capture_msa) replay a CUDA graph of
+  // the layers, captured per (tokens, key-count bucket, cache) on the second step of that shape
+  // (the first runs eagerly and sizes every buffer) and re-captured when a buffer grows.
+  // The embedding, logits and sampling run eagerly around it.
   void forward(const ForwardBatch& batch, KvCacheCuda& cache, ForwardResult* out,
                bool capture_msa = false);
+  // Graphs on (default) or off (--enforce-eager, or M3_ENFORCE_EAGER=1 in the environment).
+  void set_use_graphs(bool on);
+  bool use_graphs() const { return use_graphs_; }
+  int64_t graph_replays() const { return graph_replays_; }
+  int64_t graph_captures() const { return graph_captures_; }
+  ~M3ModelCuda();
 
  private:
+  // What a captured graph depends on besides buffer addresses: the token count, the bucketed
+  // key-count bound that sizes MSA scores and KV splits, and the cache's pages.
+  struct StepShape {
+    int64_t num_tokens = 0;
+    int64_t max_kv_len = 0;
+    KvCacheCuda* cache = nullptr;
+  };
+  // Every layer of the step on the stream, device work only (no host sync unless msa_out, or
+  // the MoE has more tokens than its graph-safe grouped path takes).
+  void run_layers(const StepShape& shape, const int32_t* tokens,
+                  const kernels::cpu::TokenLayout& layout, ForwardResult* msa_out);
+  void replay_or_capture(const StepShape& shape, const int32_t* tokens,
+                         const kernels::cpu::TokenLayout& layout);
+  void clear_graphs();
+
   M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host);
   void upload_weights();
   void generate_weights(uint64_t seed);  // synthetic(): fills dev_ on the device
@@ -67,6 +109,17 @@ class M3ModelCuda {
   VecRef upload_f32(const VecRef& v);  // widened to f32 on the host first (router bias)
 
   void moe(const LayerWeights& L, const float* x, int64_t n, float* out);
+  // Tensor-parallel collectives on the model's stream (no-ops unless tensor_sharded): the
+  // communicator's stream waits for the model's work so far, runs the collective, and the
+  // model's stream waits for it (fork/join by events, legal inside a graph capture).
+  void tp_all_reduce(float* data, int64_t n);
+  template <class T>
+  void tp_all_gather(const T* send, int64_t n, T* recv);
+  // logits [R, vocab] from this rank's vocabulary rows + an all-gather of the padded chunks.
+  void tp_lm_head(const float* hs, int64_t rows, float* logits);
+  // Eager only (host sync): the ranks' MSA selections [T, local KV heads, topk] laid out as
+  // [T, all KV heads, topk] in `dst`, as M3Model's gather_msa does.
+  void tp_gather_msa(const int32_t* sel, int64_t num_tokens, std::vector<int32_t>& dst);
   void dense_mlp(const MatRef& gate, const MatRef& up, const MatRef& down, const float* x,
                  int64_t n, float* out);
 
@@ -78,10 +131,27 @@ class M3ModelCuda {
 
   M3Config cfg_;
   std::unique_ptr<M3Model> host_;  // null for synthetic models
+  ShardPlan plan_;                 // host_->shard_plan(), or the unsharded plan
+  dist::Communicator* comm_ = nullptr;  // non-null iff plan_.tensor_sharded(); not owned
+  cudaStream_t comm_stream_ = nullptr;  // where comm_ enqueues its collectives
+  cudaEvent_t ev_fork_ = nullptr, ev_join_ = nullptr;
+  gpu::DeviceBuffer<float> tp_mine_, tp_local_, tp_all_;  // lm_head chunks: own, unpadded, all
+  gpu::DeviceBuffer<int32_t> tp_sel_all_;                 // gathered MSA selections
   M3Weights dev_;  // the same views as host_->weights(), pointing to device memory
   std::vector<gpu::DeviceBuffer<uint8_t>> storage_;
   size_t weight_bytes_ = 0;
   gpu::Stream stream_;
+
+  struct GraphEntry {
+    cudaGraphExec_t exec = nullptr;
+    uint64_t generation = 0;       // buffer generation the graph was captured at
+    bool seen = false;             // an eager step of this shape ran at seen_generation
+    uint64_t seen_generation = 0;
+  };
+  std::map<std::tuple<int64_t, int64_t, uint64_t>, GraphEntry> graphs_;
+  uint64_t generation_ = 1;  // bumped whenever a scratch buffer is reallocated
+  bool use_graphs_ = true;
+  int64_t graph_replays_ = 0, graph_captures_ = 0;
 
   struct Scratch {
     gpu::DeviceBuffer<int32_t> tokens, positions, seq_ids, bt_offsets, block_table, logit_rows;
