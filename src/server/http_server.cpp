@@ -1,5 +1,9 @@
 #include "server/http_server.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <httplib.h>
 
 #include <algorithm>
@@ -831,6 +835,27 @@ HttpServer::HttpServer(engine::Engine& engine, ServerAssets assets, ServerConfig
 
 HttpServer::~HttpServer() = default;
 
+namespace {
+// cpp-httplib 0.11 (Debian's build) listens with a backlog of 5, so a burst of clients (64
+// streams connecting at once) overflows the accept queue and some see resets. The library keeps
+// its socket private: find our listening socket by its port and listen again with the system's
+// maximum (Linux updates the backlog of a listening socket in place).
+void widen_listen_backlog(int port) {
+  for (int fd = 3; fd < 4096; ++fd) {
+    int accepting = 0;
+    socklen_t len = sizeof accepting;
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &len) != 0 || !accepting) continue;
+    sockaddr_storage ss{};
+    socklen_t sl = sizeof ss;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &sl) != 0) continue;
+    int p = -1;
+    if (ss.ss_family == AF_INET) p = ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+    if (ss.ss_family == AF_INET6) p = ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+    if (p == port) ::listen(fd, SOMAXCONN);
+  }
+}
+}  // namespace
+
 Status HttpServer::bind() {
   auto& c = impl_->cfg_;
   if (c.port < 0 || c.port > 65535) {
@@ -840,6 +865,7 @@ Status HttpServer::bind() {
     const int p = impl_->svr_.bind_to_any_port(c.host);
     if (p <= 0) return make_error(ErrorCode::kInvalidArgument, "cannot bind to " + c.host + "; check --host", "--host");
     impl_->port_ = p;
+    widen_listen_backlog(p);
     return {};
   }
   if (!impl_->svr_.bind_to_port(c.host, c.port)) {
@@ -849,6 +875,7 @@ Status HttpServer::bind() {
                       "--port");
   }
   impl_->port_ = c.port;
+  widen_listen_backlog(c.port);
   return {};
 }
 
