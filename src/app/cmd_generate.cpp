@@ -30,8 +30,10 @@
 #include "model/sequence_runner.h"
 #include "model/synthetic_model.h"
 #ifdef M3_HAS_CUDA
+#include "model/cuda/cuda_backend.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/cuda/sequence_runner_cuda.h"
+#include "model/kv_cache.h"
 #endif
 
 namespace m3::app {
@@ -113,7 +115,17 @@ int run_generate(const GenerateArgs& a) {
     if (a.device != "cuda") return fail(model::synthetic_needs_cuda_message(a.model_dir));
   }
   (void)spec;  // read only by the CUDA branch below
-  if (a.device == "cuda") {
+  // --device cuda --tensor-parallel-size N: the host model is loaded here and sharded over N GPUs
+  // below (model::make_cuda_sharded_backend), like the CPU ranks.
+  const bool gpu_tp = a.device == "cuda" && a.parallel.tensor_parallel_size > 1;
+#ifdef M3_HAS_CUDA
+  if (gpu_tp) {
+    if (auto st = model::check_tensor_parallel_devices(a.parallel.tensor_parallel_size); !st)
+      return fail(st.error().message);
+    apply_gemm_precision(a.gemm_precision);
+  }
+#endif
+  if (a.device == "cuda" && !gpu_tp) {
 #ifdef M3_HAS_CUDA
     apply_gemm_precision(a.gemm_precision);
     auto m = synthetic ? model::M3ModelCuda::synthetic(model::synthetic_m3_config(spec.layers),
@@ -127,6 +139,11 @@ int run_generate(const GenerateArgs& a) {
                 "-DM3_CUDA=ON on a machine with the CUDA toolkit, or use --device cpu");
 #endif
   } else {
+#ifndef M3_HAS_CUDA
+    if (gpu_tp)
+      return fail("--device cuda: this m3serve was built without CUDA support; rebuild with "
+                  "-DM3_CUDA=ON on a machine with the CUDA toolkit, or use --device cpu");
+#endif
     auto m = model::M3Model::load(a.model_dir);
     if (!m) return fail(m.error().message);
     cpu_model = std::move(*m);
@@ -172,10 +189,22 @@ int run_generate(const GenerateArgs& a) {
     auto view = cpu_model->make_shard(model::ShardSpec{});  // shares the weights
     if (!view) return fail(view.error().message);
     const int64_t bs = cfg.sparse_block_size;
-    auto be = model::make_cpu_sharded_backend(
-        std::move(*view), model::SequencePages::pages_needed(total + 1, 1, bs),
-        a.parallel.tensor_parallel_size, a.parallel.enable_expert_parallel,
-        a.parallel.data_parallel_size);
+    const int64_t pages = model::SequencePages::pages_needed(total + 1, 1, bs);
+    Result<std::unique_ptr<model::ForwardBackend>> be = tl::unexpected(Error{});
+#ifdef M3_HAS_CUDA
+    if (gpu_tp) {
+      model::CudaBackendOptions o;
+      o.kv_cache_memory_bytes = pages * model::KvCache::page_bytes(cfg);  // >= pages per rank
+      be = model::make_cuda_sharded_backend(std::move(*view), o, a.parallel.tensor_parallel_size,
+                                            a.parallel.enable_expert_parallel);
+    }
+#endif
+    if (!gpu_tp) {
+      be = model::make_cpu_sharded_backend(std::move(*view), pages,
+                                           a.parallel.tensor_parallel_size,
+                                           a.parallel.enable_expert_parallel,
+                                           a.parallel.data_parallel_size);
+    }
     if (!be) return fail(be.error().message);
     sharded = std::move(*be);
     sharded_pages = std::make_unique<model::SequencePages>(sharded->num_pages(), bs);

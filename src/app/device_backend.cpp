@@ -81,6 +81,17 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
   opts.max_model_len = max_model_len;
   opts.synthetic_seed = synthetic_seed;
   opts.enforce_eager = a.enforce_eager;
+  if (a.parallel.tensor_parallel_size > 1) {
+    // One GPU per rank: refuse a size above the GPU count before the checkpoint is read.
+    const int tp = a.parallel.tensor_parallel_size;
+    M3_TRY_STATUS(model::check_tensor_parallel_devices(tp));
+    const bool ep = a.parallel.enable_expert_parallel;
+    return engine::BackendFactory(
+        [opts, tp, ep](std::unique_ptr<model::M3Model> host, int64_t /*cpu_num_pages*/)
+            -> Result<std::unique_ptr<model::ForwardBackend>> {
+          return model::make_cuda_sharded_backend(std::move(host), opts, tp, ep);
+        });
+  }
   return engine::BackendFactory(
       [opts](std::unique_ptr<model::M3Model> host,
              int64_t /*cpu_num_pages: the GPU pool is sized from GPU memory*/)

@@ -76,13 +76,14 @@ Status validate_parallel(const ParallelArgs& a, const std::string& device) {
                           " with --device cuda is not implemented yet; use --device cpu or "
                           "--data-parallel-size 1",
                       "--data-parallel-size");
-  if (a.tensor_parallel_size > 1 && device == "cuda")
+  // --device cuda --tensor-parallel-size N: one GPU per rank over NCCL (app/device_backend.cpp
+  // checks the GPU count); the ranks slice every expert, whole-expert ownership is CPU-only.
+  if (a.tensor_parallel_size > 1 && a.enable_expert_parallel && device == "cuda")
     return make_error(ErrorCode::kUnsupported,
-                      "--tensor-parallel-size " + std::to_string(a.tensor_parallel_size) +
-                          " with --device cuda is not implemented yet (the NCCL communicator "
-                          "exists; the GPU sharded forward does not); use --device cpu or "
-                          "--tensor-parallel-size 1",
-                      "--tensor-parallel-size");
+                      "--enable-expert-parallel with --device cuda is not implemented yet (GPU "
+                      "ranks slice every expert instead); drop --enable-expert-parallel or use "
+                      "--device cpu",
+                      "--enable-expert-parallel");
   return {};
 }
 

@@ -35,7 +35,8 @@ void embedding_vocab_slice(const MatRef& table, int64_t vocab_begin, int64_t voc
                            cudaStream_t stream) {
   M3_CHECK(table.rows == 0 || table.dtype == DType::kBF16 || table.dtype == DType::kF32,
            "cuda::embedding_vocab_slice: weight dtype %s", dtype_name(table.dtype));
-  M3_CHECK(table.rows == 0 || table.cols == hidden, "cuda::embedding_vocab_slice: %lld cols, %lld hidden",
+  M3_CHECK(table.rows == 0 || table.cols == hidden,
+           "cuda::embedding_vocab_slice: %lld cols, %lld hidden",
            static_cast<long long>(table.cols), static_cast<long long>(hidden));
   M3_CHECK(vocab_begin >= 0 && vocab_begin + table.rows <= vocab_size,
            "cuda::embedding_vocab_slice: rows [%lld, +%lld) outside a vocabulary of %lld",

@@ -28,6 +28,12 @@ struct CudaBackendOptions {
   uint64_t synthetic_seed = 0;
   // --enforce-eager: never capture CUDA graphs for decode steps.
   bool enforce_eager = false;
+  // Tensor parallel only: replay CUDA graphs (with the NCCL collectives captured) for decode
+  // steps. Off by default: one H200x2 run of tp_cuda_test's graph cases aborted, most likely
+  // because only rank 0 grew its sampling buffers, so one rank captured a step while the other
+  // ran it eagerly (fixed since: every rank grows the same buffers; not yet re-run on GPUs).
+  // Off, the TP ranks run every step eagerly.
+  bool tensor_parallel_graphs = false;
 };
 
 // Errors (each names the numbers and the flag to change): utilization outside (0, 1], no usable
@@ -42,5 +48,27 @@ class M3ModelCuda;
 // The same for a model already on the device (tests build a synthetic one directly).
 Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3ModelCuda> model,
                                                           const CudaBackendOptions& opts);
+
+}  // namespace m3::model
+
+namespace m3::model {
+
+// Ok when this machine has at least `tensor_parallel_size` GPUs (one per rank); else an error
+// naming both counts and --tensor-parallel-size. Cheap (no context beyond the runtime's).
+Status check_tensor_parallel_devices(int tensor_parallel_size);
+
+// Tensor parallel on GPUs 0 .. N-1 (N = tensor_parallel_size, model/cuda/cuda_shard_backend.cpp):
+// one persistent thread per rank bound to its GPU, owning an NcclCommunicator, the rank's
+// M3ModelCuda (from M3Model::make_shard of `host`) and a KvCacheCuda of the rank's KV heads; the
+// pool has the same page count on every rank, the minimum of what each GPU's free memory allows
+// (opts.gpu_memory_utilization or opts.kv_cache_memory_bytes, both per GPU). forward() runs every
+// rank on the batch and returns rank 0's logits / device samples. N == 1 is make_cuda_backend.
+// Errors (naming the flag): fewer GPUs than N, a split that does not divide the model,
+// expert_parallel (not implemented on GPUs), a config-only (synthetic) host, a build without
+// NCCL, and make_cuda_backend's KV-pool errors.
+Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_ptr<M3Model> host,
+                                                                  const CudaBackendOptions& opts,
+                                                                  int tensor_parallel_size,
+                                                                  bool expert_parallel = false);
 
 }  // namespace m3::model

@@ -47,11 +47,47 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::load(const std::string& model_
 }
 
 Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::from_host(std::unique_ptr<M3Model> host,
-                                                            int device) {
+                                                            int device, dist::Communicator* comm,
+                                                            cudaStream_t comm_stream) {
   M3_CHECK(host != nullptr);
+  const ShardPlan& plan = host->shard_plan();
+  if (plan.data_sharded()) {
+    return make_error(ErrorCode::kUnsupported,
+                      "--data-parallel-size with --device cuda is not implemented yet; use "
+                      "--tensor-parallel-size, or --device cpu",
+                      "--data-parallel-size");
+  }
+  if (plan.tensor_sharded() && plan.expert_parallel) {
+    return make_error(ErrorCode::kUnsupported,
+                      "--enable-expert-parallel with --device cuda is not implemented yet (the "
+                      "GPU ranks slice every expert instead); drop --enable-expert-parallel or "
+                      "use --device cpu",
+                      "--enable-expert-parallel");
+  }
+  if (plan.tensor_sharded()) {
+    M3_CHECK(comm != nullptr && comm_stream != nullptr,
+             "a tensor-parallel GPU shard needs a device communicator and its stream");
+    M3_CHECK(comm->rank() == plan.rank && comm->world_size() == plan.world,
+             "communicator rank %d/%d does not match the shard %d/%d", comm->rank(),
+             comm->world_size(), plan.rank, plan.world);
+  }
   M3_TRY(gpu::DeviceInfo info, gpu::probe_device(device));  // also makes `device` current
   const M3Weights& w = host->weights();
-  const size_t need = w.bytes_in_place + w.bytes_owned;
+  // A shard's views do not count their bytes (shard_weights): add up what will be uploaded.
+  size_t need = w.bytes_in_place + w.bytes_owned;
+  if (plan.sharded()) {
+    auto bytes = [](const MatRef& m) {
+      return m.data ? static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype) : size_t{0};
+    };
+    need = bytes(w.embed_tokens) + (w.lm_head.data == w.embed_tokens.data ? 0 : bytes(w.lm_head));
+    for (const LayerWeights& L : w.layers) {
+      for (const MatRef* m : {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.index_q_proj,
+                              &L.index_k_proj, &L.gate_proj, &L.up_proj, &L.down_proj, &L.router,
+                              &L.shared_gate, &L.shared_up, &L.shared_down})
+        need += bytes(*m);
+      for (const ExpertWeights& E : L.experts) need += bytes(E.w1) + bytes(E.w2) + bytes(E.w3);
+    }
+  }
   if (need + kHeadroomBytes > info.free_bytes) {
     return make_error(ErrorCode::kUnavailable,
                       "the model's weights need " + gib(need) + " of GPU memory (plus " +
@@ -62,6 +98,12 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::from_host(std::unique_ptr<M3Mo
   }
   M3Config cfg = host->config();
   std::unique_ptr<M3ModelCuda> m(new M3ModelCuda(std::move(cfg), std::move(host)));
+  if (m->plan_.tensor_sharded()) {
+    m->comm_ = comm;
+    m->comm_stream_ = comm_stream;
+    M3_CUDA_CHECK(cudaEventCreateWithFlags(&m->ev_fork_, cudaEventDisableTiming));
+    M3_CUDA_CHECK(cudaEventCreateWithFlags(&m->ev_join_, cudaEventDisableTiming));
+  }
   m->upload_weights();
   return m;
 }
@@ -98,6 +140,13 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg,
 
 M3ModelCuda::M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host)
     : cfg_(std::move(cfg)), host_(std::move(host)) {
+  if (host_) {
+    plan_ = host_->shard_plan();
+  } else {
+    auto plan = make_shard_plan(cfg_, ShardSpec{});
+    M3_CHECK(plan.has_value(), "unsharded plan: %s", plan ? "" : plan.error().message.c_str());
+    plan_ = *plan;
+  }
   const char* eager = std::getenv("M3_ENFORCE_EAGER");
   use_graphs_ = !(eager != nullptr && std::string(eager) == "1");
 }
@@ -313,7 +362,83 @@ T* M3ModelCuda::ensure(gpu::DeviceBuffer<T>& b, size_t n) {
   return b.data();
 }
 
-M3ModelCuda::~M3ModelCuda() { clear_graphs(); }
+M3ModelCuda::~M3ModelCuda() {
+  clear_graphs();
+  if (stage_ != nullptr) cudaFreeHost(stage_);
+  if (ev_fork_) cudaEventDestroy(ev_fork_);
+  if (ev_join_) cudaEventDestroy(ev_join_);
+}
+
+void M3ModelCuda::tp_all_reduce(float* data, int64_t n) {
+  if (!plan_.tensor_sharded()) return;
+  M3_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_.get()));
+  M3_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev_fork_, 0));
+  comm_->all_reduce_sum(data, n);
+  M3_CUDA_CHECK(cudaEventRecord(ev_join_, comm_stream_));
+  M3_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), ev_join_, 0));
+}
+
+template <class T>
+void M3ModelCuda::tp_all_gather(const T* send, int64_t n, T* recv) {
+  M3_CHECK(plan_.tensor_sharded());
+  M3_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_.get()));
+  M3_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev_fork_, 0));
+  comm_->all_gather(send, n, recv);
+  M3_CUDA_CHECK(cudaEventRecord(ev_join_, comm_stream_));
+  M3_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), ev_join_, 0));
+}
+
+void M3ModelCuda::tp_lm_head(const float* hs, int64_t R, float* logits) {
+  // As M3Model::lm_head: each rank scores its vocabulary chunk, padded to vocab_chunk columns so
+  // the all-gather has one size, then the chunks are laid side by side (strided copies).
+  const int64_t V = cfg_.vocab_size, C = plan_.vocab_chunk, W = plan_.world;
+  const int64_t n = plan_.vocab_count;
+  cudaStream_t s = stream_.get();
+  // Every rank grows the same buffers (`uneven` is a property of the split, not of the rank),
+  // so the ranks' buffer generations, and with them their graph decisions, stay in step.
+  const bool uneven = C * W != V;
+  float* mine = ensure(tp_mine_, static_cast<size_t>(R * C));
+  float* all = ensure(tp_all_, static_cast<size_t>(W * R * C));
+  float* local = uneven ? ensure(tp_local_, static_cast<size_t>(R * C)) : nullptr;
+  if (!uneven) {
+    ops::linear(hs, R, dev_.lm_head, mine, s);
+  } else {
+    M3_CUDA_CHECK(cudaMemsetAsync(mine, 0, static_cast<size_t>(R * C) * sizeof(float), s));
+    if (n > 0) {
+      ops::linear(hs, R, dev_.lm_head, local, s);
+      M3_CUDA_CHECK(cudaMemcpy2DAsync(mine, C * sizeof(float), local, n * sizeof(float),
+                                      n * sizeof(float), R, cudaMemcpyDeviceToDevice, s));
+    }
+  }
+  tp_all_gather(mine, R * C, all);
+  for (int64_t w = 0; w < W; ++w) {
+    const int64_t v0 = std::min(V, w * C), nw = std::min(V, v0 + C) - v0;
+    if (nw <= 0) continue;
+    M3_CUDA_CHECK(cudaMemcpy2DAsync(logits + v0, V * sizeof(float), all + w * R * C,
+                                    C * sizeof(float), nw * sizeof(float), R,
+                                    cudaMemcpyDeviceToDevice, s));
+  }
+}
+
+void M3ModelCuda::tp_gather_msa(const int32_t* sel, int64_t T, std::vector<int32_t>& dst) {
+  const int64_t k = cfg_.sparse_topk_blocks, nl = plan_.num_kv_heads,
+                nkv = cfg_.num_key_value_heads, W = plan_.world;
+  int32_t* all = ensure(tp_sel_all_, static_cast<size_t>(W * T * nl * k));
+  tp_all_gather(sel, T * nl * k, all);
+  std::vector<int32_t> host(static_cast<size_t>(W * T * nl * k));
+  M3_CUDA_CHECK(cudaMemcpyAsync(host.data(), all, host.size() * sizeof(int32_t),
+                                cudaMemcpyDeviceToHost, stream_.get()));
+  stream_.synchronize();
+  // With replicated KV heads several ranks hold the same head and the same selection.
+  dst.assign(static_cast<size_t>(T * nkv * k), -1);
+  for (int w = 0; w < W; ++w) {
+    const int64_t g0 = plan_.kv_head_begin_of(w);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < nl; ++j)
+        std::copy_n(host.begin() + ((w * T + t) * nl + j) * k, k,
+                    dst.begin() + (t * nkv + g0 + j) * k);
+  }
+}
 
 void M3ModelCuda::clear_graphs() {
   for (auto& [key, e] : graphs_)
@@ -438,8 +563,10 @@ void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
   const M3Config& cfg = config();
   const int64_t T = shape.num_tokens, max_kv_len = shape.max_kv_len;
   KvCacheCuda& cache = *shape.cache;
-  const int64_t H = cfg.hidden_size, nq = cfg.num_attention_heads, nkv = cfg.num_key_value_heads,
+  // This rank's heads (all of them unless sharded; model/shard.h).
+  const int64_t H = cfg.hidden_size, nq = plan_.num_q_heads, nkv = plan_.num_kv_heads,
                 d = cfg.head_dim;
+  const bool tp = plan_.tensor_sharded();
   const float eps = static_cast<float>(cfg.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   cudaStream_t s = stream_.get();
@@ -450,7 +577,14 @@ void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
   float* v = ensure(ws_.v, T * nkv * d);
   float* attn = ensure(ws_.attn, T * nq * d);
   float* y = ensure(ws_.y, T * H);
-  ops::embedding(dev_.embed_tokens, tokens, T, x, s);
+  if (tp) {
+    // This rank's vocabulary rows, zeros elsewhere; the all-reduce adds one non-zero term.
+    ops::embedding_vocab_slice(dev_.embed_tokens, plan_.vocab_begin, cfg.vocab_size, H, tokens, T,
+                               x, s);
+    tp_all_reduce(x, T * H);
+  } else {
+    ops::embedding(dev_.embed_tokens, tokens, T, x, s);
+  }
 
   for (int64_t li = 0; li < cfg.num_hidden_layers; ++li) {
     const LayerWeights& L = dev_.layers[li];
@@ -464,8 +598,11 @@ void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
     ops::rope_neox(q, T, nq, d, cfg.rotary_dim, layout.positions, cfg.rope_theta, s);
     ops::rope_neox(k, T, nkv, d, cfg.rotary_dim, layout.positions, cfg.rope_theta, s);
     const ops::KvPages pages = cache.layer(li);
+    M3_CHECK(pages.num_kv_heads == nkv, "the KV cache holds %lld KV heads, this model %lld",
+             static_cast<long long>(pages.num_kv_heads), static_cast<long long>(nkv));
     if (sparse) {
-      const int64_t ni = cfg.index_n_heads, di = cfg.index_head_dim;
+      // Index-q heads follow the KV heads (index_n_heads == num_key_value_heads, config.cpp).
+      const int64_t ni = tp ? nkv : cfg.index_n_heads, di = cfg.index_head_dim;
       const int64_t irot = std::min(cfg.rotary_dim, di);
       float* iq = ensure(ws_.iq, T * ni * di);  // [T, ni, di]
       float* ik = ensure(ws_.ik, T * di);       // [T, di] (one shared head)
@@ -489,7 +626,9 @@ void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
       ops::msa_select_blocks(iq, ni, pages, layout, topk, cfg.sparse_init_blocks,
                              cfg.sparse_local_blocks, max_kv_len, aws, sel, s);
       ops::attention_paged(q, nq, pages, layout, sel, topk, scale, max_kv_len, aws, attn, s);
-      if (msa_out) {
+      if (msa_out && tp) {
+        tp_gather_msa(sel, T, msa_out->msa_blocks[li]);
+      } else if (msa_out) {
         auto& dst = msa_out->msa_blocks[li];
         dst.resize(T * ni * topk);
         M3_CUDA_CHECK(cudaMemcpyAsync(dst.data(), sel, dst.size() * sizeof(int32_t),
@@ -503,6 +642,7 @@ void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
       ops::attention_paged(q, nq, pages, layout, nullptr, 0, scale, max_kv_len, aws, attn, s);
     }
     ops::linear(attn, T, L.o_proj, y, s);  // y: [T, hidden]
+    tp_all_reduce(y, T * H);               // sharded: partial sums over this rank's heads
     cuda_add_inplace(x, y, T * H, s);
 
     ops::rmsnorm_gemma(x, T, H, L.post_attention_norm, eps, a, s);
@@ -511,6 +651,7 @@ void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
     } else {
       dense_mlp(L.gate_proj, L.up_proj, L.down_proj, a, T, y);
     }
+    tp_all_reduce(y, T * H);  // sharded: partial sums over intermediate slices (routed + shared)
     cuda_add_inplace(x, y, T * H, s);
   }
 
@@ -526,17 +667,44 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   const int64_t H = cfg.hidden_size;
   const float eps = static_cast<float>(cfg.rms_norm_eps);
   cudaStream_t s = stream_.get();
+  // A shard always computes the logits: the lm_head all-gather (and the MSA gather) are
+  // collectives every rank joins. Ranks whose caller wants nothing fill a scratch result.
+  ForwardResult scratch;
+  const bool discard = out == nullptr && plan_.tensor_sharded();
+  if (discard) out = &scratch;
 
   // The step's host arrays, copied to the device once per step (outside any graph: a replay
   // reads them from these buffers).
-  const int32_t* tokens = upload_async(ws_.tokens, b.token_ids.data(), T);
+  // One pinned staging buffer and one copy: [tokens | positions | seq_ids | block-table offsets |
+  // block table], each section at an offset that depends only on capT (fixed for every graph
+  // size), so a replayed graph finds this step's arrays where it captured the last ones.
+  const int64_t capT = std::max<int64_t>(T, kGraphMaxTokens);
+  const int64_t S1 = static_cast<int64_t>(b.block_table_offsets.size());
+  M3_CHECK(S1 <= capT + 1, "%lld sequences for %lld tokens", static_cast<long long>(S1 - 1),
+           static_cast<long long>(T));
+  const int64_t bt_at = 4 * capT + 1;
+  const size_t stage_n = static_cast<size_t>(bt_at) + b.block_table.size();
+  if (stage_cap_ < stage_n) {
+    if (stage_ != nullptr) M3_CUDA_CHECK(cudaFreeHost(stage_));
+    stage_cap_ = std::max(stage_n, 2 * stage_cap_);
+    M3_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&stage_), stage_cap_ * sizeof(int32_t)));
+  }
+  // The previous step's copy out of stage_ finished: forward() ends with a stream sync.
+  std::copy(b.token_ids.begin(), b.token_ids.end(), stage_);
+  std::copy(b.positions.begin(), b.positions.end(), stage_ + capT);
+  std::copy(b.seq_ids.begin(), b.seq_ids.end(), stage_ + 2 * capT);
+  std::copy(b.block_table_offsets.begin(), b.block_table_offsets.end(), stage_ + 3 * capT);
+  std::copy(b.block_table.begin(), b.block_table.end(), stage_ + bt_at);
+  int32_t* dstage = ensure(step_, stage_n);
+  M3_CUDA_CHECK(cudaMemcpyAsync(dstage, stage_, stage_n * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                s));
+  const int32_t* tokens = dstage;
   ops::TokenLayout layout;
   layout.num_tokens = T;
-  layout.positions = upload_async(ws_.positions, b.positions.data(), T);
-  layout.seq_ids = upload_async(ws_.seq_ids, b.seq_ids.data(), T);
-  layout.block_table_offsets =
-      upload_async(ws_.bt_offsets, b.block_table_offsets.data(), b.block_table_offsets.size());
-  layout.block_table = upload_async(ws_.block_table, b.block_table.data(), b.block_table.size());
+  layout.positions = dstage + capT;
+  layout.seq_ids = dstage + 2 * capT;
+  layout.block_table_offsets = dstage + 3 * capT;
+  layout.block_table = dstage + bt_at;
   // Host bound of the step's key count, rounded up to a bucket: it sizes the MSA score rows
   // and the KV splits, so a captured graph stays valid for every step of its bucket (eager
   // steps use the same bound, so replay and eager compute the same numbers).
@@ -576,7 +744,20 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   cuda_gather_rows(x, rows, R, H, hs, s);
   ops::rmsnorm_gemma(hs, R, H, dev_.final_norm, eps, hs, s);
   float* logits = ensure(ws_.logits, R * V);  // [R, vocab] f32
-  ops::linear(hs, R, dev_.lm_head, logits, s);
+  if (plan_.tensor_sharded()) {
+    tp_lm_head(hs, R, logits);
+  } else {
+    ops::linear(hs, R, dev_.lm_head, logits, s);
+  }
+  if (discard) {
+    // Grow what rank 0 grows to sample, so every rank's buffer generation stays the same.
+    if (!b.device_samples.empty()) {
+      ensure(smp_rows_, b.device_samples.size());
+      ensure(smp_ids_, b.device_samples.size());
+    }
+    stream_.synchronize();
+    return;
+  }
   const int64_t ns = static_cast<int64_t>(b.device_samples.size());
   if (ns == 0) {  // every row to the host
     out->logits.resize(R * V);

@@ -150,6 +150,10 @@ class M3ModelCuda {
   };
   std::map<std::tuple<int64_t, int64_t, uint64_t>, GraphEntry> graphs_;
   uint64_t generation_ = 1;  // bumped whenever a scratch buffer is reallocated
+  // The step's host arrays, staged in pinned memory and copied in one transfer to step_.
+  int32_t* stage_ = nullptr;
+  size_t stage_cap_ = 0;
+  gpu::DeviceBuffer<int32_t> step_;
   bool use_graphs_ = true;
   int64_t graph_replays_ = 0, graph_captures_ = 0;
 

@@ -1,0 +1,176 @@
+// Fused per-layer preparation ops (declared in kernels/cuda/fused.h): the residual add fused with
+// the next Gemma RMSNorm, and QK-norm + partial NeoX RoPE + the K / V / index-K page writes of
+// one attention layer in one launch. Each computes what the CPU ops compute one after another
+// (rmsnorm_gemma, rope_neox, kv_write: same fp32 formulas term by term), so it is tested against
+// that sequence; fusing saves the launches and activation round trips of decode steps.
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fused.h"
+
+namespace m3::kernels::cuda {
+
+namespace {
+
+using detail::block_sum;
+using detail::load_weight;
+
+constexpr int kAddNormThreads = 256;
+constexpr int kPrepThreads = 128;
+constexpr int64_t kMaxPrepDim = 512;
+
+__global__ void __launch_bounds__(kAddNormThreads)
+    add_rmsnorm_kernel(float* x, const float* __restrict__ y, int64_t dim,
+                       const void* __restrict__ w, bool w_bf16, float eps, float* out) {
+  __shared__ float red[32];
+  float* xr = x + blockIdx.x * dim;
+  const float* yr = y + blockIdx.x * dim;
+  float* o = out + blockIdx.x * dim;
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float v = xr[i] + yr[i];  // the residual add (cuda_add_inplace's x += y)
+    xr[i] = v;
+    ss = fmaf(v, v, ss);
+  }
+  ss = block_sum(ss, red);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+    o[i] = (xr[i] * inv) * (1.0f + load_weight(w, w_bf16, i));
+}
+
+struct Freqs {
+  float head[kMaxRopeHalf];
+  float index[kMaxRopeHalf];
+};
+
+// One vector of `dim` floats: Gemma RMSNorm with `w`, then RoPE over its first `rot` dims at
+// position p, written to dst (may alias src).
+__device__ void norm_rope(const float* src, float* dst, int64_t dim, const void* w, bool w_bf16,
+                          float eps, int64_t rot, const float* inv_freq, float p, float* buf,
+                          float* red) {
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float v = src[i];
+    ss = fmaf(v, v, ss);
+  }
+  ss = block_sum(ss, red);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+    buf[i] = (src[i] * inv) * (1.0f + load_weight(w, w_bf16, i));
+  __syncthreads();
+  const int64_t half = rot / 2;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    float r = buf[i];
+    if (i < half) {
+      const float a = p * inv_freq[i];
+      r = buf[i] * cosf(a) - buf[i + half] * sinf(a);
+    } else if (i < rot) {
+      const float a = p * inv_freq[i - half];
+      r = buf[i] * cosf(a) + buf[i - half] * sinf(a);
+    }
+    dst[i] = r;
+  }
+  __syncthreads();  // buf is reused by the caller's next vector
+}
+
+__global__ void __launch_bounds__(kPrepThreads)
+    attn_prep_kernel(AttnPrepArgs a, KvPages c, TokenLayout L, const Freqs f) {
+  __shared__ float red[32];
+  __shared__ float buf[kMaxPrepDim];
+  const int64_t t = blockIdx.x;
+  const int64_t slot_kind = blockIdx.y;
+  const float p = static_cast<float>(L.positions[t]);
+  const int64_t d = a.head_dim;
+  const int64_t nq = a.num_q_heads, nkv = a.num_kv_heads, ni = a.num_index_heads;
+  const int64_t di = a.index_dim;
+  // Row starts of this token's inputs (packed per tensor, or one fused projection row).
+  const int64_t qs = a.in_stride ? a.in_stride : nq * d, ks = a.in_stride ? a.in_stride : nkv * d,
+                iqs = a.in_stride ? a.in_stride : ni * di, iks = a.in_stride ? a.in_stride : di;
+  if (slot_kind < nq) {  // a query head
+    norm_rope(a.q + t * qs + slot_kind * d, a.q_out + (t * nq + slot_kind) * d, d, a.q_norm.data,
+              a.q_norm.dtype == DType::kBF16, a.eps, a.rot_dim, f.head, p, buf, red);
+    return;
+  }
+  if (slot_kind < nq + ni) {  // an index query head
+    const int64_t h = slot_kind - nq;
+    norm_rope(a.iq + t * iqs + h * di, a.iq_out + (t * ni + h) * di, di, a.iq_norm.data,
+              a.iq_norm.dtype == DType::kBF16, a.eps, a.index_rot_dim, f.index, p, buf, red);
+    return;
+  }
+  // K head h (and V head h), or the index-K row: into the token's page slot (kv_write's math).
+  const int32_t s = L.seq_ids[t], pos = L.positions[t];
+  const int64_t nblk = L.block_table_offsets[s + 1] - L.block_table_offsets[s];
+  M3_DEVICE_CHECK(pos >= 0 && pos / c.page_size < nblk,
+                  "attn_prep: position %d beyond the block table (%lld pages)", pos,
+                  static_cast<long long>(nblk));
+  const int32_t page = L.block_table[L.block_table_offsets[s] + pos / c.page_size];
+  M3_DEVICE_CHECK(page >= 0 && page < c.num_pages, "attn_prep: page %d out of range", page);
+  const int64_t slot = static_cast<int64_t>(page) * c.page_size + pos % c.page_size;
+  const int64_t h = slot_kind - nq - ni;
+  if (h < nkv) {
+    const int64_t row = nkv * d;
+    norm_rope(a.k + t * ks + h * d, c.k + slot * row + h * d, d, a.k_norm.data,
+              a.k_norm.dtype == DType::kBF16, a.eps, a.rot_dim, f.head, p, buf, red);
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x)
+      c.v[slot * row + h * d + i] = a.v[t * ks + h * d + i];
+    return;
+  }
+  norm_rope(a.ik + t * iks, c.ik + slot * c.index_dim, di, a.ik_norm.data,
+            a.ik_norm.dtype == DType::kBF16, a.eps, a.index_rot_dim, f.index, p, buf, red);
+}
+
+void fill_freqs(float* out, int64_t rot, double theta) {
+  // Exactly the CPU op's fp32 formula (same host libm), so angles match bit for bit.
+  for (int64_t i = 0; i < rot / 2; ++i) {
+    const float e = static_cast<float>(2 * i) / static_cast<float>(rot);
+    out[i] = 1.0f / std::pow(static_cast<float>(theta), e);
+  }
+}
+
+}  // namespace
+
+void add_rmsnorm_gemma(float* x, const float* y, int64_t rows, int64_t dim, const VecRef& w,
+                       float eps, float* out, cudaStream_t stream) {
+  M3_CHECK(w.n == dim, "cuda::add_rmsnorm: weight has %lld entries, dim %lld",
+           static_cast<long long>(w.n), static_cast<long long>(dim));
+  if (rows == 0) return;
+  M3_CHECK(rows <= 0x7fffffff);
+  add_rmsnorm_kernel<<<static_cast<unsigned>(rows), kAddNormThreads, 0, stream>>>(
+      x, y, dim, w.data, w.dtype == DType::kBF16, eps, out);
+  M3_CUDA_CHECK_LAUNCH("add_rmsnorm_kernel");
+}
+
+void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& layout,
+               cudaStream_t stream) {
+  M3_CHECK(a.head_dim <= kMaxPrepDim && a.index_dim <= kMaxPrepDim, "attn_prep: head dims %lld/%lld",
+           static_cast<long long>(a.head_dim), static_cast<long long>(a.index_dim));
+  M3_CHECK(a.rot_dim % 2 == 0 && a.rot_dim <= a.head_dim && a.rot_dim / 2 <= kMaxRopeHalf);
+  M3_CHECK(a.q_norm.n == a.head_dim && a.k_norm.n == a.head_dim);
+  M3_CHECK(cache.num_kv_heads == a.num_kv_heads && cache.head_dim == a.head_dim);
+  M3_CHECK(a.q != nullptr && a.q_out != nullptr && a.k != nullptr && a.v != nullptr);
+  // In place only when packed: a fused row would be overwritten while other blocks read it.
+  M3_CHECK(a.in_stride == 0 || (a.q_out != a.q && a.iq_out != a.iq),
+           "attn_prep: fused-row inputs need separate outputs");
+  const bool index = a.num_index_heads > 0;
+  if (index) {
+    M3_CHECK(a.iq != nullptr && a.iq_out != nullptr && a.ik != nullptr && cache.ik != nullptr &&
+             cache.index_dim == a.index_dim, "attn_prep: index projections without an index-K cache");
+    M3_CHECK(a.index_rot_dim % 2 == 0 && a.index_rot_dim <= a.index_dim &&
+             a.index_rot_dim / 2 <= kMaxRopeHalf);
+    M3_CHECK(a.iq_norm.n == a.index_dim && a.ik_norm.n == a.index_dim);
+  }
+  if (layout.num_tokens == 0) return;
+  M3_CHECK(layout.num_tokens <= 0x7fffffff);
+  Freqs f{};
+  fill_freqs(f.head, a.rot_dim, a.theta);
+  if (index) fill_freqs(f.index, a.index_rot_dim, a.theta);
+  const int64_t slots = a.num_q_heads + a.num_kv_heads + (index ? a.num_index_heads + 1 : 0);
+  AttnPrepArgs args = a;
+  if (!index) args.num_index_heads = 0;
+  attn_prep_kernel<<<dim3(static_cast<unsigned>(layout.num_tokens), static_cast<unsigned>(slots)),
+                     kPrepThreads, 0, stream>>>(args, cache, layout, f);
+  M3_CUDA_CHECK_LAUNCH("attn_prep_kernel");
+}
+
+}  // namespace m3::kernels::cuda

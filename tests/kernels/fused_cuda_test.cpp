@@ -1,0 +1,240 @@
+// The fused CUDA ops (kernels/cuda/fused.h) against the CPU ops they fuse, run one after
+// another: add + rmsnorm_gemma, and rmsnorm_gemma + rope_neox (q, k, index q, index k) +
+// kv_write, at M3's geometry (64 q / 4 kv heads x 128, rotary 64, index 4 x 128) and odd ones,
+// for one token, a decode batch over several sequences and a prefill with a partial last page.
+// Tolerances (u = 2^-24): a norm of dim terms sums dim squares (relative error <= dim*u worst
+// case), then 2-3 rounded products, and RoPE adds two products and a sum: for |v| <= ~10,
+// abs error <= (dim*u + 8u) * |v| + 4u; we use 2 * dim * u * max(1, |v|) (dim = 128: 1.5e-5;
+// dim = 6144: 7.3e-4), generous against the worst case and far below a wrong formula (~1e-1).
+// Unwritten cache slots must stay equal (both sides start from the same contents).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "gpu/device.h"
+#include "gpu/device_buffer.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/fused.h"
+
+namespace {
+
+namespace cpu = m3::kernels::cpu;
+namespace gk = m3::kernels::cuda;
+using m3::DType;
+using m3::gpu::DeviceBuffer;
+using m3::gpu::Stream;
+
+constexpr double kU = 1.0 / (1 << 24);
+
+const std::string& gpu_unavailable_reason() {
+  static const std::string reason = [] {
+    auto dev = m3::gpu::probe_device(0);
+    return dev ? std::string() : dev.error().message;
+  }();
+  return reason;
+}
+#define SKIP_WITHOUT_GPU()                                                               \
+  do {                                                                                   \
+    if (!gpu_unavailable_reason().empty()) GTEST_SKIP() << gpu_unavailable_reason();   \
+  } while (0)
+
+std::vector<float> randn(size_t n, std::mt19937& g, float s = 1.f) {
+  std::normal_distribution<float> d(0.f, s);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+std::vector<uint16_t> bf16_of(const std::vector<float>& f) {
+  std::vector<uint16_t> b(f.size());
+  for (size_t i = 0; i < f.size(); ++i) b[i] = m3::f32_to_bf16(f[i]);
+  return b;
+}
+
+void expect_close(const std::vector<float>& got, const std::vector<float>& want, double dim,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double tol = 2.0 * dim * kU * std::max(1.0, std::fabs(static_cast<double>(want[i])));
+    ASSERT_NEAR(got[i], want[i], tol) << what << " at " << i;
+  }
+}
+
+TEST(CudaFused, AddRmsnormEqualsAddThenNorm) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 g(1);
+  for (int64_t rows : {1, 7, 64}) {
+    for (int64_t dim : {6144, 100, 1}) {
+      auto x = randn(rows * dim, g, 3.f), y = randn(rows * dim, g);
+      const auto wf = randn(dim, g, 0.1f);
+      const auto wb = bf16_of(wf);
+      cpu::VecRef w{wb.data(), DType::kBF16, dim};
+      std::vector<float> want_x(rows * dim), want(rows * dim);
+      for (size_t i = 0; i < want_x.size(); ++i) want_x[i] = x[i] + y[i];
+      cpu::rmsnorm_gemma(want_x.data(), rows, dim, w, 1e-6f, want.data());
+
+      DeviceBuffer<float> dx(x), dy(y), dout(rows * dim);
+      DeviceBuffer<uint16_t> dw(wb);
+      cpu::VecRef wd{dw.data(), DType::kBF16, dim};
+      Stream s;
+      gk::add_rmsnorm_gemma(dx.data(), dy.data(), rows, dim, wd, 1e-6f, dout.data(), s.get());
+      s.synchronize();
+      const std::string what = "rows " + std::to_string(rows) + " dim " + std::to_string(dim);
+      EXPECT_EQ(dx.to_host(), want_x) << what << ": the residual sum is one rounding, exact";
+      expect_close(dout.to_host(), want, static_cast<double>(dim), what);
+    }
+  }
+}
+
+struct Geometry {
+  int64_t nq, nkv, d, rot, ni, di, irot, page;
+};
+
+// Sequences with `lens` tokens already in the cache and `news` new tokens each this step.
+// fused: the inputs come as one projection output per token (q | k | v | iq | ik columns, the
+// layout of M3ModelCuda's fused projection) and q / iq go to separate packed outputs.
+void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vector<int>& news,
+                bool sparse, uint32_t seed, bool fused = false) {
+  std::mt19937 g(seed);
+  // Pages: each sequence owns enough consecutive pages for lens + news tokens.
+  std::vector<int32_t> offsets{0}, table, positions, seq_ids;
+  int32_t next_page = 0;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    const int total = lens[s] + news[s];
+    const int pages = static_cast<int>((total + G.page - 1) / G.page);
+    for (int p = 0; p < pages; ++p) table.push_back(next_page++);
+    offsets.push_back(static_cast<int32_t>(table.size()));
+    for (int j = 0; j < news[s]; ++j) {
+      positions.push_back(lens[s] + j);
+      seq_ids.push_back(static_cast<int32_t>(s));
+    }
+  }
+  const int64_t T = static_cast<int64_t>(positions.size());
+  const int64_t num_pages = next_page;
+  auto q = randn(T * G.nq * G.d, g, 2.f), k = randn(T * G.nkv * G.d, g, 2.f),
+       v = randn(T * G.nkv * G.d, g);
+  auto iq = randn(T * std::max<int64_t>(1, G.ni) * G.di, g, 2.f), ik = randn(T * G.di, g, 2.f);
+  const auto qn = bf16_of(randn(G.d, g, 0.2f)), kn = bf16_of(randn(G.d, g, 0.2f)),
+             iqn = bf16_of(randn(G.di, g, 0.2f)), ikn = bf16_of(randn(G.di, g, 0.2f));
+  const size_t kv_n = static_cast<size_t>(num_pages * G.page * G.nkv * G.d);
+  const size_t ik_n = static_cast<size_t>(num_pages * G.page * G.di);
+  auto ck = randn(kv_n, g), cv = randn(kv_n, g), cik = randn(ik_n, g);  // prior contents
+
+  // CPU: the unfused sequence.
+  const double theta = 5e6;
+  auto q_c = q, k_c = k, iq_c = iq, ik_c = ik, ck_c = ck, cv_c = cv, cik_c = cik;
+  cpu::rmsnorm_gemma(q_c.data(), T * G.nq, G.d, {qn.data(), DType::kBF16, G.d}, 1e-6f, q_c.data());
+  cpu::rmsnorm_gemma(k_c.data(), T * G.nkv, G.d, {kn.data(), DType::kBF16, G.d}, 1e-6f, k_c.data());
+  cpu::rope_neox(q_c.data(), T, G.nq, G.d, G.rot, positions.data(), theta);
+  cpu::rope_neox(k_c.data(), T, G.nkv, G.d, G.rot, positions.data(), theta);
+  if (sparse) {
+    cpu::rmsnorm_gemma(iq_c.data(), T * G.ni, G.di, {iqn.data(), DType::kBF16, G.di}, 1e-6f,
+                       iq_c.data());
+    cpu::rmsnorm_gemma(ik_c.data(), T, G.di, {ikn.data(), DType::kBF16, G.di}, 1e-6f, ik_c.data());
+    cpu::rope_neox(iq_c.data(), T, G.ni, G.di, G.irot, positions.data(), theta);
+    cpu::rope_neox(ik_c.data(), T, 1, G.di, G.irot, positions.data(), theta);
+  }
+  cpu::KvPages pc{ck_c.data(), cv_c.data(), sparse ? cik_c.data() : nullptr, num_pages, G.page,
+                  G.nkv, G.d, sparse ? G.di : 0};
+  cpu::TokenLayout lc{T, positions.data(), seq_ids.data(), offsets.data(), table.data()};
+  cpu::kv_write(pc, lc, k_c.data(), v.data(), sparse ? ik_c.data() : nullptr);
+
+  // GPU: one fused launch.
+  DeviceBuffer<float> dq(q), dk(k), dv(v), diq(iq), dik(ik), dck(ck), dcv(cv), dcik(cik);
+  DeviceBuffer<uint16_t> dqn(qn), dkn(kn), diqn(iqn), dikn(ikn);
+  DeviceBuffer<int32_t> dpos(positions), dseq(seq_ids), doff(offsets), dtab(table);
+  gk::AttnPrepArgs a;
+  a.q = dq.data();
+  a.q_out = dq.data();
+  a.num_q_heads = G.nq;
+  a.k = dk.data();
+  a.v = dv.data();
+  a.num_kv_heads = G.nkv;
+  a.head_dim = G.d;
+  a.rot_dim = G.rot;
+  a.q_norm = {dqn.data(), DType::kBF16, G.d};
+  a.k_norm = {dkn.data(), DType::kBF16, G.d};
+  if (sparse) {
+    a.iq = diq.data();
+    a.iq_out = diq.data();
+    a.ik = dik.data();
+    a.num_index_heads = G.ni;
+    a.index_dim = G.di;
+    a.index_rot_dim = G.irot;
+    a.iq_norm = {diqn.data(), DType::kBF16, G.di};
+    a.ik_norm = {dikn.data(), DType::kBF16, G.di};
+  }
+  a.eps = 1e-6f;
+  a.theta = theta;
+  cpu::KvPages pg{dck.data(), dcv.data(), sparse ? dcik.data() : nullptr, num_pages, G.page,
+                  G.nkv, G.d, sparse ? G.di : 0};
+  cpu::TokenLayout lg{T, dpos.data(), dseq.data(), doff.data(), dtab.data()};
+  // The fused layout: per token [q | k | v | iq | ik].
+  const int64_t cq = G.nq * G.d, ckv = G.nkv * G.d, ciq = G.ni * G.di, row = cq + 2 * ckv + ciq + G.di;
+  std::vector<float> fusedrow(T * row);
+  for (int64_t t = 0; t < T; ++t) {
+    float* r = fusedrow.data() + t * row;
+    std::copy_n(q.data() + t * cq, cq, r);
+    std::copy_n(k.data() + t * ckv, ckv, r + cq);
+    std::copy_n(v.data() + t * ckv, ckv, r + cq + ckv);
+    std::copy_n(iq.data() + t * ciq, ciq, r + cq + 2 * ckv);
+    std::copy_n(ik.data() + t * G.di, G.di, r + cq + 2 * ckv + ciq);
+  }
+  DeviceBuffer<float> dfused(fusedrow), dqo(std::vector<float>(T * cq, 0.f)),
+      diqo(std::vector<float>(T * std::max<int64_t>(ciq, 1), 0.f));
+  if (fused) {
+    a.in_stride = row;
+    a.q = dfused.data();
+    a.q_out = dqo.data();
+    a.k = dfused.data() + cq;
+    a.v = dfused.data() + cq + ckv;
+    if (sparse) {
+      a.iq = dfused.data() + cq + 2 * ckv;
+      a.iq_out = diqo.data();
+      a.ik = dfused.data() + cq + 2 * ckv + ciq;
+    }
+  }
+  Stream s;
+  gk::attn_prep(a, pg, lg, s.get());
+  s.synchronize();
+  if (fused) {
+    dq.copy_from(dqo.to_host().data(), T * cq);
+    if (sparse) diq.copy_from(diqo.to_host().data(), T * ciq);
+  }
+  const std::string what = std::string(sparse ? "sparse" : "dense") + " T=" + std::to_string(T);
+  expect_close(dq.to_host(), q_c, static_cast<double>(G.d), what + " q");
+  expect_close(dck.to_host(), ck_c, static_cast<double>(G.d), what + " page K");
+  EXPECT_EQ(dcv.to_host(), cv_c) << what << " page V (a copy)";
+  if (sparse) {
+    expect_close(diq.to_host(), iq_c, static_cast<double>(G.di), what + " iq");
+    expect_close(dcik.to_host(), cik_c, static_cast<double>(G.di), what + " page index-K");
+  } else {
+    EXPECT_EQ(dcik.to_host(), cik) << what << " index-K pages untouched on a dense layer";
+  }
+}
+
+TEST(CudaFused, AttnPrepEqualsNormRopeKvWriteAtM3Geometry) {
+  SKIP_WITHOUT_GPU();
+  const Geometry m3{64, 4, 128, 64, 4, 128, 64, 128};
+  check_prep(m3, {0}, {1}, true, 1);                       // one token
+  check_prep(m3, {5, 300, 127, 2048}, {1, 1, 1, 1}, true, 2);  // decode batch, page edges
+  check_prep(m3, {0}, {300}, true, 3);                     // prefill, partial last page
+  check_prep(m3, {100, 0}, {1, 77}, false, 4);             // full-attention layer, mixed
+  check_prep(m3, {5, 300, 127}, {1, 1, 1}, true, 8, /*fused=*/true);
+  check_prep(m3, {0}, {130}, true, 9, /*fused=*/true);
+  check_prep(m3, {64}, {3}, false, 10, /*fused=*/true);
+}
+
+TEST(CudaFused, AttnPrepOddGeometries) {
+  SKIP_WITHOUT_GPU();
+  check_prep({6, 3, 40, 16, 3, 24, 24, 4}, {0, 9}, {10, 1}, true, 5);   // GQA 2, full index rot
+  check_prep({8, 8, 64, 0, 8, 32, 8, 16}, {3}, {40}, true, 6);          // no rotary on heads
+  check_prep({16, 2, 256, 256, 2, 512, 64, 8}, {0}, {9}, true, 7);      // wide heads
+}
+
+}  // namespace
