@@ -91,6 +91,31 @@ TEST(CudaFused, AddRmsnormEqualsAddThenNorm) {
   }
 }
 
+TEST(CudaFused, SwigluRowsEqualsSwigluOnTheHalves) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 g(3);
+  for (int64_t n : {1, 3, 65}) {
+    for (int64_t inter : {3072, 7}) {
+      const auto gu = randn(n * 2 * inter, g, 4.f);  // beyond the clamp limit too
+      std::vector<float> gate(n * inter), up(n * inter), want(n * inter);
+      for (int64_t t = 0; t < n; ++t) {
+        std::copy_n(gu.data() + t * 2 * inter, inter, gate.data() + t * inter);
+        std::copy_n(gu.data() + t * 2 * inter + inter, inter, up.data() + t * inter);
+      }
+      cpu::swiglu_oai(gate.data(), up.data(), n, inter, 1.702f, 7.f, 1.f, want.data());
+      DeviceBuffer<float> dgu(gu), dout(n * inter);
+      Stream s;
+      gk::swiglu_oai_rows(dgu.data(), n, inter, 1.702f, 7.f, 1.f, dout.data(), s.get());
+      s.synchronize();
+      // Elementwise: expf may differ by 2 ulps (CUDA's documented bound) between libraries,
+      // then 3 rounded ops: 8u relative.
+      const auto got = dout.to_host();
+      for (size_t i = 0; i < got.size(); ++i)
+        ASSERT_NEAR(got[i], want[i], 8 * kU * std::max(1.f, std::fabs(want[i]))) << i;
+    }
+  }
+}
+
 struct Geometry {
   int64_t nq, nkv, d, rot, ni, di, irot, page;
 };

@@ -47,4 +47,9 @@ struct AttnPrepArgs {
 void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& layout,
                cudaStream_t stream);
 
+// SwiGLU-OAI over one fused gate|up projection: gate_up [n, 2 * inter] (row t = gate(inter) then
+// up(inter)) -> out [n, inter], i.e. swiglu_oai(gate, up) on the two halves.
+void swiglu_oai_rows(const float* gate_up, int64_t n, int64_t inter, float alpha, float limit,
+                     float beta, float* out, cudaStream_t stream);
+
 }  // namespace m3::kernels::cuda

@@ -120,6 +120,22 @@ __global__ void __launch_bounds__(kPrepThreads)
             a.ik_norm.dtype == DType::kBF16, a.eps, a.index_rot_dim, f.index, p, buf, red);
 }
 
+__global__ void swiglu_rows_kernel(const float* __restrict__ gu, int64_t n, int64_t inter,
+                                   float alpha, float limit, float beta, float* __restrict__ out) {
+  const int64_t total = n * inter;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += stride) {
+    const int64_t t = e / inter, i = e % inter;
+    const float g = gu[t * 2 * inter + i], u = gu[t * 2 * inter + inter + i];
+    // swiglu_oai's formula term by term (norm_rope_mlp.cu).
+    const float gc = limit < g ? limit : g;
+    const float uc = u < -limit ? -limit : (limit < u ? limit : u);
+    const float glu = gc * (1.0f / (1.0f + expf(-alpha * gc)));
+    out[e] = (uc + beta) * glu;
+  }
+}
+
 void fill_freqs(float* out, int64_t rot, double theta) {
   // Exactly the CPU op's fp32 formula (same host libm), so angles match bit for bit.
   for (int64_t i = 0; i < rot / 2; ++i) {
@@ -150,7 +166,7 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
   M3_CHECK(cache.num_kv_heads == a.num_kv_heads && cache.head_dim == a.head_dim);
   M3_CHECK(a.q != nullptr && a.q_out != nullptr && a.k != nullptr && a.v != nullptr);
   // In place only when packed: a fused row would be overwritten while other blocks read it.
-  M3_CHECK(a.in_stride == 0 || (a.q_out != a.q && a.iq_out != a.iq),
+  M3_CHECK(a.in_stride == 0 || (a.q_out != a.q && (a.num_index_heads == 0 || a.iq_out != a.iq)),
            "attn_prep: fused-row inputs need separate outputs");
   const bool index = a.num_index_heads > 0;
   if (index) {
@@ -171,6 +187,16 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
   attn_prep_kernel<<<dim3(static_cast<unsigned>(layout.num_tokens), static_cast<unsigned>(slots)),
                      kPrepThreads, 0, stream>>>(args, cache, layout, f);
   M3_CUDA_CHECK_LAUNCH("attn_prep_kernel");
+}
+
+void swiglu_oai_rows(const float* gate_up, int64_t n, int64_t inter, float alpha, float limit,
+                     float beta, float* out, cudaStream_t stream) {
+  const int64_t total = n * inter;
+  if (total == 0) return;
+  const int64_t blocks = std::min<int64_t>((total + 255) / 256, 132 * 32);
+  swiglu_rows_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(gate_up, n, inter, alpha,
+                                                                        limit, beta, out);
+  M3_CUDA_CHECK_LAUNCH("swiglu_rows_kernel");
 }
 
 }  // namespace m3::kernels::cuda

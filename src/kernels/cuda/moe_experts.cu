@@ -277,6 +277,10 @@ bool gemv_layout_ok(const float* x, const MoeExpertWeights& w) {
 
 }  // namespace
 
+bool moe_experts_graph_safe(int64_t n, const float* x, const MoeExpertWeights& w) {
+  return n <= kMoeGemvMaxTokens && gemv_layout_ok(x, w);
+}
+
 size_t moe_workspace_bytes(int64_t n, int64_t k, const MoeExpertWeights& w) {
   return layout_for(nullptr, n, k, w).bytes;
 }

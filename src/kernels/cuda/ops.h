@@ -143,6 +143,10 @@ struct SwigluParams {
 // its gathered tokens.
 inline constexpr int64_t kMoeGemvMaxTokens = 256;
 
+// Whether moe_experts over n tokens of x runs without a host sync (the grouped GEMV path: few
+// enough tokens and 16-byte aligned rows), so a CUDA graph may capture it.
+bool moe_experts_graph_safe(int64_t n, const float* x, const MoeExpertWeights& w);
+
 // Device bytes moe_experts needs as `workspace` for n tokens.
 size_t moe_workspace_bytes(int64_t n, int64_t k, const MoeExpertWeights& w);
 

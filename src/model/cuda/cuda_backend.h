@@ -29,10 +29,9 @@ struct CudaBackendOptions {
   // --enforce-eager: never capture CUDA graphs for decode steps.
   bool enforce_eager = false;
   // Tensor parallel only: replay CUDA graphs (with the NCCL collectives captured) for decode
-  // steps. Off by default: one H200x2 run of tp_cuda_test's graph cases aborted, most likely
-  // because only rank 0 grew its sampling buffers, so one rank captured a step while the other
-  // ran it eagerly (fixed since: every rank grows the same buffers; not yet re-run on GPUs).
-  // Off, the TP ranks run every step eagerly.
+  // steps. Off by default: tp_cuda_test's graph cases pass on 2 H200s, but their MoE layers run
+  // eagerly (a host-synchronising path is never captured), so graphs of TP MoE layers at M3's
+  // shapes have not run yet. Off, the TP ranks run every step eagerly.
   bool tensor_parallel_graphs = false;
 };
 

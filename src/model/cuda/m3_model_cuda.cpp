@@ -8,6 +8,7 @@
 #include "core/check.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
+#include "kernels/cuda/fused.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/sample.h"
 #include "model/cuda/row_ops.h"
@@ -105,6 +106,7 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::from_host(std::unique_ptr<M3Mo
     M3_CUDA_CHECK(cudaEventCreateWithFlags(&m->ev_join_, cudaEventDisableTiming));
   }
   m->upload_weights();
+  m->fuse_attention_projections();
   return m;
 }
 
@@ -135,6 +137,7 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg,
   }
   std::unique_ptr<M3ModelCuda> m(new M3ModelCuda(cfg, nullptr));
   m->generate_weights(seed);
+  m->fuse_attention_projections();
   return m;
 }
 
@@ -149,6 +152,53 @@ M3ModelCuda::M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host)
   }
   const char* eager = std::getenv("M3_ENFORCE_EAGER");
   use_graphs_ = !(eager != nullptr && std::string(eager) == "1");
+}
+
+MatRef M3ModelCuda::fuse_rows(const std::vector<MatRef*>& parts) {
+  int64_t rows = 0;
+  bool ok = !parts.empty();
+  for (MatRef* m : parts) {
+    ok = ok && m->data != nullptr && m->dtype == DType::kBF16 && m->cols == parts[0]->cols;
+    rows += m->rows;
+  }
+  if (!ok) return MatRef{};  // e.g. f32 matrices: kept separate
+  // One matrix of the parts' rows back to back; the old buffers are released (each part is a
+  // whole tensor of its own allocation) and the views become row slices of the new one.
+  const size_t row_bytes = static_cast<size_t>(parts[0]->cols) * sizeof(uint16_t);
+  gpu::DeviceBuffer<uint8_t> fused(static_cast<size_t>(rows) * row_bytes);
+  size_t at = 0;
+  for (MatRef* m : parts) {
+    const size_t bytes = static_cast<size_t>(m->rows) * row_bytes;
+    M3_CUDA_CHECK(cudaMemcpy(fused.data() + at, m->data, bytes, cudaMemcpyDeviceToDevice));
+    for (auto& b : storage_) {
+      if (b.data() == m->data) b = gpu::DeviceBuffer<uint8_t>();
+    }
+    m->data = fused.data() + at;
+    at += bytes;
+  }
+  MatRef r{fused.data(), DType::kBF16, rows, parts[0]->cols};
+  storage_.push_back(std::move(fused));
+  return r;
+}
+
+void M3ModelCuda::fuse_attention_projections() {
+  fused_proj_.assign(dev_.layers.size(), MatRef{});
+  for (size_t li = 0; li < dev_.layers.size(); ++li) {
+    LayerWeights& L = dev_.layers[li];
+    // q | k | v (| index q | index k): one GEMV/GEMM per layer instead of five.
+    std::vector<MatRef*> parts = {&L.q_proj, &L.k_proj, &L.v_proj};
+    if (cfg_.layer_is_sparse[li]) {
+      parts.push_back(&L.index_q_proj);
+      parts.push_back(&L.index_k_proj);
+    }
+    fused_proj_[li] = fuse_rows(parts);
+    // gate | up of the dense MLP or the shared expert (dense_mlp sees them adjacent).
+    if (cfg_.layer_is_moe[li]) {
+      if (L.has_shared_expert) fuse_rows({&L.shared_gate, &L.shared_up});
+    } else {
+      fuse_rows({&L.gate_proj, &L.up_proj});
+    }
+  }
 }
 
 void* M3ModelCuda::alloc_weight(size_t bytes) {
@@ -461,12 +511,15 @@ void M3ModelCuda::replay_or_capture(const StepShape& shape, const int32_t* token
     ++graph_replays_;
     return;
   }
-  if (!e.seen || e.seen_generation != generation_) {
+  if (e.never || !e.seen || e.seen_generation != generation_) {
     // First step of this shape (or buffers moved since): eager, which also sizes every buffer
-    // the capture will use, so nothing allocates or synchronises inside the capture.
+    // the capture will use, so nothing allocates or synchronises inside the capture. A shape
+    // whose eager run synchronised the host (the MoE's per-expert path) is never captured.
+    step_syncs_host_ = false;
     run_layers(shape, tokens, layout, nullptr);
     e.seen = true;
     e.seen_generation = generation_;
+    if (step_syncs_host_) e.never = true;
     return;
   }
   if (e.exec) {
@@ -502,12 +555,23 @@ void M3ModelCuda::dense_mlp(const MatRef& gate, const MatRef& up, const MatRef& 
   const M3Config& cfg = config();
   const int64_t inter = gate.rows;
   cudaStream_t s = stream_.get();
+  const float alpha = static_cast<float>(cfg.swiglu_alpha),
+              limit = static_cast<float>(cfg.swiglu_limit), beta = static_cast<float>(cfg.swiglu_beta);
   float* g = ensure(ws_.g, n * inter);  // [n, inter] f32
-  float* u = ensure(ws_.u, n * inter);  // [n, inter] f32
-  ops::linear(x, n, gate, g, s);
-  ops::linear(x, n, up, u, s);
-  ops::swiglu_oai(g, u, n, inter, static_cast<float>(cfg.swiglu_alpha),
-                  static_cast<float>(cfg.swiglu_limit), static_cast<float>(cfg.swiglu_beta), g, s);
+  // gate and up stored back to back (fuse_attention_projections): one projection of 2 x inter.
+  const bool adjacent = gate.dtype == DType::kBF16 && up.dtype == DType::kBF16 &&
+                        gate.cols == up.cols && up.rows == inter &&
+                        static_cast<const uint16_t*>(gate.data) + inter * gate.cols == up.data;
+  if (adjacent) {
+    float* gu = ensure(ws_.u, n * 2 * inter);  // [n, gate | up] f32
+    ops::linear(x, n, MatRef{gate.data, DType::kBF16, 2 * inter, gate.cols}, gu, s);
+    ops::swiglu_oai_rows(gu, n, inter, alpha, limit, beta, g, s);
+  } else {
+    float* u = ensure(ws_.u, n * inter);  // [n, inter] f32
+    ops::linear(x, n, gate, g, s);
+    ops::linear(x, n, up, u, s);
+    ops::swiglu_oai(g, u, n, inter, alpha, limit, beta, g, s);
+  }
   ops::linear(g, n, down, out, s);  // out: [n, hidden] f32
 }
 
@@ -550,6 +614,7 @@ void M3ModelCuda::moe(const LayerWeights& L, const float* x, int64_t n, float* o
                               static_cast<float>(cfg.swiglu_limit),
                               static_cast<float>(cfg.swiglu_beta)};
   uint8_t* work = ensure(ws_.moe, ops::moe_workspace_bytes(n, k, ew));
+  if (!ops::moe_experts_graph_safe(n, x, ew)) step_syncs_host_ = true;  // never captured
   if (L.has_shared_expert) {
     dense_mlp(L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // out = shared expert
     ops::moe_experts(x, n, ids, wts, k, ew, act, out, out, work, s);
@@ -589,30 +654,67 @@ void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
   for (int64_t li = 0; li < cfg.num_hidden_layers; ++li) {
     const LayerWeights& L = dev_.layers[li];
     const bool sparse = cfg.layer_is_sparse[li];
-    ops::rmsnorm_gemma(x, T, H, L.input_norm, eps, a, s);
-    ops::linear(a, T, L.q_proj, q, s);  // q: [T, nq, d]
-    ops::linear(a, T, L.k_proj, k, s);  // k: [T, nkv, d]
-    ops::linear(a, T, L.v_proj, v, s);  // v: [T, nkv, d]
-    ops::rmsnorm_gemma(q, T * nq, d, L.q_norm, eps, q, s);
-    ops::rmsnorm_gemma(k, T * nkv, d, L.k_norm, eps, k, s);
-    ops::rope_neox(q, T, nq, d, cfg.rotary_dim, layout.positions, cfg.rope_theta, s);
-    ops::rope_neox(k, T, nkv, d, cfg.rotary_dim, layout.positions, cfg.rope_theta, s);
+    // a = input_norm(x); after the first layer the previous layer's residual add did it.
+    if (li == 0) ops::rmsnorm_gemma(x, T, H, L.input_norm, eps, a, s);
     const ops::KvPages pages = cache.layer(li);
     M3_CHECK(pages.num_kv_heads == nkv, "the KV cache holds %lld KV heads, this model %lld",
              static_cast<long long>(pages.num_kv_heads), static_cast<long long>(nkv));
+    // Index-q heads follow the KV heads (index_n_heads == num_key_value_heads, config.cpp).
+    const int64_t ni = sparse ? (tp ? nkv : cfg.index_n_heads) : 0, di = cfg.index_head_dim;
+    float* iq = sparse ? ensure(ws_.iq, T * ni * di) : nullptr;  // [T, ni, di]
+    // Projections, then QK-norm + RoPE of q (and index q) and the K / V / index-K page writes
+    // in one launch (kernels/cuda/fused.h).
+    ops::AttnPrepArgs pa;
+    pa.q_out = q;  // q: [T, nq, d] after the prep
+    pa.num_q_heads = nq;
+    pa.num_kv_heads = nkv;
+    pa.head_dim = d;
+    pa.rot_dim = cfg.rotary_dim;
+    pa.q_norm = L.q_norm;
+    pa.k_norm = L.k_norm;
+    pa.eps = eps;
+    pa.theta = cfg.rope_theta;
     if (sparse) {
-      // Index-q heads follow the KV heads (index_n_heads == num_key_value_heads, config.cpp).
-      const int64_t ni = tp ? nkv : cfg.index_n_heads, di = cfg.index_head_dim;
-      const int64_t irot = std::min(cfg.rotary_dim, di);
-      float* iq = ensure(ws_.iq, T * ni * di);  // [T, ni, di]
-      float* ik = ensure(ws_.ik, T * di);       // [T, di] (one shared head)
-      ops::linear(a, T, L.index_q_proj, iq, s);
-      ops::linear(a, T, L.index_k_proj, ik, s);
-      ops::rmsnorm_gemma(iq, T * ni, di, L.index_q_norm, eps, iq, s);
-      ops::rmsnorm_gemma(ik, T, di, L.index_k_norm, eps, ik, s);
-      ops::rope_neox(iq, T, ni, di, irot, layout.positions, cfg.rope_theta, s);
-      ops::rope_neox(ik, T, 1, di, irot, layout.positions, cfg.rope_theta, s);
-      ops::kv_write(pages, layout, k, v, ik, s);
+      pa.iq_out = iq;
+      pa.num_index_heads = ni;
+      pa.index_dim = di;
+      pa.index_rot_dim = std::min(cfg.rotary_dim, di);
+      pa.iq_norm = L.index_q_norm;
+      pa.ik_norm = L.index_k_norm;
+    }
+    const MatRef& fused = fused_proj_[li];
+    if (fused.data != nullptr) {
+      // One projection: rows [q | k | v | index q | index k] of each token.
+      M3_CHECK(fused.rows == (nq + 2 * nkv) * d + (sparse ? (ni + 1) * di : 0),
+               "fused projection of layer %lld has %lld rows", static_cast<long long>(li),
+               static_cast<long long>(fused.rows));
+      float* proj = ensure(ws_.proj, T * fused.rows);
+      ops::linear(a, T, fused, proj, s);
+      pa.in_stride = fused.rows;
+      pa.q = proj;
+      pa.k = proj + nq * d;
+      pa.v = proj + (nq + nkv) * d;
+      if (sparse) {
+        pa.iq = proj + (nq + 2 * nkv) * d;
+        pa.ik = pa.iq + ni * di;
+      }
+    } else {
+      ops::linear(a, T, L.q_proj, q, s);  // q: [T, nq, d]
+      ops::linear(a, T, L.k_proj, k, s);  // k: [T, nkv, d]
+      ops::linear(a, T, L.v_proj, v, s);  // v: [T, nkv, d]
+      pa.q = q;
+      pa.k = k;
+      pa.v = v;
+      if (sparse) {
+        float* ik = ensure(ws_.ik, T * di);  // [T, di] (one shared head)
+        ops::linear(a, T, L.index_q_proj, iq, s);
+        ops::linear(a, T, L.index_k_proj, ik, s);
+        pa.iq = iq;
+        pa.ik = ik;
+      }
+    }
+    ops::attn_prep(pa, pages, layout, s);
+    if (sparse) {
       const int64_t topk = cfg.sparse_topk_blocks;
       int32_t* sel = ensure(ws_.sel, T * ni * topk);
       // MSA scores of all tokens, capped (the op then scores token chunk by chunk), or the
@@ -636,23 +738,24 @@ void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
         stream_.synchronize();  // sel is rewritten by the next sparse layer
       }
     } else {
-      ops::kv_write(pages, layout, k, v, nullptr, s);
       const size_t ws_bytes = ops::attention_workspace_bytes(T, nq, pages, 0, max_kv_len);
       const ops::Workspace aws{ensure(ws_.attn_ws, ws_bytes), ws_bytes};
       ops::attention_paged(q, nq, pages, layout, nullptr, 0, scale, max_kv_len, aws, attn, s);
     }
     ops::linear(attn, T, L.o_proj, y, s);  // y: [T, hidden]
     tp_all_reduce(y, T * H);               // sharded: partial sums over this rank's heads
-    cuda_add_inplace(x, y, T * H, s);
-
-    ops::rmsnorm_gemma(x, T, H, L.post_attention_norm, eps, a, s);
+    ops::add_rmsnorm_gemma(x, y, T, H, L.post_attention_norm, eps, a, s);  // x += y; a = norm(x)
     if (cfg.layer_is_moe[li]) {
       moe(L, a, T, y);
     } else {
       dense_mlp(L.gate_proj, L.up_proj, L.down_proj, a, T, y);
     }
     tp_all_reduce(y, T * H);  // sharded: partial sums over intermediate slices (routed + shared)
-    cuda_add_inplace(x, y, T * H, s);
+    if (li + 1 < cfg.num_hidden_layers) {
+      ops::add_rmsnorm_gemma(x, y, T, H, dev_.layers[li + 1].input_norm, eps, a, s);
+    } else {
+      cuda_add_inplace(x, y, T * H, s);
+    }
   }
 
 }

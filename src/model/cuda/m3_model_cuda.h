@@ -104,6 +104,12 @@ class M3ModelCuda {
   void upload_weights();
   void generate_weights(uint64_t seed);  // synthetic(): fills dev_ on the device
   void* alloc_weight(size_t bytes);      // one weight allocation, counted in weight_bytes_
+  // Stores each layer's q|k|v(|index q|index k) projections as one bf16 matrix (fused_proj_);
+  // the per-projection views become its row slices.
+  void fuse_attention_projections();
+  // Moves bf16 matrices of equal width into one allocation, rows back to back (null MatRef and
+  // nothing moved when a part is missing or not bf16).
+  MatRef fuse_rows(const std::vector<MatRef*>& parts);
   MatRef upload(const MatRef& m);
   VecRef upload(const VecRef& v);
   VecRef upload_f32(const VecRef& v);  // widened to f32 on the host first (router bias)
@@ -139,6 +145,7 @@ class M3ModelCuda {
   gpu::DeviceBuffer<int32_t> tp_sel_all_;                 // gathered MSA selections
   M3Weights dev_;  // the same views as host_->weights(), pointing to device memory
   std::vector<gpu::DeviceBuffer<uint8_t>> storage_;
+  std::vector<MatRef> fused_proj_;  // per layer; data null where the projections stay separate
   size_t weight_bytes_ = 0;
   gpu::Stream stream_;
 
@@ -146,6 +153,7 @@ class M3ModelCuda {
     cudaGraphExec_t exec = nullptr;
     uint64_t generation = 0;       // buffer generation the graph was captured at
     bool seen = false;             // an eager step of this shape ran at seen_generation
+    bool never = false;            // its eager run synchronised the host: stays eager
     uint64_t seen_generation = 0;
   };
   std::map<std::tuple<int64_t, int64_t, uint64_t>, GraphEntry> graphs_;
@@ -155,11 +163,12 @@ class M3ModelCuda {
   size_t stage_cap_ = 0;
   gpu::DeviceBuffer<int32_t> step_;
   bool use_graphs_ = true;
+  bool step_syncs_host_ = false;  // set by a run_layers that took a host-synchronising path
   int64_t graph_replays_ = 0, graph_captures_ = 0;
 
   struct Scratch {
     gpu::DeviceBuffer<int32_t> tokens, positions, seq_ids, bt_offsets, block_table, logit_rows;
-    gpu::DeviceBuffer<float> x, a, q, k, v, attn, y, iq, ik, hs, logits;
+    gpu::DeviceBuffer<float> x, a, q, k, v, attn, y, iq, ik, hs, logits, proj;
     gpu::DeviceBuffer<int32_t> sel;
     gpu::DeviceBuffer<uint8_t> attn_ws;  // attention / MSA workspace (kernels/cuda/ops.h)
     gpu::DeviceBuffer<float> g, u;                         // MLP intermediates
