@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "bench_util.h"
 #include "core/dtype.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
@@ -29,24 +30,7 @@ DeviceBuffer<T> filled(size_t n, T lo, T hi, uint32_t seed) {
   return DeviceBuffer<T>(v);
 }
 
-// Mean milliseconds per call of fn() on `stream`, after two warm-up calls.
-template <class F>
-double time_ms(cudaStream_t stream, int iters, F fn) {
-  fn();
-  fn();
-  cudaEvent_t a, b;
-  M3_CUDA_CHECK(cudaEventCreate(&a));
-  M3_CUDA_CHECK(cudaEventCreate(&b));
-  M3_CUDA_CHECK(cudaEventRecord(a, stream));
-  for (int i = 0; i < iters; ++i) fn();
-  M3_CUDA_CHECK(cudaEventRecord(b, stream));
-  M3_CUDA_CHECK(cudaEventSynchronize(b));
-  float ms = 0.f;
-  M3_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-  M3_CUDA_CHECK(cudaEventDestroy(a));
-  M3_CUDA_CHECK(cudaEventDestroy(b));
-  return ms / iters;
-}
+using m3::bench::time_ms;
 
 void report(const char* what, double ms, double units, const char* unit) {
   std::printf("%-44s %9.4f ms  %9.2f %s\n", what, ms, units / (ms * 1e-3), unit);

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "core/dtype.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
@@ -27,24 +28,7 @@ namespace blas = m3::kernels::cuda::blas;
 using m3::DType;
 using m3::gpu::DeviceBuffer;
 
-// Mean milliseconds per call of fn() on `stream`, after two warm-up calls.
-template <class F>
-double time_ms(cudaStream_t stream, int iters, F fn) {
-  fn();
-  fn();
-  cudaEvent_t a, b;
-  M3_CUDA_CHECK(cudaEventCreate(&a));
-  M3_CUDA_CHECK(cudaEventCreate(&b));
-  M3_CUDA_CHECK(cudaEventRecord(a, stream));
-  for (int i = 0; i < iters; ++i) fn();
-  M3_CUDA_CHECK(cudaEventRecord(b, stream));
-  M3_CUDA_CHECK(cudaEventSynchronize(b));
-  float ms = 0.f;
-  M3_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-  M3_CUDA_CHECK(cudaEventDestroy(a));
-  M3_CUDA_CHECK(cudaEventDestroy(b));
-  return ms / iters;
-}
+using m3::bench::time_ms;
 
 // A device array of `count` bf16 values spread over [-0.05, 0.05] (a repeating random block:
 // filling billions of values on the host would take minutes; values do not change timings).

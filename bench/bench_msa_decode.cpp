@@ -14,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "bench_util.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
@@ -27,24 +28,7 @@ using m3::gpu::DeviceBuffer;
 constexpr int64_t kPage = 128, kKvHeads = 4, kHeads = 64, kDim = 128, kIndexHeads = 4,
                   kIndexDim = 128, kTopk = 16;
 
-// Mean milliseconds per call of fn() on `stream`, after two warm-up calls.
-template <class F>
-double time_ms(cudaStream_t stream, int iters, F fn) {
-  fn();
-  fn();
-  cudaEvent_t a, b;
-  M3_CUDA_CHECK(cudaEventCreate(&a));
-  M3_CUDA_CHECK(cudaEventCreate(&b));
-  M3_CUDA_CHECK(cudaEventRecord(a, stream));
-  for (int i = 0; i < iters; ++i) fn();
-  M3_CUDA_CHECK(cudaEventRecord(b, stream));
-  M3_CUDA_CHECK(cudaEventSynchronize(b));
-  float ms = 0.f;
-  M3_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-  M3_CUDA_CHECK(cudaEventDestroy(a));
-  M3_CUDA_CHECK(cudaEventDestroy(b));
-  return ms / iters;
-}
+using m3::bench::time_ms;
 
 // Fills n floats of device memory with N(0, 1) values: a 16M-value random block, tiled.
 void fill_random(float* dst, size_t n, const DeviceBuffer<float>& seed, cudaStream_t s) {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
 #include "kernels/cpu/ops.h"
@@ -21,23 +22,15 @@
 
 namespace {
 
+using m3::testing::gpu_unavailable_reason;
+using m3::testing::kU;
+using m3::testing::randn;
+using m3::testing::to_bf16;
+
 namespace cpu = m3::kernels::cpu;
 namespace gk = m3::kernels::cuda;
 using m3::gpu::DeviceBuffer;
 using m3::gpu::Stream;
-
-const std::string& gpu_unavailable_reason() {
-  static const std::string reason = [] {
-    auto dev = m3::gpu::probe_device(0);
-    return dev ? std::string() : dev.error().message;
-  }();
-  return reason;
-}
-
-#define SKIP_WITHOUT_GPU()                                                                  \
-  do {                                                                                      \
-    if (!gpu_unavailable_reason().empty()) GTEST_SKIP() << gpu_unavailable_reason();        \
-  } while (0)
 
 // Multiples of 1/8 in [-r/8, r/8]. With r <= 64 a product is a multiple of 1/64 of magnitude
 // <= 1, so a dot of up to 2^12 terms stays a multiple of 1/64 below 2^12 < 2^24/64: exact in

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
 #include "core/dtype.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
@@ -23,38 +24,16 @@
 
 namespace {
 
+using m3::testing::gpu_unavailable_reason;
+using m3::testing::kU;
+using m3::testing::randn;
+using m3::testing::to_bf16;
+
 namespace cpu = m3::kernels::cpu;
 namespace gk = m3::kernels::cuda;
 using m3::DType;
 using m3::gpu::DeviceBuffer;
 using m3::gpu::Stream;
-
-constexpr double kU = 1.0 / (1 << 24);
-
-const std::string& gpu_unavailable_reason() {
-  static const std::string reason = [] {
-    auto dev = m3::gpu::probe_device(0);
-    return dev ? std::string() : dev.error().message;
-  }();
-  return reason;
-}
-#define SKIP_WITHOUT_GPU()                                                               \
-  do {                                                                                   \
-    if (!gpu_unavailable_reason().empty()) GTEST_SKIP() << gpu_unavailable_reason();   \
-  } while (0)
-
-std::vector<float> randn(size_t n, std::mt19937& g, float s = 1.f) {
-  std::normal_distribution<float> d(0.f, s);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(g);
-  return v;
-}
-
-std::vector<uint16_t> bf16_of(const std::vector<float>& f) {
-  std::vector<uint16_t> b(f.size());
-  for (size_t i = 0; i < f.size(); ++i) b[i] = m3::f32_to_bf16(f[i]);
-  return b;
-}
 
 void expect_close(const std::vector<float>& got, const std::vector<float>& want, double dim,
                   const std::string& what) {
@@ -72,7 +51,7 @@ TEST(CudaFused, AddRmsnormEqualsAddThenNorm) {
     for (int64_t dim : {6144, 100, 1}) {
       auto x = randn(rows * dim, g, 3.f), y = randn(rows * dim, g);
       const auto wf = randn(dim, g, 0.1f);
-      const auto wb = bf16_of(wf);
+      const auto wb = to_bf16(wf);
       cpu::VecRef w{wb.data(), DType::kBF16, dim};
       std::vector<float> want_x(rows * dim), want(rows * dim);
       for (size_t i = 0; i < want_x.size(); ++i) want_x[i] = x[i] + y[i];
@@ -144,8 +123,8 @@ void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vect
   auto q = randn(T * G.nq * G.d, g, 2.f), k = randn(T * G.nkv * G.d, g, 2.f),
        v = randn(T * G.nkv * G.d, g);
   auto iq = randn(T * std::max<int64_t>(1, G.ni) * G.di, g, 2.f), ik = randn(T * G.di, g, 2.f);
-  const auto qn = bf16_of(randn(G.d, g, 0.2f)), kn = bf16_of(randn(G.d, g, 0.2f)),
-             iqn = bf16_of(randn(G.di, g, 0.2f)), ikn = bf16_of(randn(G.di, g, 0.2f));
+  const auto qn = to_bf16(randn(G.d, g, 0.2f)), kn = to_bf16(randn(G.d, g, 0.2f)),
+             iqn = to_bf16(randn(G.di, g, 0.2f)), ikn = to_bf16(randn(G.di, g, 0.2f));
   const size_t kv_n = static_cast<size_t>(num_pages * G.page * G.nkv * G.d);
   const size_t ik_n = static_cast<size_t>(num_pages * G.page * G.di);
   auto ck = randn(kv_n, g), cv = randn(kv_n, g), cik = randn(ik_n, g);  // prior contents

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
 #include "core/dtype.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
@@ -25,27 +26,17 @@
 
 namespace {
 
+using m3::testing::gpu_unavailable_reason;
+using m3::testing::kU;
+using m3::testing::randn;
+using m3::testing::to_bf16;
+
 namespace cpu = m3::kernels::cpu;
 namespace gk = m3::kernels::cuda;
 namespace blas = m3::kernels::cuda::blas;
 using m3::DType;
 using m3::gpu::DeviceBuffer;
 using m3::gpu::Stream;
-
-constexpr double kU = 1.0 / (1 << 24);
-
-const std::string& gpu_unavailable_reason() {
-  static const std::string reason = [] {
-    auto dev = m3::gpu::probe_device(0);
-    return dev ? std::string() : dev.error().message;
-  }();
-  return reason;
-}
-
-#define SKIP_WITHOUT_GPU()                                                           \
-  do {                                                                               \
-    if (!gpu_unavailable_reason().empty()) GTEST_SKIP() << gpu_unavailable_reason(); \
-  } while (0)
 
 // Restores the process-wide precision when a test ends.
 struct PrecisionGuard {
@@ -67,24 +58,11 @@ struct Rng {
   float eighth(int r) { return static_cast<float>(static_cast<int>(next() % (2 * r + 1)) - r) / 8.f; }
 };
 
-std::vector<float> randn(size_t n, std::mt19937& g, float s = 1.f) {
-  std::normal_distribution<float> d(0.f, s);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(g);
-  return v;
-}
-
 std::vector<float> eighths(size_t n, uint64_t seed, int r) {
   Rng g(seed);
   std::vector<float> v(n);
   for (auto& x : v) x = g.eighth(r);
   return v;
-}
-
-std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
-  std::vector<uint16_t> r(v.size());
-  for (size_t i = 0; i < v.size(); ++i) r[i] = m3::f32_to_bf16(v[i]);
-  return r;
 }
 
 DeviceBuffer<float> nan_buffer(size_t n) {

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
 #include "core/dtype.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
@@ -21,34 +22,16 @@
 
 namespace {
 
+using m3::testing::gpu_unavailable_reason;
+using m3::testing::kU;
+using m3::testing::randn;
+using m3::testing::to_bf16;
+
 namespace cpu = m3::kernels::cpu;
 namespace gk = m3::kernels::cuda;
 using m3::DType;
 using m3::gpu::DeviceBuffer;
 using m3::gpu::Stream;
-
-constexpr double kU = 1.0 / (1 << 24);
-
-// Probed once per process; the reason is printed with each skip.
-const std::string& gpu_unavailable_reason() {
-  static const std::string reason = [] {
-    auto dev = m3::gpu::probe_device(0);
-    return dev ? std::string() : dev.error().message;
-  }();
-  return reason;
-}
-
-#define SKIP_WITHOUT_GPU()                                                       \
-  do {                                                                           \
-    if (!gpu_unavailable_reason().empty()) GTEST_SKIP() << gpu_unavailable_reason(); \
-  } while (0)
-
-std::vector<float> randn(size_t n, std::mt19937& g, float s = 1.f) {
-  std::normal_distribution<float> d(0.f, s);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(g);
-  return v;
-}
 
 // Multiples of 1/8 in [-r/8, r/8]: dot products of up to 2^10 such values are exact in fp32
 // (each product is a multiple of 1/64 below r²/64, and every partial sum stays far below 2^24/64),
@@ -58,12 +41,6 @@ std::vector<float> rand_eighths(size_t n, std::mt19937& g, int r) {
   std::vector<float> v(n);
   for (auto& x : v) x = static_cast<float>(d(g)) / 8.f;
   return v;
-}
-
-std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
-  std::vector<uint16_t> r(v.size());
-  for (size_t i = 0; i < v.size(); ++i) r[i] = m3::f32_to_bf16(v[i]);
-  return r;
 }
 
 template <class T>

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
 #include "kernels/cpu/sample.h"
@@ -17,21 +18,14 @@
 
 namespace {
 
+using m3::testing::gpu_unavailable_reason;
+using m3::testing::kU;
+using m3::testing::randn;
+using m3::testing::to_bf16;
+
 using m3::gpu::DeviceBuffer;
 using m3::gpu::Stream;
 using m3::kernels::cpu::SampleRow;
-
-const std::string& gpu_unavailable_reason() {
-  static const std::string reason = [] {
-    auto dev = m3::gpu::probe_device(0);
-    return dev ? std::string() : dev.error().message;
-  }();
-  return reason;
-}
-#define SKIP_WITHOUT_GPU()                                                               \
-  do {                                                                                   \
-    if (!gpu_unavailable_reason().empty()) GTEST_SKIP() << gpu_unavailable_reason();   \
-  } while (0)
 
 void check_same(const std::vector<float>& logits, int64_t vocab, int64_t num_valid,
                 const std::vector<SampleRow>& rows, const std::string& what) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
 #include "core/dtype.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
@@ -17,17 +18,14 @@
 
 namespace {
 
+using m3::testing::gpu_unavailable_reason;
+using m3::testing::kU;
+using m3::testing::randn;
+using m3::testing::to_bf16;
+
 using m3::DType;
 using m3::gpu::DeviceBuffer;
 using m3::kernels::cpu::MatRef;
-
-const std::string& gpu_unavailable_reason() {
-  static const std::string reason = [] {
-    auto dev = m3::gpu::probe_device(0);
-    return dev ? std::string() : dev.error().message;
-  }();
-  return reason;
-}
 
 // The ranks of a world-`world` split of a vocab x hidden table (chunks of ceil(V / world) rows,
 // the last shorter or empty, as model/shard.h) each embed `ids`; checks each rank's output and

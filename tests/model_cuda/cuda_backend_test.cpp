@@ -47,6 +47,47 @@ engine::EngineConfig engine_config(CudaBackendOptions opts) {
   return cfg;
 }
 
+// A golden case as a greedy request up to its first near-tie, and the tokens it must give.
+struct GreedyCase {
+  std::string name;
+  engine::GenerateRequest request;
+  std::vector<int32_t> want;
+};
+std::vector<GreedyCase> greedy_cases() {
+  std::ifstream f(fs::path(kModel) / "golden.json");
+  const json golden = json::parse(f);
+  std::vector<GreedyCase> out;
+  for (const auto& c : golden["cases"]) {
+    const auto want = c["greedy_ids"].get<std::vector<int32_t>>();
+    const auto margin = c["greedy_margin"].get<std::vector<double>>();
+    size_t n = 0;
+    while (n < want.size() && margin[n] >= kGreedyMarginFloor) ++n;
+    if (n == 0) continue;
+    GreedyCase g;
+    g.name = c["name"].get<std::string>();
+    g.request.prompt_token_ids = c["prompt_ids"].get<std::vector<int32_t>>();
+    g.request.params.temperature = 0;
+    g.request.params.max_tokens = static_cast<int>(n);
+    g.request.params.ignore_eos = true;
+    g.want.assign(want.begin(), want.begin() + n);
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+std::vector<int32_t> collect(engine::RequestStream& s) {
+  std::vector<int32_t> got;
+  for (;;) {
+    auto o = s.next(std::chrono::milliseconds(120000));
+    if (!o) {
+      ADD_FAILURE() << "stream timed out";
+      return got;
+    }
+    got.insert(got.end(), o->new_token_ids.begin(), o->new_token_ids.end());
+    if (o->finished) return got;
+  }
+}
+
 TEST(CudaBackend, UtilizationOutsideZeroOneIsRefusedNamingTheFlag) {
   for (double u : {0.0, -0.5, 1.01}) {
     CudaBackendOptions opts;
@@ -67,29 +108,10 @@ TEST(CudaBackend, EngineGreedyOnTheGpuMatchesTransformers) {
   const auto& info = (*e)->model_info();
   EXPECT_EQ(info.device.rfind("cuda:0", 0), 0u) << info.device;
   EXPECT_GE(info.num_kv_blocks * info.block_size, 256);
-  std::ifstream f(fs::path(kModel) / "golden.json");
-  const json golden = json::parse(f);
-  for (const auto& c : golden["cases"]) {
-    const auto want = c["greedy_ids"].get<std::vector<int32_t>>();
-    const auto margin = c["greedy_margin"].get<std::vector<double>>();
-    size_t n = 0;
-    while (n < want.size() && margin[n] >= kGreedyMarginFloor) ++n;
-    if (n == 0) continue;
-    engine::GenerateRequest r;
-    r.prompt_token_ids = c["prompt_ids"].get<std::vector<int32_t>>();
-    r.params.temperature = 0;
-    r.params.max_tokens = static_cast<int>(n);
-    r.params.ignore_eos = true;
-    auto s = (*e)->submit(r);
+  for (const auto& g : greedy_cases()) {
+    auto s = (*e)->submit(g.request);
     ASSERT_TRUE(s.has_value()) << s.error().message;
-    std::vector<int32_t> got;
-    for (;;) {
-      auto o = (*s)->next(std::chrono::milliseconds(120000));
-      ASSERT_TRUE(o.has_value()) << "stream timed out";
-      got.insert(got.end(), o->new_token_ids.begin(), o->new_token_ids.end());
-      if (o->finished) break;
-    }
-    EXPECT_EQ(got, std::vector<int32_t>(want.begin(), want.begin() + n)) << c["name"];
+    EXPECT_EQ(collect(**s), g.want) << g.name;
   }
 }
 
@@ -105,43 +127,18 @@ TEST(CudaBackend, ConcurrentRequestsGiveTheSequentialTokens) {
   cfg.max_num_batched_tokens = 96;  // prompts longer than this are prefilled in chunks
   auto e = engine::Engine::create(cfg);
   ASSERT_TRUE(e.has_value()) << e.error().message;
-  std::ifstream f(fs::path(kModel) / "golden.json");
-  const json golden = json::parse(f);
-  struct Want {
-    std::string name;
-    std::vector<int32_t> ids;
-    std::shared_ptr<engine::RequestStream> stream;
-  };
-  std::vector<Want> wants;
+  const auto cases = greedy_cases();
+  ASSERT_GE(cases.size(), 2u);
+  std::vector<std::shared_ptr<engine::RequestStream>> streams;
   for (int rep = 0; rep < 2; ++rep) {
-    for (const auto& c : golden["cases"]) {
-      const auto want = c["greedy_ids"].get<std::vector<int32_t>>();
-      const auto margin = c["greedy_margin"].get<std::vector<double>>();
-      size_t n = 0;
-      while (n < want.size() && margin[n] >= kGreedyMarginFloor) ++n;
-      if (n == 0) continue;
-      engine::GenerateRequest r;
-      r.prompt_token_ids = c["prompt_ids"].get<std::vector<int32_t>>();
-      r.params.temperature = 0;
-      r.params.max_tokens = static_cast<int>(n);
-      r.params.ignore_eos = true;
-      auto s = (*e)->submit(r);
+    for (const auto& g : cases) {
+      auto s = (*e)->submit(g.request);
       ASSERT_TRUE(s.has_value()) << s.error().message;
-      wants.push_back({c["name"].get<std::string>(),
-                       std::vector<int32_t>(want.begin(), want.begin() + n), *s});
+      streams.push_back(*s);
     }
   }
-  ASSERT_GE(wants.size(), 4u);
-  for (auto& w : wants) {
-    std::vector<int32_t> got;
-    for (;;) {
-      auto o = w.stream->next(std::chrono::milliseconds(120000));
-      ASSERT_TRUE(o.has_value()) << "stream timed out";
-      got.insert(got.end(), o->new_token_ids.begin(), o->new_token_ids.end());
-      if (o->finished) break;
-    }
-    EXPECT_EQ(got, w.ids) << w.name;
-  }
+  for (size_t i = 0; i < streams.size(); ++i)
+    EXPECT_EQ(collect(*streams[i]), cases[i % cases.size()].want) << cases[i % cases.size()].name;
 }
 
 TEST(CudaBackend, ExplicitBytesGiveExactlyThatManyPages) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
 #include "gpu/device.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/cuda/sequence_runner_cuda.h"
@@ -19,17 +20,10 @@
 namespace m3::model {
 namespace {
 
-const std::string& gpu_unavailable_reason() {
-  static const std::string reason = [] {
-    auto dev = gpu::probe_device(0);
-    return dev ? std::string() : dev.error().message;
-  }();
-  return reason;
-}
-#define SKIP_WITHOUT_GPU()                                                             \
-  do {                                                                                 \
-    if (!gpu_unavailable_reason().empty()) GTEST_SKIP() << gpu_unavailable_reason(); \
-  } while (0)
+using m3::testing::gpu_unavailable_reason;
+using m3::testing::kU;
+using m3::testing::randn;
+using m3::testing::to_bf16;
 
 int32_t argmax_row(const std::vector<float>& logits, int64_t row, int64_t vocab) {
   auto b = logits.begin() + row * vocab;
