@@ -77,13 +77,7 @@ Status validate_parallel(const ParallelArgs& a, const std::string& device) {
                           "--data-parallel-size 1",
                       "--data-parallel-size");
   // --device cuda --tensor-parallel-size N: one GPU per rank over NCCL (app/device_backend.cpp
-  // checks the GPU count); the ranks slice every expert, whole-expert ownership is CPU-only.
-  if (a.tensor_parallel_size > 1 && a.enable_expert_parallel && device == "cuda")
-    return make_error(ErrorCode::kUnsupported,
-                      "--enable-expert-parallel with --device cuda is not implemented yet (GPU "
-                      "ranks slice every expert instead); drop --enable-expert-parallel or use "
-                      "--device cpu",
-                      "--enable-expert-parallel");
+  // checks the GPU count), with or without --enable-expert-parallel.
   return {};
 }
 

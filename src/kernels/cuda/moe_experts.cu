@@ -91,8 +91,8 @@ __global__ void __launch_bounds__(kRouteThreads)
   __syncthreads();
   for (int p = tid; p < P; p += blockDim.x) {
     const int e = ids[p];
-    M3_DEVICE_CHECK(e >= 0 && e < ne, "moe: expert id %d of %d", e, ne);
-    atomicAdd(&cnt[e], 1);
+    M3_DEVICE_CHECK(e >= -1 && e < ne, "moe: expert id %d of %d", e, ne);
+    if (e >= 0) atomicAdd(&cnt[e], 1);  // -1: an expert of another rank (expert parallel)
   }
   __syncthreads();
   if (warp == 0) {
@@ -128,8 +128,9 @@ __global__ void __launch_bounds__(kRouteThreads)
   const unsigned lt_mask = (1u << lane) - 1u;
   for (int c = 0; c < P; c += blockDim.x) {
     const int p = c + tid;
-    const bool valid = p < P;
-    const int e = valid ? ids[p] : -1;
+    const int e = p < P ? ids[p] : -1;
+    const bool valid = e >= 0;
+    if (p < P && !valid) pair_pos[p] = -1;  // not this rank's: the combine skips it
     const unsigned peers = __match_any_sync(0xffffffffu, e);
     const int rank = __popc(peers & lt_mask);
     if (valid && rank == 0) wcnt[warp * ne + e] = static_cast<uint8_t>(__popc(peers));
@@ -171,10 +172,13 @@ __global__ void moe_combine_kernel(const float* __restrict__ ye, const int32_t* 
     }
     pos[i] = v;
   }
-  for (int j = 0; j < k; ++j) wt[j] = pair_weight[pos[j]];
+  // Picks of other ranks' experts (pos -1) sort first and are skipped.
+  int first = 0;
+  while (first < k && pos[first] < 0) ++first;
+  for (int j = first; j < k; ++j) wt[j] = pair_weight[pos[j]];
   for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
     float routed = 0.f;
-    for (int j = 0; j < k; ++j) routed += wt[j] * ye[pos[j] * hidden + c];
+    for (int j = first; j < k; ++j) routed += wt[j] * ye[pos[j] * hidden + c];
     out[t * hidden + c] = shared ? shared[t * hidden + c] + routed : routed;
   }
 }
@@ -277,6 +281,22 @@ bool gemv_layout_ok(const float* x, const MoeExpertWeights& w) {
 
 }  // namespace
 
+namespace {
+__global__ void localize_ids_kernel(int32_t* ids, int64_t n, int64_t first, int64_t count) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t e = ids[i] - first;
+  ids[i] = (e >= 0 && e < count) ? static_cast<int32_t>(e) : -1;
+}
+}  // namespace
+
+void moe_localize_ids(int32_t* ids, int64_t n, int64_t first, int64_t count, cudaStream_t stream) {
+  if (n == 0) return;
+  localize_ids_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(ids, n, first,
+                                                                                count);
+  M3_CUDA_CHECK_LAUNCH("localize_ids_kernel");
+}
+
 bool moe_experts_graph_safe(int64_t n, const float* x, const MoeExpertWeights& w) {
   return n <= kMoeGemvMaxTokens && gemv_layout_ok(x, w);
 }
@@ -292,7 +312,7 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
            dtype_name(w.dtype));
   M3_CHECK(w.num_experts > 0 && w.num_experts <= kMaxExperts, "moe_experts: %lld experts (max %lld)",
            static_cast<long long>(w.num_experts), static_cast<long long>(kMaxExperts));
-  M3_CHECK(k > 0 && k <= kMaxTopK && k <= w.num_experts, "moe_experts: top-%lld",
+  M3_CHECK(k > 0 && k <= kMaxTopK, "moe_experts: top-%lld",
            static_cast<long long>(k));
   if (n == 0) return;
   const int64_t P = n * k;

@@ -147,6 +147,10 @@ inline constexpr int64_t kMoeGemvMaxTokens = 256;
 // enough tokens and 16-byte aligned rows), so a CUDA graph may capture it.
 bool moe_experts_graph_safe(int64_t n, const float* x, const MoeExpertWeights& w);
 
+// Expert parallel: ids [n] of global expert ids -> this rank's local ids (id - first for ids in
+// [first, first + count)), -1 for every other expert, in place.
+void moe_localize_ids(int32_t* ids, int64_t n, int64_t first, int64_t count, cudaStream_t stream);
+
 // Device bytes moe_experts needs as `workspace` for n tokens.
 size_t moe_workspace_bytes(int64_t n, int64_t k, const MoeExpertWeights& w);
 
@@ -154,7 +158,8 @@ size_t moe_workspace_bytes(int64_t n, int64_t k, const MoeExpertWeights& w);
 // of weights[t, j] * down(swiglu(gate(x[t]), up(x[t]))): the CPU model's MoE after its router.
 // ids/weights: [n, k] from router_topk (device); x, shared, out: [n, hidden] f32 (out may alias
 // shared). Tokens are grouped per expert on the device, ascending within an expert, as the CPU
-// path orders them; the combine uses no atomics (deterministic). An id out of range traps.
+// path orders them; the combine uses no atomics (deterministic). An id of -1 is a pick of an
+// expert another rank owns (expert parallel) and adds nothing; any other id out of range traps.
 void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights, int64_t k,
                  const MoeExpertWeights& w, const SwigluParams& act, const float* shared,
                  float* out, void* workspace, cudaStream_t stream);

@@ -147,13 +147,6 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
                       "--tensor-parallel-size");
   }
   if (tp == 1) return make_cuda_backend(std::move(host), opts);  // EP over one rank: whole model
-  if (expert_parallel) {
-    return make_error(ErrorCode::kUnsupported,
-                      "--enable-expert-parallel with --device cuda is not implemented yet (GPU "
-                      "ranks slice every expert instead); drop --enable-expert-parallel or use "
-                      "--device cpu",
-                      "--enable-expert-parallel");
-  }
   const double util = opts.gpu_memory_utilization;
   if (!(util > 0.0 && util <= 1.0)) {
     return make_error(ErrorCode::kInvalidArgument,
@@ -173,6 +166,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
   // Check the split once, without a group, so a bad size fails before any thread starts.
   ShardSpec probe;
   probe.world = tp;
+  probe.expert_parallel = expert_parallel;
   M3_TRY(ShardPlan plan0, make_shard_plan(cfg, probe));
 #ifndef M3_HAS_NCCL
   (void)plan0;
@@ -214,6 +208,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
         ShardSpec spec;
         spec.rank = r;
         spec.world = tp;
+        spec.expert_parallel = expert_parallel;  // whole experts per rank, picks remapped
         spec.comm = ranks[r].comm.get();
         auto shard = whole->make_shard(spec);
         if (!shard) {

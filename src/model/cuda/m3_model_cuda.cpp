@@ -58,13 +58,6 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::from_host(std::unique_ptr<M3Mo
                       "--tensor-parallel-size, or --device cpu",
                       "--data-parallel-size");
   }
-  if (plan.tensor_sharded() && plan.expert_parallel) {
-    return make_error(ErrorCode::kUnsupported,
-                      "--enable-expert-parallel with --device cuda is not implemented yet (the "
-                      "GPU ranks slice every expert instead); drop --enable-expert-parallel or "
-                      "use --device cpu",
-                      "--enable-expert-parallel");
-  }
   if (plan.tensor_sharded()) {
     M3_CHECK(comm != nullptr && comm_stream != nullptr,
              "a tensor-parallel GPU shard needs a device communicator and its stream");
@@ -588,20 +581,28 @@ void M3ModelCuda::moe(const LayerWeights& L, const float* x, int64_t n, float* o
                                                       : nullptr,
                    k, static_cast<float>(cfg.routed_scaling_factor), ids, wts, s);
 
+  // Expert parallel: this rank holds experts [expert_begin, + num_experts); picks of the
+  // others become -1 and add nothing here (the all-reduce after the block adds the other ranks').
+  const int64_t ne_local = static_cast<int64_t>(L.experts.size());
+  if (plan_.expert_parallel && plan_.tensor_sharded()) {
+    M3_CHECK(ne_local == plan_.num_experts);
+    ops::moe_localize_ids(ids, n * k, plan_.expert_begin, plan_.num_experts, s);
+  } else {
+    M3_CHECK(ne_local == ne);
+  }
   // The experts as moe_experts reads them: contiguous per projection (upload_weights and the
   // synthetic factory both lay them out so).
-  M3_CHECK(static_cast<int64_t>(L.experts.size()) == ne);
   const MatRef& e0 = L.experts[0].w1;
   ops::MoeExpertWeights ew;
   ew.w1 = e0.data;
   ew.w3 = L.experts[0].w3.data;
   ew.w2 = L.experts[0].w2.data;
   ew.dtype = e0.dtype;
-  ew.num_experts = ne;
+  ew.num_experts = ne_local;
   ew.inter = e0.rows;
   ew.hidden = h;
   const size_t per = static_cast<size_t>(ew.inter * h) * dtype_size(ew.dtype);
-  for (int64_t e = 0; e < ne; ++e) {
+  for (int64_t e = 0; e < ne_local; ++e) {
     const ExpertWeights& E = L.experts[e];
     M3_CHECK(E.w1.data == static_cast<const uint8_t*>(ew.w1) + e * per &&
                  E.w3.data == static_cast<const uint8_t*>(ew.w3) + e * per &&
