@@ -57,6 +57,39 @@ struct ChoiceSlot {
   bool aborted = false;  // engine.abort() sent
 };
 
+// What every streamed chunk of one request shares (id, object, created, model, the usage mode)
+// and the stream's tail, for /v1/completions and /v1/chat/completions alike.
+struct SseEnvelope {
+  std::string id, object, model;
+  int64_t created = 0;
+  bool include_usage = false, continuous = false;
+
+  // One chunk around `choice`: running usage when continuous_usage_stats, null usage when only
+  // include_usage (vLLM's shape), no usage key otherwise.
+  template <class UsageFn>
+  std::string chunk(Json choice, UsageFn usage) const {
+    Json j = {{"id", id}, {"object", object}, {"created", created}, {"model", model}};
+    j["choices"] = Json::array({std::move(choice)});
+    if (continuous) j["usage"] = usage_json(usage());
+    else if (include_usage) j["usage"] = nullptr;
+    return sse_event(j);
+  }
+  // The usage-only chunk when include_usage, then [DONE] and the end of the response. False
+  // when the client is gone before the usage chunk.
+  bool finish(httplib::DataSink& sink, const UsageCounts& usage) const {
+    auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
+    if (include_usage) {
+      Json j = {{"id", id}, {"object", object}, {"created", created}, {"model", model}};
+      j["choices"] = Json::array();
+      j["usage"] = usage_json(usage);
+      if (!write(sse_event(j))) return false;
+    }
+    write(sse_done());
+    sink.done();
+    return true;
+  }
+};
+
 struct PromptData {
   std::vector<int32_t> ids;
   std::string text;  // for echo
@@ -374,16 +407,12 @@ void HttpServerImpl::handle_completions(const httplib::Request& req, httplib::Re
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [gen, guard, id, created, model, include_usage, continuous, echo, logprobs, prompt_lps, usage_of](
-          size_t, httplib::DataSink& sink) {
+      [gen, guard, env = SseEnvelope{id, "text_completion", model, created, include_usage, continuous},
+       echo, logprobs, prompt_lps, usage_of](size_t, httplib::DataSink& sink) {
         auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
         auto chunk = [&](const ChoiceSlot& s, const std::string& text, const Json& lps, const Json& finish) {
           Json c = {{"index", s.index}, {"text", text}, {"logprobs", lps}, {"finish_reason", finish}};
-          Json j = {{"id", id}, {"object", "text_completion"}, {"created", created}, {"model", model}};
-          j["choices"] = Json::array({c});
-          if (continuous) j["usage"] = usage_json(usage_of(*gen));
-          else if (include_usage) j["usage"] = nullptr;
-          return write(sse_event(j));
+          return write(env.chunk(std::move(c), [&] { return usage_of(*gen); }));
         };
         std::vector<int64_t> offsets(gen->slots.size(), 0);
         if (echo) {
@@ -458,15 +487,7 @@ void HttpServerImpl::handle_completions(const httplib::Request& req, httplib::Re
             return false;
           }
         }
-        if (include_usage) {
-          Json j = {{"id", id}, {"object", "text_completion"}, {"created", created}, {"model", model}};
-          j["choices"] = Json::array();
-          j["usage"] = usage_json(usage_of(*gen));
-          if (!write(sse_event(j))) return false;
-        }
-        write(sse_done());
-        sink.done();
-        return true;
+        return env.finish(sink, usage_of(*gen));
       },
       [gen, guard](bool) { gen->abort_all(); });
 }
@@ -604,16 +625,12 @@ void HttpServerImpl::handle_chat(const httplib::Request& req, httplib::Response&
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [gen, guard, id, created, model, include_usage, continuous, logprobs, tool_choice, usage_of](
-          size_t, httplib::DataSink& sink) {
+      [gen, guard, env = SseEnvelope{id, "chat.completion.chunk", model, created, include_usage, continuous},
+       logprobs, tool_choice, usage_of](size_t, httplib::DataSink& sink) {
         auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
         auto chunk = [&](const ChoiceSlot& s, const Json& delta, const Json& lps, const Json& finish) {
           Json c = {{"index", s.index}, {"delta", delta}, {"logprobs", lps}, {"finish_reason", finish}};
-          Json j = {{"id", id}, {"object", "chat.completion.chunk"}, {"created", created}, {"model", model}};
-          j["choices"] = Json::array({c});
-          if (continuous) j["usage"] = usage_json(usage_of(*gen));
-          else if (include_usage) j["usage"] = nullptr;
-          return write(sse_event(j));
+          return write(env.chunk(std::move(c), [&] { return usage_of(*gen); }));
         };
         // The role comes first, before any token, in every choice.
         for (const auto& s : gen->slots) {
@@ -654,15 +671,7 @@ void HttpServerImpl::handle_chat(const httplib::Request& req, httplib::Response&
             return false;
           }
         }
-        if (include_usage) {
-          Json j = {{"id", id}, {"object", "chat.completion.chunk"}, {"created", created}, {"model", model}};
-          j["choices"] = Json::array();
-          j["usage"] = usage_json(usage_of(*gen));
-          if (!write(sse_event(j))) return false;
-        }
-        write(sse_done());
-        sink.done();
-        return true;
+        return env.finish(sink, usage_of(*gen));
       },
       [gen, guard](bool) { gen->abort_all(); });
 }

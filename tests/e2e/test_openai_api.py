@@ -118,6 +118,20 @@ def test_chat_stream_invariants(client):
     assert chunks[-1].usage.prompt_tokens == ref.usage.prompt_tokens
 
 
+def test_stream_continuous_usage_stats(client):
+    # vLLM's stream_options.continuous_usage_stats: every chunk carries the running usage, the
+    # completion count never decreases, and the final usage chunk has the whole count.
+    for create, kw in ((client.chat.completions.create, dict(messages=USER)),
+                       (client.completions.create, dict(prompt="Once upon a time"))):
+        chunks = list(create(model=MODEL_NAME, max_tokens=12, temperature=0, stream=True,
+                             stream_options={"include_usage": True, "continuous_usage_stats": True},
+                             **kw))
+        assert all(c.usage is not None for c in chunks)
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts)
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == counts[-1] > 0
+
+
 def test_completion_stream_matches_nonstream(client):
     kw = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=20, temperature=0)
     ref = client.completions.create(**kw)

@@ -63,7 +63,7 @@ Status check_tensor_parallel_devices(int tensor_parallel_size);
 // (opts.gpu_memory_utilization or opts.kv_cache_memory_bytes, both per GPU). forward() runs every
 // rank on the batch and returns rank 0's logits / device samples. N == 1 is make_cuda_backend.
 // Errors (naming the flag): fewer GPUs than N, a split that does not divide the model,
-// expert_parallel (not implemented on GPUs), a config-only (synthetic) host, a build without
+// a config-only (synthetic) host, a build without
 // NCCL, and make_cuda_backend's KV-pool errors.
 Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_ptr<M3Model> host,
                                                                   const CudaBackendOptions& opts,
