@@ -15,49 +15,20 @@
 #include "model/m3_model.h"
 #include "kernels/cpu/sample.h"
 #include "model/sequence_runner.h"
+#include "unit/engine/engine_test_util.h"
 
 namespace m3::engine {
 namespace {
 
-const std::string kModel = std::string(M3_SOURCE_DIR) + "/tests/golden/model/msa_small_blocks";
+using testing::kModel;
+using testing::random_prompt;
+using testing::reference_greedy;
 
-std::vector<int32_t> random_prompt(int n, uint32_t seed, int vocab) {
-  std::mt19937 g(seed);
-  std::uniform_int_distribution<int32_t> d(0, vocab - 1);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = d(g);
-  return v;
-}
-
-std::vector<int32_t> reference_greedy(const model::M3Model& m, const std::vector<int32_t>& prompt,
-                                      int n) {
-  model::SequenceRunner r(m, static_cast<int64_t>(prompt.size()) + n + 1, 1);
-  const int s = r.add_sequence();
-  auto out = r.step({{s, prompt, false}});
-  std::vector<int32_t> toks;
-  for (int i = 0; i < n; ++i) {
-    const int32_t t = static_cast<int32_t>(
-        std::max_element(out.logits.begin(), out.logits.end()) - out.logits.begin());
-    toks.push_back(t);
-    if (i + 1 < n) out = r.step({{s, std::span<const int32_t>(&t, 1), false}});
-  }
-  return toks;
-}
-
+// The tokens of a finished stream and its finish reason.
 std::vector<int32_t> collect(RequestStream& s, std::string* finish_reason) {
-  std::vector<int32_t> toks;
-  for (;;) {
-    auto o = s.next(std::chrono::milliseconds(60000));
-    if (!o) {
-      ADD_FAILURE() << "stream timed out";
-      return toks;
-    }
-    toks.insert(toks.end(), o->new_token_ids.begin(), o->new_token_ids.end());
-    if (o->finished) {
-      *finish_reason = o->finish_reason;
-      return toks;
-    }
-  }
+  auto c = testing::collect(s);
+  *finish_reason = c.last.finish_reason;
+  return c.tokens;
 }
 
 // What the engine did through the seam, read after the engine is gone or idle.

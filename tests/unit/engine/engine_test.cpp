@@ -12,58 +12,16 @@
 #include "engine/sampler.h"
 #include "model/m3_model.h"
 #include "model/sequence_runner.h"
+#include "unit/engine/engine_test_util.h"
 
 namespace m3::engine {
 namespace {
 
-const std::string kModel = std::string(M3_SOURCE_DIR) + "/tests/golden/model/msa_small_blocks";
-
-std::vector<int32_t> random_prompt(int n, uint32_t seed, int vocab) {
-  std::mt19937 g(seed);
-  std::uniform_int_distribution<int32_t> d(0, vocab - 1);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = d(g);
-  return v;
-}
-
-// Greedy continuation with the scheduler-free runner (the reference).
-std::vector<int32_t> reference_greedy(const model::M3Model& m, const std::vector<int32_t>& prompt,
-                                      int n) {
-  model::SequenceRunner r(m, static_cast<int64_t>(prompt.size()) + n + 1, 1);
-  const int s = r.add_sequence();
-  auto out = r.step({{s, prompt, false}});
-  std::vector<int32_t> toks;
-  for (int i = 0; i < n; ++i) {
-    const int32_t t = static_cast<int32_t>(
-        std::max_element(out.logits.begin(), out.logits.end()) - out.logits.begin());
-    toks.push_back(t);
-    if (i + 1 < n) out = r.step({{s, std::span<const int32_t>(&t, 1), false}});
-  }
-  return toks;
-}
-
-struct Collected {
-  std::vector<int32_t> tokens;
-  RequestOutput last;
-  std::vector<RequestOutput> all;
-};
-
-Collected collect(RequestStream& s) {
-  Collected c;
-  for (;;) {
-    auto o = s.next(std::chrono::milliseconds(60000));
-    if (!o) {
-      ADD_FAILURE() << "stream timed out";
-      return c;
-    }
-    c.tokens.insert(c.tokens.end(), o->new_token_ids.begin(), o->new_token_ids.end());
-    c.all.push_back(*o);
-    if (o->finished) {
-      c.last = *o;
-      return c;
-    }
-  }
-}
+using testing::collect;
+using testing::Collected;
+using testing::kModel;
+using testing::random_prompt;
+using testing::reference_greedy;
 
 std::unique_ptr<Engine> make_engine(EngineConfig cfg) {
   cfg.model_dir = kModel;
