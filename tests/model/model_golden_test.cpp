@@ -186,48 +186,13 @@ TEST_P(ModelGolden, MsaBlocksMatchTransformersExactly) {
   int64_t compared = 0, skipped = 0;
   for (const auto& c : golden_["cases"]) {
     if (!c.contains("msa")) continue;
-    const ForwardResult& out = prefill(c).res;
-    const int64_t nkv = cfg.num_key_value_heads, k = cfg.sparse_topk_blocks;
-    for (const auto& [layer_str, rec] : c["msa"].items()) {
-      const int layer = std::stoi(layer_str);
-      ASSERT_TRUE(cfg.layer_is_sparse[layer]);
-      const auto& sel = out.msa_blocks[layer];
-      const auto& positions = rec["positions"];
-      for (size_t i = 0; i < positions.size(); ++i) {
-        const int64_t p = positions[i].get<int64_t>();
-        if (rec.contains("margin") && !rec["margin"][i].is_null() &&
-            rec["margin"][i].get<double>() < kMsaMarginFloor) {
-          ++skipped;
-          continue;
-        }
-        for (int64_t g = 0; g < nkv; ++g) {
-          std::set<int32_t> got;
-          for (int64_t j = 0; j < k; ++j) {
-            const int32_t b = sel[(p * nkv + g) * k + j];
-            if (b >= 0) got.insert(b);
-          }
-          const auto want_v = rec["blocks"][i][g].get<std::vector<int32_t>>();
-          std::set<int32_t> want(want_v.begin(), want_v.end());
-          EXPECT_EQ(got, want) << c["name"] << " layer " << layer << " position " << p
-                               << " kv head " << g;
-          ++compared;
-        }
-      }
-    }
+    const Prefilled& pf = prefill(c);
+    expect_msa_matches_golden(c, pf.res.msa_blocks, cfg, c["prompt_ids"].size(),
+                              c["name"].get<std::string>(), &compared, &skipped);
   }
   std::printf("  compared %lld (position, head) selections, skipped %lld near-ties\n",
               (long long)compared, (long long)skipped);
   EXPECT_GT(compared, 0);
-}
-
-// Longest prompt of the golden set.
-std::vector<int32_t> longest_prompt(const json& g) {
-  std::vector<int32_t> best;
-  for (const auto& c : g["cases"]) {
-    auto ids = c["prompt_ids"].get<std::vector<int32_t>>();
-    if (ids.size() > best.size()) best = ids;
-  }
-  return best;
 }
 
 TEST_P(ModelGolden, ChunkedPrefillEqualsOneShot) {

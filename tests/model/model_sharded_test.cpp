@@ -149,28 +149,7 @@ TEST_P(ShardedGolden, MatchesUnshardedAndTransformers) {
             << cname << " position " << i << " top " << t[0];
     }
     // 3. MSA block ids (all KV heads, gathered from the ranks) exactly as transformers chose.
-    if (c.contains("msa")) {
-      const int64_t nkv = cfg.num_key_value_heads, k = cfg.sparse_topk_blocks;
-      for (const auto& [layer_str, rec] : c["msa"].items()) {
-        const auto& sel = res.msa_blocks[std::stoi(layer_str)];
-        ASSERT_EQ(sel.size(), ids.size() * nkv * k);
-        for (size_t i = 0; i < rec["positions"].size(); ++i) {
-          if (rec.contains("margin") && !rec["margin"][i].is_null() &&
-              rec["margin"][i].get<double>() < kMsaMarginFloor)
-            continue;
-          const int64_t p = rec["positions"][i].get<int64_t>();
-          for (int64_t h = 0; h < nkv; ++h) {
-            std::set<int32_t> got;
-            for (int64_t j = 0; j < k; ++j)
-              if (sel[(p * nkv + h) * k + j] >= 0) got.insert(sel[(p * nkv + h) * k + j]);
-            const auto w = rec["blocks"][i][h].get<std::vector<int32_t>>();
-            EXPECT_EQ(got, std::set<int32_t>(w.begin(), w.end()))
-                << cname << " layer " << layer_str << " position " << p << " kv head " << h;
-            ++msa_compared;
-          }
-        }
-      }
-    }
+    expect_msa_matches_golden(c, res.msa_blocks, cfg, ids.size(), cname, &msa_compared);
     // 4. Greedy continuation, decoding one token a step on the sharded cache.
     const auto want = c["greedy_ids"].get<std::vector<int32_t>>();
     const auto margin = c["greedy_margin"].get<std::vector<double>>();

@@ -161,34 +161,8 @@ TEST_P(TpGolden, Tp2MatchesTp1AndTransformers) {
     }
     // 3. MSA block ids (gathered from both ranks) equal TP1's and transformers' at every
     //    recorded position whose golden margin is not a near-tie.
-    if (c.contains("msa")) {
-      const int64_t nkv = cfg.num_key_value_heads, k = cfg.sparse_topk_blocks;
-      for (const auto& [layer_str, rec] : c["msa"].items()) {
-        const int li = std::stoi(layer_str);
-        const auto& sel = got.msa_blocks[li];
-        const auto& sel1 = want.msa_blocks[li];
-        ASSERT_EQ(sel.size(), ids.size() * nkv * k) << cname << " layer " << li;
-        ASSERT_EQ(sel1.size(), sel.size());
-        for (size_t i = 0; i < rec["positions"].size(); ++i) {
-          if (rec.contains("margin") && !rec["margin"][i].is_null() &&
-              rec["margin"][i].get<double>() < kMsaMarginFloor)
-            continue;
-          const int64_t p = rec["positions"][i].get<int64_t>();
-          for (int64_t h = 0; h < nkv; ++h) {
-            std::set<int32_t> a, b;
-            for (int64_t j = 0; j < k; ++j) {
-              if (sel[(p * nkv + h) * k + j] >= 0) a.insert(sel[(p * nkv + h) * k + j]);
-              if (sel1[(p * nkv + h) * k + j] >= 0) b.insert(sel1[(p * nkv + h) * k + j]);
-            }
-            const auto w = rec["blocks"][i][h].get<std::vector<int32_t>>();
-            EXPECT_EQ(a, b) << cname << " layer " << li << " position " << p << " head " << h;
-            EXPECT_EQ(a, std::set<int32_t>(w.begin(), w.end()))
-                << cname << " layer " << li << " position " << p << " head " << h;
-            ++msa_compared;
-          }
-        }
-      }
-    }
+    expect_msa_matches_golden(c, got.msa_blocks, cfg, ids.size(), cname, &msa_compared, nullptr,
+                              &want.msa_blocks);
     // 4. Greedy decode, one token a step (decode-sized steps: graph replay unless eager), the
     //    token sampled on the device of rank 0; logits stay within kTpTol of TP1's.
     const auto gw = c["greedy_ids"].get<std::vector<int32_t>>();
