@@ -4,6 +4,7 @@
 // at most 1024, and are called by every thread of the block.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -84,6 +85,19 @@ inline int num_sms() {
     return v;
   }();
   return n;
+}
+
+// Raises `kernel`'s dynamic shared-memory limit to `bytes` once per device: the attribute is a
+// property of the function on one device, so a process driving several GPUs (tensor-parallel
+// ranks) must set it on each. `done` is the call site's set of devices already done.
+template <class Kernel>
+void raise_smem_limit_once(std::atomic<uint64_t>& done, Kernel kernel, int bytes) {
+  int dev = 0;
+  M3_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = uint64_t{1} << (dev & 63);
+  if (done.load(std::memory_order_acquire) & bit) return;
+  M3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  done.fetch_or(bit, std::memory_order_acq_rel);
 }
 
 }  // namespace m3::kernels::cuda::detail

@@ -448,14 +448,10 @@ void launch_split(const float* q, int64_t num_heads, const KvPages& c, const Tok
                   const int32_t* blocks, int64_t max_blocks, float scale, int64_t max_kv_len,
                   int splits, float* part_o, float* part_ml, float* out, cudaStream_t stream) {
   const size_t smem = SplitSmem{G, static_cast<int>(c.head_dim)}.bytes();
-  // The largest (head_dim 128) size, allowed once per instantiation (thread-safe static init).
-  static const bool attr_set = [] {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(attention_split_kernel<G>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(SplitSmem{G, kFastMaxDim}.bytes())));
-    return true;
-  }();
-  (void)attr_set;
+  // The largest (head_dim 128) size, allowed once per instantiation and device.
+  static std::atomic<uint64_t> attr_set{0};
+  detail::raise_smem_limit_once(attr_set, attention_split_kernel<G>,
+                                static_cast<int>(SplitSmem{G, kFastMaxDim}.bytes()));
   const dim3 grid(static_cast<unsigned>(L.num_tokens * c.num_kv_heads),
                   static_cast<unsigned>(splits));
   attention_split_kernel<G><<<grid, kSplitThreads, smem, stream>>>(

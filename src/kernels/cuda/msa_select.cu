@@ -414,13 +414,9 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
   const bool fast = fast_score_supported(cache, ni);
   const bool keys_in_smem = static_cast<size_t>(nb_stride) <= kTopkSmemKeys;
   const size_t topk_smem = keys_in_smem ? sizeof(uint32_t) * nb_stride : 0;
-  static const bool topk_attr_set = [] {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(msa_topk_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(sizeof(uint32_t) * kTopkSmemKeys)));
-    return true;
-  }();
-  (void)topk_attr_set;
+  static std::atomic<uint64_t> topk_attr_set{0};  // per device (attn_common.cuh)
+  detail::raise_smem_limit_once(topk_attr_set, msa_topk_kernel,
+                                static_cast<int>(sizeof(uint32_t) * kTopkSmemKeys));
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t n = std::min(chunk, T - t0);
     TokenLayout sub = layout;
