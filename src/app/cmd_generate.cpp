@@ -116,16 +116,25 @@ int run_generate(const GenerateArgs& a) {
   }
   (void)spec;  // read only by the CUDA branch below
   // --device cuda --tensor-parallel-size N: the host model is loaded here and sharded over N GPUs
-  // below (model::make_cuda_sharded_backend), like the CPU ranks.
+  // below (model::make_cuda_sharded_backend), like the CPU ranks; --data-parallel-size N too
+  // (model::make_cuda_data_parallel_backend; one sequence: one rank runs it, the others join the
+  // MoE collectives).
   const bool gpu_tp = a.device == "cuda" && a.parallel.tensor_parallel_size > 1;
+  const bool gpu_dp = a.device == "cuda" && a.parallel.data_parallel_size > 1;
+  const bool gpu_sharded = gpu_tp || gpu_dp;
 #ifdef M3_HAS_CUDA
   if (gpu_tp) {
     if (auto st = model::check_tensor_parallel_devices(a.parallel.tensor_parallel_size); !st)
       return fail(st.error().message);
     apply_gemm_precision(a.gemm_precision);
   }
+  if (gpu_dp) {
+    if (auto st = model::check_data_parallel_devices(a.parallel.data_parallel_size); !st)
+      return fail(st.error().message);
+    apply_gemm_precision(a.gemm_precision);
+  }
 #endif
-  if (a.device == "cuda" && !gpu_tp) {
+  if (a.device == "cuda" && !gpu_sharded) {
 #ifdef M3_HAS_CUDA
     apply_gemm_precision(a.gemm_precision);
     auto m = synthetic ? model::M3ModelCuda::synthetic(model::synthetic_m3_config(spec.layers),
@@ -140,7 +149,7 @@ int run_generate(const GenerateArgs& a) {
 #endif
   } else {
 #ifndef M3_HAS_CUDA
-    if (gpu_tp)
+    if (gpu_sharded)
       return fail("--device cuda: this m3serve was built without CUDA support; rebuild with "
                   "-DM3_CUDA=ON on a machine with the CUDA toolkit, or use --device cpu");
 #endif
@@ -186,7 +195,9 @@ int run_generate(const GenerateArgs& a) {
   std::unique_ptr<model::ForwardBackend> sharded;
   std::unique_ptr<model::SequencePages> sharded_pages;
   if (cpu_model && wants_sharding(a.parallel)) {
-    auto view = cpu_model->make_shard(model::ShardSpec{});  // shares the weights
+    // Shares the weights; a synthetic model is config-only (its ranks generate their weights).
+    auto view = synthetic ? model::M3Model::load(a.model_dir)
+                          : cpu_model->make_shard(model::ShardSpec{});
     if (!view) return fail(view.error().message);
     const int64_t bs = cfg.sparse_block_size;
     const int64_t pages = model::SequencePages::pages_needed(total + 1, 1, bs);
@@ -195,11 +206,20 @@ int run_generate(const GenerateArgs& a) {
     if (gpu_tp) {
       model::CudaBackendOptions o;
       o.kv_cache_memory_bytes = pages * model::KvCache::page_bytes(cfg);  // >= pages per rank
+      o.synthetic_seed = spec.seed;  // a synthetic model: each rank generates its slices
       be = model::make_cuda_sharded_backend(std::move(*view), o, a.parallel.tensor_parallel_size,
                                             a.parallel.enable_expert_parallel);
     }
+    if (gpu_dp) {
+      model::CudaBackendOptions o;
+      o.kv_cache_memory_bytes = pages * model::KvCache::page_bytes(cfg);  // all heads per rank
+      o.synthetic_seed = spec.seed;
+      be = model::make_cuda_data_parallel_backend(std::move(*view), o,
+                                                  a.parallel.data_parallel_size,
+                                                  a.parallel.enable_expert_parallel);
+    }
 #endif
-    if (!gpu_tp) {
+    if (!gpu_sharded) {
       be = model::make_cpu_sharded_backend(std::move(*view), pages,
                                            a.parallel.tensor_parallel_size,
                                            a.parallel.enable_expert_parallel,

@@ -92,6 +92,17 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
           return model::make_cuda_sharded_backend(std::move(host), opts, tp, ep);
         });
   }
+  if (a.parallel.data_parallel_size > 1) {
+    // Attention data parallel, one GPU per rank (validate_parallel refused DP with TP > 1).
+    const int dp = a.parallel.data_parallel_size;
+    M3_TRY_STATUS(model::check_data_parallel_devices(dp));
+    const bool ep = a.parallel.enable_expert_parallel;
+    return engine::BackendFactory(
+        [opts, dp, ep](std::unique_ptr<model::M3Model> host, int64_t /*cpu_num_pages*/)
+            -> Result<std::unique_ptr<model::ForwardBackend>> {
+          return model::make_cuda_data_parallel_backend(std::move(host), opts, dp, ep);
+        });
+  }
   return engine::BackendFactory(
       [opts](std::unique_ptr<model::M3Model> host,
              int64_t /*cpu_num_pages: the GPU pool is sized from GPU memory*/)

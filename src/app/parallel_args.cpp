@@ -17,8 +17,8 @@ void add_parallel_options(CLI::App* sub, ParallelArgs& a) {
                 "every expert");
   sub->add_option("--data-parallel-size,--dp", a.data_parallel_size,
                   "Attention data-parallel ranks: each runs its own sequences with all heads, "
-                  "the routed experts are split over all of them (CPU: threads; not combined "
-                  "with --tensor-parallel-size yet)")
+                  "the routed experts are split over all of them (CPU: threads; cuda: one GPU "
+                  "per rank over NCCL; not combined with --tensor-parallel-size yet)")
       ->capture_default_str();
   sub->add_option("--nnodes", a.nnodes,
                   "Nodes in the group (only 1 for now; see "
@@ -70,14 +70,9 @@ Status validate_parallel(const ParallelArgs& a, const std::string& device) {
                           std::to_string(a.tensor_parallel_size) +
                           " is not implemented yet; use one of them (docs/MULTI_NODE.md)",
                       "--data-parallel-size");
-  if (a.data_parallel_size > 1 && device == "cuda")
-    return make_error(ErrorCode::kUnsupported,
-                      "--data-parallel-size " + std::to_string(a.data_parallel_size) +
-                          " with --device cuda is not implemented yet; use --device cpu or "
-                          "--data-parallel-size 1",
-                      "--data-parallel-size");
-  // --device cuda --tensor-parallel-size N: one GPU per rank over NCCL (app/device_backend.cpp
-  // checks the GPU count), with or without --enable-expert-parallel.
+  // --device cuda --tensor-parallel-size N or --data-parallel-size N: one GPU per rank over
+  // NCCL (app/device_backend.cpp checks the GPU count), with or without --enable-expert-parallel.
+  (void)device;
   return {};
 }
 

@@ -3,9 +3,9 @@
 // --node-rank, --master-addr, --master-port. Registers them, validates them, and wraps a device's
 // backend factory so the engine gets the tensor- or data-parallel CPU backend
 // (model::make_cpu_sharded_backend) when asked.
-// Invariant: what is not implemented yet (data and tensor parallel together, more than one node,
-// data or expert parallelism on --device cuda) is refused here with one line, before the weights
-// are read. --device cuda --tensor-parallel-size N is wired in app/device_backend.cpp.
+// Invariant: what is not implemented yet (data and tensor parallel together, more than one node)
+// is refused here with one line, before the weights are read. --device cuda
+// --tensor-parallel-size N and --data-parallel-size N are wired in app/device_backend.cpp.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +34,7 @@ void add_parallel_options(CLI::App* sub, ParallelArgs& a);
 
 // Errors (one line each, naming the flag): sizes < 1, --node-rank outside [0, --nnodes), a port
 // outside [1, 65535], an empty --master-addr, and what is not implemented yet: --nnodes > 1 (the
-// message points at docs/MULTI_NODE.md), DP and TP both > 1, DP > 1 or expert parallel with
-// TP > 1 on `device` cuda.
+// message points at docs/MULTI_NODE.md) and DP and TP both > 1 (on any `device`).
 Status validate_parallel(const ParallelArgs& a, const std::string& device);
 
 // True when the flags ask for more than one rank.

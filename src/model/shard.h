@@ -56,8 +56,19 @@ struct ShardPlan {
   // Data parallel: each rank runs its own sequences; experts split.
   bool data_sharded() const { return world > 1 && data_parallel; }
   // The DP rank that runs the sequence whose first KV page is `first_page`. A function of the
-  // first page, so sequences sharing cached prefix pages always run on the same rank.
-  int dp_owner(int32_t first_page) const { return static_cast<int>(first_page % world); }
+  // first page only, so sequences sharing cached prefix pages always run on the same rank; a
+  // mixing hash of it, so owners spread evenly whatever pattern the page allocator follows (the
+  // page id modulo the world put every sequence on rank 0 when all prompts filled an even number
+  // of pages: bench_tp's first DP2 run).
+  int dp_owner(int32_t first_page) const {
+    uint32_t x = static_cast<uint32_t>(first_page);
+    x ^= x >> 16;
+    x *= 0x7feb352dU;
+    x ^= x >> 15;
+    x *= 0x846ca68bU;
+    x ^= x >> 16;
+    return static_cast<int>(x % static_cast<uint32_t>(world));
+  }
   // First KV head of rank r (for reassembling per-head outputs such as MSA selections).
   int64_t kv_head_begin_of(int r) const;
   // One start-up line: what is split, what is replicated and its memory cost.

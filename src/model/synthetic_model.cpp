@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "core/check.h"
+
 namespace m3::model {
 
 namespace {
@@ -138,26 +140,36 @@ struct Counts {
   int64_t f32 = 0;   // elements stored as f32 (router weight and bias)
 };
 
-Counts count(const M3Config& c) {
+// Elements one rank of `p` stores (M3ModelCuda::generate_weights draws exactly these).
+Counts count(const M3Config& c, const ShardPlan& p) {
   Counts n;
-  const int64_t h = c.hidden_size;
-  n.bf16 += 2 * c.vocab_size * h + h;  // embed_tokens, lm_head (untied), final norm
+  const int64_t h = c.hidden_size, d = c.head_dim, di = c.index_head_dim;
+  n.bf16 += 2 * p.vocab_count * h + h;  // embed_tokens, lm_head (untied), final norm
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    n.bf16 += 2 * h;                                    // input / post-attention norms
-    n.bf16 += 2 * c.q_size() * h + 2 * c.kv_size() * h;  // q, o; k, v
-    n.bf16 += 2 * c.head_dim;                           // q_norm, k_norm
+    n.bf16 += 2 * h;                                      // input / post-attention norms
+    n.bf16 += 2 * p.num_q_heads * d * h;                  // q rows, o columns
+    n.bf16 += 2 * p.num_kv_heads * d * h;                 // k, v
+    n.bf16 += 2 * d;                                      // q_norm, k_norm
     if (c.layer_is_sparse[i]) {
-      n.bf16 += (c.index_n_heads + 1) * c.index_head_dim * h + 2 * c.index_head_dim;
+      // Index-q heads follow the KV heads under tensor parallelism; index-K is on every rank.
+      const int64_t ni = p.tensor_sharded() ? p.num_kv_heads : c.index_n_heads;
+      n.bf16 += (ni + 1) * di * h + 2 * di;
     }
     if (c.layer_is_moe[i]) {
-      n.bf16 += c.num_local_experts * 3 * c.intermediate_size * h;
-      n.bf16 += 3 * c.shared_intermediate_size * h;
+      n.bf16 += p.num_experts * 3 * p.expert_inter * h;
+      n.bf16 += 3 * p.shared_inter * h;
       n.f32 += c.num_local_experts * h + c.num_local_experts;  // router, bias
     } else {
-      n.bf16 += 3 * c.dense_intermediate_size * h;
+      n.bf16 += 3 * p.dense_inter * h;
     }
   }
   return n;
+}
+
+Counts count(const M3Config& c) {
+  auto whole = make_shard_plan(c, ShardSpec{});
+  M3_CHECK(whole.has_value(), "unsharded plan: %s", whole ? "" : whole.error().message.c_str());
+  return count(c, *whole);
 }
 
 }  // namespace
@@ -169,6 +181,11 @@ int64_t synthetic_param_count(const M3Config& cfg) {
 
 int64_t synthetic_weight_bytes(const M3Config& cfg) {
   const Counts n = count(cfg);
+  return 2 * n.bf16 + 4 * n.f32;
+}
+
+int64_t synthetic_weight_bytes(const M3Config& cfg, const ShardPlan& plan) {
+  const Counts n = count(cfg, plan);
   return 2 * n.bf16 + 4 * n.f32;
 }
 

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "model/config.h"
+#include "model/shard.h"
 
 namespace m3::model {
 
@@ -41,6 +42,9 @@ M3Config synthetic_m3_config(int64_t layers);
 // 426,174,572,928 (m3-model.md §1.5).
 int64_t synthetic_param_count(const M3Config& cfg);
 int64_t synthetic_weight_bytes(const M3Config& cfg);
+// The bytes one rank of `plan` holds (its slices, plus what every rank replicates: norms, router,
+// index-K); the unsharded plan gives synthetic_weight_bytes(cfg).
+int64_t synthetic_weight_bytes(const M3Config& cfg, const ShardPlan& plan);
 
 // The message for `--device cpu` with a synthetic model (too big for the CPU path).
 std::string synthetic_needs_cuda_message(std::string_view model);

@@ -21,6 +21,15 @@ namespace m3::model::golden {
 constexpr double kLogprobTol = 2e-3;
 // Greedy steps whose golden top-2 logit margin is below this may legitimately flip.
 constexpr double kGreedyMarginFloor = 4e-3;
+
+// Tokens of a golden case's greedy continuation before its first recorded near-tie (a margin
+// below kGreedyMarginFloor): what two correct implementations must generate alike.
+inline size_t greedy_tokens_before_near_tie(const nlohmann::json& c) {
+  const auto margin = c["greedy_margin"].get<std::vector<double>>();
+  size_t n = 0;
+  while (n < margin.size() && margin[n] >= kGreedyMarginFloor) ++n;
+  return n;
+}
 // MSA block choices whose k-th vs (k+1)-th block-score margin is below this may flip.
 constexpr double kMsaMarginFloor = 3e-4;
 

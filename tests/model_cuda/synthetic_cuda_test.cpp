@@ -3,7 +3,8 @@
 // with finite, non-degenerate logits; the same seed gives bit-identical weights and another seed
 // different ones; MoE experts are contiguous per projection; the engine runs the synthetic model
 // through the CUDA backend (what `serve --model synthetic:layers=4 --device cuda` does) and
-// refuses a --max-model-len whose pages do not fit. Skips where no GPU is usable.
+// refuses a --max-model-len whose pages do not fit; a tensor-parallel rank's weights are its
+// slices of the whole model's. Skips where no GPU is usable.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -12,6 +13,7 @@
 
 #include "engine/engine.h"
 #include "gpu/device.h"
+#include "gpu/device_buffer.h"
 #include "model/cuda/cuda_backend.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/cuda/sequence_runner_cuda.h"
@@ -122,6 +124,103 @@ TEST(SyntheticCuda, SameSeedSameWeightsOtherSeedOtherWeights) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NE(a[i], c[i]) << "tensor " << i;
   // Distinct tensors of one seed draw distinct streams.
   EXPECT_NE(a[0], a[4]);
+}
+
+// Checksum of rows [r0, + nr) x columns [c0, + nc) of a device matrix (copied out densely).
+uint64_t block_checksum(const MatRef& m, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
+  const size_t es = dtype_size(m.dtype);
+  gpu::DeviceBuffer<uint8_t> tmp(static_cast<size_t>(nr * nc) * es);
+  EXPECT_EQ(cudaMemcpy2D(tmp.data(), nc * es, static_cast<const uint8_t*>(m.data) + (r0 * m.cols + c0) * es,
+                         m.cols * es, nc * es, nr, cudaMemcpyDeviceToDevice),
+            cudaSuccess);
+  return device_checksum(tmp.data(), tmp.size(), nullptr);
+}
+uint64_t whole_checksum(const MatRef& m) { return device_checksum(m.data, mat_bytes(m), nullptr); }
+
+// A tensor-parallel rank's synthetic weights are exactly its slices of the unsharded model's
+// (M3ModelCuda::synthetic with a ShardPlan): what makes `synthetic:layers=N` under TP compute what
+// TP1 computes. Every shard of TP2, TP4 + EP and TP8 (KV heads replicated) is generated on this
+// one GPU and compared slice by slice with the whole model.
+TEST(SyntheticCuda, RankShardsAreSlicesOfTheWholeModel) {
+  SKIP_WITHOUT_GPU();
+  const M3Config cfg = synthetic_m3_config(4);
+  auto whole = M3ModelCuda::synthetic(cfg, 11);
+  ASSERT_TRUE(whole) << whole.error().message;
+  const M3Weights& W = (*whole)->device_weights();
+  const int64_t d = cfg.head_dim, di = cfg.index_head_dim;
+  struct Split {
+    int world;
+    bool ep;
+  };
+  for (const Split sp : {Split{2, false}, Split{4, true}, Split{8, false}}) {
+    for (int r = 0; r < sp.world; ++r) {
+      ShardSpec spec;
+      spec.rank = r;
+      spec.world = sp.world;
+      spec.expert_parallel = sp.ep;
+      auto plan = make_shard_plan(cfg, spec);
+      ASSERT_TRUE(plan) << plan.error().message;
+      const ShardPlan& p = *plan;
+      auto shard = M3ModelCuda::synthetic(cfg, 11, 0, &p);
+      ASSERT_TRUE(shard) << shard.error().message;
+      const M3Weights& S = (*shard)->device_weights();
+      EXPECT_EQ((*shard)->weight_bytes(), static_cast<size_t>(synthetic_weight_bytes(cfg, p)));
+      const std::string where = "TP" + std::to_string(sp.world) + (sp.ep ? "+EP" : "") +
+                                " rank " + std::to_string(r);
+      EXPECT_EQ(whole_checksum(S.embed_tokens),
+                block_checksum(W.embed_tokens, p.vocab_begin, p.vocab_count, 0, cfg.hidden_size))
+          << where;
+      EXPECT_EQ(whole_checksum(S.lm_head),
+                block_checksum(W.lm_head, p.vocab_begin, p.vocab_count, 0, cfg.hidden_size))
+          << where;
+      EXPECT_EQ(device_checksum(S.final_norm.data, S.final_norm.n * 2, nullptr),
+                device_checksum(W.final_norm.data, W.final_norm.n * 2, nullptr));
+      for (int64_t li : {0, 3}) {  // a dense layer and the MoE + MSA layer
+        const LayerWeights &A = S.layers[li], &B = W.layers[li];
+        const std::string at = where + " layer " + std::to_string(li);
+        EXPECT_EQ(whole_checksum(A.q_proj), block_checksum(B.q_proj, p.q_head_begin * d,
+                                                           p.num_q_heads * d, 0, B.q_proj.cols))
+            << at;
+        EXPECT_EQ(whole_checksum(A.v_proj), block_checksum(B.v_proj, p.kv_head_begin * d,
+                                                           p.num_kv_heads * d, 0, B.v_proj.cols))
+            << at;
+        EXPECT_EQ(whole_checksum(A.o_proj), block_checksum(B.o_proj, 0, B.o_proj.rows,
+                                                           p.q_head_begin * d, p.num_q_heads * d))
+            << at;
+        if (li == 0) {
+          EXPECT_EQ(whole_checksum(A.down_proj),
+                    block_checksum(B.down_proj, 0, B.down_proj.rows, p.dense_inter_begin,
+                                   p.dense_inter))
+              << at;
+          EXPECT_EQ(whole_checksum(A.up_proj),
+                    block_checksum(B.up_proj, p.dense_inter_begin, p.dense_inter, 0,
+                                   B.up_proj.cols))
+              << at;
+          continue;
+        }
+        EXPECT_EQ(whole_checksum(A.index_q_proj),
+                  block_checksum(B.index_q_proj, p.kv_head_begin * di, p.num_kv_heads * di, 0,
+                                 B.index_q_proj.cols))
+            << at;
+        EXPECT_EQ(whole_checksum(A.index_k_proj), whole_checksum(B.index_k_proj)) << at;
+        EXPECT_EQ(whole_checksum(A.router), whole_checksum(B.router)) << at;
+        EXPECT_EQ(whole_checksum(A.shared_down),
+                  block_checksum(B.shared_down, 0, B.shared_down.rows, p.shared_inter_begin,
+                                 p.shared_inter))
+            << at;
+        ASSERT_EQ(static_cast<int64_t>(A.experts.size()), p.num_experts) << at;
+        for (int64_t e : {int64_t{0}, p.num_experts - 1}) {
+          const ExpertWeights &X = A.experts[e], &Y = B.experts[p.expert_begin + e];
+          EXPECT_EQ(whole_checksum(X.w1), block_checksum(Y.w1, p.expert_inter_begin,
+                                                         p.expert_inter, 0, Y.w1.cols))
+              << at << " expert " << e;
+          EXPECT_EQ(whole_checksum(X.w2), block_checksum(Y.w2, 0, Y.w2.rows,
+                                                         p.expert_inter_begin, p.expert_inter))
+              << at << " expert " << e;
+        }
+      }
+    }
+  }
 }
 
 TEST(SyntheticCuda, TooManyLayersForTheGpuAreRefusedWithTheNumbers) {

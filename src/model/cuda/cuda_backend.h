@@ -29,10 +29,14 @@ struct CudaBackendOptions {
   // --enforce-eager: never capture CUDA graphs for decode steps.
   bool enforce_eager = false;
   // Tensor parallel only: replay CUDA graphs (with the NCCL collectives captured) for decode
-  // steps. Off by default: tp_cuda_test's graph cases pass on 2 H200s, but their MoE layers run
-  // eagerly (a host-synchronising path is never captured), so graphs of TP MoE layers at M3's
-  // shapes have not run yet. Off, the TP ranks run every step eagerly.
-  bool tensor_parallel_graphs = false;
+  // steps, as one GPU does. On by default since tp_cuda_test ran TP2 and TP2 + EP graphs of MoE
+  // layers at M3's shapes (synthetic:layers=4) on 2 H200s; off (or enforce_eager) runs every TP
+  // step eagerly.
+  bool tensor_parallel_graphs = true;
+  // Benchmarks only (bench/bench_tp.cpp): the TP ranks skip every collective, so a step's time
+  // without communication can be set against the real one. The results are wrong; never set by
+  // a serving path.
+  bool skip_collectives_for_timing = false;
 };
 
 // Errors (each names the numbers and the flag to change): utilization outside (0, 1], no usable
@@ -58,16 +62,40 @@ Status check_tensor_parallel_devices(int tensor_parallel_size);
 
 // Tensor parallel on GPUs 0 .. N-1 (N = tensor_parallel_size, model/cuda/cuda_shard_backend.cpp):
 // one persistent thread per rank bound to its GPU, owning an NcclCommunicator, the rank's
-// M3ModelCuda (from M3Model::make_shard of `host`) and a KvCacheCuda of the rank's KV heads; the
+// M3ModelCuda (from M3Model::make_shard of `host`; for a config-only synthetic host, the rank's
+// slices of the synthetic weights generated on its GPU from opts.synthetic_seed) and a
+// KvCacheCuda of the rank's KV heads; the
 // pool has the same page count on every rank, the minimum of what each GPU's free memory allows
 // (opts.gpu_memory_utilization or opts.kv_cache_memory_bytes, both per GPU). forward() runs every
 // rank on the batch and returns rank 0's logits / device samples. N == 1 is make_cuda_backend.
-// Errors (naming the flag): fewer GPUs than N, a split that does not divide the model,
-// a config-only (synthetic) host, a build without
-// NCCL, and make_cuda_backend's KV-pool errors.
+// Errors (naming the flag): fewer GPUs than N, a split that does not divide the model, a
+// build without NCCL, a rank's weights that do not fit its GPU, and make_cuda_backend's KV-pool
+// errors.
 Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_ptr<M3Model> host,
                                                                   const CudaBackendOptions& opts,
                                                                   int tensor_parallel_size,
                                                                   bool expert_parallel = false);
+
+// Ok when this machine has at least `data_parallel_size` GPUs; else an error naming both counts
+// and --data-parallel-size.
+Status check_data_parallel_devices(int data_parallel_size);
+
+// Attention data parallel on GPUs 0 .. D-1 (D = data_parallel_size,
+// model/cuda/cuda_dp_backend.cpp), the "DP + expert parallel" deployment: one persistent thread
+// per rank bound to its GPU, owning an NcclCommunicator, the rank's M3ModelCuda (a data-parallel
+// shard: everything whole except the routed experts, which are 1/D of each expert's intermediate,
+// or with expert_parallel E/D whole experts; a config-only synthetic host generates those slices
+// from opts.synthetic_seed) and a KvCacheCuda with all KV heads. forward() splits the batch on
+// the host by ShardPlan::dp_owner (first page of each sequence), runs every rank on its own
+// sequences (a rank without any still joins every MoE layer's collectives) and merges the ranks'
+// logits rows, device samples and MSA selections back into the batch's order. Every rank's pool
+// has the same page count (the scheduler hands out one set of page ids), the smallest any GPU
+// allows, so the KV capacity is one pool's, not D pools'. Steps run eagerly (no CUDA graphs).
+// D == 1 is make_cuda_backend. Errors (naming the flag): fewer GPUs than D, a split that does not
+// divide the experts, a build without NCCL, a rank's weights that do not fit its GPU, and the
+// KV-pool errors of make_cuda_sharded_backend.
+Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
+    std::unique_ptr<M3Model> host, const CudaBackendOptions& opts, int data_parallel_size,
+    bool expert_parallel = false);
 
 }  // namespace m3::model

@@ -1,15 +1,11 @@
 // make_cuda_sharded_backend (model/cuda/cuda_backend.h): N tensor-parallel ranks, one GPU each,
-// as persistent threads of this process over NCCL. Each thread binds its device once, so the
-// engine thread never changes its own current device; a step costs two condition-variable
-// handoffs. Every rank runs M3ModelCuda::forward on the same batch (the collectives pair up);
-// rank 0's logits / samples are returned, the others compute them and drop them.
+// as persistent threads of this process over NCCL (model/cuda/rank_group.h: the group's start-up,
+// the rank threads, the pool). Each thread binds its device once, so the engine thread never
+// changes its own current device; a step costs two condition-variable handoffs. Every rank runs
+// M3ModelCuda::forward on the same batch (the collectives pair up); rank 0's logits / samples
+// are returned, the others compute them and drop them.
 #include <algorithm>
-#include <climits>
-#include <condition_variable>
-#include <cstdio>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "core/check.h"
@@ -19,7 +15,7 @@
 #include "model/cuda/cuda_backend.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
-#include "model/kv_budget.h"
+#include "model/cuda/rank_group.h"
 #include "model/kv_cache.h"
 #ifdef M3_HAS_NCCL
 #include "dist/nccl_communicator.h"
@@ -28,55 +24,24 @@
 namespace m3::model {
 
 Status check_tensor_parallel_devices(int tp) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();  // clear it so later probes start clean
-    count = 0;
-  }
-  if (tp <= count) return {};
-  return make_error(ErrorCode::kInvalidArgument,
-                    "--tensor-parallel-size " + std::to_string(tp) + " needs " +
-                        std::to_string(tp) + " GPUs (one per rank) but this machine has " +
-                        std::to_string(count) + " visible; use --tensor-parallel-size " +
-                        std::to_string(std::max(count, 1)) + " or fewer",
-                    "--tensor-parallel-size");
+  return rank_group::check_gpus_for_ranks(tp, "--tensor-parallel-size");
 }
 
 #ifdef M3_HAS_NCCL
 namespace {
 
-std::string mib(double bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / (1 << 20));
-  return buf;
-}
-
-struct CudaRank {
-  std::unique_ptr<dist::NcclCommunicator> comm;
-  std::unique_ptr<M3ModelCuda> model;
-  std::unique_ptr<KvCacheCuda> cache;
-};
+using rank_group::CudaRank;
 
 class ShardedCudaBackend final : public ForwardBackend {
  public:
   ShardedCudaBackend(std::vector<CudaRank> ranks, std::string name, std::string flag)
-      : ranks_(std::move(ranks)), name_(std::move(name)), flag_(std::move(flag)) {
-    for (size_t r = 0; r < ranks_.size(); ++r) workers_.emplace_back([this, r] { worker(r); });
-  }
+      : ranks_(std::move(ranks)),
+        name_(std::move(name)),
+        flag_(std::move(flag)),
+        threads_(static_cast<int>(ranks_.size())) {}
   ~ShardedCudaBackend() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_work_.notify_all();
-    for (auto& t : workers_) t.join();
-    // Device memory, streams and communicators are released with their device current.
-    for (size_t r = 0; r < ranks_.size(); ++r) {
-      cudaSetDevice(static_cast<int>(r));
-      ranks_[r].cache.reset();
-      ranks_[r].model.reset();
-      ranks_[r].comm.reset();
-    }
+    threads_.stop();
+    rank_group::release_ranks(ranks_);  // each rank's objects with its device current
   }
 
   const M3Config& config() const override { return ranks_[0].model->config(); }
@@ -86,52 +51,16 @@ class ShardedCudaBackend final : public ForwardBackend {
   std::string kv_cache_flag() const override { return flag_; }
 
   void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    batch_ = &batch;
-    out_ = out;
-    capture_ = capture_msa;
-    pending_ = static_cast<int>(ranks_.size());
-    ++generation_;
-    cv_work_.notify_all();
-    cv_done_.wait(lock, [&] { return pending_ == 0; });
-    batch_ = nullptr;
-    out_ = nullptr;
+    // Every rank runs the whole batch on its thread (rank_group::RankThreads); rank 0 fills out.
+    threads_.run([&](int r) {
+      ranks_[r].model->forward(batch, *ranks_[r].cache, r == 0 ? out : nullptr, capture_msa);
+    });
   }
 
  private:
-  void worker(size_t r) {
-    M3_CUDA_CHECK(cudaSetDevice(static_cast<int>(r)));  // rank r runs on GPU r
-    uint64_t seen = 0;
-    for (;;) {
-      const ForwardBatch* batch = nullptr;
-      ForwardResult* out = nullptr;
-      bool capture = false;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_work_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
-        batch = batch_;
-        out = r == 0 ? out_ : nullptr;
-        capture = capture_;
-      }
-      ranks_[r].model->forward(*batch, *ranks_[r].cache, out, capture);
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) cv_done_.notify_all();
-    }
-  }
-
   std::vector<CudaRank> ranks_;
   std::string name_, flag_;
-  std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable cv_work_, cv_done_;
-  const ForwardBatch* batch_ = nullptr;
-  ForwardResult* out_ = nullptr;
-  bool capture_ = false;
-  int pending_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  rank_group::RankThreads threads_;  // last: its threads start once the ranks exist
 };
 
 }  // namespace
@@ -155,13 +84,9 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
                       "--gpu-memory-utilization");
   }
   M3_TRY_STATUS(check_tensor_parallel_devices(tp));
-  if (!host->has_weights()) {
-    return make_error(ErrorCode::kUnsupported,
-                      "--tensor-parallel-size " + std::to_string(tp) +
-                          " with a synthetic model is not implemented (synthetic weights are "
-                          "generated whole on one GPU); use --tensor-parallel-size 1",
-                      "--tensor-parallel-size");
-  }
+  // A config-only host (`--model synthetic:...`): each rank generates its own slices of the
+  // synthetic weights on its GPU (M3ModelCuda::synthetic with the rank's plan).
+  const bool synthetic = !host->has_weights();
   const M3Config cfg = host->config();
   // Check the split once, without a group, so a bad size fails before any thread starts.
   ShardSpec probe;
@@ -176,122 +101,60 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
                         "(install libnccl-dev and rebuild), or use --device cpu",
                     "--tensor-parallel-size");
 #else
-  M3_TRY(ncclUniqueId id, dist::make_nccl_unique_id());
-  // Every rank joins the group (ncclCommInitRank blocks until all have) and uploads its shard on
-  // its own thread; the shards share the host weights (make_shard is const).
+  // Every rank joins the group and uploads (or, synthetic, generates) its shard on its own thread
+  // (rank_group::start_nccl_ranks); the shards share the host weights (make_shard is const).
   std::shared_ptr<const M3Model> whole(std::move(host));
-  std::vector<CudaRank> ranks(tp);
-  std::vector<Status> status(tp);
+  auto build = [&](int r, CudaRank& rank) -> Status {
+    ShardSpec spec;
+    spec.rank = r;
+    spec.world = tp;
+    spec.expert_parallel = expert_parallel;  // whole experts per rank, picks remapped
+    spec.comm = rank.comm.get();
+    Result<std::unique_ptr<M3ModelCuda>> model = tl::unexpected(Error{});
+    if (synthetic) {
+      M3_TRY(ShardPlan plan, make_shard_plan(cfg, spec));
+      model = M3ModelCuda::synthetic(cfg, opts.synthetic_seed, r, &plan, rank.comm.get(),
+                                     rank.comm->stream());
+    } else {
+      M3_TRY(auto shard, whole->make_shard(spec));
+      model = M3ModelCuda::from_host(std::move(shard), r, rank.comm.get(), rank.comm->stream());
+    }
+    if (!model) return tl::unexpected(model.error());
+    rank.model = std::move(*model);
+    if (opts.enforce_eager || !opts.tensor_parallel_graphs) rank.model->set_use_graphs(false);
+    rank.model->set_skip_collectives_for_timing(opts.skip_collectives_for_timing);
+    return {};
+  };
+  M3_TRY(std::vector<CudaRank> ranks, rank_group::start_nccl_ranks(tp, build));
+  whole.reset();
   // On an error return, each rank's objects are released with its device current.
   struct Release {
     std::vector<CudaRank>* ranks;
     ~Release() {
-      if (ranks == nullptr) return;
-      for (size_t q = 0; q < ranks->size(); ++q) {
-        cudaSetDevice(static_cast<int>(q));
-        (*ranks)[q].cache.reset();
-        (*ranks)[q].model.reset();
-        (*ranks)[q].comm.reset();
-      }
+      if (ranks != nullptr) rank_group::release_ranks(*ranks);
     }
   } release{&ranks};
-  {
-    std::vector<std::thread> init;
-    for (int r = 0; r < tp; ++r) {
-      init.emplace_back([&, r] {
-        auto comm = dist::NcclCommunicator::create(r, tp, r, id);
-        if (!comm) {
-          status[r] = tl::unexpected(comm.error());
-          return;
-        }
-        ranks[r].comm = std::move(*comm);
-        ShardSpec spec;
-        spec.rank = r;
-        spec.world = tp;
-        spec.expert_parallel = expert_parallel;  // whole experts per rank, picks remapped
-        spec.comm = ranks[r].comm.get();
-        auto shard = whole->make_shard(spec);
-        if (!shard) {
-          status[r] = tl::unexpected(shard.error());
-          return;
-        }
-        auto model = M3ModelCuda::from_host(std::move(*shard), r, ranks[r].comm.get(),
-                                            ranks[r].comm->stream());
-        if (!model) {
-          status[r] = tl::unexpected(model.error());
-          return;
-        }
-        ranks[r].model = std::move(*model);
-        if (opts.enforce_eager || !opts.tensor_parallel_graphs)
-          ranks[r].model->set_use_graphs(false);
-      });
-    }
-    for (auto& t : init) t.join();
-  }
-  whole.reset();
-  for (int r = 0; r < tp; ++r) {
-    if (!status[r]) return tl::unexpected(status[r].error());
-  }
   // The pool: the same page count on every rank (the scheduler hands out one set of page ids),
-  // the smallest any GPU allows.
+  // the smallest any GPU allows (rank_group::size_rank_pool).
   const int64_t page_bytes = KvCache::page_bytes(cfg, plan0.num_kv_heads);
-  const bool explicit_bytes = opts.kv_cache_memory_bytes > 0;
-  const std::string flag = explicit_bytes ? "--kv-cache-memory-bytes" : "--gpu-memory-utilization";
-  int64_t num_pages = INT32_MAX;
-  std::string where, gpu_name, sized_by;
-  for (int r = 0; r < tp; ++r) {
-    M3_TRY(gpu::DeviceInfo info, gpu::probe_device(r));
-    const double free_bytes = static_cast<double>(info.free_bytes);
-    const double budget =
-        explicit_bytes ? static_cast<double>(opts.kv_cache_memory_bytes) : free_bytes * util;
-    if (explicit_bytes && budget > free_bytes) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "--kv-cache-memory-bytes asks for " + mib(budget) +
-                            " of KV cache per GPU but cuda:" + std::to_string(r) + " has " +
-                            mib(free_bytes) + " free after its shard of the weights; lower "
-                            "--kv-cache-memory-bytes",
-                        flag);
-    }
-    const int64_t pages = static_cast<int64_t>(budget / static_cast<double>(page_bytes));
-    if (pages < num_pages) {
-      num_pages = pages;
-      sized_by = explicit_bytes ? "--kv-cache-memory-bytes " + mib(budget) + " per GPU"
-                                : mib(free_bytes) + " free on cuda:" + std::to_string(r) +
-                                      " after its shard x " + std::to_string(util);
-    }
-    gpu_name = info.name;
-  }
-  where = "cuda:0-" + std::to_string(tp - 1) + " (" + std::to_string(tp) + "x " + gpu_name +
-          ", tensor parallel " + std::to_string(tp) + ", NCCL)";
-  if (num_pages < 1) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "no KV page fits on every GPU of " + where + ": " + sized_by +
-                          ", but one page (" + std::to_string(cfg.sparse_block_size) +
-                          " tokens, this rank's KV heads) needs " +
-                          mib(static_cast<double>(page_bytes)) + "; raise " + flag +
-                          " or free GPU memory",
-                      flag);
-  }
-  KvPoolFacts facts;
-  facts.num_pages = num_pages;
-  facts.page_size = cfg.sparse_block_size;
-  facts.page_bytes = page_bytes;
-  facts.where = where;
-  facts.sized_by = sized_by;
-  facts.flag = flag;
-  M3_TRY_STATUS(check_max_model_len_fits(opts.max_model_len, facts));
+  M3_TRY(rank_group::RankPool pool,
+         rank_group::size_rank_pool(cfg, page_bytes, opts, tp,
+                                    "tensor parallel " + std::to_string(tp)));
   M3_LOG_INFO("%s", plan0.describe(cfg).c_str());
-  M3_LOG_INFO("KV cache on %s: %lld pages of %s per GPU (%s) = %lld tokens", where.c_str(),
-              static_cast<long long>(num_pages), mib(static_cast<double>(page_bytes)).c_str(),
-              sized_by.c_str(), static_cast<long long>(num_pages * cfg.sparse_block_size));
+  if (synthetic) {
+    M3_LOG_INFO("synthetic weights: %.2f GiB per GPU generated from seed %llu",
+                static_cast<double>(ranks[0].model->weight_bytes()) / (1 << 30),
+                static_cast<unsigned long long>(opts.synthetic_seed));
+  }
+  rank_group::log_rank_pool(cfg, pool);
   for (int r = 0; r < tp; ++r) {
     M3_CUDA_CHECK(cudaSetDevice(r));
-    ranks[r].cache = std::make_unique<KvCacheCuda>(cfg, num_pages,
+    ranks[r].cache = std::make_unique<KvCacheCuda>(cfg, pool.num_pages,
                                                    ranks[r].model->shard_plan().num_kv_heads);
   }
   release.ranks = nullptr;
   return std::unique_ptr<ForwardBackend>(
-      new ShardedCudaBackend(std::move(ranks), where, flag));
+      new ShardedCudaBackend(std::move(ranks), pool.where, pool.flag));
 #endif
 }
 

@@ -52,15 +52,9 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::from_host(std::unique_ptr<M3Mo
                                                             cudaStream_t comm_stream) {
   M3_CHECK(host != nullptr);
   const ShardPlan& plan = host->shard_plan();
-  if (plan.data_sharded()) {
-    return make_error(ErrorCode::kUnsupported,
-                      "--data-parallel-size with --device cuda is not implemented yet; use "
-                      "--tensor-parallel-size, or --device cpu",
-                      "--data-parallel-size");
-  }
-  if (plan.tensor_sharded()) {
+  if (plan.sharded()) {  // tensor parallel, or attention data parallel (its MoE collectives)
     M3_CHECK(comm != nullptr && comm_stream != nullptr,
-             "a tensor-parallel GPU shard needs a device communicator and its stream");
+             "a sharded GPU model needs a device communicator and its stream");
     M3_CHECK(comm->rank() == plan.rank && comm->world_size() == plan.world,
              "communicator rank %d/%d does not match the shard %d/%d", comm->rank(),
              comm->world_size(), plan.rank, plan.world);
@@ -92,20 +86,48 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::from_host(std::unique_ptr<M3Mo
   }
   M3Config cfg = host->config();
   std::unique_ptr<M3ModelCuda> m(new M3ModelCuda(std::move(cfg), std::move(host)));
-  if (m->plan_.tensor_sharded()) {
-    m->comm_ = comm;
-    m->comm_stream_ = comm_stream;
-    M3_CUDA_CHECK(cudaEventCreateWithFlags(&m->ev_fork_, cudaEventDisableTiming));
-    M3_CUDA_CHECK(cudaEventCreateWithFlags(&m->ev_join_, cudaEventDisableTiming));
-  }
+  if (m->plan_.sharded()) m->attach_communicator(comm, comm_stream);
   m->upload_weights();
   m->fuse_attention_projections();
   return m;
 }
 
+void M3ModelCuda::attach_communicator(dist::Communicator* comm, cudaStream_t comm_stream) {
+  M3_CHECK(comm != nullptr && comm_stream != nullptr,
+           "a tensor-parallel GPU shard needs a device communicator and its stream");
+  M3_CHECK(comm->rank() == plan_.rank && comm->world_size() == plan_.world,
+           "communicator rank %d/%d does not match the shard %d/%d", comm->rank(),
+           comm->world_size(), plan_.rank, plan_.world);
+  comm_ = comm;
+  comm_stream_ = comm_stream;
+  M3_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork_, cudaEventDisableTiming));
+  M3_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join_, cudaEventDisableTiming));
+}
+
 Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg, uint64_t seed,
-                                                            int device) {
+                                                            int device, const ShardPlan* shard,
+                                                            dist::Communicator* comm,
+                                                            cudaStream_t comm_stream) {
   M3_TRY(gpu::DeviceInfo info, gpu::probe_device(device));  // also makes `device` current
+  if (shard != nullptr && shard->sharded()) {
+    const size_t need = static_cast<size_t>(synthetic_weight_bytes(cfg, *shard));
+    if (need + kHeadroomBytes > info.free_bytes) {
+      return make_error(ErrorCode::kUnavailable,
+                        "synthetic:layers=" + std::to_string(cfg.num_hidden_layers) + " needs " +
+                            gib(need) + " of weights on rank " + std::to_string(shard->rank) +
+                            " of " + std::to_string(shard->world) + " (plus " +
+                            gib(kHeadroomBytes) + " headroom) but " + info.name + " (device " +
+                            std::to_string(device) + ") has " + gib(info.free_bytes) +
+                            " free; use fewer layers or more ranks",
+                        "--model");
+    }
+    std::unique_ptr<M3ModelCuda> m(new M3ModelCuda(cfg, nullptr));
+    m->plan_ = *shard;
+    if (comm != nullptr) m->attach_communicator(comm, comm_stream);
+    m->generate_weights(seed);
+    m->fuse_attention_projections();
+    return m;
+  }
   const size_t need = static_cast<size_t>(synthetic_weight_bytes(cfg));
   if (need + kHeadroomBytes > info.free_bytes) {
     // What fits: the fixed part (embeddings, dense layers 0-2) plus whole MoE layers.
@@ -202,101 +224,120 @@ void* M3ModelCuda::alloc_weight(size_t bytes) {
 
 void M3ModelCuda::generate_weights(uint64_t seed) {
   const M3Config& c = cfg_;
-  const int64_t h = c.hidden_size;
+  const ShardPlan& p = plan_;  // the whole model unless this is a rank's shard
+  const int64_t h = c.hidden_size, d = c.head_dim, di = c.index_head_dim;
   cudaStream_t s = stream_.get();
   uint64_t next_id = 0;  // tensor ids in a fixed order: the same seed gives the same weights
   // Uniform in [-b, b) has std b/sqrt(3): b = sqrt(3/fan_in) gives std 1/sqrt(fan_in), so a
-  // matrix maps unit-variance inputs to unit-variance outputs.
-  auto mat = [&](int64_t rows, int64_t cols, float std_dev) {
-    MatRef r;
-    r.dtype = DType::kBF16;
-    r.rows = rows;
-    r.cols = cols;
-    const size_t n = static_cast<size_t>(rows * cols);
-    auto* p = static_cast<uint16_t*>(alloc_weight(n * sizeof(uint16_t)));
-    fill_uniform_bf16(p, n, std_dev * std::sqrt(3.0f), seed, next_id++, s);
-    r.data = p;
-    return r;
+  // matrix maps unit-variance inputs to unit-variance outputs (fan_in of the whole matrix, so a
+  // rank's columns are the whole model's).
+  auto fill = [&](const FillBlock& b, float std_dev) {
+    auto* p16 = static_cast<uint16_t*>(alloc_weight(b.size() * sizeof(uint16_t)));
+    fill_uniform_bf16_block(p16, b, std_dev * std::sqrt(3.0f), seed, next_id++, s);
+    return p16;
   };
-  auto linear_w = [&](int64_t out, int64_t in) {
-    return mat(out, in, 1.0f / std::sqrt(static_cast<float>(in)));
+  // Rows [r0, r0 + nr) of a [rows, cols] matrix.
+  auto rows_of = [&](int64_t rows, int64_t cols, int64_t r0, int64_t nr, float std_dev) {
+    FillBlock b = FillBlock::whole(rows, cols);
+    b.row_begin = r0;
+    b.row_count = nr;
+    return MatRef{fill(b, std_dev), DType::kBF16, nr, cols};
+  };
+  // Columns [c0, c0 + nc) of a [rows, cols] matrix.
+  auto cols_of = [&](int64_t rows, int64_t cols, int64_t c0, int64_t nc) {
+    FillBlock b = FillBlock::whole(rows, cols);
+    b.col_begin = c0;
+    b.col_count = nc;
+    return MatRef{fill(b, 1.0f / std::sqrt(static_cast<float>(cols))), DType::kBF16, rows, nc};
+  };
+  auto linear_rows = [&](int64_t out, int64_t in, int64_t r0, int64_t nr) {
+    return rows_of(out, in, r0, nr, 1.0f / std::sqrt(static_cast<float>(in)));
   };
   // Gemma norms scale by (1 + w): small w keeps the scale near 1 while still exercising w.
   auto norm = [&](int64_t n) {
     VecRef v;
     v.dtype = DType::kBF16;
     v.n = n;
-    auto* p = static_cast<uint16_t*>(alloc_weight(static_cast<size_t>(n) * sizeof(uint16_t)));
-    fill_uniform_bf16(p, static_cast<size_t>(n), 0.05f, seed, next_id++, s);
-    v.data = p;
+    auto* p16 = static_cast<uint16_t*>(alloc_weight(static_cast<size_t>(n) * sizeof(uint16_t)));
+    fill_uniform_bf16(p16, static_cast<size_t>(n), 0.05f, seed, next_id++, s);
+    v.data = p16;
     return v;
   };
-  // Experts of a layer: one allocation per projection, expert e at offset e * rows * cols.
-  auto experts_proj = [&](int64_t ne, int64_t rows, int64_t cols, std::vector<ExpertWeights>& ex,
-                          MatRef ExpertWeights::*field) {
-    const size_t per = static_cast<size_t>(rows * cols);
-    auto* p = static_cast<uint16_t*>(alloc_weight(per * ne * sizeof(uint16_t)));
-    fill_uniform_bf16(p, per * ne, std::sqrt(3.0f / static_cast<float>(cols)), seed, next_id++,
-                      s);
-    for (int64_t e = 0; e < ne; ++e) {
-      MatRef& r = ex[e].*field;
-      r.dtype = DType::kBF16;
-      r.rows = rows;
-      r.cols = cols;
-      r.data = p + e * per;
+  // Experts of a layer: one allocation per projection, this rank's experts back to back; the
+  // whole tensor is [all experts, rows, cols], of which the rank holds rows or columns [x0, +nx)
+  // of each of its experts.
+  auto experts_proj = [&](int64_t rows, int64_t cols, bool slice_rows, int64_t x0, int64_t nx,
+                          std::vector<ExpertWeights>& ex, MatRef ExpertWeights::*field) {
+    FillBlock b = FillBlock::whole(rows, cols, c.num_local_experts);
+    b.outer_begin = p.expert_begin;
+    b.outer_count = p.num_experts;
+    (slice_rows ? b.row_begin : b.col_begin) = x0;
+    (slice_rows ? b.row_count : b.col_count) = nx;
+    uint16_t* base = fill(b, 1.0f / std::sqrt(static_cast<float>(cols)));
+    const size_t per = static_cast<size_t>(b.row_count * b.col_count);
+    for (int64_t e = 0; e < p.num_experts; ++e) {
+      ex[e].*field = MatRef{base + e * per, DType::kBF16, b.row_count, b.col_count};
     }
   };
 
-  dev_.embed_tokens = mat(c.vocab_size, h, 1.0f);
+  dev_.embed_tokens = rows_of(c.vocab_size, h, p.vocab_begin, p.vocab_count, 1.0f);
   dev_.final_norm = norm(h);
-  dev_.lm_head = linear_w(c.vocab_size, h);
+  dev_.lm_head = linear_rows(c.vocab_size, h, p.vocab_begin, p.vocab_count);
   dev_.layers.resize(c.num_hidden_layers);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    LayerWeights& d = dev_.layers[i];
-    d.input_norm = norm(h);
-    d.post_attention_norm = norm(h);
-    d.q_proj = linear_w(c.q_size(), h);
-    d.k_proj = linear_w(c.kv_size(), h);
-    d.v_proj = linear_w(c.kv_size(), h);
-    d.o_proj = linear_w(h, c.q_size());
-    d.q_norm = norm(c.head_dim);
-    d.k_norm = norm(c.head_dim);
+    LayerWeights& L = dev_.layers[i];
+    L.input_norm = norm(h);
+    L.post_attention_norm = norm(h);
+    L.q_proj = linear_rows(c.q_size(), h, p.q_head_begin * d, p.num_q_heads * d);
+    L.k_proj = linear_rows(c.kv_size(), h, p.kv_head_begin * d, p.num_kv_heads * d);
+    L.v_proj = linear_rows(c.kv_size(), h, p.kv_head_begin * d, p.num_kv_heads * d);
+    L.o_proj = cols_of(h, c.q_size(), p.q_head_begin * d, p.num_q_heads * d);
+    L.q_norm = norm(d);
+    L.k_norm = norm(d);
     if (c.layer_is_sparse[i]) {
-      d.index_q_proj = linear_w(c.index_n_heads * c.index_head_dim, h);
-      d.index_k_proj = linear_w(c.index_head_dim, h);
-      d.index_q_norm = norm(c.index_head_dim);
-      d.index_k_norm = norm(c.index_head_dim);
+      // Index-q heads follow the KV heads (model/shard.cpp); index-K is whole on every rank.
+      const int64_t ni = p.tensor_sharded() ? p.num_kv_heads : c.index_n_heads;
+      const int64_t i0 = p.tensor_sharded() ? p.kv_head_begin : 0;
+      L.index_q_proj = linear_rows(c.index_n_heads * di, h, i0 * di, ni * di);
+      L.index_k_proj = linear_rows(di, h, 0, di);
+      L.index_q_norm = norm(di);
+      L.index_k_norm = norm(di);
     }
     if (c.layer_is_moe[i]) {
       const int64_t ne = c.num_local_experts, inter = c.intermediate_size;
       // Router f32 [experts, hidden] as in M3 checkpoints; logits of std 1 spread the sigmoid.
-      d.router.dtype = DType::kF32;
-      d.router.rows = ne;
-      d.router.cols = h;
+      L.router.dtype = DType::kF32;
+      L.router.rows = ne;
+      L.router.cols = h;
       auto* rw = static_cast<float*>(alloc_weight(static_cast<size_t>(ne * h) * sizeof(float)));
       fill_uniform_f32(rw, static_cast<size_t>(ne * h), std::sqrt(3.0f / static_cast<float>(h)),
                        seed, next_id++, s);
-      d.router.data = rw;
+      L.router.data = rw;
       // Selection-only bias, small next to the logits so routing still depends on the token.
-      d.router_bias.dtype = DType::kF32;
-      d.router_bias.n = ne;
+      L.router_bias.dtype = DType::kF32;
+      L.router_bias.n = ne;
       auto* rb = static_cast<float*>(alloc_weight(static_cast<size_t>(ne) * sizeof(float)));
       fill_uniform_f32(rb, static_cast<size_t>(ne), 0.01f, seed, next_id++, s);
-      d.router_bias.data = rb;
-      d.experts.resize(ne);
-      experts_proj(ne, inter, h, d.experts, &ExpertWeights::w1);
-      experts_proj(ne, inter, h, d.experts, &ExpertWeights::w3);
-      experts_proj(ne, h, inter, d.experts, &ExpertWeights::w2);
-      d.has_shared_expert = c.shared_intermediate_size > 0;
-      if (d.has_shared_expert) {
-        d.shared_gate = linear_w(c.shared_intermediate_size, h);
-        d.shared_up = linear_w(c.shared_intermediate_size, h);
-        d.shared_down = linear_w(h, c.shared_intermediate_size);
+      L.router_bias.data = rb;
+      L.experts.resize(p.num_experts);
+      experts_proj(inter, h, true, p.expert_inter_begin, p.expert_inter, L.experts,
+                   &ExpertWeights::w1);
+      experts_proj(inter, h, true, p.expert_inter_begin, p.expert_inter, L.experts,
+                   &ExpertWeights::w3);
+      experts_proj(h, inter, false, p.expert_inter_begin, p.expert_inter, L.experts,
+                   &ExpertWeights::w2);
+      L.has_shared_expert = c.shared_intermediate_size > 0;
+      if (L.has_shared_expert) {
+        const int64_t si = c.shared_intermediate_size;
+        L.shared_gate = linear_rows(si, h, p.shared_inter_begin, p.shared_inter);
+        L.shared_up = linear_rows(si, h, p.shared_inter_begin, p.shared_inter);
+        L.shared_down = cols_of(h, si, p.shared_inter_begin, p.shared_inter);
       }
     } else {
-      d.gate_proj = linear_w(c.dense_intermediate_size, h);
-      d.up_proj = linear_w(c.dense_intermediate_size, h);
-      d.down_proj = linear_w(h, c.dense_intermediate_size);
+      const int64_t di2 = c.dense_intermediate_size;
+      L.gate_proj = linear_rows(di2, h, p.dense_inter_begin, p.dense_inter);
+      L.up_proj = linear_rows(di2, h, p.dense_inter_begin, p.dense_inter);
+      L.down_proj = cols_of(h, di2, p.dense_inter_begin, p.dense_inter);
     }
   }
   stream_.synchronize();  // weights are complete before any forward reads them
@@ -413,7 +454,7 @@ M3ModelCuda::~M3ModelCuda() {
 }
 
 void M3ModelCuda::tp_all_reduce(float* data, int64_t n) {
-  if (!plan_.tensor_sharded()) return;
+  if (!plan_.tensor_sharded() || skip_collectives_) return;
   M3_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_.get()));
   M3_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev_fork_, 0));
   comm_->all_reduce_sum(data, n);
@@ -424,6 +465,7 @@ void M3ModelCuda::tp_all_reduce(float* data, int64_t n) {
 template <class T>
 void M3ModelCuda::tp_all_gather(const T* send, int64_t n, T* recv) {
   M3_CHECK(plan_.tensor_sharded());
+  if (skip_collectives_) return;
   M3_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_.get()));
   M3_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev_fork_, 0));
   comm_->all_gather(send, n, recv);
@@ -569,6 +611,75 @@ void M3ModelCuda::dense_mlp(const MatRef& gate, const MatRef& up, const MatRef& 
 }
 
 void M3ModelCuda::moe(const LayerWeights& L, const float* x, int64_t n, float* out) {
+  if (plan_.data_sharded()) {
+    moe_dp(L, x, n, out);
+    return;
+  }
+  if (L.has_shared_expert) {
+    dense_mlp(L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // out = shared expert
+    routed_experts(L, x, n, out, out);
+  } else {
+    routed_experts(L, x, n, nullptr, out);
+  }
+}
+
+void M3ModelCuda::moe_dp(const LayerWeights& L, const float* x, int64_t n, float* out) {
+  // Attention data parallel (M3Model::routed_experts_dp): every rank's tokens meet every rank's
+  // experts. The rows are padded to the step's largest count (set_dp_step_rows, from the host),
+  // so the collectives have one size and no count exchange or host sync is needed; padded rows
+  // are zeros, run through the experts like any row, and are dropped by their owner below.
+  const int64_t h = config().hidden_size, W = plan_.world, nmax = dp_rows_;
+  M3_CHECK(nmax >= 1 && n <= nmax, "data-parallel MoE: %lld rows here but the step's largest is "
+           "%lld (set_dp_step_rows)", static_cast<long long>(n), static_cast<long long>(nmax));
+  cudaStream_t s = stream_.get();
+  float* send = ensure(dp_send_, static_cast<size_t>(nmax * h));
+  float* all = ensure(dp_all_, static_cast<size_t>(W * nmax * h));
+  float* routed = ensure(dp_routed_, static_cast<size_t>(W * nmax * h));
+  if (n > 0)
+    M3_CUDA_CHECK(cudaMemcpyAsync(send, x, static_cast<size_t>(n * h) * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, s));
+  if (n < nmax)
+    M3_CUDA_CHECK(cudaMemsetAsync(send + n * h, 0,
+                                  static_cast<size_t>((nmax - n) * h) * sizeof(float), s));
+  // The collectives run on the communicator's stream, forked from / joined to the model's.
+  auto on_comm = [&](auto&& collective) {
+    M3_CUDA_CHECK(cudaEventRecord(ev_fork_, s));
+    M3_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev_fork_, 0));
+    collective();
+    M3_CUDA_CHECK(cudaEventRecord(ev_join_, comm_stream_));
+    M3_CUDA_CHECK(cudaStreamWaitEvent(s, ev_join_, 0));
+  };
+  on_comm([&] { comm_->all_gather(send, nmax * h, all); });  // all: [W * nmax, hidden]
+  // Router (replicated) + this rank's experts (EP: its whole experts; else its intermediate slice
+  // of every expert) over every rank's rows: partial sums the reduce-scatter completes.
+  routed_experts(L, all, W * nmax, nullptr, routed);
+  on_comm([&] { comm_->reduce_scatter_sum(routed, nmax * h, send); });  // send: [nmax, hidden]
+  if (n == 0) return;  // a rank without tokens this step only joins the collectives
+  if (L.has_shared_expert) {
+    dense_mlp(L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // the whole shared expert
+    cuda_add_inplace(out, send, n * h, s);
+  } else {
+    M3_CUDA_CHECK(cudaMemcpyAsync(out, send, static_cast<size_t>(n * h) * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, s));
+  }
+}
+
+void M3ModelCuda::set_dp_step_rows(int64_t max_rows) {
+  M3_CHECK(plan_.data_sharded() && max_rows >= 1, "set_dp_step_rows(%lld) on a %s model",
+           static_cast<long long>(max_rows), plan_.data_sharded() ? "data-parallel" : "non-DP");
+  dp_rows_ = max_rows;
+}
+
+void M3ModelCuda::forward_dp_idle() {
+  M3_CHECK(plan_.data_sharded(), "forward_dp_idle on a model that is not data parallel");
+  // The same MoE layers, in the same order, as the ranks running run_layers.
+  for (int64_t li = 0; li < cfg_.num_hidden_layers; ++li)
+    if (cfg_.layer_is_moe[li]) moe_dp(dev_.layers[li], nullptr, 0, nullptr);
+  stream_.synchronize();
+}
+
+void M3ModelCuda::routed_experts(const LayerWeights& L, const float* x, int64_t n,
+                                 const float* shared, float* out) {
   const M3Config& cfg = config();
   const int64_t h = cfg.hidden_size, ne = cfg.num_local_experts, k = cfg.num_experts_per_tok;
   cudaStream_t s = stream_.get();
@@ -582,9 +693,10 @@ void M3ModelCuda::moe(const LayerWeights& L, const float* x, int64_t n, float* o
                    k, static_cast<float>(cfg.routed_scaling_factor), ids, wts, s);
 
   // Expert parallel: this rank holds experts [expert_begin, + num_experts); picks of the
-  // others become -1 and add nothing here (the all-reduce after the block adds the other ranks').
+  // others become -1 and add nothing here (the all-reduce after the block adds the other ranks';
+  // under data parallelism the reduce-scatter in moe_dp).
   const int64_t ne_local = static_cast<int64_t>(L.experts.size());
-  if (plan_.expert_parallel && plan_.tensor_sharded()) {
+  if (plan_.expert_parallel && plan_.sharded()) {
     M3_CHECK(ne_local == plan_.num_experts);
     ops::moe_localize_ids(ids, n * k, plan_.expert_begin, plan_.num_experts, s);
   } else {
@@ -616,12 +728,7 @@ void M3ModelCuda::moe(const LayerWeights& L, const float* x, int64_t n, float* o
                               static_cast<float>(cfg.swiglu_beta)};
   uint8_t* work = ensure(ws_.moe, ops::moe_workspace_bytes(n, k, ew));
   if (!ops::moe_experts_graph_safe(n, x, ew)) step_syncs_host_ = true;  // never captured
-  if (L.has_shared_expert) {
-    dense_mlp(L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // out = shared expert
-    ops::moe_experts(x, n, ids, wts, k, ew, act, out, out, work, s);
-  } else {
-    ops::moe_experts(x, n, ids, wts, k, ew, act, nullptr, out, work, s);
-  }
+  ops::moe_experts(x, n, ids, wts, k, ew, act, shared, out, work, s);
 }
 
 void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
@@ -820,7 +927,8 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
     if (capture_msa) out->msa_blocks.resize(cfg.num_hidden_layers);
   }
   const StepShape shape{T, max_kv_len, &cache};
-  if (!capture_msa && use_graphs_ && T <= kGraphMaxTokens) {
+  // Data-parallel ranks run eagerly: their MoE row count (dp_rows_) is not part of a graph's key.
+  if (!capture_msa && use_graphs_ && T <= kGraphMaxTokens && !plan_.data_sharded()) {
     replay_or_capture(shape, tokens, layout);
   } else {
     run_layers(shape, tokens, layout, capture_msa ? out : nullptr);

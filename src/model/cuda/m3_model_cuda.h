@@ -8,6 +8,9 @@
 // forward on its GPU with the same plan and collectives as the CPU shard, the collectives
 // enqueued on a device communicator's stream ordered after/before the model's stream by events
 // (so they are captured into the decode graphs too); model/cuda/cuda_shard_backend.cpp drives it.
+// Attention data parallel (a data_sharded() shard): each rank's forward() runs only its own
+// sequences, unsharded except the routed experts, whose all-gather / reduce-scatter every rank
+// joins each step; model/cuda/cuda_dp_backend.cpp drives it.
 // Invariant: forward() has M3Model::forward's contract (host batch in, host logits out, K/V/index-K
 // of every step token written before any attention reads them) and has finished on the device
 // when it returns. Not thread-safe: one forward at a time (it owns its stream and scratch space).
@@ -37,11 +40,11 @@ class M3ModelCuda {
   static Result<std::unique_ptr<M3ModelCuda>> load(const std::string& model_dir,
                                                    const LoadOptions& opts = {}, int device = 0);
   // Uploads an already-loaded host model (tests reuse one for the CPU comparison).
-  // A shard (host->shard_plan().tensor_sharded()) needs `comm`, a communicator of the same
+  // A shard (host->shard_plan().sharded()) needs `comm`, a communicator of the same
   // rank/world over device memory of `device` that enqueues its collectives on `comm_stream`
-  // (dist::NcclCommunicator and its stream()); every rank must then call forward() with the same
-  // batch. Errors: as load(), and shards this path does not run yet (expert parallel, attention
-  // data parallel), naming the flag.
+  // (dist::NcclCommunicator and its stream()); every tensor-parallel rank must then call
+  // forward() with the same batch, every data-parallel rank forward() with its own sequences
+  // or forward_dp_idle(), after set_dp_step_rows(). Errors: as load().
   static Result<std::unique_ptr<M3ModelCuda>> from_host(std::unique_ptr<M3Model> host,
                                                         int device = 0,
                                                         dist::Communicator* comm = nullptr,
@@ -52,8 +55,15 @@ class M3ModelCuda {
   // router bias, so activations stay O(1) through the layers. MoE expert weights of a layer are
   // one allocation per projection (experts[e].w1.data == experts[0].w1.data + e*inter*hidden).
   // Errors: no GPU, weights that do not fit in the free memory (names the numbers and layers=).
+  // With `shard` (a plan of make_shard_plan(cfg, ...)) only that rank's slices are generated,
+  // each element drawn at its index in the whole tensor, so the ranks together hold exactly the
+  // unsharded model's weights; a tensor-parallel shard then needs `comm` and `comm_stream` as
+  // from_host() does before forward() (weights alone, e.g. for checksums, need neither).
   static Result<std::unique_ptr<M3ModelCuda>> synthetic(const M3Config& cfg, uint64_t seed,
-                                                        int device = 0);
+                                                        int device = 0,
+                                                        const ShardPlan* shard = nullptr,
+                                                        dist::Communicator* comm = nullptr,
+                                                        cudaStream_t comm_stream = nullptr);
 
   M3ModelCuda(const M3ModelCuda&) = delete;
   M3ModelCuda& operator=(const M3ModelCuda&) = delete;
@@ -79,7 +89,19 @@ class M3ModelCuda {
                bool capture_msa = false);
   // Graphs on (default) or off (--enforce-eager, or M3_ENFORCE_EAGER=1 in the environment).
   void set_use_graphs(bool on);
+  // Attention data parallel only: the largest token count any rank has in the coming step (the
+  // host knows every rank's count, so no device sync). Each MoE layer all-gathers this many rows
+  // from every rank (this rank's tokens, zero-padded), so set it before every step on every rank.
+  // Such a model never replays graphs (its steps run eagerly).
+  void set_dp_step_rows(int64_t max_rows);
+  // Attention data parallel: the step of a rank with no tokens. Joins every MoE layer's
+  // collectives with 0 rows of its own (the other ranks' tokens still meet this rank's experts);
+  // returns when they have finished on the device.
+  void forward_dp_idle();
   bool use_graphs() const { return use_graphs_; }
+  // Benchmarks only: tensor-parallel collectives become no-ops (wrong results; bench/bench_tp
+  // times a step without its communication). Set before the first forward.
+  void set_skip_collectives_for_timing(bool on) { skip_collectives_ = on; }
   int64_t graph_replays() const { return graph_replays_; }
   int64_t graph_captures() const { return graph_captures_; }
   ~M3ModelCuda();
@@ -101,6 +123,8 @@ class M3ModelCuda {
   void clear_graphs();
 
   M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host);
+  // Tensor-parallel shards: the communicator and its stream, and the fork/join events.
+  void attach_communicator(dist::Communicator* comm, cudaStream_t comm_stream);
   void upload_weights();
   void generate_weights(uint64_t seed);  // synthetic(): fills dev_ on the device
   void* alloc_weight(size_t bytes);      // one weight allocation, counted in weight_bytes_
@@ -115,6 +139,12 @@ class M3ModelCuda {
   VecRef upload_f32(const VecRef& v);  // widened to f32 on the host first (router bias)
 
   void moe(const LayerWeights& L, const float* x, int64_t n, float* out);
+  // Router + this rank's experts over n rows of x: out = shared (when non-null) + routed.
+  void routed_experts(const LayerWeights& L, const float* x, int64_t n, const float* shared,
+                      float* out);
+  // Data parallel MoE: all-gather every rank's rows (padded to dp_rows_), this rank's experts
+  // over all of them, reduce-scatter back; out = shared expert (local) + the first n rows.
+  void moe_dp(const LayerWeights& L, const float* x, int64_t n, float* out);
   // Tensor-parallel collectives on the model's stream (no-ops unless tensor_sharded): the
   // communicator's stream waits for the model's work so far, runs the collective, and the
   // model's stream waits for it (fork/join by events, legal inside a graph capture).
@@ -143,6 +173,8 @@ class M3ModelCuda {
   cudaEvent_t ev_fork_ = nullptr, ev_join_ = nullptr;
   gpu::DeviceBuffer<float> tp_mine_, tp_local_, tp_all_;  // lm_head chunks: own, unpadded, all
   gpu::DeviceBuffer<int32_t> tp_sel_all_;                 // gathered MSA selections
+  int64_t dp_rows_ = 0;  // data parallel: the step's largest per-rank token count
+  gpu::DeviceBuffer<float> dp_send_, dp_all_, dp_routed_;  // [dp_rows_ | W x dp_rows_, hidden]
   M3Weights dev_;  // the same views as host_->weights(), pointing to device memory
   std::vector<gpu::DeviceBuffer<uint8_t>> storage_;
   std::vector<MatRef> fused_proj_;  // per layer; data null where the projections stay separate
@@ -163,6 +195,7 @@ class M3ModelCuda {
   size_t stage_cap_ = 0;
   gpu::DeviceBuffer<int32_t> step_;
   bool use_graphs_ = true;
+  bool skip_collectives_ = false;  // set_skip_collectives_for_timing
   bool step_syncs_host_ = false;  // set by a run_layers that took a host-synchronising path
   int64_t graph_replays_ = 0, graph_captures_ = 0;
 

@@ -47,6 +47,21 @@ __global__ void fill_bf16_kernel(uint16_t* __restrict__ dst, size_t n, float bou
   }
 }
 
+__global__ void fill_bf16_block_kernel(uint16_t* __restrict__ dst, FillBlock b, float bound,
+                                       uint64_t key) {
+  const size_t n = static_cast<size_t>(b.outer_count) * b.row_count * b.col_count;
+  const uint64_t rc = static_cast<uint64_t>(b.row_count), cc = static_cast<uint64_t>(b.col_count);
+  for (size_t l = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; l < n;
+       l += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const uint64_t j = l % cc, i = (l / cc) % rc, a = l / (cc * rc);
+    const uint64_t g = ((b.outer_begin + a) * static_cast<uint64_t>(b.rows) + b.row_begin + i) *
+                           static_cast<uint64_t>(b.cols) +
+                       b.col_begin + j;
+    const __nv_bfloat16 v = __float2bfloat16_rn(uniform_pm1(key, g) * bound);
+    dst[l] = *reinterpret_cast<const uint16_t*>(&v);
+  }
+}
+
 __global__ void fill_f32_kernel(float* __restrict__ dst, size_t n, float bound, uint64_t key) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
@@ -82,6 +97,20 @@ void fill_uniform_bf16(uint16_t* dst, size_t n, float bound, uint64_t seed, uint
   M3_CHECK(dst != nullptr && bound >= 0.f);
   fill_bf16_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dst, n, bound,
                                                            tensor_key(seed, tensor_id));
+  M3_CUDA_CHECK(cudaGetLastError());
+}
+
+void fill_uniform_bf16_block(uint16_t* dst, const FillBlock& b, float bound, uint64_t seed,
+                             uint64_t tensor_id, cudaStream_t stream) {
+  M3_CHECK(b.outer_begin >= 0 && b.outer_count >= 0 && b.outer_begin + b.outer_count <= b.outer &&
+               b.row_begin >= 0 && b.row_count >= 0 && b.row_begin + b.row_count <= b.rows &&
+               b.col_begin >= 0 && b.col_count >= 0 && b.col_begin + b.col_count <= b.cols,
+           "fill block outside its tensor");
+  const size_t n = b.size();
+  if (n == 0) return;
+  M3_CHECK(dst != nullptr && bound >= 0.f);
+  fill_bf16_block_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dst, b, bound,
+                                                                 tensor_key(seed, tensor_id));
   M3_CUDA_CHECK(cudaGetLastError());
 }
 

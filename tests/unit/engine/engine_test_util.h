@@ -1,13 +1,16 @@
-// Helpers shared by the engine tests (engine_test.cpp, backend_test.cpp): the golden checkpoint
-// they run, random prompts, the scheduler-free greedy reference, and draining a request stream.
-// Header-only, included by test sources in this folder.
+// Helpers shared by the engine tests (engine_test.cpp, backend_test.cpp, and the multi-GPU
+// engine cases of tests/model_cuda): the golden checkpoint they run, random prompts, the
+// scheduler-free greedy reference, draining a request stream, batched greedy generation.
+// Header-only.
 // Invariant: reference_greedy uses model::SequenceRunner, never the engine under test.
 #pragma once
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <cstdint>
 #include <random>
 #include <span>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "model/golden_util.h"
 #include "model/m3_model.h"
 #include "model/sequence_runner.h"
 
@@ -69,6 +73,47 @@ inline Collected collect(RequestStream& s) {
       return c;
     }
   }
+}
+
+// Submits every request at once (so the engine batches their steps) and returns each one's
+// generated tokens, in request order.
+inline std::vector<std::vector<int32_t>> generate_all(Engine& e,
+                                                      const std::vector<GenerateRequest>& reqs) {
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const auto& r : reqs) {
+    auto s = e.submit(r);
+    if (!s) {
+      ADD_FAILURE() << s.error().message;
+      return {};
+    }
+    streams.push_back(std::move(*s));
+  }
+  std::vector<std::vector<int32_t>> outs;
+  for (auto& s : streams) outs.push_back(collect(*s).tokens);
+  return outs;
+}
+
+// A greedy request of `n` tokens that ignores EOS.
+inline GenerateRequest greedy_request(std::vector<int32_t> prompt, int n) {
+  GenerateRequest r;
+  r.prompt_token_ids = std::move(prompt);
+  r.params.temperature = 0;
+  r.params.max_tokens = n;
+  r.params.ignore_eos = true;
+  return r;
+}
+
+// One greedy request per golden case (golden.json's "cases"), each as long as the case's greedy
+// continuation before its first near-tie; cases that start with a near-tie are left out.
+inline std::vector<GenerateRequest> golden_greedy_requests(const nlohmann::json& g) {
+  std::vector<GenerateRequest> reqs;
+  for (const auto& c : g["cases"]) {
+    const size_t n = model::golden::greedy_tokens_before_near_tie(c);
+    if (n > 0)
+      reqs.push_back(
+          greedy_request(c["prompt_ids"].get<std::vector<int32_t>>(), static_cast<int>(n)));
+  }
+  return reqs;
 }
 
 }  // namespace m3::engine::testing

@@ -106,6 +106,42 @@ TEST(SyntheticConfig, SizesMatchM3) {
             2 * (params4 - f32) + 4 * f32);
 }
 
+// A rank's bytes (what M3ModelCuda::synthetic generates for a shard): the split tensors divide
+// exactly and everything replicated is counted on every rank.
+TEST(SyntheticConfig, ShardBytesSplitTheWholeAndReplicateTheRest) {
+  const model::M3Config cfg = model::synthetic_m3_config(4);
+  const int64_t whole = model::synthetic_weight_bytes(cfg);
+  // Replicated on every rank: final norm, per layer 2 norms + q/k norms, the indexer's index-K
+  // projection and norms, the f32 router and bias. (W <= 4: KV and index-q heads split.)
+  const int64_t replicated = 2 * (6144 + 4 * (2 * 6144 + 2 * 128) + (128 * 6144 + 2 * 128)) +
+                             4 * (128 * 6144 + 128);
+  for (int world : {1, 2, 4}) {
+    for (bool ep : {false, true}) {
+      int64_t sum = 0;
+      for (int r = 0; r < world; ++r) {
+        model::ShardSpec spec;
+        spec.rank = r;
+        spec.world = world;
+        spec.expert_parallel = ep;
+        auto plan = model::make_shard_plan(cfg, spec);
+        ASSERT_TRUE(plan) << plan.error().message;
+        sum += model::synthetic_weight_bytes(cfg, *plan);
+      }
+      EXPECT_EQ(sum, whole + (world - 1) * replicated) << "world " << world << " ep " << ep;
+    }
+  }
+  // TP8 replicates each of the 4 KV heads (k, v, index-q rows) on 2 ranks: 2x their bytes.
+  int64_t sum8 = 0;
+  for (int r = 0; r < 8; ++r) {
+    model::ShardSpec spec;
+    spec.rank = r;
+    spec.world = 8;
+    sum8 += model::synthetic_weight_bytes(cfg, *model::make_shard_plan(cfg, spec));
+  }
+  const int64_t kv_rows = 4 * (2 * 512 * 6144) + 512 * 6144;  // k+v of 4 layers, index-q of 1
+  EXPECT_EQ(sum8, whole + 7 * replicated + 2 * kv_rows);
+}
+
 TEST(ModelChoice, SyntheticNeedsCudaAndDefaultsToTheDemoTokenizer) {
   auto cpu = app::resolve_model("synthetic:layers=4", "", "cpu", kDemo);
   ASSERT_FALSE(cpu);

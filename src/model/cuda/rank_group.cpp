@@ -1,0 +1,190 @@
+// rank_group.h: GPU counting, the NCCL ranks' start-up, per-rank threads and the group's KV pool
+// (moved out of cuda_shard_backend.cpp so the data-parallel backend reuses them).
+#include "model/cuda/rank_group.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+
+#include "core/check.h"
+#include "core/log.h"
+#include "gpu/cuda_check.h"
+#include "gpu/device.h"
+#include "model/kv_budget.h"
+
+namespace m3::model::rank_group {
+
+int visible_gpu_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear it so later probes start clean
+    count = 0;
+  }
+  return count;
+}
+
+Status check_gpus_for_ranks(int ranks, const std::string& flag, const std::string& also) {
+  const int count = visible_gpu_count();
+  if (ranks <= count) return {};
+  return make_error(ErrorCode::kInvalidArgument,
+                    flag + " " + std::to_string(ranks) + " needs " + std::to_string(ranks) +
+                        " GPUs (one per rank) but this machine has " + std::to_string(count) +
+                        " visible; use " + flag + " " + std::to_string(std::max(count, 1)) +
+                        " or fewer" + also,
+                    flag);
+}
+
+std::string mib(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / (1 << 20));
+  return buf;
+}
+
+RankThreads::RankThreads(int world) {
+  for (int r = 0; r < world; ++r) workers_.emplace_back([this, r] { worker(r); });
+}
+
+RankThreads::~RankThreads() { stop(); }
+
+void RankThreads::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_work_.notify_all();
+  for (auto& t : workers_)
+    if (t.joinable()) t.join();
+}
+
+void RankThreads::run(const std::function<void(int)>& fn) {
+  std::unique_lock<std::mutex> lock(mu_);
+  M3_CHECK(!stop_ && fn_ == nullptr, "RankThreads::run after stop() or re-entered");
+  fn_ = &fn;
+  pending_ = static_cast<int>(workers_.size());
+  ++generation_;
+  cv_work_.notify_all();
+  cv_done_.wait(lock, [&] { return pending_ == 0; });
+  fn_ = nullptr;
+}
+
+void RankThreads::worker(int r) {
+  M3_CUDA_CHECK(cudaSetDevice(r));  // rank r runs on GPU r
+  uint64_t seen = 0;
+  for (;;) {
+    const std::function<void(int)>* fn = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_work_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      fn = fn_;
+    }
+    (*fn)(r);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--pending_ == 0) cv_done_.notify_all();
+  }
+}
+
+Result<RankPool> size_rank_pool(const M3Config& cfg, int64_t page_bytes,
+                                const CudaBackendOptions& opts, int world,
+                                const std::string& mode) {
+  const double util = opts.gpu_memory_utilization;
+  const bool explicit_bytes = opts.kv_cache_memory_bytes > 0;
+  RankPool pool;
+  pool.flag = explicit_bytes ? "--kv-cache-memory-bytes" : "--gpu-memory-utilization";
+  int64_t num_pages = INT32_MAX;
+  std::string gpu_name;
+  for (int r = 0; r < world; ++r) {
+    M3_TRY(gpu::DeviceInfo info, gpu::probe_device(r));
+    const double free_bytes = static_cast<double>(info.free_bytes);
+    const double budget =
+        explicit_bytes ? static_cast<double>(opts.kv_cache_memory_bytes) : free_bytes * util;
+    if (explicit_bytes && budget > free_bytes) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "--kv-cache-memory-bytes asks for " + mib(budget) +
+                            " of KV cache per GPU but cuda:" + std::to_string(r) + " has " +
+                            mib(free_bytes) + " free after its shard of the weights; lower "
+                            "--kv-cache-memory-bytes",
+                        pool.flag);
+    }
+    const int64_t pages = static_cast<int64_t>(budget / static_cast<double>(page_bytes));
+    if (pages < num_pages) {
+      num_pages = pages;
+      pool.sized_by = explicit_bytes ? "--kv-cache-memory-bytes " + mib(budget) + " per GPU"
+                                     : mib(free_bytes) + " free on cuda:" + std::to_string(r) +
+                                           " after its shard x " + std::to_string(util);
+    }
+    gpu_name = info.name;
+  }
+  pool.where = "cuda:0-" + std::to_string(world - 1) + " (" + std::to_string(world) + "x " +
+               gpu_name + ", " + mode + ", NCCL)";
+  if (num_pages < 1) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "no KV page fits on every GPU of " + pool.where + ": " + pool.sized_by +
+                          ", but one page (" + std::to_string(cfg.sparse_block_size) +
+                          " tokens, this rank's KV heads) needs " +
+                          mib(static_cast<double>(page_bytes)) + "; raise " + pool.flag +
+                          " or free GPU memory",
+                      pool.flag);
+  }
+  pool.num_pages = num_pages;
+  KvPoolFacts facts;
+  facts.num_pages = num_pages;
+  facts.page_size = cfg.sparse_block_size;
+  facts.page_bytes = page_bytes;
+  facts.where = pool.where;
+  facts.sized_by = pool.sized_by;
+  facts.flag = pool.flag;
+  M3_TRY_STATUS(check_max_model_len_fits(opts.max_model_len, facts));
+  pool.page_bytes = page_bytes;
+  return pool;
+}
+
+void log_rank_pool(const M3Config& cfg, const RankPool& pool) {
+  M3_LOG_INFO("KV cache on %s: %lld pages of %s per GPU (%s) = %lld tokens", pool.where.c_str(),
+              static_cast<long long>(pool.num_pages),
+              mib(static_cast<double>(pool.page_bytes)).c_str(), pool.sized_by.c_str(),
+              static_cast<long long>(pool.num_pages * cfg.sparse_block_size));
+}
+
+#ifdef M3_HAS_NCCL
+void release_ranks(std::vector<CudaRank>& ranks) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    cudaSetDevice(static_cast<int>(r));
+    ranks[r].cache.reset();
+    ranks[r].model.reset();
+    ranks[r].comm.reset();
+  }
+}
+
+Result<std::vector<CudaRank>> start_nccl_ranks(
+    int world, const std::function<Status(int r, CudaRank& rank)>& build) {
+  M3_TRY(ncclUniqueId id, dist::make_nccl_unique_id());
+  std::vector<CudaRank> ranks(world);
+  std::vector<Status> status(world);
+  {
+    std::vector<std::thread> init;
+    for (int r = 0; r < world; ++r) {
+      init.emplace_back([&, r] {
+        auto comm = dist::NcclCommunicator::create(r, world, r, id);
+        if (!comm) {
+          status[r] = tl::unexpected(comm.error());
+          return;
+        }
+        ranks[r].comm = std::move(*comm);
+        status[r] = build(r, ranks[r]);
+      });
+    }
+    for (auto& t : init) t.join();
+  }
+  for (int r = 0; r < world; ++r) {
+    if (!status[r]) {
+      release_ranks(ranks);
+      return tl::unexpected(status[r].error());
+    }
+  }
+  return ranks;
+}
+#endif
+
+}  // namespace m3::model::rank_group

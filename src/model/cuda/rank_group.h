@@ -1,0 +1,101 @@
+// The pieces the multi-GPU backends share (tensor parallel: cuda_shard_backend.cpp, attention
+// data parallel: cuda_dp_backend.cpp): counting the GPUs, starting one NCCL rank per GPU on its
+// own thread, the persistent per-rank threads a step is handed to, and the KV pool's page count
+// over all ranks' GPUs. Internal to model/cuda: only those two files include it.
+// Invariant: rank r runs on GPU r, always on the same thread; every object of rank r is created
+// and released with GPU r current.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "model/config.h"
+#include "model/cuda/cuda_backend.h"
+#include "model/cuda/kv_cache_cuda.h"
+#include "model/cuda/m3_model_cuda.h"
+#ifdef M3_HAS_NCCL
+#include "dist/nccl_communicator.h"
+#endif
+
+namespace m3::model::rank_group {
+
+// CUDA devices visible to this process (0 when the runtime finds none or fails).
+int visible_gpu_count();
+
+// Ok when `ranks` GPUs are visible (one per rank); else an error naming `flag`, both counts and
+// the largest size that fits, then `also` (another way out, e.g. ", or --device cpu").
+Status check_gpus_for_ranks(int ranks, const std::string& flag, const std::string& also = "");
+
+// "12.3 MiB", for the pool's log lines and errors.
+std::string mib(double bytes);
+
+// Persistent threads, thread r bound to GPU r once: run(fn) calls fn(r) on every rank's thread at
+// the same time and returns when all have returned, so the caller never changes its own current
+// device and a step costs two condition-variable handoffs. Not re-entrant (one run at a time).
+class RankThreads {
+ public:
+  explicit RankThreads(int world);
+  ~RankThreads();  // stop()
+  RankThreads(const RankThreads&) = delete;
+  RankThreads& operator=(const RankThreads&) = delete;
+  void run(const std::function<void(int rank)>& fn);
+  // Joins the threads (idempotent); run() must not be called after it.
+  void stop();
+
+ private:
+  void worker(int r);
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  const std::function<void(int)>* fn_ = nullptr;
+  int pending_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+// The KV pool of a group: the same page count on every rank (the scheduler hands out one set of
+// page ids), the smallest any GPU allows.
+struct RankPool {
+  int64_t num_pages = 0;
+  std::string where;     // "cuda:0-1 (2x NAME, <mode>, NCCL)": the backend's device_name()
+  std::string sized_by;  // what bounded the page count, for the log line
+  std::string flag;      // --kv-cache-memory-bytes or --gpu-memory-utilization
+  int64_t page_bytes = 0;
+};
+// From each GPU's free memory now (after the weights) x opts.gpu_memory_utilization, or
+// opts.kv_cache_memory_bytes per GPU; `page_bytes` is one page of one rank's cache and `mode`
+// names the split in `where` (e.g. "tensor parallel 2"). Checks opts.max_model_len against the
+// pool. Errors (naming the flag): an explicit budget above a GPU's free memory, no page fitting,
+// a --max-model-len that does not fit.
+Result<RankPool> size_rank_pool(const M3Config& cfg, int64_t page_bytes,
+                                const CudaBackendOptions& opts, int world,
+                                const std::string& mode);
+// The start-up line of the pool: pages per GPU, what sized it, tokens.
+void log_rank_pool(const M3Config& cfg, const RankPool& pool);
+
+#ifdef M3_HAS_NCCL
+struct CudaRank {
+  std::unique_ptr<dist::NcclCommunicator> comm;
+  std::unique_ptr<M3ModelCuda> model;
+  std::unique_ptr<KvCacheCuda> cache;
+};
+
+// Releases each rank's cache, model and communicator (in that order) with its GPU current.
+void release_ranks(std::vector<CudaRank>& ranks);
+
+// Starts `world` ranks, each on a thread of its own bound to GPU r: joins the NCCL group
+// (ncclCommInitRank blocks until every rank has) and then calls build(r, rank) to make the rank's
+// model (rank.comm is set; build fills rank.model). Returns the first rank's error, with every
+// rank made so far released; the caller sizes the pool and makes the caches afterwards.
+Result<std::vector<CudaRank>> start_nccl_ranks(
+    int world, const std::function<Status(int r, CudaRank& rank)>& build);
+#endif
+
+}  // namespace m3::model::rank_group
