@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
@@ -28,27 +29,8 @@ using m3::model::ForwardBatch;
 using m3::model::KvCacheCuda;
 using m3::model::M3Config;
 using m3::model::M3ModelCuda;
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// Device copy bandwidth (bytes read + written per second) over a 2 GiB buffer.
-double copy_bandwidth() {
-  const size_t n = size_t{1} << 31;
-  m3::gpu::DeviceBuffer<uint8_t> a(n), b(n);
-  M3_CUDA_CHECK(cudaMemset(a.data(), 1, n));
-  M3_CUDA_CHECK(cudaDeviceSynchronize());
-  double best = 0;
-  for (int i = 0; i < 5; ++i) {
-    const double t0 = now_s();
-    M3_CUDA_CHECK(cudaMemcpy(b.data(), a.data(), n, cudaMemcpyDeviceToDevice));
-    M3_CUDA_CHECK(cudaDeviceSynchronize());
-    best = std::max(best, 2.0 * n / (now_s() - t0));
-  }
-  return best;
-}
+using m3::bench::copy_bandwidth;
+using m3::bench::now_s;
 
 // `num_seqs` sequences, each owning `pages_per_seq` consecutive pages from `first_page`, with
 // `new_tokens` tokens each at positions [ctx, ctx + new_tokens).

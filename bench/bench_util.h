@@ -1,12 +1,19 @@
-// Timing helper shared by the CUDA benchmarks in bench/: mean milliseconds per call measured with
-// CUDA events on one stream. Header-only; included by bench_*.cpp (CUDA builds only).
+// Timing helpers shared by the CUDA benchmarks in bench/: mean milliseconds per call measured with
+// CUDA events on one stream, a host clock, and the device copy bandwidth (the ceiling the
+// bandwidth-bound figures are set against). Header-only; included by bench_*.cpp (CUDA builds).
 // Invariant: two untimed warm-up calls come first, so first-use costs (plan caches, lazy
 // attribute setting, pool growth) stay out of the figure.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+
 #include "gpu/cuda_check.h"
+#include "gpu/device_buffer.h"
 
 namespace m3::bench {
 
@@ -26,6 +33,28 @@ double time_ms(cudaStream_t stream, int iters, F fn) {
   M3_CUDA_CHECK(cudaEventDestroy(a));
   M3_CUDA_CHECK(cudaEventDestroy(b));
   return ms / iters;
+}
+
+inline double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Copy bandwidth of the current device (bytes read + written per second) over a 2 GiB buffer,
+// best of five.
+inline double copy_bandwidth() {
+  const size_t n = size_t{1} << 31;
+  gpu::DeviceBuffer<uint8_t> a(n), b(n);
+  M3_CUDA_CHECK(cudaMemset(a.data(), 1, n));
+  M3_CUDA_CHECK(cudaDeviceSynchronize());
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    const double t0 = now_s();
+    M3_CUDA_CHECK(cudaMemcpy(b.data(), a.data(), n, cudaMemcpyDeviceToDevice));
+    M3_CUDA_CHECK(cudaDeviceSynchronize());
+    best = std::max(best, 2.0 * n / (now_s() - t0));
+  }
+  return best;
 }
 
 }  // namespace m3::bench
