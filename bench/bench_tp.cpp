@@ -16,10 +16,9 @@
 //   - with two layer counts (default 4 and 8), the per-MoE-layer time and the step time of the
 //     60-layer model extrapolated from them (3 dense + 57 MoE layers).
 // Usage: bench_tp [--layers 4,8] [--tp 2] [--batches 1,64] [--ctx 1024] [--steps 24]
-//                 [--tp-eager] [--no-ep] [--no-dp]
-// Every TP rank replays CUDA graphs of decode steps (serve's default); --tp-eager runs the TP
-// ranks eagerly (CudaBackendOptions::tensor_parallel_graphs off), TP1 still with graphs. DP ranks
-// always run eagerly.
+//                 [--parallel-eager] [--no-ep] [--no-dp]
+// Every rank replays CUDA graphs of decode steps (serve's default); --parallel-eager runs the TP
+// and DP ranks eagerly (CudaBackendOptions::parallel_graphs off), TP1 still with graphs.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -181,7 +180,7 @@ std::unique_ptr<model::ForwardBackend> make_backend(const Args& a, const Config&
   // bytes, so a TP rank gets at least as many pages.
   opts.kv_cache_memory_bytes = pages * model::KvCache::page_bytes(cfg);
   opts.synthetic_seed = 1;
-  opts.tensor_parallel_graphs = a.graphs;
+  opts.parallel_graphs = a.graphs;
   opts.skip_collectives_for_timing = skip_comm;
   auto be = c.tp == 1 ? model::make_cuda_backend(std::move(*host), opts)
             : c.dp    ? model::make_cuda_data_parallel_backend(std::move(*host), opts, c.tp, c.ep)
@@ -259,13 +258,13 @@ int main(int argc, char** argv) {
     else if (k == "--batches") a.batches = parse_list(val());
     else if (k == "--ctx") a.ctx = std::atoi(val());
     else if (k == "--steps") a.steps = std::atoi(val());
-    else if (k == "--tp-eager") a.graphs = false;
+    else if (k == "--parallel-eager") a.graphs = false;
     else if (k == "--no-ep") a.ep = false;
     else if (k == "--no-dp") a.dp = false;
     else {
       std::fprintf(stderr,
                    "usage: bench_tp [--layers 4,8] [--tp 2] [--batches 1,64] [--ctx 1024] "
-                   "[--steps 24] [--tp-eager] [--no-ep] [--no-dp]\n");
+                   "[--steps 24] [--parallel-eager] [--no-ep] [--no-dp]\n");
       return 2;
     }
   }
@@ -281,9 +280,9 @@ int main(int argc, char** argv) {
   }
   const double bw = bench::copy_bandwidth();
   std::printf("device: %d x %s; copy bandwidth (read+write) %.0f GB/s per GPU; context %d "
-              "tokens per sequence; TP ranks %s\n",
+              "tokens per sequence; TP / DP ranks %s\n",
               gpus, dev->name.c_str(), bw / 1e9, a.ctx,
-              a.graphs ? "replay CUDA graphs (serve's default)" : "run eagerly (--tp-eager)");
+              a.graphs ? "replay CUDA graphs (serve's default)" : "run eagerly (--parallel-eager)");
   std::vector<Config> configs = {{1, false}};
   for (int tp : a.tps) {
     if (tp < 2) continue;

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -79,12 +80,14 @@ std::unique_ptr<M3Model> load(const std::string& name) {
 }
 
 // dp == 1: one GPU (make_cuda_backend), the reference. KV pool of `pages` whole-head pages.
+// `graphs`: the DP ranks replay CUDA graphs of decode steps (keyed by their MoE row count too).
 std::unique_ptr<ForwardBackend> make_backend(const std::string& name, int dp, bool ep,
-                                             int64_t pages) {
+                                             int64_t pages, bool graphs = false) {
   auto host = load(name);
   CudaBackendOptions opts;
   opts.kv_cache_memory_bytes = pages * KvCache::page_bytes(host->config());
-  opts.enforce_eager = true;
+  opts.enforce_eager = !graphs;
+  opts.parallel_graphs = graphs;
   opts.synthetic_seed = kSynthSeed;
   auto be = dp == 1 ? make_cuda_backend(std::move(host), opts)
                     : make_cuda_data_parallel_backend(std::move(host), opts, dp, ep);
@@ -106,11 +109,11 @@ struct Pair {
   std::unique_ptr<SequencePages> pages;
   int64_t next_page = 0;  // SequencePages bump-allocates in chunk order: the next new page
 
-  Pair(const std::string& name, bool ep, int64_t tokens, int64_t seqs) {
+  Pair(const std::string& name, bool ep, int64_t tokens, int64_t seqs, bool graphs = false) {
     const int64_t bs = load(name)->config().sparse_block_size;
     const int64_t n = SequencePages::pages_needed(tokens, seqs, bs);
     ref = make_backend(name, 1, false, n);
-    dp = make_backend(name, 2, ep, n);
+    dp = make_backend(name, 2, ep, n, graphs);
     pages = std::make_unique<SequencePages>(std::min(ref->num_pages(), dp->num_pages()), bs);
   }
   const M3Config& config() const { return dp->config(); }
@@ -340,15 +343,22 @@ INSTANTIATE_TEST_SUITE_P(
 // one sequence alone on one rank, single-page spacers alone on it until the next page belongs to
 // the other rank, one sequence alone on that one, then both in one step; prefill and
 // device-greedy decode, against TP1.
-class DpIdle : public ::testing::TestWithParam<bool> {};
+// (expert parallel, DP ranks replaying CUDA graphs of their decode steps)
+using EpGraphs = std::tuple<bool, bool>;
+std::string ep_graphs_name(const ::testing::TestParamInfo<EpGraphs>& info) {
+  return std::string(std::get<0>(info.param) ? "ep" : "sliced") +
+         (std::get<1>(info.param) ? "_graphs" : "_eager");
+}
+
+class DpIdle : public ::testing::TestWithParam<EpGraphs> {};
 
 TEST_P(DpIdle, OneRankWithoutTokens) {
   SKIP_UNLESS_TWO_GPUS();
-  const bool ep = GetParam();
+  const auto [ep, graphs] = GetParam();
   const std::string name = "msa_small_blocks";
   const json g = read_json(root() + "/" + name + "/golden.json");
   const auto prompt = longest_prompt(g);
-  Pair p(name, ep, 2048, 8);
+  Pair p(name, ep, 2048, 8, graphs);
   const M3Config& cfg = p.config();
   const int64_t V = cfg.vocab_size, bs = cfg.sparse_block_size;
   ASSERT_GE(static_cast<int64_t>(prompt.size()), 4 * bs + 5);
@@ -408,12 +418,16 @@ TEST_P(DpIdle, OneRankWithoutTokens) {
   if (!cs.empty()) mixed.push_back({cs[0], tc, false});
   check(p.step(mixed, false, true), "A, B (5 tokens), C in one step");
   EXPECT_GT(compared, 0);
-  std::printf("  idle-rank steps (%s): max |logprob DP2 - TP1| %.3g, %d device samples compared\n",
-              ep ? "expert parallel" : "sliced experts", worst, compared);
+  std::printf("  idle-rank steps (%s, %s): max |logprob DP2 - TP1| %.3g, %d device samples "
+              "compared\n",
+              ep ? "expert parallel" : "sliced experts", graphs ? "graphs" : "eager", worst,
+              compared);
 }
 
-INSTANTIATE_TEST_SUITE_P(Dp2, DpIdle, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? "ep" : "sliced"; });
+INSTANTIATE_TEST_SUITE_P(Dp2, DpIdle,
+                         ::testing::Values(EpGraphs{false, false}, EpGraphs{true, false},
+                                           EpGraphs{true, true}),
+                         ep_graphs_name);
 
 // `synthetic:layers=4` (M3's real shapes: 6144 hidden, 128 experts, the grouped MoE path at
 // decode), each DP rank generating its slices (its expert halves, everything else whole): one
@@ -425,12 +439,12 @@ INSTANTIATE_TEST_SUITE_P(Dp2, DpIdle, ::testing::Values(false, true),
 // meeting the wrong experts moves logprobs by O(1) with random weights.
 constexpr double kSynthTol = 2e-3;
 
-class DpSynthetic : public ::testing::TestWithParam<bool> {};
+class DpSynthetic : public ::testing::TestWithParam<EpGraphs> {};
 
 TEST_P(DpSynthetic, Dp2MatchesTp1AtM3Shapes) {
   SKIP_UNLESS_TWO_GPUS();
-  const bool ep = GetParam();
-  Pair p("synthetic:layers=4", ep, 1024, 4);
+  const auto [ep, graphs] = GetParam();
+  Pair p("synthetic:layers=4", ep, 1024, 4, graphs);
   const int64_t V = p.config().vocab_size, bs = p.config().sparse_block_size;
   uint64_t state = 99;
   auto next_id = [&] {
@@ -470,14 +484,16 @@ TEST_P(DpSynthetic, Dp2MatchesTp1AtM3Shapes) {
                false, true);
   }
   EXPECT_GT(compared, 10);
-  std::printf("  synthetic:layers=4 DP2%s on %s: max |logprob DP2 - TP1| %.3g, %lld "
+  std::printf("  synthetic:layers=4 DP2%s %s on %s: max |logprob DP2 - TP1| %.3g, %lld "
               "device-greedy tokens compared\n",
-              ep ? "+EP" : "", p.dp->device_name().c_str(), worst,
+              ep ? "+EP" : "", graphs ? "graphs" : "eager", p.dp->device_name().c_str(), worst,
               static_cast<long long>(compared));
 }
 
-INSTANTIATE_TEST_SUITE_P(Synthetic, DpSynthetic, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? "ep" : "sliced"; });
+INSTANTIATE_TEST_SUITE_P(Synthetic, DpSynthetic,
+                         ::testing::Values(EpGraphs{false, false}, EpGraphs{true, false},
+                                           EpGraphs{false, true}, EpGraphs{true, true}),
+                         ep_graphs_name);
 
 TEST(DpCuda, MoreRanksThanGpusIsRefusedWithTheCount) {
   const int n = gpu_count();

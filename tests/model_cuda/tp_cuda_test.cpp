@@ -100,7 +100,7 @@ Driver make_driver(const std::string& name, int tp, bool eager, int64_t tokens, 
   // Whole-head page bytes: a TP rank's pages are smaller, so it gets at least as many pages.
   opts.kv_cache_memory_bytes = pages * KvCache::page_bytes(cfg);
   opts.enforce_eager = eager;
-  opts.tensor_parallel_graphs = !eager;
+  opts.parallel_graphs = !eager;
   auto be = tp == 1 ? make_cuda_backend(std::move(host), opts)
                     : make_cuda_sharded_backend(std::move(host), opts, tp, expert_parallel);
   M3_CHECK(be.has_value(), "%s", be ? "" : be.error().message.c_str());
@@ -213,7 +213,7 @@ INSTANTIATE_TEST_SUITE_P(
                       TpCase{"dense_only", true}, TpCase{"real_geometry", true}),
     [](const auto& info) { return case_name(info.param); });
 // The same with CUDA-graph replay of the decode steps (CudaBackendOptions::
-// tensor_parallel_graphs). The first H200x2 run aborted: the goldens' MoE layers take the
+// parallel_graphs). The first H200x2 run aborted: the goldens' MoE layers take the
 // per-expert path (their expert slices are not 16-byte rows), which synchronises the host, and a
 // capture hit it. Shapes whose eager run synchronises are now never captured; passes on 2 H200s.
 // Expert parallel on GPUs: each rank owns half the experts whole; picks of the other rank's
@@ -275,7 +275,7 @@ Driver make_synth_driver(int tp, bool ep, bool graphs, int64_t tokens, int64_t s
   opts.kv_cache_memory_bytes = pages * KvCache::page_bytes(cfg);
   opts.synthetic_seed = 5;
   opts.enforce_eager = !graphs;
-  opts.tensor_parallel_graphs = graphs;
+  opts.parallel_graphs = graphs;
   auto be = tp == 1 ? make_cuda_backend(std::move(*host), opts)
                     : make_cuda_sharded_backend(std::move(*host), opts, tp, ep);
   M3_CHECK(be.has_value(), "%s", be ? "" : be.error().message.c_str());

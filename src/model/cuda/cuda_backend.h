@@ -28,11 +28,11 @@ struct CudaBackendOptions {
   uint64_t synthetic_seed = 0;
   // --enforce-eager: never capture CUDA graphs for decode steps.
   bool enforce_eager = false;
-  // Tensor parallel only: replay CUDA graphs (with the NCCL collectives captured) for decode
-  // steps, as one GPU does. On by default since tp_cuda_test ran TP2 and TP2 + EP graphs of MoE
-  // layers at M3's shapes (synthetic:layers=4) on 2 H200s; off (or enforce_eager) runs every TP
-  // step eagerly.
-  bool tensor_parallel_graphs = true;
+  // Tensor- and data-parallel ranks: replay CUDA graphs (with the NCCL collectives captured)
+  // for decode steps, as one GPU does. On by default since tp_cuda_test ran TP2 and TP2 + EP
+  // graphs of MoE layers at M3's shapes (synthetic:layers=4) on 2 H200s, and dp_cuda_test DP2
+  // and DP2 + EP; off (or enforce_eager) runs every step of the ranks eagerly.
+  bool parallel_graphs = true;
   // Benchmarks only (bench/bench_tp.cpp): the TP ranks skip every collective, so a step's time
   // without communication can be set against the real one. The results are wrong; never set by
   // a serving path.

@@ -131,7 +131,9 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
     }
     if (!model) return tl::unexpected(model.error());
     rank.model = std::move(*model);
-    rank.model->set_use_graphs(false);  // DP ranks run every step eagerly
+    // Decode steps replay CUDA graphs keyed by the rank's tokens and the step's MoE rows, as TP
+    // ranks do; a rank without tokens runs its MoE collectives eagerly (forward_dp_idle).
+    if (opts.enforce_eager || !opts.parallel_graphs) rank.model->set_use_graphs(false);
     return {};
   };
   M3_TRY(std::vector<rank_group::CudaRank> ranks, rank_group::start_nccl_ranks(dp, build));

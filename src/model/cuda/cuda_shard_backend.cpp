@@ -121,7 +121,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
     }
     if (!model) return tl::unexpected(model.error());
     rank.model = std::move(*model);
-    if (opts.enforce_eager || !opts.tensor_parallel_graphs) rank.model->set_use_graphs(false);
+    if (opts.enforce_eager || !opts.parallel_graphs) rank.model->set_use_graphs(false);
     rank.model->set_skip_collectives_for_timing(opts.skip_collectives_for_timing);
     return {};
   };

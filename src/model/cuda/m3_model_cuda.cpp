@@ -540,7 +540,10 @@ void M3ModelCuda::replay_or_capture(const StepShape& shape, const int32_t* token
                                     const ops::TokenLayout& layout) {
   cudaStream_t s = stream_.get();
   if (graphs_.size() > kMaxGraphs) clear_graphs();
-  GraphEntry& e = graphs_[{shape.num_tokens, shape.max_kv_len, shape.cache->id()}];
+  // A data-parallel rank's MoE collectives are sized by the step's largest per-rank row count:
+  // part of the key.
+  const int64_t dp_rows = plan_.data_sharded() ? dp_rows_ : 0;
+  GraphEntry& e = graphs_[{shape.num_tokens, shape.max_kv_len, shape.cache->id(), dp_rows}];
   if (e.exec && e.generation == generation_) {
     M3_CUDA_CHECK(cudaGraphLaunch(e.exec, s));
     ++graph_replays_;
@@ -927,8 +930,9 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
     if (capture_msa) out->msa_blocks.resize(cfg.num_hidden_layers);
   }
   const StepShape shape{T, max_kv_len, &cache};
-  // Data-parallel ranks run eagerly: their MoE row count (dp_rows_) is not part of a graph's key.
-  if (!capture_msa && use_graphs_ && T <= kGraphMaxTokens && !plan_.data_sharded()) {
+  // (A data-parallel rank's MoE runs world x dp_rows_ rows: above the grouped path's limit its
+  // eager run synchronises the host, and the shape is then never captured.)
+  if (!capture_msa && use_graphs_ && T <= kGraphMaxTokens) {
     replay_or_capture(shape, tokens, layout);
   } else {
     run_layers(shape, tokens, layout, capture_msa ? out : nullptr);

@@ -92,7 +92,7 @@ class M3ModelCuda {
   // Attention data parallel only: the largest token count any rank has in the coming step (the
   // host knows every rank's count, so no device sync). Each MoE layer all-gathers this many rows
   // from every rank (this rank's tokens, zero-padded), so set it before every step on every rank.
-  // Such a model never replays graphs (its steps run eagerly).
+  // It is part of a decode graph's key.
   void set_dp_step_rows(int64_t max_rows);
   // Attention data parallel: the step of a rank with no tokens. Joins every MoE layer's
   // collectives with 0 rows of its own (the other ranks' tokens still meet this rank's experts);
@@ -188,7 +188,8 @@ class M3ModelCuda {
     bool never = false;            // its eager run synchronised the host: stays eager
     uint64_t seen_generation = 0;
   };
-  std::map<std::tuple<int64_t, int64_t, uint64_t>, GraphEntry> graphs_;
+  // Keyed by (tokens, key-count bucket, cache id, data-parallel MoE rows (0 unless DP)).
+  std::map<std::tuple<int64_t, int64_t, uint64_t, int64_t>, GraphEntry> graphs_;
   uint64_t generation_ = 1;  // bumped whenever a scratch buffer is reallocated
   // The step's host arrays, staged in pinned memory and copied in one transfer to step_.
   int32_t* stage_ = nullptr;
