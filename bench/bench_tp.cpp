@@ -182,6 +182,7 @@ std::unique_ptr<model::ForwardBackend> make_backend(const Args& a, const Config&
   opts.synthetic_seed = 1;
   opts.parallel_graphs = a.graphs;
   opts.skip_collectives_for_timing = skip_comm;
+  opts.dp_kv_partitions = false;  // SequencePages hands out one page-id space (no partitions)
   auto be = c.tp == 1 ? model::make_cuda_backend(std::move(*host), opts)
             : c.dp    ? model::make_cuda_data_parallel_backend(std::move(*host), opts, c.tp, c.ep)
                       : model::make_cuda_sharded_backend(std::move(*host), opts, c.tp, c.ep);

@@ -315,18 +315,29 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   const int64_t cpu_num_pages = bytes / page_bytes;
   const bool max_len_given = config.max_model_len > 0;
   // One sequence of max_len tokens must fit in the pool; with no --max-model-len the pool caps it.
-  auto check_fit = [&](int64_t num_pages, const std::string& where,
-                       const std::string& flag) -> Status {
-    if (!max_len_given) max_len = std::min<int64_t>(max_len, num_pages * bs);
-    if (num_pages >= 1 && num_pages * bs >= max_len) return {};
-    return make_error(
-        ErrorCode::kInvalidArgument,
-        "the KV cache " + where + " holds " + std::to_string(num_pages * bs) + " tokens (" +
-            std::to_string(num_pages) + " pages of " + std::to_string(page_bytes) +
-            " bytes) but --max-model-len is " + std::to_string(max_len) + "; it needs at least " +
-            std::to_string(((max_len + bs - 1) / bs) * page_bytes) + " bytes: raise " + flag +
-            " or lower --max-model-len",
-        flag);
+  // With KV partitions (attention data parallel) a sequence's pages stay in one partition, so the
+  // limit is one partition's pages.
+  auto check_fit = [&](int64_t num_pages, const std::string& where, const std::string& flag,
+                       int64_t num_partitions = 1) -> Status {
+    const int64_t part_pages = num_pages / num_partitions;
+    if (!max_len_given) max_len = std::min<int64_t>(max_len, part_pages * bs);
+    if (part_pages >= 1 && part_pages * bs >= max_len) return {};
+    const std::string what =
+        num_partitions == 1
+            ? "holds " + std::to_string(part_pages * bs) + " tokens (" +
+                  std::to_string(part_pages) + " pages of " + std::to_string(page_bytes) +
+                  " bytes)"
+            : "holds " + std::to_string(part_pages * bs) + " tokens per data-parallel rank (" +
+                  std::to_string(part_pages) + " pages of " + std::to_string(page_bytes) +
+                  " bytes in each of " + std::to_string(num_partitions) +
+                  " partitions; a sequence cannot span partitions)";
+    return make_error(ErrorCode::kInvalidArgument,
+                      "the KV cache " + where + " " + what + " but --max-model-len is " +
+                          std::to_string(max_len) + "; it needs at least " +
+                          std::to_string(((max_len + bs - 1) / bs) * page_bytes) +
+                          " bytes" + (num_partitions == 1 ? "" : " per rank") + ": raise " + flag +
+                          " or lower --max-model-len",
+                      flag);
   };
   std::unique_ptr<model::ForwardBackend> backend;
   if (config.backend_factory) {
@@ -342,13 +353,19 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   M3_CHECK(bc.sparse_block_size == bs && num_pages <= INT32_MAX,
            "engine: backend %s has block size %lld and %lld pages", backend->device_name().c_str(),
            static_cast<long long>(bc.sparse_block_size), static_cast<long long>(num_pages));
-  M3_TRY_STATUS(check_fit(num_pages, "on " + backend->device_name(), backend->kv_cache_flag()));
+  const int num_kv_partitions = backend->num_kv_partitions();
+  M3_CHECK(num_kv_partitions >= 1 && num_pages % num_kv_partitions == 0,
+           "engine: backend %s has %lld pages in %d partitions", backend->device_name().c_str(),
+           static_cast<long long>(num_pages), num_kv_partitions);
+  M3_TRY_STATUS(check_fit(num_pages, "on " + backend->device_name(), backend->kv_cache_flag(),
+                          num_kv_partitions));
   sched::SchedulerConfig sc;
   sc.max_num_seqs = config.max_num_seqs;
   sc.max_num_batched_tokens = config.max_num_batched_tokens;
   sc.max_model_len = static_cast<int>(max_len);
   sc.block_size = static_cast<int>(bs);
   sc.num_blocks = static_cast<int>(num_pages);
+  sc.num_kv_partitions = num_kv_partitions;
   sc.enable_prefix_caching = config.enable_prefix_caching;
   sc.policy = config.priority_scheduling ? sched::Policy::kPriority : sched::Policy::kFcfs;
   M3_TRY_STATUS(sc.validate());

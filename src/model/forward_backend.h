@@ -31,6 +31,10 @@ class ForwardBackend {
   virtual std::string device_name() const = 0;
   // The command-line flag that sizes this backend's KV cache, named in "too small" errors.
   virtual std::string kv_cache_flag() const = 0;
+  // Partitions N of the page-id space (attention data parallel: one per rank): pages
+  // [p * num_pages() / N, (p + 1) * num_pages() / N) live on rank p; the scheduler keeps each
+  // sequence's pages in one partition. num_pages() % N == 0.
+  virtual int num_kv_partitions() const { return 1; }
 };
 
 // The CPU backend: `model` and a zeroed KvCache of `num_pages` pages. Errors: num_pages < 1.

@@ -1,9 +1,13 @@
 // BlockPool: the paged KV memory as ids — num_blocks pages of block_size tokens (K, V and the
-// index-K of every layer move together), ref counts, an LRU free queue and the prefix-cache map.
-// Called only by KVCacheManager (and tests). Invariants: free + in-use == num_blocks at all times;
-// a block is in the free queue iff its ref count is 0; the free queue is in eviction order (head =
-// evicted first, blocks freed last sit at the tail); hash -> block holds only blocks whose hash
-// field equals that key, and a block keeps its hash while free until it is reused.
+// index-K of every layer move together), ref counts, LRU free queues and the prefix-cache maps.
+// The ids split into num_partitions equal partitions, partition p = [p*P, (p+1)*P) with
+// P = num_blocks / num_partitions (attention data parallel: partition p lives on rank p), each with
+// its own free queue and its own prefix-cache map; one partition is the plain single pool.
+// Called only by KVCacheManager (and tests). Invariants: free + in-use == num_blocks (in total and
+// per partition); a block is in its partition's free queue iff its ref count is 0; each free queue
+// is in eviction order (head = evicted first, blocks freed last at the tail); a partition's map
+// holds hash -> block only for blocks of that partition whose hash field equals the key, and a
+// block keeps its hash while free until it is reused.
 #pragma once
 
 #include <cstdint>
@@ -18,35 +22,46 @@ namespace m3::sched {
 
 class BlockPool {
  public:
-  BlockPool(int num_blocks, int block_size, bool enable_prefix_caching);
+  // num_blocks % num_partitions == 0 (M3_CHECK).
+  BlockPool(int num_blocks, int block_size, bool enable_prefix_caching, int num_partitions = 1);
 
   int num_blocks() const { return num_blocks_; }
   int block_size() const { return block_size_; }
   bool prefix_caching_enabled() const { return enable_prefix_caching_; }
-  int num_free_blocks() const { return num_free_; }
+  int num_partitions() const { return static_cast<int>(parts_.size()); }
+  int blocks_per_partition() const { return blocks_per_partition_; }
+  // The partition a block id lives in: block / blocks_per_partition().
+  int partition_of(int32_t block) const;
+  int num_free_blocks() const { return num_free_; }  // all partitions
+  int num_free_blocks(int partition) const;
   // Fraction of pages held by requests, 0..1 (free cached pages count as free).
   double usage() const;
-  // Number of blocks registered in the prefix-cache map (in use or free).
-  int num_cached_blocks() const { return static_cast<int>(cached_.size()); }
+  // Number of blocks registered in the prefix-cache maps (in use or free), all partitions.
+  int num_cached_blocks() const;
 
-  // The block holding the prefix that ends with this hash, if cached (it may be free).
+  // The block of `partition` holding the prefix that ends with this hash, if cached (it may be
+  // free). The one-argument form looks in every partition, lowest index first.
+  std::optional<int32_t> get_cached_block(BlockHash hash, int partition) const;
   std::optional<int32_t> get_cached_block(BlockHash hash) const;
 
-  // Pops n blocks from the head of the free queue with ref count 1; a popped block that still
-  // carries a cached hash loses it (eviction). The caller checks num_free_blocks() first.
+  // Pops n blocks from the head of the partition's free queue with ref count 1; a popped block
+  // that still carries a cached hash loses it (eviction). The caller checks num_free_blocks(p)
+  // first. The one-argument form is only valid with a single partition (M3_CHECK).
+  std::vector<int32_t> get_new_blocks(int n, int partition);
   std::vector<int32_t> get_new_blocks(int n);
 
   // Takes one more reference on each block; a block at ref count 0 leaves the free queue (a
   // prefix-cache hit on a free page).
   void touch(std::span<const int32_t> block_ids);
 
-  // Drops one reference on each block, in the given order; blocks reaching 0 join the free queue
-  // tail in that order, so the first one given is evicted first.
+  // Drops one reference on each block, in the given order; blocks reaching 0 join their
+  // partition's free queue tail in that order, so the first one given is evicted first.
   void free_blocks(std::span<const int32_t> block_ids);
 
-  // Registers a full, computed, in-use block under its chain hash. If another block already holds
-  // this hash (two requests computed the same prefix at once) the map keeps the first one and this
-  // block stays unhashed. Returns whether the block was registered. No-op when caching is off.
+  // Registers a full, computed, in-use block under its chain hash in its partition's map. If
+  // another block of that partition already holds this hash (two requests computed the same prefix
+  // at once) the map keeps the first one and this block stays unhashed. Returns whether the block
+  // was registered. No-op when caching is off.
   bool cache_block(int32_t block_id, BlockHash hash);
 
   // Drops every cached hash; only possible when no page is in use. Returns whether it was done.
@@ -55,7 +70,8 @@ class BlockPool {
   // Introspection for tests and metrics.
   int ref_count(int32_t block_id) const;
   std::optional<BlockHash> block_hash(int32_t block_id) const;
-  // Block ids in free-queue order (head first).
+  // Block ids in free-queue order (head first): of one partition, or of all, partition 0 first.
+  std::vector<int32_t> free_queue(int partition) const;
   std::vector<int32_t> free_queue() const;
   // Aborts (M3_CHECK) if any invariant in the header comment is broken. O(num_blocks).
   void check_consistency() const;
@@ -70,20 +86,27 @@ class BlockPool {
     int32_t next = -1;
     bool in_free_queue = false;
   };
+  struct Partition {
+    int32_t head = -1;  // next block to evict / reuse
+    int32_t tail = -1;
+    int num_free = 0;
+    std::unordered_map<BlockHash, int32_t> cached;
+  };
 
+  void check_id(int32_t id) const;
+  void check_partition(int partition) const;
   void queue_remove(int32_t id);
   void queue_push_back(int32_t id);
-  int32_t queue_pop_front();
+  int32_t queue_pop_front(int partition);
   void drop_hash(int32_t id);
 
   int num_blocks_;
   int block_size_;
   bool enable_prefix_caching_;
+  int blocks_per_partition_;
   std::vector<Block> blocks_;
-  int32_t head_ = -1;  // next block to evict / reuse
-  int32_t tail_ = -1;
+  std::vector<Partition> parts_;
   int num_free_ = 0;
-  std::unordered_map<BlockHash, int32_t> cached_;
 };
 
 }  // namespace m3::sched

@@ -14,8 +14,22 @@ int ceil_div(int a, int b) {
 }
 }  // namespace
 
-KVCacheManager::KVCacheManager(int num_blocks, int block_size, bool enable_prefix_caching)
-    : pool_(num_blocks, block_size, enable_prefix_caching) {}
+KVCacheManager::KVCacheManager(int num_blocks, int block_size, bool enable_prefix_caching,
+                               int num_partitions)
+    : pool_(num_blocks, block_size, enable_prefix_caching, num_partitions) {}
+
+int KVCacheManager::partition_of(const Request& request) const {
+  auto it = req_blocks_.find(request.request_id);
+  if (it == req_blocks_.end() || it->second.empty()) return -1;
+  return pool_.partition_of(it->second.front());
+}
+
+int KVCacheManager::most_free_partition() const {
+  int best = 0;
+  for (int p = 1; p < pool_.num_partitions(); ++p)
+    if (pool_.num_free_blocks(p) > pool_.num_free_blocks(best)) best = p;
+  return best;
+}
 
 void KVCacheManager::update_block_hashes(Request& request, int num_full_blocks) const {
   const int bs = pool_.block_size();
@@ -29,16 +43,32 @@ void KVCacheManager::update_block_hashes(Request& request, int num_full_blocks) 
   }
 }
 
-ComputedBlocks KVCacheManager::get_computed_blocks(Request& request) {
+ComputedBlocks KVCacheManager::get_computed_blocks(Request& request, int partition) {
+  M3_CHECK(partition >= -1 && partition < pool_.num_partitions(), "partition %d of %d", partition,
+           pool_.num_partitions());
   ComputedBlocks hit;
   if (!pool_.prefix_caching_enabled() || request.num_tokens() == 0) return hit;
   // (num_tokens - 1) / bs full blocks at most: the last token always stays to be computed.
   const int max_hit_blocks = (request.num_tokens() - 1) / pool_.block_size();
   update_block_hashes(request, max_hit_blocks);
-  for (int b = 0; b < max_hit_blocks; ++b) {
-    auto id = pool_.get_cached_block(request.block_hashes[b]);
-    if (!id) break;  // the chain hash makes every later block a miss too
-    hit.block_ids.push_back(*id);
+  const int first = partition < 0 ? 0 : partition;
+  const int last = partition < 0 ? pool_.num_partitions() - 1 : partition;
+  std::vector<int32_t> ids;
+  for (int p = first; p <= last; ++p) {
+    ids.clear();
+    for (int b = 0; b < max_hit_blocks; ++b) {
+      auto id = pool_.get_cached_block(request.block_hashes[b], p);
+      if (!id) break;  // the chain hash makes every later block a miss too
+      ids.push_back(*id);
+    }
+    if (ids.empty()) continue;
+    const bool longer = ids.size() > hit.block_ids.size();
+    const bool tie_more_free = ids.size() == hit.block_ids.size() &&
+                               pool_.num_free_blocks(p) > pool_.num_free_blocks(hit.partition);
+    if (longer || tie_more_free) {
+      hit.block_ids = ids;
+      hit.partition = p;
+    }
   }
   hit.num_computed_tokens = static_cast<int>(hit.block_ids.size()) * pool_.block_size();
   return hit;
@@ -59,12 +89,26 @@ bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens,
            static_cast<unsigned long long>(request.request_id), total_tokens, request.num_tokens());
   const int num_new_blocks = std::max(0, ceil_div(total_tokens, bs) - num_held - num_hit_blocks);
 
+  // Every page of a request lives in one partition (one data-parallel rank's memory).
+  int partition = 0;
+  if (num_held > 0) {
+    partition = pool_.partition_of(it->second.front());
+  } else if (num_hit_blocks > 0) {
+    partition = computed->partition;
+  } else {
+    partition = most_free_partition();
+  }
   // Hit pages at ref count 0 sit in the free queue; touching them takes them out of it, so they
   // cannot also serve as new pages.
   int num_hit_free = 0;
-  for (int i = 0; i < num_hit_blocks; ++i)
-    num_hit_free += pool_.ref_count(computed->block_ids[i]) == 0;
-  if (num_new_blocks > pool_.num_free_blocks() - num_hit_free) return false;
+  for (int i = 0; i < num_hit_blocks; ++i) {
+    const int32_t id = computed->block_ids[i];
+    M3_CHECK(pool_.partition_of(id) == partition,
+             "request %llu: hit page %d is not in the hit's partition %d",
+             static_cast<unsigned long long>(request.request_id), id, partition);
+    num_hit_free += pool_.ref_count(id) == 0;
+  }
+  if (num_new_blocks > pool_.num_free_blocks(partition) - num_hit_free) return false;
 
   if (num_new_blocks == 0 && num_hit_blocks == 0 && it != req_blocks_.end()) return true;
   std::vector<int32_t>& blocks =
@@ -75,7 +119,7 @@ bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens,
     // Hit pages already carry their hashes.
     num_cached_blocks_[request.request_id] = num_hit_blocks;
   }
-  std::vector<int32_t> fresh = pool_.get_new_blocks(num_new_blocks);
+  std::vector<int32_t> fresh = pool_.get_new_blocks(num_new_blocks, partition);
   blocks.insert(blocks.end(), fresh.begin(), fresh.end());
   if (computed && pool_.prefix_caching_enabled()) {
     prefix_cache_queries_ += request.num_tokens();

@@ -2,8 +2,9 @@
 // Called by Scheduler each step (lookup + allocate when admitting, allocate for running requests,
 // cache after the runner computed tokens, free on finish / abort / preemption).
 // Invariants: a request's block list covers exactly ceil(tokens allocated / block_size) pages in
-// position order; its first num_cached_blocks pages are registered in the prefix cache and were
-// computed; a prefix hit is full blocks only and never covers the last token of the request.
+// position order, all in ONE partition of the pool (attention data parallel: one rank's memory);
+// its first num_cached_blocks pages are registered in the prefix cache and were computed; a prefix
+// hit is full blocks only, inside one partition, and never covers the last token of the request.
 #pragma once
 
 #include <cstdint>
@@ -19,22 +20,35 @@ namespace m3::sched {
 struct ComputedBlocks {
   std::vector<int32_t> block_ids;
   int num_computed_tokens = 0;
+  int partition = -1;  // partition of block_ids; -1 when there is no hit
 };
 
 class KVCacheManager {
  public:
-  KVCacheManager(int num_blocks, int block_size, bool enable_prefix_caching);
+  // num_blocks % num_partitions == 0 (M3_CHECK).
+  KVCacheManager(int num_blocks, int block_size, bool enable_prefix_caching,
+                 int num_partitions = 1);
 
   // Longest cached prefix of the request's tokens in full blocks, capped so that at least the last
   // token is recomputed (the model must run it to produce logits). Takes no reference; pass the
-  // result to allocate_slots in the same step. Grows request.block_hashes.
-  ComputedBlocks get_computed_blocks(Request& request);
+  // result to allocate_slots in the same step. Grows request.block_hashes. Each partition has its
+  // own cache; partition -1 picks the longest hit over all of them (ties: the partition with more
+  // free pages, then the lowest index), partition p looks only in p.
+  ComputedBlocks get_computed_blocks(Request& request, int partition = -1);
 
   // Makes room for num_new_tokens more tokens after request.num_computed_tokens (+ the hit, for a
   // request being admitted). All or nothing: returns false and changes nothing when pages run out.
   // Counts the hit in the prefix-cache counters when `computed` is given and allocation succeeds.
+  // The partition: the one of the pages the request holds; else the hit's; else
+  // most_free_partition(). Only that partition's free pages count.
   bool allocate_slots(Request& request, int num_new_tokens,
                       const ComputedBlocks* computed = nullptr);
+
+  int num_partitions() const { return pool_.num_partitions(); }
+  // The partition of the request's pages; -1 when it holds none.
+  int partition_of(const Request& request) const;
+  // The partition with the most free pages (ties: the lowest index); where new requests go.
+  int most_free_partition() const;
 
   // Registers the request's full blocks of computed tokens (prompt and generated) in the prefix
   // cache. Called after the runner computed them: num_computed_tokens is the request's new total.

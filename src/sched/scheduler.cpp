@@ -37,6 +37,12 @@ Status SchedulerConfig::validate() const {
         "the KV cache has " + std::to_string(num_blocks) +
             " pages; give it memory (raise --gpu-memory-utilization or lower --max-model-len)",
         "--gpu-memory-utilization");
+  if (num_kv_partitions < 1 || num_blocks % num_kv_partitions != 0)
+    return bad("the KV cache has " + std::to_string(num_blocks) +
+                   " pages, which do not split into " + std::to_string(num_kv_partitions) +
+                   " equal partitions (one per data-parallel rank); the backend must size its "
+                   "pool as a multiple of --data-parallel-size",
+               "--data-parallel-size");
   if (!enable_chunked_prefill && max_num_batched_tokens < max_model_len)
     return bad("without chunked prefill --max-num-batched-tokens (" +
                    std::to_string(max_num_batched_tokens) + ") must be at least --max-model-len (" +
@@ -46,10 +52,16 @@ Status SchedulerConfig::validate() const {
 }
 
 Scheduler::Scheduler(const SchedulerConfig& config)
-    : config_(config), kv_(config.num_blocks, config.block_size, config.enable_prefix_caching) {
+    : config_(config),
+      kv_(config.num_blocks, config.block_size, config.enable_prefix_caching,
+          config.num_kv_partitions) {
   auto status = config.validate();
   M3_CHECK(status.has_value(), "invalid SchedulerConfig: %s",
            status ? "" : status.error().message.c_str());
+}
+
+int64_t Scheduler::partition_tokens() const {
+  return static_cast<int64_t>(config_.num_blocks / config_.num_kv_partitions) * config_.block_size;
 }
 
 bool Scheduler::goes_before(const Request& a, const Request& b) const {
@@ -80,7 +92,8 @@ Status Scheduler::add_request(std::unique_ptr<Request> request) {
   req->num_computed_tokens = 0;
   requests_.emplace(id, std::move(request));
   // The engine rejects these before adding; if one slips through it must not wait forever.
-  const int64_t pool_tokens = static_cast<int64_t>(config_.num_blocks) * config_.block_size;
+  // A request's pages stay in one partition, so one partition's pages is all it can ever hold.
+  const int64_t pool_tokens = partition_tokens();
   if (req->num_prompt_tokens() > config_.max_model_len || req->num_prompt_tokens() > pool_tokens) {
     finish(req, RequestStatus::kFinishedLength, FinishReason::kLength);
     return {};
@@ -183,10 +196,16 @@ SchedulerOutput Scheduler::schedule() {
         scheduled = true;
         break;
       }
-      // Out of pages: recompute-preempt the running request served last under the policy.
-      auto victim_it = std::max_element(
-          running_.begin(), running_.end(),
-          [this](const Request* a, const Request* b) { return goes_before(*a, *b); });
+      // Out of pages: recompute-preempt the running request served last under the policy, among
+      // those of req's partition (pages freed elsewhere are of no use to req). req is one of them.
+      const int partition = kv_.partition_of(*req);
+      M3_CHECK(partition >= 0, "running request %llu holds no pages",
+               static_cast<unsigned long long>(req->request_id));
+      auto victim_it = running_.end();
+      for (auto r = running_.begin(); r != running_.end(); ++r) {
+        if (kv_.partition_of(**r) != partition) continue;
+        if (victim_it == running_.end() || goes_before(**victim_it, **r)) victim_it = r;
+      }
       Request* victim = *victim_it;
       const size_t victim_idx = static_cast<size_t>(victim_it - running_.begin());
       running_.erase(victim_it);
@@ -221,8 +240,19 @@ SchedulerOutput Scheduler::schedule() {
       int num_new = req->num_tokens() - hit.num_computed_tokens;
       if (!config_.enable_chunked_prefill && num_new > budget) break;
       num_new = std::min(num_new, budget);
-      if (!kv_.allocate_slots(*req, num_new, &hit))
-        break;  // waits; running requests will free pages
+      if (!kv_.allocate_slots(*req, num_new, &hit)) {
+        // A hit pins the request to the hit's partition. When that one is full but another
+        // partition has more free pages, take that one with its own hit (maybe none) rather than
+        // wait: otherwise a prefix every request shares (a system prompt) cached in one partition
+        // would send all traffic there and leave the others idle.
+        const int other = kv_.most_free_partition();
+        if (hit.partition < 0 || other == hit.partition) break;  // waits; pages will free up
+        hit = kv_.get_computed_blocks(*req, other);
+        num_new = req->num_tokens() - hit.num_computed_tokens;
+        if (!config_.enable_chunked_prefill && num_new > budget) break;
+        num_new = std::min(num_new, budget);
+        if (!kv_.allocate_slots(*req, num_new, &hit)) break;
+      }
       waiting_.pop_front();
       req->num_computed_tokens = hit.num_computed_tokens;
       if (req->num_cached_tokens < 0) req->num_cached_tokens = hit.num_computed_tokens;
@@ -262,9 +292,9 @@ FinishReason Scheduler::check_stop(Request& request, int32_t token) const {
       return FinishReason::kStop;
     }
   }
-  const int64_t pool_tokens = static_cast<int64_t>(config_.num_blocks) * config_.block_size;
+  const int64_t pool_tokens = partition_tokens();
   // The next step would compute this token at position num_tokens - 1: it must fit the model and
-  // the pool, otherwise the request could never run again.
+  // the request's pool partition, otherwise the request could never run again.
   if (request.num_output_tokens() >= stop.max_tokens ||
       request.num_tokens() >= config_.max_model_len || request.num_tokens() > pool_tokens)
     return FinishReason::kLength;

@@ -4,7 +4,8 @@
 // preemption by recompute all follow from that. Driven by the engine thread only (not thread
 // safe): schedule() -> runner -> update_from_output(), once per step, every step.
 // Invariants: total tokens per step <= max_num_batched_tokens; running <= max_num_seqs; only
-// running requests hold pages; every added request eventually gets exactly one finished update.
+// running requests hold pages, each inside one KV partition (preemption frees pages only in the
+// partition that needs them); every added request eventually gets exactly one finished update.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,10 @@ struct SchedulerConfig {
   int max_model_len = 8192;
   int block_size = 128;
   int num_blocks = 0;
+  // KV page partitions (attention data parallel: one per rank, pages
+  // [p * num_blocks / N, (p + 1) * num_blocks / N) on rank p). Every request's pages stay in one
+  // partition, so one sequence can use at most num_blocks / N pages.
+  int num_kv_partitions = 1;
   bool enable_prefix_caching = true;
   bool enable_chunked_prefill = true;
   Policy policy = Policy::kFcfs;
@@ -87,6 +92,8 @@ class Scheduler {
   void insert_waiting(Request* request, bool front);
   void remove_waiting(Request* request);
   void preempt(Request* request);
+  // Tokens one request can ever hold: one partition's pages.
+  int64_t partition_tokens() const;
   // Finishes a request that is not running (or already removed from running) and queues its update.
   void finish(Request* request, RequestStatus status, FinishReason reason);
   // Checks stop rules after appending one sampled token; returns the reason it finished, if any.

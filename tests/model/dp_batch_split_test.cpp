@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -52,14 +53,27 @@ struct Harness {
   std::unique_ptr<DpBatchSplit> split;
   std::unique_ptr<SequencePages> pages;
   std::vector<int64_t> rank_tokens;  // of the last step, per rank
+  // Partitioned pools (pages_per_rank > 0): rank r's cache holds pages [r * P, (r + 1) * P) of
+  // the whole numbering as its [0, P). SequencePages bump-allocates one numbering, so each new
+  // page of sequence s is renumbered into partition s % world (what the scheduler's partitioned
+  // pool does).
+  int64_t pages_per_rank = 0;
+  std::map<int32_t, int32_t> renumbered;
+  std::vector<int32_t> next_in_partition;
 
-  Harness(const std::string& name, int world, int64_t num_pages) {
+  Harness(const std::string& name, int world, int64_t num_pages, bool partitioned = false) {
     auto m = M3Model::load(root() + "/" + name);
     M3_CHECK(m.has_value(), "%s", m ? "" : m.error().message.c_str());
     model = std::move(*m);
     const M3Config& cfg = model->config();
     whole = std::make_unique<KvCache>(cfg, num_pages);
-    for (int r = 0; r < world; ++r) ranks.push_back(std::make_unique<KvCache>(cfg, num_pages));
+    if (partitioned) {
+      M3_CHECK(num_pages % world == 0);
+      pages_per_rank = num_pages / world;
+      next_in_partition.assign(world, 0);
+    }
+    for (int r = 0; r < world; ++r)
+      ranks.push_back(std::make_unique<KvCache>(cfg, partitioned ? pages_per_rank : num_pages));
     ShardSpec spec;
     spec.world = world;
     spec.data_parallel = true;
@@ -72,9 +86,23 @@ struct Harness {
 
   // One step on the whole cache and, split, on the ranks' caches; the two results must agree.
   void step(ForwardBatch b, bool capture, const std::string& what) {
+    if (pages_per_rank > 0) {
+      const int world = static_cast<int>(ranks.size());
+      for (size_t s = 0; s + 1 < b.block_table_offsets.size(); ++s) {
+        const int part = static_cast<int>(s) % world;
+        for (int32_t i = b.block_table_offsets[s]; i < b.block_table_offsets[s + 1]; ++i) {
+          auto [it, fresh] = renumbered.try_emplace(b.block_table[i], 0);
+          if (fresh) {
+            M3_CHECK(next_in_partition[part] < pages_per_rank, "partition %d is full", part);
+            it->second = static_cast<int32_t>(part * pages_per_rank + next_in_partition[part]++);
+          }
+          b.block_table[i] = it->second;
+        }
+      }
+    }
     ForwardResult want, got;
     rank_forward(*model, b, *whole, &want, capture);
-    split->split(b, plan);
+    split->split(b, plan, pages_per_rank);
     rank_tokens.assign(ranks.size(), 0);
     for (int r = 0; r < split->world(); ++r) {
       const ForwardBatch& rb = split->batch(r);
@@ -82,6 +110,12 @@ struct Harness {
       EXPECT_EQ(rb.block_table_offsets.size(),
                 std::set<int32_t>(rb.seq_ids.begin(), rb.seq_ids.end()).size() + 1)
           << what << ": rank " << r << " carries block tables of sequences it does not run";
+      if (pages_per_rank > 0) {
+        // Page ids local to the rank's partition (its cache has pages_per_rank pages).
+        for (int32_t page : rb.block_table)
+          ASSERT_TRUE(page >= 0 && page < pages_per_rank) << what << ": rank " << r << " page "
+                                                          << page;
+      }
       if (rb.token_ids.empty()) {
         split->result(r) = ForwardResult{};
       } else {
@@ -104,13 +138,15 @@ struct Harness {
 // Every golden prompt of msa_small_blocks in one prefill batch (all logits, MSA captured), then
 // decode steps over all or every other sequence with device samples whose rows are permuted and
 // only some rows copied back, then steps in which one rank has nothing.
-TEST(DpBatchSplit, SplitRanksMergeToTheWholeBatch) {
+class DpBatchSplitTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(DpBatchSplitTest, SplitRanksMergeToTheWholeBatch) {
   const std::string name = "msa_small_blocks";
   const auto g = read_json(root() + "/" + name + "/golden.json");
   std::vector<std::vector<int32_t>> prompts;
   for (const auto& c : g["cases"]) prompts.push_back(c["prompt_ids"].get<std::vector<int32_t>>());
   ASSERT_GE(prompts.size(), 3u);
-  Harness h(name, 2, 400);
+  Harness h(name, 2, 400, /*partitioned=*/GetParam());
   std::vector<int> seqs;
   for (size_t i = 0; i < prompts.size(); ++i) seqs.push_back(h.pages->add_sequence());
 
@@ -151,6 +187,11 @@ TEST(DpBatchSplit, SplitRanksMergeToTheWholeBatch) {
     EXPECT_TRUE(h.rank_tokens[0] == 0 || h.rank_tokens[1] == 0);
   }
 }
+
+// Shared page ids (owner = ShardPlan::dp_owner of the first page, every rank caching all pages) and
+// partitioned pools (owner = the partition of its pages, page ids made local to the rank).
+INSTANTIATE_TEST_SUITE_P(Pools, DpBatchSplitTest, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "partitioned" : "shared"; });
 
 }  // namespace
 }  // namespace m3::model

@@ -88,6 +88,7 @@ std::unique_ptr<ForwardBackend> make_backend(const std::string& name, int dp, bo
   opts.kv_cache_memory_bytes = pages * KvCache::page_bytes(host->config());
   opts.enforce_eager = !graphs;
   opts.parallel_graphs = graphs;
+  opts.dp_kv_partitions = false;  // SequencePages hands out one page-id space (DpEngine: on)
   opts.synthetic_seed = kSynthSeed;
   auto be = dp == 1 ? make_cuda_backend(std::move(host), opts)
                     : make_cuda_data_parallel_backend(std::move(host), opts, dp, ep);
@@ -516,38 +517,51 @@ TEST(DpCuda, AnUndividedExpertSplitIsRefusedBeforeAnyGpuWork) {
 #ifdef M3_TEST_ENGINE
 // The engine on the DP2 backend (what `serve --device cuda --data-parallel-size 2` runs): greedy
 // generations of every golden case, submitted at once (batched steps over both ranks), equal the
-// TP1 engine's token for token, up to the golden near-ties.
-class DpEngine : public ::testing::TestWithParam<bool> {};
+// TP1 engine's token for token, up to the golden near-ties; with partitioned pools (serve's
+// default: the scheduler keeps each sequence in one rank's partition) and with one shared
+// page-id space. Partitioned, the engine sees twice the pages of one GPU's pool.
+class DpEngine : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 
 TEST_P(DpEngine, GreedyDp2EqualsTp1) {
   SKIP_UNLESS_TWO_GPUS();
-  const bool ep = GetParam();
+  const auto [ep, partitioned] = GetParam();
   const std::string name = "msa_small_blocks";
   const json g = read_json(root() + "/" + name + "/golden.json");
   const auto reqs = engine::testing::golden_greedy_requests(g);
   ASSERT_FALSE(reqs.empty());
-  auto run = [&](int dp) {
+  auto run = [&](int dp, int64_t* kv_blocks) {
     engine::EngineConfig ec;
     ec.model_dir = root() + "/" + name;
     ec.block_size = 8;  // msa_small_blocks' sparse_block_size
     ec.max_model_len = 256;
     CudaBackendOptions opts;
-    opts.gpu_memory_utilization = 0.05;
+    opts.kv_cache_memory_bytes = 4096 * KvCache::page_bytes(load(name)->config());  // per GPU
+    opts.dp_kv_partitions = partitioned;
     ec.backend_factory = [opts, dp, ep](std::unique_ptr<M3Model> host, int64_t) {
       return make_cuda_data_parallel_backend(std::move(host), opts, dp, ep);
     };
     auto e = engine::Engine::create(ec);
     M3_CHECK(e.has_value(), "%s", e ? "" : e.error().message.c_str());
+    *kv_blocks = (*e)->model_info().num_kv_blocks;
     return engine::testing::generate_all(**e, reqs);  // batched steps spread over the ranks
   };
-  const auto one = run(1), two = run(2);
+  int64_t blocks1 = 0, blocks2 = 0;
+  const auto one = run(1, &blocks1), two = run(2, &blocks2);
+  EXPECT_EQ(blocks1, 4096);
+  EXPECT_EQ(blocks2, partitioned ? 2 * 4096 : 4096);
   ASSERT_EQ(one.size(), reqs.size());
   ASSERT_EQ(two.size(), one.size());
   for (size_t i = 0; i < one.size(); ++i) EXPECT_EQ(two[i], one[i]) << "case " << i;
 }
 
-INSTANTIATE_TEST_SUITE_P(Dp2, DpEngine, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? "ep" : "sliced"; });
+INSTANTIATE_TEST_SUITE_P(Dp2, DpEngine,
+                         ::testing::Values(std::make_tuple(false, true),
+                                           std::make_tuple(true, true),
+                                           std::make_tuple(true, false)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "ep" : "sliced") +
+                                  (std::get<1>(info.param) ? "_partitioned" : "_shared");
+                         });
 #endif
 
 }  // namespace

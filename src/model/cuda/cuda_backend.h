@@ -33,6 +33,12 @@ struct CudaBackendOptions {
   // graphs of MoE layers at M3's shapes (synthetic:layers=4) on 2 H200s, and dp_cuda_test DP2
   // and DP2 + EP; off (or enforce_eager) runs every step of the ranks eagerly.
   bool parallel_graphs = true;
+  // Attention data parallel: the page ids are one partition per rank (each rank caches only its
+  // own pages, so the KV capacity is D pools; the engine's scheduler keeps a sequence inside
+  // one partition, ForwardBackend::num_kv_partitions). Off: one page-id space every rank
+  // allocates whole (drivers that hand out pages themselves, e.g. SequencePages in tests and
+  // bench_tp).
+  bool dp_kv_partitions = true;
   // Benchmarks only (bench/bench_tp.cpp): the TP ranks skip every collective, so a step's time
   // without communication can be set against the real one. The results are wrong; never set by
   // a serving path.
@@ -86,11 +92,13 @@ Status check_data_parallel_devices(int data_parallel_size);
 // shard: everything whole except the routed experts, which are 1/D of each expert's intermediate,
 // or with expert_parallel E/D whole experts; a config-only synthetic host generates those slices
 // from opts.synthetic_seed) and a KvCacheCuda with all KV heads. forward() splits the batch on
-// the host by ShardPlan::dp_owner (first page of each sequence), runs every rank on its own
-// sequences (a rank without any still joins every MoE layer's collectives) and merges the ranks'
-// logits rows, device samples and MSA selections back into the batch's order. Every rank's pool
-// has the same page count (the scheduler hands out one set of page ids), the smallest any GPU
-// allows, so the KV capacity is one pool's, not D pools'. Steps run eagerly (no CUDA graphs).
+// the host by sequence owner (model/cuda/dp_batch_split.h), runs every rank on its own sequences
+// (a rank without any still joins every MoE layer's collectives) and merges the ranks' logits
+// rows, device samples and MSA selections back into the batch's order. Every rank's cache has
+// the same page count P, the smallest any GPU allows; with opts.dp_kv_partitions (default) the
+// backend has D * P pages in D partitions (num_kv_partitions(); the owner of a sequence is its
+// pages' partition), else P pages that every rank allocates (owner: ShardPlan::dp_owner of the
+// first page). Decode steps replay CUDA graphs (opts.parallel_graphs).
 // D == 1 is make_cuda_backend. Errors (naming the flag): fewer GPUs than D, a split that does not
 // divide the experts, a build without NCCL, a rank's weights that do not fit its GPU, and the
 // KV-pool errors of make_cuda_sharded_backend.

@@ -1,6 +1,9 @@
 // make_cuda_data_parallel_backend (model/cuda/cuda_backend.h): D attention data-parallel ranks,
 // one GPU each, as persistent threads of this process over NCCL (model/cuda/rank_group.h). The
-// batch is split on the host by sequence owner (ShardPlan::dp_owner of its first page); each rank
+// page ids are D partitions, one per rank (pages [r * P, (r + 1) * P) in rank r's cache; the
+// scheduler keeps each sequence inside one), unless opts.dp_kv_partitions is off (one shared
+// page-id space that every rank allocates whole). The batch is split on the host by sequence
+// owner (model/cuda/dp_batch_split.h); each rank
 // runs M3ModelCuda::forward on its own sequences, a rank without any joins the MoE collectives
 // through forward_dp_idle, and the ranks' results are merged on the host into the batch's order
 // (every rank's result is already in host memory, so no device all-gather of logits is needed).
@@ -29,9 +32,12 @@ namespace {
 
 class DataParallelCudaBackend final : public ForwardBackend {
  public:
-  DataParallelCudaBackend(std::vector<rank_group::CudaRank> ranks, rank_group::RankPool pool)
+  // partitioned: rank r's cache holds pages [r * P, (r + 1) * P) of num_pages() = D * P.
+  DataParallelCudaBackend(std::vector<rank_group::CudaRank> ranks, rank_group::RankPool pool,
+                          bool partitioned)
       : ranks_(std::move(ranks)),
         pool_(std::move(pool)),
+        partitioned_(partitioned),
         split_(static_cast<int>(ranks_.size())),
         threads_(static_cast<int>(ranks_.size())) {}
   ~DataParallelCudaBackend() override {
@@ -40,13 +46,20 @@ class DataParallelCudaBackend final : public ForwardBackend {
   }
 
   const M3Config& config() const override { return ranks_[0].model->config(); }
-  int64_t num_pages() const override { return ranks_[0].cache->num_pages(); }
+  int64_t num_pages() const override {
+    const int64_t per_rank = ranks_[0].cache->num_pages();
+    return partitioned_ ? per_rank * static_cast<int64_t>(ranks_.size()) : per_rank;
+  }
+  int num_kv_partitions() const override {
+    return partitioned_ ? static_cast<int>(ranks_.size()) : 1;
+  }
   bool samples_on_device() const override { return true; }
   std::string device_name() const override { return pool_.where; }
   std::string kv_cache_flag() const override { return pool_.flag; }
 
   void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) override {
-    split_.split(batch, ranks_[0].model->shard_plan());
+    split_.split(batch, ranks_[0].model->shard_plan(),
+                 partitioned_ ? ranks_[0].cache->num_pages() : 0);
     // Every rank's MoE all-gathers the step's largest per-rank row count (known here, on the
     // host, so the ranks need no count exchange and no device sync).
     const int64_t nmax = split_.max_rank_tokens();
@@ -68,6 +81,7 @@ class DataParallelCudaBackend final : public ForwardBackend {
  private:
   std::vector<rank_group::CudaRank> ranks_;
   rank_group::RankPool pool_;
+  bool partitioned_;
   DpBatchSplit split_;               // the step's per-rank batches and results
   rank_group::RankThreads threads_;  // last: started once everything above exists
 };
@@ -157,15 +171,23 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
   M3_TRY(rank_group::RankPool pool,
          rank_group::size_rank_pool(cfg, page_bytes, opts, dp, mode));
   rank_group::log_rank_pool(cfg, pool);
-  // What the one page-id space costs: the scheduler hands out one set of page ids and a page is
-  // used only on its sequence's owner, but every rank allocates every page.
   const double per_gpu = static_cast<double>(pool.num_pages) * static_cast<double>(page_bytes);
-  M3_LOG_INFO("data parallel KV cache: each of the %d ranks allocates all %lld pages (%s per GPU, "
-              "%s over the %d GPUs, all KV heads) but uses only those of its own sequences, so "
-              "the capacity is %lld tokens in all, not %d x that",
-              dp, static_cast<long long>(pool.num_pages), rank_group::mib(per_gpu).c_str(),
-              rank_group::mib(per_gpu * dp).c_str(), dp,
-              static_cast<long long>(pool.num_pages * cfg.sparse_block_size), dp);
+  const long long tokens_per_rank = static_cast<long long>(pool.num_pages * cfg.sparse_block_size);
+  if (opts.dp_kv_partitions) {
+    M3_LOG_INFO("data parallel KV cache: %d partitions of %lld pages, one per rank (%s per GPU, "
+                "all KV heads); a sequence keeps its pages on its rank: %lld tokens per rank, "
+                "%lld in all",
+                dp, static_cast<long long>(pool.num_pages), rank_group::mib(per_gpu).c_str(),
+                tokens_per_rank, tokens_per_rank * dp);
+  } else {
+    // One page-id space: a page is used only on its sequence's owner, but every rank allocates
+    // every page.
+    M3_LOG_INFO("data parallel KV cache: each of the %d ranks allocates all %lld pages (%s per "
+                "GPU, all KV heads) but uses only those of its own sequences, so the capacity is "
+                "%lld tokens in all, not %d x that",
+                dp, static_cast<long long>(pool.num_pages), rank_group::mib(per_gpu).c_str(),
+                tokens_per_rank, dp);
+  }
   int previous = 0;
   M3_CUDA_CHECK(cudaGetDevice(&previous));
   for (int r = 0; r < dp; ++r) {
@@ -175,7 +197,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
   M3_CUDA_CHECK(cudaSetDevice(previous));
   release.ranks = nullptr;
   return std::unique_ptr<ForwardBackend>(
-      new DataParallelCudaBackend(std::move(ranks), std::move(pool)));
+      new DataParallelCudaBackend(std::move(ranks), std::move(pool), opts.dp_kv_partitions));
 #endif
 }
 

@@ -1,11 +1,15 @@
 // DpBatchSplit: the host half of attention data parallel on GPUs (model/cuda/cuda_dp_backend.cpp):
-// one step's ForwardBatch split into one batch per DP rank by sequence owner (ShardPlan::dp_owner
-// of the sequence's first page), and the ranks' ForwardResults merged back into the caller's
-// order. Host code only (no CUDA), so its bookkeeping can be checked without a GPU.
+// one step's ForwardBatch split into one batch per DP rank by sequence owner, and the ranks'
+// ForwardResults merged back into the caller's order. The owner is the rank whose page partition
+// holds the sequence's pages (partitioned pools: pages [r * P, (r + 1) * P) live on rank r, and
+// the rank sees them as [0, P)), or else ShardPlan::dp_owner of its first page (one shared page-id
+// space, every rank allocating all of it). Host code only (no CUDA), so its bookkeeping can be
+// checked without a GPU.
 // Invariant: after split(b), batch(r) holds exactly b's tokens of the sequences rank r owns, in
-// b's order, with only those sequences' block tables (renumbered densely); merge(b, ...) reads the
-// results of that split, each with M3ModelCuda::forward's contract (every logits row when the
-// rank's batch has no device_samples, else only its host_logits_rows).
+// b's order, with only those sequences' block tables (renumbered densely, page ids made local to
+// the rank's partition); merge(b, ...) reads the results of that split, each with
+// M3ModelCuda::forward's contract (every logits row when the rank's batch has no device_samples,
+// else only its host_logits_rows).
 #pragma once
 
 #include <algorithm>
@@ -36,7 +40,9 @@ class DpBatchSplit {
 
   // Splits b over plan.world ranks (plan: a data-parallel shard's). logits_indices,
   // device_samples' rows and host_logits_rows are renumbered to each rank's own rows.
-  void split(const ForwardBatch& b, const ShardPlan& plan) {
+  // pages_per_rank > 0: partitioned pools (see the header comment); every page of a sequence
+  // must lie in its first page's partition (the scheduler keeps it so; a page outside is a bug).
+  void split(const ForwardBatch& b, const ShardPlan& plan, int64_t pages_per_rank = 0) {
     M3_CHECK(plan.data_sharded() && plan.world == static_cast<int>(steps_.size()));
     const int64_t T = static_cast<int64_t>(b.token_ids.size());
     M3_CHECK(T > 0 && b.positions.size() == static_cast<size_t>(T) &&
@@ -68,12 +74,22 @@ class DpBatchSplit {
       if (seq_owner_[s] < 0) {
         const int32_t p0 = b.block_table_offsets[s], p1 = b.block_table_offsets[s + 1];
         M3_CHECK(p1 > p0, "sequence %d has no pages", s);
-        const int r = plan.dp_owner(b.block_table[p0]);
+        const int32_t first = b.block_table[p0];
+        const int r = pages_per_rank > 0 ? static_cast<int>(first / pages_per_rank)
+                                         : plan.dp_owner(first);
+        M3_CHECK(r >= 0 && r < plan.world, "sequence %d: page %d is outside the %d partitions of "
+                 "%lld pages", s, first, plan.world, static_cast<long long>(pages_per_rank));
         ForwardBatch& lb = steps_[r].batch;
         seq_owner_[s] = r;
         seq_local_[s] = static_cast<int32_t>(lb.block_table_offsets.size()) - 1;
-        lb.block_table.insert(lb.block_table.end(), b.block_table.begin() + p0,
-                              b.block_table.begin() + p1);
+        const int64_t base = pages_per_rank > 0 ? r * pages_per_rank : 0;
+        for (int32_t p = p0; p < p1; ++p) {
+          const int32_t page = b.block_table[p];
+          M3_CHECK(pages_per_rank == 0 || (page >= base && page < base + pages_per_rank),
+                   "sequence %d has pages in two data-parallel partitions (%d and %d, %lld "
+                   "pages each)", s, first, page, static_cast<long long>(pages_per_rank));
+          lb.block_table.push_back(static_cast<int32_t>(page - base));
+        }
         lb.block_table_offsets.push_back(static_cast<int32_t>(lb.block_table.size()));
       }
       const int r = seq_owner_[s];

@@ -1,7 +1,8 @@
 // The engine's backend seam (EngineConfig::backend_factory, model/forward_backend.h): an injected
 // backend is what the engine runs, its page count is the scheduler's pool, its device name and KV
 // flag reach ModelInfo and the errors, and the CPU backend through a factory gives the same
-// greedy tokens as the scheduler-free SequenceRunner.
+// greedy tokens as the scheduler-free SequenceRunner; a backend with KV partitions (attention
+// data parallel) gets sequences whose pages stay in one partition, spread over all of them.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -239,6 +240,99 @@ TEST(EngineBackend, ABackendPoolTooSmallForMaxModelLenNamesTheBackendsFlag) {
   EXPECT_NE(msg.find("recording(cpu)"), std::string::npos) << msg;
   EXPECT_NE(msg.find("holds 16 tokens"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("--kv-cache-memory-bytes"), std::string::npos) << msg;
+}
+
+// The CPU backend presented as 2 KV partitions (what the GPU attention-DP backend reports): pages
+// [0, P) and [P, 2P). Records, per step, each sequence's partition and any page outside it.
+struct PartitionRecord {
+  int seqs = 0, crossing = 0;
+  int on[2] = {0, 0};
+};
+
+class TwoPartitionBackend final : public model::ForwardBackend {
+ public:
+  TwoPartitionBackend(std::unique_ptr<model::ForwardBackend> inner, PartitionRecord* rec)
+      : inner_(std::move(inner)), rec_(rec) {}
+  const model::M3Config& config() const override { return inner_->config(); }
+  int64_t num_pages() const override { return inner_->num_pages(); }
+  int num_kv_partitions() const override { return 2; }
+  void forward(const model::ForwardBatch& b, model::ForwardResult* out, bool capture) override {
+    const int64_t P = num_pages() / 2;
+    for (size_t s = 0; s + 1 < b.block_table_offsets.size(); ++s) {
+      if (b.block_table_offsets[s + 1] == b.block_table_offsets[s]) continue;
+      const int64_t part = b.block_table[b.block_table_offsets[s]] / P;
+      ++rec_->seqs;
+      ++rec_->on[part];
+      for (int32_t i = b.block_table_offsets[s]; i < b.block_table_offsets[s + 1]; ++i)
+        rec_->crossing += b.block_table[i] / P != part;
+    }
+    inner_->forward(b, out, capture);
+  }
+  std::string device_name() const override { return "partitioned(cpu)"; }
+  std::string kv_cache_flag() const override { return "--partitioned-pool"; }
+
+ private:
+  std::unique_ptr<model::ForwardBackend> inner_;
+  PartitionRecord* rec_;
+};
+
+BackendFactory two_partition_factory(int64_t pages, PartitionRecord* rec) {
+  return [pages, rec](std::unique_ptr<model::M3Model> host,
+                      int64_t) -> Result<std::unique_ptr<model::ForwardBackend>> {
+    M3_TRY(auto inner, model::make_cpu_backend(std::move(host), pages));
+    return std::unique_ptr<model::ForwardBackend>(new TwoPartitionBackend(std::move(inner), rec));
+  };
+}
+
+// --max-model-len is checked against one partition's pages (a sequence cannot span two), and
+// caps the default.
+TEST(EngineBackend, KvPartitionsLimitMaxModelLenToOnePartition) {
+  PartitionRecord rec;
+  EngineConfig cfg;
+  cfg.model_dir = kModel;
+  cfg.block_size = 8;
+  cfg.max_model_len = 100;  // 13 pages of 8; 24 pages in all but 12 per partition
+  cfg.backend_factory = two_partition_factory(24, &rec);
+  auto e = Engine::create(cfg);
+  ASSERT_FALSE(e.has_value());
+  EXPECT_NE(e.error().message.find("holds 96 tokens per data-parallel rank"), std::string::npos)
+      << e.error().message;
+  cfg.max_model_len = 96;
+  ASSERT_TRUE(Engine::create(cfg).has_value());
+  cfg.max_model_len = 0;  // unset: one partition's tokens
+  auto e3 = Engine::create(cfg);
+  ASSERT_TRUE(e3.has_value()) << e3.error().message;
+  EXPECT_EQ((*e3)->model_info().max_model_len, 96);
+}
+
+// Four greedy requests on a pool of 2 x 8 pages (each needs 5): they land in both partitions,
+// no sequence ever has a page outside its partition, and the tokens equal the reference.
+TEST(EngineBackend, KvPartitionsKeepEachSequenceInOnePartition) {
+  auto m = model::M3Model::load(kModel);
+  ASSERT_TRUE(m.has_value());
+  PartitionRecord rec;
+  EngineConfig cfg;
+  cfg.model_dir = kModel;
+  cfg.block_size = static_cast<int>((*m)->config().sparse_block_size);
+  cfg.max_model_len = 48;
+  cfg.max_num_seqs = 4;
+  cfg.backend_factory = two_partition_factory(16, &rec);
+  auto e = Engine::create(cfg);
+  ASSERT_TRUE(e.has_value()) << e.error().message;
+  const int V = static_cast<int>((*e)->model_info().vocab_size);
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<GenerateRequest> reqs;
+  for (int i = 0; i < 4; ++i) {
+    prompts.push_back(random_prompt(20, 31 + i, V));
+    reqs.push_back(testing::greedy_request(prompts.back(), 20));
+  }
+  const auto outs = testing::generate_all(**e, reqs);
+  ASSERT_EQ(outs.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(outs[i], reference_greedy(**m, prompts[i], 20)) << i;
+  (*e)->shutdown(true);
+  EXPECT_EQ(rec.crossing, 0);
+  EXPECT_GT(rec.on[0], 0);
+  EXPECT_GT(rec.on[1], 0);
 }
 
 TEST(EngineBackend, CpuBackendRefusesAnEmptyPool) {
