@@ -41,6 +41,7 @@
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
 #include "model/sequence_runner.h"
+#include "model_cuda/multi_gpu_test_util.h"
 #ifdef M3_TEST_ENGINE
 #include "engine/engine.h"
 #include "unit/engine/engine_test_util.h"
@@ -55,45 +56,16 @@ using namespace golden;
 constexpr double kDpTol = 4e-4;
 constexpr double kSampleMargin = 2 * kDpTol;
 
-int gpu_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
+using multi_gpu::gpu_count;
+using multi_gpu::load;
+using multi_gpu::max_logprob_diff;
+using multi_gpu::top2_margin;
 
-#define SKIP_UNLESS_TWO_GPUS()                                                        \
-  do {                                                                                \
-    if (gpu_count() < 2) GTEST_SKIP() << "needs 2 GPUs, " << gpu_count() << " visible"; \
-  } while (0)
-
-// A golden checkpoint by name, or a `synthetic:...` spec (config only; each GPU rank generates
-// its slices of the weights from kSynthSeed).
-constexpr uint64_t kSynthSeed = 5;
-std::unique_ptr<M3Model> load(const std::string& name) {
-  const bool synthetic = name.rfind("synthetic:", 0) == 0;
-  auto m = M3Model::load(synthetic ? name : root() + "/" + name);
-  M3_CHECK(m.has_value(), "%s", m ? "" : m.error().message.c_str());
-  return std::move(*m);
-}
-
-// dp == 1: one GPU (make_cuda_backend), the reference. KV pool of `pages` whole-head pages.
-// `graphs`: the DP ranks replay CUDA graphs of decode steps (keyed by their MoE row count too).
+// dp == 1: one GPU, the reference. KV pool of `pages` whole-head pages; one page-id space for
+// both ranks (SequencePages hands out the pages; DpEngine runs the partitioned pools).
 std::unique_ptr<ForwardBackend> make_backend(const std::string& name, int dp, bool ep,
                                              int64_t pages, bool graphs = false) {
-  auto host = load(name);
-  CudaBackendOptions opts;
-  opts.kv_cache_memory_bytes = pages * KvCache::page_bytes(host->config());
-  opts.enforce_eager = !graphs;
-  opts.parallel_graphs = graphs;
-  opts.dp_kv_partitions = false;  // SequencePages hands out one page-id space (DpEngine: on)
-  opts.synthetic_seed = kSynthSeed;
-  auto be = dp == 1 ? make_cuda_backend(std::move(host), opts)
-                    : make_cuda_data_parallel_backend(std::move(host), opts, dp, ep);
-  M3_CHECK(be.has_value(), "%s", be ? "" : be.error().message.c_str());
-  return std::move(*be);
+  return multi_gpu::make_backend(name, dp, multi_gpu::Split::kData, ep, pages, graphs);
 }
 
 // The DP2 rank of a sequence whose first KV page is `page` (ShardPlan::dp_owner: a hash of it).
@@ -104,44 +76,24 @@ int owner_of_page(int64_t page) {
   return plan.dp_owner(static_cast<int32_t>(page));
 }
 
-// The reference and the DP backend driven by the same batches (one page assignment).
-struct Pair {
-  std::unique_ptr<ForwardBackend> ref, dp;
-  std::unique_ptr<SequencePages> pages;
-  int64_t next_page = 0;  // SequencePages bump-allocates in chunk order: the next new page
+// The reference and the DP backend driven by the same batches (one page assignment), tracking
+// the next page SequencePages will hand out (so a test can tell which rank a new sequence gets).
+struct Pair : multi_gpu::BackendPair {
+  int64_t next_page = 0;
 
-  Pair(const std::string& name, bool ep, int64_t tokens, int64_t seqs, bool graphs = false) {
-    const int64_t bs = load(name)->config().sparse_block_size;
-    const int64_t n = SequencePages::pages_needed(tokens, seqs, bs);
-    ref = make_backend(name, 1, false, n);
-    dp = make_backend(name, 2, ep, n, graphs);
-    pages = std::make_unique<SequencePages>(std::min(ref->num_pages(), dp->num_pages()), bs);
+  static int64_t pool(const std::string& name, int64_t tokens, int64_t seqs) {
+    return SequencePages::pages_needed(tokens, seqs, load(name)->config().sparse_block_size);
   }
-  const M3Config& config() const { return dp->config(); }
+  Pair(const std::string& name, bool ep, int64_t tokens, int64_t seqs, bool graphs = false)
+      : BackendPair(make_backend(name, 1, false, pool(name, tokens, seqs)),
+                    make_backend(name, 2, ep, pool(name, tokens, seqs), graphs)) {}
   // The DP rank that will own a new sequence added to the next batch.
   int next_owner() const { return owner_of_page(next_page); }
 
-  struct Out {
-    ForwardBatch batch;
-    ForwardResult want, got;  // TP1, DP2
-  };
   Out step(const std::vector<SequenceChunk>& chunks, bool capture = false,
            bool greedy_on_device = false) {
-    Out o;
-    o.batch = pages->build_step(chunks);
+    Out o = BackendPair::step(chunks, capture, greedy_on_device);
     for (int32_t p : o.batch.block_table) next_page = std::max<int64_t>(next_page, p + 1);
-    if (greedy_on_device) {
-      // Every logits row sampled greedily on the device, and every row still copied back.
-      for (int32_t r = 0; r < static_cast<int32_t>(o.batch.logits_indices.size()); ++r) {
-        kernels::cpu::SampleRow sr;
-        sr.row = r;
-        sr.temperature = 0.f;
-        o.batch.device_samples.push_back(sr);
-        o.batch.host_logits_rows.push_back(r);
-      }
-    }
-    ref->forward(o.batch, &o.want, capture);
-    dp->forward(o.batch, &o.got, capture);
     return o;
   }
 };
@@ -157,23 +109,6 @@ std::vector<int> owners(const ForwardBatch& b) {
     r.push_back(owner_of_page(b.block_table[b.block_table_offsets[s]]));
   }
   return r;
-}
-
-// max |logprob DP - TP1| over all rows; asserts the shapes match.
-double max_logprob_diff(const ForwardResult& got, const ForwardResult& want, int64_t V) {
-  EXPECT_EQ(got.logits.size(), want.logits.size());
-  if (got.logits.size() != want.logits.size()) return 1e9;
-  const auto a = log_softmax_rows(got.logits, V), b = log_softmax_rows(want.logits, V);
-  double m = 0;
-  for (size_t i = 0; i < a.size(); ++i) m = std::max<double>(m, std::fabs(a[i] - b[i]));
-  return m;
-}
-
-// TP1's top-2 logprob margin of row r of `logits`.
-double top2_margin(const std::vector<float>& logits, int64_t r, int64_t V) {
-  std::vector<float> row(logits.begin() + r * V, logits.begin() + (r + 1) * V);
-  std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<float>());
-  return static_cast<double>(row[0]) - row[1];  // logits and logprobs differ by a constant
 }
 
 // Spacer sequences at most before one golden case (a run of this many pages of one owner would
@@ -201,8 +136,8 @@ TEST_P(DpGolden, Dp2OneBatchMatchesTp1AndTransformers) {
   Pair p(tc.golden, tc.expert_parallel, tokens + seqs, seqs);
   const M3Config& cfg = p.config();
   const int64_t V = cfg.vocab_size, bs = cfg.sparse_block_size;
-  EXPECT_NE(p.dp->device_name().find("data parallel 2"), std::string::npos)
-      << p.dp->device_name();
+  EXPECT_NE(p.test->device_name().find("data parallel 2"), std::string::npos)
+      << p.test->device_name();
 
   // 1. One prefill batch of every case (all logits, MSA captured). Case i goes to rank i % 2:
   //    one-token spacer sequences (one page each) first while the next page belongs to the other
@@ -324,7 +259,7 @@ TEST_P(DpGolden, Dp2OneBatchMatchesTp1AndTransformers) {
   }
   std::printf(
       "  %s on %s: %zu sequences in one batch (owners of the prefill:",
-      case_name(tc).c_str(), p.dp->device_name().c_str(), own.size());
+      case_name(tc).c_str(), p.test->device_name().c_str(), own.size());
   for (int o : own) std::printf(" %d", o);
   std::printf("), max |logprob DP2 - TP1| %.3g, max |logprob DP2 - transformers| %.3g, "
               "%lld MSA selections and %lld device-greedy tokens compared\n",
@@ -446,49 +381,15 @@ TEST_P(DpSynthetic, Dp2MatchesTp1AtM3Shapes) {
   SKIP_UNLESS_TWO_GPUS();
   const auto [ep, graphs] = GetParam();
   Pair p("synthetic:layers=4", ep, 1024, 4, graphs);
-  const int64_t V = p.config().vocab_size, bs = p.config().sparse_block_size;
-  uint64_t state = 99;
-  auto next_id = [&] {
-    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
-    return static_cast<int32_t>((state >> 33) % 200000);
-  };
-  // 300 tokens = 3 pages of 128 (pages 0-2): the second sequence starts on page 3, whose owner
-  // differs from page 0's.
-  std::vector<int32_t> pa(300), pb(170);
-  for (auto& t : pa) t = next_id();
-  for (auto& t : pb) t = next_id();
-  ASSERT_NE(owner_of_page(0), owner_of_page((static_cast<int64_t>(pa.size()) + bs - 1) / bs));
-  const int a = p.pages->add_sequence(), b = p.pages->add_sequence();
-  auto o = p.step({{a, pa, false}, {b, pb, false}});
-  ASSERT_EQ(owners(o.batch), std::vector<int>({0, 1}));
-  double worst = 0;
-  int64_t compared = 0;
-  for (int step = 0; step < 12; ++step) {
-    ASSERT_EQ(o.got.logits.size(), 2 * static_cast<size_t>(V));
-    const double e = max_logprob_diff(o.got, o.want, V);
-    worst = std::max(worst, e);
-    ASSERT_LT(e, kSynthTol) << "step " << step;
-    // TP1's argmax feeds both (teacher forcing); DP2's device samples must equal it unless TP1's
-    // top two logits are within the tolerance of each other.
-    std::vector<int32_t> feed(2);
-    for (int r = 0; r < 2; ++r) {
-      const auto row = o.want.logits.begin() + r * V;
-      feed[r] = static_cast<int32_t>(std::max_element(row, row + V) - row);
-      if (step > 0 && top2_margin(o.want.logits, r, V) > 2 * kSynthTol) {
-        ASSERT_EQ(o.got.sampled.size(), 2u);
-        EXPECT_EQ(o.got.sampled[r], feed[r]) << "step " << step << " row " << r;
-        ++compared;
-      }
-    }
-    o = p.step({{a, std::span<const int32_t>(&feed[0], 1), false},
-                {b, std::span<const int32_t>(&feed[1], 1), false}},
-               false, true);
-  }
-  EXPECT_GT(compared, 10);
-  std::printf("  synthetic:layers=4 DP2%s %s on %s: max |logprob DP2 - TP1| %.3g, %lld "
-              "device-greedy tokens compared\n",
-              ep ? "+EP" : "", graphs ? "graphs" : "eager", p.dp->device_name().c_str(), worst,
-              static_cast<long long>(compared));
+  // The 300-token sequence fills pages 0-2, so the second starts on page 3, whose owner differs
+  // from page 0's: one sequence per rank.
+  ASSERT_NE(owner_of_page(0), owner_of_page(3));
+  multi_gpu::expect_synthetic_decode_matches(
+      p, kSynthTol,
+      std::string("synthetic:layers=4 DP2") + (ep ? "+EP" : "") + (graphs ? " graphs" : " eager"),
+      [](const multi_gpu::BackendPair::Out& o) {
+        EXPECT_EQ(owners(o.batch), std::vector<int>({owner_of_page(0), owner_of_page(3)}));
+      });
 }
 
 INSTANTIATE_TEST_SUITE_P(Synthetic, DpSynthetic,

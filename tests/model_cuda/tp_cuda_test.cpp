@@ -36,6 +36,7 @@
 #include "model/m3_model.h"
 #include "model/sequence_runner.h"
 #include "model/synthetic_model.h"
+#include "model_cuda/multi_gpu_test_util.h"
 #ifdef M3_TEST_ENGINE
 #include "engine/engine.h"
 #include "unit/engine/engine_test_util.h"
@@ -49,25 +50,8 @@ using namespace golden;
 
 constexpr double kTpTol = 4e-4;
 
-int gpu_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
-#define SKIP_UNLESS_TWO_GPUS()                                                        \
-  do {                                                                                \
-    if (gpu_count() < 2) GTEST_SKIP() << "needs 2 GPUs, " << gpu_count() << " visible"; \
-  } while (0)
-
-std::unique_ptr<M3Model> load(const std::string& name) {
-  auto m = M3Model::load(root() + "/" + name);
-  M3_CHECK(m.has_value(), "%s", m ? "" : m.error().message.c_str());
-  return std::move(*m);
-}
+using multi_gpu::gpu_count;
+using multi_gpu::load;
 
 struct Driver {
   std::unique_ptr<ForwardBackend> backend;
@@ -93,20 +77,11 @@ struct Driver {
 
 Driver make_driver(const std::string& name, int tp, bool eager, int64_t tokens, int64_t seqs,
                    bool expert_parallel = false) {
-  auto host = load(name);
-  const M3Config& cfg = host->config();
-  const int64_t pages = SequencePages::pages_needed(tokens, seqs, cfg.sparse_block_size);
-  CudaBackendOptions opts;
-  // Whole-head page bytes: a TP rank's pages are smaller, so it gets at least as many pages.
-  opts.kv_cache_memory_bytes = pages * KvCache::page_bytes(cfg);
-  opts.enforce_eager = eager;
-  opts.parallel_graphs = !eager;
-  auto be = tp == 1 ? make_cuda_backend(std::move(host), opts)
-                    : make_cuda_sharded_backend(std::move(host), opts, tp, expert_parallel);
-  M3_CHECK(be.has_value(), "%s", be ? "" : be.error().message.c_str());
+  const int64_t bs = load(name)->config().sparse_block_size;
   Driver d;
-  d.backend = std::move(*be);
-  d.pages = std::make_unique<SequencePages>(d.backend->num_pages(), cfg.sparse_block_size);
+  d.backend = multi_gpu::make_backend(name, tp, multi_gpu::Split::kTensor, expert_parallel,
+                                      SequencePages::pages_needed(tokens, seqs, bs), !eager);
+  d.pages = std::make_unique<SequencePages>(d.backend->num_pages(), bs);
   return d;
 }
 
@@ -266,96 +241,19 @@ TEST(TpCuda, MixedBatchMatchesTp1) {
 // slice (another rank's heads, a missing all-reduce) moves logprobs by O(1) with random weights.
 constexpr double kSynthTol = 2e-3;
 
-Driver make_synth_driver(int tp, bool ep, bool graphs, int64_t tokens, int64_t seqs) {
-  auto host = M3Model::load("synthetic:layers=4");  // config only
-  M3_CHECK(host.has_value(), "%s", host ? "" : host.error().message.c_str());
-  const M3Config cfg = (*host)->config();
-  const int64_t pages = SequencePages::pages_needed(tokens, seqs, cfg.sparse_block_size);
-  CudaBackendOptions opts;
-  opts.kv_cache_memory_bytes = pages * KvCache::page_bytes(cfg);
-  opts.synthetic_seed = 5;
-  opts.enforce_eager = !graphs;
-  opts.parallel_graphs = graphs;
-  auto be = tp == 1 ? make_cuda_backend(std::move(*host), opts)
-                    : make_cuda_sharded_backend(std::move(*host), opts, tp, ep);
-  M3_CHECK(be.has_value(), "%s", be ? "" : be.error().message.c_str());
-  Driver d;
-  d.backend = std::move(*be);
-  d.pages = std::make_unique<SequencePages>(d.backend->num_pages(), cfg.sparse_block_size);
-  return d;
-}
-
-// Largest minus second-largest entry of a logits row.
-double top2_margin(const std::vector<float>& row) {
-  float a = -INFINITY, b = -INFINITY;
-  for (float v : row) {
-    if (v > a) {
-      b = a;
-      a = v;
-    } else if (v > b) {
-      b = v;
-    }
-  }
-  return static_cast<double>(a) - b;
-}
-
 class TpSynthetic : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 
 TEST_P(TpSynthetic, Tp2MatchesTp1AtM3Shapes) {
   SKIP_UNLESS_TWO_GPUS();
   const auto [ep, graphs] = GetParam();
-  Driver ref = make_synth_driver(1, false, graphs, 1024, 4);
-  Driver tp2 = make_synth_driver(2, ep, graphs, 1024, 4);
-  const int64_t V = ref.backend->config().vocab_size;
-  // Two sequences in one batch: a 300-token prefill (per-expert MoE path) and then decode steps
-  // of 2 tokens (the grouped MoE path, replayed from graphs when on).
-  uint64_t state = 99;
-  auto next_id = [&] {
-    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
-    return static_cast<int32_t>((state >> 33) % 200000);
-  };
-  std::vector<int32_t> pa(300), pb(170);
-  for (auto& t : pa) t = next_id();
-  for (auto& t : pb) t = next_id();
-  const int a1 = ref.pages->add_sequence(), b1 = ref.pages->add_sequence();
-  const int a2 = tp2.pages->add_sequence(), b2 = tp2.pages->add_sequence();
-  ForwardResult want = ref.step({{a1, pa, false}, {b1, pb, false}});
-  ForwardResult got = tp2.step({{a2, pa, false}, {b2, pb, false}});
-  double max_err = 0;
-  int64_t greedy_compared = 0;
-  for (int step = 0; step < 12; ++step) {
-    ASSERT_EQ(got.logits.size(), 2 * static_cast<size_t>(V));
-    ASSERT_EQ(want.logits.size(), got.logits.size());
-    const auto lp = log_softmax_rows(got.logits, V), lp1 = log_softmax_rows(want.logits, V);
-    for (size_t i = 0; i < lp.size(); ++i) {
-      const double e = std::fabs(lp[i] - lp1[i]);
-      max_err = std::max(max_err, e);
-      ASSERT_LT(e, kSynthTol) << "step " << step << " row " << i / V << " token " << i % V;
-    }
-    // TP1's greedy tokens feed both (teacher forcing); TP2's device samples must equal them
-    // unless TP1's top two logits are within the tolerance of each other.
-    std::vector<int32_t> feed(2);
-    for (int r = 0; r < 2; ++r) {
-      const std::vector<float> row(want.logits.begin() + r * V, want.logits.begin() + (r + 1) * V);
-      feed[r] = static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
-      if (step > 0 && top2_margin(row) > 2 * kSynthTol) {
-        ASSERT_EQ(got.sampled.size(), 2u);
-        EXPECT_EQ(got.sampled[r], feed[r]) << "step " << step << " row " << r;
-        ++greedy_compared;
-      }
-    }
-    const std::vector<SequenceChunk> c1 = {{a1, std::span<const int32_t>(&feed[0], 1), false},
-                                           {b1, std::span<const int32_t>(&feed[1], 1), false}};
-    const std::vector<SequenceChunk> c2 = {{a2, std::span<const int32_t>(&feed[0], 1), false},
-                                           {b2, std::span<const int32_t>(&feed[1], 1), false}};
-    want = ref.step(c1, false, true);
-    got = tp2.step(c2, false, true);
-  }
-  EXPECT_GT(greedy_compared, 10);
-  std::printf("  synthetic:layers=4 TP2%s %s on %s: max |logprob TP2 - TP1| %.3g, %lld "
-              "device-greedy tokens compared\n",
-              ep ? "+EP" : "", graphs ? "graphs" : "eager", tp2.backend->device_name().c_str(),
-              max_err, static_cast<long long>(greedy_compared));
+  const std::string name = "synthetic:layers=4";
+  const int64_t pages = SequencePages::pages_needed(1024, 4, 128);
+  multi_gpu::BackendPair p(
+      multi_gpu::make_backend(name, 1, multi_gpu::Split::kTensor, false, pages, graphs),
+      multi_gpu::make_backend(name, 2, multi_gpu::Split::kTensor, ep, pages, graphs));
+  multi_gpu::expect_synthetic_decode_matches(
+      p, kSynthTol,
+      std::string("synthetic:layers=4 TP2") + (ep ? "+EP" : "") + (graphs ? " graphs" : " eager"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Synthetic, TpSynthetic,

@@ -92,19 +92,8 @@ class DataParallelCudaBackend final : public ForwardBackend {
 Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
     std::unique_ptr<M3Model> host, const CudaBackendOptions& opts, int dp, bool expert_parallel) {
   M3_CHECK(host != nullptr);
-  if (dp < 1) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "--data-parallel-size must be >= 1, got " + std::to_string(dp),
-                      "--data-parallel-size");
-  }
+  M3_TRY_STATUS(rank_group::check_group_args(dp, "--data-parallel-size", opts));
   if (dp == 1) return make_cuda_backend(std::move(host), opts);  // EP over one rank: whole model
-  const double util = opts.gpu_memory_utilization;
-  if (!(util > 0.0 && util <= 1.0)) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "--gpu-memory-utilization " + std::to_string(util) +
-                          " is outside (0, 1]; give a fraction such as 0.9",
-                      "--gpu-memory-utilization");
-  }
   // A config-only host (`--model synthetic:...`): each rank generates its slices on its GPU.
   const bool synthetic = !host->has_weights();
   const M3Config cfg = host->config();
@@ -127,28 +116,15 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
   // Every rank joins the group and makes its model on its own thread; the host shards share the
   // host weights (make_shard is const).
   std::shared_ptr<const M3Model> whole(std::move(host));
+  // Decode steps replay CUDA graphs keyed by the rank's tokens and the step's MoE rows, as TP
+  // ranks do; a rank without tokens runs its MoE collectives eagerly (forward_dp_idle).
   auto build = [&](int r, rank_group::CudaRank& rank) -> Status {
     ShardSpec spec;
     spec.rank = r;
     spec.world = dp;
     spec.expert_parallel = expert_parallel;
     spec.data_parallel = true;
-    spec.comm = rank.comm.get();
-    Result<std::unique_ptr<M3ModelCuda>> model = tl::unexpected(Error{});
-    if (synthetic) {
-      M3_TRY(ShardPlan plan, make_shard_plan(cfg, spec));
-      model = M3ModelCuda::synthetic(cfg, opts.synthetic_seed, r, &plan, rank.comm.get(),
-                                     rank.comm->stream());
-    } else {
-      M3_TRY(auto shard, whole->make_shard(spec));
-      model = M3ModelCuda::from_host(std::move(shard), r, rank.comm.get(), rank.comm->stream());
-    }
-    if (!model) return tl::unexpected(model.error());
-    rank.model = std::move(*model);
-    // Decode steps replay CUDA graphs keyed by the rank's tokens and the step's MoE rows, as TP
-    // ranks do; a rank without tokens runs its MoE collectives eagerly (forward_dp_idle).
-    if (opts.enforce_eager || !opts.parallel_graphs) rank.model->set_use_graphs(false);
-    return {};
+    return rank_group::make_rank_model(*whole, spec, opts, rank);
   };
   M3_TRY(std::vector<rank_group::CudaRank> ranks, rank_group::start_nccl_ranks(dp, build));
   whole.reset();

@@ -70,19 +70,8 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
                                                                   const CudaBackendOptions& opts,
                                                                   int tp, bool expert_parallel) {
   M3_CHECK(host != nullptr);
-  if (tp < 1) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "--tensor-parallel-size must be >= 1, got " + std::to_string(tp),
-                      "--tensor-parallel-size");
-  }
+  M3_TRY_STATUS(rank_group::check_group_args(tp, "--tensor-parallel-size", opts));
   if (tp == 1) return make_cuda_backend(std::move(host), opts);  // EP over one rank: whole model
-  const double util = opts.gpu_memory_utilization;
-  if (!(util > 0.0 && util <= 1.0)) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "--gpu-memory-utilization " + std::to_string(util) +
-                          " is outside (0, 1]; give a fraction such as 0.9",
-                      "--gpu-memory-utilization");
-  }
   M3_TRY_STATUS(check_tensor_parallel_devices(tp));
   // A config-only host (`--model synthetic:...`): each rank generates its own slices of the
   // synthetic weights on its GPU (M3ModelCuda::synthetic with the rank's plan).
@@ -95,6 +84,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
   M3_TRY(ShardPlan plan0, make_shard_plan(cfg, probe));
 #ifndef M3_HAS_NCCL
   (void)plan0;
+  (void)synthetic;
   return make_error(ErrorCode::kUnavailable,
                     "--tensor-parallel-size " + std::to_string(tp) +
                         " with --device cuda needs NCCL, and this m3serve was built without it "
@@ -109,21 +99,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
     spec.rank = r;
     spec.world = tp;
     spec.expert_parallel = expert_parallel;  // whole experts per rank, picks remapped
-    spec.comm = rank.comm.get();
-    Result<std::unique_ptr<M3ModelCuda>> model = tl::unexpected(Error{});
-    if (synthetic) {
-      M3_TRY(ShardPlan plan, make_shard_plan(cfg, spec));
-      model = M3ModelCuda::synthetic(cfg, opts.synthetic_seed, r, &plan, rank.comm.get(),
-                                     rank.comm->stream());
-    } else {
-      M3_TRY(auto shard, whole->make_shard(spec));
-      model = M3ModelCuda::from_host(std::move(shard), r, rank.comm.get(), rank.comm->stream());
-    }
-    if (!model) return tl::unexpected(model.error());
-    rank.model = std::move(*model);
-    if (opts.enforce_eager || !opts.parallel_graphs) rank.model->set_use_graphs(false);
-    rank.model->set_skip_collectives_for_timing(opts.skip_collectives_for_timing);
-    return {};
+    return rank_group::make_rank_model(*whole, spec, opts, rank);
   };
   M3_TRY(std::vector<CudaRank> ranks, rank_group::start_nccl_ranks(tp, build));
   whole.reset();

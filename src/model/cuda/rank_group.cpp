@@ -34,6 +34,21 @@ Status check_gpus_for_ranks(int ranks, const std::string& flag, const std::strin
                     flag);
 }
 
+Status check_group_args(int ranks, const std::string& flag, const CudaBackendOptions& opts) {
+  if (ranks < 1) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      flag + " must be >= 1, got " + std::to_string(ranks), flag);
+  }
+  const double util = opts.gpu_memory_utilization;
+  if (!(util > 0.0 && util <= 1.0)) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--gpu-memory-utilization " + std::to_string(util) +
+                          " is outside (0, 1]; give a fraction such as 0.9",
+                      "--gpu-memory-utilization");
+  }
+  return {};
+}
+
 std::string mib(double bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / (1 << 20));
@@ -155,6 +170,26 @@ void release_ranks(std::vector<CudaRank>& ranks) {
     ranks[r].model.reset();
     ranks[r].comm.reset();
   }
+}
+
+Status make_rank_model(const M3Model& whole, ShardSpec spec, const CudaBackendOptions& opts,
+                       CudaRank& rank) {
+  spec.comm = rank.comm.get();
+  const int r = rank.comm->rank();
+  Result<std::unique_ptr<M3ModelCuda>> model = tl::unexpected(Error{});
+  if (!whole.has_weights()) {
+    M3_TRY(ShardPlan plan, make_shard_plan(whole.config(), spec));
+    model = M3ModelCuda::synthetic(whole.config(), opts.synthetic_seed, r, &plan,
+                                   rank.comm.get(), rank.comm->stream());
+  } else {
+    M3_TRY(auto shard, whole.make_shard(spec));
+    model = M3ModelCuda::from_host(std::move(shard), r, rank.comm.get(), rank.comm->stream());
+  }
+  if (!model) return tl::unexpected(model.error());
+  rank.model = std::move(*model);
+  if (opts.enforce_eager || !opts.parallel_graphs) rank.model->set_use_graphs(false);
+  rank.model->set_skip_collectives_for_timing(opts.skip_collectives_for_timing);
+  return {};
 }
 
 Result<std::vector<CudaRank>> start_nccl_ranks(

@@ -20,6 +20,8 @@
 #include "model/cuda/cuda_backend.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
+#include "model/m3_model.h"
+#include "model/shard.h"
 #ifdef M3_HAS_NCCL
 #include "dist/nccl_communicator.h"
 #endif
@@ -32,6 +34,10 @@ int visible_gpu_count();
 // Ok when `ranks` GPUs are visible (one per rank); else an error naming `flag`, both counts and
 // the largest size that fits, then `also` (another way out, e.g. ", or --device cpu").
 Status check_gpus_for_ranks(int ranks, const std::string& flag, const std::string& also = "");
+
+// The group size and the memory fraction both backends take: ranks >= 1 (else an error naming
+// `flag`) and opts.gpu_memory_utilization in (0, 1].
+Status check_group_args(int ranks, const std::string& flag, const CudaBackendOptions& opts);
 
 // "12.3 MiB", for the pool's log lines and errors.
 std::string mib(double bytes);
@@ -89,6 +95,13 @@ struct CudaRank {
 
 // Releases each rank's cache, model and communicator (in that order) with its GPU current.
 void release_ranks(std::vector<CudaRank>& ranks);
+
+// Rank rank.comm->rank()'s model (spec: the rank's ShardSpec without its communicator): its shard
+// of `whole` uploaded to its GPU, or for a config-only (synthetic) `whole` its slices generated
+// there from opts.synthetic_seed; CUDA graphs off when opts.enforce_eager or !parallel_graphs,
+// and skip_collectives_for_timing applied. Errors: the shard's or the upload's.
+Status make_rank_model(const M3Model& whole, ShardSpec spec, const CudaBackendOptions& opts,
+                       CudaRank& rank);
 
 // Starts `world` ranks, each on a thread of its own bound to GPU r: joins the NCCL group
 // (ncclCommInitRank blocks until every rank has) and then calls build(r, rank) to make the rank's
