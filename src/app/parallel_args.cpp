@@ -84,7 +84,9 @@ engine::BackendFactory wrap_backend_factory(const ParallelArgs& a,
   return engine::BackendFactory(
       [tp, ep, dp](std::unique_ptr<model::M3Model> host,
                    int64_t cpu_num_pages) -> Result<std::unique_ptr<model::ForwardBackend>> {
-        return model::make_cpu_sharded_backend(std::move(host), cpu_num_pages, tp, ep, dp);
+        // Serving: the scheduler hands out pages, so DP ranks get a page partition each.
+        return model::make_cpu_sharded_backend(std::move(host), cpu_num_pages, tp, ep, dp,
+                                               /*dp_kv_partitions=*/true);
       });
 }
 

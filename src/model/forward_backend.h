@@ -48,12 +48,17 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_backend(std::unique_ptr<M3Model
 // sequences with all heads (a full-head KvCache of num_pages pages per rank) and the routed
 // experts are split over all D. forward() runs every rank on the same batch (rank 0 on the
 // calling thread) and returns rank 0's logits, which equal every rank's. Logs the split and the
-// per-rank KV memory at start. Errors: num_pages < 1, a config-only model, TP and DP both > 1,
-// or a split that does not divide the model (the message names the flag).
+// per-rank KV memory at start. With dp_kv_partitions (data parallel only) the num_pages are split
+// over the D ranks instead: rank r caches pages [r * P, (r + 1) * P), P = num_pages / D, and the
+// backend reports D partitions (num_kv_partitions) so the scheduler keeps each sequence in one;
+// drivers that hand out pages themselves (SequencePages) leave it off. Errors: num_pages < 1 (or
+// fewer than D when partitioned), a config-only model, TP and DP both > 1, or a split that does
+// not divide the model (the message names the flag).
 Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(std::unique_ptr<M3Model> model,
                                                                  int64_t num_pages,
                                                                  int tensor_parallel_size,
                                                                  bool expert_parallel,
-                                                                 int data_parallel_size = 1);
+                                                                 int data_parallel_size = 1,
+                                                                 bool dp_kv_partitions = false);
 
 }  // namespace m3::model

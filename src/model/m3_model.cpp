@@ -286,10 +286,29 @@ void M3Model::forward_dp(const ForwardBatch& b, KvCache& cache, ForwardResult* o
   const int64_t T = static_cast<int64_t>(b.token_ids.size()), V = cfg_.vocab_size;
   M3_CHECK(T > 0 && b.positions.size() == (size_t)T && b.seq_ids.size() == (size_t)T);
   // This rank's tokens: those of the sequences it owns (by first KV page). The block tables are
-  // kept whole, so seq_ids stay valid.
+  // kept whole, so seq_ids stay valid; with partitioned pages, this rank's sequences' pages
+  // become its local ids and every other sequence's (never read here) page 0.
   ForwardBatch lb;
   lb.block_table_offsets = b.block_table_offsets;
   lb.block_table = b.block_table;
+  if (plan_.dp_pages_per_rank > 0) {
+    const int64_t S = static_cast<int64_t>(b.block_table_offsets.size()) - 1;
+    for (int64_t s = 0; s < S; ++s) {
+      const int32_t p0 = b.block_table_offsets[s], p1 = b.block_table_offsets[s + 1];
+      const bool mine = p1 > p0 && plan_.dp_owner(b.block_table[p0]) == plan_.rank;
+      for (int32_t i = p0; i < p1; ++i) {
+        if (!mine) {
+          lb.block_table[i] = 0;
+          continue;
+        }
+        const int32_t local = plan_.dp_local_page(b.block_table[i]);
+        M3_CHECK(local >= 0 && local < plan_.dp_pages_per_rank,
+                 "sequence %lld has pages in two data-parallel partitions (%d and %d)",
+                 static_cast<long long>(s), b.block_table[p0], b.block_table[i]);
+        lb.block_table[i] = local;
+      }
+    }
+  }
   std::vector<int32_t> tok_global, local_of(T, -1);
   for (int64_t t = 0; t < T; ++t) {
     const int32_t s = b.seq_ids[t];

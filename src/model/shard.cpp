@@ -75,6 +75,7 @@ Result<ShardPlan> make_dp_plan(const M3Config& cfg, const ShardSpec& spec) {
   p.world = W;
   p.expert_parallel = spec.expert_parallel;
   p.data_parallel = true;
+  p.dp_pages_per_rank = spec.dp_pages_per_rank;
   p.num_q_heads = cfg.num_attention_heads;
   p.gqa_group = cfg.num_attention_heads / cfg.num_key_value_heads;
   p.num_kv_heads = cfg.num_key_value_heads;

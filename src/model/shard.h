@@ -27,6 +27,11 @@ struct ShardSpec {
   // dense MLP, shared expert and lm_head in full for its own sequences; only the routed experts
   // are split over the world (EP, or sliced experts without it).
   bool data_parallel = false;
+  // Attention data parallel with partitioned page ids: rank r's KV cache holds pages
+  // [r * P, (r + 1) * P) as its [0, P), and a sequence's pages all lie in one partition (the
+  // scheduler keeps them so, ForwardBackend::num_kv_partitions). 0: one page-id space that every
+  // rank caches whole.
+  int64_t dp_pages_per_rank = 0;
 };
 
 // What this rank holds. Ranges are [begin, begin + count) in the unsharded model's numbering.
@@ -35,6 +40,7 @@ struct ShardPlan {
   int world = 1;
   bool expert_parallel = false;
   bool data_parallel = false;  // see ShardSpec; the ranges below are then whole except experts
+  int64_t dp_pages_per_rank = 0;  // see ShardSpec
   // Attention: query heads split evenly. KV heads split when world <= num_kv_heads; else each
   // rank keeps the one KV head its query heads use (replicated across world / num_kv_heads ranks).
   // MSA index-q heads follow the KV heads; index-K (one head) is computed on every rank.
@@ -55,12 +61,13 @@ struct ShardPlan {
   bool tensor_sharded() const { return world > 1 && !data_parallel; }
   // Data parallel: each rank runs its own sequences; experts split.
   bool data_sharded() const { return world > 1 && data_parallel; }
-  // The DP rank that runs the sequence whose first KV page is `first_page`. A function of the
-  // first page only, so sequences sharing cached prefix pages always run on the same rank; a
-  // mixing hash of it, so owners spread evenly whatever pattern the page allocator follows (the
-  // page id modulo the world put every sequence on rank 0 when all prompts filled an even number
-  // of pages: bench_tp's first DP2 run).
+  // The DP rank that runs the sequence whose first KV page is `first_page`. Partitioned pages:
+  // the partition's rank. Else a function of the first page only, so sequences sharing cached
+  // prefix pages always run on the same rank; a mixing hash of it, so owners spread evenly
+  // whatever pattern the page allocator follows (the page id modulo the world put every sequence
+  // on rank 0 when all prompts filled an even number of pages: bench_tp's first DP2 run).
   int dp_owner(int32_t first_page) const {
+    if (dp_pages_per_rank > 0) return static_cast<int>(first_page / dp_pages_per_rank);
     uint32_t x = static_cast<uint32_t>(first_page);
     x ^= x >> 16;
     x *= 0x7feb352dU;
@@ -68,6 +75,10 @@ struct ShardPlan {
     x *= 0x846ca68bU;
     x ^= x >> 16;
     return static_cast<int>(x % static_cast<uint32_t>(world));
+  }
+  // Where this rank caches global page `page` of a sequence it owns.
+  int32_t dp_local_page(int32_t page) const {
+    return dp_pages_per_rank > 0 ? static_cast<int32_t>(page - rank * dp_pages_per_rank) : page;
   }
   // First KV head of rank r (for reassembling per-head outputs such as MSA selections).
   int64_t kv_head_begin_of(int r) const;

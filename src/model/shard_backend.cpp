@@ -20,8 +20,12 @@ class ShardedCpuBackend final : public ForwardBackend {
  public:
   ShardedCpuBackend(std::shared_ptr<dist::CpuGroup> group,
                     std::vector<std::unique_ptr<dist::Communicator>> comms,
-                    std::vector<std::unique_ptr<M3Model>> shards, int64_t num_pages)
-      : group_(std::move(group)), comms_(std::move(comms)), shards_(std::move(shards)) {
+                    std::vector<std::unique_ptr<M3Model>> shards, int64_t num_pages,
+                    int partitions)
+      : group_(std::move(group)),
+        comms_(std::move(comms)),
+        shards_(std::move(shards)),
+        partitions_(partitions) {
     for (const auto& s : shards_)
       caches_.push_back(std::make_unique<KvCache>(s->config(), num_pages, s->cache_kv_heads()));
     results_.resize(shards_.size());
@@ -37,7 +41,9 @@ class ShardedCpuBackend final : public ForwardBackend {
   }
 
   const M3Config& config() const override { return shards_[0]->config(); }
-  int64_t num_pages() const override { return caches_[0]->num_pages(); }
+  // Partitioned (data parallel): rank r's cache holds pages [r * P, (r + 1) * P).
+  int64_t num_pages() const override { return caches_[0]->num_pages() * partitions_; }
+  int num_kv_partitions() const override { return partitions_; }
   void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -84,6 +90,7 @@ class ShardedCpuBackend final : public ForwardBackend {
   std::shared_ptr<dist::CpuGroup> group_;
   std::vector<std::unique_ptr<dist::Communicator>> comms_;
   std::vector<std::unique_ptr<M3Model>> shards_;
+  int partitions_ = 1;
   std::vector<std::unique_ptr<KvCache>> caches_;  // each points into its shard's config
   std::vector<ForwardResult> results_;            // ranks >= 1: scratch
   std::vector<std::thread> workers_;
@@ -102,7 +109,8 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(std::unique_ptr
                                                                  int64_t num_pages,
                                                                  int tensor_parallel_size,
                                                                  bool expert_parallel,
-                                                                 int data_parallel_size) {
+                                                                 int data_parallel_size,
+                                                                 bool dp_kv_partitions) {
   M3_CHECK(model != nullptr);
   if (tensor_parallel_size < 1) {
     return make_error(
@@ -141,6 +149,17 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(std::unique_ptr
                       "--kv-cache-memory-bytes");
   }
   const int W = dp ? data_parallel_size : tensor_parallel_size;
+  // Partitioned data parallel: the budget's pages split over the ranks, each caching its own.
+  const bool partitioned = dp && dp_kv_partitions;
+  const int64_t rank_pages = partitioned ? num_pages / W : num_pages;
+  if (rank_pages < 1) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "the CPU KV cache of " + std::to_string(num_pages) + " pages gives each of " +
+                          "the " + std::to_string(W) + " data-parallel ranks none; raise "
+                          "--kv-cache-memory-bytes to at least " +
+                          std::to_string(W * KvCache::page_bytes(model->config())),
+                      "--kv-cache-memory-bytes");
+  }
   // Check the split once, without a group, so a bad size fails before any thread starts.
   {
     ShardSpec probe;
@@ -160,6 +179,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(std::unique_ptr
     spec.world = W;
     spec.expert_parallel = expert_parallel;
     spec.data_parallel = dp;
+    spec.dp_pages_per_rank = partitioned ? rank_pages : 0;
     spec.comm = comms.back().get();
     M3_TRY(auto shard, model->make_shard(spec));
     shards.push_back(std::move(shard));
@@ -168,13 +188,16 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(std::unique_ptr
   const M3Config& cfg = shards[0]->config();
   M3_LOG_INFO("%s", p0.describe(cfg).c_str());
   const double per_rank = static_cast<double>(KvCache::page_bytes(cfg, p0.num_kv_heads)) *
-                          static_cast<double>(num_pages);
-  M3_LOG_INFO("CPU KV cache: %lld pages per rank, %.1f MiB per rank, %.1f MiB over %d ranks",
-              static_cast<long long>(num_pages), per_rank / (1 << 20), per_rank * W / (1 << 20), W);
+                          static_cast<double>(rank_pages);
+  M3_LOG_INFO("CPU KV cache: %lld pages per rank%s, %.1f MiB per rank, %.1f MiB over %d ranks",
+              static_cast<long long>(rank_pages),
+              partitioned ? " (one page-id partition each)" : "", per_rank / (1 << 20),
+              per_rank * W / (1 << 20), W);
   // The shards share the weights; the unsharded model object is no longer needed.
   model.reset();
   return std::unique_ptr<ForwardBackend>(
-      new ShardedCpuBackend(std::move(group), std::move(comms), std::move(shards), num_pages));
+      new ShardedCpuBackend(std::move(group), std::move(comms), std::move(shards), rank_pages,
+                            partitioned ? W : 1));
 }
 
 }  // namespace m3::model
