@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/blas.h"
 #include "kernels/cuda/common.cuh"
 
 namespace m3::kernels::cuda::detail {
@@ -75,17 +76,9 @@ __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* r
   return r;
 }
 
-// Multiprocessors of the current device (sizes split grids; read once per process).
-inline int num_sms() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0)
-      return 132;  // H200; only the grid shape depends on it
-    return v;
-  }();
-  return n;
-}
+// Multiprocessors of the current device (sizes split grids): blas::num_sms, read once per
+// device, so ranks on different GPUs of one process each get their own.
+inline int num_sms() { return blas::num_sms(); }
 
 // Raises `kernel`'s dynamic shared-memory limit to `bytes` once per device: the attribute is a
 // property of the function on one device, so a process driving several GPUs (tensor-parallel
