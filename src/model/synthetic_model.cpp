@@ -14,16 +14,12 @@ constexpr const char* kForm = "synthetic:layers=N[,seed=S] with 1 <= N <= 60";
 
 Result<uint64_t> parse_u64(std::string_view spec, std::string_view key, std::string_view text) {
   const std::string s(text);
-  if (s.empty() || s[0] == '-' || s[0] == '+' || s[0] == ' ') {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "--model " + std::string(spec) + ": " + std::string(key) + "='" + s +
-                          "' is not a non-negative integer; use " + kForm,
-                      "--model");
-  }
+  // strtoull would accept a sign or leading spaces; only plain digits are a count.
+  const bool plain = !s.empty() && s[0] != '-' && s[0] != '+' && s[0] != ' ';
   char* end = nullptr;
   errno = 0;
-  const unsigned long long v = std::strtoull(s.c_str(), &end, 10);
-  if (*end != '\0' || errno != 0) {
+  const unsigned long long v = plain ? std::strtoull(s.c_str(), &end, 10) : 0;
+  if (!plain || *end != '\0' || errno != 0) {
     return make_error(ErrorCode::kInvalidArgument,
                       "--model " + std::string(spec) + ": " + std::string(key) + "='" + s +
                           "' is not a non-negative integer; use " + kForm,
