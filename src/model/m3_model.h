@@ -1,13 +1,17 @@
-// M3Model: the MiniMax-M3 text model (m3-model.md §3-4) on the CPU ops. One forward() serves
-// whole-prompt prefill, chunked prefill and batched decode alike: a step is a flat list of
-// tokens, each with its sequence and absolute position, plus each sequence's block table.
-// Called by the engine's model runner, `m3serve generate` and the model tests.
+// M3Model: the MiniMax-M3 text model (m3-model.md §3-4) on the CPU: its config, the weights
+// read in place from the checkpoint, and the one forward pass (model/m3_forward.h) over the CPU
+// ops (model/cpu_ops.h). One forward() serves whole-prompt prefill, chunked prefill and batched
+// decode alike: a step is a flat list of tokens, each with its sequence and absolute position,
+// plus each sequence's block table. Called by the CPU backends (model/forward_backend.h),
+// `m3serve generate` and the model tests; M3ModelCuda uploads its weights.
 // Invariant: forward() writes K, V and index-K of every step token into its page before any
 // attention reads the cache, so tokens of the same step see each other causally.
 // Sharding (model/shard.h): make_shard gives one rank of a tensor/expert-parallel or attention
-// data-parallel group; every rank runs forward() on the same batch at the same time and gets the
-// same logits (a DP rank computes only its own sequences). An unsharded model (world 1, no
-// communicator) runs exactly the single-device code path.
+// data-parallel group. Tensor parallel: every rank runs forward() on the same batch at the same
+// time and gets the same logits. Data parallel: the host splits each step by sequence owner
+// (model/dp_batch_split.h); every rank runs forward() on its own sequences, or forward_dp_idle()
+// when it has none, after set_dp_step_rows(). An unsharded model (world 1, no communicator) runs
+// exactly the single-device code path.
 #pragma once
 
 #include <cstdint>
@@ -63,6 +67,10 @@ struct LoadOptions {
 // Checks user-supplied ids against a config: non-empty and inside [0, vocab_size).
 Status validate_prompt_ids(const M3Config& cfg, std::span<const int32_t> ids);
 
+class CpuOps;
+template <class Ops>
+class M3Forward;
+
 class M3Model {
  public:
   // `model_dir` may also be a synthetic spec ("synthetic:layers=N[,seed=S]",
@@ -71,6 +79,7 @@ class M3Model {
   static Result<std::unique_ptr<M3Model>> load(const std::string& model_dir,
                                                const LoadOptions& opts = {});
   M3Model(M3Config cfg, std::unique_ptr<M3Weights> w);
+  ~M3Model();
   // A model with a config and no weights (forward() must not be called).
   static std::unique_ptr<M3Model> config_only(M3Config cfg);
   bool has_weights() const { return !w_->layers.empty(); }
@@ -90,37 +99,32 @@ class M3Model {
   // Checks user-supplied ids: non-empty and inside the vocabulary.
   Status validate_prompt(std::span<const int32_t> ids) const;
 
-  // When sharded, every rank must call forward with the same batch and capture_msa (the
+  // When tensor sharded, every rank must call forward with the same batch and capture_msa (the
   // collectives pair up), and `cache` holds cache_kv_heads() heads; each rank's `out` (may be
-  // null) gets the full logits and MSA selections.
+  // null) gets the full logits and MSA selections. Not reentrant: one forward at a time (the
+  // model owns its scratch buffers).
   void forward(const ForwardBatch& batch, KvCache& cache, ForwardResult* out,
                bool capture_msa = false) const;
+  // Attention data parallel only (see the header comment): the largest token count of any rank
+  // in the coming step, set on every rank before forward() / forward_dp_idle().
+  void set_dp_step_rows(int64_t max_rows) const;
+  // Attention data parallel: the step of a rank with no tokens (joins the MoE collectives).
+  void forward_dp_idle() const;
 
  private:
   M3Model(M3Config cfg, std::shared_ptr<const M3Weights> base, std::unique_ptr<M3Weights> views,
           ShardPlan plan, dist::Communicator* comm);
-  void all_reduce(std::vector<float>& v, int64_t n) const;
-  void embed(const ForwardBatch& b, float* x) const;
-  void lm_head(const float* hs, int64_t rows, float* logits) const;
-  std::vector<int32_t> gather_msa(const std::vector<int32_t>& sel, int64_t num_tokens) const;
-  // The single-device / tensor-parallel forward over `batch` (all of it is this rank's).
-  void forward_local(const ForwardBatch& batch, KvCache& cache, ForwardResult* out,
-                     bool capture_msa) const;
-  // Attention data parallel: this rank's sequences through forward_local, outputs gathered.
-  void forward_dp(const ForwardBatch& batch, KvCache& cache, ForwardResult* out,
-                  bool capture_msa) const;
-  void moe(const LayerWeights& L, const float* x, int64_t n, float* out) const;
-  // Router + this rank's experts over n tokens: routed [n, hidden] (overwritten).
-  void routed_experts(const LayerWeights& L, const float* x, int64_t n, float* routed) const;
-  void routed_experts_dp(const LayerWeights& L, const float* x, int64_t n, float* routed) const;
-  void dense_mlp(const MatRef& gate, const MatRef& up, const MatRef& down, const float* x,
-                 int64_t n, float* out) const;
+  void init_forward();
 
   M3Config cfg_;
   std::shared_ptr<const M3Weights> base_;  // the unsharded weights (owner of in-place views)
   std::shared_ptr<const M3Weights> w_;     // what forward reads: base_ itself, or rank views
   ShardPlan plan_;
   dist::Communicator* comm_ = nullptr;     // non-null iff plan_.sharded(); not owned
+  // The forward pass and its ops (scratch buffers, the communicator); forward() is const to its
+  // callers (weights and config do not change) while the scratch behind these pointers does.
+  std::unique_ptr<CpuOps> ops_;
+  std::unique_ptr<M3Forward<CpuOps>> fw_;
 };
 
 }  // namespace m3::model

@@ -1,16 +1,15 @@
-// make_cpu_sharded_backend (declared in model/forward_backend.h): N tensor-parallel ranks as
-// threads of this process. Rank 0 runs on the engine thread; ranks 1..N-1 are persistent
-// threads that wake for each step, so a step costs two condition-variable handoffs, not thread
-// creation. The scheduler above stays one instance: every rank sees the same batch.
-#include <condition_variable>
-#include <mutex>
-#include <thread>
-
+// make_cpu_sharded_backend (declared in model/forward_backend.h): N ranks as threads of this
+// process over a CpuCommunicator, on the per-rank threads every sharded backend uses
+// (model/rank_threads.h). Tensor parallel: every rank runs the same batch. Attention data
+// parallel: the batch is split on the host by sequence owner (model/dp_batch_split.h), exactly
+// as on GPUs, and the ranks' results merged. The scheduler above stays one instance.
 #include "core/check.h"
 #include "core/log.h"
 #include "dist/cpu_communicator.h"
+#include "model/dp_batch_split.h"
 #include "model/forward_backend.h"
 #include "model/kv_cache.h"
+#include "model/rank_threads.h"
 
 namespace m3::model {
 
@@ -25,38 +24,41 @@ class ShardedCpuBackend final : public ForwardBackend {
       : group_(std::move(group)),
         comms_(std::move(comms)),
         shards_(std::move(shards)),
-        partitions_(partitions) {
+        partitions_(partitions),
+        split_(static_cast<int>(shards_.size())),
+        threads_(static_cast<int>(shards_.size())) {
     for (const auto& s : shards_)
       caches_.push_back(std::make_unique<KvCache>(s->config(), num_pages, s->cache_kv_heads()));
     results_.resize(shards_.size());
-    for (size_t r = 1; r < shards_.size(); ++r) workers_.emplace_back([this, r] { worker(r); });
   }
-  ~ShardedCpuBackend() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_work_.notify_all();
-    for (auto& t : workers_) t.join();
-  }
+  ~ShardedCpuBackend() override { threads_.stop(); }
 
   const M3Config& config() const override { return shards_[0]->config(); }
   // Partitioned (data parallel): rank r's cache holds pages [r * P, (r + 1) * P).
   int64_t num_pages() const override { return caches_[0]->num_pages() * partitions_; }
   int num_kv_partitions() const override { return partitions_; }
   void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      batch_ = &batch;
-      capture_ = capture_msa;
-      pending_ = static_cast<int>(workers_.size());
-      ++generation_;
+    if (!shards_[0]->shard_plan().data_sharded()) {
+      // Every rank computes the full logits (the lm_head all-gather); rank 0's are returned.
+      threads_.run([&](int r) {
+        shards_[r]->forward(batch, *caches_[r], r == 0 ? out : &results_[r], capture_msa);
+      });
+      return;
     }
-    cv_work_.notify_all();
-    shards_[0]->forward(batch, *caches_[0], out, capture_msa);
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_done_.wait(lock, [&] { return pending_ == 0; });
-    batch_ = nullptr;
+    split_.split(batch, shards_[0]->shard_plan(),
+                 partitions_ > 1 ? caches_[0]->num_pages() : 0);
+    const int64_t nmax = split_.max_rank_tokens();
+    threads_.run([&](int r) {
+      const M3Model& m = *shards_[r];
+      m.set_dp_step_rows(nmax);
+      if (split_.batch(r).token_ids.empty()) {
+        m.forward_dp_idle();
+        split_.result(r) = ForwardResult{};
+      } else {
+        m.forward(split_.batch(r), *caches_[r], &split_.result(r), capture_msa);
+      }
+    });
+    if (out != nullptr) split_.merge(batch, config(), out, capture_msa);
   }
   std::string device_name() const override {
     const ShardPlan& p = shards_[0]->shard_plan();
@@ -67,40 +69,14 @@ class ShardedCpuBackend final : public ForwardBackend {
   std::string kv_cache_flag() const override { return "--kv-cache-memory-bytes"; }
 
  private:
-  void worker(size_t r) {
-    uint64_t seen = 0;
-    for (;;) {
-      const ForwardBatch* batch = nullptr;
-      bool capture = false;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_work_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
-        batch = batch_;
-        capture = capture_;
-      }
-      // Every rank computes the full logits (the lm_head all-gather); only rank 0's are used.
-      shards_[r]->forward(*batch, *caches_[r], &results_[r], capture);
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) cv_done_.notify_all();
-    }
-  }
-
   std::shared_ptr<dist::CpuGroup> group_;
   std::vector<std::unique_ptr<dist::Communicator>> comms_;
   std::vector<std::unique_ptr<M3Model>> shards_;
   int partitions_ = 1;
   std::vector<std::unique_ptr<KvCache>> caches_;  // each points into its shard's config
-  std::vector<ForwardResult> results_;            // ranks >= 1: scratch
-  std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable cv_work_, cv_done_;
-  const ForwardBatch* batch_ = nullptr;
-  bool capture_ = false;
-  int pending_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::vector<ForwardResult> results_;            // tensor parallel ranks >= 1: scratch
+  DpBatchSplit split_;                            // data parallel: the step's rank batches
+  RankThreads threads_;                           // last: started once everything above exists
 };
 
 }  // namespace

@@ -1,4 +1,4 @@
-// DpBatchSplit (model/cuda/dp_batch_split.h), the host bookkeeping of attention data parallel on
+// DpBatchSplit (model/dp_batch_split.h), the host bookkeeping of attention data parallel on
 // GPUs, checked without a GPU: the CPU model stands in for each DP rank's GPU model (device
 // sampling emulated by a greedy argmax with M3ModelCuda::forward's result contract), each rank
 // with its own KV cache, and the merged results must equal the whole batch's on one cache.
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "core/check.h"
-#include "model/cuda/dp_batch_split.h"
+#include "model/dp_batch_split.h"
 #include "model/golden_util.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"

@@ -39,23 +39,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 }  // namespace
 
-MatRef MatRef::slice_rows(int64_t begin, int64_t count) const {
-  M3_CHECK(begin >= 0 && begin + count <= rows);
-  MatRef m = *this;
-  m.data = static_cast<const uint8_t*>(data) + begin * cols * dtype_size(dtype);
-  m.rows = count;
-  return m;
-}
-
-float VecRef::at(int64_t i) const {
-  if (dtype == DType::kF32) return static_cast<const float*>(data)[i];
-  return bf16_to_f32(static_cast<const uint16_t*>(data)[i]);
-}
-
-void VecRef::to_f32(float* out) const {
-  for (int64_t i = 0; i < n; ++i) out[i] = at(i);
-}
-
 void linear(const float* x, int64_t n, const MatRef& w, float* y) {
   M3_CHECK(w.dtype == DType::kBF16 || w.dtype == DType::kF32, "linear: weight dtype %s",
            dtype_name(w.dtype));

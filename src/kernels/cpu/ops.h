@@ -1,5 +1,7 @@
 // The CPU ops of the M3 forward pass: the reference the CUDA ops are tested against, and what CI
-// and GPU-less machines run. Called by model/m3_model.cpp once per layer per step.
+// and GPU-less machines run. Called by the one forward (model/m3_forward.h, through
+// model/cpu_ops.h) once per layer per step. Every CUDA op in kernels/cuda has its twin here with
+// the same name and arguments less the stream (the fused ones in kernels/cpu/fused.h).
 // Conventions: activations are fp32 row-major; weights are read in place from the checkpoint
 // mapping as bf16 or f32 (MatRef/VecRef); every reduction accumulates in fp32. Ops are
 // multithreaded over the process pool (core/thread_pool.h) and deterministic for a given input.
@@ -9,27 +11,19 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "kernels/views.h"
 
 namespace m3::kernels::cpu {
 
-// A weight matrix [rows = out_features, cols = in_features], row-major (PyTorch Linear layout).
-struct MatRef {
-  const void* data = nullptr;
-  DType dtype = DType::kBF16;  // kBF16 or kF32
-  int64_t rows = 0;
-  int64_t cols = 0;
-  // Row `r` as a MatRef of one row (for slicing fused matrices).
-  MatRef slice_rows(int64_t begin, int64_t count) const;
-};
-
-// A weight vector (norm weights, biases), bf16 or f32.
-struct VecRef {
-  const void* data = nullptr;
-  DType dtype = DType::kBF16;
-  int64_t n = 0;
-  float at(int64_t i) const;
-  void to_f32(float* out) const;
-};
+// The device-neutral views (kernels/views.h): on this path they point to host memory.
+using kernels::AttnPrepArgs;
+using kernels::KvPages;
+using kernels::MatRef;
+using kernels::MoeExpertWeights;
+using kernels::SwigluParams;
+using kernels::TokenLayout;
+using kernels::VecRef;
+using kernels::Workspace;
 
 // ---- dense linear algebra ----
 // y[n, w.rows] = x[n, w.cols] · wᵀ, fp32 accumulation.
@@ -65,27 +59,8 @@ void router_topk(const float* logits, int64_t n, int64_t num_experts, const floa
                  int64_t k, float scale, int32_t* ids, float* weights);
 
 // ---- paged KV cache + attention ----
-// Per-layer cache storage, fp32 on the CPU. A page holds `page_size` tokens.
-struct KvPages {
-  float* k = nullptr;   // [num_pages, page_size, num_kv_heads, head_dim]
-  float* v = nullptr;   // [num_pages, page_size, num_kv_heads, head_dim]
-  float* ik = nullptr;  // [num_pages, page_size, index_dim] (sparse layers only, else null)
-  int64_t num_pages = 0;
-  int64_t page_size = 0;
-  int64_t num_kv_heads = 0;
-  int64_t head_dim = 0;
-  int64_t index_dim = 0;
-};
-
-// Where each token of a step lives: sequence, absolute position, and the sequences' block tables
-// in CSR form (block_table[block_table_offsets[s] + b] = physical page of logical block b).
-struct TokenLayout {
-  int64_t num_tokens = 0;
-  const int32_t* positions = nullptr;            // [num_tokens]
-  const int32_t* seq_ids = nullptr;              // [num_tokens]
-  const int32_t* block_table_offsets = nullptr;  // [num_seqs + 1]
-  const int32_t* block_table = nullptr;          // [block_table_offsets[num_seqs]]
-};
+// KvPages (kernels/views.h): per-layer cache storage, fp32. TokenLayout: where each token of a
+// step lives (positions, sequences, CSR block tables).
 
 // Writes k, v [num_tokens, num_kv_heads, head_dim] (and ik [num_tokens, index_dim] if non-null)
 // into the slots of their positions.
@@ -110,6 +85,38 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
 void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& cache,
                        const TokenLayout& layout, int64_t topk, int64_t init_blocks,
                        int64_t local_blocks, int32_t* out);
+
+// ---- MoE experts and expert parallelism (moe_experts.cpp) ----
+// Expert parallel: ids [n] of global expert ids -> this rank's local ids (id - first for ids in
+// [first, first + count)), -1 for every other expert, in place.
+void moe_localize_ids(int32_t* ids, int64_t n, int64_t first, int64_t count);
+
+// out[t] = shared[t] (if non-null) + the sum over t's k routed experts, in ascending expert id,
+// of weights[t, j] * down(swiglu_oai(gate(x[t]), up(x[t]))): ids/weights [n, k] from
+// router_topk; x, shared, out: [n, hidden] f32 (out may alias shared). An id of -1 is a pick of
+// an expert another rank owns and adds nothing. Each expert runs once over its tokens (grouped
+// ascending), so every token's result is what a per-token loop computes.
+void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights, int64_t k,
+                 const MoeExpertWeights& w, const SwigluParams& act, const float* shared,
+                 float* out);
+
+// ---- tensor parallelism ----
+// The embedding of a rank that holds vocabulary rows [vocab_begin, vocab_begin + table.rows):
+// out[i, :] = table[ids[i] - vocab_begin, :] for ids in that range, zeros for every other id
+// (a sum over the ranks is the whole embedding exactly). Ids outside [0, vocab_size) abort.
+void embedding_vocab_slice(const MatRef& table, int64_t vocab_begin, int64_t vocab_size,
+                           int64_t hidden, const int32_t* ids, int64_t n, float* out);
+
+// ---- rows and residuals ----
+// dst[i, :] = src[rows[i], :] for i < n, cols floats per row.
+void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t cols, float* dst);
+// x[i] += y[i] for i < n.
+void add_inplace(float* x, const float* y, int64_t n);
+// rows x width floats from src (rows src_stride floats apart) to dst (dst_stride apart).
+void copy_rows_2d(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
+                  int64_t width, int64_t rows);
+void fill_zero(float* x, int64_t n);
+void copy(float* dst, const float* src, int64_t n);
 
 // ---- output ----
 // log_softmax over each row of logits [n, vocab] into out (may alias).

@@ -310,6 +310,8 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
                  float* out, void* workspace, cudaStream_t stream) {
   M3_CHECK(w.dtype == DType::kBF16 || w.dtype == DType::kF32, "moe_experts: dtype %s",
            dtype_name(w.dtype));
+  M3_CHECK(w.w1_of == nullptr && w.w3_of == nullptr && w.w2_of == nullptr,
+           "moe_experts: the CUDA op takes only the contiguous expert layout");
   M3_CHECK(w.num_experts > 0 && w.num_experts <= kMaxExperts, "moe_experts: %lld experts (max %lld)",
            static_cast<long long>(w.num_experts), static_cast<long long>(kMaxExperts));
   M3_CHECK(k > 0 && k <= kMaxTopK, "moe_experts: top-%lld",

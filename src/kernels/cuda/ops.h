@@ -2,25 +2,30 @@
 // semantics, plus the stream to launch on. Called by the GPU forward path; tested op by op
 // against the CPU ops (tests/kernels/). Invariant: every pointer (including those inside MatRef,
 // VecRef, KvPages and TokenLayout) is a device pointer; ops only enqueue work on `stream` (no
-// host sync, no allocation) and check each launch. Phase 1: correctness first, simple kernels.
+// host sync, no allocation) and check each launch.
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_runtime.h>
 
-#include "kernels/cpu/ops.h"
+#include "kernels/views.h"
 
 namespace m3::kernels::cuda {
 
-// The CPU op's views, reused: on this path their data pointers point to device memory.
-using cpu::KvPages;
-using cpu::MatRef;
-using cpu::TokenLayout;
-using cpu::VecRef;
+// The device-neutral views (kernels/views.h): on this path their data pointers point to device
+// memory.
+using kernels::AttnPrepArgs;
+using kernels::KvPages;
+using kernels::MatRef;
+using kernels::MoeExpertWeights;
+using kernels::SwigluParams;
+using kernels::TokenLayout;
+using kernels::VecRef;
+using kernels::Workspace;
 
-// y[n, w.rows] = x[n, w.cols] · wᵀ; fp32 x, bf16 or f32 w, fp32 accumulation (tiled SIMT GEMM;
-// cuBLASLt / wgmma come later).
+// y[n, w.rows] = x[n, w.cols] · wᵀ; fp32 x, bf16 or f32 w, fp32 accumulation (bandwidth-bound
+// GEMVs for a few tokens, cuBLASLt GEMMs above; see GemmPrecision).
 void linear(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream);
 
 // out[i, :] = table[ids[i], :] in fp32. An id out of range traps the kernel (a caller bug).
@@ -51,14 +56,10 @@ void kv_write(const KvPages& cache, const TokenLayout& layout, const float* k, c
               const float* ik, cudaStream_t stream);
 
 // ---- attention and MSA (attn_paged.cu, msa_select.cu) ----
-// Scratch device memory an op may use for one call (split-KV partials, MSA block scores). It is
-// the caller's: ops never allocate. Contents need not survive between calls, so one buffer may
-// serve every op of a step on the same stream. `bytes` may be smaller than the op's *_bytes()
-// helper asks for: the op then uses fewer KV splits / scores fewer tokens per launch.
-struct Workspace {
-  void* data = nullptr;
-  size_t bytes = 0;
-};
+// Workspace (kernels/views.h): scratch device memory for one call. Contents need not survive
+// between calls, so one buffer may serve every op of a step on the same stream. `bytes` may be
+// smaller than the op's *_bytes() helper asks for: the op then uses fewer KV splits / scores
+// fewer tokens per launch.
 
 // Causal paged attention, GQA, dense (blocks == null) or over selected blocks
 // [num_tokens, num_kv_heads, max_blocks] (-1 padded), the CPU op's semantics. max_kv_len: a host
@@ -121,21 +122,8 @@ enum class GemmPrecision { kExact, kBf16 };
 void set_gemm_precision(GemmPrecision p);
 GemmPrecision gemm_precision();
 
-// The routed experts of one MoE layer: each projection stored contiguously over the experts,
-// expert e's matrix at base + e * rows * cols elements (w1/w3: [inter, hidden], w2:
-// [hidden, inter]), all of one dtype (bf16 or f32).
-struct MoeExpertWeights {
-  const void* w1 = nullptr;  // gate
-  const void* w3 = nullptr;  // up
-  const void* w2 = nullptr;  // down
-  DType dtype = DType::kBF16;
-  int64_t num_experts = 0, inter = 0, hidden = 0;
-};
-
-// SwiGLU-OAI constants (see swiglu_oai).
-struct SwigluParams {
-  float alpha = 1.702f, limit = 7.0f, beta = 1.0f;
-};
+// MoeExpertWeights (kernels/views.h): this op takes only the contiguous layout (the per-expert
+// arrays must be null). SwigluParams: the constants of swiglu_oai.
 
 // Up to this many tokens (bench_gemm_moe: n = 256 runs 2.7x faster grouped than per expert) the
 // experts run as grouped GEMVs with no host sync; above it the
@@ -172,5 +160,17 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
 void embedding_vocab_slice(const MatRef& table, int64_t vocab_begin, int64_t vocab_size,
                            int64_t hidden, const int32_t* ids, int64_t n, float* out,
                            cudaStream_t stream);
+
+// ---- rows and residuals (row_ops.cu) ----
+// dst[i, :] = src[rows[i], :] for i < n (rows: device ids), cols floats per row.
+void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t cols, float* dst,
+                 cudaStream_t stream);
+// x[i] += y[i] for i < n.
+void add_inplace(float* x, const float* y, int64_t n, cudaStream_t stream);
+// rows x width floats from src (rows src_stride floats apart) to dst (dst_stride apart).
+void copy_rows_2d(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
+                  int64_t width, int64_t rows, cudaStream_t stream);
+void fill_zero(float* x, int64_t n, cudaStream_t stream);
+void copy(float* dst, const float* src, int64_t n, cudaStream_t stream);
 
 }  // namespace m3::kernels::cuda

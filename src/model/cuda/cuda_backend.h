@@ -92,7 +92,7 @@ Status check_data_parallel_devices(int data_parallel_size);
 // shard: everything whole except the routed experts, which are 1/D of each expert's intermediate,
 // or with expert_parallel E/D whole experts; a config-only synthetic host generates those slices
 // from opts.synthetic_seed) and a KvCacheCuda with all KV heads. forward() splits the batch on
-// the host by sequence owner (model/cuda/dp_batch_split.h), runs every rank on its own sequences
+// the host by sequence owner (model/dp_batch_split.h), runs every rank on its own sequences
 // (a rank without any still joins every MoE layer's collectives) and merges the ranks' logits
 // rows, device samples and MSA selections back into the batch's order. Every rank's cache has
 // the same page count P, the smallest any GPU allows; with opts.dp_kv_partitions (default) the

@@ -3,7 +3,7 @@
 // page ids are D partitions, one per rank (pages [r * P, (r + 1) * P) in rank r's cache; the
 // scheduler keeps each sequence inside one), unless opts.dp_kv_partitions is off (one shared
 // page-id space that every rank allocates whole). The batch is split on the host by sequence
-// owner (model/cuda/dp_batch_split.h); each rank
+// owner (model/dp_batch_split.h); each rank
 // runs M3ModelCuda::forward on its own sequences, a rank without any joins the MoE collectives
 // through forward_dp_idle, and the ranks' results are merged on the host into the batch's order
 // (every rank's result is already in host memory, so no device all-gather of logits is needed).
@@ -15,7 +15,7 @@
 #include "core/log.h"
 #include "gpu/cuda_check.h"
 #include "model/cuda/cuda_backend.h"
-#include "model/cuda/dp_batch_split.h"
+#include "model/dp_batch_split.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/cuda/rank_group.h"
@@ -39,7 +39,7 @@ class DataParallelCudaBackend final : public ForwardBackend {
         pool_(std::move(pool)),
         partitioned_(partitioned),
         split_(static_cast<int>(ranks_.size())),
-        threads_(static_cast<int>(ranks_.size())) {}
+        threads_(rank_group::gpu_rank_threads(static_cast<int>(ranks_.size()))) {}
   ~DataParallelCudaBackend() override {
     threads_.stop();
     rank_group::release_ranks(ranks_);
@@ -83,7 +83,7 @@ class DataParallelCudaBackend final : public ForwardBackend {
   rank_group::RankPool pool_;
   bool partitioned_;
   DpBatchSplit split_;               // the step's per-rank batches and results
-  rank_group::RankThreads threads_;  // last: started once everything above exists
+  RankThreads threads_;  // last: started once everything above exists
 };
 
 }  // namespace

@@ -38,7 +38,7 @@ class ShardedCudaBackend final : public ForwardBackend {
       : ranks_(std::move(ranks)),
         name_(std::move(name)),
         flag_(std::move(flag)),
-        threads_(static_cast<int>(ranks_.size())) {}
+        threads_(rank_group::gpu_rank_threads(static_cast<int>(ranks_.size()))) {}
   ~ShardedCudaBackend() override {
     threads_.stop();
     rank_group::release_ranks(ranks_);  // each rank's objects with its device current
@@ -51,7 +51,7 @@ class ShardedCudaBackend final : public ForwardBackend {
   std::string kv_cache_flag() const override { return flag_; }
 
   void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) override {
-    // Every rank runs the whole batch on its thread (rank_group::RankThreads); rank 0 fills out.
+    // Every rank runs the whole batch on its thread (model/rank_threads.h); rank 0 fills out.
     threads_.run([&](int r) {
       ranks_[r].model->forward(batch, *ranks_[r].cache, r == 0 ? out : nullptr, capture_msa);
     });
@@ -60,7 +60,7 @@ class ShardedCudaBackend final : public ForwardBackend {
  private:
   std::vector<CudaRank> ranks_;
   std::string name_, flag_;
-  rank_group::RankThreads threads_;  // last: its threads start once the ranks exist
+  RankThreads threads_;  // last: its threads start once the ranks exist
 };
 
 }  // namespace

@@ -11,7 +11,8 @@
 #include "kernels/cuda/fused.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/sample.h"
-#include "model/cuda/row_ops.h"
+#include "model/cuda/cuda_ops.h"
+#include "model/m3_forward.h"
 #include "model/cuda/synthetic_weights.h"
 #include "model/synthetic_model.h"
 
@@ -22,8 +23,6 @@ namespace ops = kernels::cuda;
 namespace {
 // Left free after the weights for the KV cache, scratch and the CUDA context's own needs.
 constexpr size_t kHeadroomBytes = size_t{512} << 20;
-// MSA scores beyond this are computed token chunk by token chunk (prefill at long contexts).
-constexpr size_t kAttnWorkspaceCap = size_t{64} << 20;
 // Steps of up to this many tokens replay CUDA graphs: the MoE's grouped path (no host sync)
 // takes this many; above it the MoE reads its expert counts on the host.
 constexpr int64_t kGraphMaxTokens = ops::kMoeGemvMaxTokens;
@@ -89,6 +88,7 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::from_host(std::unique_ptr<M3Mo
   if (m->plan_.sharded()) m->attach_communicator(comm, comm_stream);
   m->upload_weights();
   m->fuse_attention_projections();
+  m->init_forward();
   return m;
 }
 
@@ -98,10 +98,11 @@ void M3ModelCuda::attach_communicator(dist::Communicator* comm, cudaStream_t com
   M3_CHECK(comm->rank() == plan_.rank && comm->world_size() == plan_.world,
            "communicator rank %d/%d does not match the shard %d/%d", comm->rank(),
            comm->world_size(), plan_.rank, plan_.world);
-  comm_ = comm;
-  comm_stream_ = comm_stream;
-  M3_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork_, cudaEventDisableTiming));
-  M3_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join_, cudaEventDisableTiming));
+  ops_->attach_communicator(comm, comm_stream);
+}
+
+void M3ModelCuda::init_forward() {
+  fw_ = std::make_unique<M3Forward<CudaOps>>(cfg_, plan_, dev_, fused_proj_);
 }
 
 Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg, uint64_t seed,
@@ -126,6 +127,7 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg,
     if (comm != nullptr) m->attach_communicator(comm, comm_stream);
     m->generate_weights(seed);
     m->fuse_attention_projections();
+    m->init_forward();
     return m;
   }
   const size_t need = static_cast<size_t>(synthetic_weight_bytes(cfg));
@@ -153,11 +155,12 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg,
   std::unique_ptr<M3ModelCuda> m(new M3ModelCuda(cfg, nullptr));
   m->generate_weights(seed);
   m->fuse_attention_projections();
+  m->init_forward();
   return m;
 }
 
 M3ModelCuda::M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host)
-    : cfg_(std::move(cfg)), host_(std::move(host)) {
+    : cfg_(std::move(cfg)), host_(std::move(host)), ops_(std::make_unique<CudaOps>(stream_.get())) {
   if (host_) {
     plan_ = host_->shard_plan();
   } else {
@@ -433,96 +436,9 @@ void M3ModelCuda::upload_weights() {
   }
 }
 
-template <class T>
-T* M3ModelCuda::ensure(gpu::DeviceBuffer<T>& b, size_t n) {
-  if (b.size() < n) {
-    stream_.synchronize();  // kernels may still read the old buffer
-    // Small buffers (step arrays, decode activations) grow geometrically, so a growing block
-    // table does not invalidate the captured graphs every step; large ones exactly.
-    const size_t want = n * sizeof(T) < (size_t{64} << 20) ? std::max(n, 2 * b.size()) : n;
-    b = gpu::DeviceBuffer<T>(want);
-    ++generation_;  // captured graphs point at the old buffer
-  }
-  return b.data();
-}
-
 M3ModelCuda::~M3ModelCuda() {
   clear_graphs();
   if (stage_ != nullptr) cudaFreeHost(stage_);
-  if (ev_fork_) cudaEventDestroy(ev_fork_);
-  if (ev_join_) cudaEventDestroy(ev_join_);
-}
-
-void M3ModelCuda::tp_all_reduce(float* data, int64_t n) {
-  if (!plan_.tensor_sharded() || skip_collectives_) return;
-  M3_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_.get()));
-  M3_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev_fork_, 0));
-  comm_->all_reduce_sum(data, n);
-  M3_CUDA_CHECK(cudaEventRecord(ev_join_, comm_stream_));
-  M3_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), ev_join_, 0));
-}
-
-template <class T>
-void M3ModelCuda::tp_all_gather(const T* send, int64_t n, T* recv) {
-  M3_CHECK(plan_.tensor_sharded());
-  if (skip_collectives_) return;
-  M3_CUDA_CHECK(cudaEventRecord(ev_fork_, stream_.get()));
-  M3_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev_fork_, 0));
-  comm_->all_gather(send, n, recv);
-  M3_CUDA_CHECK(cudaEventRecord(ev_join_, comm_stream_));
-  M3_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), ev_join_, 0));
-}
-
-void M3ModelCuda::tp_lm_head(const float* hs, int64_t R, float* logits) {
-  // As M3Model::lm_head: each rank scores its vocabulary chunk, padded to vocab_chunk columns so
-  // the all-gather has one size, then the chunks are laid side by side (strided copies).
-  const int64_t V = cfg_.vocab_size, C = plan_.vocab_chunk, W = plan_.world;
-  const int64_t n = plan_.vocab_count;
-  cudaStream_t s = stream_.get();
-  // Every rank grows the same buffers (`uneven` is a property of the split, not of the rank),
-  // so the ranks' buffer generations, and with them their graph decisions, stay in step.
-  const bool uneven = C * W != V;
-  float* mine = ensure(tp_mine_, static_cast<size_t>(R * C));
-  float* all = ensure(tp_all_, static_cast<size_t>(W * R * C));
-  float* local = uneven ? ensure(tp_local_, static_cast<size_t>(R * C)) : nullptr;
-  if (!uneven) {
-    ops::linear(hs, R, dev_.lm_head, mine, s);
-  } else {
-    M3_CUDA_CHECK(cudaMemsetAsync(mine, 0, static_cast<size_t>(R * C) * sizeof(float), s));
-    if (n > 0) {
-      ops::linear(hs, R, dev_.lm_head, local, s);
-      M3_CUDA_CHECK(cudaMemcpy2DAsync(mine, C * sizeof(float), local, n * sizeof(float),
-                                      n * sizeof(float), R, cudaMemcpyDeviceToDevice, s));
-    }
-  }
-  tp_all_gather(mine, R * C, all);
-  for (int64_t w = 0; w < W; ++w) {
-    const int64_t v0 = std::min(V, w * C), nw = std::min(V, v0 + C) - v0;
-    if (nw <= 0) continue;
-    M3_CUDA_CHECK(cudaMemcpy2DAsync(logits + v0, V * sizeof(float), all + w * R * C,
-                                    C * sizeof(float), nw * sizeof(float), R,
-                                    cudaMemcpyDeviceToDevice, s));
-  }
-}
-
-void M3ModelCuda::tp_gather_msa(const int32_t* sel, int64_t T, std::vector<int32_t>& dst) {
-  const int64_t k = cfg_.sparse_topk_blocks, nl = plan_.num_kv_heads,
-                nkv = cfg_.num_key_value_heads, W = plan_.world;
-  int32_t* all = ensure(tp_sel_all_, static_cast<size_t>(W * T * nl * k));
-  tp_all_gather(sel, T * nl * k, all);
-  std::vector<int32_t> host(static_cast<size_t>(W * T * nl * k));
-  M3_CUDA_CHECK(cudaMemcpyAsync(host.data(), all, host.size() * sizeof(int32_t),
-                                cudaMemcpyDeviceToHost, stream_.get()));
-  stream_.synchronize();
-  // With replicated KV heads several ranks hold the same head and the same selection.
-  dst.assign(static_cast<size_t>(T * nkv * k), -1);
-  for (int w = 0; w < W; ++w) {
-    const int64_t g0 = plan_.kv_head_begin_of(w);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < nl; ++j)
-        std::copy_n(host.begin() + ((w * T + t) * nl + j) * k, k,
-                    dst.begin() + (t * nkv + g0 + j) * k);
-  }
 }
 
 void M3ModelCuda::clear_graphs() {
@@ -542,34 +458,34 @@ void M3ModelCuda::replay_or_capture(const StepShape& shape, const int32_t* token
   if (graphs_.size() > kMaxGraphs) clear_graphs();
   // A data-parallel rank's MoE collectives are sized by the step's largest per-rank row count:
   // part of the key.
-  const int64_t dp_rows = plan_.data_sharded() ? dp_rows_ : 0;
+  const int64_t dp_rows = fw_->dp_step_rows();
   GraphEntry& e = graphs_[{shape.num_tokens, shape.max_kv_len, shape.cache->id(), dp_rows}];
-  if (e.exec && e.generation == generation_) {
+  if (e.exec && e.generation == ops_->generation()) {
     M3_CUDA_CHECK(cudaGraphLaunch(e.exec, s));
     ++graph_replays_;
     return;
   }
-  if (e.never || !e.seen || e.seen_generation != generation_) {
+  if (e.never || !e.seen || e.seen_generation != ops_->generation()) {
     // First step of this shape (or buffers moved since): eager, which also sizes every buffer
     // the capture will use, so nothing allocates or synchronises inside the capture. A shape
     // whose eager run synchronised the host (the MoE's per-expert path) is never captured.
-    step_syncs_host_ = false;
+    ops_->clear_syncs_host();
     run_layers(shape, tokens, layout, nullptr);
     e.seen = true;
-    e.seen_generation = generation_;
-    if (step_syncs_host_) e.never = true;
+    e.seen_generation = ops_->generation();
+    if (ops_->syncs_host()) e.never = true;
     return;
   }
   if (e.exec) {
     M3_CUDA_CHECK(cudaGraphExecDestroy(e.exec));
     e.exec = nullptr;
   }
-  const uint64_t gen = generation_;
+  const uint64_t gen = ops_->generation();
   M3_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
   run_layers(shape, tokens, layout, nullptr);
   cudaGraph_t g = nullptr;
   M3_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-  M3_CHECK(gen == generation_, "a scratch buffer grew while capturing a CUDA graph");
+  M3_CHECK(gen == ops_->generation(), "a scratch buffer grew while capturing a CUDA graph");
   M3_CUDA_CHECK(cudaGraphInstantiate(&e.exec, g, 0));
   M3_CUDA_CHECK(cudaGraphDestroy(g));
   e.generation = gen;
@@ -578,297 +494,28 @@ void M3ModelCuda::replay_or_capture(const StepShape& shape, const int32_t* token
   ++graph_replays_;
 }
 
+void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
+                             const ops::TokenLayout& layout, ForwardResult* msa_out) {
+  fw_->run_layers(*ops_, tokens, layout, *shape.cache, shape.max_kv_len, msa_out);
+}
+
+void M3ModelCuda::set_dp_step_rows(int64_t max_rows) { fw_->set_dp_step_rows(max_rows); }
+
+void M3ModelCuda::forward_dp_idle() {
+  fw_->run_idle(*ops_);
+  stream_.synchronize();
+}
+
+void M3ModelCuda::set_skip_collectives_for_timing(bool on) { ops_->set_skip_collectives(on); }
+
 template <class T>
 T* M3ModelCuda::upload_async(gpu::DeviceBuffer<T>& b, const T* host, size_t n) {
-  T* d = ensure(b, n);
+  T* d = ops_->ensure(b, static_cast<int64_t>(n));
   // From pageable memory the runtime stages the bytes before returning, so `host` may change
   // right after; the copy itself is ordered on the stream before the kernels that read it.
   if (n > 0)
     M3_CUDA_CHECK(cudaMemcpyAsync(d, host, n * sizeof(T), cudaMemcpyHostToDevice, stream_.get()));
   return d;
-}
-
-void M3ModelCuda::dense_mlp(const MatRef& gate, const MatRef& up, const MatRef& down,
-                            const float* x, int64_t n, float* out) {
-  const M3Config& cfg = config();
-  const int64_t inter = gate.rows;
-  cudaStream_t s = stream_.get();
-  const float alpha = static_cast<float>(cfg.swiglu_alpha),
-              limit = static_cast<float>(cfg.swiglu_limit), beta = static_cast<float>(cfg.swiglu_beta);
-  float* g = ensure(ws_.g, n * inter);  // [n, inter] f32
-  // gate and up stored back to back (fuse_attention_projections): one projection of 2 x inter.
-  const bool adjacent = gate.dtype == DType::kBF16 && up.dtype == DType::kBF16 &&
-                        gate.cols == up.cols && up.rows == inter &&
-                        static_cast<const uint16_t*>(gate.data) + inter * gate.cols == up.data;
-  if (adjacent) {
-    float* gu = ensure(ws_.u, n * 2 * inter);  // [n, gate | up] f32
-    ops::linear(x, n, MatRef{gate.data, DType::kBF16, 2 * inter, gate.cols}, gu, s);
-    ops::swiglu_oai_rows(gu, n, inter, alpha, limit, beta, g, s);
-  } else {
-    float* u = ensure(ws_.u, n * inter);  // [n, inter] f32
-    ops::linear(x, n, gate, g, s);
-    ops::linear(x, n, up, u, s);
-    ops::swiglu_oai(g, u, n, inter, alpha, limit, beta, g, s);
-  }
-  ops::linear(g, n, down, out, s);  // out: [n, hidden] f32
-}
-
-void M3ModelCuda::moe(const LayerWeights& L, const float* x, int64_t n, float* out) {
-  if (plan_.data_sharded()) {
-    moe_dp(L, x, n, out);
-    return;
-  }
-  if (L.has_shared_expert) {
-    dense_mlp(L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // out = shared expert
-    routed_experts(L, x, n, out, out);
-  } else {
-    routed_experts(L, x, n, nullptr, out);
-  }
-}
-
-void M3ModelCuda::moe_dp(const LayerWeights& L, const float* x, int64_t n, float* out) {
-  // Attention data parallel (M3Model::routed_experts_dp): every rank's tokens meet every rank's
-  // experts. The rows are padded to the step's largest count (set_dp_step_rows, from the host),
-  // so the collectives have one size and no count exchange or host sync is needed; padded rows
-  // are zeros, run through the experts like any row, and are dropped by their owner below.
-  const int64_t h = config().hidden_size, W = plan_.world, nmax = dp_rows_;
-  M3_CHECK(nmax >= 1 && n <= nmax, "data-parallel MoE: %lld rows here but the step's largest is "
-           "%lld (set_dp_step_rows)", static_cast<long long>(n), static_cast<long long>(nmax));
-  cudaStream_t s = stream_.get();
-  float* send = ensure(dp_send_, static_cast<size_t>(nmax * h));
-  float* all = ensure(dp_all_, static_cast<size_t>(W * nmax * h));
-  float* routed = ensure(dp_routed_, static_cast<size_t>(W * nmax * h));
-  if (n > 0)
-    M3_CUDA_CHECK(cudaMemcpyAsync(send, x, static_cast<size_t>(n * h) * sizeof(float),
-                                  cudaMemcpyDeviceToDevice, s));
-  if (n < nmax)
-    M3_CUDA_CHECK(cudaMemsetAsync(send + n * h, 0,
-                                  static_cast<size_t>((nmax - n) * h) * sizeof(float), s));
-  // The collectives run on the communicator's stream, forked from / joined to the model's.
-  auto on_comm = [&](auto&& collective) {
-    M3_CUDA_CHECK(cudaEventRecord(ev_fork_, s));
-    M3_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev_fork_, 0));
-    collective();
-    M3_CUDA_CHECK(cudaEventRecord(ev_join_, comm_stream_));
-    M3_CUDA_CHECK(cudaStreamWaitEvent(s, ev_join_, 0));
-  };
-  on_comm([&] { comm_->all_gather(send, nmax * h, all); });  // all: [W * nmax, hidden]
-  // Router (replicated) + this rank's experts (EP: its whole experts; else its intermediate slice
-  // of every expert) over every rank's rows: partial sums the reduce-scatter completes.
-  routed_experts(L, all, W * nmax, nullptr, routed);
-  on_comm([&] { comm_->reduce_scatter_sum(routed, nmax * h, send); });  // send: [nmax, hidden]
-  if (n == 0) return;  // a rank without tokens this step only joins the collectives
-  if (L.has_shared_expert) {
-    dense_mlp(L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // the whole shared expert
-    cuda_add_inplace(out, send, n * h, s);
-  } else {
-    M3_CUDA_CHECK(cudaMemcpyAsync(out, send, static_cast<size_t>(n * h) * sizeof(float),
-                                  cudaMemcpyDeviceToDevice, s));
-  }
-}
-
-void M3ModelCuda::set_dp_step_rows(int64_t max_rows) {
-  M3_CHECK(plan_.data_sharded() && max_rows >= 1, "set_dp_step_rows(%lld) on a %s model",
-           static_cast<long long>(max_rows), plan_.data_sharded() ? "data-parallel" : "non-DP");
-  dp_rows_ = max_rows;
-}
-
-void M3ModelCuda::forward_dp_idle() {
-  M3_CHECK(plan_.data_sharded(), "forward_dp_idle on a model that is not data parallel");
-  // The same MoE layers, in the same order, as the ranks running run_layers.
-  for (int64_t li = 0; li < cfg_.num_hidden_layers; ++li)
-    if (cfg_.layer_is_moe[li]) moe_dp(dev_.layers[li], nullptr, 0, nullptr);
-  stream_.synchronize();
-}
-
-void M3ModelCuda::routed_experts(const LayerWeights& L, const float* x, int64_t n,
-                                 const float* shared, float* out) {
-  const M3Config& cfg = config();
-  const int64_t h = cfg.hidden_size, ne = cfg.num_local_experts, k = cfg.num_experts_per_tok;
-  cudaStream_t s = stream_.get();
-  // Router on the GPU (f32 weight, bias for selection only); ids and weights stay on the device.
-  float* logits = ensure(ws_.router_logits, n * ne);  // [n, experts] f32
-  ops::linear(x, n, L.router, logits, s);
-  int32_t* ids = ensure(ws_.route_ids, n * k);
-  float* wts = ensure(ws_.route_w, n * k);
-  ops::router_topk(logits, n, ne, L.router_bias.n > 0 ? static_cast<const float*>(L.router_bias.data)
-                                                      : nullptr,
-                   k, static_cast<float>(cfg.routed_scaling_factor), ids, wts, s);
-
-  // Expert parallel: this rank holds experts [expert_begin, + num_experts); picks of the
-  // others become -1 and add nothing here (the all-reduce after the block adds the other ranks';
-  // under data parallelism the reduce-scatter in moe_dp).
-  const int64_t ne_local = static_cast<int64_t>(L.experts.size());
-  if (plan_.expert_parallel && plan_.sharded()) {
-    M3_CHECK(ne_local == plan_.num_experts);
-    ops::moe_localize_ids(ids, n * k, plan_.expert_begin, plan_.num_experts, s);
-  } else {
-    M3_CHECK(ne_local == ne);
-  }
-  // The experts as moe_experts reads them: contiguous per projection (upload_weights and the
-  // synthetic factory both lay them out so).
-  const MatRef& e0 = L.experts[0].w1;
-  ops::MoeExpertWeights ew;
-  ew.w1 = e0.data;
-  ew.w3 = L.experts[0].w3.data;
-  ew.w2 = L.experts[0].w2.data;
-  ew.dtype = e0.dtype;
-  ew.num_experts = ne_local;
-  ew.inter = e0.rows;
-  ew.hidden = h;
-  const size_t per = static_cast<size_t>(ew.inter * h) * dtype_size(ew.dtype);
-  for (int64_t e = 0; e < ne_local; ++e) {
-    const ExpertWeights& E = L.experts[e];
-    M3_CHECK(E.w1.data == static_cast<const uint8_t*>(ew.w1) + e * per &&
-                 E.w3.data == static_cast<const uint8_t*>(ew.w3) + e * per &&
-                 E.w2.data == static_cast<const uint8_t*>(ew.w2) + e * per &&
-                 E.w1.dtype == ew.dtype && E.w3.dtype == ew.dtype && E.w2.dtype == ew.dtype,
-             "MoE layer: expert %lld is not in the contiguous per-projection layout",
-             static_cast<long long>(e));
-  }
-  const ops::SwigluParams act{static_cast<float>(cfg.swiglu_alpha),
-                              static_cast<float>(cfg.swiglu_limit),
-                              static_cast<float>(cfg.swiglu_beta)};
-  uint8_t* work = ensure(ws_.moe, ops::moe_workspace_bytes(n, k, ew));
-  if (!ops::moe_experts_graph_safe(n, x, ew)) step_syncs_host_ = true;  // never captured
-  ops::moe_experts(x, n, ids, wts, k, ew, act, shared, out, work, s);
-}
-
-void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
-                             const ops::TokenLayout& layout, ForwardResult* msa_out) {
-  const M3Config& cfg = config();
-  const int64_t T = shape.num_tokens, max_kv_len = shape.max_kv_len;
-  KvCacheCuda& cache = *shape.cache;
-  // This rank's heads (all of them unless sharded; model/shard.h).
-  const int64_t H = cfg.hidden_size, nq = plan_.num_q_heads, nkv = plan_.num_kv_heads,
-                d = cfg.head_dim;
-  const bool tp = plan_.tensor_sharded();
-  const float eps = static_cast<float>(cfg.rms_norm_eps);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  cudaStream_t s = stream_.get();
-  float* x = ensure(ws_.x, T * H);  // residual stream [T, hidden] f32
-  float* a = ensure(ws_.a, T * H);
-  float* q = ensure(ws_.q, T * nq * d);
-  float* k = ensure(ws_.k, T * nkv * d);
-  float* v = ensure(ws_.v, T * nkv * d);
-  float* attn = ensure(ws_.attn, T * nq * d);
-  float* y = ensure(ws_.y, T * H);
-  if (tp) {
-    // This rank's vocabulary rows, zeros elsewhere; the all-reduce adds one non-zero term.
-    ops::embedding_vocab_slice(dev_.embed_tokens, plan_.vocab_begin, cfg.vocab_size, H, tokens, T,
-                               x, s);
-    tp_all_reduce(x, T * H);
-  } else {
-    ops::embedding(dev_.embed_tokens, tokens, T, x, s);
-  }
-
-  for (int64_t li = 0; li < cfg.num_hidden_layers; ++li) {
-    const LayerWeights& L = dev_.layers[li];
-    const bool sparse = cfg.layer_is_sparse[li];
-    // a = input_norm(x); after the first layer the previous layer's residual add did it.
-    if (li == 0) ops::rmsnorm_gemma(x, T, H, L.input_norm, eps, a, s);
-    const ops::KvPages pages = cache.layer(li);
-    M3_CHECK(pages.num_kv_heads == nkv, "the KV cache holds %lld KV heads, this model %lld",
-             static_cast<long long>(pages.num_kv_heads), static_cast<long long>(nkv));
-    // Index-q heads follow the KV heads (index_n_heads == num_key_value_heads, config.cpp).
-    const int64_t ni = sparse ? (tp ? nkv : cfg.index_n_heads) : 0, di = cfg.index_head_dim;
-    float* iq = sparse ? ensure(ws_.iq, T * ni * di) : nullptr;  // [T, ni, di]
-    // Projections, then QK-norm + RoPE of q (and index q) and the K / V / index-K page writes
-    // in one launch (kernels/cuda/fused.h).
-    ops::AttnPrepArgs pa;
-    pa.q_out = q;  // q: [T, nq, d] after the prep
-    pa.num_q_heads = nq;
-    pa.num_kv_heads = nkv;
-    pa.head_dim = d;
-    pa.rot_dim = cfg.rotary_dim;
-    pa.q_norm = L.q_norm;
-    pa.k_norm = L.k_norm;
-    pa.eps = eps;
-    pa.theta = cfg.rope_theta;
-    if (sparse) {
-      pa.iq_out = iq;
-      pa.num_index_heads = ni;
-      pa.index_dim = di;
-      pa.index_rot_dim = std::min(cfg.rotary_dim, di);
-      pa.iq_norm = L.index_q_norm;
-      pa.ik_norm = L.index_k_norm;
-    }
-    const MatRef& fused = fused_proj_[li];
-    if (fused.data != nullptr) {
-      // One projection: rows [q | k | v | index q | index k] of each token.
-      M3_CHECK(fused.rows == (nq + 2 * nkv) * d + (sparse ? (ni + 1) * di : 0),
-               "fused projection of layer %lld has %lld rows", static_cast<long long>(li),
-               static_cast<long long>(fused.rows));
-      float* proj = ensure(ws_.proj, T * fused.rows);
-      ops::linear(a, T, fused, proj, s);
-      pa.in_stride = fused.rows;
-      pa.q = proj;
-      pa.k = proj + nq * d;
-      pa.v = proj + (nq + nkv) * d;
-      if (sparse) {
-        pa.iq = proj + (nq + 2 * nkv) * d;
-        pa.ik = pa.iq + ni * di;
-      }
-    } else {
-      ops::linear(a, T, L.q_proj, q, s);  // q: [T, nq, d]
-      ops::linear(a, T, L.k_proj, k, s);  // k: [T, nkv, d]
-      ops::linear(a, T, L.v_proj, v, s);  // v: [T, nkv, d]
-      pa.q = q;
-      pa.k = k;
-      pa.v = v;
-      if (sparse) {
-        float* ik = ensure(ws_.ik, T * di);  // [T, di] (one shared head)
-        ops::linear(a, T, L.index_q_proj, iq, s);
-        ops::linear(a, T, L.index_k_proj, ik, s);
-        pa.iq = iq;
-        pa.ik = ik;
-      }
-    }
-    ops::attn_prep(pa, pages, layout, s);
-    if (sparse) {
-      const int64_t topk = cfg.sparse_topk_blocks;
-      int32_t* sel = ensure(ws_.sel, T * ni * topk);
-      // MSA scores of all tokens, capped (the op then scores token chunk by chunk), or the
-      // split-KV partials, whichever is larger; both are consumed before the next op.
-      const size_t ws_bytes = std::max(
-          std::min(ops::msa_select_workspace_bytes(T, ni, pages, max_kv_len),
-                   std::max(kAttnWorkspaceCap,
-                            ops::msa_select_workspace_bytes(1, ni, pages, max_kv_len))),
-          ops::attention_workspace_bytes(T, nq, pages, topk, max_kv_len));
-      const ops::Workspace aws{ensure(ws_.attn_ws, ws_bytes), ws_bytes};
-      ops::msa_select_blocks(iq, ni, pages, layout, topk, cfg.sparse_init_blocks,
-                             cfg.sparse_local_blocks, max_kv_len, aws, sel, s);
-      ops::attention_paged(q, nq, pages, layout, sel, topk, scale, max_kv_len, aws, attn, s);
-      if (msa_out && tp) {
-        tp_gather_msa(sel, T, msa_out->msa_blocks[li]);
-      } else if (msa_out) {
-        auto& dst = msa_out->msa_blocks[li];
-        dst.resize(T * ni * topk);
-        M3_CUDA_CHECK(cudaMemcpyAsync(dst.data(), sel, dst.size() * sizeof(int32_t),
-                                      cudaMemcpyDeviceToHost, s));
-        stream_.synchronize();  // sel is rewritten by the next sparse layer
-      }
-    } else {
-      const size_t ws_bytes = ops::attention_workspace_bytes(T, nq, pages, 0, max_kv_len);
-      const ops::Workspace aws{ensure(ws_.attn_ws, ws_bytes), ws_bytes};
-      ops::attention_paged(q, nq, pages, layout, nullptr, 0, scale, max_kv_len, aws, attn, s);
-    }
-    ops::linear(attn, T, L.o_proj, y, s);  // y: [T, hidden]
-    tp_all_reduce(y, T * H);               // sharded: partial sums over this rank's heads
-    ops::add_rmsnorm_gemma(x, y, T, H, L.post_attention_norm, eps, a, s);  // x += y; a = norm(x)
-    if (cfg.layer_is_moe[li]) {
-      moe(L, a, T, y);
-    } else {
-      dense_mlp(L.gate_proj, L.up_proj, L.down_proj, a, T, y);
-    }
-    tp_all_reduce(y, T * H);  // sharded: partial sums over intermediate slices (routed + shared)
-    if (li + 1 < cfg.num_hidden_layers) {
-      ops::add_rmsnorm_gemma(x, y, T, H, dev_.layers[li + 1].input_norm, eps, a, s);
-    } else {
-      cuda_add_inplace(x, y, T * H, s);
-    }
-  }
-
 }
 
 void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResult* out,
@@ -878,8 +525,6 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   M3_CHECK(T > 0 && b.positions.size() == (size_t)T && b.seq_ids.size() == (size_t)T);
   M3_CHECK(!b.block_table_offsets.empty() && !b.block_table.empty());
   M3_CHECK(cache.page_size() == cfg.sparse_block_size);
-  const int64_t H = cfg.hidden_size;
-  const float eps = static_cast<float>(cfg.rms_norm_eps);
   cudaStream_t s = stream_.get();
   // A shard always computes the logits: the lm_head all-gather (and the MSA gather) are
   // collectives every rank joins. Ranks whose caller wants nothing fill a scratch result.
@@ -909,7 +554,7 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   std::copy(b.seq_ids.begin(), b.seq_ids.end(), stage_ + 2 * capT);
   std::copy(b.block_table_offsets.begin(), b.block_table_offsets.end(), stage_ + 3 * capT);
   std::copy(b.block_table.begin(), b.block_table.end(), stage_ + bt_at);
-  int32_t* dstage = ensure(step_, stage_n);
+  int32_t* dstage = ops_->ensure(step_, static_cast<int64_t>(stage_n));
   M3_CUDA_CHECK(cudaMemcpyAsync(dstage, stage_, stage_n * sizeof(int32_t), cudaMemcpyHostToDevice,
                                 s));
   const int32_t* tokens = dstage;
@@ -937,7 +582,6 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   } else {
     run_layers(shape, tokens, layout, capture_msa ? out : nullptr);
   }
-  float* x = ws_.x.data();  // the residual stream after the last layer
 
   if (!out) {
     stream_.synchronize();  // the cache holds this step's tokens once forward returns
@@ -955,21 +599,14 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   }
   for (int32_t t : b.logits_indices) M3_CHECK(t >= 0 && t < T, "logits index %d of %lld", t,
                                               static_cast<long long>(T));
-  const int32_t* rows = upload_async(ws_.logit_rows, b.logits_indices.data(), R);
-  float* hs = ensure(ws_.hs, R * H);  // final-normed hidden states of the wanted rows
-  cuda_gather_rows(x, rows, R, H, hs, s);
-  ops::rmsnorm_gemma(hs, R, H, dev_.final_norm, eps, hs, s);
-  float* logits = ensure(ws_.logits, R * V);  // [R, vocab] f32
-  if (plan_.tensor_sharded()) {
-    tp_lm_head(hs, R, logits);
-  } else {
-    ops::linear(hs, R, dev_.lm_head, logits, s);
-  }
+  const int32_t* rows = upload_async(logit_rows_, b.logits_indices.data(), R);
+  float* logits = ops_->f32(Buf::kLogits, R * V);  // [R, vocab] f32
+  fw_->logits(*ops_, rows, R, logits);
   if (discard) {
     // Grow what rank 0 grows to sample, so every rank's buffer generation stays the same.
     if (!b.device_samples.empty()) {
-      ensure(smp_rows_, b.device_samples.size());
-      ensure(smp_ids_, b.device_samples.size());
+      ops_->ensure(smp_rows_, static_cast<int64_t>(b.device_samples.size()));
+      ops_->ensure(smp_ids_, static_cast<int64_t>(b.device_samples.size()));
     }
     stream_.synchronize();
     return;
@@ -987,7 +624,7 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
     M3_CHECK(sr.row >= 0 && sr.row < R, "device sample row %d of %lld", sr.row,
              static_cast<long long>(R));
   const ops::SampleRow* d_rows = upload_async(smp_rows_, b.device_samples.data(), ns);
-  int32_t* d_ids = ensure(smp_ids_, ns);
+  int32_t* d_ids = ops_->ensure(smp_ids_, ns);
   const int64_t valid = b.num_sampleable > 0 ? std::min<int64_t>(b.num_sampleable, V) : V;
   ops::sample_rows(logits, V, valid, d_rows, ns, d_ids, s);
   out->sampled.resize(ns);

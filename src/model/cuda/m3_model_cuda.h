@@ -1,5 +1,7 @@
-// M3ModelCuda: the MiniMax-M3 text model on one GPU, computing what M3Model::forward computes,
-// op by op, with the CUDA ops of kernels/cuda. Loading reuses M3Model::load (config, checkpoint,
+// M3ModelCuda: the MiniMax-M3 text model on one GPU: the one forward pass (model/m3_forward.h)
+// over the CUDA ops (model/cuda/cuda_ops.h), the same layer stack M3Model runs on the CPU ops.
+// What is the GPU's own: the weights on the device, the step's arrays staged in pinned memory,
+// CUDA graphs of the layers, and sampling next to the logits. Loading reuses M3Model::load (config, checkpoint,
 // weight checks) on the host, then uploads every weight once, bf16/f32 as stored; synthetic()
 // instead generates M3-shaped weights on the device (no host weights at all). The model keeps its
 // own M3Config. Called by `m3serve generate|serve --device cuda`, SequenceRunnerCuda,
@@ -33,6 +35,10 @@
 #include "model/weights.h"
 
 namespace m3::model {
+
+class CudaOps;
+template <class Ops>
+class M3Forward;
 
 class M3ModelCuda {
  public:
@@ -101,7 +107,7 @@ class M3ModelCuda {
   bool use_graphs() const { return use_graphs_; }
   // Benchmarks only: tensor-parallel collectives become no-ops (wrong results; bench/bench_tp
   // times a step without its communication). Set before the first forward.
-  void set_skip_collectives_for_timing(bool on) { skip_collectives_ = on; }
+  void set_skip_collectives_for_timing(bool on);
   int64_t graph_replays() const { return graph_replays_; }
   int64_t graph_captures() const { return graph_captures_; }
   ~M3ModelCuda();
@@ -114,8 +120,8 @@ class M3ModelCuda {
     int64_t max_kv_len = 0;
     KvCacheCuda* cache = nullptr;
   };
-  // Every layer of the step on the stream, device work only (no host sync unless msa_out, or
-  // the MoE has more tokens than its graph-safe grouped path takes).
+  // Every layer of the step on the stream (M3Forward::run_layers), device work only (no host
+  // sync unless msa_out, or the MoE has more tokens than its graph-safe grouped path takes).
   void run_layers(const StepShape& shape, const int32_t* tokens,
                   const kernels::cpu::TokenLayout& layout, ForwardResult* msa_out);
   void replay_or_capture(const StepShape& shape, const int32_t* tokens,
@@ -123,8 +129,10 @@ class M3ModelCuda {
   void clear_graphs();
 
   M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host);
-  // Tensor-parallel shards: the communicator and its stream, and the fork/join events.
+  // Shards: the communicator and its stream (CudaOps forks / joins the collectives).
   void attach_communicator(dist::Communicator* comm, cudaStream_t comm_stream);
+  // The forward over dev_ and fused_proj_, once both are final.
+  void init_forward();
   void upload_weights();
   void generate_weights(uint64_t seed);  // synthetic(): fills dev_ on the device
   void* alloc_weight(size_t bytes);      // one weight allocation, counted in weight_bytes_
@@ -138,48 +146,19 @@ class M3ModelCuda {
   VecRef upload(const VecRef& v);
   VecRef upload_f32(const VecRef& v);  // widened to f32 on the host first (router bias)
 
-  void moe(const LayerWeights& L, const float* x, int64_t n, float* out);
-  // Router + this rank's experts over n rows of x: out = shared (when non-null) + routed.
-  void routed_experts(const LayerWeights& L, const float* x, int64_t n, const float* shared,
-                      float* out);
-  // Data parallel MoE: all-gather every rank's rows (padded to dp_rows_), this rank's experts
-  // over all of them, reduce-scatter back; out = shared expert (local) + the first n rows.
-  void moe_dp(const LayerWeights& L, const float* x, int64_t n, float* out);
-  // Tensor-parallel collectives on the model's stream (no-ops unless tensor_sharded): the
-  // communicator's stream waits for the model's work so far, runs the collective, and the
-  // model's stream waits for it (fork/join by events, legal inside a graph capture).
-  void tp_all_reduce(float* data, int64_t n);
-  template <class T>
-  void tp_all_gather(const T* send, int64_t n, T* recv);
-  // logits [R, vocab] from this rank's vocabulary rows + an all-gather of the padded chunks.
-  void tp_lm_head(const float* hs, int64_t rows, float* logits);
-  // Eager only (host sync): the ranks' MSA selections [T, local KV heads, topk] laid out as
-  // [T, all KV heads, topk] in `dst`, as M3Model's gather_msa does.
-  void tp_gather_msa(const int32_t* sel, int64_t num_tokens, std::vector<int32_t>& dst);
-  void dense_mlp(const MatRef& gate, const MatRef& up, const MatRef& down, const float* x,
-                 int64_t n, float* out);
-
-  // Scratch: grown on demand (after a stream sync, so no kernel still reads the old memory).
-  template <class T>
-  T* ensure(gpu::DeviceBuffer<T>& b, size_t n);
   template <class T>
   T* upload_async(gpu::DeviceBuffer<T>& b, const T* host, size_t n);
 
   M3Config cfg_;
   std::unique_ptr<M3Model> host_;  // null for synthetic models
   ShardPlan plan_;                 // host_->shard_plan(), or the unsharded plan
-  dist::Communicator* comm_ = nullptr;  // non-null iff plan_.tensor_sharded(); not owned
-  cudaStream_t comm_stream_ = nullptr;  // where comm_ enqueues its collectives
-  cudaEvent_t ev_fork_ = nullptr, ev_join_ = nullptr;
-  gpu::DeviceBuffer<float> tp_mine_, tp_local_, tp_all_;  // lm_head chunks: own, unpadded, all
-  gpu::DeviceBuffer<int32_t> tp_sel_all_;                 // gathered MSA selections
-  int64_t dp_rows_ = 0;  // data parallel: the step's largest per-rank token count
-  gpu::DeviceBuffer<float> dp_send_, dp_all_, dp_routed_;  // [dp_rows_ | W x dp_rows_, hidden]
   M3Weights dev_;  // the same views as host_->weights(), pointing to device memory
   std::vector<gpu::DeviceBuffer<uint8_t>> storage_;
   std::vector<MatRef> fused_proj_;  // per layer; data null where the projections stay separate
   size_t weight_bytes_ = 0;
   gpu::Stream stream_;
+  std::unique_ptr<CudaOps> ops_;                 // on stream_: scratch, collectives
+  std::unique_ptr<M3Forward<CudaOps>> fw_;       // reads cfg_, plan_, dev_, fused_proj_
 
   struct GraphEntry {
     cudaGraphExec_t exec = nullptr;
@@ -190,26 +169,14 @@ class M3ModelCuda {
   };
   // Keyed by (tokens, key-count bucket, cache id, data-parallel MoE rows (0 unless DP)).
   std::map<std::tuple<int64_t, int64_t, uint64_t, int64_t>, GraphEntry> graphs_;
-  uint64_t generation_ = 1;  // bumped whenever a scratch buffer is reallocated
   // The step's host arrays, staged in pinned memory and copied in one transfer to step_.
   int32_t* stage_ = nullptr;
   size_t stage_cap_ = 0;
   gpu::DeviceBuffer<int32_t> step_;
   bool use_graphs_ = true;
-  bool skip_collectives_ = false;  // set_skip_collectives_for_timing
-  bool step_syncs_host_ = false;  // set by a run_layers that took a host-synchronising path
   int64_t graph_replays_ = 0, graph_captures_ = 0;
 
-  struct Scratch {
-    gpu::DeviceBuffer<int32_t> tokens, positions, seq_ids, bt_offsets, block_table, logit_rows;
-    gpu::DeviceBuffer<float> x, a, q, k, v, attn, y, iq, ik, hs, logits, proj;
-    gpu::DeviceBuffer<int32_t> sel;
-    gpu::DeviceBuffer<uint8_t> attn_ws;  // attention / MSA workspace (kernels/cuda/ops.h)
-    gpu::DeviceBuffer<float> g, u;                         // MLP intermediates
-    gpu::DeviceBuffer<float> router_logits, route_w;       // MoE router output
-    gpu::DeviceBuffer<int32_t> route_ids;
-    gpu::DeviceBuffer<uint8_t> moe;                        // moe_experts' workspace
-  } ws_;
+  gpu::DeviceBuffer<int32_t> logit_rows_;  // the step's logits_indices on the device
   // Device sampling: the step's SampleRow list and the sampled ids.
   gpu::DeviceBuffer<kernels::cpu::SampleRow> smp_rows_;
   gpu::DeviceBuffer<int32_t> smp_ids_;

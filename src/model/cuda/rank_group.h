@@ -21,6 +21,7 @@
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/m3_model.h"
+#include "model/rank_threads.h"
 #include "model/shard.h"
 #ifdef M3_HAS_NCCL
 #include "dist/nccl_communicator.h"
@@ -42,29 +43,8 @@ Status check_group_args(int ranks, const std::string& flag, const CudaBackendOpt
 // "12.3 MiB", for the pool's log lines and errors.
 std::string mib(double bytes);
 
-// Persistent threads, thread r bound to GPU r once: run(fn) calls fn(r) on every rank's thread at
-// the same time and returns when all have returned, so the caller never changes its own current
-// device and a step costs two condition-variable handoffs. Not re-entrant (one run at a time).
-class RankThreads {
- public:
-  explicit RankThreads(int world);
-  ~RankThreads();  // stop()
-  RankThreads(const RankThreads&) = delete;
-  RankThreads& operator=(const RankThreads&) = delete;
-  void run(const std::function<void(int rank)>& fn);
-  // Joins the threads (idempotent); run() must not be called after it.
-  void stop();
-
- private:
-  void worker(int r);
-  std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable cv_work_, cv_done_;
-  const std::function<void(int)>* fn_ = nullptr;
-  int pending_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
-};
+// The per-rank threads (model/rank_threads.h), thread r bound to GPU r.
+RankThreads gpu_rank_threads(int world);
 
 // The KV pool of a group: the same page count on every rank (the scheduler hands out one set of
 // page ids), the smallest any GPU allows.

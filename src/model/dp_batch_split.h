@@ -1,4 +1,5 @@
-// DpBatchSplit: the host half of attention data parallel on GPUs (model/cuda/cuda_dp_backend.cpp):
+// DpBatchSplit: the host half of attention data parallel (model/shard_backend.cpp on the CPU,
+// model/cuda/cuda_dp_backend.cpp on GPUs):
 // one step's ForwardBatch split into one batch per DP rank by sequence owner, and the ranks'
 // ForwardResults merged back into the caller's order. The owner is the rank whose page partition
 // holds the sequence's pages (partitioned pools: pages [r * P, (r + 1) * P) live on rank r, and
@@ -8,7 +9,7 @@
 // Invariant: after split(b), batch(r) holds exactly b's tokens of the sequences rank r owns, in
 // b's order, with only those sequences' block tables (renumbered densely, page ids made local to
 // the rank's partition); merge(b, ...) reads the results of that split, each with
-// M3ModelCuda::forward's contract (every logits row when the rank's batch has no device_samples,
+// M3Model::forward's contract (every logits row when the rank's batch has no device_samples,
 // else only its host_logits_rows).
 #pragma once
 
@@ -140,7 +141,7 @@ class DpBatchSplit {
     out->sampled.clear();
     out->msa_blocks.clear();
     // Where each rank's local logits row is in its result: every row when the rank sampled
-    // nothing on the device, else only its host_logits_rows (M3ModelCuda::forward).
+    // nothing on the device, else only its host_logits_rows (M3Model / M3ModelCuda::forward).
     for (RankStep& st : steps_) {
       const int64_t rr = static_cast<int64_t>(st.batch.logits_indices.size());
       st.result_pos.assign(rr, -1);

@@ -1,0 +1,132 @@
+// Device-neutral views and argument structs shared by the two implementations of the M3 ops:
+// kernels/cpu (the reference, host pointers) and kernels/cuda (device pointers). A view only
+// points at memory it does not own; which memory (host or device) is the caller's business and
+// the op's contract. The model's forward (model/m3_forward.h) fills these once and hands them to
+// either set of ops, so nothing here depends on CUDA.
+// Invariant: plain data; copying a view never copies what it points at.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/check.h"
+#include "core/dtype.h"
+
+namespace m3::kernels {
+
+// A weight matrix [rows = out_features, cols = in_features], row-major (PyTorch Linear layout).
+struct MatRef {
+  const void* data = nullptr;
+  DType dtype = DType::kBF16;  // kBF16 or kF32
+  int64_t rows = 0;
+  int64_t cols = 0;
+  // Rows [begin, begin + count) as a MatRef (for slicing fused matrices).
+  MatRef slice_rows(int64_t begin, int64_t count) const {
+    M3_CHECK(begin >= 0 && begin + count <= rows);
+    MatRef m = *this;
+    m.data = static_cast<const uint8_t*>(data) + begin * cols * dtype_size(dtype);
+    m.rows = count;
+    return m;
+  }
+};
+
+// A weight vector (norm weights, biases), bf16 or f32. at() and to_f32() read host memory.
+struct VecRef {
+  const void* data = nullptr;
+  DType dtype = DType::kBF16;
+  int64_t n = 0;
+  float at(int64_t i) const {
+    if (dtype == DType::kF32) return static_cast<const float*>(data)[i];
+    return bf16_to_f32(static_cast<const uint16_t*>(data)[i]);
+  }
+  void to_f32(float* out) const {
+    for (int64_t i = 0; i < n; ++i) out[i] = at(i);
+  }
+};
+
+// Per-layer paged KV storage, fp32. A page holds `page_size` tokens.
+struct KvPages {
+  float* k = nullptr;   // [num_pages, page_size, num_kv_heads, head_dim]
+  float* v = nullptr;   // [num_pages, page_size, num_kv_heads, head_dim]
+  float* ik = nullptr;  // [num_pages, page_size, index_dim] (sparse layers only, else null)
+  int64_t num_pages = 0;
+  int64_t page_size = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t index_dim = 0;
+};
+
+// Where each token of a step lives: sequence, absolute position, and the sequences' block tables
+// in CSR form (block_table[block_table_offsets[s] + b] = physical page of logical block b).
+struct TokenLayout {
+  int64_t num_tokens = 0;
+  const int32_t* positions = nullptr;            // [num_tokens]
+  const int32_t* seq_ids = nullptr;              // [num_tokens]
+  const int32_t* block_table_offsets = nullptr;  // [num_seqs + 1]
+  const int32_t* block_table = nullptr;          // [block_table_offsets[num_seqs]]
+};
+
+// Arguments of attn_prep, one attention layer's preparation after its projections:
+//   q_out  = rope(rmsnorm_gemma(q, q_norm), rot_dim)        per query head
+//   iq_out = rope(rmsnorm_gemma(iq, iq_norm), index_rot_dim) per index head (if any)
+//   page K = rope(rmsnorm_gemma(k, k_norm), rot_dim), page V = v, per KV head
+//   page index-K = rope(rmsnorm_gemma(ik, ik_norm), index_rot_dim) (if any)
+// The inputs are token rows `in_stride` floats apart (one fused projection's output:
+// q | k | v | iq | ik columns), or packed per tensor when in_stride is 0; q_out / iq_out are
+// packed [T, heads, dim] and may equal q / iq when those are packed. Full-attention layers pass
+// num_index_heads = 0.
+struct AttnPrepArgs {
+  const float* q = nullptr;
+  float* q_out = nullptr;
+  int64_t num_q_heads = 0;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0, rot_dim = 0;
+  VecRef q_norm, k_norm;
+  const float* iq = nullptr;
+  float* iq_out = nullptr;
+  const float* ik = nullptr;
+  int64_t num_index_heads = 0;
+  int64_t index_dim = 0, index_rot_dim = 0;
+  VecRef iq_norm, ik_norm;
+  int64_t in_stride = 0;  // floats between token rows of q, k, v, iq, ik (0: packed)
+  float eps = 1e-6f;
+  double theta = 10000.0;
+};
+
+// The routed experts of one MoE layer (w1/w3: [inter, hidden], w2: [hidden, inter], all of one
+// dtype, bf16 or f32). Contiguous layout: each projection stored over the experts back to back,
+// expert e's matrix at base + e * rows * cols elements (what the CUDA op requires). The CPU op
+// also takes experts scattered in memory (a checkpoint read in place): then w1_of / w3_of /
+// w2_of are host arrays of num_experts pointers and the bases are ignored.
+struct MoeExpertWeights {
+  const void* w1 = nullptr;  // gate
+  const void* w3 = nullptr;  // up
+  const void* w2 = nullptr;  // down
+  DType dtype = DType::kBF16;
+  int64_t num_experts = 0, inter = 0, hidden = 0;
+  const void* const* w1_of = nullptr;
+  const void* const* w3_of = nullptr;
+  const void* const* w2_of = nullptr;
+  // Expert e's projection `base` (w1, w3 or w2) and its per-expert array.
+  const void* expert(const void* base, const void* const* of, int64_t e) const {
+    if (of != nullptr) return of[e];
+    return static_cast<const uint8_t*>(base) +
+           static_cast<size_t>(e * inter * hidden) * dtype_size(dtype);
+  }
+};
+
+// SwiGLU-OAI constants (see swiglu_oai).
+struct SwigluParams {
+  float alpha = 1.702f, limit = 7.0f, beta = 1.0f;
+};
+
+// Scratch memory an op may use for one call (split-KV partials, MSA block scores). It is the
+// caller's: ops never allocate. The CPU ops need none and ignore it.
+struct Workspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+}  // namespace m3::kernels

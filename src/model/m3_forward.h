@@ -1,0 +1,441 @@
+// M3Forward<Ops>: the MiniMax-M3 text model's forward pass (m3-model.md §3-4), written once over
+// the M3 ops. `Ops` is model/cpu_ops.h's CpuOps (the reference kernels/cpu ops on host memory)
+// or model/cuda/cuda_ops.h's CudaOps (the kernels/cuda ops on one GPU stream); both offer the
+// same member functions, the op's arguments less the stream, plus scratch buffers by name and the
+// collectives of a shard. M3Model (CPU) and M3ModelCuda (GPU) each own one M3Forward and one Ops
+// and add only what differs by device: where the step's arrays live, CUDA graphs, sampling.
+// Layer order, the attention with MSA, the dense MLP and the MoE (router, expert parallel, shared
+// expert), the collectives at the tensor-parallel and data-parallel seams, the final norm and the
+// lm_head exist here and nowhere else.
+// Invariants: K, V and index-K of every step token are written into its page before any
+// attention reads the cache; no allocation or host sync inside run_layers beyond what Ops does
+// when a buffer grows (the CUDA graphs capture run_layers after an eager run sized everything),
+// except the MSA capture (a host copy) and, on the GPU, a MoE above its grouped-path size.
+// Data parallel (plan.data_sharded()): the host splits each step by sequence owner
+// (model/dp_batch_split.h); every rank runs run_layers on its own tokens, or run_idle() when it
+// has none, after set_dp_step_rows(the step's largest rank token count).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/check.h"
+#include "kernels/views.h"
+#include "model/config.h"
+#include "model/m3_model.h"
+#include "model/shard.h"
+#include "model/weights.h"
+
+namespace m3::model {
+
+// Named scratch buffers of a forward (the Ops own them; a name's buffer keeps its contents while
+// it does not grow, and grows only by Ops::f32 / Ops::i32 asking for more).
+enum class Buf {
+  kX, kA, kQ, kK, kV, kAttn, kY, kIq, kIk, kProj, kG, kU, kRouterLogits, kRouteW, kHs,
+  kLogits, kTpMine, kTpLocal, kTpAll, kDpSend, kDpAll, kDpRouted, kCount
+};
+enum class IBuf { kSel, kRouteIds, kSelAll, kCount };
+
+template <class Ops>
+class M3Forward {
+ public:
+  using MatRef = kernels::MatRef;
+  using VecRef = kernels::VecRef;
+  using KvPages = kernels::KvPages;
+  using TokenLayout = kernels::TokenLayout;
+
+  // `w` holds the views the forward reads (host or device memory, the Ops' kind), `fused_proj`
+  // per layer one q|k|v(|index q|index k) matrix or a null MatRef where the projections are
+  // separate. Both must outlive this object. Router biases stored in bf16 are widened here once
+  // (host memory only; the GPU model uploads them as f32).
+  M3Forward(const M3Config& cfg, const ShardPlan& plan, const M3Weights& w,
+            std::vector<MatRef> fused_proj)
+      : cfg_(cfg), plan_(plan), w_(w), fused_proj_(std::move(fused_proj)) {
+    if (fused_proj_.empty()) fused_proj_.assign(w_.layers.size(), MatRef{});
+    M3_CHECK(fused_proj_.size() == w_.layers.size());
+    moe_.resize(w_.layers.size());
+    for (size_t li = 0; li < w_.layers.size(); ++li) {
+      if (cfg_.layer_is_moe[li]) moe_[li] = describe_moe(w_.layers[li]);
+    }
+  }
+
+  const M3Config& config() const { return cfg_; }
+  const ShardPlan& plan() const { return plan_; }
+
+  // Attention data parallel only: the largest token count any rank has in the coming step (the
+  // host knows every rank's count, so there is no count exchange). Each MoE layer all-gathers
+  // this many rows from every rank (this rank's tokens, zero-padded).
+  void set_dp_step_rows(int64_t max_rows) {
+    M3_CHECK(plan_.data_sharded() && max_rows >= 1, "set_dp_step_rows(%lld) on a %s model",
+             static_cast<long long>(max_rows), plan_.data_sharded() ? "data-parallel" : "non-DP");
+    dp_rows_ = max_rows;
+  }
+  int64_t dp_step_rows() const { return plan_.data_sharded() ? dp_rows_ : 0; }
+
+  // Embedding and every layer over the step's T tokens (`tokens` and `layout` in the Ops'
+  // memory); the residual stream ends in Buf::kX [T, hidden] f32. max_kv_len: a host bound of
+  // position + 1 over the tokens (sizes the MSA scores and KV splits on the GPU). msa_out (may
+  // be null): per layer the selected blocks [T, num_kv_heads, topk] (host; a shard gathers every
+  // rank's heads).
+  template <class Cache>
+  void run_layers(Ops& ops, const int32_t* tokens, const TokenLayout& layout, Cache& cache,
+                  int64_t max_kv_len, ForwardResult* msa_out) const {
+    const int64_t T = layout.num_tokens;
+    const int64_t H = cfg_.hidden_size, nq = plan_.num_q_heads, nkv = plan_.num_kv_heads,
+                  d = cfg_.head_dim;
+    const bool tp = plan_.tensor_sharded();
+    const float eps = static_cast<float>(cfg_.rms_norm_eps);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    float* x = ops.f32(Buf::kX, T * H);  // residual stream [T, hidden] f32
+    float* a = ops.f32(Buf::kA, T * H);  // normed input of the next block
+    float* q = ops.f32(Buf::kQ, T * nq * d);
+    float* attn = ops.f32(Buf::kAttn, T * nq * d);
+    float* y = ops.f32(Buf::kY, T * H);
+    if (tp) {
+      // This rank's vocabulary rows, zeros elsewhere; the all-reduce adds one non-zero term.
+      ops.embedding_vocab_slice(w_.embed_tokens, plan_.vocab_begin, cfg_.vocab_size, H, tokens, T,
+                                x);
+      ops.all_reduce_sum(x, T * H);
+    } else {
+      ops.embedding(w_.embed_tokens, tokens, T, x);
+    }
+
+    for (int64_t li = 0; li < cfg_.num_hidden_layers; ++li) {
+      const LayerWeights& L = w_.layers[li];
+      const bool sparse = cfg_.layer_is_sparse[li];
+      // a = input_norm(x); after the first layer the previous layer's residual add did it.
+      if (li == 0) ops.rmsnorm_gemma(x, T, H, L.input_norm, eps, a);
+      const KvPages pages = cache.layer(li);
+      M3_CHECK(pages.num_kv_heads == nkv, "the KV cache holds %lld KV heads, this model %lld",
+               static_cast<long long>(pages.num_kv_heads), static_cast<long long>(nkv));
+      // Index-q heads follow the KV heads (index_n_heads == num_key_value_heads, config.cpp).
+      const int64_t ni = sparse ? (tp ? nkv : cfg_.index_n_heads) : 0, di = cfg_.index_head_dim;
+      float* iq = sparse ? ops.f32(Buf::kIq, T * ni * di) : nullptr;  // [T, ni, di]
+      kernels::AttnPrepArgs pa;
+      pa.q_out = q;  // q: [T, nq, d] after the prep
+      pa.num_q_heads = nq;
+      pa.num_kv_heads = nkv;
+      pa.head_dim = d;
+      pa.rot_dim = cfg_.rotary_dim;
+      pa.q_norm = L.q_norm;
+      pa.k_norm = L.k_norm;
+      pa.eps = eps;
+      pa.theta = cfg_.rope_theta;
+      if (sparse) {
+        pa.iq_out = iq;
+        pa.num_index_heads = ni;
+        pa.index_dim = di;
+        pa.index_rot_dim = std::min(cfg_.rotary_dim, di);
+        pa.iq_norm = L.index_q_norm;
+        pa.ik_norm = L.index_k_norm;
+      }
+      const MatRef& fused = fused_proj_[li];
+      if (fused.data != nullptr) {
+        // One projection: rows [q | k | v | index q | index k] of each token.
+        M3_CHECK(fused.rows == (nq + 2 * nkv) * d + (sparse ? (ni + 1) * di : 0),
+                 "fused projection of layer %lld has %lld rows", static_cast<long long>(li),
+                 static_cast<long long>(fused.rows));
+        float* proj = ops.f32(Buf::kProj, T * fused.rows);
+        ops.linear(a, T, fused, proj);
+        pa.in_stride = fused.rows;
+        pa.q = proj;
+        pa.k = proj + nq * d;
+        pa.v = proj + (nq + nkv) * d;
+        if (sparse) {
+          pa.iq = proj + (nq + 2 * nkv) * d;
+          pa.ik = pa.iq + ni * di;
+        }
+      } else {
+        float* k = ops.f32(Buf::kK, T * nkv * d);
+        float* v = ops.f32(Buf::kV, T * nkv * d);
+        ops.linear(a, T, L.q_proj, q);  // q: [T, nq, d]
+        ops.linear(a, T, L.k_proj, k);  // k: [T, nkv, d]
+        ops.linear(a, T, L.v_proj, v);  // v: [T, nkv, d]
+        pa.q = q;
+        pa.k = k;
+        pa.v = v;
+        if (sparse) {
+          float* ik = ops.f32(Buf::kIk, T * di);  // [T, di] (one shared head)
+          ops.linear(a, T, L.index_q_proj, iq);
+          ops.linear(a, T, L.index_k_proj, ik);
+          pa.iq = iq;
+          pa.ik = ik;
+        }
+      }
+      ops.attn_prep(pa, pages, layout);
+      if (sparse) {
+        const int64_t topk = cfg_.sparse_topk_blocks;
+        int32_t* sel = ops.i32(IBuf::kSel, T * ni * topk);
+        ops.msa_select_blocks(iq, ni, pages, layout, topk, cfg_.sparse_init_blocks,
+                              cfg_.sparse_local_blocks, max_kv_len, sel);
+        ops.attention_paged(q, nq, pages, layout, sel, topk, scale, max_kv_len, attn);
+        if (msa_out) capture_msa(ops, sel, T, msa_out->msa_blocks[li]);
+      } else {
+        ops.attention_paged(q, nq, pages, layout, nullptr, 0, scale, max_kv_len, attn);
+      }
+      ops.linear(attn, T, L.o_proj, y);  // y: [T, hidden]
+      if (tp) ops.all_reduce_sum(y, T * H);  // partial sums over this rank's heads
+      ops.add_rmsnorm_gemma(x, y, T, H, L.post_attention_norm, eps, a);  // x += y; a = norm(x)
+      if (cfg_.layer_is_moe[li]) {
+        moe(ops, li, a, T, y);
+      } else {
+        dense_mlp(ops, L.gate_proj, L.up_proj, L.down_proj, a, T, y);
+      }
+      if (tp) ops.all_reduce_sum(y, T * H);  // partial sums over intermediate slices / experts
+      if (li + 1 < cfg_.num_hidden_layers) {
+        ops.add_rmsnorm_gemma(x, y, T, H, w_.layers[li + 1].input_norm, eps, a);
+      } else {
+        ops.add_inplace(x, y, T * H);
+      }
+    }
+  }
+
+  // The step of a data-parallel rank with no tokens: joins every MoE layer's collectives with 0
+  // rows of its own (the other ranks' tokens still meet this rank's experts).
+  void run_idle(Ops& ops) const {
+    M3_CHECK(plan_.data_sharded(), "run_idle on a model that is not data parallel");
+    for (int64_t li = 0; li < cfg_.num_hidden_layers; ++li)
+      if (cfg_.layer_is_moe[li]) moe_dp(ops, li, nullptr, 0, nullptr);
+  }
+
+  // logits [R, vocab] f32 (the Ops' memory) of the residual rows `rows` [R] (the Ops' memory)
+  // after run_layers: final norm, lm_head, and under tensor parallelism the all-gather of every
+  // rank's vocabulary chunk.
+  void logits(Ops& ops, const int32_t* rows, int64_t R, float* logits) const {
+    const int64_t H = cfg_.hidden_size;
+    float* hs = ops.f32(Buf::kHs, R * H);  // final-normed hidden states of the wanted rows
+    ops.gather_rows(ops.f32(Buf::kX, 0), rows, R, H, hs);
+    ops.rmsnorm_gemma(hs, R, H, w_.final_norm, static_cast<float>(cfg_.rms_norm_eps), hs);
+    if (!plan_.tensor_sharded()) {
+      ops.linear(hs, R, w_.lm_head, logits);
+      return;
+    }
+    // Each rank scores its vocabulary chunk, padded to vocab_chunk columns so the all-gather has
+    // one size, then the chunks are laid side by side. Every rank grows the same buffers
+    // (`uneven` is a property of the split, not of the rank), so the ranks' buffer generations,
+    // and with them their CUDA graph decisions, stay in step.
+    const int64_t V = cfg_.vocab_size, C = plan_.vocab_chunk, W = plan_.world;
+    const int64_t n = plan_.vocab_count;
+    const bool uneven = C * W != V;
+    float* mine = ops.f32(Buf::kTpMine, R * C);
+    float* all = ops.f32(Buf::kTpAll, W * R * C);
+    if (!uneven) {
+      ops.linear(hs, R, w_.lm_head, mine);
+    } else {
+      float* local = ops.f32(Buf::kTpLocal, R * C);
+      ops.fill_zero(mine, R * C);
+      if (n > 0) {
+        ops.linear(hs, R, w_.lm_head, local);
+        ops.copy_rows_2d(mine, C, local, n, n, R);
+      }
+    }
+    ops.all_gather(mine, R * C, all);
+    for (int64_t r = 0; r < W; ++r) {
+      const int64_t v0 = std::min(V, r * C), nw = std::min(V, v0 + C) - v0;
+      if (nw > 0) ops.copy_rows_2d(logits + v0, V, all + r * R * C, C, nw, R);
+    }
+  }
+
+ private:
+  // A MoE layer's routed experts as the ops read them, and the router bias in f32.
+  struct MoeLayer {
+    kernels::MoeExpertWeights ew;
+    std::vector<const void*> w1_of, w3_of, w2_of;  // scattered experts (host weights only)
+    const float* bias = nullptr;
+    std::vector<float> bias_f32;  // a bf16 bias widened (host weights only)
+  };
+
+  MoeLayer describe_moe(const LayerWeights& L) const {
+    MoeLayer m;
+    M3_CHECK(!L.experts.empty(), "MoE layer without experts");
+    const MatRef& e0 = L.experts[0].w1;
+    kernels::MoeExpertWeights& ew = m.ew;
+    ew.w1 = e0.data;
+    ew.w3 = L.experts[0].w3.data;
+    ew.w2 = L.experts[0].w2.data;
+    ew.dtype = e0.dtype;
+    ew.num_experts = static_cast<int64_t>(L.experts.size());
+    ew.inter = e0.rows;
+    ew.hidden = cfg_.hidden_size;
+    // Experts laid out back to back per projection (the GPU model's upload and synthetic
+    // weights) are read from the bases; others (a checkpoint read in place) by pointer arrays.
+    const size_t per = static_cast<size_t>(ew.inter * ew.hidden) * dtype_size(ew.dtype);
+    bool contiguous = true;
+    for (int64_t e = 0; e < ew.num_experts; ++e) {
+      const ExpertWeights& E = L.experts[e];
+      M3_CHECK(E.w1.dtype == ew.dtype && E.w3.dtype == ew.dtype && E.w2.dtype == ew.dtype &&
+                   E.w1.rows == ew.inter && E.w3.rows == ew.inter && E.w2.cols == ew.inter,
+               "MoE layer: expert %lld differs from expert 0 in shape or dtype",
+               static_cast<long long>(e));
+      contiguous = contiguous && E.w1.data == static_cast<const uint8_t*>(ew.w1) + e * per &&
+                   E.w3.data == static_cast<const uint8_t*>(ew.w3) + e * per &&
+                   E.w2.data == static_cast<const uint8_t*>(ew.w2) + e * per;
+      m.w1_of.push_back(E.w1.data);
+      m.w3_of.push_back(E.w3.data);
+      m.w2_of.push_back(E.w2.data);
+    }
+    if (contiguous) {
+      m.w1_of.clear();
+      m.w3_of.clear();
+      m.w2_of.clear();
+    }
+    if (L.router_bias.n > 0) {
+      if (L.router_bias.dtype == DType::kF32) {
+        m.bias = static_cast<const float*>(L.router_bias.data);
+      } else {
+        m.bias_f32.resize(L.router_bias.n);
+        L.router_bias.to_f32(m.bias_f32.data());
+      }
+    }
+    return m;
+  }
+
+  // The views of moe_[li] with its pointer arrays (vectors may have moved with the object).
+  kernels::MoeExpertWeights moe_weights(int64_t li, const float** bias) const {
+    const MoeLayer& m = moe_[li];
+    kernels::MoeExpertWeights ew = m.ew;
+    if (!m.w1_of.empty()) {
+      ew.w1_of = m.w1_of.data();
+      ew.w3_of = m.w3_of.data();
+      ew.w2_of = m.w2_of.data();
+    }
+    *bias = m.bias_f32.empty() ? m.bias : m.bias_f32.data();
+    return ew;
+  }
+
+  // The MSA selection of this step's layer to the host, laid out [T, all KV heads, topk].
+  void capture_msa(Ops& ops, const int32_t* sel, int64_t T, std::vector<int32_t>& dst) const {
+    const int64_t k = cfg_.sparse_topk_blocks, nl = plan_.num_kv_heads;
+    if (!plan_.tensor_sharded()) {
+      dst.resize(static_cast<size_t>(T * nl * k));
+      ops.download(dst.data(), sel, T * nl * k);
+      return;
+    }
+    // Each rank selected blocks for its KV heads; with replicated KV heads several ranks hold
+    // the same head and the same selection.
+    const int64_t nkv = cfg_.num_key_value_heads, W = plan_.world;
+    int32_t* all = ops.i32(IBuf::kSelAll, W * T * nl * k);
+    ops.all_gather(sel, T * nl * k, all);
+    std::vector<int32_t> host(static_cast<size_t>(W * T * nl * k));
+    ops.download(host.data(), all, W * T * nl * k);
+    dst.assign(static_cast<size_t>(T * nkv * k), -1);
+    for (int r = 0; r < W; ++r) {
+      const int64_t g0 = plan_.kv_head_begin_of(r);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < nl; ++j)
+          std::copy_n(host.begin() + ((r * T + t) * nl + j) * k, k,
+                      dst.begin() + (t * nkv + g0 + j) * k);
+    }
+  }
+
+  // out [n, hidden] = down(swiglu_oai(gate(x), up(x))).
+  void dense_mlp(Ops& ops, const MatRef& gate, const MatRef& up, const MatRef& down,
+                 const float* x, int64_t n, float* out) const {
+    const int64_t inter = gate.rows;
+    const float alpha = static_cast<float>(cfg_.swiglu_alpha),
+                limit = static_cast<float>(cfg_.swiglu_limit),
+                beta = static_cast<float>(cfg_.swiglu_beta);
+    float* g = ops.f32(Buf::kG, n * inter);  // [n, inter] f32
+    // gate and up stored back to back (the GPU model fuses them): one projection of 2 x inter.
+    const bool adjacent = gate.dtype == DType::kBF16 && up.dtype == DType::kBF16 &&
+                          gate.cols == up.cols && up.rows == inter &&
+                          static_cast<const uint16_t*>(gate.data) + inter * gate.cols == up.data;
+    if (adjacent) {
+      float* gu = ops.f32(Buf::kU, n * 2 * inter);  // [n, gate | up] f32
+      ops.linear(x, n, MatRef{gate.data, DType::kBF16, 2 * inter, gate.cols}, gu);
+      ops.swiglu_oai_rows(gu, n, inter, alpha, limit, beta, g);
+    } else {
+      float* u = ops.f32(Buf::kU, n * inter);  // [n, inter] f32
+      ops.linear(x, n, gate, g);
+      ops.linear(x, n, up, u);
+      ops.swiglu_oai(g, u, n, inter, alpha, limit, beta, g);
+    }
+    ops.linear(g, n, down, out);  // out: [n, hidden] f32
+  }
+
+  void moe(Ops& ops, int64_t li, const float* x, int64_t n, float* out) const {
+    if (plan_.data_sharded()) {
+      moe_dp(ops, li, x, n, out);
+      return;
+    }
+    const LayerWeights& L = w_.layers[li];
+    if (L.has_shared_expert) {
+      dense_mlp(ops, L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // out = shared
+      routed_experts(ops, li, x, n, out, out);
+    } else {
+      routed_experts(ops, li, x, n, nullptr, out);
+    }
+  }
+
+  // Router + this rank's experts over n rows of x: out = shared (when non-null) + routed.
+  void routed_experts(Ops& ops, int64_t li, const float* x, int64_t n, const float* shared,
+                      float* out) const {
+    const LayerWeights& L = w_.layers[li];
+    const int64_t ne = cfg_.num_local_experts, k = cfg_.num_experts_per_tok;
+    // Router in fp32 (the router weight is f32 in M3 checkpoints), bias for selection only.
+    float* logits = ops.f32(Buf::kRouterLogits, n * ne);  // [n, experts] f32
+    ops.linear(x, n, L.router, logits);
+    int32_t* ids = ops.i32(IBuf::kRouteIds, n * k);
+    float* wts = ops.f32(Buf::kRouteW, n * k);
+    const float* bias = nullptr;
+    const kernels::MoeExpertWeights ew = moe_weights(li, &bias);
+    ops.router_topk(logits, n, ne, bias, k, static_cast<float>(cfg_.routed_scaling_factor), ids,
+                    wts);
+    // Expert parallel: this rank holds experts [expert_begin, + num_experts); picks of the
+    // others become -1 and add nothing here (the all-reduce after the block adds the other
+    // ranks'; under data parallelism the reduce-scatter in moe_dp).
+    if (plan_.expert_parallel && plan_.sharded()) {
+      M3_CHECK(ew.num_experts == plan_.num_experts);
+      ops.moe_localize_ids(ids, n * k, plan_.expert_begin, plan_.num_experts);
+    } else {
+      M3_CHECK(ew.num_experts == ne);
+    }
+    const kernels::SwigluParams act{static_cast<float>(cfg_.swiglu_alpha),
+                                    static_cast<float>(cfg_.swiglu_limit),
+                                    static_cast<float>(cfg_.swiglu_beta)};
+    ops.moe_experts(x, n, ids, wts, k, ew, act, shared, out);
+  }
+
+  // Attention data parallel: every rank's tokens meet every rank's experts. The rows are padded
+  // to the step's largest count (set_dp_step_rows, from the host), so the collectives have one
+  // size and no count exchange or host sync is needed; padded rows are zeros, run through the
+  // experts like any row (each row's result depends on that row alone), and are dropped by their
+  // owner. out = shared expert (local) + the first n rows of the reduce-scatter.
+  void moe_dp(Ops& ops, int64_t li, const float* x, int64_t n, float* out) const {
+    const LayerWeights& L = w_.layers[li];
+    const int64_t h = cfg_.hidden_size, W = plan_.world, nmax = dp_rows_;
+    M3_CHECK(nmax >= 1 && n <= nmax,
+             "data-parallel MoE: %lld rows here but the step's largest is %lld "
+             "(set_dp_step_rows)",
+             static_cast<long long>(n), static_cast<long long>(nmax));
+    float* send = ops.f32(Buf::kDpSend, nmax * h);
+    float* all = ops.f32(Buf::kDpAll, W * nmax * h);
+    float* routed = ops.f32(Buf::kDpRouted, W * nmax * h);
+    if (n > 0) ops.copy(send, x, n * h);
+    if (n < nmax) ops.fill_zero(send + n * h, (nmax - n) * h);
+    ops.all_gather(send, nmax * h, all);  // all: [W * nmax, hidden]
+    // Router (replicated) + this rank's experts (EP: its whole experts; else its intermediate
+    // slice of every expert) over every rank's rows: partial sums the reduce-scatter completes.
+    routed_experts(ops, li, all, W * nmax, nullptr, routed);
+    ops.reduce_scatter_sum(routed, nmax * h, send);  // send: [nmax, hidden]
+    if (n == 0) return;  // a rank without tokens this step only joins the collectives
+    if (L.has_shared_expert) {
+      dense_mlp(ops, L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // whole shared
+      ops.add_inplace(out, send, n * h);
+    } else {
+      ops.copy(out, send, n * h);
+    }
+  }
+
+  const M3Config& cfg_;
+  const ShardPlan& plan_;
+  const M3Weights& w_;
+  std::vector<MatRef> fused_proj_;
+  std::vector<MoeLayer> moe_;
+  int64_t dp_rows_ = 0;
+};
+
+}  // namespace m3::model
