@@ -12,7 +12,7 @@
 
 #include "core/thread_pool.h"
 #include "model/m3_model.h"
-#include "model/sequence_runner.h"
+#include "runtime/sequence_runner.h"
 
 using Clock = std::chrono::steady_clock;
 
@@ -83,7 +83,7 @@ int main(int argc, char** argv) {
 
   const double weight_bytes = static_cast<double>((*m)->weights().bytes_in_place + (*m)->weights().bytes_owned);
   for (int batch : {1, 8}) {
-    m3::model::SequenceRunner r(**m, static_cast<int64_t>(batch) * (prefill_len + steps + 1), batch);
+    m3::runtime::SequenceRunner r(**m, static_cast<int64_t>(batch) * (prefill_len + steps + 1), batch);
     std::vector<int> seqs;
     std::vector<std::vector<int32_t>> prompts(batch);
     for (int b = 0; b < batch; ++b) {
@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
     std::vector<int32_t> next(batch, 1);
     t0 = Clock::now();
     for (int s = 0; s < steps; ++s) {
-      std::vector<m3::model::SequenceRunner::Chunk> chunks;
+      std::vector<m3::runtime::SequenceRunner::Chunk> chunks;
       for (int b = 0; b < batch; ++b) chunks.push_back({seqs[b], std::span<const int32_t>(&next[b], 1), false});
       auto out = r.step(chunks);
       for (int b = 0; b < batch; ++b) {

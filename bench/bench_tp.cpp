@@ -35,10 +35,10 @@
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
 #include "kernels/cuda/ops.h"
-#include "model/cuda/cuda_backend.h"
+#include "runtime/cuda/cuda_backend.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
-#include "model/sequence_runner.h"
+#include "runtime/sequence_runner.h"
 #include "model/shard.h"
 #include "model/synthetic_model.h"
 
@@ -48,8 +48,8 @@ using namespace m3;
 using model::ForwardBatch;
 using model::ForwardResult;
 using model::M3Config;
-using model::SequenceChunk;
-using model::SequencePages;
+using runtime::SequenceChunk;
+using runtime::SequencePages;
 
 std::vector<int> parse_list(const char* s) {
   std::vector<int> v;
@@ -120,7 +120,7 @@ struct Row {
 
 // Mean wall time of a decode step (ms): B sequences prefilled with `ctx` tokens, then `steps`
 // timed steps of one token each (after 3 untimed ones: graph capture happens on the second).
-double decode_ms(model::ForwardBackend& be, int B, int ctx, int steps) {
+double decode_ms(runtime::ForwardBackend& be, int B, int ctx, int steps) {
   const M3Config& cfg = be.config();
   SequencePages pages(be.num_pages(), cfg.sparse_block_size);
   std::vector<int> seqs;
@@ -164,7 +164,7 @@ double decode_ms(model::ForwardBackend& be, int B, int ctx, int steps) {
   return total / steps * 1e3;
 }
 
-std::unique_ptr<model::ForwardBackend> make_backend(const Args& a, const Config& c, int layers,
+std::unique_ptr<runtime::ForwardBackend> make_backend(const Args& a, const Config& c, int layers,
                                                     int total_seqs, bool skip_comm) {
   auto host = model::M3Model::load("synthetic:layers=" + std::to_string(layers));
   if (!host) {
@@ -172,7 +172,7 @@ std::unique_ptr<model::ForwardBackend> make_backend(const Args& a, const Config&
     std::exit(1);
   }
   const M3Config cfg = (*host)->config();
-  model::CudaBackendOptions opts;
+  runtime::CudaBackendOptions opts;
   const int64_t pages =
       SequencePages::pages_needed(int64_t{a.ctx + a.steps + 8} * total_seqs, total_seqs,
                                   cfg.sparse_block_size);
@@ -183,9 +183,9 @@ std::unique_ptr<model::ForwardBackend> make_backend(const Args& a, const Config&
   opts.parallel_graphs = a.graphs;
   opts.skip_collectives_for_timing = skip_comm;
   opts.dp_kv_partitions = false;  // SequencePages hands out one page-id space (no partitions)
-  auto be = c.tp == 1 ? model::make_cuda_backend(std::move(*host), opts)
-            : c.dp    ? model::make_cuda_data_parallel_backend(std::move(*host), opts, c.tp, c.ep)
-                      : model::make_cuda_sharded_backend(std::move(*host), opts, c.tp, c.ep);
+  auto be = c.tp == 1 ? runtime::make_cuda_backend(std::move(*host), opts)
+            : c.dp    ? runtime::make_cuda_data_parallel_backend(std::move(*host), opts, c.tp, c.ep)
+                      : runtime::make_cuda_sharded_backend(std::move(*host), opts, c.tp, c.ep);
   if (!be) {
     std::fprintf(stderr, "bench_tp: %s %d layers: %s\n", c.name().c_str(), layers,
                  be.error().message.c_str());

@@ -15,19 +15,21 @@ ALLOWED = {
     "kernels": {"gpu", "core"},
     "dist": {"gpu", "core"},  # gpu only for the NCCL communicator
     "model": {"kernels", "dist", "gpu", "core"},
+    "runtime": {"model", "kernels", "dist", "gpu", "core"},
     "sched": {"core"},
-    "engine": {"sched", "model", "kernels", "dist", "gpu", "core"},
+    "engine": {"sched", "runtime", "model", "kernels", "dist", "gpu", "core"},
     "text": {"core"},
     "server": {"text", "engine", "core"},
-    "app": {"server", "text", "engine", "sched", "model", "kernels", "dist", "gpu", "core"},
+    "app": {"server", "text", "engine", "sched", "runtime", "model", "kernels", "dist", "gpu",
+            "core"},
 }
 # server talks to the engine only through engine/engine.h (and the plain types it includes)
 SERVER_ENGINE_HEADERS = {"engine/engine.h", "engine/sampling_params.h"}
 
 # Sub-folders that pull in CUDA: only app/ (and the folders they belong to) may include them, so
 # the engine, scheduler and server build and run without the CUDA toolkit.
-CUDA_ONLY = ("model/cuda/", "kernels/cuda/", "gpu/", "dist/nccl_communicator.h")
-CUDA_ALLOWED = {"app", "model", "kernels", "dist", "gpu"}
+CUDA_ONLY = ("model/cuda/", "runtime/cuda/", "kernels/cuda/", "gpu/", "dist/nccl_communicator.h")
+CUDA_ALLOWED = {"app", "runtime", "model", "kernels", "dist", "gpu"}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 

@@ -5,8 +5,9 @@
 //                    [--tensor-parallel-size N | --data-parallel-size N] [--enable-expert-parallel]
 //                    (CPU: N rank threads)
 // prints {"prompt_ids", "output_ids", "prompt_logprobs", "output_logprobs"}; prompt_logprobs[i]
-// scores prompt token i given the tokens before it (entry 0 is null). --device cuda runs the
-// same forward on the GPU (M3ModelCuda; only in builds with M3_HAS_CUDA) and prints the same JSON.
+// scores prompt token i given the tokens before it (entry 0 is null). The backend (CPU, GPU,
+// sharded) comes from the same switch `serve` uses (app/device_backend.h) and one
+// runtime::SequenceRunner drives it, so every device prints the same JSON.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -24,17 +25,13 @@
 #include "app/device_backend.h"
 #include "app/parallel_args.h"
 #include "core/error.h"
+#include "engine/engine.h"
 #include "engine/sampler.h"
-#include "model/forward_backend.h"
-#include "model/m3_model.h"
-#include "model/sequence_runner.h"
-#include "model/synthetic_model.h"
-#ifdef M3_HAS_CUDA
-#include "model/cuda/cuda_backend.h"
-#include "model/cuda/m3_model_cuda.h"
-#include "model/cuda/sequence_runner_cuda.h"
 #include "model/kv_cache.h"
-#endif
+#include "model/m3_model.h"
+#include "model/synthetic_model.h"
+#include "runtime/forward_backend.h"
+#include "runtime/sequence_runner.h"
 
 namespace m3::app {
 
@@ -100,77 +97,39 @@ int run_generate(const GenerateArgs& a) {
   if (a.logprobs > 20) return fail("--logprobs must be at most 20");
   if (auto st = validate_parallel(a.parallel, a.device); !st) return fail(st.error().message);
 
-  // The model on the chosen device; everything below sees only its config and a step function.
-  std::unique_ptr<model::M3Model> cpu_model;
-#ifdef M3_HAS_CUDA
-  std::unique_ptr<model::M3ModelCuda> gpu_model;
-#endif
-  const model::M3Config* cfgp = nullptr;
-  const bool synthetic = model::is_synthetic_model(a.model_dir);
-  model::SyntheticSpec spec;
-  if (synthetic) {
-    auto parsed = model::parse_synthetic_spec(a.model_dir);
-    if (!parsed) return fail(parsed.error().message);
-    spec = *parsed;
-    if (a.device != "cuda") return fail(model::synthetic_needs_cuda_message(a.model_dir));
+  // The host model (config-only for a synthetic spec), then the backend the runtime picks for
+  // --device and the parallelism flags, exactly as `serve` builds it (app/device_backend.h), and
+  // one SequenceRunner over it (runtime/sequence_runner.h).
+  if (model::is_synthetic_model(a.model_dir) && a.device != "cuda")
+    return fail(model::synthetic_needs_cuda_message(a.model_dir));
+  auto host = model::M3Model::load(a.model_dir);
+  if (!host) return fail(host.error().message);
+  const model::M3Config cfg = (*host)->config();
+  if (auto st = (*host)->validate_prompt(*ids); !st) return fail(st.error().message);
+  if (auto st = engine::check_context_length(static_cast<int64_t>(ids->size()), a.max_tokens,
+                                             cfg.max_position_embeddings, "--prompt-ids");
+      !st) {
+    return fail(st.error().message);
   }
-  (void)spec;  // read only by the CUDA branch below
-  // --device cuda --tensor-parallel-size N: the host model is loaded here and sharded over N GPUs
-  // below (model::make_cuda_sharded_backend), like the CPU ranks; --data-parallel-size N too
-  // (model::make_cuda_data_parallel_backend; one sequence: one rank runs it, the others join the
-  // MoE collectives).
-  const bool gpu_tp = a.device == "cuda" && a.parallel.tensor_parallel_size > 1;
-  const bool gpu_dp = a.device == "cuda" && a.parallel.data_parallel_size > 1;
-  const bool gpu_sharded = gpu_tp || gpu_dp;
-#ifdef M3_HAS_CUDA
-  if (gpu_tp) {
-    if (auto st = model::check_tensor_parallel_devices(a.parallel.tensor_parallel_size); !st)
-      return fail(st.error().message);
-    apply_gemm_precision(a.gemm_precision);
-  }
-  if (gpu_dp) {
-    if (auto st = model::check_data_parallel_devices(a.parallel.data_parallel_size); !st)
-      return fail(st.error().message);
-    apply_gemm_precision(a.gemm_precision);
-  }
-#endif
-  if (a.device == "cuda" && !gpu_sharded) {
-#ifdef M3_HAS_CUDA
-    apply_gemm_precision(a.gemm_precision);
-    auto m = synthetic ? model::M3ModelCuda::synthetic(model::synthetic_m3_config(spec.layers),
-                                                       spec.seed)
-                       : model::M3ModelCuda::load(a.model_dir);
-    if (!m) return fail(m.error().message);
-    gpu_model = std::move(*m);
-    cfgp = &gpu_model->config();
-#else
-    return fail("--device cuda: this m3serve was built without CUDA support; rebuild with "
-                "-DM3_CUDA=ON on a machine with the CUDA toolkit, or use --device cpu");
-#endif
-  } else {
-#ifndef M3_HAS_CUDA
-    if (gpu_sharded)
-      return fail("--device cuda: this m3serve was built without CUDA support; rebuild with "
-                  "-DM3_CUDA=ON on a machine with the CUDA toolkit, or use --device cpu");
-#endif
-    auto m = model::M3Model::load(a.model_dir);
-    if (!m) return fail(m.error().message);
-    cpu_model = std::move(*m);
-    cfgp = &cpu_model->config();
-  }
-  const model::M3Config& cfg = *cfgp;
-  Status valid;  // the GPU model validates through its host model, the same way
-  if (cpu_model) valid = cpu_model->validate_prompt(*ids);
-#ifdef M3_HAS_CUDA
-  if (gpu_model) valid = gpu_model->validate_prompt(*ids);
-#endif
-  if (!valid) return fail(valid.error().message);
   const int64_t total = static_cast<int64_t>(ids->size()) + a.max_tokens;
-  if (total > cfg.max_position_embeddings) {
-    return fail("prompt (" + std::to_string(ids->size()) + " tokens) + --max-tokens (" +
-                std::to_string(a.max_tokens) + ") exceeds the model's max_position_embeddings (" +
-                std::to_string(cfg.max_position_embeddings) + ")");
-  }
+  // One sequence: pages for the prompt, the output and the token scored after the last.
+  const int64_t pages = runtime::SequencePages::pages_needed(total + 1, 1, cfg.sparse_block_size);
+  DeviceArgs dev;
+  dev.device = a.device;
+  dev.parallel = a.parallel;
+  dev.gemm_precision = a.gemm_precision;
+  dev.dp_kv_partitions = false;  // the runner hands out one page-id space
+  auto factory = make_backend_factory(dev, pages * model::KvCache::page_bytes(cfg), 0,
+                                      model::is_synthetic_model(a.model_dir)
+                                          ? model::parse_synthetic_spec(a.model_dir)->seed
+                                          : 0);
+  if (!factory) return fail(factory.error().message);
+  auto backend = *factory ? (*factory)(std::move(*host), pages)
+                          : runtime::make_cpu_backend(std::move(*host), pages);
+  if (!backend) return fail(backend.error().message);
+  runtime::SequenceRunner runner(std::move(*backend));
+  const int seq = runner.add_sequence();
+  auto run_step = [&](const std::vector<runtime::SequenceChunk>& c) { return runner.step(c); };
 
   engine::SamplingParams sp;
   sp.temperature = a.temperature;
@@ -179,71 +138,6 @@ int run_generate(const GenerateArgs& a) {
   sp.min_p = a.min_p;
   if (a.seed >= 0) sp.seed = static_cast<uint64_t>(a.seed);
   auto rng = engine::Sampler::make_rng(sp);
-
-  using Chunks = std::vector<model::SequenceRunner::Chunk>;
-  std::function<model::ForwardResult(const Chunks&)> run_step;
-  std::unique_ptr<model::SequenceRunner> cpu_runner;
-#ifdef M3_HAS_CUDA
-  std::unique_ptr<model::SequenceRunnerCuda> gpu_runner;
-  if (gpu_model) {
-    gpu_runner = std::make_unique<model::SequenceRunnerCuda>(*gpu_model, total + 1, 1);
-    run_step = [&](const Chunks& c) { return gpu_runner->step(c); };
-  }
-#endif
-  // --tensor-parallel-size > 1 on the CPU: rank threads over the model's weights (shared), each
-  // with its own KV pages; the bump page allocator is the runner's.
-  std::unique_ptr<model::ForwardBackend> sharded;
-  std::unique_ptr<model::SequencePages> sharded_pages;
-  if (cpu_model && wants_sharding(a.parallel)) {
-    // Shares the weights; a synthetic model is config-only (its ranks generate their weights).
-    auto view = synthetic ? model::M3Model::load(a.model_dir)
-                          : cpu_model->make_shard(model::ShardSpec{});
-    if (!view) return fail(view.error().message);
-    const int64_t bs = cfg.sparse_block_size;
-    const int64_t pages = model::SequencePages::pages_needed(total + 1, 1, bs);
-    Result<std::unique_ptr<model::ForwardBackend>> be = tl::unexpected(Error{});
-#ifdef M3_HAS_CUDA
-    if (gpu_tp) {
-      model::CudaBackendOptions o;
-      o.kv_cache_memory_bytes = pages * model::KvCache::page_bytes(cfg);  // >= pages per rank
-      o.synthetic_seed = spec.seed;  // a synthetic model: each rank generates its slices
-      be = model::make_cuda_sharded_backend(std::move(*view), o, a.parallel.tensor_parallel_size,
-                                            a.parallel.enable_expert_parallel);
-    }
-    if (gpu_dp) {
-      model::CudaBackendOptions o;
-      o.kv_cache_memory_bytes = pages * model::KvCache::page_bytes(cfg);  // all heads per rank
-      o.synthetic_seed = spec.seed;
-      be = model::make_cuda_data_parallel_backend(std::move(*view), o,
-                                                  a.parallel.data_parallel_size,
-                                                  a.parallel.enable_expert_parallel);
-    }
-#endif
-    if (!gpu_sharded) {
-      be = model::make_cpu_sharded_backend(std::move(*view), pages,
-                                           a.parallel.tensor_parallel_size,
-                                           a.parallel.enable_expert_parallel,
-                                           a.parallel.data_parallel_size);
-    }
-    if (!be) return fail(be.error().message);
-    sharded = std::move(*be);
-    sharded_pages = std::make_unique<model::SequencePages>(sharded->num_pages(), bs);
-    run_step = [&](const Chunks& c) {
-      model::ForwardBatch b = sharded_pages->build_step(c);
-      model::ForwardResult r;
-      sharded->forward(b, &r, false);
-      return r;
-    };
-  } else if (cpu_model) {
-    cpu_runner = std::make_unique<model::SequenceRunner>(*cpu_model, total + 1, 1);
-    run_step = [&](const Chunks& c) { return cpu_runner->step(c); };
-  }
-  int seq = 0;  // the runner's only sequence
-  if (cpu_runner) seq = cpu_runner->add_sequence();
-  if (sharded_pages) seq = sharded_pages->add_sequence();
-#ifdef M3_HAS_CUDA
-  if (gpu_runner) seq = gpu_runner->add_sequence();
-#endif
   const int k = std::max(0, a.logprobs);
   const int64_t V = cfg.vocab_size;
 

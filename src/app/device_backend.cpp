@@ -5,12 +5,12 @@
 #include <cstdio>
 #include <memory>
 
-#include "model/forward_backend.h"
+#include "runtime/forward_backend.h"
 #include "model/m3_model.h"
 #ifdef M3_HAS_CUDA
 #include "gpu/device.h"
 #include "kernels/cuda/ops.h"
-#include "model/cuda/cuda_backend.h"
+#include "runtime/cuda/cuda_backend.h"
 #endif
 
 namespace m3::app {
@@ -61,7 +61,8 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
   }
   M3_TRY_STATUS(validate_parallel(a.parallel, a.device));
   // cpu: the engine's default backend, or the tensor-parallel one.
-  if (a.device == "cpu") return wrap_backend_factory(a.parallel, engine::BackendFactory{});
+  if (a.device == "cpu")
+    return wrap_backend_factory(a.parallel, engine::BackendFactory{}, a.dp_kv_partitions);
   if (a.device != "cuda") {
     return make_error(ErrorCode::kInvalidArgument,
                       "--device '" + a.device + "' is unknown; use cpu or cuda", "--device");
@@ -74,40 +75,41 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
     return make_error(ErrorCode::kUnavailable,
                       "--device cuda: " + probe.error().message, "--device");
   }
-  model::CudaBackendOptions opts;
+  runtime::CudaBackendOptions opts;
   opts.device = 0;
   opts.gpu_memory_utilization = util;
   opts.kv_cache_memory_bytes = kv_cache_memory_bytes;
   opts.max_model_len = max_model_len;
   opts.synthetic_seed = synthetic_seed;
   opts.enforce_eager = a.enforce_eager;
+  opts.dp_kv_partitions = a.dp_kv_partitions;
   if (a.parallel.tensor_parallel_size > 1) {
     // One GPU per rank: refuse a size above the GPU count before the checkpoint is read.
     const int tp = a.parallel.tensor_parallel_size;
-    M3_TRY_STATUS(model::check_tensor_parallel_devices(tp));
+    M3_TRY_STATUS(runtime::check_tensor_parallel_devices(tp));
     const bool ep = a.parallel.enable_expert_parallel;
     return engine::BackendFactory(
         [opts, tp, ep](std::unique_ptr<model::M3Model> host, int64_t /*cpu_num_pages*/)
-            -> Result<std::unique_ptr<model::ForwardBackend>> {
-          return model::make_cuda_sharded_backend(std::move(host), opts, tp, ep);
+            -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+          return runtime::make_cuda_sharded_backend(std::move(host), opts, tp, ep);
         });
   }
   if (a.parallel.data_parallel_size > 1) {
     // Attention data parallel, one GPU per rank (validate_parallel refused DP with TP > 1).
     const int dp = a.parallel.data_parallel_size;
-    M3_TRY_STATUS(model::check_data_parallel_devices(dp));
+    M3_TRY_STATUS(runtime::check_data_parallel_devices(dp));
     const bool ep = a.parallel.enable_expert_parallel;
     return engine::BackendFactory(
         [opts, dp, ep](std::unique_ptr<model::M3Model> host, int64_t /*cpu_num_pages*/)
-            -> Result<std::unique_ptr<model::ForwardBackend>> {
-          return model::make_cuda_data_parallel_backend(std::move(host), opts, dp, ep);
+            -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+          return runtime::make_cuda_data_parallel_backend(std::move(host), opts, dp, ep);
         });
   }
   return engine::BackendFactory(
       [opts](std::unique_ptr<model::M3Model> host,
              int64_t /*cpu_num_pages: the GPU pool is sized from GPU memory*/)
-          -> Result<std::unique_ptr<model::ForwardBackend>> {
-        return model::make_cuda_backend(std::move(host), opts);
+          -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+        return runtime::make_cuda_backend(std::move(host), opts);
       });
 #else
   (void)kv_cache_memory_bytes;

@@ -1,6 +1,7 @@
-// `--device cpu|cuda` and `--gpu-memory-utilization` for the engine-backed commands (`serve`,
-// `chat`): registers the flags and turns them into the engine's backend factory. The only place
-// the engine's GPU backend is chosen, so src/engine stays free of CUDA (tools/check_layers.py).
+// `--device cpu|cuda` and `--gpu-memory-utilization` for the commands that run the model
+// (`serve`, `chat`, `generate`): registers the flags and turns them into a backend factory of the
+// runtime (src/runtime). The only place a backend is chosen, so src/engine stays free of CUDA
+// (tools/check_layers.py).
 // Invariant: a `cuda` choice is refused here, before any model file is read, when this build has
 // no CUDA or the machine has no usable GPU.
 #pragma once
@@ -24,6 +25,9 @@ struct DeviceArgs {
   ParallelArgs parallel;  // --tensor-parallel-size and friends (app/parallel_args.h)
   std::string gemm_precision = "exact";  // --gemm-precision exact|bf16 (GPU GEMMs)
   bool enforce_eager = false;             // --enforce-eager: no CUDA graphs
+  // Attention DP: one page-id partition per rank (the engine's scheduler keeps a sequence in
+  // one); off for drivers that hand out one page-id space themselves (`generate`).
+  bool dp_kv_partitions = true;
 };
 
 // Registers --gemm-precision on `sub` (serve, chat and generate share it).

@@ -2,7 +2,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "model/forward_backend.h"
+#include "runtime/forward_backend.h"
 #include "model/m3_model.h"
 
 namespace m3::app {
@@ -77,16 +77,17 @@ Status validate_parallel(const ParallelArgs& a, const std::string& device) {
 }
 
 engine::BackendFactory wrap_backend_factory(const ParallelArgs& a,
-                                            engine::BackendFactory device_factory) {
+                                            engine::BackendFactory device_factory,
+                                            bool dp_kv_partitions) {
   if (!wants_sharding(a)) return device_factory;
   const int tp = a.tensor_parallel_size, dp = a.data_parallel_size;
   const bool ep = a.enable_expert_parallel;
   return engine::BackendFactory(
-      [tp, ep, dp](std::unique_ptr<model::M3Model> host,
-                   int64_t cpu_num_pages) -> Result<std::unique_ptr<model::ForwardBackend>> {
+      [tp, ep, dp, dp_kv_partitions](std::unique_ptr<model::M3Model> host,
+                   int64_t cpu_num_pages) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
         // Serving: the scheduler hands out pages, so DP ranks get a page partition each.
-        return model::make_cpu_sharded_backend(std::move(host), cpu_num_pages, tp, ep, dp,
-                                               /*dp_kv_partitions=*/true);
+        return runtime::make_cpu_sharded_backend(std::move(host), cpu_num_pages, tp, ep, dp,
+                                                 dp_kv_partitions);
       });
 }
 

@@ -2,7 +2,7 @@
 // --enable-expert-parallel, --data-parallel-size and the multi-node rendezvous flags --nnodes,
 // --node-rank, --master-addr, --master-port. Registers them, validates them, and wraps a device's
 // backend factory so the engine gets the tensor- or data-parallel CPU backend
-// (model::make_cpu_sharded_backend) when asked.
+// (runtime::make_cpu_sharded_backend) when asked.
 // Invariant: what is not implemented yet (data and tensor parallel together, more than one node)
 // is refused here with one line, before the weights are read. --device cuda
 // --tensor-parallel-size N and --data-parallel-size N are wired in app/device_backend.cpp.
@@ -44,8 +44,11 @@ inline bool wants_sharding(const ParallelArgs& a) {
 
 // For --device cpu with --tensor-parallel-size or --data-parallel-size > 1: the sharded CPU
 // backend (the engine's CPU page count, rank threads over a CPU communicator). Otherwise returns
-// `device_factory` unchanged. Call after validate_parallel.
+// `device_factory` unchanged. dp_kv_partitions: data-parallel ranks get one page-id partition
+// each (the engine's scheduler); off for drivers with one page-id space. Call after
+// validate_parallel.
 engine::BackendFactory wrap_backend_factory(const ParallelArgs& a,
-                                            engine::BackendFactory device_factory);
+                                            engine::BackendFactory device_factory,
+                                            bool dp_kv_partitions = true);
 
 }  // namespace m3::app

@@ -12,7 +12,7 @@
 #include "core/log.h"
 #include "engine/model_runner.h"
 #include "model/config.h"
-#include "model/forward_backend.h"
+#include "runtime/forward_backend.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
 #include "sched/scheduler.h"
@@ -339,14 +339,14 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
                           " or lower --max-model-len",
                       flag);
   };
-  std::unique_ptr<model::ForwardBackend> backend;
+  std::unique_ptr<runtime::ForwardBackend> backend;
   if (config.backend_factory) {
     M3_TRY(backend, config.backend_factory(std::move(model), cpu_num_pages));
     M3_CHECK(backend != nullptr, "engine: the backend factory returned null");
   } else {
     // Refuse before allocating: the CPU pool is exactly the requested bytes.
     M3_TRY_STATUS(check_fit(cpu_num_pages, "on cpu", "--kv-cache-memory-bytes"));
-    M3_TRY(backend, model::make_cpu_backend(std::move(model), cpu_num_pages));
+    M3_TRY(backend, runtime::make_cpu_backend(std::move(model), cpu_num_pages));
   }
   const int64_t num_pages = backend->num_pages();
   const model::M3Config& bc = backend->config();  // `mc` went with the model into the backend
@@ -422,18 +422,9 @@ Result<std::shared_ptr<RequestStream>> Engine::submit(GenerateRequest req) {
   if (p.max_tokens < 1) {
     return make_error(ErrorCode::kInvalidArgument, "max_tokens must be at least 1", "max_tokens");
   }
-  const int64_t total = static_cast<int64_t>(req.prompt_token_ids.size()) + p.max_tokens;
-  if (total > e.info.max_model_len) {
-    return make_error(ErrorCode::kContextLength,
-                      "This model's maximum context length is " + std::to_string(e.info.max_model_len) +
-                          " tokens. However, you requested " + std::to_string(total) + " tokens (" +
-                          std::to_string(req.prompt_token_ids.size()) + " in the prompt, " +
-                          std::to_string(p.max_tokens) +
-                          " for the completion). Please reduce the prompt or max_tokens.",
-                      req.prompt_token_ids.size() >= static_cast<size_t>(e.info.max_model_len)
-                          ? "messages"
-                          : "max_tokens");
-  }
+  M3_TRY_STATUS(check_context_length(static_cast<int64_t>(req.prompt_token_ids.size()),
+                                     p.max_tokens, e.info.max_model_len, "messages"));
+
   const uint64_t id = e.next_id++;
   auto stream = std::make_shared<RequestStream>(id);
   {
@@ -481,6 +472,19 @@ void Engine::shutdown(bool drain) {
   }
   impl_->cv.notify_all();
   if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+Status check_context_length(int64_t prompt_tokens, int64_t max_tokens, int64_t max_model_len,
+                            const std::string& prompt_param) {
+  const int64_t total = prompt_tokens + max_tokens;
+  if (total <= max_model_len) return {};
+  return make_error(ErrorCode::kContextLength,
+                    "This model's maximum context length is " + std::to_string(max_model_len) +
+                        " tokens. However, you requested " + std::to_string(total) + " tokens (" +
+                        std::to_string(prompt_tokens) + " in the prompt, " +
+                        std::to_string(max_tokens) +
+                        " for the completion). Please reduce the prompt or max_tokens.",
+                    prompt_tokens >= max_model_len ? prompt_param : "max_tokens");
 }
 
 }  // namespace m3::engine

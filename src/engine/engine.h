@@ -20,16 +20,18 @@
 #include "engine/sampling_params.h"
 
 namespace m3::model {
-class ForwardBackend;
 class M3Model;
 }  // namespace m3::model
+namespace m3::runtime {
+class ForwardBackend;
+}  // namespace m3::runtime
 
 namespace m3::engine {
 
 // Builds the device backend from the model the engine loaded on the host. `cpu_num_pages` is the
 // pool the engine sized from kv_cache_memory_bytes (what the CPU backend gets); a GPU factory may
 // size its own pool instead (model/cuda/cuda_backend.h). The engine never sees CUDA types.
-using BackendFactory = std::function<Result<std::unique_ptr<model::ForwardBackend>>(
+using BackendFactory = std::function<Result<std::unique_ptr<runtime::ForwardBackend>>(
     std::unique_ptr<model::M3Model> host_model, int64_t cpu_num_pages)>;
 
 struct EngineConfig {
@@ -45,7 +47,7 @@ struct EngineConfig {
   // Ids at or above this are never sampled (embedding rows past the tokenizer's vocabulary, e.g.
   // M3's padding rows 200061-200063). 0: the model's vocab_size.
   int64_t num_sampleable_tokens = 0;
-  // Where the forward runs. Empty: the CPU backend (model::make_cpu_backend).
+  // Where the forward runs. Empty: the CPU backend (runtime::make_cpu_backend).
   BackendFactory backend_factory;
 };
 
@@ -166,5 +168,11 @@ class Engine {
   explicit Engine(std::unique_ptr<EngineImpl> impl);
   std::unique_ptr<EngineImpl> impl_;
 };
+
+// The one prompt-length check (the engine's submit, `m3serve generate`): ok when prompt + max_tokens
+// fits max_model_len, else kContextLength with the numbers, naming `prompt_param` when the prompt
+// alone is too long and max_tokens otherwise (OpenAI's wording, as vLLM answers).
+Status check_context_length(int64_t prompt_tokens, int64_t max_tokens, int64_t max_model_len,
+                            const std::string& prompt_param);
 
 }  // namespace m3::engine

@@ -14,7 +14,7 @@ TokenLogprobOut to_out(const TokenLogprob& lp) {
 }
 }  // namespace
 
-ModelRunner::ModelRunner(std::unique_ptr<model::ForwardBackend> backend, int64_t num_sampleable)
+ModelRunner::ModelRunner(std::unique_ptr<runtime::ForwardBackend> backend, int64_t num_sampleable)
     : backend_(std::move(backend)), num_sampleable_(num_sampleable) {
   M3_CHECK(backend_ != nullptr);
 }

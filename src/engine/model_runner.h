@@ -14,7 +14,7 @@
 
 #include "engine/engine.h"
 #include "engine/sampler.h"
-#include "model/forward_backend.h"
+#include "runtime/forward_backend.h"
 #include "model/m3_model.h"
 #include "sched/scheduler_output.h"
 
@@ -39,9 +39,9 @@ struct RunnerRequestState {
 class ModelRunner {
  public:
   // `num_sampleable` (<= vocab size): ids at or above it are never sampled.
-  ModelRunner(std::unique_ptr<model::ForwardBackend> backend, int64_t num_sampleable);
+  ModelRunner(std::unique_ptr<runtime::ForwardBackend> backend, int64_t num_sampleable);
 
-  const model::ForwardBackend& backend() const { return *backend_; }
+  const runtime::ForwardBackend& backend() const { return *backend_; }
   int64_t num_pages() const { return backend_->num_pages(); }
 
   // Runs the step; returns the sampled tokens for requests with will_sample.
@@ -49,7 +49,7 @@ class ModelRunner {
                               std::unordered_map<uint64_t, RunnerRequestState>& states);
 
  private:
-  std::unique_ptr<model::ForwardBackend> backend_;
+  std::unique_ptr<runtime::ForwardBackend> backend_;
   int64_t num_sampleable_;
 };
 

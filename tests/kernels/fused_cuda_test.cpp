@@ -1,7 +1,10 @@
-// The fused CUDA ops (kernels/cuda/fused.h) against the CPU ops they fuse, run one after
-// another: add + rmsnorm_gemma, and rmsnorm_gemma + rope_neox (q, k, index q, index k) +
-// kv_write, at M3's geometry (64 q / 4 kv heads x 128, rotary 64, index 4 x 128) and odd ones,
-// for one token, a decode batch over several sequences and a prefill with a partial last page.
+// The fused CUDA ops (kernels/cuda/fused.h) against their CPU twins (kernels/cpu/fused.h, each
+// the sequence of plain CPU ops it stands for, tested in tests/unit/kernels_cpu/fused_cpu_test):
+// add_rmsnorm_gemma, swiglu_oai_rows, and attn_prep (rmsnorm_gemma + rope_neox on q, k, index q,
+// index k + kv_write) with the same arguments on both sides, packed and in the fused projection
+// layout (in_stride), at M3's geometry (64 q / 4 kv heads x 128, rotary 64, index 4 x 128) and
+// odd ones, for one token, a decode batch over several sequences and a prefill with a partial
+// last page.
 // Tolerances (u = 2^-24): a norm of dim terms sums dim squares (relative error <= dim*u worst
 // case), then 2-3 rounded products, and RoPE adds two products and a sum: for |v| <= ~10,
 // abs error <= (dim*u + 8u) * |v| + 4u; we use 2 * dim * u * max(1, |v|) (dim = 128: 1.5e-5;
@@ -19,7 +22,7 @@
 #include "core/dtype.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/fused.h"
 #include "kernels/cuda/fused.h"
 
 namespace {
@@ -44,7 +47,7 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
   }
 }
 
-TEST(CudaFused, AddRmsnormEqualsAddThenNorm) {
+TEST(CudaFused, AddRmsnormGemmaMatchesCpu) {
   SKIP_WITHOUT_GPU();
   std::mt19937 g(1);
   for (int64_t rows : {1, 7, 64}) {
@@ -53,10 +56,8 @@ TEST(CudaFused, AddRmsnormEqualsAddThenNorm) {
       const auto wf = randn(dim, g, 0.1f);
       const auto wb = to_bf16(wf);
       cpu::VecRef w{wb.data(), DType::kBF16, dim};
-      std::vector<float> want_x(rows * dim), want(rows * dim);
-      for (size_t i = 0; i < want_x.size(); ++i) want_x[i] = x[i] + y[i];
-      cpu::rmsnorm_gemma(want_x.data(), rows, dim, w, 1e-6f, want.data());
-
+      std::vector<float> want_x = x, want(rows * dim);
+      cpu::add_rmsnorm_gemma(want_x.data(), y.data(), rows, dim, w, 1e-6f, want.data());
       DeviceBuffer<float> dx(x), dy(y), dout(rows * dim);
       DeviceBuffer<uint16_t> dw(wb);
       cpu::VecRef wd{dw.data(), DType::kBF16, dim};
@@ -70,18 +71,14 @@ TEST(CudaFused, AddRmsnormEqualsAddThenNorm) {
   }
 }
 
-TEST(CudaFused, SwigluRowsEqualsSwigluOnTheHalves) {
+TEST(CudaFused, SwigluOaiRowsMatchesCpu) {
   SKIP_WITHOUT_GPU();
   std::mt19937 g(3);
   for (int64_t n : {1, 3, 65}) {
     for (int64_t inter : {3072, 7}) {
       const auto gu = randn(n * 2 * inter, g, 4.f);  // beyond the clamp limit too
-      std::vector<float> gate(n * inter), up(n * inter), want(n * inter);
-      for (int64_t t = 0; t < n; ++t) {
-        std::copy_n(gu.data() + t * 2 * inter, inter, gate.data() + t * inter);
-        std::copy_n(gu.data() + t * 2 * inter + inter, inter, up.data() + t * inter);
-      }
-      cpu::swiglu_oai(gate.data(), up.data(), n, inter, 1.702f, 7.f, 1.f, want.data());
+      std::vector<float> want(n * inter);
+      cpu::swiglu_oai_rows(gu.data(), n, inter, 1.702f, 7.f, 1.f, want.data());
       DeviceBuffer<float> dgu(gu), dout(n * inter);
       Stream s;
       gk::swiglu_oai_rows(dgu.data(), n, inter, 1.702f, 7.f, 1.f, dout.data(), s.get());
@@ -99,9 +96,47 @@ struct Geometry {
   int64_t nq, nkv, d, rot, ni, di, irot, page;
 };
 
-// Sequences with `lens` tokens already in the cache and `news` new tokens each this step.
-// fused: the inputs come as one projection output per token (q | k | v | iq | ik columns, the
-// layout of M3ModelCuda's fused projection) and q / iq go to separate packed outputs.
+// One side's buffers of attn_prep (host for the CPU twin, device for the CUDA op): inputs
+// packed per tensor (q / iq normed in place) or one fused projection row per token
+// (q | k | v | iq | ik, the layout of the GPU forward's fused projection) with separate packed
+// q / iq outputs.
+struct PrepPtrs {
+  const float *q, *k, *v, *iq, *ik;
+  float *q_out, *iq_out;
+  const void *qn, *kn, *iqn, *ikn;
+  int64_t in_stride;
+};
+
+gk::AttnPrepArgs prep_args(const Geometry& G, bool sparse, const PrepPtrs& p, double theta) {
+  gk::AttnPrepArgs a;
+  a.q = p.q;
+  a.q_out = p.q_out;
+  a.num_q_heads = G.nq;
+  a.k = p.k;
+  a.v = p.v;
+  a.num_kv_heads = G.nkv;
+  a.head_dim = G.d;
+  a.rot_dim = G.rot;
+  a.q_norm = {p.qn, DType::kBF16, G.d};
+  a.k_norm = {p.kn, DType::kBF16, G.d};
+  if (sparse) {
+    a.iq = p.iq;
+    a.iq_out = p.iq_out;
+    a.ik = p.ik;
+    a.num_index_heads = G.ni;
+    a.index_dim = G.di;
+    a.index_rot_dim = G.irot;
+    a.iq_norm = {p.iqn, DType::kBF16, G.di};
+    a.ik_norm = {p.ikn, DType::kBF16, G.di};
+  }
+  a.in_stride = p.in_stride;
+  a.eps = 1e-6f;
+  a.theta = theta;
+  return a;
+}
+
+// Sequences with `lens` tokens already in the cache and `news` new tokens each this step; the
+// same arguments through cpu::attn_prep and gk::attn_prep, packed or `fused`.
 void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vector<int>& news,
                 bool sparse, uint32_t seed, bool fused = false) {
   std::mt19937 g(seed);
@@ -127,59 +162,11 @@ void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vect
              iqn = to_bf16(randn(G.di, g, 0.2f)), ikn = to_bf16(randn(G.di, g, 0.2f));
   const size_t kv_n = static_cast<size_t>(num_pages * G.page * G.nkv * G.d);
   const size_t ik_n = static_cast<size_t>(num_pages * G.page * G.di);
-  auto ck = randn(kv_n, g), cv = randn(kv_n, g), cik = randn(ik_n, g);  // prior contents
-
-  // CPU: the unfused sequence.
+  const auto ck = randn(kv_n, g), cv = randn(kv_n, g), cik = randn(ik_n, g);  // prior contents
   const double theta = 5e6;
-  auto q_c = q, k_c = k, iq_c = iq, ik_c = ik, ck_c = ck, cv_c = cv, cik_c = cik;
-  cpu::rmsnorm_gemma(q_c.data(), T * G.nq, G.d, {qn.data(), DType::kBF16, G.d}, 1e-6f, q_c.data());
-  cpu::rmsnorm_gemma(k_c.data(), T * G.nkv, G.d, {kn.data(), DType::kBF16, G.d}, 1e-6f, k_c.data());
-  cpu::rope_neox(q_c.data(), T, G.nq, G.d, G.rot, positions.data(), theta);
-  cpu::rope_neox(k_c.data(), T, G.nkv, G.d, G.rot, positions.data(), theta);
-  if (sparse) {
-    cpu::rmsnorm_gemma(iq_c.data(), T * G.ni, G.di, {iqn.data(), DType::kBF16, G.di}, 1e-6f,
-                       iq_c.data());
-    cpu::rmsnorm_gemma(ik_c.data(), T, G.di, {ikn.data(), DType::kBF16, G.di}, 1e-6f, ik_c.data());
-    cpu::rope_neox(iq_c.data(), T, G.ni, G.di, G.irot, positions.data(), theta);
-    cpu::rope_neox(ik_c.data(), T, 1, G.di, G.irot, positions.data(), theta);
-  }
-  cpu::KvPages pc{ck_c.data(), cv_c.data(), sparse ? cik_c.data() : nullptr, num_pages, G.page,
-                  G.nkv, G.d, sparse ? G.di : 0};
-  cpu::TokenLayout lc{T, positions.data(), seq_ids.data(), offsets.data(), table.data()};
-  cpu::kv_write(pc, lc, k_c.data(), v.data(), sparse ? ik_c.data() : nullptr);
-
-  // GPU: one fused launch.
-  DeviceBuffer<float> dq(q), dk(k), dv(v), diq(iq), dik(ik), dck(ck), dcv(cv), dcik(cik);
-  DeviceBuffer<uint16_t> dqn(qn), dkn(kn), diqn(iqn), dikn(ikn);
-  DeviceBuffer<int32_t> dpos(positions), dseq(seq_ids), doff(offsets), dtab(table);
-  gk::AttnPrepArgs a;
-  a.q = dq.data();
-  a.q_out = dq.data();
-  a.num_q_heads = G.nq;
-  a.k = dk.data();
-  a.v = dv.data();
-  a.num_kv_heads = G.nkv;
-  a.head_dim = G.d;
-  a.rot_dim = G.rot;
-  a.q_norm = {dqn.data(), DType::kBF16, G.d};
-  a.k_norm = {dkn.data(), DType::kBF16, G.d};
-  if (sparse) {
-    a.iq = diq.data();
-    a.iq_out = diq.data();
-    a.ik = dik.data();
-    a.num_index_heads = G.ni;
-    a.index_dim = G.di;
-    a.index_rot_dim = G.irot;
-    a.iq_norm = {diqn.data(), DType::kBF16, G.di};
-    a.ik_norm = {dikn.data(), DType::kBF16, G.di};
-  }
-  a.eps = 1e-6f;
-  a.theta = theta;
-  cpu::KvPages pg{dck.data(), dcv.data(), sparse ? dcik.data() : nullptr, num_pages, G.page,
-                  G.nkv, G.d, sparse ? G.di : 0};
-  cpu::TokenLayout lg{T, dpos.data(), dseq.data(), doff.data(), dtab.data()};
   // The fused layout: per token [q | k | v | iq | ik].
-  const int64_t cq = G.nq * G.d, ckv = G.nkv * G.d, ciq = G.ni * G.di, row = cq + 2 * ckv + ciq + G.di;
+  const int64_t cq = G.nq * G.d, ckv = G.nkv * G.d, ciq = G.ni * G.di,
+                row = cq + 2 * ckv + ciq + G.di;
   std::vector<float> fusedrow(T * row);
   for (int64_t t = 0; t < T; ++t) {
     float* r = fusedrow.data() + t * row;
@@ -189,28 +176,58 @@ void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vect
     std::copy_n(iq.data() + t * ciq, ciq, r + cq + 2 * ckv);
     std::copy_n(ik.data() + t * G.di, G.di, r + cq + 2 * ckv + ciq);
   }
-  DeviceBuffer<float> dfused(fusedrow), dqo(std::vector<float>(T * cq, 0.f)),
-      diqo(std::vector<float>(T * std::max<int64_t>(ciq, 1), 0.f));
-  if (fused) {
-    a.in_stride = row;
-    a.q = dfused.data();
-    a.q_out = dqo.data();
-    a.k = dfused.data() + cq;
-    a.v = dfused.data() + cq + ckv;
-    if (sparse) {
-      a.iq = dfused.data() + cq + 2 * ckv;
-      a.iq_out = diqo.data();
-      a.ik = dfused.data() + cq + 2 * ckv + ciq;
+  // Where q / iq come from and go to, on either side.
+  auto ptrs = [&](float* qb, float* kb, float* vb, float* iqb, float* ikb, float* fb,
+                  float* qo, float* iqo, const void* qnb, const void* knb, const void* iqnb,
+                  const void* iknb) {
+    PrepPtrs p{qb, kb, vb, iqb, ikb, qb, iqb, qnb, knb, iqnb, iknb, 0};
+    if (fused) {
+      p = {fb, fb + cq, fb + cq + ckv, fb + cq + 2 * ckv, fb + cq + 2 * ckv + ciq, qo, iqo,
+           qnb, knb, iqnb, iknb, row};
+    }
+    return p;
+  };
+
+  // CPU: the twin, on host copies.
+  auto q_c = q, iq_c = iq, ck_c = ck, cv_c = cv, cik_c = cik, fused_c = fusedrow;
+  std::vector<float> qo_c(T * cq, 0.f), iqo_c(T * std::max<int64_t>(ciq, 1), 0.f);
+  {
+    const PrepPtrs p = ptrs(q_c.data(), k.data(), v.data(), iq_c.data(), ik.data(), fused_c.data(),
+                            qo_c.data(), iqo_c.data(), qn.data(), kn.data(), iqn.data(), ikn.data());
+    cpu::KvPages pc{ck_c.data(), cv_c.data(), sparse ? cik_c.data() : nullptr, num_pages, G.page,
+                    G.nkv, G.d, sparse ? G.di : 0};
+    cpu::TokenLayout lc{T, positions.data(), seq_ids.data(), offsets.data(), table.data()};
+    cpu::attn_prep(prep_args(G, sparse, p, theta), pc, lc);
+    if (fused) {
+      std::copy_n(qo_c.data(), T * cq, q_c.data());
+      if (sparse) std::copy_n(iqo_c.data(), T * ciq, iq_c.data());
     }
   }
-  Stream s;
-  gk::attn_prep(a, pg, lg, s.get());
-  s.synchronize();
+
+  // GPU: one fused launch on device copies.
+  DeviceBuffer<float> dq(q), dk(k), dv(v), diq(iq), dik(ik), dck(ck), dcv(cv), dcik(cik);
+  DeviceBuffer<uint16_t> dqn(qn), dkn(kn), diqn(iqn), dikn(ikn);
+  DeviceBuffer<int32_t> dpos(positions), dseq(seq_ids), doff(offsets), dtab(table);
+  DeviceBuffer<float> dfused(fusedrow), dqo(std::vector<float>(T * cq, 0.f)),
+      diqo(std::vector<float>(T * std::max<int64_t>(ciq, 1), 0.f));
+  {
+    const PrepPtrs p = ptrs(dq.data(), dk.data(), dv.data(), diq.data(), dik.data(), dfused.data(),
+                            dqo.data(), diqo.data(), dqn.data(), dkn.data(), diqn.data(),
+                            dikn.data());
+    cpu::KvPages pg{dck.data(), dcv.data(), sparse ? dcik.data() : nullptr, num_pages, G.page,
+                    G.nkv, G.d, sparse ? G.di : 0};
+    cpu::TokenLayout lg{T, dpos.data(), dseq.data(), doff.data(), dtab.data()};
+    Stream s;
+    gk::attn_prep(prep_args(G, sparse, p, theta), pg, lg, s.get());
+    s.synchronize();
+  }
   if (fused) {
     dq.copy_from(dqo.to_host().data(), T * cq);
     if (sparse) diq.copy_from(diqo.to_host().data(), T * ciq);
+    EXPECT_EQ(dfused.to_host(), fusedrow) << "the fused projection is input only";
   }
-  const std::string what = std::string(sparse ? "sparse" : "dense") + " T=" + std::to_string(T);
+  const std::string what = std::string(sparse ? "sparse" : "dense") + " T=" + std::to_string(T) +
+                           (fused ? " fused" : " packed");
   expect_close(dq.to_host(), q_c, static_cast<double>(G.d), what + " q");
   expect_close(dck.to_host(), ck_c, static_cast<double>(G.d), what + " page K");
   EXPECT_EQ(dcv.to_host(), cv_c) << what << " page V (a copy)";
@@ -222,7 +239,7 @@ void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vect
   }
 }
 
-TEST(CudaFused, AttnPrepEqualsNormRopeKvWriteAtM3Geometry) {
+TEST(CudaFused, AttnPrepMatchesCpuAtM3Geometry) {
   SKIP_WITHOUT_GPU();
   const Geometry m3{64, 4, 128, 64, 4, 128, 64, 128};
   check_prep(m3, {0}, {1}, true, 1);                       // one token
@@ -234,7 +251,7 @@ TEST(CudaFused, AttnPrepEqualsNormRopeKvWriteAtM3Geometry) {
   check_prep(m3, {64}, {3}, false, 10, /*fused=*/true);
 }
 
-TEST(CudaFused, AttnPrepOddGeometries) {
+TEST(CudaFused, AttnPrepMatchesCpuAtOddGeometries) {
   SKIP_WITHOUT_GPU();
   check_prep({6, 3, 40, 16, 3, 24, 24, 4}, {0, 9}, {10, 1}, true, 5);   // GQA 2, full index rot
   check_prep({8, 8, 64, 0, 8, 32, 8, 16}, {3}, {40}, true, 6);          // no rotary on heads

@@ -6,7 +6,9 @@
 //   (and bf16(x) == x, so the split GEMM is exact too): every path must match the CPU bit for
 //   bit, which catches any indexing or dropped-term bug;
 // - normal data, with tolerances derived where they are used (u = 2^-24, fp32 unit roundoff).
-// Expert ids must match exactly. Every test skips where no GPU is usable.
+// The MoE's expected values are its CPU twin, cpu::moe_experts (itself tested against a naive
+// per-token MoE in tests/unit/kernels_cpu/fused_cpu_test). Expert ids must match exactly.
+// Every test skips where no GPU is usable.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -290,6 +292,11 @@ struct MoeSetup {
   gk::MoeExpertWeights dev() const {
     return {d1.data(), d3.data(), d2.data(), c.dt, c.ne, c.inter, c.hidden};
   }
+  // The same experts in host memory, for cpu::moe_experts (contiguous layout).
+  cpu::MoeExpertWeights host_weights() const {
+    if (c.dt == DType::kBF16) return {b1.data(), b3.data(), b2.data(), c.dt, c.ne, c.inter, c.hidden};
+    return {w1.data(), w3.data(), w2.data(), c.dt, c.ne, c.inter, c.hidden};
+  }
   cpu::MatRef host(int which, int64_t e) const {
     const int64_t rows = which == 2 ? c.hidden : c.inter, cols = which == 2 ? c.inter : c.hidden;
     const int64_t off = e * rows * cols;
@@ -324,14 +331,14 @@ MoeSetup make_moe(const MoeCase& c, uint64_t seed) {
   return s;
 }
 
-// The CPU model's MoE after its router, from the CPU ops; also mag[t, c] = Σ_j |wt_j| ·
-// Σ_i |w2[c, i]| |act_i| for the tolerance.
-void cpu_moe(const MoeSetup& s, const std::vector<float>& x, int64_t n, const std::vector<int32_t>& ids,
-             const std::vector<float>& wts, const std::vector<float>& shared, const gk::SwigluParams& a,
-             std::vector<float>& out, std::vector<double>& mag) {
+// The tolerance scale of the MoE: mag[t, c] = Σ_j |wt_j| · Σ_i |w2[c, i]| |act_i| over t's
+// picks with an id >= 0 (ids global, every expert in `s`), act from the CPU ops (gate/up
+// linear, swiglu_oai) grouped per expert. Only the bound: the expected values are cpu::moe_experts.
+std::vector<double> moe_mag(const MoeSetup& s, const std::vector<float>& x, int64_t n,
+                            const std::vector<int32_t>& ids, const std::vector<float>& wts,
+                            const gk::SwigluParams& a) {
   const auto& c = s.c;
-  std::vector<float> routed(n * c.hidden, 0.f);
-  mag.assign(n * c.hidden, 0.0);
+  std::vector<double> mag(n * c.hidden, 0.0);
   for (int64_t e = 0; e < c.ne; ++e) {
     std::vector<int32_t> toks;
     std::vector<float> tw;
@@ -343,13 +350,12 @@ void cpu_moe(const MoeSetup& s, const std::vector<float>& x, int64_t n, const st
         }
     if (toks.empty()) continue;
     const int64_t m = static_cast<int64_t>(toks.size());
-    std::vector<float> xe(m * c.hidden), g(m * c.inter), u(m * c.inter), ye(m * c.hidden);
+    std::vector<float> xe(m * c.hidden), g(m * c.inter), u(m * c.inter);
     for (int64_t i = 0; i < m; ++i)
       std::copy(x.begin() + toks[i] * c.hidden, x.begin() + (toks[i] + 1) * c.hidden, xe.begin() + i * c.hidden);
     cpu::linear(xe.data(), m, s.host(1, e), g.data());
     cpu::linear(xe.data(), m, s.host(3, e), u.data());
     cpu::swiglu_oai(g.data(), u.data(), m, c.inter, a.alpha, a.limit, a.beta, g.data());
-    cpu::linear(g.data(), m, s.host(2, e), ye.data());
     // |w2|·|act| for the tolerance.
     std::vector<float> absg(g.size()), absw2(c.hidden * c.inter), yabs(m * c.hidden);
     for (size_t i = 0; i < g.size(); ++i) absg[i] = std::fabs(g[i]);
@@ -357,21 +363,23 @@ void cpu_moe(const MoeSetup& s, const std::vector<float>& x, int64_t n, const st
     for (int64_t i = 0; i < c.hidden * c.inter; ++i) absw2[i] = std::fabs(w2[e * c.hidden * c.inter + i]);
     cpu::linear(absg.data(), m, cpu::MatRef{absw2.data(), DType::kF32, c.hidden, c.inter}, yabs.data());
     for (int64_t i = 0; i < m; ++i)
-      for (int64_t col = 0; col < c.hidden; ++col) {
-        routed[toks[i] * c.hidden + col] += tw[i] * ye[i * c.hidden + col];
+      for (int64_t col = 0; col < c.hidden; ++col)
         mag[toks[i] * c.hidden + col] += std::fabs(tw[i]) * yabs[i * c.hidden + col];
-      }
   }
-  out.resize(n * c.hidden);
-  for (int64_t i = 0; i < n * c.hidden; ++i) out[i] = shared[i] + routed[i];
+  return mag;
 }
 
-void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed) {
+// Expert parallel over `world` ranks (world = 1: every expert on one rank): rank r holds
+// experts [first, first + count) (chunks of ceil(ne / world)), localises the router's ids on
+// both sides (moe_localize_ids, exact), runs its slice of the experts (the contiguous weights
+// from expert `first` on) and adds the shared expert on rank 0 only; each rank's GPU output
+// is compared with cpu::moe_experts on the same arguments.
+void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed, int world = 1) {
   const auto& c = s.c;
-  const std::string what = "moe ne=" + std::to_string(c.ne) + " k=" + std::to_string(c.k) +
-                           " hidden=" + std::to_string(c.hidden) + " inter=" + std::to_string(c.inter) +
-                           " " + m3::dtype_name(c.dt) + " n=" + std::to_string(n) +
-                           (prec == gk::GemmPrecision::kExact ? " exact" : " bf16");
+  const std::string what0 = "moe ne=" + std::to_string(c.ne) + " k=" + std::to_string(c.k) +
+                            " hidden=" + std::to_string(c.hidden) + " inter=" + std::to_string(c.inter) +
+                            " " + m3::dtype_name(c.dt) + " n=" + std::to_string(n) +
+                            (prec == gk::GemmPrecision::kExact ? " exact" : " bf16");
   PrecisionGuard guard;
   gk::set_gemm_precision(prec);
   Stream stream;
@@ -390,42 +398,75 @@ void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed
   DeviceBuffer<int32_t> did(n * c.k);
   DeviceBuffer<float> dw(n * c.k);
   gk::router_topk(dl.data(), n, c.ne, db.data(), c.k, scale, did.data(), dw.data(), stream.get());
-  DeviceBuffer<uint8_t> work(gk::moe_workspace_bytes(n, c.k, s.dev()));
-  DeviceBuffer<float> out(shared);  // out aliases shared, as in the model
-  gk::moe_experts(dx.data(), n, did.data(), dw.data(), c.k, s.dev(), act, out.data(), out.data(),
-                  work.data(), stream.get());
   stream.synchronize();
-  ASSERT_EQ(did.to_host(), ids) << what << ": expert ids";
+  ASSERT_EQ(did.to_host(), ids) << what0 << ": expert ids";
 
-  std::vector<float> want;
-  std::vector<double> mag;
-  cpu_moe(s, x, n, ids, wts, shared, act, want, mag);
-  const auto got = out.to_host();
-  // gate/up are exact on both sides (eighths); swiglu differs by expf's few ulps (8u relative
-  // covers them); the down projection sums `inter` products in another order (8·sqrt(inter)·u
-  // of Σ|w2||act|, as for linear) and, on the GEMM path, splits act (2^-17 / 2^-8 of it, see
-  // linear_tol); the combine adds k + 1 terms in the same order (fma contraction may differ:
-  // (k + 1)·u of the magnitudes).
-  // The per-expert path (many tokens, or a layout the GEMV cannot read) may run split GEMMs.
-  const bool per_expert = n > gk::kMoeGemvMaxTokens || c.hidden % 8 != 0 || c.inter % 8 != 0;
-  const double split = !per_expert || c.dt == DType::kF32 ? 0.0 : split_rel(prec);
-  const double rel = 8 * kU + 8 * std::sqrt(double(c.inter)) * kU + split + (c.k + 1) * kU;
-  int64_t bad = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double tol = rel * mag[i] + (c.k + 1) * kU * std::fabs(want[i]) + 1e-30;
-    if (!(std::fabs(double(got[i]) - want[i]) <= tol) && ++bad <= 5)
-      ADD_FAILURE() << what << ": element " << i << " gpu " << got[i] << " cpu " << want[i]
-                    << " tol " << tol;
+  const int64_t chunk = (c.ne + world - 1) / world;
+  for (int r = 0; r < world; ++r) {
+    const int64_t first = std::min<int64_t>(c.ne, r * chunk);
+    const int64_t count = std::min<int64_t>(c.ne, first + chunk) - first;
+    if (count == 0) continue;
+    const std::string what = what0 + (world > 1 ? " EP rank " + std::to_string(r) + "/" +
+                                                      std::to_string(world) : std::string());
+    // This rank's ids, on both sides.
+    std::vector<int32_t> local = ids;
+    DeviceBuffer<int32_t> dlocal(ids);
+    if (world > 1) {
+      cpu::moe_localize_ids(local.data(), n * c.k, first, count);
+      gk::moe_localize_ids(dlocal.data(), n * c.k, first, count, stream.get());
+      stream.synchronize();
+      ASSERT_EQ(dlocal.to_host(), local) << what << ": localised ids";
+    }
+    gk::MoeExpertWeights wd = s.dev(), wh = s.host_weights();
+    const size_t off = static_cast<size_t>(first * c.inter * c.hidden) * m3::dtype_size(c.dt);
+    for (gk::MoeExpertWeights* w : {&wd, &wh}) {
+      w->w1 = static_cast<const uint8_t*>(w->w1) + off;
+      w->w3 = static_cast<const uint8_t*>(w->w3) + off;
+      w->w2 = static_cast<const uint8_t*>(w->w2) + off;
+      w->num_experts = count;
+    }
+    const std::vector<float> base = r == 0 ? shared : std::vector<float>(n * c.hidden, 0.f);
+    DeviceBuffer<uint8_t> work(gk::moe_workspace_bytes(n, c.k, wd));
+    DeviceBuffer<float> out(base);  // out aliases shared, as in the model
+    gk::moe_experts(dx.data(), n, dlocal.data(), dw.data(), c.k, wd, act,
+                    r == 0 ? out.data() : nullptr, out.data(), work.data(), stream.get());
+    stream.synchronize();
+
+    std::vector<float> want(n * c.hidden);
+    cpu::moe_experts(x.data(), n, local.data(), wts.data(), c.k, wh, act,
+                     r == 0 ? shared.data() : nullptr, want.data());
+    // The bound's magnitudes over this rank's picks (global ids of its experts).
+    std::vector<int32_t> mine = ids;
+    for (auto& e : mine)
+      if (e < first || e >= first + count) e = -1;
+    const auto mag = moe_mag(s, x, n, mine, wts, act);
+    const auto got = out.to_host();
+    // gate/up are exact on both sides (eighths); swiglu differs by expf's few ulps (8u relative
+    // covers them); the down projection sums `inter` products in another order (8·sqrt(inter)·u
+    // of Σ|w2||act|, as for linear) and, on the GEMM path, splits act (2^-17 / 2^-8 of it, see
+    // linear_tol); the combine adds k + 1 terms in the same order (fma contraction may differ:
+    // (k + 1)·u of the magnitudes).
+    // The per-expert path (many tokens, or a layout the GEMV cannot read) may run split GEMMs.
+    const bool per_expert = n > gk::kMoeGemvMaxTokens || c.hidden % 8 != 0 || c.inter % 8 != 0;
+    const double split = !per_expert || c.dt == DType::kF32 ? 0.0 : split_rel(prec);
+    const double rel = 8 * kU + 8 * std::sqrt(double(c.inter)) * kU + split + (c.k + 1) * kU;
+    int64_t bad = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double tol = rel * mag[i] + (c.k + 1) * kU * std::fabs(want[i]) + 1e-30;
+      if (!(std::fabs(double(got[i]) - want[i]) <= tol) && ++bad <= 5)
+        ADD_FAILURE() << what << ": element " << i << " gpu " << got[i] << " cpu " << want[i]
+                      << " tol " << tol;
+    }
+    EXPECT_EQ(bad, 0) << what;
+
+    // Deterministic: the same call gives the same bits.
+    DeviceBuffer<float> out2(base);
+    gk::moe_experts(dx.data(), n, dlocal.data(), dw.data(), c.k, wd, act,
+                    r == 0 ? out2.data() : nullptr, out2.data(), work.data(), stream.get());
+    stream.synchronize();
+    const auto got2 = out2.to_host();
+    EXPECT_EQ(0, std::memcmp(got.data(), got2.data(), got.size() * sizeof(float))) << what;
   }
-  EXPECT_EQ(bad, 0) << what;
-
-  // Deterministic: the same call gives the same bits.
-  DeviceBuffer<float> out2(shared);
-  gk::moe_experts(dx.data(), n, did.data(), dw.data(), c.k, s.dev(), act, out2.data(),
-                  out2.data(), work.data(), stream.get());
-  stream.synchronize();
-  const auto got2 = out2.to_host();
-  EXPECT_EQ(0, std::memcmp(got.data(), got2.data(), got.size() * sizeof(float))) << what;
 }
 
 TEST(CudaMoe, MatchesCpuAtDecodeAndPrefillSizes) {
@@ -451,6 +492,17 @@ TEST(CudaMoe, OddLayoutsAndF32) {
     const MoeSetup s = make_moe(c, 13);
     for (int64_t n : {1, 3, 64, 70}) run_moe(s, n, gk::GemmPrecision::kExact, 300 + n);
   }
+}
+
+TEST(CudaMoe, ExpertParallelRanksMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  // Each rank's experts see the localised ids, -1 for the other ranks' picks (a token may have
+  // none here), on the grouped GEMV path and on the per-expert path (n > kMoeGemvMaxTokens).
+  const MoeSetup s = make_moe({32, 4, 512, 256, DType::kBF16}, 15);
+  for (int world : {2, 3, 8})
+    for (int64_t n : {1, 9, 300}) run_moe(s, n, gk::GemmPrecision::kExact, 400 + n + world, world);
+  const MoeSetup f = make_moe({8, 2, 64, 32, DType::kF32}, 16);
+  for (int64_t n : {3, 70}) run_moe(f, n, gk::GemmPrecision::kExact, 500 + n, 4);
 }
 
 TEST(CudaMoe, DecodePathHasNoHostSync) {

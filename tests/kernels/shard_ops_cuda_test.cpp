@@ -1,9 +1,11 @@
-// kernels/cuda/embedding_vocab_slice (the tensor-parallel embedding) against the CPU embedding:
-// each rank's output is the CPU embedding for ids in its vocabulary rows and exactly zero
-// elsewhere, so the sum over ranks equals the full CPU embedding bitwise (bf16 -> f32 and f32
-// copies are exact; one non-zero term per element). Even, uneven and empty slices; bf16 and f32.
+// kernels/cuda/embedding_vocab_slice (the tensor-parallel embedding) against its CPU twin
+// (cpu::embedding_vocab_slice on the same slice, bit for bit) and the CPU embedding: each rank's
+// output is the CPU embedding for ids in its vocabulary rows and exactly zero elsewhere, so the
+// sum over ranks equals the full CPU embedding bitwise (bf16 -> f32 and f32 copies are exact;
+// one non-zero term per element). Even, uneven and empty slices; bf16 and f32.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
@@ -76,6 +78,14 @@ void check_split(DType dtype, int64_t vocab, int64_t hidden, int world) {
                                              d_out.data(), nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<float> got = d_out.to_host();
+    // The CPU twin on the host slice: the same bits (+0 off the slice on both sides).
+    MatRef host_slice = slice;
+    host_slice.data = table.data() + static_cast<size_t>(v0 * hidden) * m3::dtype_size(dtype);
+    std::vector<float> twin(static_cast<size_t>(n * hidden), 1.f);
+    m3::kernels::cpu::embedding_vocab_slice(host_slice, v0, vocab, hidden, ids.data(), n,
+                                            twin.data());
+    ASSERT_EQ(0, std::memcmp(got.data(), twin.data(), got.size() * sizeof(float)))
+        << "rank " << r << " vs cpu::embedding_vocab_slice";
     for (int64_t t = 0; t < n; ++t) {
       const bool mine = ids[t] >= v0 && ids[t] < v0 + count;
       for (int64_t c = 0; c < hidden; ++c) {

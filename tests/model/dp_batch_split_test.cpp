@@ -15,14 +15,16 @@
 #include <vector>
 
 #include "core/check.h"
-#include "model/dp_batch_split.h"
+#include "runtime/dp_batch_split.h"
 #include "model/golden_util.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
-#include "model/sequence_runner.h"
+#include "runtime/sequence_runner.h"
 
 namespace m3::model {
 namespace {
+
+using namespace m3::runtime;  // backends and the sequence runner
 
 using namespace golden;
 

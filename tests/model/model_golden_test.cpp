@@ -28,10 +28,12 @@
 #include "model/golden_util.h"
 #include "model/config.h"
 #include "model/m3_model.h"
-#include "model/sequence_runner.h"
+#include "runtime/sequence_runner.h"
 
 namespace m3::model {
 namespace {
+
+using namespace m3::runtime;  // backends and the sequence runner
 
 namespace fs = std::filesystem;
 using nlohmann::json;

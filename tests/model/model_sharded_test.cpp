@@ -26,13 +26,15 @@
 
 #include "core/check.h"
 #include "dist/cpu_communicator.h"
-#include "model/forward_backend.h"
+#include "runtime/forward_backend.h"
 #include "model/golden_util.h"
 #include "model/m3_model.h"
-#include "model/sequence_runner.h"
+#include "runtime/sequence_runner.h"
 
 namespace m3::model {
 namespace {
+
+using namespace m3::runtime;  // backends and the sequence runner
 
 using nlohmann::json;
 using namespace golden;

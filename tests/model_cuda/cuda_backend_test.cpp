@@ -16,12 +16,14 @@
 
 #include "engine/engine.h"
 #include "gpu/device.h"
-#include "model/cuda/cuda_backend.h"
+#include "runtime/cuda/cuda_backend.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
 
 namespace m3::model {
 namespace {
+
+using namespace m3::runtime;  // backends and the sequence runner
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;

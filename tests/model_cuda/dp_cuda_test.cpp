@@ -36,11 +36,11 @@
 #include <cuda_runtime.h>
 
 #include "core/check.h"
-#include "model/cuda/cuda_backend.h"
+#include "runtime/cuda/cuda_backend.h"
 #include "model/golden_util.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
-#include "model/sequence_runner.h"
+#include "runtime/sequence_runner.h"
 #include "model_cuda/multi_gpu_test_util.h"
 #ifdef M3_TEST_ENGINE
 #include "engine/engine.h"
@@ -49,6 +49,8 @@
 
 namespace m3::model {
 namespace {
+
+using namespace m3::runtime;  // backends and the sequence runner
 
 using nlohmann::json;
 using namespace golden;

@@ -14,11 +14,13 @@
 #include "gpu_test_util.h"
 #include "gpu/device.h"
 #include "model/cuda/m3_model_cuda.h"
-#include "model/cuda/sequence_runner_cuda.h"
+#include "runtime/cuda/cuda_backend.h"
 #include "model/synthetic_model.h"
 
 namespace m3::model {
 namespace {
+
+using namespace m3::runtime;  // backends and the sequence runner
 
 using m3::testing::gpu_unavailable_reason;
 using m3::testing::kU;
@@ -39,7 +41,7 @@ void expect_graphs_equal_eager(M3ModelCuda& graph, M3ModelCuda& eager,
   int64_t total = 0;
   for (const auto& p : prompts) total += static_cast<int64_t>(p.size()) + steps + 1;
   const int64_t n = static_cast<int64_t>(prompts.size());
-  SequenceRunnerCuda rg(graph, total, n), re(eager, total, n);
+  SequenceRunner rg(borrow_cuda_backend(graph, total, n)), re(borrow_cuda_backend(eager, total, n));
   std::vector<SequenceChunk> chunks;
   for (const auto& p : prompts) {
     const int sg = rg.add_sequence(), se = re.add_sequence();

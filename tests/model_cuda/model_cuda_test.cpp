@@ -36,12 +36,14 @@
 #include "kernels/cpu/ops.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/golden_util.h"
-#include "model/cuda/sequence_runner_cuda.h"
+#include "runtime/cuda/cuda_backend.h"
 #include "model/m3_model.h"
-#include "model/sequence_runner.h"
+#include "runtime/sequence_runner.h"
 
 namespace m3::model {
 namespace {
+
+using namespace m3::runtime;  // backends and the sequence runner
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -74,7 +76,7 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 struct Prefilled {
-  std::unique_ptr<SequenceRunnerCuda> runner;
+  std::unique_ptr<SequenceRunner> runner;
   int seq = 0;
   ForwardResult res;  // logits of every prompt position + MSA selections
 };
@@ -112,8 +114,8 @@ class ModelGoldenCuda : public ::testing::TestWithParam<std::string> {
     const int64_t extra =
         c.contains("greedy_ids") ? static_cast<int64_t>(c["greedy_ids"].size()) : 0;
     Prefilled p;
-    p.runner = std::make_unique<SequenceRunnerCuda>(
-        *model_, static_cast<int64_t>(ids.size()) + extra + 1, 1);
+    p.runner = std::make_unique<SequenceRunner>(borrow_cuda_backend(
+        *model_, static_cast<int64_t>(ids.size()) + extra + 1, 1));
     p.seq = p.runner->add_sequence();
     p.res = p.runner->step({{p.seq, ids, true}}, /*capture_msa=*/true);
     prefills()[key] = std::move(p);
@@ -122,7 +124,7 @@ class ModelGoldenCuda : public ::testing::TestWithParam<std::string> {
 
   // All-position log-probs of a prompt on the GPU, prefilled in chunks of `chunk` (0: one step).
   std::vector<float> prompt_logprobs(const std::vector<int32_t>& ids, int64_t chunk = 0) {
-    SequenceRunnerCuda r(*model_, static_cast<int64_t>(ids.size()) + 1, 1);
+    SequenceRunner r(borrow_cuda_backend(*model_, static_cast<int64_t>(ids.size()) + 1, 1));
     const int s = r.add_sequence();
     std::vector<float> logits;
     const int64_t n = static_cast<int64_t>(ids.size());
@@ -168,7 +170,7 @@ TEST_P(ModelGoldenCuda, GreedyContinuationMatchesTransformers) {
     const auto want = c["greedy_ids"].get<std::vector<int32_t>>();
     const auto margin = c["greedy_margin"].get<std::vector<double>>();
     Prefilled& pf = prefill(c, /*fresh=*/true);
-    SequenceRunnerCuda& r = *pf.runner;
+    SequenceRunner& r = *pf.runner;
     ForwardResult out;
     out.logits.assign(pf.res.logits.end() - vocab(), pf.res.logits.end());
     for (size_t step = 0; step < want.size(); ++step) {
@@ -210,7 +212,7 @@ TEST_P(ModelGoldenCuda, GpuLogitsMatchCpuOnTheSameBatch) {
   if (ids.size() > 512) ids.resize(512);  // the CPU side is the slow one
   const int64_t n = static_cast<int64_t>(ids.size());
   SequenceRunner cpu(*model_->host(), n + 1, 1);
-  SequenceRunnerCuda gpu(*model_, n + 1, 1);
+  SequenceRunner gpu(borrow_cuda_backend(*model_, n + 1, 1));
   const int cs = cpu.add_sequence(), gs = gpu.add_sequence();
   const auto c = cpu.step({{cs, ids, true}}, /*capture_msa=*/true);
   const auto g = gpu.step({{gs, ids, true}}, /*capture_msa=*/true);
@@ -250,7 +252,7 @@ TEST_P(ModelGoldenCuda, PrefillThenDecodeEqualsLongerPrefill) {
   if (ids.size() > 400) ids.resize(400);
   const size_t split = ids.size() / 2;
   const auto full = prompt_logprobs(ids);
-  SequenceRunnerCuda r(*model_, static_cast<int64_t>(ids.size()) + 1, 1);
+  SequenceRunner r(borrow_cuda_backend(*model_, static_cast<int64_t>(ids.size()) + 1, 1));
   const int s = r.add_sequence();
   auto out = r.step({{s, std::span<const int32_t>(ids.data(), split), false}});
   for (size_t i = split; i < ids.size(); ++i) {
@@ -274,7 +276,7 @@ TEST_P(ModelGoldenCuda, MixedBatchEqualsEachAlone) {
     const auto lp = prompt_logprobs(s);
     alone.emplace_back(lp.end() - vocab(), lp.end());  // last position
   }
-  SequenceRunnerCuda r(*model_, 2048, 3);
+  SequenceRunner r(borrow_cuda_backend(*model_, 2048, 3));
   const int a = r.add_sequence(), b = r.add_sequence(), c = r.add_sequence();
   r.step({{c, std::span<const int32_t>(seqs[2].data(), seqs[2].size() - 1), false}});
   auto out = r.step({{a, seqs[0], false},

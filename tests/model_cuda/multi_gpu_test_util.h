@@ -19,14 +19,16 @@
 #include <cuda_runtime.h>
 
 #include "core/check.h"
-#include "model/cuda/cuda_backend.h"
-#include "model/forward_backend.h"
+#include "runtime/cuda/cuda_backend.h"
+#include "runtime/forward_backend.h"
 #include "model/kv_cache.h"
 #include "model/golden_util.h"
 #include "model/m3_model.h"
-#include "model/sequence_runner.h"
+#include "runtime/sequence_runner.h"
 
 namespace m3::model::multi_gpu {
+
+using namespace m3::runtime;  // backends and the sequence runner
 
 inline int gpu_count() {
   int n = 0;

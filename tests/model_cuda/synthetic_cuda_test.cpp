@@ -14,15 +14,17 @@
 #include "engine/engine.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
-#include "model/cuda/cuda_backend.h"
+#include "runtime/cuda/cuda_backend.h"
 #include "model/cuda/m3_model_cuda.h"
-#include "model/cuda/sequence_runner_cuda.h"
+#include "runtime/cuda/cuda_backend.h"
 #include "model/cuda/synthetic_weights.h"
 #include "model/kv_cache.h"
 #include "model/synthetic_model.h"
 
 namespace m3::model {
 namespace {
+
+using namespace m3::runtime;  // backends and the sequence runner
 
 std::string no_gpu_reason() {
   auto info = gpu::probe_device(0);
@@ -68,7 +70,7 @@ TEST(SyntheticCuda, FourLayersAtRealShapesDecodeFiniteLogits) {
   EXPECT_EQ(L.router_bias.dtype, DType::kF32);
 
   // A 300-token prompt (3 pages, so the MSA layer sees several blocks), then 2 decode steps.
-  SequenceRunnerCuda runner(model, 512, 1);
+  SequenceRunner runner(borrow_cuda_backend(model, 512, 1));
   const int seq = runner.add_sequence();
   std::vector<int32_t> prompt(300);
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919) % 200000);

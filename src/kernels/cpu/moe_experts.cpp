@@ -11,7 +11,8 @@ namespace m3::kernels::cpu {
 
 void moe_localize_ids(int32_t* ids, int64_t n, int64_t first, int64_t count) {
   for (int64_t i = 0; i < n; ++i)
-    ids[i] = (ids[i] >= first && ids[i] < first + count) ? static_cast<int32_t>(ids[i] - first) : -1;
+    ids[i] = (ids[i] >= first && ids[i] < first + count) ? static_cast<int32_t>(ids[i] - first)
+                                                         : -1;
 }
 
 void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights, int64_t k,
@@ -26,7 +27,8 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
     for (int64_t j = 0; j < k; ++j) {
       const int32_t e = ids[t * k + j];
       if (e == -1) continue;  // another rank's expert
-      M3_CHECK(e >= 0 && e < ne, "moe_experts: expert id %d of %lld", e, static_cast<long long>(ne));
+      M3_CHECK(e >= 0 && e < ne, "moe_experts: expert id %d of %lld", e,
+               static_cast<long long>(ne));
       by_expert[e].push_back({static_cast<int32_t>(t), weights[t * k + j]});
     }
   }
@@ -58,6 +60,12 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
 
 void embedding_vocab_slice(const MatRef& table, int64_t vocab_begin, int64_t vocab_size,
                            int64_t hidden, const int32_t* ids, int64_t n, float* out) {
+  M3_CHECK(table.rows == 0 || table.cols == hidden, "embedding_vocab_slice: table of %lld columns "
+           "for hidden %lld", static_cast<long long>(table.cols), static_cast<long long>(hidden));
+  M3_CHECK(vocab_begin >= 0 && vocab_begin + table.rows <= vocab_size,
+           "embedding_vocab_slice: rows [%lld, %lld) outside the vocabulary of %lld",
+           static_cast<long long>(vocab_begin), static_cast<long long>(vocab_begin + table.rows),
+           static_cast<long long>(vocab_size));
   std::fill(out, out + n * hidden, 0.f);
   for (int64_t t = 0; t < n; ++t) {
     const int32_t id = ids[t];
@@ -69,7 +77,8 @@ void embedding_vocab_slice(const MatRef& table, int64_t vocab_begin, int64_t voc
 }
 
 void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t cols, float* dst) {
-  for (int64_t i = 0; i < n; ++i) std::copy_n(src + static_cast<int64_t>(rows[i]) * cols, cols, dst + i * cols);
+  for (int64_t i = 0; i < n; ++i)
+    std::copy_n(src + static_cast<int64_t>(rows[i]) * cols, cols, dst + i * cols);
 }
 
 void add_inplace(float* x, const float* y, int64_t n) {
@@ -78,7 +87,8 @@ void add_inplace(float* x, const float* y, int64_t n) {
 
 void copy_rows_2d(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
                   int64_t width, int64_t rows) {
-  for (int64_t r = 0; r < rows; ++r) std::copy_n(src + r * src_stride, width, dst + r * dst_stride);
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy_n(src + r * src_stride, width, dst + r * dst_stride);
 }
 
 void fill_zero(float* x, int64_t n) { std::fill(x, x + n, 0.f); }

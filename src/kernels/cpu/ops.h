@@ -29,7 +29,7 @@ using kernels::Workspace;
 // y[n, w.rows] = x[n, w.cols] · wᵀ, fp32 accumulation.
 void linear(const float* x, int64_t n, const MatRef& w, float* y);
 
-// out[i, :] = table[ids[i], :] (converted to fp32). ids must be in range (checked by callers).
+// out[i, :] = table[ids[i], :] (converted to fp32). An id outside the table aborts.
 void embedding(const MatRef& table, const int32_t* ids, int64_t n, float* out);
 
 // ---- normalisation ----

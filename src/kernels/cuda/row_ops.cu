@@ -1,5 +1,6 @@
-// gather_rows, add_inplace and copy_rows_2d (kernels/cuda/ops.h). Grid-stride loops over the
-// elements; __fadd_rn keeps the CPU op's rounding (nvcc would otherwise contract adds).
+// gather_rows, add_inplace, copy_rows_2d, fill_zero and copy (kernels/cuda/ops.h). Grid-stride
+// loops over the elements; __fadd_rn keeps the CPU op's rounding (nvcc would otherwise contract
+// adds).
 #include "kernels/cuda/ops.h"
 
 #include <algorithm>
@@ -37,7 +38,7 @@ __global__ void add_inplace_kernel(float* __restrict__ x, const float* __restric
 }  // namespace
 
 void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t cols, float* dst,
-                      cudaStream_t stream) {
+                 cudaStream_t stream) {
   if (n == 0 || cols == 0) return;
   gather_rows_kernel<<<blocks_for(n * cols), kThreads, 0, stream>>>(src, rows, n, cols, dst);
   M3_CUDA_CHECK_LAUNCH("gather_rows_kernel");

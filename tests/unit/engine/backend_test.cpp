@@ -11,11 +11,11 @@
 #include <random>
 
 #include "engine/engine.h"
-#include "model/forward_backend.h"
+#include "runtime/forward_backend.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
 #include "kernels/cpu/sample.h"
-#include "model/sequence_runner.h"
+#include "runtime/sequence_runner.h"
 #include "unit/engine/engine_test_util.h"
 
 namespace m3::engine {
@@ -41,9 +41,9 @@ struct Record {
 };
 
 // Delegates to the real CPU backend and records every call the engine makes.
-class RecordingBackend final : public model::ForwardBackend {
+class RecordingBackend final : public runtime::ForwardBackend {
  public:
-  RecordingBackend(std::unique_ptr<model::ForwardBackend> inner, Record* rec)
+  RecordingBackend(std::unique_ptr<runtime::ForwardBackend> inner, Record* rec)
       : inner_(std::move(inner)), rec_(rec) {}
   const model::M3Config& config() const override { return inner_->config(); }
   int64_t num_pages() const override { return inner_->num_pages(); }
@@ -57,17 +57,17 @@ class RecordingBackend final : public model::ForwardBackend {
   std::string kv_cache_flag() const override { return "--recording-pool"; }
 
  private:
-  std::unique_ptr<model::ForwardBackend> inner_;
+  std::unique_ptr<runtime::ForwardBackend> inner_;
   Record* rec_;
 };
 
 // A factory giving the CPU backend `pages` pages (ignoring the engine's CPU sizing), recorded.
 BackendFactory recording_factory(int64_t pages, Record* rec) {
   return [pages, rec](std::unique_ptr<model::M3Model> host, int64_t cpu_num_pages)
-             -> Result<std::unique_ptr<model::ForwardBackend>> {
+             -> Result<std::unique_ptr<runtime::ForwardBackend>> {
     rec->factory_cpu_num_pages = cpu_num_pages;
-    M3_TRY(auto inner, model::make_cpu_backend(std::move(host), pages));
-    return std::unique_ptr<model::ForwardBackend>(new RecordingBackend(std::move(inner), rec));
+    M3_TRY(auto inner, runtime::make_cpu_backend(std::move(host), pages));
+    return std::unique_ptr<runtime::ForwardBackend>(new RecordingBackend(std::move(inner), rec));
   };
 }
 
@@ -128,9 +128,9 @@ struct DeviceRecord {
   int64_t device_rows = 0;
   int64_t host_rows = 0;
 };
-class DeviceSamplingBackend final : public model::ForwardBackend {
+class DeviceSamplingBackend final : public runtime::ForwardBackend {
  public:
-  DeviceSamplingBackend(std::unique_ptr<model::ForwardBackend> inner, DeviceRecord* rec)
+  DeviceSamplingBackend(std::unique_ptr<runtime::ForwardBackend> inner, DeviceRecord* rec)
       : inner_(std::move(inner)), rec_(rec) {}
   const model::M3Config& config() const override { return inner_->config(); }
   int64_t num_pages() const override { return inner_->num_pages(); }
@@ -157,7 +157,7 @@ class DeviceSamplingBackend final : public model::ForwardBackend {
   std::string kv_cache_flag() const override { return "--kv-cache-memory-bytes"; }
 
  private:
-  std::unique_ptr<model::ForwardBackend> inner_;
+  std::unique_ptr<runtime::ForwardBackend> inner_;
   DeviceRecord* rec_;
 };
 
@@ -168,9 +168,9 @@ std::unique_ptr<Engine> device_sampling_engine(DeviceRecord* rec) {
   cfg.max_model_len = 96;
   cfg.max_num_seqs = 4;
   cfg.backend_factory = [rec](std::unique_ptr<model::M3Model> host, int64_t pages)
-      -> Result<std::unique_ptr<model::ForwardBackend>> {
-    M3_TRY(auto inner, model::make_cpu_backend(std::move(host), pages));
-    return std::unique_ptr<model::ForwardBackend>(new DeviceSamplingBackend(std::move(inner), rec));
+      -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+    M3_TRY(auto inner, runtime::make_cpu_backend(std::move(host), pages));
+    return std::unique_ptr<runtime::ForwardBackend>(new DeviceSamplingBackend(std::move(inner), rec));
   };
   auto e = Engine::create(cfg);
   EXPECT_TRUE(e.has_value()) << e.error().message;
@@ -216,7 +216,7 @@ TEST(EngineBackend, FactoryErrorsReachTheCaller) {
   cfg.model_dir = kModel;
   cfg.block_size = 8;
   cfg.backend_factory = [](std::unique_ptr<model::M3Model>, int64_t)
-      -> Result<std::unique_ptr<model::ForwardBackend>> {
+      -> Result<std::unique_ptr<runtime::ForwardBackend>> {
     return make_error(ErrorCode::kUnavailable, "test device is unplugged; use --device cpu",
                       "--device");
   };
@@ -249,9 +249,9 @@ struct PartitionRecord {
   int on[2] = {0, 0};
 };
 
-class TwoPartitionBackend final : public model::ForwardBackend {
+class TwoPartitionBackend final : public runtime::ForwardBackend {
  public:
-  TwoPartitionBackend(std::unique_ptr<model::ForwardBackend> inner, PartitionRecord* rec)
+  TwoPartitionBackend(std::unique_ptr<runtime::ForwardBackend> inner, PartitionRecord* rec)
       : inner_(std::move(inner)), rec_(rec) {}
   const model::M3Config& config() const override { return inner_->config(); }
   int64_t num_pages() const override { return inner_->num_pages(); }
@@ -272,15 +272,15 @@ class TwoPartitionBackend final : public model::ForwardBackend {
   std::string kv_cache_flag() const override { return "--partitioned-pool"; }
 
  private:
-  std::unique_ptr<model::ForwardBackend> inner_;
+  std::unique_ptr<runtime::ForwardBackend> inner_;
   PartitionRecord* rec_;
 };
 
 BackendFactory two_partition_factory(int64_t pages, PartitionRecord* rec) {
   return [pages, rec](std::unique_ptr<model::M3Model> host,
-                      int64_t) -> Result<std::unique_ptr<model::ForwardBackend>> {
-    M3_TRY(auto inner, model::make_cpu_backend(std::move(host), pages));
-    return std::unique_ptr<model::ForwardBackend>(new TwoPartitionBackend(std::move(inner), rec));
+                      int64_t) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+    M3_TRY(auto inner, runtime::make_cpu_backend(std::move(host), pages));
+    return std::unique_ptr<runtime::ForwardBackend>(new TwoPartitionBackend(std::move(inner), rec));
   };
 }
 
@@ -338,7 +338,7 @@ TEST(EngineBackend, KvPartitionsKeepEachSequenceInOnePartition) {
 TEST(EngineBackend, CpuBackendRefusesAnEmptyPool) {
   auto m = model::M3Model::load(kModel);
   ASSERT_TRUE(m.has_value());
-  auto b = model::make_cpu_backend(std::move(*m), 0);
+  auto b = runtime::make_cpu_backend(std::move(*m), 0);
   ASSERT_FALSE(b.has_value());
   EXPECT_NE(b.error().message.find("--kv-cache-memory-bytes"), std::string::npos);
 }

@@ -11,7 +11,7 @@
 #include "engine/engine.h"
 #include "engine/sampler.h"
 #include "model/m3_model.h"
-#include "model/sequence_runner.h"
+#include "runtime/sequence_runner.h"
 #include "unit/engine/engine_test_util.h"
 
 namespace m3::engine {
@@ -115,7 +115,7 @@ TEST(Engine, PromptLogprobsAndSampledLogprobs) {
   r.params.logprobs = 2;
   auto c = collect(**e->submit(r));
   // reference: one-shot prefill with all logits
-  model::SequenceRunner ref(**m, 64, 1);
+  runtime::SequenceRunner ref(**m, 64, 1);
   const int s = ref.add_sequence();
   auto out = ref.step({{s, prompt, true}});
   const auto& first = c.all.front();

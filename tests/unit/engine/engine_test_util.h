@@ -2,7 +2,7 @@
 // engine cases of tests/model_cuda): the golden checkpoint they run, random prompts, the
 // scheduler-free greedy reference, draining a request stream, batched greedy generation.
 // Header-only.
-// Invariant: reference_greedy uses model::SequenceRunner, never the engine under test.
+// Invariant: reference_greedy uses runtime::SequenceRunner, never the engine under test.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -20,7 +20,7 @@
 #include "engine/engine.h"
 #include "model/golden_util.h"
 #include "model/m3_model.h"
-#include "model/sequence_runner.h"
+#include "runtime/sequence_runner.h"
 
 namespace m3::engine::testing {
 
@@ -38,7 +38,7 @@ inline std::vector<int32_t> random_prompt(int n, uint32_t seed, int vocab) {
 // Greedy continuation with the scheduler-free runner (the reference).
 inline std::vector<int32_t> reference_greedy(const model::M3Model& m,
                                              const std::vector<int32_t>& prompt, int n) {
-  model::SequenceRunner r(m, static_cast<int64_t>(prompt.size()) + n + 1, 1);
+  runtime::SequenceRunner r(m, static_cast<int64_t>(prompt.size()) + n + 1, 1);
   const int s = r.add_sequence();
   auto out = r.step({{s, prompt, false}});
   std::vector<int32_t> toks;

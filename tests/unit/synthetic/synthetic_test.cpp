@@ -9,7 +9,7 @@
 
 #include "app/model_choice.h"
 #include "engine/engine.h"
-#include "model/kv_budget.h"
+#include "runtime/kv_budget.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
 #include "model/synthetic_model.h"
@@ -195,16 +195,16 @@ TEST(SyntheticEngine, LoadsConfigOnlyAndTheCpuBackendRefusesIt) {
 }
 
 TEST(KvBudget, RefusesAMaxModelLenWhosePagesDoNotFit) {
-  model::KvPoolFacts pool;
+  runtime::KvPoolFacts pool;
   pool.num_pages = 10;
   pool.page_size = 128;
   pool.page_bytes = model::KvCache::page_bytes(model::synthetic_m3_config(4));
   pool.where = "cuda:0 (test)";
   pool.sized_by = "1.0 GiB free after the weights x 0.9";
   pool.flag = "--gpu-memory-utilization";
-  EXPECT_TRUE(model::check_max_model_len_fits(0, pool));     // not given
-  EXPECT_TRUE(model::check_max_model_len_fits(1280, pool));  // exactly 10 pages
-  auto r = model::check_max_model_len_fits(1281, pool);      // 11 pages
+  EXPECT_TRUE(runtime::check_max_model_len_fits(0, pool));     // not given
+  EXPECT_TRUE(runtime::check_max_model_len_fits(1280, pool));  // exactly 10 pages
+  auto r = runtime::check_max_model_len_fits(1281, pool);      // 11 pages
   ASSERT_FALSE(r);
   const std::string& msg = r.error().message;
   EXPECT_NE(msg.find("--max-model-len 1281 needs 11 KV pages"), std::string::npos) << msg;
@@ -212,7 +212,7 @@ TEST(KvBudget, RefusesAMaxModelLenWhosePagesDoNotFit) {
   EXPECT_NE(msg.find("at most 1280"), std::string::npos) << msg;
   EXPECT_NE(msg.find("--gpu-memory-utilization"), std::string::npos) << msg;
   pool.num_pages = 0;
-  EXPECT_FALSE(model::check_max_model_len_fits(1, pool));
+  EXPECT_FALSE(runtime::check_max_model_len_fits(1, pool));
 }
 
 TEST(SyntheticTokenizer, IdsPastTheDemoVocabularyDecodeToNothing) {

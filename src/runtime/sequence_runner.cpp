@@ -1,8 +1,8 @@
-#include "model/sequence_runner.h"
+#include "runtime/sequence_runner.h"
 
 #include "core/check.h"
 
-namespace m3::model {
+namespace m3::runtime {
 
 int64_t SequencePages::pages_needed(int64_t max_total_tokens, int64_t max_seqs, int64_t page_size) {
   return (max_total_tokens + page_size - 1) / page_size + max_seqs;
@@ -45,18 +45,25 @@ ForwardBatch SequencePages::build_step(const std::vector<SequenceChunk>& chunks)
   return b;
 }
 
-SequenceRunner::SequenceRunner(const M3Model& model, int64_t max_total_tokens, int64_t max_seqs)
-    : model_(model),
-      cache_(model.config(), SequencePages::pages_needed(max_total_tokens, max_seqs,
-                                                         model.config().sparse_block_size),
-             model.cache_kv_heads()),
-      pages_(cache_.num_pages(), cache_.page_size()) {}
+SequenceRunner::SequenceRunner(std::unique_ptr<ForwardBackend> backend)
+    : owned_(std::move(backend)),
+      backend_(owned_.get()),
+      pages_(backend_->num_pages(), backend_->config().sparse_block_size) {}
+
+SequenceRunner::SequenceRunner(ForwardBackend& backend)
+    : backend_(&backend), pages_(backend.num_pages(), backend.config().sparse_block_size) {}
+
+SequenceRunner::SequenceRunner(const model::M3Model& model, int64_t max_total_tokens,
+                               int64_t max_seqs)
+    : SequenceRunner(borrow_cpu_backend(
+          model, SequencePages::pages_needed(max_total_tokens, max_seqs,
+                                             model.config().sparse_block_size))) {}
 
 ForwardResult SequenceRunner::step(const std::vector<Chunk>& chunks, bool capture_msa) {
   ForwardBatch b = pages_.build_step(chunks);
   ForwardResult r;
-  model_.forward(b, cache_, &r, capture_msa);
+  backend_->forward(b, &r, capture_msa);
   return r;
 }
 
-}  // namespace m3::model
+}  // namespace m3::runtime

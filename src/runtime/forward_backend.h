@@ -1,7 +1,8 @@
-// ForwardBackend: the seam between the engine and a device. One backend owns a model and the KV
-// pages its forward reads and writes (CPU: M3Model + KvCache; GPU: M3ModelCuda + KvCacheCuda in
-// model/cuda/cuda_backend.h), so the engine's ModelRunner drives any device through this header
-// alone and never includes CUDA headers. Called only from the engine thread.
+// ForwardBackend: the runtime's seam between the engine and what runs the model. One backend owns
+// (or borrows) a model and the KV pages its forward reads and writes (CPU: M3Model + KvCache;
+// sharded CPU ranks: runtime/cpu_sharded_backend.cpp; GPU: M3ModelCuda + KvCacheCuda in
+// runtime/cuda/cuda_backend.h), so the engine's ModelRunner and the SequenceRunner drive any
+// device through this header alone and never include CUDA headers. Called from one thread.
 // Invariant: page ids in a batch's block tables index [0, num_pages()); forward() has
 // M3Model::forward's contract (host batch in, host logits out) and has finished when it returns.
 #pragma once
@@ -14,7 +15,13 @@
 #include "model/config.h"
 #include "model/m3_model.h"
 
-namespace m3::model {
+namespace m3::runtime {
+
+// The model's step types, used throughout the runtime.
+using model::ForwardBatch;
+using model::ForwardResult;
+using model::M3Config;
+using model::M3Model;
 
 class ForwardBackend {
  public:
@@ -40,6 +47,10 @@ class ForwardBackend {
 // The CPU backend: `model` and a zeroed KvCache of `num_pages` pages. Errors: num_pages < 1.
 Result<std::unique_ptr<ForwardBackend>> make_cpu_backend(std::unique_ptr<M3Model> model,
                                                          int64_t num_pages);
+// The same over a model the caller keeps alive (SequenceRunner over a test's or a shard's model):
+// a KvCache of `num_pages` pages with the model's cache_kv_heads(). num_pages >= 1 and a model
+// with weights are the caller's to ensure (checked).
+std::unique_ptr<ForwardBackend> borrow_cpu_backend(const M3Model& model, int64_t num_pages);
 
 // Tensor-parallel (optionally expert-parallel) CPU backend: `tensor_parallel_size` ranks as
 // threads of this process over a CpuCommunicator, each with its shard of `model` (model/shard.h)
@@ -61,4 +72,4 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(std::unique_ptr
                                                                  int data_parallel_size = 1,
                                                                  bool dp_kv_partitions = false);
 
-}  // namespace m3::model
+}  // namespace m3::runtime

@@ -14,14 +14,16 @@
 #include "core/check.h"
 #include "core/log.h"
 #include "gpu/cuda_check.h"
-#include "model/cuda/cuda_backend.h"
-#include "model/dp_batch_split.h"
+#include "runtime/cuda/cuda_backend.h"
+#include "runtime/dp_batch_split.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
-#include "model/cuda/rank_group.h"
+#include "runtime/cuda/rank_group.h"
 #include "model/kv_cache.h"
 
-namespace m3::model {
+namespace m3::runtime {
+
+using namespace m3::model;  // the model this runtime runs
 
 Status check_data_parallel_devices(int dp) {
   return rank_group::check_gpus_for_ranks(dp, "--data-parallel-size", ", or --device cpu");
@@ -177,4 +179,4 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
 #endif
 }
 
-}  // namespace m3::model
+}  // namespace m3::runtime

@@ -9,10 +9,14 @@
 #include <memory>
 
 #include "core/error.h"
-#include "model/forward_backend.h"
+#include "runtime/forward_backend.h"
 #include "model/m3_model.h"
 
 namespace m3::model {
+class M3ModelCuda;
+}  // namespace m3::model
+
+namespace m3::runtime {
 
 struct CudaBackendOptions {
   int device = 0;
@@ -53,14 +57,20 @@ struct CudaBackendOptions {
 Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Model> host,
                                                           const CudaBackendOptions& opts);
 
-class M3ModelCuda;
+// A backend over a GPU model the caller keeps alive, on the current device, with a fresh KV cache
+// for `max_total_tokens` tokens over `max_seqs` sequences (SequencePages::pages_needed): what a
+// SequenceRunner drives in `generate` and the GPU tests.
+std::unique_ptr<ForwardBackend> borrow_cuda_backend(model::M3ModelCuda& model,
+                                                    int64_t max_total_tokens,
+                                                    int64_t max_seqs = 64);
+
 // The same for a model already on the device (tests build a synthetic one directly).
-Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3ModelCuda> model,
+Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<model::M3ModelCuda> model,
                                                           const CudaBackendOptions& opts);
 
-}  // namespace m3::model
+}  // namespace m3::runtime
 
-namespace m3::model {
+namespace m3::runtime {
 
 // Ok when this machine has at least `tensor_parallel_size` GPUs (one per rank); else an error
 // naming both counts and --tensor-parallel-size. Cheap (no context beyond the runtime's).
@@ -106,4 +116,4 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
     std::unique_ptr<M3Model> host, const CudaBackendOptions& opts, int data_parallel_size,
     bool expert_parallel = false);
 
-}  // namespace m3::model
+}  // namespace m3::runtime

@@ -10,7 +10,7 @@
 
 #include "core/error.h"
 
-namespace m3::model {
+namespace m3::runtime {
 
 struct KvPoolFacts {
   int64_t num_pages = 0;    // pages the pool will have
@@ -25,4 +25,4 @@ struct KvPoolFacts {
 // tokens the pool holds, the largest --max-model-len that fits, and the flags to change.
 Status check_max_model_len_fits(int64_t max_model_len, const KvPoolFacts& pool);
 
-}  // namespace m3::model
+}  // namespace m3::runtime

@@ -12,16 +12,18 @@
 #include "core/log.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
-#include "model/cuda/cuda_backend.h"
+#include "runtime/cuda/cuda_backend.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
-#include "model/cuda/rank_group.h"
+#include "runtime/cuda/rank_group.h"
 #include "model/kv_cache.h"
 #ifdef M3_HAS_NCCL
 #include "dist/nccl_communicator.h"
 #endif
 
-namespace m3::model {
+namespace m3::runtime {
+
+using namespace m3::model;  // the model this runtime runs
 
 Status check_tensor_parallel_devices(int tp) {
   return rank_group::check_gpus_for_ranks(tp, "--tensor-parallel-size");
@@ -134,4 +136,4 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
 #endif
 }
 
-}  // namespace m3::model
+}  // namespace m3::runtime

@@ -1,10 +1,10 @@
-#include "model/kv_budget.h"
+#include "runtime/kv_budget.h"
 
 #include <cstdio>
 
 #include "core/check.h"
 
-namespace m3::model {
+namespace m3::runtime {
 
 Status check_max_model_len_fits(int64_t max_model_len, const KvPoolFacts& pool) {
   M3_CHECK(pool.page_size > 0 && pool.num_pages >= 0);
@@ -25,4 +25,4 @@ Status check_max_model_len_fits(int64_t max_model_len, const KvPoolFacts& pool) 
   return make_error(ErrorCode::kInvalidArgument, msg, "--max-model-len");
 }
 
-}  // namespace m3::model
+}  // namespace m3::runtime

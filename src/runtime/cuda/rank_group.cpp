@@ -1,6 +1,6 @@
 // rank_group.h: GPU counting, the NCCL ranks' start-up, per-rank threads and the group's KV pool
 // (moved out of cuda_shard_backend.cpp so the data-parallel backend reuses them).
-#include "model/cuda/rank_group.h"
+#include "runtime/cuda/rank_group.h"
 
 #include <algorithm>
 #include <climits>
@@ -10,9 +10,11 @@
 #include "core/log.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
-#include "model/kv_budget.h"
+#include "runtime/kv_budget.h"
 
-namespace m3::model::rank_group {
+namespace m3::runtime::rank_group {
+
+using namespace m3::model;  // the model this runtime runs
 
 int visible_gpu_count() {
   int count = 0;
@@ -181,4 +183,4 @@ Result<std::vector<CudaRank>> start_nccl_ranks(
 }
 #endif
 
-}  // namespace m3::model::rank_group
+}  // namespace m3::runtime::rank_group

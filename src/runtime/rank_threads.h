@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-namespace m3::model {
+namespace m3::runtime {
 
 class RankThreads {
  public:
@@ -39,4 +39,4 @@ class RankThreads {
   bool stop_ = false;
 };
 
-}  // namespace m3::model
+}  // namespace m3::runtime

@@ -17,17 +17,21 @@
 
 #include "core/error.h"
 #include "model/config.h"
-#include "model/cuda/cuda_backend.h"
+#include "runtime/cuda/cuda_backend.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/m3_model.h"
-#include "model/rank_threads.h"
+#include "runtime/rank_threads.h"
 #include "model/shard.h"
 #ifdef M3_HAS_NCCL
 #include "dist/nccl_communicator.h"
 #endif
 
-namespace m3::model::rank_group {
+namespace m3::runtime::rank_group {
+
+using model::KvCacheCuda;
+using model::M3ModelCuda;
+using model::ShardSpec;
 
 // CUDA devices visible to this process (0 when the runtime finds none or fails).
 int visible_gpu_count();
@@ -91,4 +95,4 @@ Result<std::vector<CudaRank>> start_nccl_ranks(
     int world, const std::function<Status(int r, CudaRank& rank)>& build);
 #endif
 
-}  // namespace m3::model::rank_group
+}  // namespace m3::runtime::rank_group

@@ -22,7 +22,12 @@
 #include "model/m3_model.h"
 #include "model/shard.h"
 
-namespace m3::model {
+namespace m3::runtime {
+
+using model::ForwardBatch;
+using model::ForwardResult;
+using model::M3Config;
+using model::ShardPlan;
 
 class DpBatchSplit {
  public:
@@ -212,4 +217,4 @@ class DpBatchSplit {
       sample_local_;
 };
 
-}  // namespace m3::model
+}  // namespace m3::runtime

@@ -6,12 +6,14 @@
 #include "core/check.h"
 #include "core/log.h"
 #include "dist/cpu_communicator.h"
-#include "model/dp_batch_split.h"
-#include "model/forward_backend.h"
+#include "runtime/dp_batch_split.h"
+#include "runtime/forward_backend.h"
 #include "model/kv_cache.h"
-#include "model/rank_threads.h"
+#include "runtime/rank_threads.h"
 
-namespace m3::model {
+namespace m3::runtime {
+
+using namespace m3::model;  // the model this runtime runs
 
 namespace {
 
@@ -176,4 +178,4 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(std::unique_ptr
                             partitioned ? W : 1));
 }
 
-}  // namespace m3::model
+}  // namespace m3::runtime

@@ -1,4 +1,4 @@
-#include "model/cuda/cuda_backend.h"
+#include "runtime/cuda/cuda_backend.h"
 
 #include <algorithm>
 #include <climits>
@@ -10,10 +10,13 @@
 #include "gpu/device.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
-#include "model/kv_budget.h"
+#include "runtime/kv_budget.h"
+#include "runtime/sequence_runner.h"
 #include "model/kv_cache.h"
 
-namespace m3::model {
+namespace m3::runtime {
+
+using namespace m3::model;  // the model this runtime runs
 
 namespace {
 
@@ -31,8 +34,11 @@ std::string fraction(double f) {
 
 class CudaBackend final : public ForwardBackend {
  public:
-  CudaBackend(std::unique_ptr<M3ModelCuda> model, int64_t num_pages, int device, std::string name)
-      : model_(std::move(model)),
+  // `model` null: `borrowed` is used, not owned (a model the caller keeps alive).
+  CudaBackend(std::unique_ptr<M3ModelCuda> model, M3ModelCuda* borrowed, int64_t num_pages,
+              int device, std::string name)
+      : owned_(std::move(model)),
+        model_(owned_ ? owned_.get() : borrowed),
         cache_(model_->config(), num_pages),
         device_(device),
         name_(std::move(name)) {}
@@ -50,7 +56,8 @@ class CudaBackend final : public ForwardBackend {
   void set_kv_cache_flag(std::string flag) { flag_ = std::move(flag); }
 
  private:
-  std::unique_ptr<M3ModelCuda> model_;
+  std::unique_ptr<M3ModelCuda> owned_;
+  M3ModelCuda* model_;
   KvCacheCuda cache_;
   int device_;
   std::string name_;
@@ -135,9 +142,20 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Mode
               mib(static_cast<double>(num_pages) * static_cast<double>(page_bytes)).c_str(),
               source.c_str(), static_cast<long long>(num_pages),
               mib(static_cast<double>(page_bytes)).c_str(), static_cast<long long>(tokens));
-  auto backend = std::make_unique<CudaBackend>(std::move(model), num_pages, opts.device, where);
+  auto backend =
+      std::make_unique<CudaBackend>(std::move(model), nullptr, num_pages, opts.device, where);
   backend->set_kv_cache_flag(flag);
   return std::unique_ptr<ForwardBackend>(std::move(backend));
 }
 
-}  // namespace m3::model
+std::unique_ptr<ForwardBackend> borrow_cuda_backend(M3ModelCuda& model, int64_t max_total_tokens,
+                                                    int64_t max_seqs) {
+  int device = 0;
+  M3_CUDA_CHECK(cudaGetDevice(&device));
+  const int64_t pages = SequencePages::pages_needed(max_total_tokens, max_seqs,
+                                                    model.config().sparse_block_size);
+  return std::make_unique<CudaBackend>(nullptr, &model, pages, device,
+                                       "cuda:" + std::to_string(device));
+}
+
+}  // namespace m3::runtime

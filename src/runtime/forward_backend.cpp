@@ -1,18 +1,22 @@
-#include "model/forward_backend.h"
+#include "runtime/forward_backend.h"
 
 #include "core/check.h"
 #include "model/kv_cache.h"
 
-namespace m3::model {
+namespace m3::runtime {
+
+using namespace m3::model;  // the model this runtime runs
 
 namespace {
 
 class CpuBackend final : public ForwardBackend {
  public:
   // The cache keeps a pointer to the model's config, so the model is built first and outlives it
-  // (members are destroyed in reverse order).
-  CpuBackend(std::unique_ptr<M3Model> model, int64_t num_pages)
-      : model_(std::move(model)), cache_(model_->config(), num_pages) {}
+  // (members are destroyed in reverse order). `model` null: `borrowed` is used, not owned.
+  CpuBackend(std::unique_ptr<M3Model> model, const M3Model* borrowed, int64_t num_pages)
+      : owned_(std::move(model)),
+        model_(owned_ ? owned_.get() : borrowed),
+        cache_(model_->config(), num_pages, model_->cache_kv_heads()) {}
 
   const M3Config& config() const override { return model_->config(); }
   int64_t num_pages() const override { return cache_.num_pages(); }
@@ -23,8 +27,9 @@ class CpuBackend final : public ForwardBackend {
   std::string kv_cache_flag() const override { return "--kv-cache-memory-bytes"; }
 
  private:
-  std::unique_ptr<M3Model> model_;
-  KvCache cache_;
+  std::unique_ptr<M3Model> owned_;
+  const M3Model* model_;
+  model::KvCache cache_;
 };
 
 }  // namespace
@@ -43,11 +48,16 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_backend(std::unique_ptr<M3Model
     return make_error(ErrorCode::kInvalidArgument,
                       "the CPU KV cache would have " + std::to_string(num_pages) +
                           " pages; raise --kv-cache-memory-bytes to at least " +
-                          std::to_string(KvCache::page_bytes(model->config())) +
+                          std::to_string(model::KvCache::page_bytes(model->config())) +
                           " (one page)",
                       "--kv-cache-memory-bytes");
   }
-  return std::unique_ptr<ForwardBackend>(new CpuBackend(std::move(model), num_pages));
+  return std::unique_ptr<ForwardBackend>(new CpuBackend(std::move(model), nullptr, num_pages));
 }
 
-}  // namespace m3::model
+std::unique_ptr<ForwardBackend> borrow_cpu_backend(const M3Model& model, int64_t num_pages) {
+  M3_CHECK(model.has_weights() && num_pages >= 1);
+  return std::unique_ptr<ForwardBackend>(new CpuBackend(nullptr, &model, num_pages));
+}
+
+}  // namespace m3::runtime

@@ -1,8 +1,8 @@
-#include "model/rank_threads.h"
+#include "runtime/rank_threads.h"
 
 #include "core/check.h"
 
-namespace m3::model {
+namespace m3::runtime {
 
 RankThreads::RankThreads(int world, std::function<void(int)> thread_init)
     : thread_init_(std::move(thread_init)) {
@@ -50,4 +50,4 @@ void RankThreads::worker(int r) {
   }
 }
 
-}  // namespace m3::model
+}  // namespace m3::runtime
