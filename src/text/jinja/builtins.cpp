@@ -19,9 +19,9 @@ namespace {
 // ---- Python string helpers (code-point aware) ------------------------------------------------
 
 bool py_isspace(uint32_t c) {
-  return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f) || c == 0x85 || c == 0xa0 ||
-         c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f ||
-         c == 0x205f || c == 0x3000;
+  return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f) || c == 0x85 ||
+         c == 0xa0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 ||
+         c == 0x202f || c == 0x205f || c == 0x3000;
 }
 
 bool is_ascii(std::string_view s) {
@@ -79,8 +79,8 @@ std::vector<std::string> py_split(const std::string& s, const std::string* sep, 
   return out;
 }
 
-std::string py_replace(const std::string& s, const std::string& old, const std::string& neu, int64_t count,
-                       size_t max_bytes) {
+std::string py_replace(const std::string& s, const std::string& old, const std::string& neu,
+                       int64_t count, size_t max_bytes) {
   std::string out;
   if (old.empty()) {
     // Python inserts `neu` between every code point and at both ends.
@@ -114,8 +114,9 @@ std::string py_replace(const std::string& s, const std::string& old, const std::
 std::string map_case(const std::string& s, int mode) {  // 0 lower, 1 upper
   if (is_ascii(s)) {
     std::string out = s;
-    for (char& c : out) c = mode ? static_cast<char>(std::toupper(static_cast<unsigned char>(c)))
-                                 : static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    for (char& c : out)
+      c = mode ? static_cast<char>(std::toupper(static_cast<unsigned char>(c)))
+               : static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     return out;
   }
   std::string out;
@@ -138,12 +139,16 @@ std::string map_case(const std::string& s, int mode) {  // 0 lower, 1 upper
 
 bool is_cased_letter(uint32_t cp) {
   auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(cp));
-  return cat == UTF8PROC_CATEGORY_LU || cat == UTF8PROC_CATEGORY_LL || cat == UTF8PROC_CATEGORY_LT ||
-         cat == UTF8PROC_CATEGORY_LM || cat == UTF8PROC_CATEGORY_LO;
+  return cat == UTF8PROC_CATEGORY_LU || cat == UTF8PROC_CATEGORY_LL ||
+         cat == UTF8PROC_CATEGORY_LT || cat == UTF8PROC_CATEGORY_LM || cat == UTF8PROC_CATEGORY_LO;
 }
 
-uint32_t cp_upper(uint32_t c) { return static_cast<uint32_t>(utf8proc_toupper(static_cast<utf8proc_int32_t>(c))); }
-uint32_t cp_lower(uint32_t c) { return static_cast<uint32_t>(utf8proc_tolower(static_cast<utf8proc_int32_t>(c))); }
+uint32_t cp_upper(uint32_t c) {
+  return static_cast<uint32_t>(utf8proc_toupper(static_cast<utf8proc_int32_t>(c)));
+}
+uint32_t cp_lower(uint32_t c) {
+  return static_cast<uint32_t>(utf8proc_tolower(static_cast<utf8proc_int32_t>(c)));
+}
 
 std::string py_title(const std::string& s) {  // str.title()
   std::string out;
@@ -159,7 +164,8 @@ std::string py_title(const std::string& s) {  // str.title()
 std::string py_capitalize(const std::string& s) {
   auto cps = utf8_decode(s);
   std::string out;
-  for (size_t i = 0; i < cps.size(); ++i) utf8_append(out, i == 0 ? cp_upper(cps[i]) : cp_lower(cps[i]));
+  for (size_t i = 0; i < cps.size(); ++i)
+    utf8_append(out, i == 0 ? cp_upper(cps[i]) : cp_lower(cps[i]));
   return out;
 }
 
@@ -186,8 +192,8 @@ std::vector<std::string> py_splitlines(const std::string& s, bool keepends) {
   size_t b = 0, i = 0;
   while (i < cps.size()) {
     uint32_t c = cps[i];
-    bool brk = c == '\n' || c == '\r' || c == 0x0b || c == 0x0c || c == 0x1c || c == 0x1d || c == 0x1e ||
-               c == 0x85 || c == 0x2028 || c == 0x2029;
+    bool brk = c == '\n' || c == '\r' || c == 0x0b || c == 0x0c || c == 0x1c || c == 0x1d ||
+               c == 0x1e || c == 0x85 || c == 0x2028 || c == 0x2029;
     if (!brk) {
       ++i;
       continue;
@@ -205,12 +211,23 @@ std::string html_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -218,7 +235,7 @@ std::string html_escape(const std::string& s) {
 
 }  // namespace
 
-// ---- Globals -----------------------------------------------------------------------------------
+// ---- Globals ------------------------------------------------------------------------------------
 Value Interp::make_dict_from(Args& a, const char* what) {
   Value d = Value::dict();
   if (a.pos.size() > 1) fail(std::string(what) + " expected at most 1 positional argument");
@@ -242,61 +259,66 @@ Value Interp::make_dict_from(Args& a, const char* what) {
 
 void Interp::install_globals(Scope& g) {
   g.set("range", Value::callable("range", [this](Args& a) -> Value {
-    auto arg = [&](size_t i) {
-      const Value& v = a.pos[i];
-      if (!v.is_int() && !v.is_bool()) fail("range() arguments must be integers, not " + type_name(v));
-      return v.as_int();
-    };
-    int64_t start = 0, stop, step = 1;
-    if (a.pos.size() == 1) {
-      stop = arg(0);
-    } else if (a.pos.size() == 2 || a.pos.size() == 3) {
-      start = arg(0);
-      stop = arg(1);
-      if (a.pos.size() == 3) step = arg(2);
-    } else {
-      fail("range expected 1 to 3 integer arguments");
-    }
-    if (step == 0) fail("range() arg 3 must not be zero");
-    // Overflow-safe element count, then the sandbox's MAX_RANGE rule.
-    double count = std::ceil((static_cast<double>(stop) - static_cast<double>(start)) / static_cast<double>(step));
-    if (count > 100000) fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
-    List items;
-    if (step > 0)
-      for (int64_t i = start; i < stop; i += step) items.push_back(Value::integer(i));
-    else
-      for (int64_t i = start; i > stop; i += step) items.push_back(Value::integer(i));
-    return Value::list(std::move(items));
-  }));
+          auto arg = [&](size_t i) {
+            const Value& v = a.pos[i];
+            if (!v.is_int() && !v.is_bool())
+              fail("range() arguments must be integers, not " + type_name(v));
+            return v.as_int();
+          };
+          int64_t start = 0, stop, step = 1;
+          if (a.pos.size() == 1) {
+            stop = arg(0);
+          } else if (a.pos.size() == 2 || a.pos.size() == 3) {
+            start = arg(0);
+            stop = arg(1);
+            if (a.pos.size() == 3) step = arg(2);
+          } else {
+            fail("range expected 1 to 3 integer arguments");
+          }
+          if (step == 0) fail("range() arg 3 must not be zero");
+          // Overflow-safe element count, then the sandbox's MAX_RANGE rule.
+          double count = std::ceil((static_cast<double>(stop) - static_cast<double>(start)) /
+                                   static_cast<double>(step));
+          if (count > 100000)
+            fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
+          List items;
+          if (step > 0)
+            for (int64_t i = start; i < stop; i += step) items.push_back(Value::integer(i));
+          else
+            for (int64_t i = start; i > stop; i += step) items.push_back(Value::integer(i));
+          return Value::list(std::move(items));
+        }));
   g.set("namespace", Value::callable("namespace", [](Args& a) -> Value {
-    Value d = make_dict_from(a, "namespace");
-    Value ns = Value::ns();
-    for (auto& [k, v] : d.entries().entries) {
-      if (k.is_string() && !k.as_string().empty() && k.as_string()[0] == '_')
-        fail("chat templates cannot store underscore-prefixed attributes on a namespace, but got '" +
-             k.as_string() + "'");
-      ns.entries().entries.emplace_back(k, v);
-    }
-    return ns;
-  }));
+          Value d = make_dict_from(a, "namespace");
+          Value ns = Value::ns();
+          for (auto& [k, v] : d.entries().entries) {
+            if (k.is_string() && !k.as_string().empty() && k.as_string()[0] == '_')
+              fail(
+                  "chat templates cannot store underscore-prefixed attributes on a namespace, but "
+                  "got '" +
+                  k.as_string() + "'");
+            ns.entries().entries.emplace_back(k, v);
+          }
+          return ns;
+        }));
   g.set("dict", Value::callable("dict", [](Args& a) { return make_dict_from(a, "dict"); }));
   g.set("raise_exception", Value::callable("raise_exception", [](Args& a) -> Value {
-    fail(a.pos.empty() ? std::string("raise_exception() called") : to_str(a.pos[0]));
-  }));
+          fail(a.pos.empty() ? std::string("raise_exception() called") : to_str(a.pos[0]));
+        }));
   g.set("strftime_now", Value::callable("strftime_now", [this](Args& a) -> Value {
-    if (a.pos.empty() || !a.pos[0].is_string()) fail("strftime_now expects a format string");
-    const std::string& f = a.pos[0].as_string();
-    if (opts_.strftime_now) return Value::string(opts_.strftime_now(f));
-    std::time_t now = std::time(nullptr);
-    std::tm tm{};
-    localtime_r(&now, &tm);
-    char buf[512];
-    size_t n = std::strftime(buf, sizeof(buf), f.c_str(), &tm);
-    return Value::string(std::string(buf, n));
-  }));
+          if (a.pos.empty() || !a.pos[0].is_string()) fail("strftime_now expects a format string");
+          const std::string& f = a.pos[0].as_string();
+          if (opts_.strftime_now) return Value::string(opts_.strftime_now(f));
+          std::time_t now = std::time(nullptr);
+          std::tm tm{};
+          localtime_r(&now, &tm);
+          char buf[512];
+          size_t n = std::strftime(buf, sizeof(buf), f.c_str(), &tm);
+          return Value::string(std::string(buf, n));
+        }));
 }
 
-// ---- Methods --------------------------------------------------------------------------------
+// ---- Methods ------------------------------------------------------------------------------------
 const std::string& Interp::want_str(const Value& v, const char* what) {
   if (!v.is_string()) fail(std::string(what) + " must be str, not " + type_name(v));
   return v.as_string();
@@ -305,7 +327,8 @@ const std::string& Interp::want_str(const Value& v, const char* what) {
 bool Interp::match_affix(const std::string& s, const Value& arg, bool prefix) {
   auto one = [&](const std::string& a) {
     if (a.size() > s.size()) return false;
-    return prefix ? s.compare(0, a.size(), a) == 0 : s.compare(s.size() - a.size(), a.size(), a) == 0;
+    return prefix ? s.compare(0, a.size(), a) == 0
+                  : s.compare(s.size() - a.size(), a.size(), a) == 0;
   };
   if (arg.kind() == Value::Kind::kTuple) {
     for (const auto& e : arg.items())
@@ -333,7 +356,8 @@ Value Interp::str_format(const std::string& fmt, Args& a) {
       if (colon != std::string::npos) field = field.substr(0, colon);  // format specs are ignored
       const Value* v = nullptr;
       if (field.empty()) {
-        if (auto_idx >= a.pos.size()) fail("Replacement index " + std::to_string(auto_idx) + " out of range");
+        if (auto_idx >= a.pos.size())
+          fail("Replacement index " + std::to_string(auto_idx) + " out of range");
         v = &a.pos[auto_idx++];
       } else if (std::isdigit(static_cast<unsigned char>(field[0]))) {
         size_t k = static_cast<size_t>(std::strtoull(field.c_str(), nullptr, 10));
@@ -347,8 +371,10 @@ Value Interp::str_format(const std::string& fmt, Args& a) {
       out += to_str(*v);
       i = close;
     } else if (c == '}') {
-      if (i + 1 < fmt.size() && fmt[i + 1] == '}') ++i;
-      else fail("Single '}' encountered in format string");
+      if (i + 1 < fmt.size() && fmt[i + 1] == '}')
+        ++i;
+      else
+        fail("Single '}' encountered in format string");
       out += '}';
     } else {
       out += c;
@@ -476,8 +502,9 @@ Value Interp::call_method(const Value& obj, const std::string& name, Args& a) {
     const Value* n = arg(1, "new");
     if (!o || !n) fail("replace() takes at least 2 arguments");
     const Value* c = arg(2, "count");
-    return Value::string(py_replace(s, want_str(*o, "replace() argument 1"), want_str(*n, "replace() argument 2"),
-                                    c ? c->as_int() : -1, opts_.max_output_bytes));
+    return Value::string(py_replace(s, want_str(*o, "replace() argument 1"),
+                                    want_str(*n, "replace() argument 2"), c ? c->as_int() : -1,
+                                    opts_.max_output_bytes));
   }
   if (name == "upper") return Value::string(map_case(s, 1));
   if (name == "lower" || name == "casefold") return Value::string(map_case(s, 0));
@@ -498,7 +525,8 @@ Value Interp::call_method(const Value& obj, const std::string& name, Args& a) {
     if (name == "count") {
       if (needle.empty()) return Value::integer(static_cast<int64_t>(utf8_length(s)) + 1);
       int64_t n = 0;
-      for (size_t p = s.find(needle); p != std::string::npos; p = s.find(needle, p + needle.size())) ++n;
+      for (size_t p = s.find(needle); p != std::string::npos; p = s.find(needle, p + needle.size()))
+        ++n;
       return Value::integer(n);
     }
     size_t p = name == "rfind" ? s.rfind(needle) : s.find(needle);
@@ -524,14 +552,16 @@ Value Interp::call_method(const Value& obj, const std::string& name, Args& a) {
   if (name == "splitlines") {
     const Value* k = arg(0, "keepends");
     List out;
-    for (auto& line : py_splitlines(s, k && truthy(*k))) out.push_back(Value::string(std::move(line)));
+    for (auto& line : py_splitlines(s, k && truthy(*k)))
+      out.push_back(Value::string(std::move(line)));
     return Value::list(std::move(out));
   }
   if (name == "removeprefix" || name == "removesuffix") {
     const Value* p = arg(0, "prefix");
     if (!p) fail(name + "() takes exactly one argument");
     const std::string& a0 = want_str(*p, name.c_str());
-    if (name == "removeprefix" && s.compare(0, a0.size(), a0) == 0) return Value::string(s.substr(a0.size()));
+    if (name == "removeprefix" && s.compare(0, a0.size(), a0) == 0)
+      return Value::string(s.substr(a0.size()));
     if (name == "removesuffix" && a0.size() <= s.size() && !a0.empty() &&
         s.compare(s.size() - a0.size(), a0.size(), a0) == 0)
       return Value::string(s.substr(0, s.size() - a0.size()));
@@ -547,7 +577,8 @@ Value Interp::call_method(const Value& obj, const std::string& name, Args& a) {
       if (name == "partition") return Value::tuple({obj, Value::string(""), Value::string("")});
       return Value::tuple({Value::string(""), Value::string(""), obj});
     }
-    return Value::tuple({Value::string(s.substr(0, f)), Value::string(sep), Value::string(s.substr(f + sep.size()))});
+    return Value::tuple({Value::string(s.substr(0, f)), Value::string(sep),
+                         Value::string(s.substr(f + sep.size()))});
   }
   if (name == "format") return str_format(s, a);
   if (name == "zfill" || name == "center" || name == "ljust" || name == "rjust") {
@@ -560,7 +591,8 @@ Value Interp::call_method(const Value& obj, const std::string& name, Args& a) {
     size_t pad = static_cast<size_t>(width - len);
     if (name == "zfill") {
       bool sign = !s.empty() && (s[0] == '-' || s[0] == '+');
-      return Value::string((sign ? s.substr(0, 1) : "") + std::string(pad, '0') + (sign ? s.substr(1) : s));
+      return Value::string((sign ? s.substr(0, 1) : "") + std::string(pad, '0') +
+                           (sign ? s.substr(1) : s));
     }
     const std::string* fill = opt_str(1, "fillchar");
     std::string f = fill ? *fill : " ";
@@ -586,10 +618,14 @@ Value Interp::call_method(const Value& obj, const std::string& name, Args& a) {
   };
   auto cat = [](uint32_t c) { return utf8proc_category(static_cast<utf8proc_int32_t>(c)); };
   if (name == "isdigit" || name == "isdecimal" || name == "isnumeric")
-    return Value::boolean(all([&](uint32_t c) { return cat(c) == UTF8PROC_CATEGORY_ND || (name != "isdecimal" && cat(c) == UTF8PROC_CATEGORY_NO); }));
+    return Value::boolean(all([&](uint32_t c) {
+      return cat(c) == UTF8PROC_CATEGORY_ND ||
+             (name != "isdecimal" && cat(c) == UTF8PROC_CATEGORY_NO);
+    }));
   if (name == "isalpha") return Value::boolean(all([&](uint32_t c) { return is_cased_letter(c); }));
   if (name == "isalnum")
-    return Value::boolean(all([&](uint32_t c) { return is_cased_letter(c) || cat(c) == UTF8PROC_CATEGORY_ND; }));
+    return Value::boolean(
+        all([&](uint32_t c) { return is_cased_letter(c) || cat(c) == UTF8PROC_CATEGORY_ND; }));
   if (name == "isspace") return Value::boolean(all([](uint32_t c) { return py_isspace(c); }));
   if (name == "islower" || name == "isupper" || name == "istitle") {
     bool cased = false;
@@ -606,7 +642,7 @@ Value Interp::call_method(const Value& obj, const std::string& name, Args& a) {
   fail("'str' object has no method '" + name + "'");
 }
 
-// ---- Filters ----------------------------------------------------------------------------------
+// ---- Filters ------------------------------------------------------------------------------------
 Value Interp::apply_filter_chain(const Node& chain, Value base, Scope& scope) {
   // The chain is nested Filter nodes whose innermost args[0] is null: apply inside-out.
   std::vector<const Node*> stack;
@@ -629,14 +665,19 @@ Value Interp::attr_path(const Value& item, const Value& attribute) {
   while (true) {
     size_t dot = path.find('.', b);
     std::string part = path.substr(b, dot == std::string::npos ? std::string::npos : dot - b);
-    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
-    cur = numeric ? get_item(cur, Value::integer(std::strtoll(part.c_str(), nullptr, 10))) : get_item(cur, Value::string(part));
+    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) {
+      return std::isdigit(static_cast<unsigned char>(c));
+    });
+    cur = numeric ? get_item(cur, Value::integer(std::strtoll(part.c_str(), nullptr, 10)))
+                  : get_item(cur, Value::string(part));
     if (dot == std::string::npos) return cur;
     b = dot + 1;
   }
 }
 
-std::string Interp::sort_key_str(const Value& v, bool case_sensitive) { return case_sensitive ? v.as_string() : map_case(v.as_string(), 0); }
+std::string Interp::sort_key_str(const Value& v, bool case_sensitive) {
+  return case_sensitive ? v.as_string() : map_case(v.as_string(), 0);
+}
 
 List Interp::sorted(List items, bool reverse, bool case_sensitive, const Value* attribute) {
   std::vector<std::pair<Value, Value>> keyed;
@@ -669,12 +710,16 @@ Value Interp::apply_filter(const std::string& name, Value v, Args& a) {
     JsonDumpOptions o;
     if (const Value* x = arg(0, "ensure_ascii")) o.ensure_ascii = truthy(*x);
     if (const Value* x = arg(1, "indent")) {
-      if (x->is_string()) o.indent_str = x->as_string();
-      else if (x->is_int() || x->is_bool()) o.indent = static_cast<int>(std::clamp<int64_t>(x->as_int(), 0, 64));
-      else if (!x->is_none()) fail("tojson indent must be an integer or a string");
+      if (x->is_string())
+        o.indent_str = x->as_string();
+      else if (x->is_int() || x->is_bool())
+        o.indent = static_cast<int>(std::clamp<int64_t>(x->as_int(), 0, 64));
+      else if (!x->is_none())
+        fail("tojson indent must be an integer or a string");
     }
     if (const Value* x = arg(2, "separators"); x && !x->is_none()) {
-      if (!x->is_sequence() || x->items().size() != 2 || !x->items()[0].is_string() || !x->items()[1].is_string())
+      if (!x->is_sequence() || x->items().size() != 2 || !x->items()[0].is_string() ||
+          !x->items()[1].is_string())
         fail("tojson separators must be a (item_separator, key_separator) pair of strings");
       o.has_separators = true;
       o.item_sep = x->items()[0].as_string();
@@ -686,18 +731,23 @@ Value Interp::apply_filter(const std::string& name, Value v, Args& a) {
     return Value::string(std::move(s));
   }
   if (name == "safe") return Value::string(to_str(v));  // Markup(value) is a str
-  if (name == "escape" || name == "e" || name == "forceescape") return Value::string(html_escape(to_str(v)));
+  if (name == "escape" || name == "e" || name == "forceescape")
+    return Value::string(html_escape(to_str(v)));
   if (name == "string") return Value::string(to_str(v));
   if (name == "length" || name == "count") {
     switch (v.kind()) {
-      case Value::Kind::kUndefined: return Value::integer(0);
-      case Value::Kind::kString: return Value::integer(static_cast<int64_t>(utf8_length(v.as_string())));
+      case Value::Kind::kUndefined:
+        return Value::integer(0);
+      case Value::Kind::kString:
+        return Value::integer(static_cast<int64_t>(utf8_length(v.as_string())));
       case Value::Kind::kList:
       case Value::Kind::kTuple:
         if (v.is_generator()) fail("object of type '" + v.as_string() + "' has no len()");
         return Value::integer(static_cast<int64_t>(v.items().size()));
-      case Value::Kind::kDict: return Value::integer(static_cast<int64_t>(v.entries().entries.size()));
-      default: fail("object of type '" + type_name(v) + "' has no len()");
+      case Value::Kind::kDict:
+        return Value::integer(static_cast<int64_t>(v.entries().entries.size()));
+      default:
+        fail("object of type '" + type_name(v) + "' has no len()");
     }
   }
   if (name == "list") return Value::list(iterate(v));
@@ -707,7 +757,8 @@ Value Interp::apply_filter(const std::string& name, Value v, Args& a) {
     return items.front();
   }
   if (name == "last") {
-    if ((!v.is_sequence() && !v.is_string() && !v.is_undefined() && !v.is_mapping()) || v.is_generator())
+    if ((!v.is_sequence() && !v.is_string() && !v.is_undefined() && !v.is_mapping()) ||
+        v.is_generator())
       fail("'" + type_name(v) + "' object is not reversible");
     List items = iterate(v);
     if (items.empty()) return Value::undefined("No last item, sequence was empty.");
@@ -734,24 +785,31 @@ Value Interp::apply_filter(const std::string& name, Value v, Args& a) {
   if (name == "trim") {
     const Value* chars = arg(0, "chars");
     std::string c = chars && !chars->is_none() ? to_str(*chars) : std::string();
-    return Value::string(py_strip(to_str(v), chars && !chars->is_none() ? &c : nullptr, true, true));
+    return Value::string(
+        py_strip(to_str(v), chars && !chars->is_none() ? &c : nullptr, true, true));
   }
   if (name == "replace") {
     const Value* o = arg(0, "old");
     const Value* n = arg(1, "new");
     if (!o || !n) fail("replace filter needs 'old' and 'new' arguments");
     const Value* c = arg(2, "count");
-    return Value::string(py_replace(to_str(v), to_str(*o), to_str(*n), c && !c->is_none() ? c->as_int() : -1,
-                                    opts_.max_output_bytes));
+    return Value::string(py_replace(to_str(v), to_str(*o), to_str(*n),
+                                    c && !c->is_none() ? c->as_int() : -1, opts_.max_output_bytes));
   }
   if (name == "indent") {
     const Value* w = arg(0, "width");
-    std::string ind = !w ? "    " : w->is_string() ? w->as_string() : std::string(static_cast<size_t>(std::clamp<int64_t>(w->is_number() ? w->as_int() : 4, 0, 1024)), ' ');
+    std::string ind = !w ? "    "
+                      : w->is_string()
+                          ? w->as_string()
+                          : std::string(static_cast<size_t>(std::clamp<int64_t>(
+                                            w->is_number() ? w->as_int() : 4, 0, 1024)),
+                                        ' ');
     bool first = flag(1, "first", false);
     bool blank = flag(2, "blank", false);
     // do_indent appends "\n" with +=, so anything but a string fails as in Python.
     if (v.is_undefined()) fail(undefined_message(v));
-    if (!v.is_string()) fail("unsupported operand type(s) for +=: '" + type_name(v) + "' and 'str'");
+    if (!v.is_string())
+      fail("unsupported operand type(s) for +=: '" + type_name(v) + "' and 'str'");
     std::string s = v.as_string() + "\n";
     auto lines = py_splitlines(s, false);
     std::string rv;
@@ -759,7 +817,8 @@ Value Interp::apply_filter(const std::string& name, Value v, Args& a) {
       for (size_t i = 0; i < lines.size(); ++i) rv += (i ? "\n" + ind : "") + lines[i];
     } else {
       rv = lines.empty() ? "" : lines[0];
-      for (size_t i = 1; i < lines.size(); ++i) rv += "\n" + (lines[i].empty() ? "" : ind) + lines[i];
+      for (size_t i = 1; i < lines.size(); ++i)
+        rv += "\n" + (lines[i].empty() ? "" : ind) + lines[i];
     }
     if (first) rv = ind + rv;
     check_size(rv.size());
@@ -790,7 +849,8 @@ Value Interp::apply_filter(const std::string& name, Value v, Args& a) {
         if (errno == 0 && end && *end == 0) return Value::integer(x);
         end = nullptr;
         double f = std::strtod(digits.c_str(), &end);
-        if (end && *end == 0 && std::isfinite(f) && std::fabs(f) < 9.2e18) return Value::integer(static_cast<int64_t>(f));
+        if (end && *end == 0 && std::isfinite(f) && std::fabs(f) < 9.2e18)
+          return Value::integer(static_cast<int64_t>(f));
       }
     }
     return fallback;
@@ -851,7 +911,8 @@ Value Interp::apply_filter(const std::string& name, Value v, Args& a) {
     bool rev = flag(0, "reverse", false);
     bool cs = flag(1, "case_sensitive", false);
     const Value* attribute = arg(2, "attribute");
-    return Value::list(sorted(iterate(v), rev, cs, attribute && !attribute->is_none() ? attribute : nullptr));
+    return Value::list(
+        sorted(iterate(v), rev, cs, attribute && !attribute->is_none() ? attribute : nullptr));
   }
   if (name == "reverse") {
     if (v.is_string()) {
@@ -862,7 +923,8 @@ Value Interp::apply_filter(const std::string& name, Value v, Args& a) {
     List items = iterate(v);
     std::reverse(items.begin(), items.end());
     return Value::generator(std::move(items), v.kind() == Value::Kind::kList && !v.is_generator()
-                                                  ? "list_reverseiterator" : "reversed");
+                                                  ? "list_reverseiterator"
+                                                  : "reversed");
   }
   if (name == "unique") {
     bool cs = flag(0, "case_sensitive", false);
@@ -883,7 +945,8 @@ Value Interp::apply_filter(const std::string& name, Value v, Args& a) {
   if (name == "min" || name == "max") {
     bool cs = flag(0, "case_sensitive", false);
     const Value* attribute = arg(1, "attribute");
-    List items = sorted(iterate(v), false, cs, attribute && !attribute->is_none() ? attribute : nullptr);
+    List items =
+        sorted(iterate(v), false, cs, attribute && !attribute->is_none() ? attribute : nullptr);
     if (items.empty()) return Value::undefined("No aggregated item, sequence was empty.");
     return name == "min" ? items.front() : items.back();
   }
@@ -891,7 +954,8 @@ Value Interp::apply_filter(const std::string& name, Value v, Args& a) {
     const Value* attribute = arg(0, "attribute");
     const Value* start = arg(1, "start");
     Value acc = start ? *start : Value::integer(0);
-    for (const auto& it : iterate(v)) acc = binary("+", acc, attribute && !attribute->is_none() ? attr_path(it, *attribute) : it);
+    for (const auto& it : iterate(v))
+      acc = binary("+", acc, attribute && !attribute->is_none() ? attr_path(it, *attribute) : it);
     return acc;
   }
   if (name == "map") {
@@ -930,7 +994,9 @@ Value Interp::apply_filter(const std::string& name, Value v, Args& a) {
       attribute = a.pos[k++];
     }
     std::string test = k < a.pos.size() ? to_str(a.pos[k++]) : "";
-    Args targs{List(a.pos.begin() + static_cast<std::ptrdiff_t>(std::min(k, a.pos.size())), a.pos.end()), a.kw};
+    Args targs{
+        List(a.pos.begin() + static_cast<std::ptrdiff_t>(std::min(k, a.pos.size())), a.pos.end()),
+        a.kw};
     List out;
     for (const auto& it : iterate(v)) {
       Value x = by_attr ? attr_path(it, attribute) : it;
@@ -980,8 +1046,8 @@ Value Interp::apply_filter(const std::string& name, Value v, Args& a) {
     bool in_word = false;
     for (uint32_t cp : utf8_decode(to_str(v))) {
       auto c = utf8proc_category(static_cast<utf8proc_int32_t>(cp));
-      bool w = cp == '_' || is_cased_letter(cp) || c == UTF8PROC_CATEGORY_ND || c == UTF8PROC_CATEGORY_NL ||
-               c == UTF8PROC_CATEGORY_NO;
+      bool w = cp == '_' || is_cased_letter(cp) || c == UTF8PROC_CATEGORY_ND ||
+               c == UTF8PROC_CATEGORY_NL || c == UTF8PROC_CATEGORY_NO;
       if (w && !in_word) ++words;
       in_word = w;
     }
@@ -1019,7 +1085,8 @@ bool Interp::apply_test(const std::string& name, const Value& v, Args& a) {
   if (name == "iterable")
     return v.is_undefined() || v.is_string() || v.is_sequence() || v.is_mapping();
   if (name == "sequence")
-    return v.is_undefined() || v.is_string() || (v.is_sequence() && !v.is_generator()) || v.is_mapping();
+    return v.is_undefined() || v.is_string() || (v.is_sequence() && !v.is_generator()) ||
+           v.is_mapping();
   if (name == "escaped") return false;
   if (name == "even" || name == "odd") {
     if (!v.is_number()) fail("test '" + name + "' needs a number");
@@ -1045,28 +1112,35 @@ bool Interp::apply_test(const std::string& name, const Value& v, Args& a) {
     if (v.kind() != o.kind()) return false;
     switch (v.kind()) {
       case Value::Kind::kList:
-      case Value::Kind::kTuple: return &v.items() == &o.items();
+      case Value::Kind::kTuple:
+        return &v.items() == &o.items();
       case Value::Kind::kDict:
-      case Value::Kind::kNamespace: return &v.entries() == &o.entries();
-      default: return equals(v, o);
+      case Value::Kind::kNamespace:
+        return &v.entries() == &o.entries();
+      default:
+        return equals(v, o);
     }
   }
   if (name == "lower" || name == "upper") {  // str(value).islower()
     Args none;
-    return truthy(call_method(Value::string(to_str(v)), name == "lower" ? "islower" : "isupper", none));
+    return truthy(
+        call_method(Value::string(to_str(v)), name == "lower" ? "islower" : "isupper", none));
   }
   if (name == "filter" || name == "test") {
-    static const char* kFilters[] = {"default", "d", "tojson", "safe", "escape", "e", "string", "length", "count",
-                                     "list", "first", "last", "join", "upper", "lower", "capitalize", "title",
-                                     "trim", "replace", "indent", "int", "float", "abs", "round", "items",
-                                     "dictsort", "sort", "reverse", "unique", "min", "max", "sum", "map",
-                                     "select", "reject", "selectattr", "rejectattr", "attr", "batch", "center",
-                                     "wordcount", "format", "pprint", "forceescape"};
-    static const char* kTests[] = {"defined", "undefined", "none", "string", "mapping", "number", "integer",
-                                   "float", "boolean", "true", "false", "callable", "iterable", "sequence",
-                                   "escaped", "even", "odd", "divisibleby", "eq", "equalto", "ne", "lt",
-                                   "lessthan", "le", "gt", "greaterthan", "ge", "in", "sameas", "lower",
-                                   "upper", "filter", "test"};
+    static const char* kFilters[] = {
+        "default",    "d",          "tojson", "safe",  "escape",   "e",         "string",
+        "length",     "count",      "list",   "first", "last",     "join",      "upper",
+        "lower",      "capitalize", "title",  "trim",  "replace",  "indent",    "int",
+        "float",      "abs",        "round",  "items", "dictsort", "sort",      "reverse",
+        "unique",     "min",        "max",    "sum",   "map",      "select",    "reject",
+        "selectattr", "rejectattr", "attr",   "batch", "center",   "wordcount", "format",
+        "pprint",     "forceescape"};
+    static const char* kTests[] = {
+        "defined", "undefined", "none",  "string",      "mapping",     "number",   "integer",
+        "float",   "boolean",   "true",  "false",       "callable",    "iterable", "sequence",
+        "escaped", "even",      "odd",   "divisibleby", "eq",          "equalto",  "ne",
+        "lt",      "lessthan",  "le",    "gt",          "greaterthan", "ge",       "in",
+        "sameas",  "lower",     "upper", "filter",      "test"};
     std::string q = v.is_string() ? v.as_string() : "";
     if (name == "filter") {
       for (const char* f : kFilters)

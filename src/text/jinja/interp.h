@@ -19,7 +19,9 @@
 
 namespace m3::text::jinja::detail {
 
-[[noreturn]] inline void fail(const std::string& what) { throw RenderError(what); }
+[[noreturn]] inline void fail(const std::string& what) {
+  throw RenderError(what);
+}
 
 // Python semantics both files use (defined in interpreter.cpp).
 std::string encode(const std::vector<uint32_t>& cps, size_t b, size_t e);  // code points [b, e)
@@ -27,7 +29,7 @@ int64_t pymod(int64_t a, int64_t b);   // Python's int %: the sign of the diviso
 double pyfmod(double a, double b);     // Python's float %
 std::string obj_repr(const Value& v);  // jinja's object_type_repr
 
-// ---- Scopes ---------------------------------------------------------------------------------
+// ---- Scopes -------------------------------------------------------------------------------------
 
 struct Scope {
   Scope* parent = nullptr;
@@ -64,13 +66,14 @@ class Interp {
   struct Depth {
     explicit Depth(Interp& in) : in(in) {
       if (++in.depth_ > in.opts_.max_depth)
-        fail("template recursion is too deep (more than " + std::to_string(in.opts_.max_depth) + " nested frames)");
+        fail("template recursion is too deep (more than " + std::to_string(in.opts_.max_depth) +
+             " nested frames)");
     }
     ~Depth() { --in.depth_; }
     Interp& in;
   };
 
-  // ---- Statements ------------------------------------------------------------------------------
+  // ---- Statements -------------------------------------------------------------------------------
 
   Flow exec_body(const std::vector<NodePtr>& body, Scope& scope, std::string& out);
   void emit(std::string& out, std::string_view s);
@@ -80,7 +83,7 @@ class Interp {
   Flow exec_for(const Node& n, Scope& scope, std::string& out);
   Value make_macro(const Node& n, Scope& scope);
 
-  // ---- Expressions -----------------------------------------------------------------------------
+  // ---- Expressions ------------------------------------------------------------------------------
 
   Value eval(const Node& n, Scope& scope);
   Args eval_args(const Node& n, Scope& scope, size_t first = 1);
@@ -88,7 +91,7 @@ class Interp {
   static std::string undefined_message(const Value& v);
   Value call_value(const Value& fn, Args& a);
 
-  // ---- Attribute / item access (sandbox getattr then getitem, or the reverse for []) ----------
+  // ---- Attribute / item access (sandbox getattr then getitem, or the reverse for []) ------------
 
   static bool is_dict_method(std::string_view n);
   static bool is_str_method(std::string_view n);
@@ -99,7 +102,7 @@ class Interp {
   Value slice(const Value& obj, const Value& start, const Value& stop, const Value& step);
   List iterate(const Value& v);
 
-  // ---- Operators ---------------------------------------------------------------------------------
+  // ---- Operators --------------------------------------------------------------------------------
 
   Value binary(const std::string& op, const Value& l, const Value& r);
 
@@ -111,12 +114,12 @@ class Interp {
 
   // The functions from here on are defined in builtins.cpp, those above in interpreter.cpp.
 
-  // ---- Globals -----------------------------------------------------------------------------------
+  // ---- Globals ----------------------------------------------------------------------------------
 
   static Value make_dict_from(Args& a, const char* what);
   void install_globals(Scope& g);
 
-  // ---- Methods --------------------------------------------------------------------------------
+  // ---- Methods ----------------------------------------------------------------------------------
 
   static const std::string& want_str(const Value& v, const char* what);
   static bool match_affix(const std::string& s, const Value& arg, bool prefix);
@@ -131,7 +134,7 @@ class Interp {
   List sorted(List items, bool reverse, bool case_sensitive, const Value* attribute);
   Value apply_filter(const std::string& name, Value v, Args& a);
 
-  // ---- Tests --------------------------------------------------------------------------------------
+  // ---- Tests ------------------------------------------------------------------------------------
 
   bool apply_test(const std::string& name, const Value& v, Args& a);
 

@@ -21,7 +21,8 @@ int64_t floordiv(int64_t a, int64_t b) {
 }
 
 // Python slice semantics -> list of indices.
-std::vector<int64_t> slice_indices(int64_t len, const Value& start, const Value& stop, const Value& step) {
+std::vector<int64_t> slice_indices(int64_t len, const Value& start, const Value& stop,
+                                   const Value& step) {
   auto as_index = [](const Value& v, const char* what) -> int64_t {
     if (v.is_int() || v.is_bool()) return v.as_int();
     fail(std::string("slice ") + what + " must be an integer or None, not " + type_name(v));
@@ -110,10 +111,11 @@ void Interp::tick() {
 
 void Interp::check_size(size_t n) const {
   if (n > opts_.max_output_bytes)
-    fail("template output exceeds the limit of " + std::to_string(opts_.max_output_bytes) + " bytes");
+    fail("template output exceeds the limit of " + std::to_string(opts_.max_output_bytes) +
+         " bytes");
 }
 
-// ---- Statements ------------------------------------------------------------------------------
+// ---- Statements ---------------------------------------------------------------------------------
 Flow Interp::exec_body(const std::vector<NodePtr>& body, Scope& scope, std::string& out) {
   for (const auto& n : body) {
     Flow f = exec(*n, scope, out);
@@ -143,7 +145,9 @@ Flow Interp::exec(const Node& n, Scope& scope, std::string& out) {
 
 Flow Interp::exec_inner(const Node& n, Scope& scope, std::string& out) {
   switch (n.kind) {
-    case NodeKind::kData: emit(out, n.value.as_string()); return Flow::kNormal;
+    case NodeKind::kData:
+      emit(out, n.value.as_string());
+      return Flow::kNormal;
     case NodeKind::kOutput: {
       Value v = eval(*n.args[0], scope);
       emit(out, to_str(v));
@@ -152,8 +156,11 @@ Flow Interp::exec_inner(const Node& n, Scope& scope, std::string& out) {
     case NodeKind::kIf:
       if (truthy(eval(*n.args[0], scope))) return exec_body(n.body, scope, out);
       return exec_body(n.orelse, scope, out);
-    case NodeKind::kFor: return exec_for(n, scope, out);
-    case NodeKind::kSet: assign(*n.args[0], eval(*n.args[1], scope), scope); return Flow::kNormal;
+    case NodeKind::kFor:
+      return exec_for(n, scope, out);
+    case NodeKind::kSet:
+      assign(*n.args[0], eval(*n.args[1], scope), scope);
+      return Flow::kNormal;
     case NodeKind::kSetBlock: {
       std::string captured;
       Scope* inner = new_scope(&scope);
@@ -163,7 +170,9 @@ Flow Interp::exec_inner(const Node& n, Scope& scope, std::string& out) {
       assign(*n.args[0], std::move(v), scope);
       return Flow::kNormal;
     }
-    case NodeKind::kMacro: scope.set(n.name, make_macro(n, scope)); return Flow::kNormal;
+    case NodeKind::kMacro:
+      scope.set(n.name, make_macro(n, scope));
+      return Flow::kNormal;
     case NodeKind::kCallBlock: {
       const Node& call = *n.args[0];
       Value caller = make_macro(n, scope);
@@ -189,8 +198,10 @@ Flow Interp::exec_inner(const Node& n, Scope& scope, std::string& out) {
       Scope* inner = new_scope(&scope);
       return exec_body(n.body, *inner, out);
     }
-    case NodeKind::kBreak: return Flow::kBreak;
-    case NodeKind::kContinue: return Flow::kContinue;
+    case NodeKind::kBreak:
+      return Flow::kBreak;
+    case NodeKind::kContinue:
+      return Flow::kContinue;
     default: {
       Value v = eval(n, scope);
       emit(out, to_str(v));
@@ -207,8 +218,8 @@ void Interp::assign(const Node& target, Value v, Scope& scope) {
     if (items.size() != target.args.size()) {
       if (items.size() > target.args.size())
         fail("too many values to unpack (expected " + std::to_string(target.args.size()) + ")");
-      fail("not enough values to unpack (expected " + std::to_string(target.args.size()) + ", got " +
-           std::to_string(items.size()) + ")");
+      fail("not enough values to unpack (expected " + std::to_string(target.args.size()) +
+           ", got " + std::to_string(items.size()) + ")");
     }
     for (size_t i = 0; i < items.size(); ++i) assign(*target.args[i], items[i], scope);
   } else if (target.kind == NodeKind::kAttr) {
@@ -216,7 +227,8 @@ void Interp::assign(const Node& target, Value v, Scope& scope) {
     if (!ns || ns->kind() != Value::Kind::kNamespace)
       fail("cannot assign attribute on non-namespace object '" + target.args[0]->name + "'");
     if (!target.name.empty() && target.name[0] == '_')
-      fail("chat templates cannot store underscore-prefixed attributes on a namespace, but got '" + target.name + "'");
+      fail("chat templates cannot store underscore-prefixed attributes on a namespace, but got '" +
+           target.name + "'");
     ns->entries().set(Value::string(target.name), std::move(v));
   } else {
     fail("cannot assign to this expression");
@@ -246,7 +258,9 @@ Flow Interp::exec_for(const Node& n, Scope& scope, std::string& out) {
     Scope* iter = new_scope(&scope);
     Value loop = Value::dict();
     Dict& d = loop.entries();
-    auto put = [&](const char* k, Value v) { d.entries.emplace_back(Value::string(k), std::move(v)); };
+    auto put = [&](const char* k, Value v) {
+      d.entries.emplace_back(Value::string(k), std::move(v));
+    };
     put("index", Value::integer(i + 1));
     put("index0", Value::integer(i));
     put("revindex", Value::integer(len - i));
@@ -279,13 +293,15 @@ Value Interp::make_macro(const Node& n, Scope& scope) {
     Scope* s = new_scope(defining);
     const auto& params = node->kwargs;
     if (a.pos.size() > params.size())
-      fail("macro '" + name + "' takes not more than " + std::to_string(params.size()) + " argument(s)");
+      fail("macro '" + name + "' takes not more than " + std::to_string(params.size()) +
+           " argument(s)");
     for (size_t i = 0; i < a.pos.size(); ++i) s->set(params[i].first, a.pos[i]);
     for (const auto& [k, v] : a.kw) {
       bool known = k == "caller";
       for (size_t i = 0; i < params.size(); ++i) {
         if (params[i].first == k) {
-          if (i < a.pos.size()) fail("macro '" + name + "' got multiple values for argument '" + k + "'");
+          if (i < a.pos.size())
+            fail("macro '" + name + "' got multiple values for argument '" + k + "'");
           known = true;
         }
       }
@@ -296,8 +312,11 @@ Value Interp::make_macro(const Node& n, Scope& scope) {
       bool given = false;
       for (const auto& kv : a.kw) given = given || kv.first == params[i].first;
       if (given) continue;
-      if (params[i].second) s->set(params[i].first, eval(*params[i].second, *s));
-      else s->set(params[i].first, Value::undefined("parameter '" + params[i].first + "' was not provided"));
+      if (params[i].second)
+        s->set(params[i].first, eval(*params[i].second, *s));
+      else
+        s->set(params[i].first,
+               Value::undefined("parameter '" + params[i].first + "' was not provided"));
     }
     std::string out;
     exec_body(node->body, *s, out);
@@ -305,7 +324,7 @@ Value Interp::make_macro(const Node& n, Scope& scope) {
   });
 }
 
-// ---- Expressions -----------------------------------------------------------------------------
+// ---- Expressions --------------------------------------------------------------------------------
 Value Interp::eval(const Node& n, Scope& scope) {
   Depth d(*this);
   tick();
@@ -329,18 +348,22 @@ Args Interp::eval_args(const Node& n, Scope& scope, size_t first) {
 
 Value Interp::eval_inner(const Node& n, Scope& scope) {
   switch (n.kind) {
-    case NodeKind::kConst: return n.value;
+    case NodeKind::kConst:
+      return n.value;
     case NodeKind::kName: {
       const Value* v = scope.find(n.name);
       if (!v) return Value::undefined("'" + n.name + "' is undefined");
       return *v;
     }
-    case NodeKind::kAttr: return get_attr(eval(*n.args[0], scope), n.name);
-    case NodeKind::kItem: return get_item(eval(*n.args[0], scope), eval(*n.args[1], scope));
+    case NodeKind::kAttr:
+      return get_attr(eval(*n.args[0], scope), n.name);
+    case NodeKind::kItem:
+      return get_item(eval(*n.args[0], scope), eval(*n.args[1], scope));
     case NodeKind::kSlice: {
       Value obj = eval(*n.args[0], scope);
       Value parts[3];
-      for (int i = 0; i < 3; ++i) parts[i] = n.args[i + 1] ? eval(*n.args[i + 1], scope) : Value::none();
+      for (int i = 0; i < 3; ++i)
+        parts[i] = n.args[i + 1] ? eval(*n.args[i + 1], scope) : Value::none();
       return slice(obj, parts[0], parts[1], parts[2]);
     }
     case NodeKind::kCall: {
@@ -363,13 +386,16 @@ Value Interp::eval_inner(const Node& n, Scope& scope) {
     case NodeKind::kPos: {
       Value v = eval(*n.args[0], scope);
       if (v.is_undefined()) fail(undefined_message(v));
-      if (!v.is_number()) fail("bad operand type for unary " + std::string(n.kind == NodeKind::kNeg ? "-" : "+") + ": '" + type_name(v) + "'");
+      if (!v.is_number())
+        fail("bad operand type for unary " + std::string(n.kind == NodeKind::kNeg ? "-" : "+") +
+             ": '" + type_name(v) + "'");
       if (n.kind == NodeKind::kPos) return v.is_bool() ? Value::integer(v.as_int()) : v;
       if (v.is_float()) return Value::number(-v.as_double());
       if (v.as_int() == INT64_MIN) fail("integer overflow");
       return Value::integer(-v.as_int());
     }
-    case NodeKind::kNot: return Value::boolean(!truthy(eval(*n.args[0], scope)));
+    case NodeKind::kNot:
+      return Value::boolean(!truthy(eval(*n.args[0], scope)));
     case NodeKind::kAnd: {
       Value l = eval(*n.args[0], scope);
       if (!truthy(l)) return l;
@@ -404,7 +430,8 @@ Value Interp::eval_inner(const Node& n, Scope& scope) {
     case NodeKind::kTuple: {
       List items;
       for (const auto& a : n.args) items.push_back(eval(*a, scope));
-      return n.kind == NodeKind::kList ? Value::list(std::move(items)) : Value::tuple(std::move(items));
+      return n.kind == NodeKind::kList ? Value::list(std::move(items))
+                                       : Value::tuple(std::move(items));
     }
     case NodeKind::kDict: {
       Value d = Value::dict();
@@ -416,7 +443,8 @@ Value Interp::eval_inner(const Node& n, Scope& scope) {
       }
       return d;
     }
-    default: fail("statement used where an expression was expected");
+    default:
+      fail("statement used where an expression was expected");
   }
 }
 
@@ -430,27 +458,30 @@ Value Interp::call_value(const Value& fn, Args& a) {
   return fn.fn().fn(a);
 }
 
-// ---- Attribute / item access (sandbox getattr then getitem, or the reverse for []) ----------
+// ---- Attribute / item access (sandbox getattr then getitem, or the reverse for []) --------------
 bool Interp::is_dict_method(std::string_view n) {
-  return n == "get" || n == "items" || n == "keys" || n == "values" || n == "pop" || n == "update" ||
-         n == "setdefault" || n == "clear" || n == "popitem" || n == "copy";
+  return n == "get" || n == "items" || n == "keys" || n == "values" || n == "pop" ||
+         n == "update" || n == "setdefault" || n == "clear" || n == "popitem" || n == "copy";
 }
 
 bool Interp::is_str_method(std::string_view n) {
-  static const char* kNames[] = {"strip", "lstrip", "rstrip", "split", "rsplit", "startswith", "endswith",
-                                 "replace", "upper", "lower", "title", "capitalize", "find", "rfind", "index",
-                                 "count", "join", "splitlines", "isdigit", "isalpha", "isalnum", "isspace",
-                                 "islower", "isupper", "format", "casefold", "swapcase", "zfill", "center",
-                                 "ljust", "rjust", "removeprefix", "removesuffix", "partition", "rpartition",
-                                 "isnumeric", "isdecimal", "istitle", "encode"};
+  static const char* kNames[] = {
+      "strip",     "lstrip",       "rstrip",       "split",     "rsplit",     "startswith",
+      "endswith",  "replace",      "upper",        "lower",     "title",      "capitalize",
+      "find",      "rfind",        "index",        "count",     "join",       "splitlines",
+      "isdigit",   "isalpha",      "isalnum",      "isspace",   "islower",    "isupper",
+      "format",    "casefold",     "swapcase",     "zfill",     "center",     "ljust",
+      "rjust",     "removeprefix", "removesuffix", "partition", "rpartition", "isnumeric",
+      "isdecimal", "istitle",      "encode"};
   for (const char* k : kNames)
     if (n == k) return true;
   return false;
 }
 
 bool Interp::is_list_method(std::string_view n) {
-  return n == "index" || n == "count" || n == "append" || n == "extend" || n == "insert" || n == "pop" ||
-         n == "remove" || n == "sort" || n == "reverse" || n == "clear" || n == "copy";
+  return n == "index" || n == "count" || n == "append" || n == "extend" || n == "insert" ||
+         n == "pop" || n == "remove" || n == "sort" || n == "reverse" || n == "clear" ||
+         n == "copy";
 }
 
 Value Interp::bound_method(const Value& obj, const std::string& name) {
@@ -459,7 +490,8 @@ Value Interp::bound_method(const Value& obj, const std::string& name) {
 
 Value Interp::get_attr(const Value& obj, const std::string& name) {
   switch (obj.kind()) {
-    case Value::Kind::kUndefined: fail(undefined_message(obj));
+    case Value::Kind::kUndefined:
+      fail(undefined_message(obj));
     case Value::Kind::kDict: {
       if (is_dict_method(name)) return bound_method(obj, name);
       if (const Value* v = obj.entries().find(name)) return *v;
@@ -476,14 +508,16 @@ Value Interp::get_attr(const Value& obj, const std::string& name) {
     case Value::Kind::kTuple:
       if (is_list_method(name)) return bound_method(obj, name);
       break;
-    default: break;
+    default:
+      break;
   }
   return Value::undefined("'" + obj_repr(obj) + "' has no attribute '" + name + "'");
 }
 
 Value Interp::get_item(const Value& obj, const Value& key) {
   switch (obj.kind()) {
-    case Value::Kind::kUndefined: fail(undefined_message(obj));
+    case Value::Kind::kUndefined:
+      fail(undefined_message(obj));
     case Value::Kind::kDict:
       if (const Value* v = obj.entries().find(key)) return *v;
       break;
@@ -504,11 +538,13 @@ Value Interp::get_item(const Value& obj, const Value& key) {
         int64_t i = key.as_int();
         int64_t len = static_cast<int64_t>(cps.size());
         if (i < 0) i += len;
-        if (i >= 0 && i < len) return Value::string(encode(cps, static_cast<size_t>(i), static_cast<size_t>(i) + 1));
+        if (i >= 0 && i < len)
+          return Value::string(encode(cps, static_cast<size_t>(i), static_cast<size_t>(i) + 1));
         return Value::undefined("'" + obj_repr(obj) + "' has no element " + to_repr(key));
       }
       break;
-    default: break;
+    default:
+      break;
   }
   if (key.is_string()) return get_attr(obj, key.as_string());
   return Value::undefined("'" + obj_repr(obj) + "' has no element " + to_repr(key));
@@ -528,7 +564,8 @@ Value Interp::slice(const Value& obj, const Value& start, const Value& stop, con
     const List& items = obj.items();
     for (int64_t i : slice_indices(static_cast<int64_t>(items.size()), start, stop, step))
       out.push_back(items[static_cast<size_t>(i)]);
-    return obj.kind() == Value::Kind::kTuple ? Value::tuple(std::move(out)) : Value::list(std::move(out));
+    return obj.kind() == Value::Kind::kTuple ? Value::tuple(std::move(out))
+                                             : Value::list(std::move(out));
   }
   // jinja compiles slices to a plain Python subscript (no sandbox getitem fallback).
   if (obj.is_mapping()) fail("unhashable type: 'slice'");
@@ -537,9 +574,11 @@ Value Interp::slice(const Value& obj, const Value& start, const Value& stop, con
 
 List Interp::iterate(const Value& v) {
   switch (v.kind()) {
-    case Value::Kind::kUndefined: return {};
+    case Value::Kind::kUndefined:
+      return {};
     case Value::Kind::kList:
-    case Value::Kind::kTuple: return v.items();
+    case Value::Kind::kTuple:
+      return v.items();
     case Value::Kind::kDict: {
       List keys;
       for (const auto& [k, val] : v.entries().entries) keys.push_back(k);
@@ -554,11 +593,12 @@ List Interp::iterate(const Value& v) {
       }
       return chars;
     }
-    default: fail("'" + type_name(v) + "' object is not iterable");
+    default:
+      fail("'" + type_name(v) + "' object is not iterable");
   }
 }
 
-// ---- Operators ---------------------------------------------------------------------------------
+// ---- Operators ----------------------------------------------------------------------------------
 Value Interp::binary(const std::string& op, const Value& l, const Value& r) {
   if (op == "~") {
     std::string s = to_str(l);
@@ -570,7 +610,8 @@ Value Interp::binary(const std::string& op, const Value& l, const Value& r) {
   if (l.is_undefined()) fail(undefined_message(l));
   if (r.is_undefined()) fail(undefined_message(r));
   auto type_err = [&]() -> Value {
-    fail("unsupported operand type(s) for " + op + ": '" + type_name(l) + "' and '" + type_name(r) + "'");
+    fail("unsupported operand type(s) for " + op + ": '" + type_name(l) + "' and '" + type_name(r) +
+         "'");
   };
   const bool nums = l.is_number() && r.is_number();
   const bool ints = nums && !l.is_float() && !r.is_float();
@@ -589,7 +630,8 @@ Value Interp::binary(const std::string& op, const Value& l, const Value& r) {
       List items = l.items();
       check_size(items.size() + r.items().size());
       items.insert(items.end(), r.items().begin(), r.items().end());
-      return l.kind() == Value::Kind::kTuple ? Value::tuple(std::move(items)) : Value::list(std::move(items));
+      return l.kind() == Value::Kind::kTuple ? Value::tuple(std::move(items))
+                                             : Value::list(std::move(items));
     }
     if (l.is_string()) fail("can only concatenate str (not \"" + type_name(r) + "\") to str");
     return type_err();
@@ -622,15 +664,19 @@ Value Interp::binary(const std::string& op, const Value& l, const Value& r) {
     if (!seq) return type_err();
     int64_t k = std::max<int64_t>(cnt->as_int(), 0);
     if (seq->is_string()) {
-      if (k > 0 && seq->as_string().size() > opts_.max_output_bytes / static_cast<uint64_t>(k)) check_size(SIZE_MAX);
+      if (k > 0 && seq->as_string().size() > opts_.max_output_bytes / static_cast<uint64_t>(k))
+        check_size(SIZE_MAX);
       std::string s;
       for (int64_t i = 0; i < k; ++i) s += seq->as_string();
       return Value::string(std::move(s));
     }
-    if (k > 0 && seq->items().size() > opts_.max_output_bytes / static_cast<uint64_t>(k)) check_size(SIZE_MAX);
+    if (k > 0 && seq->items().size() > opts_.max_output_bytes / static_cast<uint64_t>(k))
+      check_size(SIZE_MAX);
     List items;
-    for (int64_t i = 0; i < k; ++i) items.insert(items.end(), seq->items().begin(), seq->items().end());
-    return seq->kind() == Value::Kind::kTuple ? Value::tuple(std::move(items)) : Value::list(std::move(items));
+    for (int64_t i = 0; i < k; ++i)
+      items.insert(items.end(), seq->items().begin(), seq->items().end());
+    return seq->kind() == Value::Kind::kTuple ? Value::tuple(std::move(items))
+                                              : Value::list(std::move(items));
   }
   if (op == "/") {
     if (!nums) return type_err();
@@ -709,7 +755,8 @@ std::string Interp::percent_format(const std::string& fmt, const Value& args) {
       case 'x':
       case 'X':
       case 'o': {
-        if (!v.is_number()) fail("%" + std::string(1, conv) + " format: a number is required, not " + type_name(v));
+        if (!v.is_number())
+          fail("%" + std::string(1, conv) + " format: a number is required, not " + type_name(v));
         int64_t x = v.is_float() ? static_cast<int64_t>(v.as_double()) : v.as_int();
         std::string f = spec + "ll" + (conv == 'i' ? 'd' : conv);
         std::snprintf(buf, sizeof(buf), f.c_str(), static_cast<long long>(x));
@@ -727,14 +774,17 @@ std::string Interp::percent_format(const std::string& fmt, const Value& args) {
         out += buf;
         break;
       }
-      default: fail(std::string("unsupported format character '") + conv + "'");
+      default:
+        fail(std::string("unsupported format character '") + conv + "'");
     }
     check_size(out.size());
   }
   // Python: leftover arguments are an error, except a lone mapping/sequence argument (it may
   // serve %(name)s lookups, so CPython does not count it).
-  bool lone_container = args.kind() != Value::Kind::kTuple && (args.is_mapping() || args.kind() == Value::Kind::kList);
-  if (next < vals.size() && !lone_container) fail("not all arguments converted during string formatting");
+  bool lone_container = args.kind() != Value::Kind::kTuple &&
+                        (args.is_mapping() || args.kind() == Value::Kind::kList);
+  if (next < vals.size() && !lone_container)
+    fail("not all arguments converted during string formatting");
   return out;
 }
 
@@ -761,12 +811,14 @@ int Interp::cmp(const Value& l, const Value& r, const std::string& op) {
   }
   if (l.is_undefined()) fail(undefined_message(l));
   if (r.is_undefined()) fail(undefined_message(r));
-  fail("'" + op + "' not supported between instances of '" + type_name(l) + "' and '" + type_name(r) + "'");
+  fail("'" + op + "' not supported between instances of '" + type_name(l) + "' and '" +
+       type_name(r) + "'");
 }
 
 bool Interp::contains(const Value& container, const Value& item) {
   switch (container.kind()) {
-    case Value::Kind::kUndefined: return false;
+    case Value::Kind::kUndefined:
+      return false;
     case Value::Kind::kString:
       if (!item.is_string())
         fail("'in <string>' requires string as left operand, not " + type_name(item));
@@ -777,9 +829,11 @@ bool Interp::contains(const Value& container, const Value& item) {
         if (equals(e, item)) return true;
       return false;
     case Value::Kind::kDict:
-      if (item.kind() == Value::Kind::kList || item.is_mapping()) fail("unhashable type: '" + type_name(item) + "'");
+      if (item.kind() == Value::Kind::kList || item.is_mapping())
+        fail("unhashable type: '" + type_name(item) + "'");
       return container.entries().find(item) != nullptr;
-    default: fail("argument of type '" + type_name(container) + "' is not iterable");
+    default:
+      fail("argument of type '" + type_name(container) + "' is not iterable");
   }
 }
 
@@ -801,7 +855,8 @@ namespace m3::text::jinja {
 
 Result<std::string> Template::render(const Value& vars, const RenderOptions& options) const {
   if (!vars.is_mapping())
-    return make_error(ErrorCode::kInvalidArgument, name_ + ": template variables must be a mapping");
+    return make_error(ErrorCode::kInvalidArgument,
+                      name_ + ": template variables must be a mapping");
   if (!body_) return make_error(ErrorCode::kInternal, name_ + ": template was never parsed");
   detail::Interp interp(options, name_);
   try {
