@@ -1,7 +1,7 @@
-// Communicator: the collectives the sharded forward needs (tensor / expert parallelism), for one
-// rank of a group of world_size() ranks. Implementations: CpuCommunicator (ranks are threads of
-// one process, host memory; the CPU sharded forward and its tests) and NcclCommunicator (one GPU
-// per rank, device memory, ordered on the communicator's CUDA stream).
+// Communicator: the collectives the sharded forward needs (tensor / expert / attention-data
+// parallelism), for one rank of a group of world_size() ranks. Implementations: CpuCommunicator
+// (ranks are threads of one process, host memory; the CPU sharded forward and its tests) and
+// NcclCommunicator (one GPU per rank, device memory, ordered on the communicator's CUDA stream).
 // Invariant: every rank of a group calls the same collectives in the same order with the same
 // sizes; a mismatch is a bug (the CPU one checks what it can with M3_CHECK). Buffers are host
 // pointers for the CPU communicator and device pointers for NCCL; counts are elements.

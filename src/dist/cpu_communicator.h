@@ -2,7 +2,7 @@
 // CpuGroup is the rendezvous the ranks share: each collective posts the rank's buffer pointers,
 // waits for all ranks, reads the others' buffers directly, and waits again before returning, so
 // no rank reuses a buffer another rank is still reading. Used by the CPU sharded forward
-// (model/forward_backend.h make_cpu_sharded_backend) and the sharded-model tests.
+// (runtime/forward_backend.h make_cpu_sharded_backend) and the sharded-model tests.
 // Invariant: deterministic: all_reduce_sum adds ranks in rank order (0, 1, ..., N-1) on every
 // rank, so every rank holds bitwise the same sum. A CpuGroup must outlive its communicators.
 #pragma once

@@ -1,6 +1,6 @@
-// NcclCommunicator: Communicator over NCCL, one GPU per rank, for the GPU sharded forward (tensor /
-// expert parallel within a node; across nodes with the TCP bootstrap described in
-// docs/MULTI_NODE.md). Built only when CUDA and NCCL are found (M3_HAS_NCCL).
+// NcclCommunicator: Communicator over NCCL, one GPU per rank, for the GPU sharded forward (tensor,
+// expert and attention-data parallel within one node; multiple nodes are not implemented,
+// docs/MULTI_NODE.md has the plan). Built only when CUDA and NCCL are found (M3_HAS_NCCL).
 // Invariant: every collective is enqueued on stream() and returns without waiting for it (except
 // barrier(), which synchronises the stream); buffers are device pointers. NVLS stays off
 // (dist/nccl_env.h) before ncclCommInitRank runs.

@@ -126,8 +126,7 @@ void EngineImpl::admit(Pending& p) {
   auto r = std::make_unique<sched::Request>(p.id, p.req.prompt_token_ids, stop, p.req.priority, salt);
   RunnerRequestState st;
   st.params = sp;
-  st.rng = Sampler::make_rng(sp);
-  st.device_seed = sp.seed ? *sp.seed : st.rng();
+  st.seed = Sampler::make_rng(sp).seed;
   st.history = p.req.prompt_token_ids;
   st.num_prompt_tokens = static_cast<int>(p.req.prompt_token_ids.size());
   if (sp.prompt_logprobs >= 0) st.prompt_logprobs.assign(st.num_prompt_tokens, std::nullopt);

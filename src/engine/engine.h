@@ -30,7 +30,7 @@ namespace m3::engine {
 
 // Builds the device backend from the model the engine loaded on the host. `cpu_num_pages` is the
 // pool the engine sized from kv_cache_memory_bytes (what the CPU backend gets); a GPU factory may
-// size its own pool instead (model/cuda/cuda_backend.h). The engine never sees CUDA types.
+// size its own pool instead (runtime/cuda/cuda_backend.h). The engine never sees CUDA types.
 using BackendFactory = std::function<Result<std::unique_ptr<runtime::ForwardBackend>>(
     std::unique_ptr<model::M3Model> host_model, int64_t cpu_num_pages)>;
 

@@ -81,7 +81,7 @@ sched::RunnerOutput ModelRunner::execute(
       sr.top_p = p.top_p;
       sr.top_k = p.top_k;
       sr.min_p = p.min_p;
-      sr.seed = st.device_seed;
+      sr.seed = st.seed;
       sr.step = st.history.size() - static_cast<size_t>(st.num_prompt_tokens);
       device_slot[i] = static_cast<int32_t>(b.device_samples.size());
       b.device_samples.push_back(sr);
@@ -129,7 +129,8 @@ sched::RunnerOutput ModelRunner::execute(
     if (st.params.logprobs >= 0) raw.assign(lr.begin(), lr.end());
     std::span<const int32_t> gen(st.history.data() + st.num_prompt_tokens,
                                  st.history.size() - st.num_prompt_tokens);
-    const int32_t tok = Sampler::sample(lr, st.params, st.history, gen, st.rng, num_sampleable_);
+    SampleRng rng{st.seed, gen.size()};  // the draw the device would make for this token
+    const int32_t tok = Sampler::sample(lr, st.params, st.history, gen, rng, num_sampleable_);
     if (st.params.logprobs >= 0)
       st.step_logprobs.push_back(to_out(Sampler::logprobs(raw, tok, st.params.logprobs)));
     st.history.push_back(tok);

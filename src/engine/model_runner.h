@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <random>
 #include <unordered_map>
 #include <vector>
 
@@ -23,10 +22,9 @@ namespace m3::engine {
 // What the runner keeps per request between steps.
 struct RunnerRequestState {
   SamplingParams params;
-  std::mt19937_64 rng;
-  // Seed of the counter-based sampler used when the backend samples on the device: params.seed
-  // when given, else drawn from `rng` once, so a request's draws do not depend on its batch.
-  uint64_t device_seed = 0;
+  // Seed of the request's draws (params.seed when given, else random): output token i is drawn
+  // with the noise of (seed, i) whether the host or the device samples it (sampler.h).
+  uint64_t seed = 0;
   std::vector<int32_t> history;  // prompt + sampled tokens (penalties)
   int num_prompt_tokens = 0;
   // prompt logprobs, filled while the prompt is computed (entry 0 stays empty)

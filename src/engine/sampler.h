@@ -1,12 +1,13 @@
-// Sampler: turns one row of logits into a token, per request (temperature, top_k, top_p, min_p,
-// presence/frequency/repetition penalties, seeded RNG), and computes logprobs of the raw model
-// distribution (before penalties and temperature, as vLLM reports them by default).
-// Called by the engine's model runner per sampled row, and by `m3serve generate`.
-// Invariant: with the same logits, history and RNG state, the same token comes out.
+// Sampler: turns one row of logits into a token, per request (presence/frequency/repetition
+// penalties, then temperature, top_k, min_p, top_p and the draw), and computes logprobs of the
+// raw model distribution (before penalties and temperature, as vLLM reports them by default).
+// Called by the engine's model runner per row sampled on the host, and by `m3serve generate`.
+// Invariant: the draw is kernels/cpu/sample.h's rule (the GPU sampler's oracle): token `step` of a
+// request seeded `seed` depends only on its logits row and (seed, step), so a seeded request gives
+// the same tokens on the CPU and the GPU backend and in any batch.
 #pragma once
 
 #include <cstdint>
-#include <random>
 #include <span>
 #include <utility>
 #include <vector>
@@ -21,17 +22,25 @@ struct TokenLogprob {
   std::vector<std::pair<int32_t, float>> top;  // best first
 };
 
+// A counter-based RNG: draw number `step` of a request uses the noise of (seed, step) alone.
+// `step` is the output index of the token drawn next (what the GPU sampler is given).
+struct SampleRng {
+  uint64_t seed = 0;
+  uint64_t step = 0;
+};
+
 class Sampler {
  public:
-  // The request's RNG: seeded from params.seed, else from a random device.
-  static std::mt19937_64 make_rng(const SamplingParams& p);
+  // The request's RNG at step 0: seeded from params.seed, else from a random device.
+  static SampleRng make_rng(const SamplingParams& p);
 
-  // Samples from `logits` (modified in place: penalties, temperature, filters).
-  // `history` = prompt + generated ids (for the repetition penalty), `generated` = output ids
-  // (for presence/frequency). Tokens with id >= `num_valid` (padding rows) are never chosen.
+  // Samples from `logits` with the draw (rng.seed, rng.step), then advances rng.step. `logits`
+  // is modified in place (penalties; ids >= `num_valid`, padding rows, set to -inf and never
+  // chosen). `history` = prompt + generated ids (for the repetition penalty), `generated` =
+  // output ids (for presence/frequency).
   static int32_t sample(std::span<float> logits, const SamplingParams& p,
                         std::span<const int32_t> history, std::span<const int32_t> generated,
-                        std::mt19937_64& rng, int64_t num_valid);
+                        SampleRng& rng, int64_t num_valid);
 
   // log_softmax(logits)[token] and the `k` best (token, logprob) pairs, best first; ties by id.
   static TokenLogprob logprobs(std::span<const float> logits, int32_t token, int32_t k);

@@ -1,5 +1,6 @@
 // DeviceBuffer<T>: an owning, move-only cudaMalloc'd array, and Stream: an owning cudaStream_t.
-// Used by the CUDA ops' tests and benches, and later by the engine's GPU weights and KV pages.
+// Used by the CUDA ops' tests and benches and by the GPU model (model/cuda: weights, step
+// buffers, KV pages).
 // Invariant: data() is null exactly when size() == 0; the memory is freed once, by the owner,
 // and every CUDA call is checked (a fault ends the process, design.md §4).
 #pragma once

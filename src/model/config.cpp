@@ -233,12 +233,41 @@ Result<std::vector<int64_t>> parse_eos(const json& v, const std::string& key,
   return out;
 }
 
-Result<M3Config> parse_config_json(const json& root, const std::string& source) {
-  if (!root.is_object()) {
-    return invalid(source, "",
-                   "the top level must be a JSON object, got " + std::string(json_type_name(root)));
-  }
-  M3Config c;
+Result<int64_t> int_or(const Fields& f, const char* key, int64_t def) {
+  M3_TRY(std::optional<int64_t> v, f.get_int(key));
+  return v.value_or(def);
+}
+
+Result<double> real_or(const Fields& f, const char* key, double def) {
+  M3_TRY(std::optional<double> v, f.get_double(key));
+  return v.value_or(def);
+}
+
+Result<bool> bool_or(const Fields& f, const char* key, bool def) {
+  M3_TRY(std::optional<bool> v, f.get_bool(key));
+  return v.value_or(def);
+}
+
+// The objects a config's keys live in: the top level, the language model's object (text_config
+// for the VL form, the top level itself otherwise) and its sparse_attention_config (may be
+// absent: every lookup in it then misses).
+struct Sections {
+  const json* root;
+  const json* text;
+  Fields top;
+  Fields t;
+  Fields s;
+  const std::string& source;
+
+  bool text_is_top() const { return text == root; }
+};
+
+// One function per section of config.json, in the order parse_config_json runs them (so the
+// first error reported is the same as when they were one function); each fills its fields of
+// M3Config and validates them, and may read the fields an earlier section filled.
+
+// model_type decides where the text model's keys are; also notes a vision_config.
+Result<Sections> parse_model_type(const json& root, const std::string& source, M3Config& c) {
   Fields top(&root, "", source);
   M3_TRY(std::optional<std::string> model_type, top.get_string("model_type"));
   if (!model_type) {
@@ -276,21 +305,13 @@ Result<M3Config> parse_config_json(const json& root, const std::string& source) 
     return t.type_error("sparse_attention_config", "an object");
   }
   Fields s(sparse_obj, where + "sparse_attention_config.", source);
+  return Sections{&root, text, std::move(top), std::move(t), std::move(s), source};
+}
 
-  auto int_or = [&](const Fields& f, const char* key, int64_t def) -> Result<int64_t> {
-    M3_TRY(std::optional<int64_t> v, f.get_int(key));
-    return v.value_or(def);
-  };
-  auto real_or = [&](const Fields& f, const char* key, double def) -> Result<double> {
-    M3_TRY(std::optional<double> v, f.get_double(key));
-    return v.value_or(def);
-  };
-  auto bool_or = [&](const Fields& f, const char* key, bool def) -> Result<bool> {
-    M3_TRY(std::optional<bool> v, f.get_bool(key));
-    return v.value_or(def);
-  };
-
-  // ---- sizes ----
+// Model sizes, the expert counts and head_dim.
+Status parse_sizes(const Sections& in, M3Config& c) {
+  const Fields& t = in.t;
+  const std::string& source = in.source;
   M3_TRY(c.vocab_size, int_or(t, "vocab_size", 200064));
   M3_TRY(c.hidden_size, int_or(t, "hidden_size", 6144));
   M3_TRY(c.num_hidden_layers, int_or(t, "num_hidden_layers", 60));
@@ -338,8 +359,13 @@ Result<M3Config> parse_config_json(const json& root, const std::string& source) 
     }
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
+  return {};
+}
 
-  // ---- activation ----
+// hidden_act and the SwiGLU-OAI constants.
+Status parse_activation(const Sections& in, M3Config& c) {
+  const Fields& t = in.t;
+  const std::string& source = in.source;
   M3_TRY(std::optional<std::string> act, t.get_string("hidden_act"));
   if (act && *act != "swigluoai" && *act != "silu" && *act != "swiglu") {
     return unsupported(source, t.name("hidden_act"),
@@ -355,8 +381,13 @@ Result<M3Config> parse_config_json(const json& root, const std::string& source) 
   if (!std::isfinite(c.swiglu_beta)) {
     return invalid(source, t.name("swiglu_beta"), t.name("swiglu_beta") + " must be finite");
   }
+  return {};
+}
 
-  // ---- attention options the engine implements one way only ----
+// Attention options the engine implements one way only: refused unless they say M3's way.
+Status check_attention_options(const Sections& in) {
+  const Fields& t = in.t;
+  const std::string& source = in.source;
   M3_TRY(bool qk_norm, bool_or(t, "use_qk_norm", true));
   if (!qk_norm) {
     return unsupported(source, t.name("use_qk_norm"),
@@ -382,8 +413,14 @@ Result<M3Config> parse_config_json(const json& root, const std::string& source) 
                        t.name("attention_output_gate") +
                            " is true; gated attention output is not part of M3 and not supported");
   }
+  return {};
+}
 
-  // ---- RoPE ----
+// RoPE theta and the rotated width (the rule is in the comment at the top of this file). Needs
+// head_dim.
+Status parse_rope(const Sections& in, M3Config& c) {
+  const Fields& t = in.t;
+  const std::string& source = in.source;
   // rope_scaling non-null replaces rope_parameters, as in transformers.
   const char* rope_field = t.has("rope_scaling") ? "rope_scaling" : "rope_parameters";
   const json* rope = t.raw(rope_field);
@@ -441,8 +478,14 @@ Result<M3Config> parse_config_json(const json& root, const std::string& source) 
                        " must be even, positive and <= head_dim " + std::to_string(c.head_dim) +
                        " (NeoX RoPE rotates two halves of the first rotary_dim channels)");
   }
+  return {};
+}
 
-  // ---- MoE ----
+// The MoE router (scoring, bias, routed scale) and the shared expert. The expert sizes are
+// checked later (check_moe_sizes), once the layer types say whether any layer is MoE.
+Status parse_moe_routing(const Sections& in, M3Config& c) {
+  const Fields& t = in.t;
+  const std::string& source = in.source;
   M3_TRY(std::optional<std::string> scoring, t.get_string("scoring_func"));
   if (scoring && *scoring != "sigmoid") {
     return unsupported(source, t.name("scoring_func"),
@@ -467,29 +510,40 @@ Result<M3Config> parse_config_json(const json& root, const std::string& source) 
     c.n_shared_experts = 0;
     c.shared_intermediate_size = 0;
   }
+  return {};
+}
 
-  // ---- tied embeddings (the VL top level may carry it too) ----
+// Tied embeddings and the bos / eos token ids: the text object first, then the VL top level.
+Status parse_tokens(const Sections& in, M3Config& c) {
+  const Fields& t = in.t;
+  const Fields& top = in.top;
   M3_TRY(bool tie_text, bool_or(t, "tie_word_embeddings", false));
   M3_TRY(bool tie_top, bool_or(top, "tie_word_embeddings", false));
-  c.tie_word_embeddings = tie_text || (text != &root && tie_top);
+  c.tie_word_embeddings = tie_text || (!in.text_is_top() && tie_top);
 
-  // ---- token ids: text object first, then the VL top level ----
   M3_TRY(std::optional<int64_t> bos, t.get_int("bos_token_id"));
-  if (!bos && text != &root) {
+  if (!bos && !in.text_is_top()) {
     M3_TRY(bos, top.get_int("bos_token_id"));
   }
   if (bos) c.bos_token_id = *bos;
   const json* eos = t.raw("eos_token_id");
   std::string eos_key = t.name("eos_token_id");
-  if (eos == nullptr && text != &root) {
+  if (eos == nullptr && !in.text_is_top()) {
     eos = top.raw("eos_token_id");
     eos_key = "eos_token_id";
   }
   if (eos != nullptr) {
-    M3_TRY(c.eos_token_ids, parse_eos(*eos, eos_key, source));
+    M3_TRY(c.eos_token_ids, parse_eos(*eos, eos_key, in.source));
   }
+  return {};
+}
 
-  // ---- MSA geometry: flat index_* keys and/or sparse_attention_config ----
+// MSA geometry: flat index_* keys and/or sparse_attention_config. Validated in check_msa, once
+// the layer types say whether any layer is sparse.
+Status parse_msa_geometry(const Sections& in, M3Config& c) {
+  const Fields& t = in.t;
+  const Fields& s = in.s;
+  const std::string& source = in.source;
   M3_TRY(c.index_n_heads,
          int_from_either(t, "index_n_heads", s, "sparse_num_index_heads", 4, source));
   M3_TRY(c.index_head_dim,
@@ -508,8 +562,16 @@ Result<M3Config> parse_config_json(const json& root, const std::string& source) 
                            "\"; M3 pools token scores into blocks with \"max\", the only "
                            "supported value");
   }
+  return {};
+}
 
-  // ---- per-layer lists ----
+// The per-layer lists: which layers are sparse (layer_types / sparse_attention_freq), which are
+// MoE (mlp_layer_types / moe_layer_freq), and sparse_disable_index_value. Needs
+// num_hidden_layers.
+Status parse_layer_types(const Sections& in, M3Config& c) {
+  const Fields& t = in.t;
+  const Fields& s = in.s;
+  const std::string& source = in.source;
   const size_t n_layers = static_cast<size_t>(c.num_hidden_layers);
   auto check_len = [&](const std::vector<bool>& v, const std::string& key) -> Status {
     if (v.size() != n_layers) {
@@ -576,8 +638,13 @@ Result<M3Config> parse_config_json(const json& root, const std::string& source) 
       }
     }
   }
+  return {};
+}
 
-  // ---- MoE sizes (only checked when some layer uses them) ----
+// The expert and dense MLP sizes, checked only when some layer uses them.
+Status check_moe_sizes(const Sections& in, const M3Config& c) {
+  const Fields& t = in.t;
+  const std::string& source = in.source;
   bool any_moe = false, any_dense = false;
   for (bool m : c.layer_is_moe) (m ? any_moe : any_dense) = true;
   if (any_moe) {
@@ -595,48 +662,71 @@ Result<M3Config> parse_config_json(const json& root, const std::string& source) 
     M3_TRY_STATUS(
         require_positive(source, t.name("dense_intermediate_size"), c.dense_intermediate_size));
   }
+  return {};
+}
 
-  // The MSA block is also the KV page size (check_kv_block_size), so it must be valid even
-  // for a model without sparse layers.
+// The MSA geometry against the rest of the model. The block is also the KV page size
+// (check_kv_block_size), so it must be valid even for a model without sparse layers; the rest is
+// checked only when some layer is sparse.
+Status check_msa(const Sections& in, const M3Config& c) {
+  const Fields& s = in.s;
+  const std::string& source = in.source;
   M3_TRY_STATUS(require_positive(source, "sparse_block_size", c.sparse_block_size));
-
-  // ---- MSA checks (only when some layer is sparse) ----
-  if (c.any_sparse()) {
-    M3_TRY_STATUS(require_positive(source, "index_n_heads", c.index_n_heads));
-    M3_TRY_STATUS(require_positive(source, "index_head_dim", c.index_head_dim));
-    M3_TRY_STATUS(require_positive(source, "sparse_topk_blocks", c.sparse_topk_blocks));
-    if (c.index_n_heads != c.num_key_value_heads) {
-      return unsupported(
-          source, "index_n_heads",
-          "index_n_heads (sparse_num_index_heads) = " + std::to_string(c.index_n_heads) +
-              " differs from num_key_value_heads = " + std::to_string(c.num_key_value_heads) +
-              "; MSA selects blocks per KV head, so they must be equal");
-    }
-    if (c.rotary_dim > c.index_head_dim) {
-      return unsupported(source, "index_head_dim",
-                         "rotary_dim " + std::to_string(c.rotary_dim) + " exceeds index_head_dim " +
-                             std::to_string(c.index_head_dim) +
-                             "; the indexer applies the same RoPE and needs index_head_dim >= "
-                             "rotary_dim");
-    }
-    if (c.sparse_init_blocks < 0) {
-      return invalid(source, s.name("sparse_init_block"),
-                     "sparse_init_block must be >= 0, got " + std::to_string(c.sparse_init_blocks));
-    }
-    if (c.sparse_local_blocks < 1) {
-      return unsupported(
-          source, "sparse_local_block",
-          "sparse_local_block (index_local_blocks) = " + std::to_string(c.sparse_local_blocks) +
-              "; it must be >= 1 so a query always sees its own block (M3 uses 1)");
-    }
-    if (c.sparse_init_blocks + c.sparse_local_blocks > c.sparse_topk_blocks) {
-      return invalid(source, "sparse_topk_blocks",
-                     "sparse_init_block + sparse_local_block = " +
-                         std::to_string(c.sparse_init_blocks + c.sparse_local_blocks) +
-                         " exceeds sparse_topk_blocks = " + std::to_string(c.sparse_topk_blocks) +
-                         "; the always-selected blocks must fit in the top-k");
-    }
+  if (!c.any_sparse()) return {};
+  M3_TRY_STATUS(require_positive(source, "index_n_heads", c.index_n_heads));
+  M3_TRY_STATUS(require_positive(source, "index_head_dim", c.index_head_dim));
+  M3_TRY_STATUS(require_positive(source, "sparse_topk_blocks", c.sparse_topk_blocks));
+  if (c.index_n_heads != c.num_key_value_heads) {
+    return unsupported(
+        source, "index_n_heads",
+        "index_n_heads (sparse_num_index_heads) = " + std::to_string(c.index_n_heads) +
+            " differs from num_key_value_heads = " + std::to_string(c.num_key_value_heads) +
+            "; MSA selects blocks per KV head, so they must be equal");
   }
+  if (c.rotary_dim > c.index_head_dim) {
+    return unsupported(source, "index_head_dim",
+                       "rotary_dim " + std::to_string(c.rotary_dim) + " exceeds index_head_dim " +
+                           std::to_string(c.index_head_dim) +
+                           "; the indexer applies the same RoPE and needs index_head_dim >= "
+                           "rotary_dim");
+  }
+  if (c.sparse_init_blocks < 0) {
+    return invalid(source, s.name("sparse_init_block"),
+                   "sparse_init_block must be >= 0, got " + std::to_string(c.sparse_init_blocks));
+  }
+  if (c.sparse_local_blocks < 1) {
+    return unsupported(
+        source, "sparse_local_block",
+        "sparse_local_block (index_local_blocks) = " + std::to_string(c.sparse_local_blocks) +
+            "; it must be >= 1 so a query always sees its own block (M3 uses 1)");
+  }
+  if (c.sparse_init_blocks + c.sparse_local_blocks > c.sparse_topk_blocks) {
+    return invalid(source, "sparse_topk_blocks",
+                   "sparse_init_block + sparse_local_block = " +
+                       std::to_string(c.sparse_init_blocks + c.sparse_local_blocks) +
+                       " exceeds sparse_topk_blocks = " + std::to_string(c.sparse_topk_blocks) +
+                       "; the always-selected blocks must fit in the top-k");
+  }
+  return {};
+}
+
+Result<M3Config> parse_config_json(const json& root, const std::string& source) {
+  if (!root.is_object()) {
+    return invalid(source, "",
+                   "the top level must be a JSON object, got " + std::string(json_type_name(root)));
+  }
+  M3Config c;
+  M3_TRY(const Sections in, parse_model_type(root, source, c));
+  M3_TRY_STATUS(parse_sizes(in, c));
+  M3_TRY_STATUS(parse_activation(in, c));
+  M3_TRY_STATUS(check_attention_options(in));
+  M3_TRY_STATUS(parse_rope(in, c));
+  M3_TRY_STATUS(parse_moe_routing(in, c));
+  M3_TRY_STATUS(parse_tokens(in, c));
+  M3_TRY_STATUS(parse_msa_geometry(in, c));
+  M3_TRY_STATUS(parse_layer_types(in, c));
+  M3_TRY_STATUS(check_moe_sizes(in, c));
+  M3_TRY_STATUS(check_msa(in, c));
   return c;
 }
 

@@ -2,14 +2,14 @@
 // read in place from the checkpoint, and the one forward pass (model/m3_forward.h) over the CPU
 // ops (model/cpu_ops.h). One forward() serves whole-prompt prefill, chunked prefill and batched
 // decode alike: a step is a flat list of tokens, each with its sequence and absolute position,
-// plus each sequence's block table. Called by the CPU backends (model/forward_backend.h),
+// plus each sequence's block table. Called by the CPU backends (runtime/forward_backend.h),
 // `m3serve generate` and the model tests; M3ModelCuda uploads its weights.
 // Invariant: forward() writes K, V and index-K of every step token into its page before any
 // attention reads the cache, so tokens of the same step see each other causally.
 // Sharding (model/shard.h): make_shard gives one rank of a tensor/expert-parallel or attention
 // data-parallel group. Tensor parallel: every rank runs forward() on the same batch at the same
 // time and gets the same logits. Data parallel: the host splits each step by sequence owner
-// (model/dp_batch_split.h); every rank runs forward() on its own sequences, or forward_dp_idle()
+// (runtime/dp_batch_split.h); every rank runs forward() on its own sequences, or forward_dp_idle()
 // when it has none, after set_dp_step_rows(). An unsharded model (world 1, no communicator) runs
 // exactly the single-device code path.
 #pragma once

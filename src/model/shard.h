@@ -1,7 +1,7 @@
 // ShardSpec / ShardPlan: how one rank of a tensor-parallel (optionally expert-parallel) or
 // attention data-parallel group splits the M3 text model, and the per-rank weight views. Called by
 // M3Model::make_shard (model/m3_model.h), which runs the same forward on these views plus
-// collectives, and by the sharded CPU backend (model/forward_backend.h).
+// collectives, and by the sharded CPU backend (runtime/forward_backend.h).
 // Invariant: make_shard_plan accepts a spec only if every split is exact (heads, KV groups,
 // intermediates, experts); the vocabulary may split unevenly (chunks of ceil(V / N) rows, the
 // last rank shorter). world == 1 gives a plan whose views are the unsharded model's, unchanged.

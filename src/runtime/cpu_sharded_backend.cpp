@@ -1,7 +1,7 @@
-// make_cpu_sharded_backend (declared in model/forward_backend.h): N ranks as threads of this
+// make_cpu_sharded_backend (declared in runtime/forward_backend.h): N ranks as threads of this
 // process over a CpuCommunicator, on the per-rank threads every sharded backend uses
 // (model/rank_threads.h). Tensor parallel: every rank runs the same batch. Attention data
-// parallel: the batch is split on the host by sequence owner (model/dp_batch_split.h), exactly
+// parallel: the batch is split on the host by sequence owner (runtime/dp_batch_split.h), exactly
 // as on GPUs, and the ranks' results merged. The scheduler above stays one instance.
 #include "core/check.h"
 #include "core/log.h"

@@ -1,5 +1,5 @@
-// DpBatchSplit: the host half of attention data parallel (model/shard_backend.cpp on the CPU,
-// model/cuda/cuda_dp_backend.cpp on GPUs):
+// DpBatchSplit: the host half of attention data parallel (runtime/cpu_sharded_backend.cpp on the CPU,
+// runtime/cuda/cuda_dp_backend.cpp on GPUs):
 // one step's ForwardBatch split into one batch per DP rank by sequence owner, and the ranks'
 // ForwardResults merged back into the caller's order. The owner is the rank whose page partition
 // holds the sequence's pages (partitioned pools: pages [r * P, (r + 1) * P) live on rank r, and

@@ -1,6 +1,6 @@
 // The start-up check that one sequence of --max-model-len tokens fits in the KV page pool, with
 // the message users see (issue #5 "Bad input"). Called by the CUDA backend before it allocates
-// the pool (model/cuda/cuda_backend.cpp); pure arithmetic so it is tested on the CPU.
+// the pool (runtime/cuda/cuda_backend.cpp); pure arithmetic so it is tested on the CPU.
 // Invariant: returns ok exactly when max_model_len <= 0 (not given) or
 // ceil(max_model_len / page_size) <= num_pages.
 #pragma once

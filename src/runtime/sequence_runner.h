@@ -51,7 +51,7 @@ class SequenceRunner {
   // Over a backend it owns, or one the caller keeps alive; pages: all of the backend's.
   explicit SequenceRunner(std::unique_ptr<ForwardBackend> backend);
   explicit SequenceRunner(ForwardBackend& backend);
-  // Over a CPU model the caller keeps alive (a borrowed CPU backend, model/forward_backend.h),
+  // Over a CPU model the caller keeps alive (a borrowed CPU backend, runtime/forward_backend.h),
   // with room for `max_total_tokens` tokens over `max_seqs` sequences.
   SequenceRunner(const model::M3Model& model, int64_t max_total_tokens, int64_t max_seqs = 64);
 

@@ -1,4 +1,4 @@
-// The GPU ForwardBackend (model/cuda/cuda_backend.h) behind the engine, as `serve --device cuda`
+// The GPU ForwardBackend (runtime/cuda/cuda_backend.h) behind the engine, as `serve --device cuda`
 // wires it: greedy tokens through the engine on the GPU equal the transformers goldens (up to the
 // first near-tie), the KV pool is sized from the free memory or an explicit byte count, and bad
 // sizing values are refused with the flag named. GPU tests skip where no GPU is usable; the

@@ -4,15 +4,15 @@
 // CUDA graphs of the layers, and sampling next to the logits. Loading reuses M3Model::load (config, checkpoint,
 // weight checks) on the host, then uploads every weight once, bf16/f32 as stored; synthetic()
 // instead generates M3-shaped weights on the device (no host weights at all). The model keeps its
-// own M3Config. Called by `m3serve generate|serve --device cuda`, SequenceRunnerCuda,
-// model/cuda/cuda_backend.cpp and tests/model_cuda.
+// own M3Config. Called by the GPU backends of src/runtime/cuda (`serve`, `generate`),
+// runtime/cuda/cuda_backend.cpp and tests/model_cuda.
 // Tensor parallelism: from_host() of a shard (M3Model::make_shard) runs that rank's part of the
 // forward on its GPU with the same plan and collectives as the CPU shard, the collectives
 // enqueued on a device communicator's stream ordered after/before the model's stream by events
-// (so they are captured into the decode graphs too); model/cuda/cuda_shard_backend.cpp drives it.
+// (so they are captured into the decode graphs too); runtime/cuda/cuda_shard_backend.cpp drives it.
 // Attention data parallel (a data_sharded() shard): each rank's forward() runs only its own
 // sequences, unsharded except the routed experts, whose all-gather / reduce-scatter every rank
-// joins each step; model/cuda/cuda_dp_backend.cpp drives it.
+// joins each step; runtime/cuda/cuda_dp_backend.cpp drives it.
 // Invariant: forward() has M3Model::forward's contract (host batch in, host logits out, K/V/index-K
 // of every step token written before any attention reads them) and has finished on the device
 // when it returns. Not thread-safe: one forward at a time (it owns its stream and scratch space).

@@ -26,7 +26,7 @@ struct CudaBackendOptions {
   // > 0: exactly this many bytes of KV pages (--kv-cache-memory-bytes), instead of the fraction.
   int64_t kv_cache_memory_bytes = 0;
   // > 0: refuse, before the pool is allocated, when one sequence of this many tokens does not
-  // fit (--max-model-len; model/kv_budget.h).
+  // fit (--max-model-len; runtime/kv_budget.h).
   int64_t max_model_len = 0;
   // Seed of the weights when the host model is config-only (`--model synthetic:...,seed=S`).
   uint64_t synthetic_seed = 0;
@@ -76,7 +76,7 @@ namespace m3::runtime {
 // naming both counts and --tensor-parallel-size. Cheap (no context beyond the runtime's).
 Status check_tensor_parallel_devices(int tensor_parallel_size);
 
-// Tensor parallel on GPUs 0 .. N-1 (N = tensor_parallel_size, model/cuda/cuda_shard_backend.cpp):
+// Tensor parallel on GPUs 0 .. N-1 (N = tensor_parallel_size, runtime/cuda/cuda_shard_backend.cpp):
 // one persistent thread per rank bound to its GPU, owning an NcclCommunicator, the rank's
 // M3ModelCuda (from M3Model::make_shard of `host`; for a config-only synthetic host, the rank's
 // slices of the synthetic weights generated on its GPU from opts.synthetic_seed) and a
@@ -97,12 +97,12 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
 Status check_data_parallel_devices(int data_parallel_size);
 
 // Attention data parallel on GPUs 0 .. D-1 (D = data_parallel_size,
-// model/cuda/cuda_dp_backend.cpp), the "DP + expert parallel" deployment: one persistent thread
+// runtime/cuda/cuda_dp_backend.cpp), the "DP + expert parallel" deployment: one persistent thread
 // per rank bound to its GPU, owning an NcclCommunicator, the rank's M3ModelCuda (a data-parallel
 // shard: everything whole except the routed experts, which are 1/D of each expert's intermediate,
 // or with expert_parallel E/D whole experts; a config-only synthetic host generates those slices
 // from opts.synthetic_seed) and a KvCacheCuda with all KV heads. forward() splits the batch on
-// the host by sequence owner (model/dp_batch_split.h), runs every rank on its own sequences
+// the host by sequence owner (runtime/dp_batch_split.h), runs every rank on its own sequences
 // (a rank without any still joins every MoE layer's collectives) and merges the ranks' logits
 // rows, device samples and MSA selections back into the batch's order. Every rank's cache has
 // the same page count P, the smallest any GPU allows; with opts.dp_kv_partitions (default) the

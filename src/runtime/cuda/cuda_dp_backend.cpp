@@ -1,9 +1,9 @@
-// make_cuda_data_parallel_backend (model/cuda/cuda_backend.h): D attention data-parallel ranks,
-// one GPU each, as persistent threads of this process over NCCL (model/cuda/rank_group.h). The
+// make_cuda_data_parallel_backend (runtime/cuda/cuda_backend.h): D attention data-parallel ranks,
+// one GPU each, as persistent threads of this process over NCCL (runtime/cuda/rank_group.h). The
 // page ids are D partitions, one per rank (pages [r * P, (r + 1) * P) in rank r's cache; the
 // scheduler keeps each sequence inside one), unless opts.dp_kv_partitions is off (one shared
 // page-id space that every rank allocates whole). The batch is split on the host by sequence
-// owner (model/dp_batch_split.h); each rank
+// owner (runtime/dp_batch_split.h); each rank
 // runs M3ModelCuda::forward on its own sequences, a rank without any joins the MoE collectives
 // through forward_dp_idle, and the ranks' results are merged on the host into the batch's order
 // (every rank's result is already in host memory, so no device all-gather of logits is needed).

@@ -1,5 +1,5 @@
-// make_cuda_sharded_backend (model/cuda/cuda_backend.h): N tensor-parallel ranks, one GPU each,
-// as persistent threads of this process over NCCL (model/cuda/rank_group.h: the group's start-up,
+// make_cuda_sharded_backend (runtime/cuda/cuda_backend.h): N tensor-parallel ranks, one GPU each,
+// as persistent threads of this process over NCCL (runtime/cuda/rank_group.h: the group's start-up,
 // the rank threads, the pool). Each thread binds its device once, so the engine thread never
 // changes its own current device; a step costs two condition-variable handoffs. Every rank runs
 // M3ModelCuda::forward on the same batch (the collectives pair up); rank 0's logits / samples

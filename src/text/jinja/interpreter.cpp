@@ -1,233 +1,28 @@
-// Tree-walking interpreter for Template::render: scopes, statements, operators, and the filters,
-// tests, methods and globals chat templates use, with jinja2 / Python semantics.
+// Tree-walking interpreter for Template::render: scopes, statements, expressions, attribute and
+// item access, and operators, with jinja2 / Python semantics. The globals, methods, filters and
+// tests templates call are in builtins.cpp; interp.h declares the class both files define.
 #include <algorithm>
-#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstring>
-#include <ctime>
-#include <deque>
 #include <limits>
 
-#include <utf8proc.h>
-
+#include "text/jinja/interp.h"
 #include "text/jinja/lexer.h"
 #include "text/jinja/template.h"
 
-namespace m3::text::jinja {
+namespace m3::text::jinja::detail {
 namespace {
-
-[[noreturn]] void fail(const std::string& what) { throw RenderError(what); }
-
-// ---- Python string helpers (code-point aware) ------------------------------------------------
-
-bool py_isspace(uint32_t c) {
-  return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f) || c == 0x85 || c == 0xa0 ||
-         c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f ||
-         c == 0x205f || c == 0x3000;
-}
-
-std::string encode(const std::vector<uint32_t>& cps, size_t b, size_t e) {
-  std::string out;
-  for (size_t i = b; i < e; ++i) utf8_append(out, cps[i]);
-  return out;
-}
-
-bool is_ascii(std::string_view s) {
-  for (char c : s)
-    if (static_cast<unsigned char>(c) >= 0x80) return false;
-  return true;
-}
-
-// strip/lstrip/rstrip: chars == nullptr means whitespace.
-std::string py_strip(const std::string& s, const std::string* chars, bool left, bool right) {
-  auto cps = utf8_decode(s);
-  std::vector<uint32_t> set;
-  if (chars) set = utf8_decode(*chars);
-  auto strip_it = [&](uint32_t c) {
-    return chars ? std::find(set.begin(), set.end(), c) != set.end() : py_isspace(c);
-  };
-  size_t b = 0, e = cps.size();
-  if (left)
-    while (b < e && strip_it(cps[b])) ++b;
-  if (right)
-    while (e > b && strip_it(cps[e - 1])) --e;
-  if (b == 0 && e == cps.size()) return s;
-  return encode(cps, b, e);
-}
-
-std::vector<std::string> py_split(const std::string& s, const std::string* sep, int64_t maxsplit) {
-  std::vector<std::string> out;
-  if (sep) {
-    if (sep->empty()) fail("empty separator");
-    size_t pos = 0;
-    while (maxsplit < 0 || static_cast<int64_t>(out.size()) < maxsplit) {
-      size_t f = s.find(*sep, pos);
-      if (f == std::string::npos) break;
-      out.push_back(s.substr(pos, f - pos));
-      pos = f + sep->size();
-    }
-    out.push_back(s.substr(pos));
-    return out;
-  }
-  auto cps = utf8_decode(s);
-  size_t i = 0, n = cps.size();
-  while (true) {
-    while (i < n && py_isspace(cps[i])) ++i;
-    if (i >= n) break;
-    if (maxsplit >= 0 && static_cast<int64_t>(out.size()) >= maxsplit) {
-      size_t e = n;
-      while (e > i && py_isspace(cps[e - 1])) --e;
-      out.push_back(encode(cps, i, e));
-      break;
-    }
-    size_t b = i;
-    while (i < n && !py_isspace(cps[i])) ++i;
-    out.push_back(encode(cps, b, i));
-  }
-  return out;
-}
-
-std::string py_replace(const std::string& s, const std::string& old, const std::string& neu, int64_t count,
-                       size_t max_bytes) {
-  std::string out;
-  if (old.empty()) {
-    // Python inserts `neu` between every code point and at both ends.
-    auto cps = utf8_decode(s);
-    int64_t done = 0;
-    for (size_t i = 0; i <= cps.size(); ++i) {
-      if (count < 0 || done < count) {
-        out += neu;
-        ++done;
-      }
-      if (i < cps.size()) utf8_append(out, cps[i]);
-      if (out.size() > max_bytes) fail("string result too large");
-    }
-    return out;
-  }
-  size_t pos = 0;
-  int64_t done = 0;
-  while (count < 0 || done < count) {
-    size_t f = s.find(old, pos);
-    if (f == std::string::npos) break;
-    out.append(s, pos, f - pos);
-    out += neu;
-    if (out.size() > max_bytes) fail("string result too large");
-    pos = f + old.size();
-    ++done;
-  }
-  out.append(s, pos, std::string::npos);
-  return out;
-}
-
-std::string map_case(const std::string& s, int mode) {  // 0 lower, 1 upper
-  if (is_ascii(s)) {
-    std::string out = s;
-    for (char& c : out) c = mode ? static_cast<char>(std::toupper(static_cast<unsigned char>(c)))
-                                 : static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    return out;
-  }
-  std::string out;
-  for (uint32_t cp : utf8_decode(s)) {
-    // Python's str.upper uses full case mappings; the common multi-letter ones by hand.
-    if (mode && cp == 0xdf) {
-      out += "SS";
-      continue;
-    }
-    if (mode && cp >= 0xfb00 && cp <= 0xfb06) {
-      static const char* kLig[] = {"FF", "FI", "FL", "FFI", "FFL", "ST", "ST"};
-      out += kLig[cp - 0xfb00];
-      continue;
-    }
-    auto c = static_cast<utf8proc_int32_t>(cp);
-    utf8_append(out, static_cast<uint32_t>(mode ? utf8proc_toupper(c) : utf8proc_tolower(c)));
-  }
-  return out;
-}
-
-bool is_cased_letter(uint32_t cp) {
-  auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(cp));
-  return cat == UTF8PROC_CATEGORY_LU || cat == UTF8PROC_CATEGORY_LL || cat == UTF8PROC_CATEGORY_LT ||
-         cat == UTF8PROC_CATEGORY_LM || cat == UTF8PROC_CATEGORY_LO;
-}
-
-uint32_t cp_upper(uint32_t c) { return static_cast<uint32_t>(utf8proc_toupper(static_cast<utf8proc_int32_t>(c))); }
-uint32_t cp_lower(uint32_t c) { return static_cast<uint32_t>(utf8proc_tolower(static_cast<utf8proc_int32_t>(c))); }
-
-std::string py_title(const std::string& s) {  // str.title()
-  std::string out;
-  bool prev_cased = false;
-  for (uint32_t cp : utf8_decode(s)) {
-    bool letter = is_cased_letter(cp);
-    utf8_append(out, letter ? (prev_cased ? cp_lower(cp) : cp_upper(cp)) : cp);
-    prev_cased = letter;
-  }
-  return out;
-}
-
-std::string py_capitalize(const std::string& s) {
-  auto cps = utf8_decode(s);
-  std::string out;
-  for (size_t i = 0; i < cps.size(); ++i) utf8_append(out, i == 0 ? cp_upper(cps[i]) : cp_lower(cps[i]));
-  return out;
-}
-
-// jinja's `title` filter: capitalise each item of re.split(r"([-\s({\[<]+)", s).
-std::string jinja_title(const std::string& s) {
-  std::string out;
-  bool at_word_start = true;
-  for (uint32_t cp : utf8_decode(s)) {
-    bool sep = cp == '-' || cp == '(' || cp == '{' || cp == '[' || cp == '<' || py_isspace(cp);
-    if (sep) {
-      utf8_append(out, cp);
-      at_word_start = true;
-    } else {
-      utf8_append(out, at_word_start ? cp_upper(cp) : cp_lower(cp));
-      at_word_start = false;
-    }
-  }
-  return out;
-}
-
-std::vector<std::string> py_splitlines(const std::string& s, bool keepends) {
-  std::vector<std::string> out;
-  auto cps = utf8_decode(s);
-  size_t b = 0, i = 0;
-  while (i < cps.size()) {
-    uint32_t c = cps[i];
-    bool brk = c == '\n' || c == '\r' || c == 0x0b || c == 0x0c || c == 0x1c || c == 0x1d || c == 0x1e ||
-               c == 0x85 || c == 0x2028 || c == 0x2029;
-    if (!brk) {
-      ++i;
-      continue;
-    }
-    size_t e = i + 1;
-    if (c == '\r' && e < cps.size() && cps[e] == '\n') ++e;
-    out.push_back(encode(cps, b, keepends ? e : i));
-    b = i = e;
-  }
-  if (b < cps.size()) out.push_back(encode(cps, b, cps.size()));
-  return out;
-}
 
 int64_t floordiv(int64_t a, int64_t b) {
   int64_t q = a / b;
   if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
   return q;
 }
-int64_t pymod(int64_t a, int64_t b) {
-  int64_t m = a % b;
-  if (m != 0 && ((m < 0) != (b < 0))) m += b;
-  return m;
-}
-double pyfmod(double a, double b) {
-  double m = std::fmod(a, b);
-  if (m != 0 && ((m < 0) != (b < 0))) m += b;
-  return m;
-}
 
 // Python slice semantics -> list of indices.
-std::vector<int64_t> slice_indices(int64_t len, const Value& start, const Value& stop, const Value& step) {
+std::vector<int64_t> slice_indices(int64_t len, const Value& start, const Value& stop,
+                                   const Value& step) {
   auto as_index = [](const Value& v, const char* what) -> int64_t {
     if (v.is_int() || v.is_bool()) return v.as_int();
     fail(std::string("slice ") + what + " must be an integer or None, not " + type_name(v));
@@ -263,1660 +58,807 @@ std::vector<int64_t> slice_indices(int64_t len, const Value& start, const Value&
   return idx;
 }
 
+}  // namespace
+
+std::string encode(const std::vector<uint32_t>& cps, size_t b, size_t e) {
+  std::string out;
+  for (size_t i = b; i < e; ++i) utf8_append(out, cps[i]);
+  return out;
+}
+
+int64_t pymod(int64_t a, int64_t b) {
+  int64_t m = a % b;
+  if (m != 0 && ((m < 0) != (b < 0))) m += b;
+  return m;
+}
+double pyfmod(double a, double b) {
+  double m = std::fmod(a, b);
+  if (m != 0 && ((m < 0) != (b < 0))) m += b;
+  return m;
+}
+
 std::string obj_repr(const Value& v) {  // jinja's object_type_repr
   if (v.is_none()) return "None";
   return type_name(v) + " object";
 }
 
-std::string html_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
+std::string Interp::run(const std::vector<NodePtr>& body, const Value& vars) {
+  Scope* globals = new_scope(nullptr);
+  install_globals(*globals);
+  Scope* root = new_scope(globals);
+  if (vars.is_mapping()) {
+    for (const auto& [k, v] : vars.entries().entries) {
+      if (!k.is_string()) fail("template variable names must be strings");
+      root->set(k.as_string(), v);
     }
   }
+  std::string out;
+  exec_body(body, *root, out);
   return out;
 }
 
-// ---- Scopes ---------------------------------------------------------------------------------
+Scope* Interp::new_scope(Scope* parent) {
+  scopes_.emplace_back();
+  scopes_.back().parent = parent;
+  return &scopes_.back();
+}
 
-struct Scope {
-  Scope* parent = nullptr;
-  std::vector<std::pair<std::string, Value>> vars;
-  const Value* find(std::string_view name) const {
-    for (const Scope* s = this; s; s = s->parent)
-      for (const auto& [k, v] : s->vars)
-        if (k == name) return &v;
-    return nullptr;
+void Interp::tick() {
+  if (++steps_ > opts_.max_steps)
+    fail("template exceeded its evaluation budget (" + std::to_string(opts_.max_steps) +
+         " steps); it loops too long for a chat template");
+}
+
+void Interp::check_size(size_t n) const {
+  if (n > opts_.max_output_bytes)
+    fail("template output exceeds the limit of " + std::to_string(opts_.max_output_bytes) +
+         " bytes");
+}
+
+// ---- Statements ---------------------------------------------------------------------------------
+Flow Interp::exec_body(const std::vector<NodePtr>& body, Scope& scope, std::string& out) {
+  for (const auto& n : body) {
+    Flow f = exec(*n, scope, out);
+    if (f != Flow::kNormal) return f;
   }
-  void set(const std::string& name, Value v) {
-    for (auto& [k, old] : vars) {
-      if (k == name) {
-        old = std::move(v);
-        return;
-      }
+  return Flow::kNormal;
+}
+
+void Interp::emit(std::string& out, std::string_view s) {
+  out.append(s);
+  check_size(out.size());
+}
+
+Flow Interp::exec(const Node& n, Scope& scope, std::string& out) {
+  Depth d(*this);
+  tick();
+  try {
+    return exec_inner(n, scope, out);
+  } catch (RenderError& e) {
+    if (e.line == 0) {
+      e.line = n.line;
+      e.col = n.col;
     }
-    vars.emplace_back(name, std::move(v));
+    throw;
   }
-};
+}
 
-enum class Flow { kNormal, kBreak, kContinue };
-
-class Interp {
- public:
-  Interp(const RenderOptions& opts, const std::string& name) : opts_(opts), name_(name) {}
-
-  std::string run(const std::vector<NodePtr>& body, const Value& vars) {
-    Scope* globals = new_scope(nullptr);
-    install_globals(*globals);
-    Scope* root = new_scope(globals);
-    if (vars.is_mapping()) {
-      for (const auto& [k, v] : vars.entries().entries) {
-        if (!k.is_string()) fail("template variable names must be strings");
-        root->set(k.as_string(), v);
-      }
+Flow Interp::exec_inner(const Node& n, Scope& scope, std::string& out) {
+  switch (n.kind) {
+    case NodeKind::kData:
+      emit(out, n.value.as_string());
+      return Flow::kNormal;
+    case NodeKind::kOutput: {
+      Value v = eval(*n.args[0], scope);
+      emit(out, to_str(v));
+      return Flow::kNormal;
     }
-    std::string out;
-    exec_body(body, *root, out);
-    return out;
-  }
-
- private:
-  Scope* new_scope(Scope* parent) {
-    scopes_.emplace_back();
-    scopes_.back().parent = parent;
-    return &scopes_.back();
-  }
-
-  void tick() {
-    if (++steps_ > opts_.max_steps)
-      fail("template exceeded its evaluation budget (" + std::to_string(opts_.max_steps) +
-           " steps); it loops too long for a chat template");
-  }
-
-  void check_size(size_t n) const {
-    if (n > opts_.max_output_bytes)
-      fail("template output exceeds the limit of " + std::to_string(opts_.max_output_bytes) + " bytes");
-  }
-
-  struct Depth {
-    explicit Depth(Interp& in) : in(in) {
-      if (++in.depth_ > in.opts_.max_depth)
-        fail("template recursion is too deep (more than " + std::to_string(in.opts_.max_depth) + " nested frames)");
-    }
-    ~Depth() { --in.depth_; }
-    Interp& in;
-  };
-
-  // ---- Statements ------------------------------------------------------------------------------
-
-  Flow exec_body(const std::vector<NodePtr>& body, Scope& scope, std::string& out) {
-    for (const auto& n : body) {
-      Flow f = exec(*n, scope, out);
-      if (f != Flow::kNormal) return f;
-    }
-    return Flow::kNormal;
-  }
-
-  void emit(std::string& out, std::string_view s) {
-    out.append(s);
-    check_size(out.size());
-  }
-
-  Flow exec(const Node& n, Scope& scope, std::string& out) {
-    Depth d(*this);
-    tick();
-    try {
-      return exec_inner(n, scope, out);
-    } catch (RenderError& e) {
-      if (e.line == 0) {
-        e.line = n.line;
-        e.col = n.col;
-      }
-      throw;
-    }
-  }
-
-  Flow exec_inner(const Node& n, Scope& scope, std::string& out) {
-    switch (n.kind) {
-      case NodeKind::kData: emit(out, n.value.as_string()); return Flow::kNormal;
-      case NodeKind::kOutput: {
-        Value v = eval(*n.args[0], scope);
-        emit(out, to_str(v));
-        return Flow::kNormal;
-      }
-      case NodeKind::kIf:
-        if (truthy(eval(*n.args[0], scope))) return exec_body(n.body, scope, out);
-        return exec_body(n.orelse, scope, out);
-      case NodeKind::kFor: return exec_for(n, scope, out);
-      case NodeKind::kSet: assign(*n.args[0], eval(*n.args[1], scope), scope); return Flow::kNormal;
-      case NodeKind::kSetBlock: {
-        std::string captured;
-        Scope* inner = new_scope(&scope);
-        exec_body(n.body, *inner, captured);
-        Value v = Value::string(std::move(captured));
-        if (n.args[1]) v = apply_filter_chain(*n.args[1], std::move(v), scope);
-        assign(*n.args[0], std::move(v), scope);
-        return Flow::kNormal;
-      }
-      case NodeKind::kMacro: scope.set(n.name, make_macro(n, scope)); return Flow::kNormal;
-      case NodeKind::kCallBlock: {
-        const Node& call = *n.args[0];
-        Value caller = make_macro(n, scope);
-        Value fn = eval(*call.args[0], scope);
-        Args args = eval_args(call, scope);
-        args.kw.emplace_back("caller", caller);
-        emit(out, to_str(call_value(fn, args)));
-        return Flow::kNormal;
-      }
-      case NodeKind::kFilterBlock: {
-        std::string captured;
-        Scope* inner = new_scope(&scope);
-        exec_body(n.body, *inner, captured);
-        emit(out, to_str(apply_filter_chain(*n.args[0], Value::string(std::move(captured)), scope)));
-        return Flow::kNormal;
-      }
-      case NodeKind::kWith: {
-        Scope* inner = new_scope(&scope);
-        for (const auto& [name, expr] : n.kwargs) inner->set(name, eval(*expr, scope));
-        return exec_body(n.body, *inner, out);
-      }
-      case NodeKind::kScope: {
-        Scope* inner = new_scope(&scope);
-        return exec_body(n.body, *inner, out);
-      }
-      case NodeKind::kBreak: return Flow::kBreak;
-      case NodeKind::kContinue: return Flow::kContinue;
-      default: {
-        Value v = eval(n, scope);
-        emit(out, to_str(v));
-        return Flow::kNormal;
-      }
-    }
-  }
-
-  void assign(const Node& target, Value v, Scope& scope) {
-    if (target.kind == NodeKind::kName) {
-      scope.set(target.name, std::move(v));
-    } else if (target.kind == NodeKind::kTuple) {
-      List items = iterate(v);
-      if (items.size() != target.args.size()) {
-        if (items.size() > target.args.size())
-          fail("too many values to unpack (expected " + std::to_string(target.args.size()) + ")");
-        fail("not enough values to unpack (expected " + std::to_string(target.args.size()) + ", got " +
-             std::to_string(items.size()) + ")");
-      }
-      for (size_t i = 0; i < items.size(); ++i) assign(*target.args[i], items[i], scope);
-    } else if (target.kind == NodeKind::kAttr) {
-      const Value* ns = scope.find(target.args[0]->name);
-      if (!ns || ns->kind() != Value::Kind::kNamespace)
-        fail("cannot assign attribute on non-namespace object '" + target.args[0]->name + "'");
-      if (!target.name.empty() && target.name[0] == '_')
-        fail("chat templates cannot store underscore-prefixed attributes on a namespace, but got '" + target.name + "'");
-      ns->entries().set(Value::string(target.name), std::move(v));
-    } else {
-      fail("cannot assign to this expression");
-    }
-  }
-
-  Flow exec_for(const Node& n, Scope& scope, std::string& out) {
-    Value seq = eval(*n.args[1], scope);
-    List items = iterate(seq);
-    if (n.args[2]) {  // `for x in y if cond`: filter before loop.* is computed
-      List kept;
-      for (const auto& item : items) {
-        tick();
-        Scope* probe = new_scope(&scope);
-        assign(*n.args[0], item, *probe);
-        if (truthy(eval(*n.args[2], *probe))) kept.push_back(item);
-      }
-      items = std::move(kept);
-    }
-    if (items.empty()) {
+    case NodeKind::kIf:
+      if (truthy(eval(*n.args[0], scope))) return exec_body(n.body, scope, out);
+      return exec_body(n.orelse, scope, out);
+    case NodeKind::kFor:
+      return exec_for(n, scope, out);
+    case NodeKind::kSet:
+      assign(*n.args[0], eval(*n.args[1], scope), scope);
+      return Flow::kNormal;
+    case NodeKind::kSetBlock: {
+      std::string captured;
       Scope* inner = new_scope(&scope);
-      return exec_body(n.orelse, *inner, out);
+      exec_body(n.body, *inner, captured);
+      Value v = Value::string(std::move(captured));
+      if (n.args[1]) v = apply_filter_chain(*n.args[1], std::move(v), scope);
+      assign(*n.args[0], std::move(v), scope);
+      return Flow::kNormal;
     }
-    const int64_t len = static_cast<int64_t>(items.size());
-    for (int64_t i = 0; i < len; ++i) {
+    case NodeKind::kMacro:
+      scope.set(n.name, make_macro(n, scope));
+      return Flow::kNormal;
+    case NodeKind::kCallBlock: {
+      const Node& call = *n.args[0];
+      Value caller = make_macro(n, scope);
+      Value fn = eval(*call.args[0], scope);
+      Args args = eval_args(call, scope);
+      args.kw.emplace_back("caller", caller);
+      emit(out, to_str(call_value(fn, args)));
+      return Flow::kNormal;
+    }
+    case NodeKind::kFilterBlock: {
+      std::string captured;
+      Scope* inner = new_scope(&scope);
+      exec_body(n.body, *inner, captured);
+      emit(out, to_str(apply_filter_chain(*n.args[0], Value::string(std::move(captured)), scope)));
+      return Flow::kNormal;
+    }
+    case NodeKind::kWith: {
+      Scope* inner = new_scope(&scope);
+      for (const auto& [name, expr] : n.kwargs) inner->set(name, eval(*expr, scope));
+      return exec_body(n.body, *inner, out);
+    }
+    case NodeKind::kScope: {
+      Scope* inner = new_scope(&scope);
+      return exec_body(n.body, *inner, out);
+    }
+    case NodeKind::kBreak:
+      return Flow::kBreak;
+    case NodeKind::kContinue:
+      return Flow::kContinue;
+    default: {
+      Value v = eval(n, scope);
+      emit(out, to_str(v));
+      return Flow::kNormal;
+    }
+  }
+}
+
+void Interp::assign(const Node& target, Value v, Scope& scope) {
+  if (target.kind == NodeKind::kName) {
+    scope.set(target.name, std::move(v));
+  } else if (target.kind == NodeKind::kTuple) {
+    List items = iterate(v);
+    if (items.size() != target.args.size()) {
+      if (items.size() > target.args.size())
+        fail("too many values to unpack (expected " + std::to_string(target.args.size()) + ")");
+      fail("not enough values to unpack (expected " + std::to_string(target.args.size()) +
+           ", got " + std::to_string(items.size()) + ")");
+    }
+    for (size_t i = 0; i < items.size(); ++i) assign(*target.args[i], items[i], scope);
+  } else if (target.kind == NodeKind::kAttr) {
+    const Value* ns = scope.find(target.args[0]->name);
+    if (!ns || ns->kind() != Value::Kind::kNamespace)
+      fail("cannot assign attribute on non-namespace object '" + target.args[0]->name + "'");
+    if (!target.name.empty() && target.name[0] == '_')
+      fail("chat templates cannot store underscore-prefixed attributes on a namespace, but got '" +
+           target.name + "'");
+    ns->entries().set(Value::string(target.name), std::move(v));
+  } else {
+    fail("cannot assign to this expression");
+  }
+}
+
+Flow Interp::exec_for(const Node& n, Scope& scope, std::string& out) {
+  Value seq = eval(*n.args[1], scope);
+  List items = iterate(seq);
+  if (n.args[2]) {  // `for x in y if cond`: filter before loop.* is computed
+    List kept;
+    for (const auto& item : items) {
       tick();
-      Scope* iter = new_scope(&scope);
-      Value loop = Value::dict();
-      Dict& d = loop.entries();
-      auto put = [&](const char* k, Value v) { d.entries.emplace_back(Value::string(k), std::move(v)); };
-      put("index", Value::integer(i + 1));
-      put("index0", Value::integer(i));
-      put("revindex", Value::integer(len - i));
-      put("revindex0", Value::integer(len - i - 1));
-      put("first", Value::boolean(i == 0));
-      put("last", Value::boolean(i == len - 1));
-      put("length", Value::integer(len));
-      put("depth", Value::integer(1));
-      put("depth0", Value::integer(0));
-      if (i > 0) put("previtem", items[static_cast<size_t>(i - 1)]);
-      if (i + 1 < len) put("nextitem", items[static_cast<size_t>(i + 1)]);
-      put("cycle", Value::callable("cycle", [i](Args& a) -> Value {
-            if (a.pos.empty()) fail("no items for cycling given");
-            return a.pos[static_cast<size_t>(i) % a.pos.size()];
-          }));
-      iter->set("loop", std::move(loop));
-      assign(*n.args[0], items[static_cast<size_t>(i)], *iter);
-      Flow f = exec_body(n.body, *iter, out);
-      if (f == Flow::kBreak) break;
+      Scope* probe = new_scope(&scope);
+      assign(*n.args[0], item, *probe);
+      if (truthy(eval(*n.args[2], *probe))) kept.push_back(item);
     }
-    return Flow::kNormal;
+    items = std::move(kept);
   }
-
-  Value make_macro(const Node& n, Scope& scope) {
-    const Node* node = &n;
-    Scope* defining = &scope;
-    std::string name = n.kind == NodeKind::kMacro ? n.name : "caller";
-    return Value::callable(name, [this, node, defining, name](Args& a) -> Value {
-      Depth d(*this);
-      Scope* s = new_scope(defining);
-      const auto& params = node->kwargs;
-      if (a.pos.size() > params.size())
-        fail("macro '" + name + "' takes not more than " + std::to_string(params.size()) + " argument(s)");
-      for (size_t i = 0; i < a.pos.size(); ++i) s->set(params[i].first, a.pos[i]);
-      for (const auto& [k, v] : a.kw) {
-        bool known = k == "caller";
-        for (size_t i = 0; i < params.size(); ++i) {
-          if (params[i].first == k) {
-            if (i < a.pos.size()) fail("macro '" + name + "' got multiple values for argument '" + k + "'");
-            known = true;
-          }
-        }
-        if (!known) fail("macro '" + name + "' takes no keyword argument '" + k + "'");
-        s->set(k, v);
-      }
-      for (size_t i = a.pos.size(); i < params.size(); ++i) {
-        bool given = false;
-        for (const auto& kv : a.kw) given = given || kv.first == params[i].first;
-        if (given) continue;
-        if (params[i].second) s->set(params[i].first, eval(*params[i].second, *s));
-        else s->set(params[i].first, Value::undefined("parameter '" + params[i].first + "' was not provided"));
-      }
-      std::string out;
-      exec_body(node->body, *s, out);
-      return Value::string(std::move(out));
-    });
+  if (items.empty()) {
+    Scope* inner = new_scope(&scope);
+    return exec_body(n.orelse, *inner, out);
   }
-
-  // ---- Expressions -----------------------------------------------------------------------------
-
-  Value eval(const Node& n, Scope& scope) {
-    Depth d(*this);
+  const int64_t len = static_cast<int64_t>(items.size());
+  for (int64_t i = 0; i < len; ++i) {
     tick();
-    try {
-      return eval_inner(n, scope);
-    } catch (RenderError& e) {
-      if (e.line == 0) {
-        e.line = n.line;
-        e.col = n.col;
-      }
-      throw;
-    }
-  }
-
-  Args eval_args(const Node& n, Scope& scope, size_t first = 1) {
-    Args a;
-    for (size_t i = first; i < n.args.size(); ++i) a.pos.push_back(eval(*n.args[i], scope));
-    for (const auto& [k, e] : n.kwargs) a.kw.emplace_back(k, eval(*e, scope));
-    return a;
-  }
-
-  Value eval_inner(const Node& n, Scope& scope) {
-    switch (n.kind) {
-      case NodeKind::kConst: return n.value;
-      case NodeKind::kName: {
-        const Value* v = scope.find(n.name);
-        if (!v) return Value::undefined("'" + n.name + "' is undefined");
-        return *v;
-      }
-      case NodeKind::kAttr: return get_attr(eval(*n.args[0], scope), n.name);
-      case NodeKind::kItem: return get_item(eval(*n.args[0], scope), eval(*n.args[1], scope));
-      case NodeKind::kSlice: {
-        Value obj = eval(*n.args[0], scope);
-        Value parts[3];
-        for (int i = 0; i < 3; ++i) parts[i] = n.args[i + 1] ? eval(*n.args[i + 1], scope) : Value::none();
-        return slice(obj, parts[0], parts[1], parts[2]);
-      }
-      case NodeKind::kCall: {
-        Value fn = eval(*n.args[0], scope);
-        Args a = eval_args(n, scope);
-        return call_value(fn, a);
-      }
-      case NodeKind::kFilter: {
-        Value base = n.args[0] ? eval(*n.args[0], scope) : Value();
-        Args a = eval_args(n, scope);
-        return apply_filter(n.name, std::move(base), a);
-      }
-      case NodeKind::kTest: {
-        Value base = eval(*n.args[0], scope);
-        Args a = eval_args(n, scope);
-        bool r = apply_test(n.name, base, a);
-        return Value::boolean(n.negated ? !r : r);
-      }
-      case NodeKind::kNeg:
-      case NodeKind::kPos: {
-        Value v = eval(*n.args[0], scope);
-        if (v.is_undefined()) fail(undefined_message(v));
-        if (!v.is_number()) fail("bad operand type for unary " + std::string(n.kind == NodeKind::kNeg ? "-" : "+") + ": '" + type_name(v) + "'");
-        if (n.kind == NodeKind::kPos) return v.is_bool() ? Value::integer(v.as_int()) : v;
-        if (v.is_float()) return Value::number(-v.as_double());
-        if (v.as_int() == INT64_MIN) fail("integer overflow");
-        return Value::integer(-v.as_int());
-      }
-      case NodeKind::kNot: return Value::boolean(!truthy(eval(*n.args[0], scope)));
-      case NodeKind::kAnd: {
-        Value l = eval(*n.args[0], scope);
-        if (!truthy(l)) return l;
-        return eval(*n.args[1], scope);
-      }
-      case NodeKind::kOr: {
-        Value l = eval(*n.args[0], scope);
-        if (truthy(l)) return l;
-        return eval(*n.args[1], scope);
-      }
-      case NodeKind::kCond: {
-        if (truthy(eval(*n.args[0], scope))) return eval(*n.args[1], scope);
-        if (n.args[2]) return eval(*n.args[2], scope);
-        return Value::undefined("the inline if-expression on line " + std::to_string(n.line) +
-                                " evaluated to false and no else section was defined.");
-      }
-      case NodeKind::kBinary: {
-        Value l = eval(*n.args[0], scope);
-        Value r = eval(*n.args[1], scope);
-        return binary(n.name, l, r);
-      }
-      case NodeKind::kCompare: {
-        Value left = eval(*n.args[0], scope);
-        for (size_t i = 0; i < n.ops.size(); ++i) {
-          Value right = eval(*n.args[i + 1], scope);
-          if (!compare(n.ops[i], left, right)) return Value::boolean(false);
-          left = std::move(right);
-        }
-        return Value::boolean(true);
-      }
-      case NodeKind::kList:
-      case NodeKind::kTuple: {
-        List items;
-        for (const auto& a : n.args) items.push_back(eval(*a, scope));
-        return n.kind == NodeKind::kList ? Value::list(std::move(items)) : Value::tuple(std::move(items));
-      }
-      case NodeKind::kDict: {
-        Value d = Value::dict();
-        for (size_t i = 0; i + 1 < n.args.size(); i += 2) {
-          Value k = eval(*n.args[i], scope);
-          if (k.is_sequence() && k.kind() == Value::Kind::kList) fail("unhashable type: 'list'");
-          if (k.is_mapping()) fail("unhashable type: 'dict'");
-          d.entries().set(std::move(k), eval(*n.args[i + 1], scope));
-        }
-        return d;
-      }
-      default: fail("statement used where an expression was expected");
-    }
-  }
-
-  static std::string undefined_message(const Value& v) {
-    return v.as_string().empty() ? std::string("value is undefined") : v.as_string();
-  }
-
-  Value call_value(const Value& fn, Args& a) {
-    if (fn.is_undefined()) fail(undefined_message(fn));
-    if (!fn.is_callable()) fail("'" + type_name(fn) + "' object is not callable");
-    return fn.fn().fn(a);
-  }
-
-  // ---- Attribute / item access (sandbox getattr then getitem, or the reverse for []) ----------
-
-  static bool is_dict_method(std::string_view n) {
-    return n == "get" || n == "items" || n == "keys" || n == "values" || n == "pop" || n == "update" ||
-           n == "setdefault" || n == "clear" || n == "popitem" || n == "copy";
-  }
-  static bool is_str_method(std::string_view n) {
-    static const char* kNames[] = {"strip", "lstrip", "rstrip", "split", "rsplit", "startswith", "endswith",
-                                   "replace", "upper", "lower", "title", "capitalize", "find", "rfind", "index",
-                                   "count", "join", "splitlines", "isdigit", "isalpha", "isalnum", "isspace",
-                                   "islower", "isupper", "format", "casefold", "swapcase", "zfill", "center",
-                                   "ljust", "rjust", "removeprefix", "removesuffix", "partition", "rpartition",
-                                   "isnumeric", "isdecimal", "istitle", "encode"};
-    for (const char* k : kNames)
-      if (n == k) return true;
-    return false;
-  }
-  static bool is_list_method(std::string_view n) {
-    return n == "index" || n == "count" || n == "append" || n == "extend" || n == "insert" || n == "pop" ||
-           n == "remove" || n == "sort" || n == "reverse" || n == "clear" || n == "copy";
-  }
-
-  Value bound_method(const Value& obj, const std::string& name) {
-    return Value::callable(name, [this, obj, name](Args& a) { return call_method(obj, name, a); });
-  }
-
-  Value get_attr(const Value& obj, const std::string& name) {
-    switch (obj.kind()) {
-      case Value::Kind::kUndefined: fail(undefined_message(obj));
-      case Value::Kind::kDict: {
-        if (is_dict_method(name)) return bound_method(obj, name);
-        if (const Value* v = obj.entries().find(name)) return *v;
-        break;
-      }
-      case Value::Kind::kNamespace: {
-        if (const Value* v = obj.entries().find(name)) return *v;
-        break;
-      }
-      case Value::Kind::kString:
-        if (is_str_method(name)) return bound_method(obj, name);
-        break;
-      case Value::Kind::kList:
-      case Value::Kind::kTuple:
-        if (is_list_method(name)) return bound_method(obj, name);
-        break;
-      default: break;
-    }
-    return Value::undefined("'" + obj_repr(obj) + "' has no attribute '" + name + "'");
-  }
-
-  Value get_item(const Value& obj, const Value& key) {
-    switch (obj.kind()) {
-      case Value::Kind::kUndefined: fail(undefined_message(obj));
-      case Value::Kind::kDict:
-        if (const Value* v = obj.entries().find(key)) return *v;
-        break;
-      case Value::Kind::kList:
-      case Value::Kind::kTuple:
-        if (obj.is_generator()) break;
-        if (key.is_int() || key.is_bool()) {
-          int64_t i = key.as_int();
-          int64_t len = static_cast<int64_t>(obj.items().size());
-          if (i < 0) i += len;
-          if (i >= 0 && i < len) return obj.items()[static_cast<size_t>(i)];
-          return Value::undefined("'" + obj_repr(obj) + "' has no element " + to_repr(key));
-        }
-        break;
-      case Value::Kind::kString:
-        if (key.is_int() || key.is_bool()) {
-          auto cps = utf8_decode(obj.as_string());
-          int64_t i = key.as_int();
-          int64_t len = static_cast<int64_t>(cps.size());
-          if (i < 0) i += len;
-          if (i >= 0 && i < len) return Value::string(encode(cps, static_cast<size_t>(i), static_cast<size_t>(i) + 1));
-          return Value::undefined("'" + obj_repr(obj) + "' has no element " + to_repr(key));
-        }
-        break;
-      default: break;
-    }
-    if (key.is_string()) return get_attr(obj, key.as_string());
-    return Value::undefined("'" + obj_repr(obj) + "' has no element " + to_repr(key));
-  }
-
-  Value slice(const Value& obj, const Value& start, const Value& stop, const Value& step) {
-    if (obj.is_undefined()) fail(undefined_message(obj));
-    if (obj.is_string()) {
-      auto cps = utf8_decode(obj.as_string());
-      std::string out;
-      for (int64_t i : slice_indices(static_cast<int64_t>(cps.size()), start, stop, step))
-        utf8_append(out, cps[static_cast<size_t>(i)]);
-      return Value::string(std::move(out));
-    }
-    if (obj.is_sequence() && !obj.is_generator()) {
-      List out;
-      const List& items = obj.items();
-      for (int64_t i : slice_indices(static_cast<int64_t>(items.size()), start, stop, step))
-        out.push_back(items[static_cast<size_t>(i)]);
-      return obj.kind() == Value::Kind::kTuple ? Value::tuple(std::move(out)) : Value::list(std::move(out));
-    }
-    // jinja compiles slices to a plain Python subscript (no sandbox getitem fallback).
-    if (obj.is_mapping()) fail("unhashable type: 'slice'");
-    fail("'" + type_name(obj) + "' object is not subscriptable");
-  }
-
-  List iterate(const Value& v) {
-    switch (v.kind()) {
-      case Value::Kind::kUndefined: return {};
-      case Value::Kind::kList:
-      case Value::Kind::kTuple: return v.items();
-      case Value::Kind::kDict: {
-        List keys;
-        for (const auto& [k, val] : v.entries().entries) keys.push_back(k);
-        return keys;
-      }
-      case Value::Kind::kString: {
-        List chars;
-        for (uint32_t cp : utf8_decode(v.as_string())) {
-          std::string s;
-          utf8_append(s, cp);
-          chars.push_back(Value::string(std::move(s)));
-        }
-        return chars;
-      }
-      default: fail("'" + type_name(v) + "' object is not iterable");
-    }
-  }
-
-  // ---- Operators ---------------------------------------------------------------------------------
-
-  Value binary(const std::string& op, const Value& l, const Value& r) {
-    if (op == "~") {
-      std::string s = to_str(l);
-      s += to_str(r);
-      check_size(s.size());
-      return Value::string(std::move(s));
-    }
-    if (op == "%" && l.is_string()) return Value::string(percent_format(l.as_string(), r));
-    if (l.is_undefined()) fail(undefined_message(l));
-    if (r.is_undefined()) fail(undefined_message(r));
-    auto type_err = [&]() -> Value {
-      fail("unsupported operand type(s) for " + op + ": '" + type_name(l) + "' and '" + type_name(r) + "'");
+    Scope* iter = new_scope(&scope);
+    Value loop = Value::dict();
+    Dict& d = loop.entries();
+    auto put = [&](const char* k, Value v) {
+      d.entries.emplace_back(Value::string(k), std::move(v));
     };
-    const bool nums = l.is_number() && r.is_number();
-    const bool ints = nums && !l.is_float() && !r.is_float();
-    if (op == "+") {
-      if (ints) {
-        int64_t x;
-        if (__builtin_add_overflow(l.as_int(), r.as_int(), &x)) fail("integer overflow");
-        return Value::integer(x);
-      }
-      if (nums) return Value::number(l.as_double() + r.as_double());
-      if (l.is_string() && r.is_string()) {
-        check_size(l.as_string().size() + r.as_string().size());
-        return Value::string(l.as_string() + r.as_string());
-      }
-      if (l.is_sequence() && l.kind() == r.kind()) {
-        List items = l.items();
-        check_size(items.size() + r.items().size());
-        items.insert(items.end(), r.items().begin(), r.items().end());
-        return l.kind() == Value::Kind::kTuple ? Value::tuple(std::move(items)) : Value::list(std::move(items));
-      }
-      if (l.is_string()) fail("can only concatenate str (not \"" + type_name(r) + "\") to str");
-      return type_err();
-    }
-    if (op == "-") {
-      if (ints) {
-        int64_t x;
-        if (__builtin_sub_overflow(l.as_int(), r.as_int(), &x)) fail("integer overflow");
-        return Value::integer(x);
-      }
-      if (nums) return Value::number(l.as_double() - r.as_double());
-      return type_err();
-    }
-    if (op == "*") {
-      if (ints) {
-        int64_t x;
-        if (__builtin_mul_overflow(l.as_int(), r.as_int(), &x)) fail("integer overflow");
-        return Value::integer(x);
-      }
-      if (nums) return Value::number(l.as_double() * r.as_double());
-      const Value* seq = nullptr;
-      const Value* cnt = nullptr;
-      if ((l.is_string() || l.is_sequence()) && (r.is_int() || r.is_bool())) {
-        seq = &l;
-        cnt = &r;
-      } else if ((r.is_string() || r.is_sequence()) && (l.is_int() || l.is_bool())) {
-        seq = &r;
-        cnt = &l;
-      }
-      if (!seq) return type_err();
-      int64_t k = std::max<int64_t>(cnt->as_int(), 0);
-      if (seq->is_string()) {
-        if (k > 0 && seq->as_string().size() > opts_.max_output_bytes / static_cast<uint64_t>(k)) check_size(SIZE_MAX);
-        std::string s;
-        for (int64_t i = 0; i < k; ++i) s += seq->as_string();
-        return Value::string(std::move(s));
-      }
-      if (k > 0 && seq->items().size() > opts_.max_output_bytes / static_cast<uint64_t>(k)) check_size(SIZE_MAX);
-      List items;
-      for (int64_t i = 0; i < k; ++i) items.insert(items.end(), seq->items().begin(), seq->items().end());
-      return seq->kind() == Value::Kind::kTuple ? Value::tuple(std::move(items)) : Value::list(std::move(items));
-    }
-    if (op == "/") {
-      if (!nums) return type_err();
-      if (r.as_double() == 0) fail("division by zero");
-      return Value::number(l.as_double() / r.as_double());
-    }
-    if (op == "//") {
-      if (!nums) return type_err();
-      if (r.as_double() == 0) fail("integer division or modulo by zero");
-      if (ints) {
-        if (l.as_int() == INT64_MIN && r.as_int() == -1) fail("integer overflow");
-        return Value::integer(floordiv(l.as_int(), r.as_int()));
-      }
-      return Value::number(std::floor(l.as_double() / r.as_double()));
-    }
-    if (op == "%") {
-      if (l.is_string()) return Value::string(percent_format(l.as_string(), r));
-      if (!nums) return type_err();
-      if (r.as_double() == 0) fail("integer division or modulo by zero");
-      if (ints) {
-        if (r.as_int() == -1) return Value::integer(0);
-        return Value::integer(pymod(l.as_int(), r.as_int()));
-      }
-      return Value::number(pyfmod(l.as_double(), r.as_double()));
-    }
-    if (op == "**") {
-      if (!nums) return type_err();
-      if (ints && r.as_int() >= 0) {
-        int64_t base = l.as_int(), e = r.as_int(), acc = 1;
-        while (e > 0) {
-          if (e & 1)
-            if (__builtin_mul_overflow(acc, base, &acc)) fail("integer overflow");
-          e >>= 1;
-          if (e > 0 && __builtin_mul_overflow(base, base, &base)) fail("integer overflow");
+    put("index", Value::integer(i + 1));
+    put("index0", Value::integer(i));
+    put("revindex", Value::integer(len - i));
+    put("revindex0", Value::integer(len - i - 1));
+    put("first", Value::boolean(i == 0));
+    put("last", Value::boolean(i == len - 1));
+    put("length", Value::integer(len));
+    put("depth", Value::integer(1));
+    put("depth0", Value::integer(0));
+    if (i > 0) put("previtem", items[static_cast<size_t>(i - 1)]);
+    if (i + 1 < len) put("nextitem", items[static_cast<size_t>(i + 1)]);
+    put("cycle", Value::callable("cycle", [i](Args& a) -> Value {
+          if (a.pos.empty()) fail("no items for cycling given");
+          return a.pos[static_cast<size_t>(i) % a.pos.size()];
+        }));
+    iter->set("loop", std::move(loop));
+    assign(*n.args[0], items[static_cast<size_t>(i)], *iter);
+    Flow f = exec_body(n.body, *iter, out);
+    if (f == Flow::kBreak) break;
+  }
+  return Flow::kNormal;
+}
+
+Value Interp::make_macro(const Node& n, Scope& scope) {
+  const Node* node = &n;
+  Scope* defining = &scope;
+  std::string name = n.kind == NodeKind::kMacro ? n.name : "caller";
+  return Value::callable(name, [this, node, defining, name](Args& a) -> Value {
+    Depth d(*this);
+    Scope* s = new_scope(defining);
+    const auto& params = node->kwargs;
+    if (a.pos.size() > params.size())
+      fail("macro '" + name + "' takes not more than " + std::to_string(params.size()) +
+           " argument(s)");
+    for (size_t i = 0; i < a.pos.size(); ++i) s->set(params[i].first, a.pos[i]);
+    for (const auto& [k, v] : a.kw) {
+      bool known = k == "caller";
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (params[i].first == k) {
+          if (i < a.pos.size())
+            fail("macro '" + name + "' got multiple values for argument '" + k + "'");
+          known = true;
         }
-        return Value::integer(acc);
       }
-      if (l.as_double() == 0 && r.as_double() < 0) fail("0.0 cannot be raised to a negative power");
-      return Value::number(std::pow(l.as_double(), r.as_double()));
+      if (!known) fail("macro '" + name + "' takes no keyword argument '" + k + "'");
+      s->set(k, v);
     }
-    fail("unknown operator " + op);
-  }
-
-  // Python printf-style `str % args` for the common conversions.
-  std::string percent_format(const std::string& fmt, const Value& args) {
-    List vals = args.kind() == Value::Kind::kTuple ? args.items() : List{args};
-    size_t next = 0;
-    std::string out;
-    for (size_t i = 0; i < fmt.size(); ++i) {
-      if (fmt[i] != '%') {
-        out += fmt[i];
-        continue;
-      }
-      if (++i >= fmt.size()) fail("incomplete format");
-      if (fmt[i] == '%') {
-        out += '%';
-        continue;
-      }
-      std::string spec = "%";
-      while (i < fmt.size() && std::strchr("-+ #0123456789.", fmt[i])) spec += fmt[i++];
-      if (i >= fmt.size()) fail("incomplete format");
-      char conv = fmt[i];
-      if (next >= vals.size()) fail("not enough arguments for format string");
-      const Value& v = vals[next++];
-      char buf[512];
-      if (spec.size() > 32) fail("format specification too long");
-      switch (conv) {
-        case 's':
-        case 'r': {
-          // Width/precision flags on %s are ignored (no chat template uses them).
-          out += conv == 's' ? to_str(v) : to_repr(v);
-          break;
-        }
-        case 'd':
-        case 'i':
-        case 'x':
-        case 'X':
-        case 'o': {
-          if (!v.is_number()) fail("%" + std::string(1, conv) + " format: a number is required, not " + type_name(v));
-          int64_t x = v.is_float() ? static_cast<int64_t>(v.as_double()) : v.as_int();
-          std::string f = spec + "ll" + (conv == 'i' ? 'd' : conv);
-          std::snprintf(buf, sizeof(buf), f.c_str(), static_cast<long long>(x));
-          out += buf;
-          break;
-        }
-        case 'f':
-        case 'F':
-        case 'e':
-        case 'E':
-        case 'g':
-        case 'G': {
-          if (!v.is_number()) fail("must be real number, not " + type_name(v));
-          std::snprintf(buf, sizeof(buf), (spec + conv).c_str(), v.as_double());
-          out += buf;
-          break;
-        }
-        default: fail(std::string("unsupported format character '") + conv + "'");
-      }
-      check_size(out.size());
-    }
-    // Python: leftover arguments are an error, except a lone mapping/sequence argument (it may
-    // serve %(name)s lookups, so CPython does not count it).
-    bool lone_container = args.kind() != Value::Kind::kTuple && (args.is_mapping() || args.kind() == Value::Kind::kList);
-    if (next < vals.size() && !lone_container) fail("not all arguments converted during string formatting");
-    return out;
-  }
-
-  int cmp(const Value& l, const Value& r, const std::string& op) {
-    if (l.is_number() && r.is_number()) {
-      if (l.is_float() || r.is_float()) {
-        double a = l.as_double(), b = r.as_double();
-        return a < b ? -1 : a > b ? 1 : 0;
-      }
-      return l.as_int() < r.as_int() ? -1 : l.as_int() > r.as_int() ? 1 : 0;
-    }
-    if (l.is_string() && r.is_string()) {
-      int c = l.as_string().compare(r.as_string());  // UTF-8 byte order == code point order
-      return c < 0 ? -1 : c > 0 ? 1 : 0;
-    }
-    if (l.is_sequence() && l.kind() == r.kind()) {
-      const List& a = l.items();
-      const List& b = r.items();
-      for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-        if (equals(a[i], b[i])) continue;
-        return cmp(a[i], b[i], op);
-      }
-      return a.size() < b.size() ? -1 : a.size() > b.size() ? 1 : 0;
-    }
-    if (l.is_undefined()) fail(undefined_message(l));
-    if (r.is_undefined()) fail(undefined_message(r));
-    fail("'" + op + "' not supported between instances of '" + type_name(l) + "' and '" + type_name(r) + "'");
-  }
-
-  bool contains(const Value& container, const Value& item) {
-    switch (container.kind()) {
-      case Value::Kind::kUndefined: return false;
-      case Value::Kind::kString:
-        if (!item.is_string())
-          fail("'in <string>' requires string as left operand, not " + type_name(item));
-        return container.as_string().find(item.as_string()) != std::string::npos;
-      case Value::Kind::kList:
-      case Value::Kind::kTuple:
-        for (const auto& e : container.items())
-          if (equals(e, item)) return true;
-        return false;
-      case Value::Kind::kDict:
-        if (item.kind() == Value::Kind::kList || item.is_mapping()) fail("unhashable type: '" + type_name(item) + "'");
-        return container.entries().find(item) != nullptr;
-      default: fail("argument of type '" + type_name(container) + "' is not iterable");
-    }
-  }
-
-  bool compare(const std::string& op, const Value& l, const Value& r) {
-    if (op == "==") return equals(l, r);
-    if (op == "!=") return !equals(l, r);
-    if (op == "in") return contains(r, l);
-    if (op == "notin") return !contains(r, l);
-    int c = cmp(l, r, op);
-    if (op == "<") return c < 0;
-    if (op == "<=") return c <= 0;
-    if (op == ">") return c > 0;
-    return c >= 0;
-  }
-
-  // ---- Globals -----------------------------------------------------------------------------------
-
-  static Value make_dict_from(Args& a, const char* what) {
-    Value d = Value::dict();
-    if (a.pos.size() > 1) fail(std::string(what) + " expected at most 1 positional argument");
-    if (!a.pos.empty()) {
-      const Value& src = a.pos[0];
-      if (src.is_mapping() || src.kind() == Value::Kind::kNamespace) {
-        for (const auto& [k, v] : src.entries().entries) d.entries().set(k, v);
-      } else if (src.is_sequence()) {
-        for (const auto& pair : src.items()) {
-          if (!pair.is_sequence() || pair.items().size() != 2)
-            fail(std::string(what) + ": sequence elements must be pairs");
-          d.entries().set(pair.items()[0], pair.items()[1]);
-        }
-      } else {
-        fail(std::string(what) + ": cannot convert '" + type_name(src) + "' to a dict");
-      }
-    }
-    for (const auto& [k, v] : a.kw) d.entries().set(Value::string(k), v);
-    return d;
-  }
-
-  void install_globals(Scope& g) {
-    g.set("range", Value::callable("range", [this](Args& a) -> Value {
-      auto arg = [&](size_t i) {
-        const Value& v = a.pos[i];
-        if (!v.is_int() && !v.is_bool()) fail("range() arguments must be integers, not " + type_name(v));
-        return v.as_int();
-      };
-      int64_t start = 0, stop, step = 1;
-      if (a.pos.size() == 1) {
-        stop = arg(0);
-      } else if (a.pos.size() == 2 || a.pos.size() == 3) {
-        start = arg(0);
-        stop = arg(1);
-        if (a.pos.size() == 3) step = arg(2);
-      } else {
-        fail("range expected 1 to 3 integer arguments");
-      }
-      if (step == 0) fail("range() arg 3 must not be zero");
-      // Overflow-safe element count, then the sandbox's MAX_RANGE rule.
-      double count = std::ceil((static_cast<double>(stop) - static_cast<double>(start)) / static_cast<double>(step));
-      if (count > 100000) fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
-      List items;
-      if (step > 0)
-        for (int64_t i = start; i < stop; i += step) items.push_back(Value::integer(i));
+    for (size_t i = a.pos.size(); i < params.size(); ++i) {
+      bool given = false;
+      for (const auto& kv : a.kw) given = given || kv.first == params[i].first;
+      if (given) continue;
+      if (params[i].second)
+        s->set(params[i].first, eval(*params[i].second, *s));
       else
-        for (int64_t i = start; i > stop; i += step) items.push_back(Value::integer(i));
-      return Value::list(std::move(items));
-    }));
-    g.set("namespace", Value::callable("namespace", [](Args& a) -> Value {
-      Value d = make_dict_from(a, "namespace");
-      Value ns = Value::ns();
-      for (auto& [k, v] : d.entries().entries) {
-        if (k.is_string() && !k.as_string().empty() && k.as_string()[0] == '_')
-          fail("chat templates cannot store underscore-prefixed attributes on a namespace, but got '" +
-               k.as_string() + "'");
-        ns.entries().entries.emplace_back(k, v);
-      }
-      return ns;
-    }));
-    g.set("dict", Value::callable("dict", [](Args& a) { return make_dict_from(a, "dict"); }));
-    g.set("raise_exception", Value::callable("raise_exception", [](Args& a) -> Value {
-      fail(a.pos.empty() ? std::string("raise_exception() called") : to_str(a.pos[0]));
-    }));
-    g.set("strftime_now", Value::callable("strftime_now", [this](Args& a) -> Value {
-      if (a.pos.empty() || !a.pos[0].is_string()) fail("strftime_now expects a format string");
-      const std::string& f = a.pos[0].as_string();
-      if (opts_.strftime_now) return Value::string(opts_.strftime_now(f));
-      std::time_t now = std::time(nullptr);
-      std::tm tm{};
-      localtime_r(&now, &tm);
-      char buf[512];
-      size_t n = std::strftime(buf, sizeof(buf), f.c_str(), &tm);
-      return Value::string(std::string(buf, n));
-    }));
-  }
-
-  // ---- Methods --------------------------------------------------------------------------------
-
-  static const std::string& want_str(const Value& v, const char* what) {
-    if (!v.is_string()) fail(std::string(what) + " must be str, not " + type_name(v));
-    return v.as_string();
-  }
-
-  static bool match_affix(const std::string& s, const Value& arg, bool prefix) {
-    auto one = [&](const std::string& a) {
-      if (a.size() > s.size()) return false;
-      return prefix ? s.compare(0, a.size(), a) == 0 : s.compare(s.size() - a.size(), a.size(), a) == 0;
-    };
-    if (arg.kind() == Value::Kind::kTuple) {
-      for (const auto& e : arg.items())
-        if (one(want_str(e, prefix ? "startswith first arg" : "endswith first arg"))) return true;
-      return false;
+        s->set(params[i].first,
+               Value::undefined("parameter '" + params[i].first + "' was not provided"));
     }
-    return one(want_str(arg, prefix ? "startswith first arg" : "endswith first arg"));
-  }
-
-  Value str_format(const std::string& fmt, Args& a) {
     std::string out;
-    size_t auto_idx = 0;
-    for (size_t i = 0; i < fmt.size(); ++i) {
-      char c = fmt[i];
-      if (c == '{') {
-        if (i + 1 < fmt.size() && fmt[i + 1] == '{') {
-          out += '{';
-          ++i;
-          continue;
-        }
-        size_t close = fmt.find('}', i);
-        if (close == std::string::npos) fail("Single '{' encountered in format string");
-        std::string field = fmt.substr(i + 1, close - i - 1);
-        size_t colon = field.find(':');
-        if (colon != std::string::npos) field = field.substr(0, colon);  // format specs are ignored
-        const Value* v = nullptr;
-        if (field.empty()) {
-          if (auto_idx >= a.pos.size()) fail("Replacement index " + std::to_string(auto_idx) + " out of range");
-          v = &a.pos[auto_idx++];
-        } else if (std::isdigit(static_cast<unsigned char>(field[0]))) {
-          size_t k = static_cast<size_t>(std::strtoull(field.c_str(), nullptr, 10));
-          if (k >= a.pos.size()) fail("Replacement index " + field + " out of range");
-          v = &a.pos[k];
-        } else {
-          for (const auto& kv : a.kw)
-            if (kv.first == field) v = &kv.second;
-          if (!v) fail("format key '" + field + "' not given");
-        }
-        out += to_str(*v);
-        i = close;
-      } else if (c == '}') {
-        if (i + 1 < fmt.size() && fmt[i + 1] == '}') ++i;
-        else fail("Single '}' encountered in format string");
-        out += '}';
-      } else {
-        out += c;
-      }
-      check_size(out.size());
+    exec_body(node->body, *s, out);
+    return Value::string(std::move(out));
+  });
+}
+
+// ---- Expressions --------------------------------------------------------------------------------
+Value Interp::eval(const Node& n, Scope& scope) {
+  Depth d(*this);
+  tick();
+  try {
+    return eval_inner(n, scope);
+  } catch (RenderError& e) {
+    if (e.line == 0) {
+      e.line = n.line;
+      e.col = n.col;
     }
+    throw;
+  }
+}
+
+Args Interp::eval_args(const Node& n, Scope& scope, size_t first) {
+  Args a;
+  for (size_t i = first; i < n.args.size(); ++i) a.pos.push_back(eval(*n.args[i], scope));
+  for (const auto& [k, e] : n.kwargs) a.kw.emplace_back(k, eval(*e, scope));
+  return a;
+}
+
+Value Interp::eval_inner(const Node& n, Scope& scope) {
+  switch (n.kind) {
+    case NodeKind::kConst:
+      return n.value;
+    case NodeKind::kName: {
+      const Value* v = scope.find(n.name);
+      if (!v) return Value::undefined("'" + n.name + "' is undefined");
+      return *v;
+    }
+    case NodeKind::kAttr:
+      return get_attr(eval(*n.args[0], scope), n.name);
+    case NodeKind::kItem:
+      return get_item(eval(*n.args[0], scope), eval(*n.args[1], scope));
+    case NodeKind::kSlice: {
+      Value obj = eval(*n.args[0], scope);
+      Value parts[3];
+      for (int i = 0; i < 3; ++i)
+        parts[i] = n.args[i + 1] ? eval(*n.args[i + 1], scope) : Value::none();
+      return slice(obj, parts[0], parts[1], parts[2]);
+    }
+    case NodeKind::kCall: {
+      Value fn = eval(*n.args[0], scope);
+      Args a = eval_args(n, scope);
+      return call_value(fn, a);
+    }
+    case NodeKind::kFilter: {
+      Value base = n.args[0] ? eval(*n.args[0], scope) : Value();
+      Args a = eval_args(n, scope);
+      return apply_filter(n.name, std::move(base), a);
+    }
+    case NodeKind::kTest: {
+      Value base = eval(*n.args[0], scope);
+      Args a = eval_args(n, scope);
+      bool r = apply_test(n.name, base, a);
+      return Value::boolean(n.negated ? !r : r);
+    }
+    case NodeKind::kNeg:
+    case NodeKind::kPos: {
+      Value v = eval(*n.args[0], scope);
+      if (v.is_undefined()) fail(undefined_message(v));
+      if (!v.is_number())
+        fail("bad operand type for unary " + std::string(n.kind == NodeKind::kNeg ? "-" : "+") +
+             ": '" + type_name(v) + "'");
+      if (n.kind == NodeKind::kPos) return v.is_bool() ? Value::integer(v.as_int()) : v;
+      if (v.is_float()) return Value::number(-v.as_double());
+      if (v.as_int() == INT64_MIN) fail("integer overflow");
+      return Value::integer(-v.as_int());
+    }
+    case NodeKind::kNot:
+      return Value::boolean(!truthy(eval(*n.args[0], scope)));
+    case NodeKind::kAnd: {
+      Value l = eval(*n.args[0], scope);
+      if (!truthy(l)) return l;
+      return eval(*n.args[1], scope);
+    }
+    case NodeKind::kOr: {
+      Value l = eval(*n.args[0], scope);
+      if (truthy(l)) return l;
+      return eval(*n.args[1], scope);
+    }
+    case NodeKind::kCond: {
+      if (truthy(eval(*n.args[0], scope))) return eval(*n.args[1], scope);
+      if (n.args[2]) return eval(*n.args[2], scope);
+      return Value::undefined("the inline if-expression on line " + std::to_string(n.line) +
+                              " evaluated to false and no else section was defined.");
+    }
+    case NodeKind::kBinary: {
+      Value l = eval(*n.args[0], scope);
+      Value r = eval(*n.args[1], scope);
+      return binary(n.name, l, r);
+    }
+    case NodeKind::kCompare: {
+      Value left = eval(*n.args[0], scope);
+      for (size_t i = 0; i < n.ops.size(); ++i) {
+        Value right = eval(*n.args[i + 1], scope);
+        if (!compare(n.ops[i], left, right)) return Value::boolean(false);
+        left = std::move(right);
+      }
+      return Value::boolean(true);
+    }
+    case NodeKind::kList:
+    case NodeKind::kTuple: {
+      List items;
+      for (const auto& a : n.args) items.push_back(eval(*a, scope));
+      return n.kind == NodeKind::kList ? Value::list(std::move(items))
+                                       : Value::tuple(std::move(items));
+    }
+    case NodeKind::kDict: {
+      Value d = Value::dict();
+      for (size_t i = 0; i + 1 < n.args.size(); i += 2) {
+        Value k = eval(*n.args[i], scope);
+        if (k.is_sequence() && k.kind() == Value::Kind::kList) fail("unhashable type: 'list'");
+        if (k.is_mapping()) fail("unhashable type: 'dict'");
+        d.entries().set(std::move(k), eval(*n.args[i + 1], scope));
+      }
+      return d;
+    }
+    default:
+      fail("statement used where an expression was expected");
+  }
+}
+
+std::string Interp::undefined_message(const Value& v) {
+  return v.as_string().empty() ? std::string("value is undefined") : v.as_string();
+}
+
+Value Interp::call_value(const Value& fn, Args& a) {
+  if (fn.is_undefined()) fail(undefined_message(fn));
+  if (!fn.is_callable()) fail("'" + type_name(fn) + "' object is not callable");
+  return fn.fn().fn(a);
+}
+
+// ---- Attribute / item access (sandbox getattr then getitem, or the reverse for []) --------------
+bool Interp::is_dict_method(std::string_view n) {
+  return n == "get" || n == "items" || n == "keys" || n == "values" || n == "pop" ||
+         n == "update" || n == "setdefault" || n == "clear" || n == "popitem" || n == "copy";
+}
+
+bool Interp::is_str_method(std::string_view n) {
+  static const char* kNames[] = {
+      "strip",     "lstrip",       "rstrip",       "split",     "rsplit",     "startswith",
+      "endswith",  "replace",      "upper",        "lower",     "title",      "capitalize",
+      "find",      "rfind",        "index",        "count",     "join",       "splitlines",
+      "isdigit",   "isalpha",      "isalnum",      "isspace",   "islower",    "isupper",
+      "format",    "casefold",     "swapcase",     "zfill",     "center",     "ljust",
+      "rjust",     "removeprefix", "removesuffix", "partition", "rpartition", "isnumeric",
+      "isdecimal", "istitle",      "encode"};
+  for (const char* k : kNames)
+    if (n == k) return true;
+  return false;
+}
+
+bool Interp::is_list_method(std::string_view n) {
+  return n == "index" || n == "count" || n == "append" || n == "extend" || n == "insert" ||
+         n == "pop" || n == "remove" || n == "sort" || n == "reverse" || n == "clear" ||
+         n == "copy";
+}
+
+Value Interp::bound_method(const Value& obj, const std::string& name) {
+  return Value::callable(name, [this, obj, name](Args& a) { return call_method(obj, name, a); });
+}
+
+Value Interp::get_attr(const Value& obj, const std::string& name) {
+  switch (obj.kind()) {
+    case Value::Kind::kUndefined:
+      fail(undefined_message(obj));
+    case Value::Kind::kDict: {
+      if (is_dict_method(name)) return bound_method(obj, name);
+      if (const Value* v = obj.entries().find(name)) return *v;
+      break;
+    }
+    case Value::Kind::kNamespace: {
+      if (const Value* v = obj.entries().find(name)) return *v;
+      break;
+    }
+    case Value::Kind::kString:
+      if (is_str_method(name)) return bound_method(obj, name);
+      break;
+    case Value::Kind::kList:
+    case Value::Kind::kTuple:
+      if (is_list_method(name)) return bound_method(obj, name);
+      break;
+    default:
+      break;
+  }
+  return Value::undefined("'" + obj_repr(obj) + "' has no attribute '" + name + "'");
+}
+
+Value Interp::get_item(const Value& obj, const Value& key) {
+  switch (obj.kind()) {
+    case Value::Kind::kUndefined:
+      fail(undefined_message(obj));
+    case Value::Kind::kDict:
+      if (const Value* v = obj.entries().find(key)) return *v;
+      break;
+    case Value::Kind::kList:
+    case Value::Kind::kTuple:
+      if (obj.is_generator()) break;
+      if (key.is_int() || key.is_bool()) {
+        int64_t i = key.as_int();
+        int64_t len = static_cast<int64_t>(obj.items().size());
+        if (i < 0) i += len;
+        if (i >= 0 && i < len) return obj.items()[static_cast<size_t>(i)];
+        return Value::undefined("'" + obj_repr(obj) + "' has no element " + to_repr(key));
+      }
+      break;
+    case Value::Kind::kString:
+      if (key.is_int() || key.is_bool()) {
+        auto cps = utf8_decode(obj.as_string());
+        int64_t i = key.as_int();
+        int64_t len = static_cast<int64_t>(cps.size());
+        if (i < 0) i += len;
+        if (i >= 0 && i < len)
+          return Value::string(encode(cps, static_cast<size_t>(i), static_cast<size_t>(i) + 1));
+        return Value::undefined("'" + obj_repr(obj) + "' has no element " + to_repr(key));
+      }
+      break;
+    default:
+      break;
+  }
+  if (key.is_string()) return get_attr(obj, key.as_string());
+  return Value::undefined("'" + obj_repr(obj) + "' has no element " + to_repr(key));
+}
+
+Value Interp::slice(const Value& obj, const Value& start, const Value& stop, const Value& step) {
+  if (obj.is_undefined()) fail(undefined_message(obj));
+  if (obj.is_string()) {
+    auto cps = utf8_decode(obj.as_string());
+    std::string out;
+    for (int64_t i : slice_indices(static_cast<int64_t>(cps.size()), start, stop, step))
+      utf8_append(out, cps[static_cast<size_t>(i)]);
     return Value::string(std::move(out));
   }
-
-  Value call_method(const Value& obj, const std::string& name, Args& a) {
-    auto arg = [&](size_t i, const char* n) -> const Value* { return a.get(i, n); };
-    if (obj.is_mapping()) {
-      const Dict& d = obj.entries();
-      if (name == "get") {
-        const Value* k = arg(0, "key");
-        if (!k) fail("get expected at least 1 argument");
-        if (const Value* v = d.find(*k)) return *v;
-        const Value* dflt = arg(1, "default");
-        return dflt ? *dflt : Value::none();
-      }
-      if (name == "items") {
-        List out;
-        for (const auto& [k, v] : d.entries) out.push_back(Value::tuple({k, v}));
-        return Value::list(std::move(out));
-      }
-      if (name == "keys") return Value::list(iterate(obj));
-      if (name == "values") {
-        List out;
-        for (const auto& kv : d.entries) out.push_back(kv.second);
-        return Value::list(std::move(out));
-      }
-      if (name == "copy") {
-        Args ca{{obj}, {}};
-        return make_dict_from(ca, "dict");
-      }
-      fail("access to attribute '" + name + "' of 'dict' object is unsafe.");
-    }
-    if (obj.is_sequence()) {
-      const List& items = obj.items();
-      if (name == "index" || name == "count") {
-        const Value* x = arg(0, "value");
-        if (!x) fail(name + "() takes exactly one argument");
-        int64_t n = 0;
-        for (size_t i = 0; i < items.size(); ++i) {
-          if (equals(items[i], *x)) {
-            if (name == "index") return Value::integer(static_cast<int64_t>(i));
-            ++n;
-          }
-        }
-        if (name == "index") fail(to_repr(*x) + " is not in list");
-        return Value::integer(n);
-      }
-      if (name == "copy") return Value::list(items);
-      fail("access to attribute '" + name + "' of '" + type_name(obj) + "' object is unsafe.");
-    }
-    const std::string& s = obj.as_string();
-    auto opt_str = [&](size_t i, const char* n) -> const std::string* {
-      const Value* v = arg(i, n);
-      if (!v || v->is_none()) return nullptr;
-      return &want_str(*v, n);
-    };
-    if (name == "strip" || name == "lstrip" || name == "rstrip") {
-      const std::string* chars = opt_str(0, "chars");
-      return Value::string(py_strip(s, chars, name != "rstrip", name != "lstrip"));
-    }
-    if (name == "split" || name == "rsplit") {
-      const std::string* sep = opt_str(0, "sep");
-      const Value* m = arg(1, "maxsplit");
-      int64_t maxsplit = m ? m->as_int() : -1;
-      std::vector<std::string> parts;
-      if (name == "rsplit" && maxsplit >= 0) {
-        // rsplit with a limit: split the reversed problem by scanning from the right.
-        if (!sep) {
-          auto all = py_split(s, nullptr, -1);
-          if (static_cast<int64_t>(all.size()) > maxsplit + 1) {
-            // Re-join the leftmost pieces with their original spacing.
-            auto cps = utf8_decode(s);
-            size_t e = cps.size();
-            int64_t splits = 0;
-            std::vector<std::string> rev;
-            while (splits < maxsplit) {
-              while (e > 0 && py_isspace(cps[e - 1])) --e;
-              size_t b = e;
-              while (b > 0 && !py_isspace(cps[b - 1])) --b;
-              rev.push_back(encode(cps, b, e));
-              e = b;
-              ++splits;
-            }
-            while (e > 0 && py_isspace(cps[e - 1])) --e;
-            size_t b0 = 0;
-            while (b0 < e && py_isspace(cps[b0])) ++b0;
-            if (e > b0) rev.push_back(encode(cps, b0, e));
-            parts.assign(rev.rbegin(), rev.rend());
-          } else {
-            parts = std::move(all);
-          }
-        } else {
-          if (sep->empty()) fail("empty separator");
-          std::vector<std::string> rev;
-          size_t end = s.size();
-          while (static_cast<int64_t>(rev.size()) < maxsplit) {
-            if (end < sep->size()) break;
-            size_t f = s.rfind(*sep, end - sep->size());
-            if (f == std::string::npos) break;
-            rev.push_back(s.substr(f + sep->size(), end - f - sep->size()));
-            end = f;
-          }
-          rev.push_back(s.substr(0, end));
-          parts.assign(rev.rbegin(), rev.rend());
-        }
-      } else {
-        parts = py_split(s, sep, maxsplit);
-      }
-      List out;
-      for (auto& p : parts) out.push_back(Value::string(std::move(p)));
-      return Value::list(std::move(out));
-    }
-    if (name == "startswith" || name == "endswith") {
-      const Value* p = arg(0, "prefix");
-      if (!p) fail(name + "() takes at least 1 argument");
-      return Value::boolean(match_affix(s, *p, name == "startswith"));
-    }
-    if (name == "replace") {
-      const Value* o = arg(0, "old");
-      const Value* n = arg(1, "new");
-      if (!o || !n) fail("replace() takes at least 2 arguments");
-      const Value* c = arg(2, "count");
-      return Value::string(py_replace(s, want_str(*o, "replace() argument 1"), want_str(*n, "replace() argument 2"),
-                                      c ? c->as_int() : -1, opts_.max_output_bytes));
-    }
-    if (name == "upper") return Value::string(map_case(s, 1));
-    if (name == "lower" || name == "casefold") return Value::string(map_case(s, 0));
-    if (name == "title") return Value::string(py_title(s));
-    if (name == "capitalize") return Value::string(py_capitalize(s));
-    if (name == "swapcase") {
-      std::string out;
-      for (uint32_t cp : utf8_decode(s)) {
-        uint32_t u = cp_upper(cp);
-        utf8_append(out, u != cp ? u : cp_lower(cp));
-      }
-      return Value::string(std::move(out));
-    }
-    if (name == "find" || name == "rfind" || name == "index" || name == "count") {
-      const Value* sub = arg(0, "sub");
-      if (!sub) fail(name + "() takes at least 1 argument");
-      const std::string& needle = want_str(*sub, "substring");
-      if (name == "count") {
-        if (needle.empty()) return Value::integer(static_cast<int64_t>(utf8_length(s)) + 1);
-        int64_t n = 0;
-        for (size_t p = s.find(needle); p != std::string::npos; p = s.find(needle, p + needle.size())) ++n;
-        return Value::integer(n);
-      }
-      size_t p = name == "rfind" ? s.rfind(needle) : s.find(needle);
-      if (p == std::string::npos) {
-        if (name == "index") fail("substring not found");
-        return Value::integer(-1);
-      }
-      return Value::integer(static_cast<int64_t>(utf8_length(std::string_view(s).substr(0, p))));
-    }
-    if (name == "join") {
-      const Value* it = arg(0, "iterable");
-      if (!it) fail("join() takes exactly one argument");
-      std::string out;
-      bool first = true;
-      for (const auto& e : iterate(*it)) {
-        if (!first) out += s;
-        first = false;
-        out += want_str(e, "sequence item");
-        check_size(out.size());
-      }
-      return Value::string(std::move(out));
-    }
-    if (name == "splitlines") {
-      const Value* k = arg(0, "keepends");
-      List out;
-      for (auto& line : py_splitlines(s, k && truthy(*k))) out.push_back(Value::string(std::move(line)));
-      return Value::list(std::move(out));
-    }
-    if (name == "removeprefix" || name == "removesuffix") {
-      const Value* p = arg(0, "prefix");
-      if (!p) fail(name + "() takes exactly one argument");
-      const std::string& a0 = want_str(*p, name.c_str());
-      if (name == "removeprefix" && s.compare(0, a0.size(), a0) == 0) return Value::string(s.substr(a0.size()));
-      if (name == "removesuffix" && a0.size() <= s.size() && !a0.empty() &&
-          s.compare(s.size() - a0.size(), a0.size(), a0) == 0)
-        return Value::string(s.substr(0, s.size() - a0.size()));
-      return obj;
-    }
-    if (name == "partition" || name == "rpartition") {
-      const Value* p = arg(0, "sep");
-      if (!p) fail(name + "() takes exactly one argument");
-      const std::string& sep = want_str(*p, "sep");
-      if (sep.empty()) fail("empty separator");
-      size_t f = name == "partition" ? s.find(sep) : s.rfind(sep);
-      if (f == std::string::npos) {
-        if (name == "partition") return Value::tuple({obj, Value::string(""), Value::string("")});
-        return Value::tuple({Value::string(""), Value::string(""), obj});
-      }
-      return Value::tuple({Value::string(s.substr(0, f)), Value::string(sep), Value::string(s.substr(f + sep.size()))});
-    }
-    if (name == "format") return str_format(s, a);
-    if (name == "zfill" || name == "center" || name == "ljust" || name == "rjust") {
-      const Value* w = arg(0, "width");
-      if (!w || !(w->is_int() || w->is_bool())) fail(name + "() requires an integer width");
-      int64_t width = w->as_int();
-      int64_t len = static_cast<int64_t>(utf8_length(s));
-      if (width > static_cast<int64_t>(opts_.max_output_bytes)) check_size(SIZE_MAX);
-      if (width <= len) return obj;
-      size_t pad = static_cast<size_t>(width - len);
-      if (name == "zfill") {
-        bool sign = !s.empty() && (s[0] == '-' || s[0] == '+');
-        return Value::string((sign ? s.substr(0, 1) : "") + std::string(pad, '0') + (sign ? s.substr(1) : s));
-      }
-      const std::string* fill = opt_str(1, "fillchar");
-      std::string f = fill ? *fill : " ";
-      auto rep = [&](size_t k) {
-        std::string o;
-        for (size_t i = 0; i < k; ++i) o += f;
-        return o;
-      };
-      if (name == "ljust") return Value::string(s + rep(pad));
-      if (name == "rjust") return Value::string(rep(pad) + s);
-      // Python's center puts the extra space on the right when len is even... exactly:
-      size_t left = pad / 2 + (pad & static_cast<size_t>(width) & 1);
-      return Value::string(rep(left) + s + rep(pad - left));
-    }
-    if (name == "encode") fail("access to attribute 'encode' is not supported in chat templates");
-    // is* predicates.
-    auto cps = utf8_decode(s);
-    auto all = [&](auto pred) {
-      if (cps.empty()) return false;
-      for (uint32_t c : cps)
-        if (!pred(c)) return false;
-      return true;
-    };
-    auto cat = [](uint32_t c) { return utf8proc_category(static_cast<utf8proc_int32_t>(c)); };
-    if (name == "isdigit" || name == "isdecimal" || name == "isnumeric")
-      return Value::boolean(all([&](uint32_t c) { return cat(c) == UTF8PROC_CATEGORY_ND || (name != "isdecimal" && cat(c) == UTF8PROC_CATEGORY_NO); }));
-    if (name == "isalpha") return Value::boolean(all([&](uint32_t c) { return is_cased_letter(c); }));
-    if (name == "isalnum")
-      return Value::boolean(all([&](uint32_t c) { return is_cased_letter(c) || cat(c) == UTF8PROC_CATEGORY_ND; }));
-    if (name == "isspace") return Value::boolean(all([](uint32_t c) { return py_isspace(c); }));
-    if (name == "islower" || name == "isupper" || name == "istitle") {
-      bool cased = false;
-      for (uint32_t c : cps) {
-        if (cp_upper(c) != c || cp_lower(c) != c) {
-          cased = true;
-          if (name == "islower" && cp_lower(c) != c) return Value::boolean(false);
-          if (name == "isupper" && cp_upper(c) != c) return Value::boolean(false);
-        }
-      }
-      if (name == "istitle") return Value::boolean(cased && py_title(s) == s);
-      return Value::boolean(cased);
-    }
-    fail("'str' object has no method '" + name + "'");
-  }
-
-  // ---- Filters ----------------------------------------------------------------------------------
-
-  Value apply_filter_chain(const Node& chain, Value base, Scope& scope) {
-    // The chain is nested Filter nodes whose innermost args[0] is null: apply inside-out.
-    std::vector<const Node*> stack;
-    for (const Node* n = &chain; n; n = n->args.empty() || !n->args[0] ? nullptr : n->args[0].get())
-      stack.push_back(n);
-    Value v = std::move(base);
-    for (auto it = stack.rbegin(); it != stack.rend(); ++it) {
-      Args a = eval_args(**it, scope);
-      v = apply_filter((*it)->name, std::move(v), a);
-    }
-    return v;
-  }
-
-  Value attr_path(const Value& item, const Value& attribute) {
-    // jinja's make_attrgetter: "a.b" walks attributes; integer parts index.
-    if (attribute.is_int()) return get_item(item, attribute);
-    std::string path = to_str(attribute);
-    Value cur = item;
-    size_t b = 0;
-    while (true) {
-      size_t dot = path.find('.', b);
-      std::string part = path.substr(b, dot == std::string::npos ? std::string::npos : dot - b);
-      bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
-      cur = numeric ? get_item(cur, Value::integer(std::strtoll(part.c_str(), nullptr, 10))) : get_item(cur, Value::string(part));
-      if (dot == std::string::npos) return cur;
-      b = dot + 1;
-    }
-  }
-
-  std::string sort_key_str(const Value& v, bool case_sensitive) { return case_sensitive ? v.as_string() : map_case(v.as_string(), 0); }
-
-  List sorted(List items, bool reverse, bool case_sensitive, const Value* attribute) {
-    std::vector<std::pair<Value, Value>> keyed;
-    for (auto& it : items) {
-      Value k = attribute ? attr_path(it, *attribute) : it;
-      if (k.is_string() && !case_sensitive) k = Value::string(map_case(k.as_string(), 0));
-      keyed.emplace_back(std::move(k), std::move(it));
-    }
-    std::stable_sort(keyed.begin(), keyed.end(), [&](const auto& x, const auto& y) {
-      return reverse ? cmp(y.first, x.first, "<") < 0 : cmp(x.first, y.first, "<") < 0;
-    });
+  if (obj.is_sequence() && !obj.is_generator()) {
     List out;
-    for (auto& kv : keyed) out.push_back(std::move(kv.second));
-    return out;
+    const List& items = obj.items();
+    for (int64_t i : slice_indices(static_cast<int64_t>(items.size()), start, stop, step))
+      out.push_back(items[static_cast<size_t>(i)]);
+    return obj.kind() == Value::Kind::kTuple ? Value::tuple(std::move(out))
+                                             : Value::list(std::move(out));
   }
+  // jinja compiles slices to a plain Python subscript (no sandbox getitem fallback).
+  if (obj.is_mapping()) fail("unhashable type: 'slice'");
+  fail("'" + type_name(obj) + "' object is not subscriptable");
+}
 
-  Value apply_filter(const std::string& name, Value v, Args& a) {
-    auto arg = [&](size_t i, const char* n) -> const Value* { return a.get(i, n); };
-    auto flag = [&](size_t i, const char* n, bool dflt) {
-      const Value* x = arg(i, n);
-      return x ? truthy(*x) : dflt;
-    };
-    if (name == "default" || name == "d") {
-      const Value* dflt = arg(0, "default_value");
-      bool boolean = flag(1, "boolean", false);
-      if (v.is_undefined() || (boolean && !truthy(v))) return dflt ? *dflt : Value::string("");
-      return v;
+List Interp::iterate(const Value& v) {
+  switch (v.kind()) {
+    case Value::Kind::kUndefined:
+      return {};
+    case Value::Kind::kList:
+    case Value::Kind::kTuple:
+      return v.items();
+    case Value::Kind::kDict: {
+      List keys;
+      for (const auto& [k, val] : v.entries().entries) keys.push_back(k);
+      return keys;
     }
-    if (name == "tojson") {
-      JsonDumpOptions o;
-      if (const Value* x = arg(0, "ensure_ascii")) o.ensure_ascii = truthy(*x);
-      if (const Value* x = arg(1, "indent")) {
-        if (x->is_string()) o.indent_str = x->as_string();
-        else if (x->is_int() || x->is_bool()) o.indent = static_cast<int>(std::clamp<int64_t>(x->as_int(), 0, 64));
-        else if (!x->is_none()) fail("tojson indent must be an integer or a string");
+    case Value::Kind::kString: {
+      List chars;
+      for (uint32_t cp : utf8_decode(v.as_string())) {
+        std::string s;
+        utf8_append(s, cp);
+        chars.push_back(Value::string(std::move(s)));
       }
-      if (const Value* x = arg(2, "separators"); x && !x->is_none()) {
-        if (!x->is_sequence() || x->items().size() != 2 || !x->items()[0].is_string() || !x->items()[1].is_string())
-          fail("tojson separators must be a (item_separator, key_separator) pair of strings");
-        o.has_separators = true;
-        o.item_sep = x->items()[0].as_string();
-        o.key_sep = x->items()[1].as_string();
-      }
-      if (const Value* x = arg(3, "sort_keys")) o.sort_keys = truthy(*x);
-      std::string s = json_dumps(v, o);
-      check_size(s.size());
+      return chars;
+    }
+    default:
+      fail("'" + type_name(v) + "' object is not iterable");
+  }
+}
+
+// ---- Operators ----------------------------------------------------------------------------------
+Value Interp::binary(const std::string& op, const Value& l, const Value& r) {
+  if (op == "~") {
+    std::string s = to_str(l);
+    s += to_str(r);
+    check_size(s.size());
+    return Value::string(std::move(s));
+  }
+  if (op == "%" && l.is_string()) return Value::string(percent_format(l.as_string(), r));
+  if (l.is_undefined()) fail(undefined_message(l));
+  if (r.is_undefined()) fail(undefined_message(r));
+  auto type_err = [&]() -> Value {
+    fail("unsupported operand type(s) for " + op + ": '" + type_name(l) + "' and '" + type_name(r) +
+         "'");
+  };
+  const bool nums = l.is_number() && r.is_number();
+  const bool ints = nums && !l.is_float() && !r.is_float();
+  if (op == "+") {
+    if (ints) {
+      int64_t x;
+      if (__builtin_add_overflow(l.as_int(), r.as_int(), &x)) fail("integer overflow");
+      return Value::integer(x);
+    }
+    if (nums) return Value::number(l.as_double() + r.as_double());
+    if (l.is_string() && r.is_string()) {
+      check_size(l.as_string().size() + r.as_string().size());
+      return Value::string(l.as_string() + r.as_string());
+    }
+    if (l.is_sequence() && l.kind() == r.kind()) {
+      List items = l.items();
+      check_size(items.size() + r.items().size());
+      items.insert(items.end(), r.items().begin(), r.items().end());
+      return l.kind() == Value::Kind::kTuple ? Value::tuple(std::move(items))
+                                             : Value::list(std::move(items));
+    }
+    if (l.is_string()) fail("can only concatenate str (not \"" + type_name(r) + "\") to str");
+    return type_err();
+  }
+  if (op == "-") {
+    if (ints) {
+      int64_t x;
+      if (__builtin_sub_overflow(l.as_int(), r.as_int(), &x)) fail("integer overflow");
+      return Value::integer(x);
+    }
+    if (nums) return Value::number(l.as_double() - r.as_double());
+    return type_err();
+  }
+  if (op == "*") {
+    if (ints) {
+      int64_t x;
+      if (__builtin_mul_overflow(l.as_int(), r.as_int(), &x)) fail("integer overflow");
+      return Value::integer(x);
+    }
+    if (nums) return Value::number(l.as_double() * r.as_double());
+    const Value* seq = nullptr;
+    const Value* cnt = nullptr;
+    if ((l.is_string() || l.is_sequence()) && (r.is_int() || r.is_bool())) {
+      seq = &l;
+      cnt = &r;
+    } else if ((r.is_string() || r.is_sequence()) && (l.is_int() || l.is_bool())) {
+      seq = &r;
+      cnt = &l;
+    }
+    if (!seq) return type_err();
+    int64_t k = std::max<int64_t>(cnt->as_int(), 0);
+    if (seq->is_string()) {
+      if (k > 0 && seq->as_string().size() > opts_.max_output_bytes / static_cast<uint64_t>(k))
+        check_size(SIZE_MAX);
+      std::string s;
+      for (int64_t i = 0; i < k; ++i) s += seq->as_string();
       return Value::string(std::move(s));
     }
-    if (name == "safe") return Value::string(to_str(v));  // Markup(value) is a str
-    if (name == "escape" || name == "e" || name == "forceescape") return Value::string(html_escape(to_str(v)));
-    if (name == "string") return Value::string(to_str(v));
-    if (name == "length" || name == "count") {
-      switch (v.kind()) {
-        case Value::Kind::kUndefined: return Value::integer(0);
-        case Value::Kind::kString: return Value::integer(static_cast<int64_t>(utf8_length(v.as_string())));
-        case Value::Kind::kList:
-        case Value::Kind::kTuple:
-          if (v.is_generator()) fail("object of type '" + v.as_string() + "' has no len()");
-          return Value::integer(static_cast<int64_t>(v.items().size()));
-        case Value::Kind::kDict: return Value::integer(static_cast<int64_t>(v.entries().entries.size()));
-        default: fail("object of type '" + type_name(v) + "' has no len()");
-      }
-    }
-    if (name == "list") return Value::list(iterate(v));
-    if (name == "first") {
-      List items = iterate(v);
-      if (items.empty()) return Value::undefined("No first item, sequence was empty.");
-      return items.front();
-    }
-    if (name == "last") {
-      if ((!v.is_sequence() && !v.is_string() && !v.is_undefined() && !v.is_mapping()) || v.is_generator())
-        fail("'" + type_name(v) + "' object is not reversible");
-      List items = iterate(v);
-      if (items.empty()) return Value::undefined("No last item, sequence was empty.");
-      return items.back();
-    }
-    if (name == "join") {
-      const Value* sep = arg(0, "d");
-      const Value* attribute = arg(1, "attribute");
-      std::string d = sep ? to_str(*sep) : "";
-      std::string out;
-      bool first = true;
-      for (const auto& it : iterate(v)) {
-        if (!first) out += d;
-        first = false;
-        out += to_str(attribute && !attribute->is_none() ? attr_path(it, *attribute) : it);
-        check_size(out.size());
-      }
-      return Value::string(std::move(out));
-    }
-    if (name == "upper") return Value::string(map_case(to_str(v), 1));
-    if (name == "lower") return Value::string(map_case(to_str(v), 0));
-    if (name == "capitalize") return Value::string(py_capitalize(to_str(v)));
-    if (name == "title") return Value::string(jinja_title(to_str(v)));
-    if (name == "trim") {
-      const Value* chars = arg(0, "chars");
-      std::string c = chars && !chars->is_none() ? to_str(*chars) : std::string();
-      return Value::string(py_strip(to_str(v), chars && !chars->is_none() ? &c : nullptr, true, true));
-    }
-    if (name == "replace") {
-      const Value* o = arg(0, "old");
-      const Value* n = arg(1, "new");
-      if (!o || !n) fail("replace filter needs 'old' and 'new' arguments");
-      const Value* c = arg(2, "count");
-      return Value::string(py_replace(to_str(v), to_str(*o), to_str(*n), c && !c->is_none() ? c->as_int() : -1,
-                                      opts_.max_output_bytes));
-    }
-    if (name == "indent") {
-      const Value* w = arg(0, "width");
-      std::string ind = !w ? "    " : w->is_string() ? w->as_string() : std::string(static_cast<size_t>(std::clamp<int64_t>(w->is_number() ? w->as_int() : 4, 0, 1024)), ' ');
-      bool first = flag(1, "first", false);
-      bool blank = flag(2, "blank", false);
-      // do_indent appends "\n" with +=, so anything but a string fails as in Python.
-      if (v.is_undefined()) fail(undefined_message(v));
-      if (!v.is_string()) fail("unsupported operand type(s) for +=: '" + type_name(v) + "' and 'str'");
-      std::string s = v.as_string() + "\n";
-      auto lines = py_splitlines(s, false);
-      std::string rv;
-      if (blank) {
-        for (size_t i = 0; i < lines.size(); ++i) rv += (i ? "\n" + ind : "") + lines[i];
-      } else {
-        rv = lines.empty() ? "" : lines[0];
-        for (size_t i = 1; i < lines.size(); ++i) rv += "\n" + (lines[i].empty() ? "" : ind) + lines[i];
-      }
-      if (first) rv = ind + rv;
-      check_size(rv.size());
-      return Value::string(std::move(rv));
-    }
-    if ((name == "int" || name == "float" || name == "abs" || name == "round") && v.is_undefined())
-      fail(undefined_message(v));  // jinja's Undefined raises from __int__/__float__/__abs__
-    if (name == "int") {
-      const Value* dflt = arg(0, "default");
-      const Value* base = arg(1, "base");
-      Value fallback = dflt ? *dflt : Value::integer(0);
-      if (v.is_int() || v.is_bool()) return Value::integer(v.as_int());
-      if (v.is_float()) {
-        double f = v.as_double();
-        if (!std::isfinite(f) || std::fabs(f) >= 9.2e18) return fallback;
-        return Value::integer(static_cast<int64_t>(f));
-      }
-      if (v.is_string()) {
-        std::string s = py_strip(v.as_string(), nullptr, true, true);
-        int b = base ? static_cast<int>(base->as_int()) : 10;
-        std::string digits;
-        for (char c : s)
-          if (c != '_') digits += c;
-        if (!digits.empty()) {
-          char* end = nullptr;
-          errno = 0;
-          long long x = std::strtoll(digits.c_str(), &end, b == 0 ? 0 : b);
-          if (errno == 0 && end && *end == 0) return Value::integer(x);
-          end = nullptr;
-          double f = std::strtod(digits.c_str(), &end);
-          if (end && *end == 0 && std::isfinite(f) && std::fabs(f) < 9.2e18) return Value::integer(static_cast<int64_t>(f));
-        }
-      }
-      return fallback;
-    }
-    if (name == "float") {
-      const Value* dflt = arg(0, "default");
-      if (v.is_number()) return Value::number(v.as_double());
-      if (v.is_string()) {
-        std::string s = py_strip(v.as_string(), nullptr, true, true);
-        char* end = nullptr;
-        double f = std::strtod(s.c_str(), &end);
-        if (!s.empty() && end && *end == 0) return Value::number(f);
-      }
-      return dflt ? *dflt : Value::number(0.0);
-    }
-    if (name == "abs") {
-      if (!v.is_number()) fail("bad operand type for abs(): '" + type_name(v) + "'");
-      if (v.is_float()) return Value::number(std::fabs(v.as_double()));
-      if (v.as_int() == INT64_MIN) fail("integer overflow");
-      return Value::integer(std::llabs(v.as_int()));
-    }
-    if (name == "round") {
-      const Value* p = arg(0, "precision");
-      const Value* m = arg(1, "method");
-      int64_t prec = p ? p->as_int() : 0;
-      std::string method = m ? to_str(*m) : "common";
-      if (!v.is_number()) fail("round filter needs a number, got " + type_name(v));
-      double x = v.as_double();
-      double scale = std::pow(10.0, static_cast<double>(prec));
-      if (method == "floor") return Value::number(std::floor(x * scale) / scale);
-      if (method == "ceil") return Value::number(std::ceil(x * scale) / scale);
-      if (method != "common") fail("method must be common, ceil or floor");
-      if (v.is_int() || v.is_bool()) return Value::integer(v.as_int());  // round(int, n) stays int
-      if (prec == 0) return Value::number(std::nearbyint(x));
-      char buf[512];
-      std::snprintf(buf, sizeof(buf), "%.*f", static_cast<int>(std::clamp<int64_t>(prec, 0, 300)), x);
-      return Value::number(std::strtod(buf, nullptr));
-    }
-    if (name == "items") {
-      if (v.is_undefined()) return Value::list();
-      if (!v.is_mapping()) fail("can only get item pairs from a mapping, not " + type_name(v));
-      List out;
-      for (const auto& [k, val] : v.entries().entries) out.push_back(Value::tuple({k, val}));
-      return Value::generator(std::move(out));
-    }
-    if (name == "dictsort") {
-      if (!v.is_mapping()) fail("dictsort needs a mapping, got " + type_name(v));
-      bool cs = flag(0, "case_sensitive", false);
-      const Value* by = arg(1, "by");
-      bool by_value = by && to_str(*by) == "value";
-      bool rev = flag(2, "reverse", false);
-      List pairs;
-      for (const auto& [k, val] : v.entries().entries) pairs.push_back(Value::tuple({k, val}));
-      Value pos = Value::integer(by_value ? 1 : 0);
-      return Value::list(sorted(std::move(pairs), rev, cs, &pos));
-    }
-    if (name == "sort") {
-      bool rev = flag(0, "reverse", false);
-      bool cs = flag(1, "case_sensitive", false);
-      const Value* attribute = arg(2, "attribute");
-      return Value::list(sorted(iterate(v), rev, cs, attribute && !attribute->is_none() ? attribute : nullptr));
-    }
-    if (name == "reverse") {
-      if (v.is_string()) {
-        auto cps = utf8_decode(v.as_string());
-        std::reverse(cps.begin(), cps.end());
-        return Value::string(encode(cps, 0, cps.size()));
-      }
-      List items = iterate(v);
-      std::reverse(items.begin(), items.end());
-      return Value::generator(std::move(items), v.kind() == Value::Kind::kList && !v.is_generator()
-                                                    ? "list_reverseiterator" : "reversed");
-    }
-    if (name == "unique") {
-      bool cs = flag(0, "case_sensitive", false);
-      const Value* attribute = arg(1, "attribute");
-      List out, seen;
-      for (const auto& it : iterate(v)) {
-        Value k = attribute && !attribute->is_none() ? attr_path(it, *attribute) : it;
-        if (k.is_string() && !cs) k = Value::string(map_case(k.as_string(), 0));
-        bool dup = false;
-        for (const auto& s : seen) dup = dup || equals(s, k);
-        if (!dup) {
-          seen.push_back(k);
-          out.push_back(it);
-        }
-      }
-      return Value::generator(std::move(out));
-    }
-    if (name == "min" || name == "max") {
-      bool cs = flag(0, "case_sensitive", false);
-      const Value* attribute = arg(1, "attribute");
-      List items = sorted(iterate(v), false, cs, attribute && !attribute->is_none() ? attribute : nullptr);
-      if (items.empty()) return Value::undefined("No aggregated item, sequence was empty.");
-      return name == "min" ? items.front() : items.back();
-    }
-    if (name == "sum") {
-      const Value* attribute = arg(0, "attribute");
-      const Value* start = arg(1, "start");
-      Value acc = start ? *start : Value::integer(0);
-      for (const auto& it : iterate(v)) acc = binary("+", acc, attribute && !attribute->is_none() ? attr_path(it, *attribute) : it);
-      return acc;
-    }
-    if (name == "map") {
-      List out;
-      if (!truthy(v)) return Value::generator({});  // sync_do_map: `if value:` guards the loop
-      List items = iterate(v);
-      bool has_attr = false;
-      for (const auto& kv : a.kw) has_attr = has_attr || kv.first == "attribute";
-      if (a.pos.empty() && has_attr) {
-        const Value* attribute = arg(99, "attribute");
-        const Value* dflt = arg(99, "default");
-        for (const auto& it : items) {
-          Value x = attr_path(it, *attribute);
-          if (x.is_undefined() && dflt) x = *dflt;
-          out.push_back(std::move(x));
-        }
-        return Value::generator(std::move(out));
-      }
-      if (a.pos.empty()) fail("map requires a filter name or attribute=");
-      std::string filter = to_str(a.pos[0]);
-      Args rest{List(a.pos.begin() + 1, a.pos.end()), a.kw};
-      for (const auto& it : items) {
-        Args copy = rest;
-        out.push_back(apply_filter(filter, it, copy));
-      }
-      return Value::generator(std::move(out));
-    }
-    if (name == "select" || name == "reject" || name == "selectattr" || name == "rejectattr") {
-      if (!truthy(v)) return Value::generator({});  // select_or_reject: `if seq:` guards the loop
-      bool by_attr = name == "selectattr" || name == "rejectattr";
-      bool want = name == "select" || name == "selectattr";
-      size_t k = 0;
-      Value attribute;
-      if (by_attr) {
-        if (a.pos.empty()) fail(name + " requires an attribute name");
-        attribute = a.pos[k++];
-      }
-      std::string test = k < a.pos.size() ? to_str(a.pos[k++]) : "";
-      Args targs{List(a.pos.begin() + static_cast<std::ptrdiff_t>(std::min(k, a.pos.size())), a.pos.end()), a.kw};
-      List out;
-      for (const auto& it : iterate(v)) {
-        Value x = by_attr ? attr_path(it, attribute) : it;
-        Args copy = targs;
-        bool r = test.empty() ? truthy(x) : apply_test(test, x, copy);
-        if (r == want) out.push_back(it);
-      }
-      return Value::generator(std::move(out));
-    }
-    if (name == "attr") {
-      const Value* n = arg(0, "name");
-      if (!n) fail("attr filter needs a name");
-      // jinja's attr filter is getattr only: dict keys are not attributes.
-      std::string an = to_str(*n);
-      if ((v.is_mapping() && is_dict_method(an)) || (v.is_string() && is_str_method(an)) ||
-          (v.is_sequence() && is_list_method(an)) || v.kind() == Value::Kind::kNamespace)
-        return get_attr(v, an);
-      return Value::undefined("'" + obj_repr(v) + "' has no attribute '" + an + "'");
-    }
-    if (name == "batch") {
-      const Value* n = arg(0, "linecount");
-      if (!n || !n->is_int() || n->as_int() <= 0) fail("batch needs a positive line count");
-      const Value* fill = arg(1, "fill_with");
-      size_t per = static_cast<size_t>(n->as_int());
-      List out, cur;
-      for (const auto& it : iterate(v)) {
-        cur.push_back(it);
-        if (cur.size() == per) {
-          out.push_back(Value::list(std::move(cur)));
-          cur.clear();
-        }
-      }
-      if (!cur.empty()) {
-        if (fill && !fill->is_none())
-          while (cur.size() < per) cur.push_back(*fill);
-        out.push_back(Value::list(std::move(cur)));
-      }
-      return Value::generator(std::move(out));
-    }
-    if (name == "center") {
-      const Value* w = arg(0, "width");
-      Args ca{{w ? *w : Value::integer(80)}, {}};
-      return call_method(Value::string(to_str(v)), "center", ca);
-    }
-    if (name == "wordcount") {  // len(re.findall(r"\w+", str(value)))
-      int64_t words = 0;
-      bool in_word = false;
-      for (uint32_t cp : utf8_decode(to_str(v))) {
-        auto c = utf8proc_category(static_cast<utf8proc_int32_t>(cp));
-        bool w = cp == '_' || is_cased_letter(cp) || c == UTF8PROC_CATEGORY_ND || c == UTF8PROC_CATEGORY_NL ||
-                 c == UTF8PROC_CATEGORY_NO;
-        if (w && !in_word) ++words;
-        in_word = w;
-      }
-      return Value::integer(words);
-    }
-    if (name == "format") {
-      if (!a.kw.empty()) fail("format filter with keyword arguments is not supported");
-      return Value::string(percent_format(to_str(v), Value::tuple(a.pos)));
-    }
-    if (name == "pprint") return Value::string(to_repr(v));
-    fail("no filter named '" + name + "'");
+    if (k > 0 && seq->items().size() > opts_.max_output_bytes / static_cast<uint64_t>(k))
+      check_size(SIZE_MAX);
+    List items;
+    for (int64_t i = 0; i < k; ++i)
+      items.insert(items.end(), seq->items().begin(), seq->items().end());
+    return seq->kind() == Value::Kind::kTuple ? Value::tuple(std::move(items))
+                                              : Value::list(std::move(items));
   }
+  if (op == "/") {
+    if (!nums) return type_err();
+    if (r.as_double() == 0) fail("division by zero");
+    return Value::number(l.as_double() / r.as_double());
+  }
+  if (op == "//") {
+    if (!nums) return type_err();
+    if (r.as_double() == 0) fail("integer division or modulo by zero");
+    if (ints) {
+      if (l.as_int() == INT64_MIN && r.as_int() == -1) fail("integer overflow");
+      return Value::integer(floordiv(l.as_int(), r.as_int()));
+    }
+    return Value::number(std::floor(l.as_double() / r.as_double()));
+  }
+  if (op == "%") {
+    if (l.is_string()) return Value::string(percent_format(l.as_string(), r));
+    if (!nums) return type_err();
+    if (r.as_double() == 0) fail("integer division or modulo by zero");
+    if (ints) {
+      if (r.as_int() == -1) return Value::integer(0);
+      return Value::integer(pymod(l.as_int(), r.as_int()));
+    }
+    return Value::number(pyfmod(l.as_double(), r.as_double()));
+  }
+  if (op == "**") {
+    if (!nums) return type_err();
+    if (ints && r.as_int() >= 0) {
+      int64_t base = l.as_int(), e = r.as_int(), acc = 1;
+      while (e > 0) {
+        if (e & 1)
+          if (__builtin_mul_overflow(acc, base, &acc)) fail("integer overflow");
+        e >>= 1;
+        if (e > 0 && __builtin_mul_overflow(base, base, &base)) fail("integer overflow");
+      }
+      return Value::integer(acc);
+    }
+    if (l.as_double() == 0 && r.as_double() < 0) fail("0.0 cannot be raised to a negative power");
+    return Value::number(std::pow(l.as_double(), r.as_double()));
+  }
+  fail("unknown operator " + op);
+}
 
-  // ---- Tests --------------------------------------------------------------------------------------
+// Python printf-style `str % args` for the common conversions.
+std::string Interp::percent_format(const std::string& fmt, const Value& args) {
+  List vals = args.kind() == Value::Kind::kTuple ? args.items() : List{args};
+  size_t next = 0;
+  std::string out;
+  for (size_t i = 0; i < fmt.size(); ++i) {
+    if (fmt[i] != '%') {
+      out += fmt[i];
+      continue;
+    }
+    if (++i >= fmt.size()) fail("incomplete format");
+    if (fmt[i] == '%') {
+      out += '%';
+      continue;
+    }
+    std::string spec = "%";
+    while (i < fmt.size() && std::strchr("-+ #0123456789.", fmt[i])) spec += fmt[i++];
+    if (i >= fmt.size()) fail("incomplete format");
+    char conv = fmt[i];
+    if (next >= vals.size()) fail("not enough arguments for format string");
+    const Value& v = vals[next++];
+    char buf[512];
+    if (spec.size() > 32) fail("format specification too long");
+    switch (conv) {
+      case 's':
+      case 'r': {
+        // Width/precision flags on %s are ignored (no chat template uses them).
+        out += conv == 's' ? to_str(v) : to_repr(v);
+        break;
+      }
+      case 'd':
+      case 'i':
+      case 'x':
+      case 'X':
+      case 'o': {
+        if (!v.is_number())
+          fail("%" + std::string(1, conv) + " format: a number is required, not " + type_name(v));
+        int64_t x = v.is_float() ? static_cast<int64_t>(v.as_double()) : v.as_int();
+        std::string f = spec + "ll" + (conv == 'i' ? 'd' : conv);
+        std::snprintf(buf, sizeof(buf), f.c_str(), static_cast<long long>(x));
+        out += buf;
+        break;
+      }
+      case 'f':
+      case 'F':
+      case 'e':
+      case 'E':
+      case 'g':
+      case 'G': {
+        if (!v.is_number()) fail("must be real number, not " + type_name(v));
+        std::snprintf(buf, sizeof(buf), (spec + conv).c_str(), v.as_double());
+        out += buf;
+        break;
+      }
+      default:
+        fail(std::string("unsupported format character '") + conv + "'");
+    }
+    check_size(out.size());
+  }
+  // Python: leftover arguments are an error, except a lone mapping/sequence argument (it may
+  // serve %(name)s lookups, so CPython does not count it).
+  bool lone_container = args.kind() != Value::Kind::kTuple &&
+                        (args.is_mapping() || args.kind() == Value::Kind::kList);
+  if (next < vals.size() && !lone_container)
+    fail("not all arguments converted during string formatting");
+  return out;
+}
 
-  bool apply_test(const std::string& name, const Value& v, Args& a) {
-    auto arg0 = [&]() -> const Value& {
-      if (a.pos.empty()) {
-        if (!a.kw.empty()) return a.kw[0].second;
-        fail("test '" + name + "' needs an argument");
-      }
-      return a.pos[0];
-    };
-    if (name == "defined") return !v.is_undefined();
-    if (name == "undefined") return v.is_undefined();
-    if (name == "none") return v.is_none();
-    if (name == "string") return v.is_string();
-    if (name == "mapping") return v.is_mapping();
-    if (name == "number") return v.is_number();
-    if (name == "integer") return v.is_int();
-    if (name == "float") return v.is_float();
-    if (name == "boolean") return v.is_bool();
-    if (name == "true") return v.is_bool() && v.as_bool();
-    if (name == "false") return v.is_bool() && !v.as_bool();
-    if (name == "callable") return v.is_callable();
-    if (name == "iterable")
-      return v.is_undefined() || v.is_string() || v.is_sequence() || v.is_mapping();
-    if (name == "sequence")
-      return v.is_undefined() || v.is_string() || (v.is_sequence() && !v.is_generator()) || v.is_mapping();
-    if (name == "escaped") return false;
-    if (name == "even" || name == "odd") {
-      if (!v.is_number()) fail("test '" + name + "' needs a number");
-      int64_t x = v.is_float() ? static_cast<int64_t>(v.as_double()) : v.as_int();
-      return (x % 2 == 0) == (name == "even");
+int Interp::cmp(const Value& l, const Value& r, const std::string& op) {
+  if (l.is_number() && r.is_number()) {
+    if (l.is_float() || r.is_float()) {
+      double a = l.as_double(), b = r.as_double();
+      return a < b ? -1 : a > b ? 1 : 0;
     }
-    if (name == "divisibleby") {
-      const Value& d = arg0();
-      if (!v.is_number() || !d.is_number()) fail("divisibleby needs numbers");
-      if (d.as_double() == 0) fail("integer division or modulo by zero");
-      if (v.is_float() || d.is_float()) return pyfmod(v.as_double(), d.as_double()) == 0;
-      return pymod(v.as_int(), d.as_int()) == 0;
+    return l.as_int() < r.as_int() ? -1 : l.as_int() > r.as_int() ? 1 : 0;
+  }
+  if (l.is_string() && r.is_string()) {
+    int c = l.as_string().compare(r.as_string());  // UTF-8 byte order == code point order
+    return c < 0 ? -1 : c > 0 ? 1 : 0;
+  }
+  if (l.is_sequence() && l.kind() == r.kind()) {
+    const List& a = l.items();
+    const List& b = r.items();
+    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+      if (equals(a[i], b[i])) continue;
+      return cmp(a[i], b[i], op);
     }
-    if (name == "eq" || name == "equalto" || name == "==") return equals(v, arg0());
-    if (name == "ne" || name == "!=") return !equals(v, arg0());
-    if (name == "lt" || name == "lessthan" || name == "<") return compare("<", v, arg0());
-    if (name == "le" || name == "<=") return compare("<=", v, arg0());
-    if (name == "gt" || name == "greaterthan" || name == ">") return compare(">", v, arg0());
-    if (name == "ge" || name == ">=") return compare(">=", v, arg0());
-    if (name == "in") return contains(arg0(), v);
-    if (name == "sameas") {
-      const Value& o = arg0();
-      if (v.kind() != o.kind()) return false;
-      switch (v.kind()) {
-        case Value::Kind::kList:
-        case Value::Kind::kTuple: return &v.items() == &o.items();
-        case Value::Kind::kDict:
-        case Value::Kind::kNamespace: return &v.entries() == &o.entries();
-        default: return equals(v, o);
-      }
-    }
-    if (name == "lower" || name == "upper") {  // str(value).islower()
-      Args none;
-      return truthy(call_method(Value::string(to_str(v)), name == "lower" ? "islower" : "isupper", none));
-    }
-    if (name == "filter" || name == "test") {
-      static const char* kFilters[] = {"default", "d", "tojson", "safe", "escape", "e", "string", "length", "count",
-                                       "list", "first", "last", "join", "upper", "lower", "capitalize", "title",
-                                       "trim", "replace", "indent", "int", "float", "abs", "round", "items",
-                                       "dictsort", "sort", "reverse", "unique", "min", "max", "sum", "map",
-                                       "select", "reject", "selectattr", "rejectattr", "attr", "batch", "center",
-                                       "wordcount", "format", "pprint", "forceescape"};
-      static const char* kTests[] = {"defined", "undefined", "none", "string", "mapping", "number", "integer",
-                                     "float", "boolean", "true", "false", "callable", "iterable", "sequence",
-                                     "escaped", "even", "odd", "divisibleby", "eq", "equalto", "ne", "lt",
-                                     "lessthan", "le", "gt", "greaterthan", "ge", "in", "sameas", "lower",
-                                     "upper", "filter", "test"};
-      std::string q = v.is_string() ? v.as_string() : "";
-      if (name == "filter") {
-        for (const char* f : kFilters)
-          if (q == f) return true;
-        return false;
-      }
-      for (const char* t : kTests)
-        if (q == t) return true;
+    return a.size() < b.size() ? -1 : a.size() > b.size() ? 1 : 0;
+  }
+  if (l.is_undefined()) fail(undefined_message(l));
+  if (r.is_undefined()) fail(undefined_message(r));
+  fail("'" + op + "' not supported between instances of '" + type_name(l) + "' and '" +
+       type_name(r) + "'");
+}
+
+bool Interp::contains(const Value& container, const Value& item) {
+  switch (container.kind()) {
+    case Value::Kind::kUndefined:
       return false;
-    }
-    fail("no test named '" + name + "'");
+    case Value::Kind::kString:
+      if (!item.is_string())
+        fail("'in <string>' requires string as left operand, not " + type_name(item));
+      return container.as_string().find(item.as_string()) != std::string::npos;
+    case Value::Kind::kList:
+    case Value::Kind::kTuple:
+      for (const auto& e : container.items())
+        if (equals(e, item)) return true;
+      return false;
+    case Value::Kind::kDict:
+      if (item.kind() == Value::Kind::kList || item.is_mapping())
+        fail("unhashable type: '" + type_name(item) + "'");
+      return container.entries().find(item) != nullptr;
+    default:
+      fail("argument of type '" + type_name(container) + "' is not iterable");
   }
+}
 
-  const RenderOptions& opts_;
-  const std::string& name_;
-  std::deque<Scope> scopes_;  // arena: macros keep raw pointers to their defining scope
-  uint64_t steps_ = 0;
-  int depth_ = 0;
-};
+bool Interp::compare(const std::string& op, const Value& l, const Value& r) {
+  if (op == "==") return equals(l, r);
+  if (op == "!=") return !equals(l, r);
+  if (op == "in") return contains(r, l);
+  if (op == "notin") return !contains(r, l);
+  int c = cmp(l, r, op);
+  if (op == "<") return c < 0;
+  if (op == "<=") return c <= 0;
+  if (op == ">") return c > 0;
+  return c >= 0;
+}
 
-}  // namespace
+}  // namespace m3::text::jinja::detail
+
+namespace m3::text::jinja {
 
 Result<std::string> Template::render(const Value& vars, const RenderOptions& options) const {
   if (!vars.is_mapping())
-    return make_error(ErrorCode::kInvalidArgument, name_ + ": template variables must be a mapping");
+    return make_error(ErrorCode::kInvalidArgument,
+                      name_ + ": template variables must be a mapping");
   if (!body_) return make_error(ErrorCode::kInternal, name_ + ": template was never parsed");
-  Interp interp(options, name_);
+  detail::Interp interp(options, name_);
   try {
     return interp.run(*body_, vars);
   } catch (const RenderError& e) {

@@ -1,4 +1,4 @@
-// The engine's backend seam (EngineConfig::backend_factory, model/forward_backend.h): an injected
+// The engine's backend seam (EngineConfig::backend_factory, runtime/forward_backend.h): an injected
 // backend is what the engine runs, its page count is the scheduler's pool, its device name and KV
 // flag reach ModelInfo and the errors, and the CPU backend through a factory gives the same
 // greedy tokens as the scheduler-free SequenceRunner; a backend with KV partitions (attention

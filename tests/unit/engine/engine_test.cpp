@@ -1,6 +1,7 @@
 // The engine on a golden checkpoint: greedy output through the scheduler (chunked prefill,
 // batching, preemption) equals the scheduler-free SequenceRunner; prompt logprobs; seeded
-// sampling; aborts free pages; admission errors.
+// sampling (the GPU sampler's rule, independent of the batch); aborts free pages; admission
+// errors.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,6 +23,8 @@ using testing::Collected;
 using testing::kModel;
 using testing::random_prompt;
 using testing::reference_greedy;
+using testing::reference_sampled;
+using testing::seeded_requests;
 
 std::unique_ptr<Engine> make_engine(EngineConfig cfg) {
   cfg.model_dir = kModel;
@@ -158,6 +161,48 @@ TEST(Engine, SeededSamplingIsReproducible) {
   };
   EXPECT_EQ(run(42), run(42));
   EXPECT_NE(run(42), run(43));  // 12 tokens from a non-trivial distribution: a clash is ~impossible
+}
+
+// The CPU backend samples with the GPU's rule: a seeded request's tokens are the scheduler-free
+// logits drawn by kernels::cpu::sample_rows with (seed, output index), alone or batched with
+// other requests (chunked prefill, mixed steps), so a draw depends on the request only.
+TEST(Engine, SeededSamplingIsTheGpuRuleAndIndependentOfTheBatch) {
+  auto m = model::M3Model::load(kModel);
+  ASSERT_TRUE(m.has_value());
+  EngineConfig cfg;
+  cfg.max_num_batched_tokens = 32;  // chunked prefill, prefill chunks next to decodes
+  cfg.max_num_seqs = 16;
+  cfg.block_size = static_cast<int>((*m)->config().sparse_block_size);
+  auto e = make_engine(cfg);
+  ASSERT_TRUE(e);
+  const int V = static_cast<int>(e->model_info().vocab_size);
+  const std::vector<GenerateRequest> seeded = seeded_requests(V);
+  std::vector<std::vector<int32_t>> want;
+  int differs_from_greedy = 0;
+  for (const GenerateRequest& r : seeded) {
+    want.push_back(reference_sampled(**m, r).tokens);
+    if (want.back() != reference_greedy(**m, r.prompt_token_ids, r.params.max_tokens))
+      ++differs_from_greedy;
+    EXPECT_EQ(collect(**e->submit(r)).tokens, want.back()) << "alone, seed " << *r.params.seed;
+  }
+  EXPECT_GE(differs_from_greedy, 3) << "the sampled references should not all be greedy";
+
+  // The same requests among others (unseeded and greedy ones, longer prompts) and in another
+  // order: each seeded request still gets its tokens.
+  std::vector<GenerateRequest> batch;
+  for (int i = 0; i < 3; ++i) {
+    GenerateRequest other;
+    other.prompt_token_ids = random_prompt(40 + 11 * i, static_cast<uint32_t>(90 + i), V);
+    other.params.temperature = i == 0 ? 0.f : 1.f;
+    other.params.max_tokens = 14;
+    other.params.ignore_eos = true;
+    batch.push_back(other);
+  }
+  for (size_t i = seeded.size(); i-- > 0;) batch.push_back(seeded[i]);
+  const auto got = testing::generate_all(*e, batch);
+  ASSERT_EQ(got.size(), batch.size());
+  for (size_t i = 0; i < seeded.size(); ++i)
+    EXPECT_EQ(got[3 + seeded.size() - 1 - i], want[i]) << "batched, seed " << *seeded[i].params.seed;
 }
 
 TEST(Engine, IdsPastTheSampleableVocabularyAreNeverSampled) {
