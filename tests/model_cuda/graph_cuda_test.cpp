@@ -15,6 +15,7 @@
 #include "gpu/device.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "runtime/cuda/cuda_backend.h"
+#include "runtime/sequence_runner.h"
 #include "model/synthetic_model.h"
 
 namespace m3::model {
