@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "runtime/forward_backend.h"
+#include "runtime/kv_budget.h"
 #include "model/m3_model.h"
 #ifdef M3_HAS_CUDA
 #include "gpu/device.h"
@@ -52,13 +53,7 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
                                                     int64_t max_model_len,
                                                     uint64_t synthetic_seed) {
   const double util = a.gpu_memory_utilization;
-  if (!(util > 0.0 && util <= 1.0)) {
-    char buf[160];
-    std::snprintf(buf, sizeof buf,
-                  "--gpu-memory-utilization %g is outside (0, 1]; give a fraction such as 0.9",
-                  util);
-    return make_error(ErrorCode::kInvalidArgument, buf, "--gpu-memory-utilization");
-  }
+  M3_TRY_STATUS(runtime::check_gpu_memory_utilization(util));
   M3_TRY_STATUS(validate_parallel(a.parallel, a.device));
   // cpu: the engine's default backend, or the tensor-parallel one.
   if (a.device == "cpu")

@@ -13,6 +13,7 @@
 #include "engine/model_runner.h"
 #include "model/config.h"
 #include "runtime/forward_backend.h"
+#include "runtime/kv_budget.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
 #include "sched/scheduler.h"
@@ -315,28 +316,20 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   const bool max_len_given = config.max_model_len > 0;
   // One sequence of max_len tokens must fit in the pool; with no --max-model-len the pool caps it.
   // With KV partitions (attention data parallel) a sequence's pages stay in one partition, so the
-  // limit is one partition's pages.
+  // limit is one partition's pages (runtime/kv_budget.h has the check and its message).
   auto check_fit = [&](int64_t num_pages, const std::string& where, const std::string& flag,
                        int64_t num_partitions = 1) -> Status {
     const int64_t part_pages = num_pages / num_partitions;
     if (!max_len_given) max_len = std::min<int64_t>(max_len, part_pages * bs);
-    if (part_pages >= 1 && part_pages * bs >= max_len) return {};
-    const std::string what =
-        num_partitions == 1
-            ? "holds " + std::to_string(part_pages * bs) + " tokens (" +
-                  std::to_string(part_pages) + " pages of " + std::to_string(page_bytes) +
-                  " bytes)"
-            : "holds " + std::to_string(part_pages * bs) + " tokens per data-parallel rank (" +
-                  std::to_string(part_pages) + " pages of " + std::to_string(page_bytes) +
-                  " bytes in each of " + std::to_string(num_partitions) +
-                  " partitions; a sequence cannot span partitions)";
-    return make_error(ErrorCode::kInvalidArgument,
-                      "the KV cache " + where + " " + what + " but --max-model-len is " +
-                          std::to_string(max_len) + "; it needs at least " +
-                          std::to_string(((max_len + bs - 1) / bs) * page_bytes) +
-                          " bytes" + (num_partitions == 1 ? "" : " per rank") + ": raise " + flag +
-                          " or lower --max-model-len",
-                      flag);
+    runtime::KvPoolFacts pool;
+    pool.num_pages = num_pages;
+    pool.page_size = bs;
+    pool.page_bytes = page_bytes;
+    pool.where = where;
+    pool.flag = flag;
+    pool.num_partitions = num_partitions;
+    // A pool without one page holds no sequence at all, --max-model-len given or not.
+    return runtime::check_max_model_len_fits(std::max<int64_t>(max_len, 1), pool);
   };
   std::unique_ptr<runtime::ForwardBackend> backend;
   if (config.backend_factory) {
@@ -344,7 +337,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
     M3_CHECK(backend != nullptr, "engine: the backend factory returned null");
   } else {
     // Refuse before allocating: the CPU pool is exactly the requested bytes.
-    M3_TRY_STATUS(check_fit(cpu_num_pages, "on cpu", "--kv-cache-memory-bytes"));
+    M3_TRY_STATUS(check_fit(cpu_num_pages, "cpu", "--kv-cache-memory-bytes"));
     M3_TRY(backend, runtime::make_cpu_backend(std::move(model), cpu_num_pages));
   }
   const int64_t num_pages = backend->num_pages();
@@ -356,7 +349,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   M3_CHECK(num_kv_partitions >= 1 && num_pages % num_kv_partitions == 0,
            "engine: backend %s has %lld pages in %d partitions", backend->device_name().c_str(),
            static_cast<long long>(num_pages), num_kv_partitions);
-  M3_TRY_STATUS(check_fit(num_pages, "on " + backend->device_name(), backend->kv_cache_flag(),
+  M3_TRY_STATUS(check_fit(num_pages, backend->device_name(), backend->kv_cache_flag(),
                           num_kv_partitions));
   sched::SchedulerConfig sc;
   sc.max_num_seqs = config.max_num_seqs;

@@ -64,21 +64,12 @@ class CudaBackend final : public ForwardBackend {
   std::string flag_ = "--gpu-memory-utilization";
 };
 
-Status check_utilization(double util) {
-  if (util > 0.0 && util <= 1.0) return {};
-  return make_error(ErrorCode::kInvalidArgument,
-                    "--gpu-memory-utilization " + fraction(util) +
-                        " is outside (0, 1]; it is the fraction of the GPU memory free after "
-                        "the weights that the KV cache may take, e.g. 0.9",
-                    "--gpu-memory-utilization");
-}
-
 }  // namespace
 
 Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Model> host,
                                                           const CudaBackendOptions& opts) {
   M3_CHECK(host != nullptr);
-  M3_TRY_STATUS(check_utilization(opts.gpu_memory_utilization));
+  M3_TRY_STATUS(check_gpu_memory_utilization(opts.gpu_memory_utilization));
   std::unique_ptr<M3ModelCuda> model;
   if (host->has_weights()) {
     M3_TRY(model, M3ModelCuda::from_host(std::move(host), opts.device));
@@ -96,7 +87,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Mode
   M3_CHECK(model != nullptr);
   if (opts.enforce_eager) model->set_use_graphs(false);
   const double util = opts.gpu_memory_utilization;
-  M3_TRY_STATUS(check_utilization(util));
+  M3_TRY_STATUS(check_gpu_memory_utilization(util));
   const int64_t page_bytes = KvCache::page_bytes(model->config());  // KvCacheCuda: same layout
   // Free memory now that the weights are resident (probe also reads cudaMemGetInfo).
   M3_TRY(gpu::DeviceInfo info, gpu::probe_device(opts.device));

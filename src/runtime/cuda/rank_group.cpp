@@ -41,14 +41,7 @@ Status check_group_args(int ranks, const std::string& flag, const CudaBackendOpt
     return make_error(ErrorCode::kInvalidArgument,
                       flag + " must be >= 1, got " + std::to_string(ranks), flag);
   }
-  const double util = opts.gpu_memory_utilization;
-  if (!(util > 0.0 && util <= 1.0)) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "--gpu-memory-utilization " + std::to_string(util) +
-                          " is outside (0, 1]; give a fraction such as 0.9",
-                      "--gpu-memory-utilization");
-  }
-  return {};
+  return check_gpu_memory_utilization(opts.gpu_memory_utilization);
 }
 
 std::string mib(double bytes) {

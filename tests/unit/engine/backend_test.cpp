@@ -238,7 +238,7 @@ TEST(EngineBackend, ABackendPoolTooSmallForMaxModelLenNamesTheBackendsFlag) {
   const std::string& msg = e.error().message;
   EXPECT_NE(msg.find("--recording-pool"), std::string::npos) << msg;
   EXPECT_NE(msg.find("recording(cpu)"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("holds 16 tokens"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("has 2 pages = 16 tokens"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("--kv-cache-memory-bytes"), std::string::npos) << msg;
 }
 
@@ -295,7 +295,7 @@ TEST(EngineBackend, KvPartitionsLimitMaxModelLenToOnePartition) {
   cfg.backend_factory = two_partition_factory(24, &rec);
   auto e = Engine::create(cfg);
   ASSERT_FALSE(e.has_value());
-  EXPECT_NE(e.error().message.find("holds 96 tokens per data-parallel rank"), std::string::npos)
+  EXPECT_NE(e.error().message.find("96 tokens in each of its 2 data-parallel partitions"), std::string::npos)
       << e.error().message;
   cfg.max_model_len = 96;
   ASSERT_TRUE(Engine::create(cfg).has_value());
