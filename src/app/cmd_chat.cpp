@@ -1,7 +1,8 @@
 // `m3serve chat [MODEL_DIR]`: an interactive terminal chat with a model (the embedded demo model
 // when none is given). Reasoning is shown dimmed, tool calls as `name(arguments)`. Commands:
 // /think enabled|disabled|adaptive, /reset, /quit. Reads stdin line by line, so it also works
-// piped (`echo "hi" | m3serve chat`).
+// piped (`echo "hi" | m3serve chat`). Takes the vLLM flags that make sense without a server
+// (app/vllm_flags.h): --seed seeds every answer, --dtype, --hf-overrides, ...
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
@@ -17,7 +18,9 @@
 #include "app/commands.h"
 #include "app/device_backend.h"
 #include "app/model_choice.h"
+#include "app/vllm_flags.h"
 #include "engine/engine.h"
+#include "model/config_overrides.h"
 #include "text/chat_output_parser.h"
 #include "text/chat_template.h"
 #include "text/detokenizer.h"
@@ -35,10 +38,27 @@ struct ChatArgs {
   float temperature = 0.f;
   std::string system;
   DeviceArgs device;
+  VllmFlagValues vllm;
+  bool gemm_precision_given = false;
 };
 
 int run_chat(const ChatArgs& args) {
   ChatArgs a = args;
+  const EnvList env = process_environment();
+  auto plan = review_vllm_flags(a.vllm, VllmCommand::kChat, a.device.device,
+                                a.gemm_precision_given, env);
+  if (!plan) return fail(plan.error().message);
+  for (const auto& n : plan->notices) std::fprintf(stderr, "m3serve: note: %s\n", n.c_str());
+  if (plan->gemm_precision) a.device.gemm_precision = *plan->gemm_precision;
+  if (plan->enforce_eager) a.device.enforce_eager = true;
+  if (auto st = model::set_config_overrides(plan->hf_overrides); !st) return fail(st.error().message);
+  if (!a.model_dir.empty()) {
+    std::string notice;
+    auto resolved = resolve_model_argument(a.model_dir, env, &notice);
+    if (!resolved) return fail(resolved.error().message);
+    if (*resolved != a.model_dir) std::fprintf(stderr, "m3serve: note: %s\n", notice.c_str());
+    a.model_dir = *resolved;
+  }
   if (a.model_dir.empty()) a.model_dir = find_demo_model();
   if (a.model_dir.empty()) return fail("no MODEL_DIR given and no demo model found; run `m3serve chat /path/to/model`");
   auto mode = text::thinking_mode_from_string(a.thinking_mode);
@@ -106,6 +126,8 @@ int run_chat(const ChatArgs& args) {
     engine::GenerateRequest req;
     req.prompt_token_ids = (*tok)->encode(*prompt);
     req.params.temperature = a.temperature;
+    // --seed: each answer reproducible; turns differ (the seed advances per answer).
+    if (plan->seed) req.params.seed = *plan->seed + static_cast<uint64_t>(messages.size());
     req.params.max_tokens = std::max(1, std::min(a.max_tokens, info.max_model_len - static_cast<int>(req.prompt_token_ids.size())));
     auto stream = (*eng)->submit(req);
     if (!stream) {
@@ -175,7 +197,11 @@ RunFn register_chat(CLI::App& app) {
   sub->add_option("--temperature", a->temperature, "0 = greedy");
   sub->add_option("--system", a->system, "System prompt");
   add_device_options(sub, a->device);
-  return [a] { return run_chat(*a); };
+  add_vllm_flags(sub, a->vllm, VllmCommand::kChat);
+  return [a, sub] {
+    a->gemm_precision_given = sub->get_option("--gemm-precision")->count() > 0;
+    return run_chat(*a);
+  };
 }
 
 }  // namespace m3::app

@@ -1,7 +1,9 @@
 // `m3serve serve [MODEL_DIR]`: the OpenAI-compatible server (vLLM's flag names). Loads the model
 // into an Engine, the tokenizer / chat template / generation defaults into the server, binds,
 // prints one start-up line, and serves until SIGTERM/SIGINT, which drains: new requests get 503,
-// running ones finish, then the process exits. A second signal exits at once.
+// running ones finish, then the process exits. A second signal exits at once. vLLM's other
+// serving flags and VLLM_* variables go through app/vllm_flags.h: each works, is a no-op with a
+// notice, or is refused with the reason before anything is loaded.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -9,11 +11,13 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -22,8 +26,11 @@
 #include "app/commands.h"
 #include "app/device_backend.h"
 #include "app/model_choice.h"
+#include "app/vllm_flags.h"
 #include "core/log.h"
 #include "engine/engine.h"
+#include "model/config.h"
+#include "model/config_overrides.h"
 #include "server/http_server.h"
 
 namespace m3::app {
@@ -57,13 +64,13 @@ struct ServeArgs {
   std::string host = "0.0.0.0";
   int port = 8000;
   std::vector<std::string> served_model_names;
-  int max_model_len = 0;
+  std::string max_model_len;  // vLLM's forms: 65536, 128k, 1M, auto
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
-  int block_size = 128;
+  int block_size = 0;  // 0: the checkpoint's MSA block (sparse_block_size)
   bool enable_prefix_caching = true;
   bool no_enable_prefix_caching = false;
-  std::string api_key;
+  std::vector<std::string> api_keys;
   std::string tool_call_parser = "minimax_m3";
   std::string reasoning_parser = "minimax_m3";
   bool enable_auto_tool_choice = false;
@@ -77,7 +84,30 @@ struct ServeArgs {
   std::string log_level = "info";
   int http_threads = 0;
   DeviceArgs device;
+  VllmFlagValues vllm;                   // the vLLM flags m3serve has no option of its own for
+  bool gemm_precision_given = false;     // set after parsing (a --dtype must not contradict it)
+  bool log_level_given = false;
 };
+
+// Where config.json keeps max_position_embeddings: under text_config in the shipped form.
+Result<std::string> max_len_override(const std::string& model_dir, int64_t max_len) {
+  std::ifstream in(std::filesystem::path(model_dir) / "config.json");
+  const auto root = nlohmann::json::parse(in, nullptr, false);
+  nlohmann::json over = {{"max_position_embeddings", max_len}};
+  if (!root.is_discarded() && root.contains("text_config") && root["text_config"].is_object())
+    over = {{"text_config", over}};
+  return over.dump();
+}
+
+// True when the JSON override touches rope_scaling / rope_parameters at any depth.
+bool touches_rope(const nlohmann::json& j) {
+  if (!j.is_object()) return false;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.key() == "rope_scaling" || it.key() == "rope_parameters" || touches_rope(it.value()))
+      return true;
+  }
+  return false;
+}
 
 Result<int64_t> parse_bytes(const std::string& s) {
   if (s.empty()) return int64_t{0};
@@ -142,9 +172,29 @@ class LoadProgress {
 };
 
 int run_serve(ServeArgs a) {
+  const EnvList env = process_environment();
+  auto plan = review_vllm_flags(a.vllm, VllmCommand::kServe, a.device.device,
+                                a.gemm_precision_given, env);
+  if (!plan) return fail(plan.error().message);
+  for (const auto& n : plan->notices) std::fprintf(stderr, "m3serve: note: %s\n", n.c_str());
+  if (plan->gemm_precision) a.device.gemm_precision = *plan->gemm_precision;
+  if (plan->enforce_eager) a.device.enforce_eager = true;
+  if (plan->log_level && !a.log_level_given) a.log_level = *plan->log_level;
+  auto max_model_len = parse_max_model_len(a.max_model_len.empty() ? "0" : a.max_model_len);
+  if (!max_model_len) return fail(max_model_len.error().message);
   if (!a.model_flag.empty()) {
     if (!a.model_dir.empty() && a.model_dir != a.model_flag) return fail("give the model directory once (positional or --model)");
     a.model_dir = a.model_flag;
+  }
+  if (!a.model_dir.empty()) {
+    std::string notice;
+    auto resolved = resolve_model_argument(a.model_dir, env, &notice);
+    if (!resolved) return fail(resolved.error().message);
+    if (*resolved != a.model_dir) {
+      std::fprintf(stderr, "m3serve: note: %s\n", notice.c_str());
+      if (a.served_model_names.empty()) a.served_model_names.push_back(a.model_dir);  // the hub id
+      a.model_dir = *resolved;
+    }
   }
   if (a.model_dir.empty()) {
     a.model_dir = find_demo_model();
@@ -160,6 +210,45 @@ int run_serve(ServeArgs a) {
       !std::filesystem::exists(std::filesystem::path(a.model_dir) / "config.json")) {
     return fail("model directory '" + a.model_dir + "' has no config.json");
   }
+  if (auto st = model::set_config_overrides(plan->hf_overrides); !st) return fail(st.error().message);
+  if (!choice->synthetic) {
+    // The checkpoint's own config (with --hf-overrides) gives the block size and the length
+    // limit before the weights are read.
+    auto cfg = model::load_config(a.model_dir);
+    if (!cfg) {
+      std::string msg = cfg.error().message;
+      if (touches_rope(nlohmann::json::parse(plan->hf_overrides, nullptr, false))) {
+        msg += " (set by --hf-overrides: YaRN context extension is not implemented yet; leave "
+               "rope_scaling out to serve the native window of max_position_embeddings, and set "
+               "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to let --max-model-len go past it)";
+      }
+      return fail(msg);
+    }
+    if (a.block_size == 0) a.block_size = static_cast<int>(cfg->sparse_block_size);
+    if (auto st = model::check_kv_block_size(*cfg, a.block_size); !st) return fail(st.error().message);
+    const int64_t native = cfg->max_position_embeddings;
+    if (*max_model_len > native) {
+      if (!plan->allow_long_max_model_len) {
+        return fail("--max-model-len " + std::to_string(*max_model_len) +
+                    " is above the model's max_position_embeddings (" + std::to_string(native) +
+                    "); use --max-model-len " + std::to_string(native) +
+                    " or less, or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to go past it");
+      }
+      std::fprintf(stderr,
+                   "m3serve: warning: --max-model-len %lld is above the model's "
+                   "max_position_embeddings (%lld), allowed by VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: "
+                   "positions past %lld were not trained and may give wrong output\n",
+                   static_cast<long long>(*max_model_len), static_cast<long long>(native),
+                   static_cast<long long>(native));
+      auto extra = max_len_override(a.model_dir, *max_model_len);
+      auto merged = model::merge_config_json(
+          plan->hf_overrides.empty() ? "{}" : plan->hf_overrides, *extra, "--hf-overrides");
+      if (!merged) return fail(merged.error().message);
+      if (auto st = model::set_config_overrides(*merged); !st) return fail(st.error().message);
+    }
+  } else if (a.block_size == 0) {
+    a.block_size = 128;  // the synthetic model has M3's geometry
+  }
   if (a.log_level == "debug") set_log_level(LogLevel::kDebug);
   else if (a.log_level == "info") set_log_level(LogLevel::kInfo);
   else if (a.log_level == "warning" || a.log_level == "warn") set_log_level(LogLevel::kWarn);
@@ -174,18 +263,13 @@ int run_serve(ServeArgs a) {
   if (a.scheduling_policy != "fcfs" && a.scheduling_policy != "priority") {
     return fail("--scheduling-policy must be fcfs or priority");
   }
-  if (a.block_size != 128) {
-    return fail("--block-size " + std::to_string(a.block_size) +
-                " is refused: MiniMax-M3's sparse attention scores 128-token blocks and a KV page must be one "
-                "such block; use --block-size 128");
-  }
   if (a.max_num_seqs < 1) return fail("--max-num-seqs must be at least 1");
   if (a.max_queue_len < 1) return fail("--max-queue-len must be at least 1");
   if (a.port < 0 || a.port > 65535) return fail("--port must be in 0..65535");
   auto kv_bytes = parse_bytes(a.kv_cache_memory_bytes);
   if (!kv_bytes) return fail(kv_bytes.error().message);
   auto backend_factory =  // probes the GPU for cuda
-      make_backend_factory(a.device, *kv_bytes, a.max_model_len, choice->spec.seed);
+      make_backend_factory(a.device, *kv_bytes, *max_model_len, choice->spec.seed);
   if (!backend_factory) return fail(backend_factory.error().message);
   server::OrderedJson default_kwargs = server::OrderedJson::object();
   if (!a.default_chat_template_kwargs.empty()) {
@@ -194,9 +278,18 @@ int run_serve(ServeArgs a) {
       return fail("--default-chat-template-kwargs must be a JSON object, e.g. '{\"thinking_mode\": \"disabled\"}'");
     }
   }
-  if (a.api_key.empty()) {
-    if (const char* k = std::getenv("M3SERVE_API_KEY")) a.api_key = k;
-    else if (const char* k2 = std::getenv("VLLM_API_KEY")) a.api_key = k2;
+  // vLLM takes several keys (--api-key K1 K2); the server checks one key today.
+  std::sort(a.api_keys.begin(), a.api_keys.end());
+  a.api_keys.erase(std::unique(a.api_keys.begin(), a.api_keys.end()), a.api_keys.end());
+  if (a.api_keys.size() > 1) {
+    return fail("--api-key was given " + std::to_string(a.api_keys.size()) +
+                " different keys; this server checks one key so far (several keys need the "
+                "server's key check to take a list): give one --api-key");
+  }
+  std::string api_key = a.api_keys.empty() ? std::string() : a.api_keys.front();
+  if (api_key.empty()) {
+    if (const char* k = std::getenv("M3SERVE_API_KEY")) api_key = k;
+    else if (const char* k2 = std::getenv("VLLM_API_KEY")) api_key = k2;
   }
   if (a.served_model_names.empty()) a.served_model_names.push_back(a.model_dir);
 
@@ -211,12 +304,41 @@ int run_serve(ServeArgs a) {
   auto assets = server::load_server_assets(choice->tokenizer_dir, a.chat_template, default_kwargs,
                                            a.generation_config);
   if (!assets) return fail(assets.error().message);
+  if (!plan->generation_overrides.empty()) {
+    // vLLM's --override-generation-config: its keys over generation_config.json's.
+    auto over = server::GenerationDefaults::from_json_text(plan->generation_overrides,
+                                                           "--override-generation-config");
+    if (!over) return fail(over.error().message);
+    auto& d = assets->defaults;
+    if (over->temperature) d.temperature = over->temperature;
+    if (over->top_p) d.top_p = over->top_p;
+    if (over->top_k) d.top_k = over->top_k;
+    if (over->min_p) d.min_p = over->min_p;
+    if (over->repetition_penalty) d.repetition_penalty = over->repetition_penalty;
+    if (over->presence_penalty) d.presence_penalty = over->presence_penalty;
+    if (over->frequency_penalty) d.frequency_penalty = over->frequency_penalty;
+    if (over->max_new_tokens) d.max_new_tokens = over->max_new_tokens;
+    std::string unknown;
+    static const std::vector<std::string> kKnown = {
+        "temperature",      "top_p",             "top_k",         "min_p", "repetition_penalty",
+        "presence_penalty", "frequency_penalty", "max_new_tokens"};
+    const auto over_json = nlohmann::json::parse(plan->generation_overrides);
+    for (auto it = over_json.begin(); it != over_json.end(); ++it) {
+      if (std::find(kKnown.begin(), kKnown.end(), it.key()) == kKnown.end())
+        unknown += (unknown.empty() ? "" : ", ") + it.key();
+    }
+    if (!unknown.empty()) {
+      std::fprintf(stderr, "m3serve: note: --override-generation-config keys %s are ignored (m3serve "
+                   "reads temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, "
+                   "frequency_penalty, max_new_tokens)\n", unknown.c_str());
+    }
+  }
 
   engine::EngineConfig ec;
   ec.model_dir = a.model_dir;  // a synthetic spec loads config-only (M3Model::load)
   ec.max_num_seqs = a.max_num_seqs;
   ec.max_num_batched_tokens = a.max_num_batched_tokens;
-  ec.max_model_len = a.max_model_len;
+  ec.max_model_len = static_cast<int>(*max_model_len);
   ec.block_size = a.block_size;
   ec.kv_cache_memory_bytes = *kv_bytes;
   ec.enable_prefix_caching = a.enable_prefix_caching && !a.no_enable_prefix_caching;
@@ -237,7 +359,7 @@ int run_serve(ServeArgs a) {
   sc.host = a.host;
   sc.port = a.port;
   sc.served_model_names = a.served_model_names;
-  sc.api_key = a.api_key;
+  sc.api_key = api_key;
   sc.parse_reasoning = a.reasoning_parser == "minimax_m3";
   sc.parse_tool_calls = a.tool_call_parser == "minimax_m3";
   // Auto tool choice is on by default (the only parser is M3's); the vLLM flag is accepted.
@@ -298,14 +420,22 @@ RunFn register_serve(CLI::App& app) {
                   "(default: the model's; for a synthetic model, the demo model's)");
   sub->add_option("--host", a->host, "Address to listen on")->capture_default_str();
   sub->add_option("--port", a->port, "TCP port (0: pick a free one)")->capture_default_str();
-  sub->add_option("--served-model-name", a->served_model_names, "Model name(s) clients use (default: MODEL_DIR)");
-  sub->add_option("--max-model-len", a->max_model_len, "Max tokens per sequence (prompt + output); 0: from the model and KV pool");
+  sub->add_option("--served-model-name", a->served_model_names, "Model name(s) clients use (default: MODEL_DIR)")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  sub->add_option("--max-model-len", a->max_model_len,
+                  "Max tokens per sequence (prompt + output): 65536, 128k (x1000), 1M (x1024); "
+                  "auto/-1/0: from the model and KV pool. Past max_position_embeddings only with "
+                  "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1");
   sub->add_option("--max-num-seqs", a->max_num_seqs, "Max sequences per engine step")->capture_default_str();
   sub->add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "Token budget per engine step")->capture_default_str();
-  sub->add_option("--block-size", a->block_size, "KV page size in tokens (must be 128 for MiniMax-M3)")->capture_default_str();
+  sub->add_option("--block-size", a->block_size,
+                  "KV page size in tokens: must be the checkpoint's MSA block (sparse_block_size, "
+                  "128 for MiniMax-M3), which is the default");
   sub->add_flag("--enable-prefix-caching", a->enable_prefix_caching, "Reuse KV pages of shared prompt prefixes (default)");
   sub->add_flag("--no-enable-prefix-caching", a->no_enable_prefix_caching, "Turn prefix caching off");
-  sub->add_option("--api-key", a->api_key, "Require 'Authorization: Bearer KEY' on /v1 (also $M3SERVE_API_KEY, $VLLM_API_KEY)");
+  sub->add_option("--api-key", a->api_keys,
+                  "Require 'Authorization: Bearer KEY' on /v1 (also $M3SERVE_API_KEY, $VLLM_API_KEY)")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   sub->add_option("--tool-call-parser", a->tool_call_parser, "minimax_m3 (default) or none")->capture_default_str();
   sub->add_option("--reasoning-parser", a->reasoning_parser, "minimax_m3 (default) or none")->capture_default_str();
   sub->add_flag("--enable-auto-tool-choice", a->enable_auto_tool_choice, "Accepted for vLLM compatibility (always on)");
@@ -315,14 +445,23 @@ RunFn register_serve(CLI::App& app) {
   sub->add_option("--generation-config", a->generation_config,
                   "Sampling defaults: auto (the model's generation_config.json), vllm (none), or a directory")
       ->capture_default_str();
-  sub->add_option("--max-queue-len", a->max_queue_len, "Waiting requests beyond this get HTTP 429")->capture_default_str();
+  sub->add_option("--max-queue-len,--max-num-queued-reqs", a->max_queue_len,
+                  "Waiting requests beyond this get HTTP 429")
+      ->capture_default_str();
   sub->add_flag("--language-model-only", a->language_model_only, "Accepted: this server runs the text model only");
   sub->add_option("--kv-cache-memory-bytes", a->kv_cache_memory_bytes, "KV cache size (bytes, or with KiB/MiB/GiB)");
   sub->add_option("--scheduling-policy", a->scheduling_policy, "fcfs or priority")->capture_default_str();
-  sub->add_option("--log-level,--uvicorn-log-level", a->log_level, "debug, info, warning, error")->capture_default_str();
+  CLI::Option* log_level =
+      sub->add_option("--log-level,--uvicorn-log-level", a->log_level, "debug, info, warning, error")
+          ->capture_default_str();
   sub->add_option("--http-threads", a->http_threads, "HTTP worker threads (0: from --max-num-seqs)");
   add_device_options(sub, a->device);
-  return [a] { return run_serve(*a); };
+  add_vllm_flags(sub, a->vllm, VllmCommand::kServe);
+  return [a, sub, log_level] {
+    a->gemm_precision_given = sub->get_option("--gemm-precision")->count() > 0;
+    a->log_level_given = log_level->count() > 0;
+    return run_serve(*a);
+  };
 }
 
 }  // namespace m3::app

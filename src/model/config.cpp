@@ -19,6 +19,7 @@
 // - hidden_act is accepted as "swigluoai", "silu" (what transformers writes) or "swiglu", and
 //   always means the clamped SwiGLU-OAI (m3-model.md §8.3).
 #include "model/config.h"
+#include "model/config_overrides.h"
 
 #include <cmath>
 #include <fstream>
@@ -787,7 +788,8 @@ Result<M3Config> load_config(const std::string& model_dir) {
   std::ostringstream ss;
   ss << in.rdbuf();
   if (in.bad()) return make_error(ErrorCode::kIo, "error reading " + path);
-  return parse_config(ss.str(), path);
+  M3_TRY(const std::string text, apply_config_overrides(ss.str(), path));  // --hf-overrides
+  return parse_config(text, path);
 }
 
 Status check_kv_block_size(const M3Config& cfg, int64_t block_size) {

@@ -96,6 +96,29 @@ ParamType collapse(std::vector<ParamType> types) {
   return t;
 }
 
+// An enum without `type` takes the type of its values: [1, 2] is an integer, [0.5, 1] a number,
+// [true, false] a boolean; values of several JSON types give a union tried in the order integer,
+// number, boolean, null, string (so "5" stays the number 5 when 5 is allowed).
+ParamType enum_type(const nlohmann::json& values, const nlohmann::json& schema, int depth) {
+  bool has_int = false, has_float = false, has_bool = false, has_null = false, has_str = false;
+  if (values.is_array()) {
+    for (const auto& v : values) {
+      if (v.is_number_integer()) has_int = true;
+      else if (v.is_number_float()) has_float = true;
+      else if (v.is_boolean()) has_bool = true;
+      else if (v.is_null()) has_null = true;
+      else has_str = true;  // strings, and objects/arrays (kept as their text)
+    }
+  }
+  std::vector<ParamType> types;
+  if (has_float) types.push_back(make_type(ParamKind::kNumber, schema, depth));
+  else if (has_int) types.push_back(make_type(ParamKind::kInteger, schema, depth));
+  if (has_bool) types.push_back(make_type(ParamKind::kBoolean, schema, depth));
+  if (has_null) types.push_back(make_type(ParamKind::kNull, schema, depth));
+  if (has_str || types.empty()) types.push_back(make_type(ParamKind::kString, schema, depth));
+  return collapse(std::move(types));
+}
+
 std::optional<ParamType> from_schema(const nlohmann::json& schema, int depth) {
   if (!schema.is_object() || depth > kMaxSchemaDepth) return std::nullopt;
   auto type = schema.find("type");
@@ -130,7 +153,7 @@ std::optional<ParamType> from_schema(const nlohmann::json& schema, int depth) {
     if (types.empty()) return make_type(ParamKind::kObject, schema, depth);
     return collapse(std::move(types));
   }
-  if (schema.contains("enum")) return make_type(ParamKind::kString, schema, depth);
+  if (auto e = schema.find("enum"); e != schema.end()) return enum_type(*e, schema, depth);
   if (schema.contains("items")) return make_type(ParamKind::kArray, schema, depth);
   if (schema.contains("properties")) return make_type(ParamKind::kObject, schema, depth);
   return std::nullopt;
@@ -225,7 +248,10 @@ std::optional<OrderedJson> convert_text(const ParamType& type, std::string_view 
     case ParamKind::kString:
       return OrderedJson(utf8_sanitize(text));
     case ParamKind::kInteger:
-      return parse_integer(t);
+      // `5.0` for an integer parameter is the number 5.0 (the model's value, still a number).
+      if (auto i = parse_integer(t)) return i;
+      if (t.find_first_of(".eE") == std::string_view::npos) return std::nullopt;  // 2^70: text
+      return parse_number(t);
     case ParamKind::kNumber:
       return parse_number(t);
     case ParamKind::kBoolean: {

@@ -34,7 +34,8 @@ struct ParamType {
 
 // Normalises one property schema. nullopt when the schema says nothing usable (the value then
 // stays a string). Accepts `type` (string or list, with aliases such as int64/float/dict/list),
-// anyOf/oneOf, and shape hints (enum -> string, items -> array, properties -> object).
+// anyOf/oneOf, and shape hints (enum -> the type of its values, items -> array, properties ->
+// object).
 std::optional<ParamType> param_type_from_schema(const nlohmann::json& schema);
 
 // One parsed parameter element: its text, and child elements in document order. A leaf has no

@@ -87,7 +87,7 @@ class ToolCallParser {
   static constexpr std::string_view kToolCallStart = "]<]minimax[>[<tool_call>";
   static constexpr std::string_view kToolCallEnd = "]<]minimax[>[</tool_call>";
   static constexpr size_t kMaxTagBytes = 256;
-  static constexpr size_t kMaxDepth = 64;
+  static constexpr size_t kMaxDepth = 128;
 
   explicit ToolCallParser(ToolSchemas schemas, ToolParserOptions options = {});
   // `tools` is the request's OpenAI tools array (may be null/empty: all values become strings).

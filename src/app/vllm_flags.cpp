@@ -1,0 +1,827 @@
+#include "app/vllm_flags.h"
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+extern char** environ;
+
+namespace m3::app {
+namespace {
+
+using json = nlohmann::ordered_json;
+constexpr bool kServeOnly = true;
+constexpr bool kBoth = false;
+
+// Shared reasons, so the same feature is described the same way under every flag.
+constexpr std::string_view kWhyMm =
+    "image and video input are coming (issue #20); today m3serve serves the text model only (as "
+    "with --language-model-only): drop the multimodal flags";
+constexpr std::string_view kWhyKvDtype =
+    "an fp8 / bf16 KV cache is coming (issue #15); today the KV cache is fp32: fit long contexts "
+    "with --max-model-len, --kv-cache-memory-bytes, --gpu-memory-utilization or more GPUs";
+constexpr std::string_view kWhyQuant =
+    "quantized serving (fp8_per_channel, MXFP8 kept in FP8, NVFP4, MXFP4) is coming (issue #18); "
+    "today m3serve runs bf16 weights and reads MXFP8 checkpoints (dequantised to bf16 at load) "
+    "from their own config: drop --quantization";
+constexpr std::string_view kWhySpec =
+    "EAGLE3 speculative decoding is coming (issue #19); today decoding runs the target model "
+    "alone: drop --speculative-config";
+constexpr std::string_view kWhyKvTransfer =
+    "KV offload, KV events and KV transfer are coming (issue #21); today the KV cache lives on "
+    "the serving device only: drop the flag";
+constexpr std::string_view kWhyMultiNode =
+    "multi-node and multi-process serving are coming (issue #22); today one m3serve process "
+    "serves all its GPUs: run it on one node with --tensor-parallel-size or "
+    "--data-parallel-size (see docs/MULTI_NODE.md)";
+constexpr std::string_view kWhyKernels =
+    "m3serve runs its own attention, MSA and MoE kernels (plain C++ on the CPU, sm_90a CUDA on "
+    "the GPU); there is no backend to choose";
+constexpr std::string_view kWhyGraphs =
+    "m3serve captures a CUDA graph per decode step size by itself (up to 256 tokens); "
+    "--enforce-eager turns that off";
+constexpr std::string_view kWhyNoLog =
+    "m3serve writes no per-request log lines yet (vLLM's access log is pending in the server)";
+constexpr std::string_view kWhyHub =
+    "m3serve does not download from the Hugging Face Hub: download the checkpoint first "
+    "(huggingface-cli download REPO --revision REV --local-dir DIR) and pass DIR";
+
+// clang-format off
+const std::vector<VllmFlag> kTable = {
+  // ---- model and loading ----
+  {"--trust-remote-code", false, FlagKind::kNoop, "",
+   "m3serve runs no Python code from checkpoints (MiniMax-M3 is built in)", kBoth},
+  {"--no-trust-remote-code", false, FlagKind::kNoop, "",
+   "m3serve runs no Python code from checkpoints", kBoth},
+  {"--dtype", true, FlagKind::kHandled, "", "", kBoth},
+  {"--seed", true, FlagKind::kHandled, "", "", kBoth},
+  {"--hf-overrides", true, FlagKind::kHandled, "", "", kBoth},
+  {"--hf-config-path", true, FlagKind::kRefused, "",
+   "the config is read from MODEL_DIR/config.json; adjust it with --hf-overrides", kBoth},
+  {"--load-format", true, FlagKind::kRefused, "auto,safetensors",
+   "m3serve reads safetensors checkpoints only: use --load-format auto", kBoth},
+  {"--config-format", true, FlagKind::kRefused, "auto,hf",
+   "m3serve reads the Hugging Face config.json: use --config-format auto", kBoth},
+  {"--tokenizer-mode", true, FlagKind::kRefused, "auto,hf,slow",
+   "m3serve has one tokenizer implementation (tokenizer.json): use --tokenizer-mode auto", kBoth},
+  {"--skip-tokenizer-init", false, FlagKind::kRefused, "",
+   "m3serve needs the tokenizer to render chat templates and parse outputs", kBoth},
+  {"--revision", true, FlagKind::kRefused, "", kWhyHub, kBoth},
+  {"--code-revision", true, FlagKind::kRefused, "", kWhyHub, kBoth},
+  {"--tokenizer-revision", true, FlagKind::kRefused, "", kWhyHub, kBoth},
+  {"--download-dir", true, FlagKind::kNoop, "",
+   "m3serve does not download; it reads the model directory you pass", kBoth},
+  {"--max-parallel-loading-workers", true, FlagKind::kNoop, "",
+   "the checkpoint is memory-mapped, not loaded by workers", kBoth},
+  {"--model-loader-extra-config", true, FlagKind::kNoop, "",
+   "the safetensors reader has no extra options", kBoth},
+  {"--ignore-patterns", true, FlagKind::kNoop, "",
+   "only the tensors the model needs are read", kBoth},
+  {"--use-tqdm-on-load", false, FlagKind::kNoop, "",
+   "a loading line is printed on a terminal anyway", kBoth},
+  {"--safetensors-load-strategy", true, FlagKind::kNoop, "",
+   "the checkpoint is memory-mapped", kBoth},
+  {"--model-impl", true, FlagKind::kNoop, "",
+   "m3serve has one implementation of MiniMax-M3", kBoth},
+  {"--runner", true, FlagKind::kRefused, "auto,generate",
+   "MiniMax-M3 is served for generation only: use --runner generate", kBoth},
+  {"--convert", true, FlagKind::kRefused, "auto,none",
+   "MiniMax-M3 is served for generation only (no pooling or embedding conversion)", kBoth},
+  {"--task", true, FlagKind::kRefused, "auto,generate",
+   "MiniMax-M3 is served for generation only: use --task generate", kBoth},
+  {"--rope-scaling", true, FlagKind::kRefused, "",
+   "pass it through the config: --hf-overrides '{\"text_config\": {\"rope_scaling\": {...}}}'",
+   kBoth},
+  {"--rope-theta", true, FlagKind::kRefused, "",
+   "pass it through the config: --hf-overrides '{\"text_config\": {\"rope_theta\": ...}}'", kBoth},
+  {"--enable-sleep-mode", false, FlagKind::kRefused, "",
+   "sleep mode (weights offloaded while idle) is not supported; stop and restart the server",
+   kBoth},
+  {"--cpu-offload-gb", true, FlagKind::kRefused, "0",
+   "weight offload to host memory is not supported; spread the weights over more GPUs with "
+   "--tensor-parallel-size or --data-parallel-size --enable-expert-parallel", kBoth},
+  {"--enable-lora", false, FlagKind::kRefused, "",
+   "LoRA adapters are not supported; serve a merged checkpoint", kBoth},
+  {"--lora-modules", true, FlagKind::kRefused, "",
+   "LoRA adapters are not supported; serve a merged checkpoint", kServeOnly},
+  {"--max-loras", true, FlagKind::kRefused, "", "LoRA adapters are not supported", kBoth},
+  {"--max-lora-rank", true, FlagKind::kRefused, "", "LoRA adapters are not supported", kBoth},
+  {"--worker-cls", true, FlagKind::kRefused, "auto",
+   "m3serve has no Python workers to replace", kBoth},
+  {"--worker-extension-cls", true, FlagKind::kRefused, "",
+   "m3serve has no Python workers to extend", kBoth},
+
+  // ---- scheduling and execution ----
+  {"--enable-chunked-prefill", false, FlagKind::kNoop, "",
+   "prefill is always chunked, by --max-num-batched-tokens", kBoth},
+  {"--no-enable-chunked-prefill", false, FlagKind::kNoop, "",
+   "prefill is always chunked (the scheduler's one invariant); raise --max-num-batched-tokens "
+   "for bigger prefill steps", kBoth},
+  {"--async-scheduling", false, FlagKind::kNoop, "",
+   "the engine loop schedules every step itself; there is no separate scheduler to overlap",
+   kBoth},
+  {"--no-async-scheduling", false, FlagKind::kNoop, "",
+   "the engine loop schedules every step itself", kBoth},
+  {"--max-num-partial-prefills", true, FlagKind::kNoop, "",
+   "prefills share the step budget --max-num-batched-tokens", kBoth},
+  {"--max-long-partial-prefills", true, FlagKind::kNoop, "",
+   "prefills share the step budget --max-num-batched-tokens", kBoth},
+  {"--long-prefill-token-threshold", true, FlagKind::kNoop, "",
+   "prefills share the step budget --max-num-batched-tokens", kBoth},
+  {"--stream-interval", true, FlagKind::kNoop, "",
+   "every token is streamed as soon as it is produced", kServeOnly},
+  {"--num-gpu-blocks-override", true, FlagKind::kRefused, "",
+   "size the KV cache with --kv-cache-memory-bytes (or --gpu-memory-utilization)", kBoth},
+  {"--swap-space", true, FlagKind::kNoop, "",
+   "preempted requests are recomputed; nothing is swapped to host memory", kBoth},
+  {"--prefix-caching-hash-algo", true, FlagKind::kNoop, "",
+   "prefix-cache pages are keyed by m3serve's own chained hash", kBoth},
+  {"--disable-hybrid-kv-cache-manager", false, FlagKind::kNoop, "",
+   "K, V and index-K pages already move as one unit", kBoth},
+  {"--kv-sharing-fast-prefill", false, FlagKind::kNoop, "",
+   "MiniMax-M3 has no KV-sharing layers", kBoth},
+  {"--max-num-queued-tokens", true, FlagKind::kNoop, "",
+   "the queue is bounded in requests by --max-queue-len (--max-num-queued-reqs)", kServeOnly},
+
+  // ---- kernels, graphs and backends ----
+  {"--compilation-config,-O", true, FlagKind::kHandled, "", "", kBoth},
+  {"--attention-config", true, FlagKind::kHandled, "", "", kBoth},
+  {"--attention-backend", true, FlagKind::kNoop, "", kWhyKernels, kBoth},
+  {"--linear-backend", true, FlagKind::kNoop, "",
+   "GEMMs run m3serve's own kernels; --dtype (or --gemm-precision) picks their precision", kBoth},
+  {"--moe-backend", true, FlagKind::kNoop, "", kWhyKernels, kBoth},
+  {"--no-enable-flashinfer-autotune", false, FlagKind::kNoop, "",
+   "m3serve does not use FlashInfer", kBoth},
+  {"--disable-flashinfer-autotune", false, FlagKind::kNoop, "",
+   "m3serve does not use FlashInfer", kBoth},
+  {"--enable-flashinfer-autotune", false, FlagKind::kNoop, "",
+   "m3serve does not use FlashInfer", kBoth},
+  {"--max-seq-len-to-capture", true, FlagKind::kNoop, "", kWhyGraphs, kBoth},
+  {"--cuda-graph-sizes", true, FlagKind::kNoop, "", kWhyGraphs, kBoth},
+  {"--max-cudagraph-capture-size", true, FlagKind::kNoop, "", kWhyGraphs, kBoth},
+  {"--disable-custom-all-reduce", false, FlagKind::kNoop, "",
+   "collectives are NCCL's on GPUs and in-process on the CPU", kBoth},
+  {"--enable-dbo", false, FlagKind::kNoop, "",
+   "m3serve does not split batches into overlapped micro-batches", kBoth},
+  {"--logprobs-mode", true, FlagKind::kRefused, "raw_logprobs",
+   "logprobs are always the raw model's (before sampling knobs): use --logprobs-mode "
+   "raw_logprobs", kBoth},
+
+  // ---- precision, quantization, KV dtype (other issues) ----
+  {"--kv-cache-dtype", true, FlagKind::kComing, "auto", kWhyKvDtype, kBoth},
+  {"--calculate-kv-scales", false, FlagKind::kNoop, "",
+   "it only matters with an fp8 KV cache, which is coming (issue #15)", kBoth},
+  {"--quantization,-q", true, FlagKind::kComing, "none", kWhyQuant, kBoth},
+
+  // ---- speculative decoding ----
+  {"--speculative-config", true, FlagKind::kComing, "", kWhySpec, kBoth},
+  {"--num-speculative-tokens", true, FlagKind::kComing, "", kWhySpec, kBoth},
+  {"--speculative-model", true, FlagKind::kComing, "", kWhySpec, kBoth},
+
+  // ---- multimodal ----
+  {"--mm-encoder-tp-mode", true, FlagKind::kComing, "", kWhyMm, kBoth},
+  {"--mm-encoder-attn-backend", true, FlagKind::kComing, "", kWhyMm, kBoth},
+  {"--mm-processor-cache-type", true, FlagKind::kComing, "", kWhyMm, kBoth},
+  {"--mm-processor-cache-gb", true, FlagKind::kComing, "", kWhyMm, kBoth},
+  {"--mm-processor-kwargs", true, FlagKind::kComing, "", kWhyMm, kBoth},
+  {"--limit-mm-per-prompt", true, FlagKind::kComing, "", kWhyMm, kBoth},
+  {"--media-io-kwargs", true, FlagKind::kComing, "", kWhyMm, kBoth},
+  {"--allowed-local-media-path", true, FlagKind::kComing, "", kWhyMm, kServeOnly},
+  {"--allowed-media-domains", true, FlagKind::kComing, "", kWhyMm, kServeOnly},
+
+  // ---- KV offload / transfer / events ----
+  {"--kv-transfer-config", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
+  {"--kv-events-config", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
+  {"--kv-offloading-backend", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
+  {"--kv-offloading-size", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
+
+  // ---- parallelism beyond one process ----
+  {"--pipeline-parallel-size", true, FlagKind::kComing, "1",
+   "pipeline parallelism is coming with multi-node serving (issue #22); today split the model "
+   "with --tensor-parallel-size, or --data-parallel-size with --enable-expert-parallel", kBoth},
+  {"--headless", false, FlagKind::kComing, "", kWhyMultiNode, kServeOnly},
+  {"--data-parallel-address", true, FlagKind::kComing, "", kWhyMultiNode, kBoth},
+  {"--data-parallel-rpc-port", true, FlagKind::kComing, "", kWhyMultiNode, kBoth},
+  {"--data-parallel-size-local", true, FlagKind::kComing, "", kWhyMultiNode, kBoth},
+  {"--data-parallel-start-rank", true, FlagKind::kComing, "", kWhyMultiNode, kBoth},
+  {"--data-parallel-hybrid-lb", false, FlagKind::kComing, "", kWhyMultiNode, kBoth},
+  {"--data-parallel-external-lb", false, FlagKind::kComing, "", kWhyMultiNode, kBoth},
+  {"--data-parallel-backend", true, FlagKind::kRefused, "mp",
+   "data-parallel ranks are threads of this process (one GPU each over NCCL): use "
+   "--data-parallel-backend mp", kBoth},
+  {"--distributed-executor-backend", true, FlagKind::kRefused, "mp,uni",
+   "ranks are threads of this one process: use --distributed-executor-backend mp (or leave it "
+   "out)", kBoth},
+  {"--enable-eplb", false, FlagKind::kNoop, "",
+   "experts are placed statically (E / ranks each); there is no expert load balancer", kBoth},
+  {"--eplb-config", true, FlagKind::kNoop, "",
+   "experts are placed statically; there is no expert load balancer", kBoth},
+  {"--num-redundant-experts", true, FlagKind::kNoop, "",
+   "experts are placed statically, without replicas", kBoth},
+  {"--expert-placement-strategy", true, FlagKind::kNoop, "",
+   "experts are placed in contiguous ranges (E / ranks each)", kBoth},
+  {"--all2all-backend", true, FlagKind::kNoop, "",
+   "the MoE exchange is m3serve's own all-gather / reduce-scatter", kBoth},
+
+  // ---- the HTTP server ----
+  {"--max-logprobs", true, FlagKind::kHandled, "", "", kServeOnly},
+  {"--disable-log-requests", false, FlagKind::kHandled, "", "", kServeOnly},
+  {"--enable-log-requests", false, FlagKind::kHandled, "", "", kServeOnly},
+  {"--disable-log-stats", false, FlagKind::kHandled, "", "", kServeOnly},
+  {"--enable-log-outputs", false, FlagKind::kNoop, "", kWhyNoLog, kServeOnly},
+  {"--max-log-len", true, FlagKind::kNoop, "", kWhyNoLog, kServeOnly},
+  {"--disable-uvicorn-access-log", false, FlagKind::kNoop, "", kWhyNoLog, kServeOnly},
+  {"--disable-access-log-for-endpoints", true, FlagKind::kNoop, "", kWhyNoLog, kServeOnly},
+  {"--log-config-file", true, FlagKind::kNoop, "",
+   "m3serve logs to stderr; --log-level sets how much", kServeOnly},
+  {"--aggregate-engine-logging", false, FlagKind::kNoop, "",
+   "there is one engine loop", kServeOnly},
+  {"--show-hidden-metrics-for-version", true, FlagKind::kNoop, "",
+   "/metrics has no hidden series", kServeOnly},
+  {"--override-generation-config", true, FlagKind::kHandled, "", "", kServeOnly},
+  {"--allowed-origins", true, FlagKind::kHandled, "", "", kServeOnly},
+  {"--allowed-methods", true, FlagKind::kHandled, "", "", kServeOnly},
+  {"--allowed-headers", true, FlagKind::kHandled, "", "", kServeOnly},
+  {"--allow-credentials", false, FlagKind::kHandled, "", "", kServeOnly},
+  {"--root-path", true, FlagKind::kHandled, "", "", kServeOnly},
+  {"--enable-prompt-tokens-details", false, FlagKind::kNoop, "",
+   "usage.prompt_tokens_details.cached_tokens is always reported", kServeOnly},
+  {"--exclude-tools-when-tool-choice-none", false, FlagKind::kNoop, "",
+   "tools are always left out of the prompt when tool_choice is \"none\"", kServeOnly},
+  {"--enable-force-include-usage", false, FlagKind::kNoop, "",
+   "not applied yet: usage is sent in streams when stream_options.include_usage is set",
+   kServeOnly},
+  {"--enable-request-id-headers", false, FlagKind::kNoop, "",
+   "not applied yet: responses carry no X-Request-Id header", kServeOnly},
+  {"--enable-server-load-tracking", false, FlagKind::kNoop, "",
+   "not applied yet: there is no /load endpoint (server work of issue #14 item 5)", kServeOnly},
+  {"--enable-reasoning", false, FlagKind::kNoop, "",
+   "reasoning is split whenever --reasoning-parser is minimax_m3 (the default)", kServeOnly},
+  {"--structured-outputs-config", true, FlagKind::kNoop, "",
+   "m3serve has one structured-output engine; there is no backend to choose", kServeOnly},
+  {"--guided-decoding-backend", true, FlagKind::kNoop, "",
+   "m3serve has one structured-output engine; there is no backend to choose", kServeOnly},
+  {"--chat-template-content-format", true, FlagKind::kRefused, "auto,string,openai",
+   "message content is accepted both as a string and as a list of parts: use auto",
+   kServeOnly},
+  {"--trust-request-chat-template", false, FlagKind::kNoop, "",
+   "requests cannot replace the chat template here", kServeOnly},
+  {"--response-role", true, FlagKind::kRefused, "assistant",
+   "the response role is always \"assistant\"", kServeOnly},
+  {"--api-server-count", true, FlagKind::kNoop, "",
+   "one process serves HTTP on --http-threads worker threads", kServeOnly},
+  {"--disable-fastapi-docs", false, FlagKind::kNoop, "",
+   "m3serve serves no /docs pages", kServeOnly},
+  {"--h11-max-incomplete-event-size", true, FlagKind::kNoop, "",
+   "the HTTP parser is cpp-httplib's", kServeOnly},
+  {"--h11-max-header-count", true, FlagKind::kNoop, "",
+   "the HTTP parser is cpp-httplib's", kServeOnly},
+  {"--ssl-keyfile", true, FlagKind::kRefused, "",
+   "TLS is not built in; put a TLS-terminating proxy (nginx, envoy, caddy) in front", kServeOnly},
+  {"--ssl-certfile", true, FlagKind::kRefused, "",
+   "TLS is not built in; put a TLS-terminating proxy in front", kServeOnly},
+  {"--ssl-ca-certs", true, FlagKind::kRefused, "",
+   "TLS is not built in; put a TLS-terminating proxy in front", kServeOnly},
+  {"--ssl-cert-reqs", true, FlagKind::kRefused, "0",
+   "TLS is not built in; put a TLS-terminating proxy in front", kServeOnly},
+  {"--enable-ssl-refresh", false, FlagKind::kRefused, "",
+   "TLS is not built in; put a TLS-terminating proxy in front", kServeOnly},
+  {"--uds", true, FlagKind::kRefused, "",
+   "m3serve listens on TCP only: use --host and --port", kServeOnly},
+  {"--middleware", true, FlagKind::kRefused, "",
+   "m3serve cannot load Python ASGI middleware; put a proxy in front", kServeOnly},
+  {"--tool-server", true, FlagKind::kRefused, "",
+   "built-in tool servers are not supported; run the tools in the client", kServeOnly},
+  {"--tool-parser-plugin", true, FlagKind::kRefused, "",
+   "parsers are built in: use --tool-call-parser minimax_m3", kServeOnly},
+  {"--reasoning-parser-plugin", true, FlagKind::kRefused, "",
+   "parsers are built in: use --reasoning-parser minimax_m3", kServeOnly},
+  {"--otlp-traces-endpoint", true, FlagKind::kRefused, "",
+   "OpenTelemetry tracing is not supported; scrape /metrics instead", kServeOnly},
+  {"--collect-detailed-traces", true, FlagKind::kRefused, "",
+   "OpenTelemetry tracing is not supported; scrape /metrics instead", kServeOnly},
+};
+// clang-format on
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+std::string trim(std::string s) {
+  const auto ws = [](unsigned char c) { return std::isspace(c) != 0; };
+  while (!s.empty() && ws(static_cast<unsigned char>(s.back()))) s.pop_back();
+  size_t i = 0;
+  while (i < s.size() && ws(static_cast<unsigned char>(s[i]))) ++i;
+  return s.substr(i);
+}
+
+// The long name of an entry ("--pipeline-parallel-size" of "--pipeline-parallel-size").
+std::string_view long_name(const VllmFlag& f) { return f.names.substr(0, f.names.find(',')); }
+
+bool in_list(std::string_view list, const std::string& value) {
+  const std::string v = lower(trim(value));
+  size_t i = 0;
+  while (i <= list.size() && !list.empty()) {
+    size_t j = list.find(',', i);
+    if (j == std::string_view::npos) j = list.size();
+    if (lower(list.substr(i, j - i)) == v) return true;
+    i = j + 1;
+  }
+  return false;
+}
+
+std::string shown(const VllmFlag& f, const std::string& value) {
+  std::string s(long_name(f));
+  if (f.takes_value) s += " " + value;
+  return s;
+}
+
+tl::unexpected<Error> bad(const std::string& flag, const std::string& message) {
+  return make_error(ErrorCode::kInvalidArgument, message, flag);
+}
+
+Result<json> parse_json_object(const std::string& flag, const std::string& text,
+                               const std::string& example) {
+  json j = json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      flag + " must be a JSON object, e.g. '" + example + "'; got: " +
+                          text.substr(0, 200),
+                      flag);
+  }
+  return j;
+}
+
+// A list flag given as JSON ('["a","b"]') or as plain words.
+std::vector<std::string> parse_list(const std::string& text) {
+  json j = json::parse(text, nullptr, false);
+  std::vector<std::string> out;
+  if (j.is_array()) {
+    for (const auto& e : j) {
+      if (e.is_string()) out.push_back(e.get<std::string>());
+    }
+    return out;
+  }
+  out.push_back(text);
+  return out;
+}
+
+Result<uint64_t> parse_seed(const std::string& text) {
+  const std::string t = trim(text);
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(t.c_str(), &end, 10);
+  if (t.empty() || *end != '\0' || errno != 0) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--seed '" + text + "' is not an integer; give e.g. --seed 0", "--seed");
+  }
+  return static_cast<uint64_t>(v);
+}
+
+// --dtype: on the GPU the GEMM precision (m3serve keeps fp32 activations; "float32" asks for
+// GEMMs exact to fp32, "bfloat16" for activations rounded to bf16 once, as vLLM's bf16 does);
+// on the CPU activations are fp32 whatever is asked.
+Status review_dtype(const std::string& value, const std::string& device, bool precision_given,
+                    CompatPlan& plan) {
+  const std::string v = lower(trim(value));
+  std::optional<std::string> precision;
+  if (v == "float32" || v == "float" || v == "fp32") {
+    precision = "exact";
+  } else if (v == "bfloat16" || v == "bf16") {
+    precision = "bf16";
+  } else if (v == "half" || v == "float16" || v == "fp16") {
+    return bad("--dtype", "--dtype " + value +
+                              " is not supported: MiniMax-M3 runs in bf16 (fp16 overflows its "
+                              "activations); use --dtype bfloat16, float32 or auto");
+  } else if (v != "auto") {
+    return bad("--dtype", "--dtype '" + value + "' is unknown; use auto, bfloat16 or float32");
+  }
+  if (device == "cpu") {
+    if (v == "bfloat16" || v == "bf16") {
+      plan.notices.push_back("--dtype " + value +
+                             ": on --device cpu activations and the KV cache are fp32 (the "
+                             "reference path), weights are read as stored (bf16); it sets the "
+                             "GEMM precision with --device cuda");
+    }
+    return {};
+  }
+  if (precision) plan.gemm_precision = precision;
+  (void)precision_given;
+  return {};
+}
+
+Status review_compilation(const std::string& value, CompatPlan& plan) {
+  std::string text = trim(value);
+  // `-O3` / `-O 3`: vLLM's optimisation level shorthand.
+  if (!text.empty() && std::all_of(text.begin(), text.end(),
+                                       [](char c) { return c >= '0' && c <= '9'; })) {
+    plan.notices.push_back("--compilation-config / -O " + text +
+                           " is ignored: m3serve compiles no graphs at start-up; CUDA graphs of "
+                           "decode steps are captured by default (--enforce-eager turns them off)");
+    return {};
+  }
+  M3_TRY(json j, parse_json_object("--compilation-config", text,
+                                   "{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}"));
+  auto mode = j.find("cudagraph_mode");
+  if (mode != j.end() && mode->is_string() && lower(mode->get<std::string>()) == "none") {
+    plan.enforce_eager = true;
+    plan.notices.push_back("--compilation-config cudagraph_mode NONE: CUDA graphs are off "
+                           "(as --enforce-eager)");
+  } else {
+    plan.notices.push_back("--compilation-config is ignored: " + std::string(kWhyGraphs));
+  }
+  return {};
+}
+
+Status review_attention_config(const std::string& value, CompatPlan& plan) {
+  M3_TRY(json j, parse_json_object("--attention-config", value, "{\"backend\": \"FLASH_ATTN\"}"));
+  std::vector<std::string> ignored;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.key() == "indexer_kv_dtype") {
+      const std::string d = it.value().is_string() ? lower(it.value().get<std::string>()) : "";
+      if (d != "auto" && d != "bf16" && d != "bfloat16") {
+        return bad("--attention-config",
+                   "--attention-config indexer_kv_dtype " + it.value().dump() +
+                       ": an fp8 MSA index-K cache is coming (issue #15); today index-K is "
+                       "kept at full precision: drop indexer_kv_dtype");
+      }
+    }
+    ignored.push_back(it.key());
+  }
+  std::string keys;
+  for (const auto& k : ignored) keys += (keys.empty() ? "" : ", ") + k;
+  plan.notices.push_back("--attention-config (" + keys + ") is ignored: " +
+                         std::string(kWhyKernels));
+  return {};
+}
+
+}  // namespace
+
+const std::vector<VllmFlag>& vllm_flag_table() { return kTable; }
+
+void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
+  v.options.assign(kTable.size(), nullptr);
+  v.values.assign(kTable.size(), std::string());
+  for (size_t i = 0; i < kTable.size(); ++i) {
+    const VllmFlag& f = kTable[i];
+    if (f.serve_only && cmd != VllmCommand::kServe) continue;
+    const std::string names(f.names);
+    std::string help;
+    switch (f.kind) {
+      case FlagKind::kNoop:
+        help = "vLLM flag, no effect here: " + std::string(f.why);
+        break;
+      case FlagKind::kRefused:
+      case FlagKind::kComing:
+        help = "vLLM flag, refused" +
+               (f.noop_values.empty() ? std::string() : " unless " + std::string(f.noop_values)) +
+               ": " + std::string(f.why);
+        break;
+      case FlagKind::kHandled:
+        help = "";  // set below
+        break;
+    }
+    const std::string ln(long_name(f));
+    if (ln == "--dtype") {
+      help = "auto | bfloat16 | float32. With --device cuda it sets the GEMM precision: float32 "
+             "= --gemm-precision exact, bfloat16 = --gemm-precision bf16, auto = the default "
+             "(exact). On the CPU activations are always fp32";
+    } else if (ln == "--seed") {
+      help = "Seed for requests that give none (chat); serve: see the start-up note";
+    } else if (ln == "--hf-overrides") {
+      help = "JSON object merged into config.json before it is read, e.g. "
+             "'{\"text_config\": {\"max_position_embeddings\": 262144}}'";
+    } else if (ln == "--compilation-config") {
+      help = "vLLM compilation config: cudagraph_mode NONE turns CUDA graphs off (as "
+             "--enforce-eager); the rest has no effect here";
+    } else if (ln == "--attention-config") {
+      help = "vLLM attention config (also --attention-config.KEY VALUE): backends have no effect "
+             "here; indexer_kv_dtype fp8 is refused until issue #15";
+    } else if (ln == "--max-logprobs") {
+      help = "Most top logprobs a request may ask for (m3serve's limit is 20)";
+    } else if (ln == "--override-generation-config") {
+      help = "JSON object of sampling defaults over generation_config.json, e.g. "
+             "'{\"temperature\": 1.0, \"top_p\": 0.95, \"top_k\": 40}'";
+    } else if (f.kind == FlagKind::kHandled) {
+      help = "vLLM flag; start-up prints what it does here";
+    }
+    // add_flag(name, std::string) would bind the string as the flag's result: set the help apart.
+    CLI::Option* opt = f.takes_value ? sub->add_option(names, v.values[i], help)
+                                     : sub->add_flag(names)->description(help);
+    if (f.kind != FlagKind::kHandled) opt->group("vLLM compatibility");
+    v.options[i] = opt;
+  }
+}
+
+EnvList process_environment() {
+  EnvList out;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) out.emplace_back(*e);
+  return out;
+}
+
+Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
+                                     const std::string& device, bool gemm_precision_given,
+                                     const EnvList& env) {
+  CompatPlan plan;
+  bool enable_log_requests = false, disable_log_requests = false;
+  for (size_t i = 0; i < kTable.size() && i < v.options.size(); ++i) {
+    const CLI::Option* opt = v.options[i];
+    if (opt == nullptr || opt->count() == 0) continue;
+    const VllmFlag& f = kTable[i];
+    const std::string ln(long_name(f));
+    const std::string& value = v.values[i];
+    if (f.kind != FlagKind::kHandled) {
+      const bool noop_value = f.takes_value && in_list(f.noop_values, value);
+      if (f.kind == FlagKind::kNoop) {
+        plan.notices.push_back(shown(f, value) + " is ignored: " + std::string(f.why));
+      } else if (noop_value) {
+        plan.notices.push_back(shown(f, value) + " is what m3serve does anyway: accepted");
+      } else {
+        const std::string lead =
+            f.kind == FlagKind::kComing ? " is not available yet: " : " is not supported: ";
+        return make_error(ErrorCode::kUnsupported, shown(f, value) + lead + std::string(f.why),
+                          ln);
+      }
+      continue;
+    }
+    if (ln == "--dtype") {
+      M3_TRY_STATUS(review_dtype(value, device, gemm_precision_given, plan));
+      if (plan.gemm_precision && gemm_precision_given) {
+        return bad("--dtype", "--dtype " + value + " and --gemm-precision are both given; "
+                              "--dtype float32 is --gemm-precision exact and --dtype bfloat16 "
+                              "is --gemm-precision bf16: give one of them");
+      }
+    } else if (ln == "--seed") {
+      M3_TRY(plan.seed, parse_seed(value));
+      if (cmd == VllmCommand::kServe) {
+        plan.notices.push_back(
+            "--seed " + value +
+            ": requests without a 'seed' still draw fresh randomness (the engine has no global "
+            "seed yet); give 'seed' in a request for reproducible sampling");
+      }
+    } else if (ln == "--hf-overrides") {
+      M3_TRY(json j, parse_json_object(ln, value,
+                                       "{\"text_config\": {\"max_position_embeddings\": 262144}}"));
+      plan.hf_overrides = j.dump();
+    } else if (ln == "--compilation-config") {
+      M3_TRY_STATUS(review_compilation(value, plan));
+    } else if (ln == "--attention-config") {
+      M3_TRY_STATUS(review_attention_config(value, plan));
+    } else if (ln == "--max-logprobs") {
+      const std::string t = trim(value);
+      char* end = nullptr;
+      const long n = std::strtol(t.c_str(), &end, 10);
+      if (t.empty() || *end != '\0') {
+        return bad(ln, "--max-logprobs '" + value + "' is not an integer; e.g. --max-logprobs 20");
+      }
+      if (n > 20 || n < 0) {
+        return make_error(ErrorCode::kUnsupported,
+                          "--max-logprobs " + value +
+                              ": m3serve returns at most 20 top logprobs per token; use "
+                              "--max-logprobs 20 (or less)",
+                          ln);
+      }
+      if (n < 20) {
+        plan.notices.push_back("--max-logprobs " + value +
+                               ": not applied yet: requests may still ask for up to 20 top "
+                               "logprobs (the server's fixed limit)");
+      }
+    } else if (ln == "--disable-log-requests") {
+      disable_log_requests = true;
+    } else if (ln == "--enable-log-requests") {
+      enable_log_requests = true;
+    } else if (ln == "--disable-log-stats") {
+      plan.log_stats = false;
+      plan.notices.push_back("--disable-log-stats is ignored: m3serve prints no periodic stats "
+                             "lines (scrape /metrics)");
+    } else if (ln == "--override-generation-config") {
+      M3_TRY(json j, parse_json_object(ln, value, "{\"temperature\": 1.0, \"top_p\": 0.95}"));
+      plan.generation_overrides = j.dump();
+    } else if (ln == "--allowed-origins" || ln == "--allowed-methods" ||
+               ln == "--allowed-headers" || ln == "--allow-credentials") {
+      if (ln == "--allowed-origins") plan.allowed_origins = parse_list(value);
+      plan.notices.push_back(shown(f, value) +
+                             ": not applied yet: the server sends no CORS headers, so browsers "
+                             "on other origins are refused (server work pending)");
+    } else if (ln == "--root-path") {
+      plan.root_path = trim(value);
+      plan.notices.push_back("--root-path " + value +
+                             ": routes stay at /v1/...; the proxy in front must strip the "
+                             "prefix (as with vLLM behind a path-stripping proxy)");
+    }
+  }
+  if (enable_log_requests && disable_log_requests) {
+    return bad("--enable-log-requests",
+               "--enable-log-requests and --disable-log-requests are both given; give one");
+  }
+  plan.log_requests = enable_log_requests;
+  if (enable_log_requests) {
+    plan.notices.push_back("--enable-log-requests: not applied yet: " + std::string(kWhyNoLog));
+  } else if (disable_log_requests) {
+    plan.notices.push_back("--disable-log-requests is what m3serve does anyway: " +
+                           std::string(kWhyNoLog));
+  }
+
+  // VLLM_* variables of the recipe: the ones m3serve honours, and one line for the rest.
+  std::vector<std::string> ignored;
+  for (const std::string& kv : env) {
+    if (kv.rfind("VLLM_", 0) != 0) continue;
+    const size_t eq = kv.find('=');
+    const std::string name = kv.substr(0, eq);
+    const std::string val = eq == std::string::npos ? "" : kv.substr(eq + 1);
+    if (name == "VLLM_API_KEY") continue;  // read by serve as a fallback for --api-key
+    if (name == "VLLM_ALLOW_LONG_MAX_MODEL_LEN") {
+      plan.allow_long_max_model_len = val == "1" || lower(val) == "true";
+      continue;
+    }
+    if (name == "VLLM_LOGGING_LEVEL") {
+      plan.log_level = lower(val);
+      continue;
+    }
+    ignored.push_back(name);
+  }
+  std::sort(ignored.begin(), ignored.end());
+  if (!ignored.empty()) {
+    std::string names;
+    for (const auto& n : ignored) names += (names.empty() ? "" : ", ") + n;
+    plan.notices.push_back("environment " + names +
+                           (ignored.size() == 1 ? " is" : " are") +
+                           " ignored: vLLM kernel and runtime switches have no effect on "
+                           "m3serve (honoured: VLLM_API_KEY, VLLM_ALLOW_LONG_MAX_MODEL_LEN, "
+                           "VLLM_LOGGING_LEVEL)");
+  }
+  return plan;
+}
+
+std::vector<std::string> normalize_vllm_argv(const std::vector<std::string>& in) {
+  // vLLM's multi-letter short aliases (argparse allows them; CLI11 short names are one letter).
+  static const std::map<std::string, std::string> kShort = {
+      {"-tp", "--tensor-parallel-size"},     {"-pp", "--pipeline-parallel-size"},
+      {"-dp", "--data-parallel-size"},       {"-dpl", "--data-parallel-size-local"},
+      {"-dpa", "--data-parallel-address"},   {"-dpp", "--data-parallel-rpc-port"},
+      {"-dpr", "--data-parallel-start-rank"}, {"-dpb", "--data-parallel-backend"},
+      {"-asc", "--api-server-count"},        {"-ep", "--enable-expert-parallel"}};
+  std::vector<std::string> args;
+  args.reserve(in.size());
+  for (const std::string& a : in) {
+    const size_t eq = a.find('=');
+    auto it = kShort.find(a.substr(0, eq));
+    if (it == kShort.end()) {
+      args.push_back(a);
+    } else {
+      args.push_back(eq == std::string::npos ? it->second : it->second + a.substr(eq));
+    }
+  }
+  std::vector<std::string> out;
+  // Dotted keys of one config flag are merged into one JSON object at its first position.
+  std::map<std::string, size_t> dotted_slot;  // flag -> index in `out` of its JSON value
+  std::map<std::string, json> dotted;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string a = args[i];
+    if (a.size() < 3 || a.rfind("--", 0) != 0) {
+      out.push_back(std::move(a));
+      continue;
+    }
+    const size_t eq = a.find('=');
+    std::string name = a.substr(0, eq);
+    std::optional<std::string> inline_value;
+    if (eq != std::string::npos) inline_value = a.substr(eq + 1);
+    std::replace(name.begin(), name.end(), '_', '-');
+    const size_t dot = name.find('.');
+    if (dot == std::string::npos) {
+      out.push_back(inline_value ? name + "=" + *inline_value : name);
+      continue;
+    }
+    // `--attention-config.indexer-kv-dtype fp8`: the key keeps vLLM's underscores.
+    const std::string flag = name.substr(0, dot);
+    std::string key_path = a.substr(dot, eq == std::string::npos ? std::string::npos : eq - dot);
+    std::string value;
+    if (inline_value) {
+      value = *inline_value;
+    } else if (i + 1 < args.size()) {
+      value = args[++i];
+    }
+    json v = json::parse(value, nullptr, false);
+    if (v.is_discarded()) v = value;
+    json* node = &dotted[flag];
+    if (!node->is_object()) *node = json::object();
+    size_t p = 1;  // key_path starts with '.'
+    while (true) {
+      const size_t next = key_path.find('.', p);
+      const std::string key = key_path.substr(p, next == std::string::npos ? next : next - p);
+      if (next == std::string::npos) {
+        (*node)[key] = v;
+        break;
+      }
+      json& child = (*node)[key];
+      if (!child.is_object()) child = json::object();
+      node = &child;
+      p = next + 1;
+    }
+    if (!dotted_slot.count(flag)) {
+      out.push_back(flag);
+      dotted_slot[flag] = out.size();
+      out.emplace_back();  // filled below
+    }
+  }
+  for (const auto& [flag, slot] : dotted_slot) out[slot] = dotted[flag].dump();
+  return out;
+}
+
+Result<std::string> resolve_model_argument(const std::string& model, const EnvList& env,
+                                           std::string* notice) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (model.empty() || fs::exists(model, ec) || model.rfind("synthetic:", 0) == 0) return model;
+  // `org/name`: exactly one slash, no leading '/' or '.', characters a hub id may have.
+  const size_t slash = model.find('/');
+  const bool hub_like =
+      slash != std::string::npos && slash > 0 && slash + 1 < model.size() &&
+      model.find('/', slash + 1) == std::string::npos && model[0] != '.' &&
+      std::all_of(model.begin(), model.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' ||
+               c == '/';
+      });
+  if (!hub_like) return model;  // the caller reports a missing directory
+  const auto getenv_of = [&](const std::string& name) -> std::string {
+    for (const auto& kv : env) {
+      if (kv.rfind(name + "=", 0) == 0) return kv.substr(name.size() + 1);
+    }
+    return {};
+  };
+  std::vector<fs::path> caches;
+  if (auto c = getenv_of("HF_HUB_CACHE"); !c.empty()) caches.emplace_back(c);
+  if (auto h = getenv_of("HF_HOME"); !h.empty()) caches.push_back(fs::path(h) / "hub");
+  if (auto home = getenv_of("HOME"); !home.empty())
+    caches.push_back(fs::path(home) / ".cache" / "huggingface" / "hub");
+  const std::string repo_dir =
+      "models--" + model.substr(0, slash) + "--" + model.substr(slash + 1);
+  for (const auto& cache : caches) {
+    const fs::path repo = cache / repo_dir;
+    std::ifstream ref(repo / "refs" / "main");
+    std::string commit;
+    if (ref && std::getline(ref, commit)) {
+      const fs::path snap = repo / "snapshots" / trim(commit);
+      if (fs::exists(snap / "config.json", ec)) {
+        if (notice) *notice = model + " resolved to the local Hugging Face cache: " + snap.string();
+        return snap.string();
+      }
+    }
+  }
+  return make_error(
+      ErrorCode::kNotFound,
+      "'" + model + "' is not a directory. m3serve does not download from the Hugging Face Hub "
+      "and found no copy in the local cache ($HF_HUB_CACHE, $HF_HOME/hub, "
+      "~/.cache/huggingface/hub). Download it (huggingface-cli download " + model +
+      " --local-dir /data/" + model.substr(slash + 1) + ") and pass the directory: m3serve "
+      "serve /data/" + model.substr(slash + 1) + " --served-model-name " + model,
+      "model");
+}
+
+Result<int64_t> parse_max_model_len(const std::string& text) {
+  const std::string t = trim(text);
+  if (t == "-1" || lower(t) == "auto") return int64_t{0};
+  const auto fail = [&] {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--max-model-len '" + text +
+                          "' is not a token count; give e.g. 65536, 128k (x1000), 128K (x1024) "
+                          "or auto",
+                      "--max-model-len");
+  };
+  if (t.empty()) return fail();
+  double mul = 1;
+  std::string num = t;
+  const char last = t.back();
+  if (std::isalpha(static_cast<unsigned char>(last))) {
+    num.pop_back();
+    switch (last) {
+      case 'k': mul = 1e3; break;
+      case 'm': mul = 1e6; break;
+      case 'g': mul = 1e9; break;
+      case 'K': mul = 1024.0; break;
+      case 'M': mul = 1024.0 * 1024; break;
+      case 'G': mul = 1024.0 * 1024 * 1024; break;
+      default: return fail();
+    }
+  }
+  char* end = nullptr;
+  const double v = std::strtod(num.c_str(), &end);
+  if (num.empty() || *end != '\0' || !std::isfinite(v) || v < 0) return fail();
+  const double tokens = v * mul;
+  if (tokens != std::floor(tokens) || tokens > 2147483647.0) return fail();
+  return static_cast<int64_t>(tokens);
+}
+
+}  // namespace m3::app

@@ -1,0 +1,390 @@
+// The vLLM flag table against the MiniMax-M3 recipe: every launch command of the recipe (with
+// vLLM's spellings) parses, then either starts or is refused with a reason that names the flag
+// and what to do; no-ops print a notice; argv normalisation, VLLM_* variables, hub ids,
+// --max-model-len forms and the --hf-overrides merge. The same commands run against the real
+// binary in tests/e2e/test_recipe_flags.py.
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include <CLI/CLI.hpp>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "app/vllm_flags.h"
+#include "model/config_overrides.h"
+
+namespace m3::app {
+namespace {
+
+// m3serve's own serve options (cmd_serve.cpp, device_backend.cpp, parallel_args.cpp): stand-ins
+// with the same names and arity, so the table can be checked without the engine. The e2e test
+// runs the real binary, which would abort at registration if a table name collided with these.
+const std::vector<std::pair<std::string, bool>> kNative = {
+    {"--model", true},          {"--tokenizer", true},
+    {"--host", true},           {"--port", true},
+    {"--served-model-name", true}, {"--max-model-len", true},
+    {"--max-num-seqs", true},   {"--max-num-batched-tokens", true},
+    {"--block-size", true},     {"--enable-prefix-caching", false},
+    {"--no-enable-prefix-caching", false}, {"--api-key", true},
+    {"--tool-call-parser", true}, {"--reasoning-parser", true},
+    {"--enable-auto-tool-choice", false}, {"--chat-template", true},
+    {"--default-chat-template-kwargs", true}, {"--generation-config", true},
+    {"--max-queue-len,--max-num-queued-reqs", true}, {"--language-model-only", false},
+    {"--kv-cache-memory-bytes", true}, {"--scheduling-policy", true},
+    {"--log-level,--uvicorn-log-level", true}, {"--http-threads", true},
+    {"--device", true},         {"--gpu-memory-utilization", true},
+    {"--tensor-parallel-size,--tp", true}, {"--enable-expert-parallel", false},
+    {"--data-parallel-size,--dp", true}, {"--nnodes", true},
+    {"--node-rank", true},      {"--master-addr", true},
+    {"--master-port", true},    {"--gemm-precision", true},
+    {"--enforce-eager", false},
+};
+
+struct Parsed {
+  std::string parse_error;  // CLI11's, when parsing failed
+  Result<CompatPlan> plan = make_error(ErrorCode::kInternal, "not reviewed");
+};
+
+Parsed run(std::vector<std::string> argv, const EnvList& env = {},
+           const std::string& device = "cpu") {
+  CLI::App app{"t"};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  CLI::App* sub = app.add_subcommand("serve");
+  std::string model;
+  sub->add_option("model_dir", model);
+  std::vector<std::string> sink(kNative.size());
+  for (size_t i = 0; i < kNative.size(); ++i) {
+    if (kNative[i].second) {
+      sub->add_option(kNative[i].first, sink[i]);
+    } else {
+      sub->add_flag(kNative[i].first);
+    }
+  }
+  VllmFlagValues v;
+  add_vllm_flags(sub, v, VllmCommand::kServe);
+  argv.insert(argv.begin(), "serve");
+  auto args = normalize_vllm_argv(argv);
+  std::reverse(args.begin(), args.end());
+  Parsed p;
+  try {
+    app.parse(args);
+  } catch (const CLI::ParseError& e) {
+    p.parse_error = e.what();
+    return p;
+  }
+  p.plan = review_vllm_flags(v, VllmCommand::kServe, device,
+                             sub->get_option("--gemm-precision")->count() > 0, env);
+  return p;
+}
+
+std::vector<std::string> split(const std::string& cmd) {
+  // Shell-like split with single quotes (the recipe quotes its JSON arguments that way).
+  std::vector<std::string> out;
+  std::string cur;
+  bool quoted = false, have = false;
+  for (char c : cmd) {
+    if (c == '\'') {
+      quoted = !quoted;
+      have = true;
+    } else if (c == ' ' && !quoted) {
+      if (have) out.push_back(cur);
+      cur.clear();
+      have = false;
+    } else {
+      cur += c;
+      have = true;
+    }
+  }
+  if (have) out.push_back(cur);
+  return out;
+}
+
+std::string all_notices(const CompatPlan& p) {
+  std::string s;
+  for (const auto& n : p.notices) s += n + "\n";
+  return s;
+}
+
+struct RecipeCase {
+  std::string name;
+  std::string args;  // after `vllm serve MODEL`
+  EnvList env;
+  std::string refuse;  // "" = starts; else a substring of the refusal
+  std::string notice;  // when it starts: a substring one notice must carry
+};
+
+// The recipe's commands (shared/seeds: the vLLM MiniMax-M3 recipe), model argument left out.
+const std::vector<RecipeCase> kRecipe = {
+    {"tp8", "--tensor-parallel-size 8 --block-size 128 --tool-call-parser minimax_m3 "
+            "--reasoning-parser minimax_m3 --enable-auto-tool-choice", {}, "", ""},
+    {"tp8_ep", "--tensor-parallel-size 8 --enable-expert-parallel --block-size 128 "
+               "--tool-call-parser minimax_m3 --reasoning-parser minimax_m3 "
+               "--enable-auto-tool-choice", {}, "", ""},
+    {"dp8_ep", "--data-parallel-size 8 --enable-expert-parallel --block-size 128 "
+               "--tool-call-parser minimax_m3 --reasoning-parser minimax_m3 "
+               "--enable-auto-tool-choice", {}, "", ""},
+    {"amd_tp8_text", "--tensor-parallel-size 8 --block-size 128 --attention-backend TRITON_ATTN "
+                     "--tool-call-parser minimax_m3 --reasoning-parser minimax_m3 "
+                     "--enable-auto-tool-choice",
+     {"VLLM_USE_BREAKABLE_CUDAGRAPH=0"}, "", "--attention-backend TRITON_ATTN is ignored"},
+    {"amd_tp8_vision", "--tensor-parallel-size 8 --block-size 128 --attention-backend "
+                       "TRITON_ATTN --mm-encoder-tp-mode data --mm-encoder-attn-backend "
+                       "ROCM_AITER_FA --tool-call-parser minimax_m3", {}, "issue #20", ""},
+    {"amd_fp8_per_channel", "--tensor-parallel-size 8 --block-size 128 --attention-backend "
+                            "TRITON_ATTN --quantization fp8_per_channel",
+     {"VLLM_ROCM_USE_AITER=1", "VLLM_ROCM_USE_AITER_MOE=0"}, "issue #18", ""},
+    {"fp8_kv", "--tensor-parallel-size 8 --block-size 128 --kv-cache-dtype fp8", {},
+     "issue #15", ""},
+    {"max_len_128k", "--tensor-parallel-size 8 --block-size 128 --max-model-len 131072", {}, "",
+     ""},
+    {"yarn_1m", "--block-size 128 --tensor-parallel-size 8 --max-model-len 1048576 "
+                "--tool-call-parser minimax_m3 --enable-auto-tool-choice --reasoning-parser "
+                "minimax_m3 --hf-overrides '{\"text_config\":{\"rope_scaling\":{\"rope_type\":"
+                "\"yarn\",\"factor\":2.0,\"original_max_position_embeddings\":524288}}}'",
+     {"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"}, "", ""},
+    {"mxfp8_mi300x", "--tensor-parallel-size 8 --block-size 128 --language-model-only "
+                     "--max-model-len 65536 --attention-backend TRITON_ATTN --async-scheduling "
+                     "--max-num-batched-tokens 16384 --tool-call-parser minimax_m3",
+     {"VLLM_ENGINE_READY_TIMEOUT_S=3600", "VLLM_ROCM_USE_AITER_MHA=0"}, "",
+     "VLLM_ENGINE_READY_TIMEOUT_S, VLLM_ROCM_USE_AITER_MHA are ignored"},
+    {"mxfp8_h200", "--tensor-parallel-size 8 --block-size 128 --attention-backend FLASH_ATTN "
+                   "--linear-backend humming --kv-cache-dtype fp8 --gpu-memory-utilization 0.95 "
+                   "--enable-prefix-caching", {"VLLM_MARLIN_USE_ATOMIC_ADD=1"}, "issue #15", ""},
+    {"mxfp8_indexer_dotted", "--tensor-parallel-size 8 --block-size 128 "
+                             "--attention_config.indexer_kv_dtype fp8", {}, "index-K", ""},
+    {"mi355x_hc", "--tensor-parallel-size 4 --block-size 128 --language-model-only "
+                  "--moe-backend aiter --max-num-batched-tokens 32768 --attention-backend "
+                  "TRITON_ATTN --linear-backend emulation --tool-call-parser minimax_m3",
+     {"VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT=1"}, "", "--moe-backend aiter is ignored"},
+    {"nvfp4", "--tensor-parallel-size 8 --trust-remote-code --block-size 128 "
+              "--tool-call-parser minimax_m3 --reasoning-parser minimax_m3 "
+              "--enable-auto-tool-choice", {"VLLM_FLOAT32_MATMUL_PRECISION=high"}, "",
+     "--trust-remote-code is ignored"},
+    {"nvfp4_eagle3", "--tensor-parallel-size 8 --trust-remote-code --block-size 128 "
+                     "--language-model-only --speculative-config '{\"method\": \"eagle3\", "
+                     "\"model\": \"Inferact/MiniMax-M3-EAGLE3\", \"num_speculative_tokens\": 3}'",
+     {}, "issue #19", ""},
+    {"nvfp4_trtllm_dotted", "--tensor-parallel-size 8 --kv-cache-dtype auto "
+                            "--attention_config.backend FLASHINFER "
+                            "--attention_config.use_trtllm_attention true "
+                            "--attention_config.minimax_m3_msa_decode_backend cutlass", {}, "",
+     "backend, use_trtllm_attention, minimax_m3_msa_decode_backend"},
+    {"mxfp4_tp8", "--tensor-parallel-size 8 --trust-remote-code --compilation-config "
+                  "'{\"cudagraph_mode\":\"FULL_DECODE_ONLY\"}' --block-size 128", {}, "",
+     "--compilation-config is ignored"},
+    {"agentx_lane", "--port 8000 --tensor-parallel-size 4 --trust-remote-code --block-size 128 "
+                    "--gpu-memory-utilization 0.90 --enable-chunked-prefill "
+                    "--max-num-batched-tokens 32768 --language-model-only "
+                    "--enable-prefix-caching --attention-backend ROCM_AITER_UNIFIED_ATTN "
+                    "--moe-backend aiter --default-chat-template-kwargs "
+                    "'{\"thinking_mode\":\"enabled\"}' --max-num-seqs 64 --stream-interval 20",
+     {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1800"}, "", "--stream-interval 20 is ignored"},
+    {"gb200_worker", "--tensor-parallel-size 4 --pipeline-parallel-size 1 --trust-remote-code "
+                     "--block-size 128 --max-model-len 1048576 --no-enable-flashinfer-autotune "
+                     "--kv-events-config '{\"publisher\":\"zmq\"}'", {}, "issue #21", ""},
+    {"multinode_headless", "--tensor-parallel-size 8 --nnodes 2 --node-rank 1 --headless", {},
+     "issue #22", ""},
+    {"kv_offload", "--kv-transfer-config '{\"kv_connector\":\"SimpleCPUOffloadConnector\"}'",
+     {"VLLM_USE_SIMPLE_KV_OFFLOAD=1"}, "issue #21", ""},
+    {"common_set", "--dtype auto --seed 0 --max-logprobs 20 --disable-log-requests "
+                   "--disable-log-stats --override-generation-config '{\"temperature\":1.0}' "
+                   "--allowed-origins '[\"*\"]' --root-path /m3 --enable-prompt-tokens-details "
+                   "--exclude-tools-when-tool-choice-none --api-key k1 --disable-flashinfer-autotune",
+     {}, "", "--root-path /m3"},
+};
+
+class Recipe : public ::testing::TestWithParam<RecipeCase> {};
+
+TEST_P(Recipe, StartsOrRefusesWithReason) {
+  const RecipeCase& c = GetParam();
+  const Parsed p = run(split(c.args), c.env);
+  ASSERT_EQ(p.parse_error, "") << "CLI11 rejected a recipe flag";
+  if (c.refuse.empty()) {
+    ASSERT_TRUE(p.plan.has_value()) << p.plan.error().message;
+    if (!c.notice.empty()) {
+      EXPECT_NE(all_notices(*p.plan).find(c.notice), std::string::npos) << all_notices(*p.plan);
+    }
+  } else {
+    ASSERT_FALSE(p.plan.has_value()) << "expected a refusal mentioning " << c.refuse;
+    const std::string& m = p.plan.error().message;
+    EXPECT_NE(m.find(c.refuse), std::string::npos) << m;
+    EXPECT_NE(m.find("--"), std::string::npos) << "a refusal names the flag: " << m;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(VllmRecipe, Recipe, ::testing::ValuesIn(kRecipe),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(VllmFlagTable, EveryEntryHasAReasonAndAUniqueName) {
+  std::set<std::string> names;
+  for (const auto& [n, _] : kNative) names.insert(n.substr(0, n.find(',')));
+  for (const VllmFlag& f : vllm_flag_table()) {
+    const std::string n(f.names.substr(0, f.names.find(',')));
+    EXPECT_TRUE(names.insert(n).second) << n << " is registered twice";
+    if (f.kind != FlagKind::kHandled) {
+      EXPECT_FALSE(f.why.empty()) << n;
+    }
+    if (f.kind == FlagKind::kComing) {
+      EXPECT_NE(f.why.find("issue #"), std::string_view::npos) << n;
+    }
+  }
+}
+
+TEST(VllmFlagTable, EveryNoopPrintsANoticeAndEveryRefusalNamesItsFlag) {
+  for (const VllmFlag& f : vllm_flag_table()) {
+    if (f.kind == FlagKind::kHandled) continue;
+    const std::string n(f.names.substr(0, f.names.find(',')));
+    std::vector<std::string> argv = {n};
+    if (f.takes_value) argv.push_back("some-value");
+    const Parsed p = run(argv);
+    ASSERT_EQ(p.parse_error, "") << n;
+    if (f.kind == FlagKind::kNoop) {
+      ASSERT_TRUE(p.plan.has_value()) << n;
+      EXPECT_NE(all_notices(*p.plan).find(n), std::string::npos) << n;
+    } else {
+      ASSERT_FALSE(p.plan.has_value()) << n;
+      EXPECT_EQ(p.plan.error().message.rfind(n, 0), 0u) << p.plan.error().message;
+    }
+  }
+}
+
+TEST(VllmFlags, RepeatedFlagLastWins) {
+  EXPECT_TRUE(run({"--kv-cache-dtype", "fp8", "--kv-cache-dtype", "auto"}).plan.has_value());
+  EXPECT_FALSE(run({"--kv-cache-dtype", "auto", "--kv-cache-dtype", "fp8"}).plan.has_value());
+}
+
+TEST(VllmFlags, DtypeMapsToGemmPrecisionOnTheGpu) {
+  auto f32 = run({"--dtype", "float32"}, {}, "cuda");
+  ASSERT_TRUE(f32.plan.has_value());
+  EXPECT_EQ(f32.plan->gemm_precision.value_or(""), "exact");
+  auto bf16 = run({"--dtype", "bfloat16"}, {}, "cuda");
+  EXPECT_EQ(bf16.plan->gemm_precision.value_or(""), "bf16");
+  auto automatic = run({"--dtype", "auto"}, {}, "cuda");
+  EXPECT_FALSE(automatic.plan->gemm_precision.has_value());
+  auto cpu = run({"--dtype", "bfloat16"}, {}, "cpu");
+  ASSERT_TRUE(cpu.plan.has_value());
+  EXPECT_FALSE(cpu.plan->gemm_precision.has_value());
+  EXPECT_NE(all_notices(*cpu.plan).find("fp32"), std::string::npos);
+  EXPECT_FALSE(run({"--dtype", "half"}).plan.has_value());
+  auto both = run({"--dtype", "bfloat16", "--gemm-precision", "exact"}, {}, "cuda");
+  ASSERT_FALSE(both.plan.has_value());
+  EXPECT_NE(both.plan.error().message.find("give one"), std::string::npos);
+}
+
+TEST(VllmFlags, HandledValues) {
+  auto p = run({"--compilation-config", "{\"cudagraph_mode\": \"NONE\"}", "--seed", "7",
+                "--hf-overrides", "{\"a\": {\"b\": 1}}", "--override-generation-config",
+                "{\"top_k\": 40}", "--enable-log-requests"});
+  ASSERT_TRUE(p.plan.has_value()) << p.plan.error().message;
+  EXPECT_TRUE(p.plan->enforce_eager);
+  EXPECT_EQ(p.plan->seed.value_or(0), 7u);
+  EXPECT_EQ(p.plan->hf_overrides, "{\"a\":{\"b\":1}}");
+  EXPECT_EQ(p.plan->generation_overrides, "{\"top_k\":40}");
+  EXPECT_TRUE(p.plan->log_requests);
+  EXPECT_FALSE(run({"--hf-overrides", "[1]"}).plan.has_value());
+  EXPECT_FALSE(run({"--seed", "x"}).plan.has_value());
+  EXPECT_FALSE(run({"--max-logprobs", "50"}).plan.has_value());
+  EXPECT_FALSE(run({"--enable-log-requests", "--disable-log-requests"}).plan.has_value());
+}
+
+TEST(VllmFlags, EnvironmentHonouredOrReportedOnce) {
+  auto p = run({}, {"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1", "VLLM_API_KEY=x", "VLLM_B=1", "VLLM_A=2",
+                    "PATH=/bin", "VLLM_LOGGING_LEVEL=DEBUG"});
+  ASSERT_TRUE(p.plan.has_value());
+  EXPECT_TRUE(p.plan->allow_long_max_model_len);
+  EXPECT_EQ(p.plan->log_level.value_or(""), "debug");
+  ASSERT_EQ(p.plan->notices.size(), 1u) << all_notices(*p.plan);
+  EXPECT_NE(p.plan->notices[0].find("VLLM_A, VLLM_B are ignored"), std::string::npos);
+  EXPECT_TRUE(run({}, {}).plan->notices.empty());
+}
+
+TEST(VllmArgv, Normalisation) {
+  using V = std::vector<std::string>;
+  EXPECT_EQ(normalize_vllm_argv({"serve", "m_dir", "--max_model_len", "4", "--block_size=128"}),
+            (V{"serve", "m_dir", "--max-model-len", "4", "--block-size=128"}));
+  EXPECT_EQ(normalize_vllm_argv({"-tp", "8", "-pp=1", "-dp", "2"}),
+            (V{"--tensor-parallel-size", "8", "--pipeline-parallel-size=1",
+               "--data-parallel-size", "2"}));
+  const V dotted = normalize_vllm_argv({"--attention_config.backend", "FLASHINFER", "--port", "1",
+                                        "--attention-config.use_trtllm_attention=true",
+                                        "--compilation-config.pass_config.x", "{\"y\": 2}"});
+  ASSERT_EQ(dotted.size(), 6u);
+  EXPECT_EQ(dotted[0], "--attention-config");
+  EXPECT_EQ(nlohmann::json::parse(dotted[1]),
+            nlohmann::json::parse(R"({"backend":"FLASHINFER","use_trtllm_attention":true})"));
+  EXPECT_EQ(dotted[2], "--port");
+  EXPECT_EQ(dotted[4], "--compilation-config");
+  EXPECT_EQ(nlohmann::json::parse(dotted[5]),
+            nlohmann::json::parse(R"({"pass_config":{"x":{"y":2}}})"));
+  // Values are never rewritten.
+  EXPECT_EQ(normalize_vllm_argv({"--chat-template", "a_b.jinja"}),
+            (V{"--chat-template", "a_b.jinja"}));
+}
+
+TEST(VllmArgv, MaxModelLenForms) {
+  EXPECT_EQ(*parse_max_model_len("65536"), 65536);
+  EXPECT_EQ(*parse_max_model_len("128k"), 128000);
+  EXPECT_EQ(*parse_max_model_len("128K"), 131072);
+  EXPECT_EQ(*parse_max_model_len("1M"), 1048576);
+  EXPECT_EQ(*parse_max_model_len("25.6k"), 25600);
+  EXPECT_EQ(*parse_max_model_len("auto"), 0);
+  EXPECT_EQ(*parse_max_model_len("-1"), 0);
+  EXPECT_FALSE(parse_max_model_len("1.5").has_value());
+  EXPECT_FALSE(parse_max_model_len("12q").has_value());
+  EXPECT_FALSE(parse_max_model_len("").has_value());
+}
+
+TEST(VllmModelArgument, HubIdFromLocalCacheOrClearError) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("m3_hub_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  const fs::path repo = root / "hub" / "models--MiniMaxAI--MiniMax-M3";
+  fs::create_directories(repo / "refs");
+  fs::create_directories(repo / "snapshots" / "abc123");
+  std::ofstream(repo / "refs" / "main") << "abc123\n";
+  std::ofstream(repo / "snapshots" / "abc123" / "config.json") << "{}";
+  std::string notice;
+  auto got = resolve_model_argument("MiniMaxAI/MiniMax-M3", {"HF_HOME=" + root.string()}, &notice);
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(*got, (repo / "snapshots" / "abc123").string());
+  EXPECT_NE(notice.find("cache"), std::string::npos);
+  auto missing = resolve_model_argument("MiniMaxAI/MiniMax-M3-MXFP8", {"HF_HOME=" + root.string()},
+                                        nullptr);
+  ASSERT_FALSE(missing.has_value());
+  EXPECT_NE(missing.error().message.find("does not download"), std::string::npos);
+  EXPECT_NE(missing.error().message.find("huggingface-cli download MiniMaxAI/MiniMax-M3-MXFP8"),
+            std::string::npos);
+  // Not hub-like: passed through for the caller's "no such directory" message.
+  EXPECT_EQ(*resolve_model_argument("/no/such/dir", {}, nullptr), "/no/such/dir");
+  EXPECT_EQ(*resolve_model_argument("synthetic:layers=2", {}, nullptr), "synthetic:layers=2");
+  fs::remove_all(root);
+}
+
+TEST(ConfigOverrides, MergesObjectsAndReplacesValues) {
+  const std::string cfg =
+      R"({"model_type":"m","text_config":{"max_position_embeddings":524288,"rope_parameters":{"rope_theta":5000000}},"x":[1,2]})";
+  auto merged = model::merge_config_json(
+      cfg, R"({"text_config":{"max_position_embeddings":1048576,"rope_parameters":{"factor":2}},"x":[3]})",
+      "config.json");
+  ASSERT_TRUE(merged.has_value());
+  EXPECT_EQ(nlohmann::json::parse(*merged), nlohmann::json::parse(
+      R"({"model_type":"m","text_config":{"max_position_embeddings":1048576,"rope_parameters":{"rope_theta":5000000,"factor":2}},"x":[3]})"));
+  // Key order of the file is kept (the parser reads keys by name, but diffs stay readable).
+  EXPECT_EQ(merged->rfind("{\"model_type\"", 0), 0u);
+  EXPECT_EQ(*model::merge_config_json(cfg, "", "config.json"), cfg);
+  EXPECT_FALSE(model::merge_config_json("[1]", "{\"a\":1}", "config.json").has_value());
+  EXPECT_FALSE(model::set_config_overrides("not json").has_value());
+  ASSERT_TRUE(model::set_config_overrides(R"({"a": 1})").has_value());
+  EXPECT_EQ(model::config_overrides(), "{\"a\":1}");
+  EXPECT_EQ(nlohmann::json::parse(*model::apply_config_overrides("{\"a\":0,\"b\":2}", "c")),
+            nlohmann::json::parse("{\"a\":1,\"b\":2}"));
+  ASSERT_TRUE(model::set_config_overrides("").has_value());
+  EXPECT_EQ(*model::apply_config_overrides("{\"a\":0}", "c"), "{\"a\":0}");
+}
+
+}  // namespace
+}  // namespace m3::app
