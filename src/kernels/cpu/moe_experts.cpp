@@ -1,5 +1,5 @@
-// The MoE experts, expert-parallel id mapping, the vocabulary-slice embedding and the row ops
-// on the CPU (ops.h): twins of kernels/cuda/moe_experts.cu, shard_ops.cu and row_ops.cu.
+// The MoE experts and the expert-parallel id mapping on the CPU (ops.h): the twins of
+// kernels/cuda/moe_experts.cu.
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -56,45 +56,6 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
     }
   }
   for (int64_t i = 0; i < n * h; ++i) out[i] = shared ? shared[i] + routed[i] : routed[i];
-}
-
-void embedding_vocab_slice(const MatRef& table, int64_t vocab_begin, int64_t vocab_size,
-                           int64_t hidden, const int32_t* ids, int64_t n, float* out) {
-  M3_CHECK(table.rows == 0 || table.cols == hidden, "embedding_vocab_slice: table of %lld columns "
-           "for hidden %lld", static_cast<long long>(table.cols), static_cast<long long>(hidden));
-  M3_CHECK(vocab_begin >= 0 && vocab_begin + table.rows <= vocab_size,
-           "embedding_vocab_slice: rows [%lld, %lld) outside the vocabulary of %lld",
-           static_cast<long long>(vocab_begin), static_cast<long long>(vocab_begin + table.rows),
-           static_cast<long long>(vocab_size));
-  std::fill(out, out + n * hidden, 0.f);
-  for (int64_t t = 0; t < n; ++t) {
-    const int32_t id = ids[t];
-    M3_CHECK(id >= 0 && id < vocab_size, "embedding id %d out of range", id);
-    if (id < vocab_begin || id >= vocab_begin + table.rows) continue;
-    const int32_t local = static_cast<int32_t>(id - vocab_begin);
-    embedding(table, &local, 1, out + t * hidden);
-  }
-}
-
-void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t cols, float* dst) {
-  for (int64_t i = 0; i < n; ++i)
-    std::copy_n(src + static_cast<int64_t>(rows[i]) * cols, cols, dst + i * cols);
-}
-
-void add_inplace(float* x, const float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
-}
-
-void copy_rows_2d(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
-                  int64_t width, int64_t rows) {
-  for (int64_t r = 0; r < rows; ++r)
-    std::copy_n(src + r * src_stride, width, dst + r * dst_stride);
-}
-
-void fill_zero(float* x, int64_t n) { std::fill(x, x + n, 0.f); }
-
-void copy(float* dst, const float* src, int64_t n) {
-  if (n > 0 && dst != src) std::copy(src, src + n, dst);
 }
 
 }  // namespace m3::kernels::cpu

@@ -1,6 +1,6 @@
-// Paged KV writes, causal paged attention (dense or over selected blocks) and MSA block
-// selection. Work is split over (token, kv head) pairs; each pair gathers its key list once and
-// serves all query heads of its GQA group.
+// Paged KV writes and causal paged attention (dense or over selected blocks): the twins of
+// kernels/cuda/attn_paged.cu. Work is split over (token, kv head) pairs; each pair gathers its
+// key list once and serves all query heads of its GQA group.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -130,54 +130,6 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& c, const 
         float* o = og + h * d;
         for (int64_t i = 0; i < d; ++i) o[i] *= inv;
       }
-    }
-  });
-}
-
-void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& c,
-                       const TokenLayout& L, int64_t topk, int64_t init_blocks,
-                       int64_t local_blocks, int32_t* out) {
-  const int64_t bs = c.page_size, di = c.index_dim;
-  M3_CHECK(c.ik != nullptr, "msa_select_blocks: layer has no index-K cache");
-  // The query's own (partial) block is always forced, so every scored block lies wholly before
-  // the query; the config loader refuses sparse_local_block < 1.
-  M3_CHECK(local_blocks >= 1, "msa_select_blocks: local_blocks must be >= 1");
-  parallel_for(L.num_tokens * num_index_heads, [&](int64_t w0, int64_t w1) {
-    std::vector<float> score;
-    std::vector<int32_t> order;
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t t = w / num_index_heads;  // index head = w % num_index_heads
-      const int32_t p = L.positions[t], s = L.seq_ids[t];
-      const int64_t nb = p / bs + 1;
-      int32_t* o = out + w * topk;
-      std::fill(o, o + topk, -1);
-      if (nb <= topk) {
-        for (int64_t b = 0; b < nb; ++b) o[b] = static_cast<int32_t>(b);
-        continue;
-      }
-      const float* qv = iq + w * di;
-      const float inf = std::numeric_limits<float>::infinity();
-      score.assign(nb, -inf);
-      for (int64_t b = 0; b < nb; ++b) {
-        const bool forced = b < init_blocks || b >= nb - local_blocks;
-        if (forced) {
-          score[b] = inf;
-          continue;
-        }
-        // Block b < nb - local_blocks lies wholly before p: every token in it is visible.
-        const int64_t page = page_of(L, s, b);
-        const float* kb = c.ik + page * bs * di;
-        float mx = -inf;
-        for (int64_t j = 0; j < bs; ++j) mx = std::max(mx, dot(qv, kb + j * di, di));
-        score[b] = mx;
-      }
-      order.resize(nb);
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + topk, order.end(), [&](int32_t a, int32_t b) {
-        return score[a] > score[b] || (score[a] == score[b] && a < b);
-      });
-      std::sort(order.begin(), order.begin() + topk);
-      for (int64_t i = 0; i < topk; ++i) o[i] = order[i];
     }
   });
 }
