@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "model/tensor_table.h"
 
 namespace m3::model {
 
@@ -257,52 +258,31 @@ std::unique_ptr<M3Weights> shard_weights(const M3Weights& full, const M3Config& 
     w->layers = full.layers;
     return w;
   }
-  const int64_t d = cfg.head_dim, di = cfg.index_head_dim;
-  w->embed_tokens = full.embed_tokens.slice_rows(p.vocab_begin, p.vocab_count);
-  w->lm_head = full.lm_head.slice_rows(p.vocab_begin, p.vocab_count);
-  w->final_norm = full.final_norm;
-  w->layers.resize(full.layers.size());
-  for (size_t li = 0; li < full.layers.size(); ++li) {
-    const LayerWeights& F = full.layers[li];
-    LayerWeights& L = w->layers[li];
-    L.input_norm = F.input_norm;
-    L.post_attention_norm = F.post_attention_norm;
-    L.q_norm = F.q_norm;
-    L.k_norm = F.k_norm;
-    L.q_proj = F.q_proj.slice_rows(p.q_head_begin * d, p.num_q_heads * d);
-    L.k_proj = F.k_proj.slice_rows(p.kv_head_begin * d, p.num_kv_heads * d);
-    L.v_proj = F.v_proj.slice_rows(p.kv_head_begin * d, p.num_kv_heads * d);
-    L.o_proj = copy_cols(F.o_proj, p.q_head_begin * d, p.num_q_heads * d, *w);
-    if (cfg.layer_is_sparse[li]) {
-      L.index_q_proj = F.index_q_proj.slice_rows(p.kv_head_begin * di, p.num_kv_heads * di);
-      L.index_k_proj = F.index_k_proj;
-      L.index_q_norm = F.index_q_norm;
-      L.index_k_norm = F.index_k_norm;
-    }
-    if (!cfg.layer_is_moe[li]) {
-      L.gate_proj = F.gate_proj.slice_rows(p.dense_inter_begin, p.dense_inter);
-      L.up_proj = F.up_proj.slice_rows(p.dense_inter_begin, p.dense_inter);
-      L.down_proj = copy_cols(F.down_proj, p.dense_inter_begin, p.dense_inter, *w);
+  // Each tensor's block of this rank (tensor_table.h): row ranges are views into `full`,
+  // column ranges copies, routed experts the plan's experts.
+  const std::vector<TensorSpec> table = m3_tensors(cfg);
+  size_views(*w, cfg, table, p.num_experts);
+  for (const TensorSpec& t : table) {
+    if (t.vector) {
+      M3_CHECK(t.split == SplitDim::kReplicated, "%s: vectors are replicated", t.names[0].c_str());
+      t.vec(*w) = t.vec(full);  // norms and the router bias
       continue;
     }
-    L.router = F.router;
-    L.router_bias = F.router_bias;
-    L.experts.resize(p.num_experts);
-    for (int64_t e = 0; e < p.num_experts; ++e) {
-      const ExpertWeights& E = F.experts[p.expert_begin + e];
-      if (p.expert_parallel) {
-        L.experts[e] = E;  // whole experts, in place
-      } else {
-        L.experts[e].w1 = E.w1.slice_rows(p.expert_inter_begin, p.expert_inter);
-        L.experts[e].w3 = E.w3.slice_rows(p.expert_inter_begin, p.expert_inter);
-        L.experts[e].w2 = copy_cols(E.w2, p.expert_inter_begin, p.expert_inter, *w);
+    const TensorBlock b = shard_block(t, cfg, p);
+    for (int64_t e = 0; e < t.count_in(*w); ++e) {
+      const MatRef& src = t.mat(full, b.expert_begin + e);
+      MatRef& dst = t.mat(*w, e);
+      switch (t.split) {
+        case SplitDim::kReplicated:
+          dst = src;
+          break;
+        case SplitDim::kRows:
+          dst = src.slice_rows(b.row_begin, b.row_count);
+          break;
+        case SplitDim::kCols:
+          dst = copy_cols(src, b.col_begin, b.col_count, *w);
+          break;
       }
-    }
-    L.has_shared_expert = F.has_shared_expert;
-    if (F.has_shared_expert) {
-      L.shared_gate = F.shared_gate.slice_rows(p.shared_inter_begin, p.shared_inter);
-      L.shared_up = F.shared_up.slice_rows(p.shared_inter_begin, p.shared_inter);
-      L.shared_down = copy_cols(F.shared_down, p.shared_inter_begin, p.shared_inter, *w);
     }
   }
   return w;

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "core/check.h"
+#include "model/tensor_table.h"
 
 namespace m3::model {
 
@@ -136,28 +137,15 @@ struct Counts {
   int64_t f32 = 0;   // elements stored as f32 (router weight and bias)
 };
 
-// Elements one rank of `p` stores (M3ModelCuda::generate_weights draws exactly these).
+// Elements one rank of `p` stores: each tensor's block (M3ModelCuda::generate_weights draws
+// exactly these), a tied lm_head not at all.
 Counts count(const M3Config& c, const ShardPlan& p) {
   Counts n;
-  const int64_t h = c.hidden_size, d = c.head_dim, di = c.index_head_dim;
-  n.bf16 += 2 * p.vocab_count * h + h;  // embed_tokens, lm_head (untied), final norm
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    n.bf16 += 2 * h;                                      // input / post-attention norms
-    n.bf16 += 2 * p.num_q_heads * d * h;                  // q rows, o columns
-    n.bf16 += 2 * p.num_kv_heads * d * h;                 // k, v
-    n.bf16 += 2 * d;                                      // q_norm, k_norm
-    if (c.layer_is_sparse[i]) {
-      // Index-q heads follow the KV heads under tensor parallelism; index-K is on every rank.
-      const int64_t ni = p.tensor_sharded() ? p.num_kv_heads : c.index_n_heads;
-      n.bf16 += (ni + 1) * di * h + 2 * di;
-    }
-    if (c.layer_is_moe[i]) {
-      n.bf16 += p.num_experts * 3 * p.expert_inter * h;
-      n.bf16 += 3 * p.shared_inter * h;
-      n.f32 += c.num_local_experts * h + c.num_local_experts;  // router, bias
-    } else {
-      n.bf16 += 3 * p.dense_inter * h;
-    }
+  for (const TensorSpec& t : m3_tensors(c)) {
+    if (t.may_tie) continue;
+    const int64_t k = static_cast<int64_t>(shard_block(t, c, p).size());
+    M3_CHECK(t.synthetic_dtype == DType::kBF16 || t.synthetic_dtype == DType::kF32);
+    (t.synthetic_dtype == DType::kF32 ? n.f32 : n.bf16) += k;
   }
   return n;
 }

@@ -37,8 +37,9 @@ Result<SyntheticSpec> parse_synthetic_spec(std::string_view model);
 // "minimax_m3_synthetic" so logs and /v1/models show it is not the checkpoint.
 M3Config synthetic_m3_config(int64_t layers);
 
-// Parameters and bytes of the synthetic weights (bf16 everywhere except the f32 router weight
-// and router bias, as in M3 checkpoints). For 60 layers the count is M3's text total,
+// Parameters and bytes of the synthetic weights: the tensors of m3_tensors(cfg) in their
+// synthetic dtypes (model/tensor_table.h: bf16 everywhere except the f32 router weight and
+// router bias, as in M3 checkpoints). For 60 layers the count is M3's text total,
 // 426,174,572,928 (m3-model.md §1.5).
 int64_t synthetic_param_count(const M3Config& cfg);
 int64_t synthetic_weight_bytes(const M3Config& cfg);

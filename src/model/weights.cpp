@@ -1,6 +1,9 @@
 #include "model/weights.h"
 
 #include <cstring>
+#include <string_view>
+
+#include "model/tensor_table.h"
 
 namespace m3::model {
 
@@ -87,71 +90,50 @@ Result<std::unique_ptr<M3Weights>> load_weights(std::shared_ptr<Checkpoint> ckpt
   auto w = std::make_unique<M3Weights>();
   w->checkpoint = ckpt;
   Loader ld(*ckpt, *w);
-  // Shipped VL checkpoints use "language_model.model."; text-only exports use "model.".
-  std::string base = "language_model.model.";
-  std::string head = "language_model.lm_head.weight";
-  if (!ckpt->has(base + "embed_tokens.weight") && ckpt->has("model.embed_tokens.weight")) {
-    base = "model.";
-    head = "lm_head.weight";
-  }
-  const int64_t h = cfg.hidden_size;
-  M3_TRY(w->embed_tokens, ld.matrix(base + "embed_tokens.weight", cfg.vocab_size, h));
-  M3_TRY(w->final_norm, ld.vector(base + "norm.weight", h));
-  if (cfg.tie_word_embeddings && !ckpt->has(head)) {
-    w->lm_head = w->embed_tokens;
-  } else {
-    M3_TRY(w->lm_head, ld.matrix(head, cfg.vocab_size, h));
-  }
-  const int64_t qs = cfg.q_size(), kvs = cfg.kv_size();
-  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
-    const std::string p = base + "layers." + std::to_string(i) + ".";
-    LayerWeights L;
-    M3_TRY(L.input_norm, ld.vector(p + "input_layernorm.weight", h));
-    M3_TRY(L.post_attention_norm, ld.vector(p + "post_attention_layernorm.weight", h));
-    M3_TRY(L.q_proj, ld.matrix(p + "self_attn.q_proj.weight", qs, h));
-    M3_TRY(L.k_proj, ld.matrix(p + "self_attn.k_proj.weight", kvs, h));
-    M3_TRY(L.v_proj, ld.matrix(p + "self_attn.v_proj.weight", kvs, h));
-    M3_TRY(L.o_proj, ld.matrix(p + "self_attn.o_proj.weight", h, qs));
-    M3_TRY(L.q_norm, ld.vector(p + "self_attn.q_norm.weight", cfg.head_dim));
-    M3_TRY(L.k_norm, ld.vector(p + "self_attn.k_norm.weight", cfg.head_dim));
-    if (cfg.layer_is_sparse[i]) {
-      const int64_t di = cfg.index_head_dim;
-      M3_TRY(L.index_q_proj, ld.matrix(p + "self_attn.index_q_proj.weight", cfg.index_n_heads * di, h));
-      M3_TRY(L.index_k_proj, ld.matrix(p + "self_attn.index_k_proj.weight", di, h));
-      M3_TRY(L.index_q_norm, ld.vector(p + "self_attn.index_q_norm.weight", di));
-      M3_TRY(L.index_k_norm, ld.vector(p + "self_attn.index_k_norm.weight", di));
+  const std::vector<TensorSpec> table = m3_tensors(cfg);
+  size_views(*w, cfg, table, cfg.num_local_experts);
+  // The first root under which the embedding is present (kCheckpointRoots), else the first.
+  std::string_view root = kCheckpointRoots[0];
+  for (std::string_view r : kCheckpointRoots) {
+    if (ckpt->has(table[0].name(r))) {
+      root = r;
+      break;
     }
-    if (!cfg.layer_is_moe[i]) {
-      // transformers writes the dense MLP under block_sparse_moe. or mlp. (m3-model.md §2.2).
-      const int64_t di = cfg.dense_intermediate_size;
-      const std::string gate = ld.pick({p + "mlp.gate_proj.weight", p + "block_sparse_moe.gate_proj.weight"});
-      const std::string pre = gate.substr(0, gate.size() - std::string("gate_proj.weight").size());
-      M3_TRY(L.gate_proj, ld.matrix(pre + "gate_proj.weight", di, h));
-      M3_TRY(L.up_proj, ld.matrix(pre + "up_proj.weight", di, h));
-      M3_TRY(L.down_proj, ld.matrix(pre + "down_proj.weight", h, di));
+  }
+  // Spelling chosen per tensor: the first present, or the one of the tensor it follows.
+  std::vector<size_t> spelling(table.size(), 0);
+  auto load_one = [&](size_t i, int64_t e) -> Status {
+    const TensorSpec& t = table[i];
+    const std::string name = t.name(root, spelling[i], e);
+    if (t.vector) {
+      M3_TRY(t.vec(*w), ld.vector(name, t.rows));
+    } else if (t.may_tie && !ckpt->has(name)) {
+      t.mat(*w) = w->embed_tokens;  // tied: the embedding's view (loaded first)
     } else {
-      const std::string mp = p + "block_sparse_moe.";
-      const int64_t ne = cfg.num_local_experts, ie = cfg.intermediate_size;
-      M3_TRY(L.router, ld.matrix(mp + "gate.weight", ne, h));
-      if (cfg.use_routing_bias) {
-        M3_TRY(L.router_bias, ld.vector(mp + "e_score_correction_bias", ne));
-      }
-      L.experts.resize(ne);
-      for (int64_t e = 0; e < ne; ++e) {
-        const std::string ep = mp + "experts." + std::to_string(e) + ".";
-        M3_TRY(L.experts[e].w1, ld.matrix(ep + "w1.weight", ie, h));
-        M3_TRY(L.experts[e].w3, ld.matrix(ep + "w3.weight", ie, h));
-        M3_TRY(L.experts[e].w2, ld.matrix(ep + "w2.weight", h, ie));
-      }
-      if (cfg.n_shared_experts > 0 && cfg.shared_intermediate_size > 0) {
-        const int64_t is = cfg.shared_intermediate_size * cfg.n_shared_experts;
-        L.has_shared_expert = true;
-        M3_TRY(L.shared_gate, ld.matrix(mp + "shared_experts.gate_proj.weight", is, h));
-        M3_TRY(L.shared_up, ld.matrix(mp + "shared_experts.up_proj.weight", is, h));
-        M3_TRY(L.shared_down, ld.matrix(mp + "shared_experts.down_proj.weight", h, is));
+      M3_TRY(t.mat(*w, e), ld.matrix(name, t.rows, t.cols));
+    }
+    return {};
+  };
+  for (size_t i = 0; i < table.size();) {
+    const TensorSpec& t = table[i];
+    for (size_t s = 0; s < t.names.size() && t.spelling_from < 0; ++s) {
+      if (ckpt->has(t.name(root, s))) {
+        spelling[i] = s;
+        break;
       }
     }
-    w->layers.push_back(std::move(L));
+    if (t.spelling_from >= 0) spelling[i] = spelling[static_cast<size_t>(t.spelling_from)];
+    if (t.experts == 0) {
+      M3_TRY_STATUS(load_one(i, 0));
+      ++i;
+      continue;
+    }
+    // A layer's routed-expert tensors, expert by expert (w1, w3, w2 of expert 0, then 1, ...).
+    size_t end = i;
+    while (end < table.size() && table[end].experts > 0 && table[end].layer == t.layer) ++end;
+    for (int64_t e = 0; e < t.experts; ++e)
+      for (size_t j = i; j < end; ++j) M3_TRY_STATUS(load_one(j, e));
+    i = end;
   }
   return w;
 }

@@ -1,7 +1,8 @@
-// M3Weights: views of every text-model tensor, taken from a Checkpoint with the checkpoint's own
-// names (m3-model.md §2). bf16/f32 tensors are used in place from the mapping; f16 is widened to
-// f32 and MXFP8 (F8_E4M3 + E8M0 `weight_scale_inv`, 1x32 blocks) is dequantised to bf16 (exact)
-// at load, into storage owned here. Vision tensors are never touched.
+// M3Weights: views of every text-model tensor (model/tensor_table.h lists them), taken from a
+// Checkpoint with the checkpoint's own names (m3-model.md §2). bf16/f32 tensors are used in place
+// from the mapping; f16 is widened to f32 and MXFP8 (F8_E4M3 + E8M0 `weight_scale_inv`, 1x32
+// blocks) is dequantised to bf16 (exact) at load, into storage owned here. Vision tensors are
+// never touched.
 // Invariant: after load_weights succeeds every view has the shape the config implies.
 #pragma once
 
@@ -55,7 +56,8 @@ struct M3Weights {
   size_t bytes_owned = 0;                         // weight bytes converted at load
 };
 
-// Loads and checks every text tensor the config implies. Errors name the tensor, what was found
+// Loads and checks every text tensor the config implies (the tensor table, model/tensor_table.h,
+// in its order; a layer's routed experts expert by expert). Errors name the tensor, what was found
 // and the expected shape and dtype.
 Result<std::unique_ptr<M3Weights>> load_weights(std::shared_ptr<Checkpoint> ckpt,
                                                 const M3Config& cfg);

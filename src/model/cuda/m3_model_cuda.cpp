@@ -15,6 +15,7 @@
 #include "model/m3_forward.h"
 #include "model/cuda/synthetic_weights.h"
 #include "model/synthetic_model.h"
+#include "model/tensor_table.h"
 
 namespace m3::model {
 
@@ -59,22 +60,8 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::from_host(std::unique_ptr<M3Mo
              comm->world_size(), plan.rank, plan.world);
   }
   M3_TRY(gpu::DeviceInfo info, gpu::probe_device(device));  // also makes `device` current
-  const M3Weights& w = host->weights();
-  // A shard's views do not count their bytes (shard_weights): add up what will be uploaded.
-  size_t need = w.bytes_in_place + w.bytes_owned;
-  if (plan.sharded()) {
-    auto bytes = [](const MatRef& m) {
-      return m.data ? static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype) : size_t{0};
-    };
-    need = bytes(w.embed_tokens) + (w.lm_head.data == w.embed_tokens.data ? 0 : bytes(w.lm_head));
-    for (const LayerWeights& L : w.layers) {
-      for (const MatRef* m : {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.index_q_proj,
-                              &L.index_k_proj, &L.gate_proj, &L.up_proj, &L.down_proj, &L.router,
-                              &L.shared_gate, &L.shared_up, &L.shared_down})
-        need += bytes(*m);
-      for (const ExpertWeights& E : L.experts) need += bytes(E.w1) + bytes(E.w2) + bytes(E.w3);
-    }
-  }
+  // What upload_weights will allocate: every tensor of the table as this rank's views hold it.
+  const size_t need = view_bytes(host->weights(), m3_tensors(host->config()), /*as_uploaded=*/true);
   if (need + kHeadroomBytes > info.free_bytes) {
     return make_error(ErrorCode::kUnavailable,
                       "the model's weights need " + gib(need) + " of GPU memory (plus " +
@@ -228,119 +215,64 @@ void* M3ModelCuda::alloc_weight(size_t bytes) {
 void M3ModelCuda::generate_weights(uint64_t seed) {
   const M3Config& c = cfg_;
   const ShardPlan& p = plan_;  // the whole model unless this is a rank's shard
-  const int64_t h = c.hidden_size, d = c.head_dim, di = c.index_head_dim;
   cudaStream_t s = stream_.get();
-  uint64_t next_id = 0;  // tensor ids in a fixed order: the same seed gives the same weights
-  // Uniform in [-b, b) has std b/sqrt(3): b = sqrt(3/fan_in) gives std 1/sqrt(fan_in), so a
-  // matrix maps unit-variance inputs to unit-variance outputs (fan_in of the whole matrix, so a
-  // rank's columns are the whole model's).
-  auto fill = [&](const FillBlock& b, float std_dev) {
-    auto* p16 = static_cast<uint16_t*>(alloc_weight(b.size() * sizeof(uint16_t)));
-    fill_uniform_bf16_block(p16, b, std_dev * std::sqrt(3.0f), seed, next_id++, s);
-    return p16;
-  };
-  // Rows [r0, r0 + nr) of a [rows, cols] matrix.
-  auto rows_of = [&](int64_t rows, int64_t cols, int64_t r0, int64_t nr, float std_dev) {
-    FillBlock b = FillBlock::whole(rows, cols);
-    b.row_begin = r0;
-    b.row_count = nr;
-    return MatRef{fill(b, std_dev), DType::kBF16, nr, cols};
-  };
-  // Columns [c0, c0 + nc) of a [rows, cols] matrix.
-  auto cols_of = [&](int64_t rows, int64_t cols, int64_t c0, int64_t nc) {
-    FillBlock b = FillBlock::whole(rows, cols);
-    b.col_begin = c0;
-    b.col_count = nc;
-    return MatRef{fill(b, 1.0f / std::sqrt(static_cast<float>(cols))), DType::kBF16, rows, nc};
-  };
-  auto linear_rows = [&](int64_t out, int64_t in, int64_t r0, int64_t nr) {
-    return rows_of(out, in, r0, nr, 1.0f / std::sqrt(static_cast<float>(in)));
-  };
-  // Gemma norms scale by (1 + w): small w keeps the scale near 1 while still exercising w.
-  auto norm = [&](int64_t n) {
-    VecRef v;
-    v.dtype = DType::kBF16;
-    v.n = n;
-    auto* p16 = static_cast<uint16_t*>(alloc_weight(static_cast<size_t>(n) * sizeof(uint16_t)));
-    fill_uniform_bf16(p16, static_cast<size_t>(n), 0.05f, seed, next_id++, s);
-    v.data = p16;
-    return v;
-  };
-  // Experts of a layer: one allocation per projection, this rank's experts back to back; the
-  // whole tensor is [all experts, rows, cols], of which the rank holds rows or columns [x0, +nx)
-  // of each of its experts.
-  auto experts_proj = [&](int64_t rows, int64_t cols, bool slice_rows, int64_t x0, int64_t nx,
-                          std::vector<ExpertWeights>& ex, MatRef ExpertWeights::*field) {
-    FillBlock b = FillBlock::whole(rows, cols, c.num_local_experts);
-    b.outer_begin = p.expert_begin;
-    b.outer_count = p.num_experts;
-    (slice_rows ? b.row_begin : b.col_begin) = x0;
-    (slice_rows ? b.row_count : b.col_count) = nx;
-    uint16_t* base = fill(b, 1.0f / std::sqrt(static_cast<float>(cols)));
-    const size_t per = static_cast<size_t>(b.row_count * b.col_count);
-    for (int64_t e = 0; e < p.num_experts; ++e) {
-      ex[e].*field = MatRef{base + e * per, DType::kBF16, b.row_count, b.col_count};
+  // Every tensor of the table, its rank's block (model/tensor_table.h) drawn at its indices in
+  // the whole tensor; tensor id = its index in the table, so the same seed gives the same weights.
+  const std::vector<TensorSpec> table = m3_tensors(c);
+  size_views(dev_, c, table, p.num_experts);
+  // The uniform bound b of [-b, b) (std b/sqrt(3)). Matrices: std 1/sqrt(fan_in) of the whole
+  // matrix (a rank's columns are the whole model's), so unit-variance inputs give unit-variance
+  // outputs; the embedding std 1; Gemma norms scale by (1 + w): small w keeps the scale near 1
+  // while still exercising w; the f32 router's logits of std 1 spread the sigmoid; the
+  // selection-only bias stays small next to them, so routing still depends on the token.
+  auto bound = [](const TensorSpec& t) {
+    switch (t.init) {
+      case SyntheticInit::kLinear:
+        return 1.0f / std::sqrt(static_cast<float>(t.cols)) * std::sqrt(3.0f);
+      case SyntheticInit::kEmbedding:
+        return 1.0f * std::sqrt(3.0f);
+      case SyntheticInit::kNorm:
+        return 0.05f;
+      case SyntheticInit::kRouter:
+        return std::sqrt(3.0f / static_cast<float>(t.cols));
+      case SyntheticInit::kRouterBias:
+        return 0.01f;
     }
+    return 0.0f;
   };
-
-  dev_.embed_tokens = rows_of(c.vocab_size, h, p.vocab_begin, p.vocab_count, 1.0f);
-  dev_.final_norm = norm(h);
-  dev_.lm_head = linear_rows(c.vocab_size, h, p.vocab_begin, p.vocab_count);
-  dev_.layers.resize(c.num_hidden_layers);
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    LayerWeights& L = dev_.layers[i];
-    L.input_norm = norm(h);
-    L.post_attention_norm = norm(h);
-    L.q_proj = linear_rows(c.q_size(), h, p.q_head_begin * d, p.num_q_heads * d);
-    L.k_proj = linear_rows(c.kv_size(), h, p.kv_head_begin * d, p.num_kv_heads * d);
-    L.v_proj = linear_rows(c.kv_size(), h, p.kv_head_begin * d, p.num_kv_heads * d);
-    L.o_proj = cols_of(h, c.q_size(), p.q_head_begin * d, p.num_q_heads * d);
-    L.q_norm = norm(d);
-    L.k_norm = norm(d);
-    if (c.layer_is_sparse[i]) {
-      // Index-q heads follow the KV heads (model/shard.cpp); index-K is whole on every rank.
-      const int64_t ni = p.tensor_sharded() ? p.num_kv_heads : c.index_n_heads;
-      const int64_t i0 = p.tensor_sharded() ? p.kv_head_begin : 0;
-      L.index_q_proj = linear_rows(c.index_n_heads * di, h, i0 * di, ni * di);
-      L.index_k_proj = linear_rows(di, h, 0, di);
-      L.index_q_norm = norm(di);
-      L.index_k_norm = norm(di);
+  for (size_t id = 0; id < table.size(); ++id) {
+    const TensorSpec& t = table[id];
+    if (t.may_tie) {  // tied: the embedding's view, no second copy
+      t.mat(dev_) = dev_.embed_tokens;
+      continue;
     }
-    if (c.layer_is_moe[i]) {
-      const int64_t ne = c.num_local_experts, inter = c.intermediate_size;
-      // Router f32 [experts, hidden] as in M3 checkpoints; logits of std 1 spread the sigmoid.
-      L.router.dtype = DType::kF32;
-      L.router.rows = ne;
-      L.router.cols = h;
-      auto* rw = static_cast<float*>(alloc_weight(static_cast<size_t>(ne * h) * sizeof(float)));
-      fill_uniform_f32(rw, static_cast<size_t>(ne * h), std::sqrt(3.0f / static_cast<float>(h)),
-                       seed, next_id++, s);
-      L.router.data = rw;
-      // Selection-only bias, small next to the logits so routing still depends on the token.
-      L.router_bias.dtype = DType::kF32;
-      L.router_bias.n = ne;
-      auto* rb = static_cast<float*>(alloc_weight(static_cast<size_t>(ne) * sizeof(float)));
-      fill_uniform_f32(rb, static_cast<size_t>(ne), 0.01f, seed, next_id++, s);
-      L.router_bias.data = rb;
-      L.experts.resize(p.num_experts);
-      experts_proj(inter, h, true, p.expert_inter_begin, p.expert_inter, L.experts,
-                   &ExpertWeights::w1);
-      experts_proj(inter, h, true, p.expert_inter_begin, p.expert_inter, L.experts,
-                   &ExpertWeights::w3);
-      experts_proj(h, inter, false, p.expert_inter_begin, p.expert_inter, L.experts,
-                   &ExpertWeights::w2);
-      L.has_shared_expert = c.shared_intermediate_size > 0;
-      if (L.has_shared_expert) {
-        const int64_t si = c.shared_intermediate_size;
-        L.shared_gate = linear_rows(si, h, p.shared_inter_begin, p.shared_inter);
-        L.shared_up = linear_rows(si, h, p.shared_inter_begin, p.shared_inter);
-        L.shared_down = cols_of(h, si, p.shared_inter_begin, p.shared_inter);
-      }
+    const TensorBlock b = shard_block(t, c, p);
+    void* data = nullptr;
+    if (t.synthetic_dtype == DType::kF32) {
+      M3_CHECK(t.split == SplitDim::kReplicated && t.experts == 0, "%s: f32 tensors are whole",
+               t.names[0].c_str());
+      auto* f = static_cast<float*>(alloc_weight(b.size() * sizeof(float)));
+      fill_uniform_f32(f, b.size(), bound(t), seed, id, s);
+      data = f;
     } else {
-      const int64_t di2 = c.dense_intermediate_size;
-      L.gate_proj = linear_rows(di2, h, p.dense_inter_begin, p.dense_inter);
-      L.up_proj = linear_rows(di2, h, p.dense_inter_begin, p.dense_inter);
-      L.down_proj = cols_of(h, di2, p.dense_inter_begin, p.dense_inter);
+      M3_CHECK(t.synthetic_dtype == DType::kBF16, "%s: synthetic dtype %s", t.names[0].c_str(),
+               dtype_name(t.synthetic_dtype));
+      const FillBlock fb{b.experts,   b.rows,      b.cols,      b.expert_begin, b.expert_count,
+                         b.row_begin, b.row_count, b.col_begin, b.col_count};
+      auto* p16 = static_cast<uint16_t*>(alloc_weight(b.size() * sizeof(uint16_t)));
+      fill_uniform_bf16_block(p16, fb, bound(t), seed, id, s);
+      data = p16;
+    }
+    if (t.vector) {
+      t.vec(dev_) = VecRef{data, t.synthetic_dtype, b.row_count};
+      continue;
+    }
+    // Routed experts: one allocation per projection, this rank's experts back to back.
+    const size_t per =
+        static_cast<size_t>(b.row_count * b.col_count) * dtype_size(t.synthetic_dtype);
+    for (int64_t e = 0; e < t.count_in(dev_); ++e) {
+      t.mat(dev_, e) = MatRef{static_cast<uint8_t*>(data) + e * per, t.synthetic_dtype, b.row_count,
+                              b.col_count};
     }
   }
   stream_.synchronize();  // weights are complete before any forward reads them
@@ -384,55 +316,41 @@ VecRef M3ModelCuda::upload_f32(const VecRef& v) {
 
 void M3ModelCuda::upload_weights() {
   const M3Weights& w = host_->weights();
-  dev_.embed_tokens = upload(w.embed_tokens);
-  // Tied embeddings share one host tensor: share the device copy too.
-  dev_.lm_head = w.lm_head.data == w.embed_tokens.data ? dev_.embed_tokens : upload(w.lm_head);
-  dev_.final_norm = upload(w.final_norm);
-  dev_.layers.resize(w.layers.size());
-  for (size_t i = 0; i < w.layers.size(); ++i) {
-    const LayerWeights& h = w.layers[i];
-    LayerWeights& d = dev_.layers[i];
-    d.input_norm = upload(h.input_norm);
-    d.post_attention_norm = upload(h.post_attention_norm);
-    d.q_proj = upload(h.q_proj);
-    d.k_proj = upload(h.k_proj);
-    d.v_proj = upload(h.v_proj);
-    d.o_proj = upload(h.o_proj);
-    d.q_norm = upload(h.q_norm);
-    d.k_norm = upload(h.k_norm);
-    d.index_q_proj = upload(h.index_q_proj);
-    d.index_k_proj = upload(h.index_k_proj);
-    d.index_q_norm = upload(h.index_q_norm);
-    d.index_k_norm = upload(h.index_k_norm);
-    d.gate_proj = upload(h.gate_proj);
-    d.up_proj = upload(h.up_proj);
-    d.down_proj = upload(h.down_proj);
-    d.router = upload(h.router);
-    d.router_bias = upload_f32(h.router_bias);
+  const std::vector<TensorSpec> table = m3_tensors(cfg_);
+  size_views(dev_, cfg_, table, plan_.num_experts);
+  for (const TensorSpec& t : table) {
+    if (t.vector) {
+      // The router bias widened to f32: exactly what the CPU forward feeds router_topk.
+      t.vec(dev_) = t.device_f32 ? upload_f32(t.vec(w)) : upload(t.vec(w));
+      continue;
+    }
+    if (t.may_tie && t.mat(w).data == w.embed_tokens.data) {
+      t.mat(dev_) = dev_.embed_tokens;  // tied embeddings share one host tensor: and one copy
+      continue;
+    }
+    if (t.experts == 0) {
+      t.mat(dev_) = upload(t.mat(w));
+      continue;
+    }
     // Experts: one buffer per projection, expert e at e * rows * cols (what moe_experts reads).
-    d.experts.resize(h.experts.size());
-    auto upload_experts = [&](MatRef ExpertWeights::*field) {
-      if (h.experts.empty()) return;
-      const MatRef& first = h.experts[0].*field;
-      const size_t per = static_cast<size_t>(first.rows * first.cols) * dtype_size(first.dtype);
-      auto* base = static_cast<uint8_t*>(alloc_weight(per * h.experts.size()));
-      for (size_t e = 0; e < h.experts.size(); ++e) {
-        const MatRef& src = h.experts[e].*field;
-        M3_CHECK(src.dtype == first.dtype && src.rows == first.rows && src.cols == first.cols,
-                 "layer %zu expert %zu: shape or dtype differs from expert 0", i, e);
-        M3_CUDA_CHECK(cudaMemcpy(base + e * per, src.data, per, cudaMemcpyHostToDevice));
-        MatRef& dst = d.experts[e].*field;
-        dst = src;
-        dst.data = base + e * per;
-      }
-    };
-    upload_experts(&ExpertWeights::w1);
-    upload_experts(&ExpertWeights::w3);
-    upload_experts(&ExpertWeights::w2);
-    d.has_shared_expert = h.has_shared_expert;
-    d.shared_gate = upload(h.shared_gate);
-    d.shared_up = upload(h.shared_up);
-    d.shared_down = upload(h.shared_down);
+    const int64_t n = t.count_in(w);
+    M3_CHECK(n == t.count_in(dev_), "%s: %lld experts on the host, %lld planned",
+             t.names[0].c_str(), static_cast<long long>(n),
+             static_cast<long long>(t.count_in(dev_)));
+    if (n == 0) continue;
+    const MatRef& first = t.mat(w, 0);
+    const size_t per = static_cast<size_t>(first.rows * first.cols) * dtype_size(first.dtype);
+    auto* base = static_cast<uint8_t*>(alloc_weight(per * static_cast<size_t>(n)));
+    for (int64_t e = 0; e < n; ++e) {
+      const MatRef& src = t.mat(w, e);
+      M3_CHECK(src.dtype == first.dtype && src.rows == first.rows && src.cols == first.cols,
+               "%s: expert %lld's shape or dtype differs from expert 0's", t.name("", 0, e).c_str(),
+               static_cast<long long>(e));
+      M3_CUDA_CHECK(cudaMemcpy(base + e * per, src.data, per, cudaMemcpyHostToDevice));
+      MatRef& dst = t.mat(dev_, e);
+      dst = src;
+      dst.data = base + e * per;
+    }
   }
 }
 

@@ -23,6 +23,7 @@ void fill_uniform_f32(float* dst, size_t n, float bound, uint64_t seed, uint64_t
 // [outer_begin, + outer_count), rows [row_begin, + row_count), columns [col_begin, + col_count).
 // Its elements are drawn at their index in the whole tensor, so a tensor-parallel rank generates
 // exactly its slice of the unsharded weights (model/shard.h); the full block is the whole tensor.
+// M3ModelCuda::generate_weights fills each tensor's shard_block (model/tensor_table.h) so.
 struct FillBlock {
   int64_t outer = 1, rows = 0, cols = 0;  // the whole tensor's shape
   int64_t outer_begin = 0, outer_count = 1;
