@@ -1,7 +1,7 @@
 // config.json -> M3Config. Both forms of the M3 config are read here (see config.h); every
 // value is validated so the rest of the engine can trust the struct.
 //
-// Decisions (tested in tests/unit/model_io/config_test.cpp):
+// Decisions (tested in tests/unit/model/config_test.cpp):
 // - Where the shipped keys (text_config.sparse_attention_config.*, moe_layer_freq) and the flat
 //   transformers keys (index_*, layer_types, mlp_layer_types) are both present they must agree;
 //   a disagreement is refused, because the two programs that write them would build different

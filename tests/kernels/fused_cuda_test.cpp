@@ -1,5 +1,5 @@
 // The fused CUDA ops (kernels/cuda/fused.h) against their CPU twins (kernels/cpu/fused.h, each
-// the sequence of plain CPU ops it stands for, tested in tests/unit/kernels_cpu/fused_cpu_test):
+// the sequence of plain CPU ops it stands for, tested in tests/unit/kernels/fused_cpu_test):
 // add_rmsnorm_gemma, swiglu_oai_rows, and attn_prep (rmsnorm_gemma + rope_neox on q, k, index q,
 // index k + kv_write) with the same arguments on both sides, packed and in the fused projection
 // layout (in_stride), at M3's geometry (64 q / 4 kv heads x 128, rotary 64, index 4 x 128) and

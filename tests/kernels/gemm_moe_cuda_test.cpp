@@ -7,7 +7,7 @@
 //   bit, which catches any indexing or dropped-term bug;
 // - normal data, with tolerances derived where they are used (u = 2^-24, fp32 unit roundoff).
 // The MoE's expected values are its CPU twin, cpu::moe_experts (itself tested against a naive
-// per-token MoE in tests/unit/kernels_cpu/fused_cpu_test). Expert ids must match exactly.
+// per-token MoE in tests/unit/kernels/fused_cpu_test). Expert ids must match exactly.
 // Every test skips where no GPU is usable.
 #include <gtest/gtest.h>
 

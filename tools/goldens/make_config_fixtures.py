@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the config.json fixtures of tests/unit/model_io (read by config_test.cpp).
+"""Writes the config.json fixtures of tests/unit/model (read by config_test.cpp).
 
   config_shipped.json       the MiniMax-M3 config.json in its shipped form (text_config with
                             sparse_attention_config, moe_layer_freq, rotary_dim, rope_theta,
@@ -28,7 +28,7 @@ import transformers
 from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLConfig
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "unit",
-                   "model_io", "fixtures")
+                   "model", "fixtures")
 
 
 def shipped_m3():

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes tests/unit/model_io/fixtures/py_fixture.safetensors with the Python `safetensors`
+"""Writes tests/unit/model/fixtures/py_fixture.safetensors with the Python `safetensors`
 package (the reference writer) and py_fixture_expected.json with what each tensor must read as.
 safetensors_test.cpp maps the file with m3::model::SafetensorsFile and compares every byte and
 decoded value, so the C++ reader is checked against an independent writer.
@@ -22,7 +22,7 @@ import safetensors
 from safetensors import TensorSpec, serialize
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "unit",
-                   "model_io", "fixtures")
+                   "model", "fixtures")
 
 
 def bf16_bits(x):

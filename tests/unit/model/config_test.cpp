@@ -1,6 +1,6 @@
 // Tests for model/config.cpp: both config.json forms of MiniMax-M3 (shipped and
 // transformers-written) parse to the same M3Config, defaults, and every refusal.
-// Fixtures: tests/unit/model_io/fixtures/config_*.json, made by
+// Fixtures: tests/unit/model/fixtures/config_*.json, made by
 // tools/goldens/make_config_fixtures.py (the flat ones by transformers itself).
 #include <gtest/gtest.h>
 
@@ -21,7 +21,7 @@ namespace {
 using json = nlohmann::json;
 
 std::string fixture_path(const std::string& name) {
-  return std::string(M3_SOURCE_DIR) + "/tests/unit/model_io/fixtures/" + name;
+  return std::string(M3_SOURCE_DIR) + "/tests/unit/model/fixtures/" + name;
 }
 
 std::string read_file(const std::string& path) {

@@ -441,7 +441,7 @@ TEST_F(SafetensorsTest, DuplicateTensorAcrossFiles) {
 // A file written by the Python safetensors package.
 
 std::string fixture_path(const std::string& name) {
-  return std::string(M3_SOURCE_DIR) + "/tests/unit/model_io/fixtures/" + name;
+  return std::string(M3_SOURCE_DIR) + "/tests/unit/model/fixtures/" + name;
 }
 
 TEST(SafetensorsPython, ReadsReferenceWriterFile) {
@@ -556,7 +556,7 @@ TEST(SafetensorsPython, ReadsReferenceWriterFile) {
 TEST(SafetensorsPython, CheckpointOverFixtureDir) {
   // The fixture directory has exactly one .safetensors file (the glob path).
   Result<Checkpoint> r =
-      Checkpoint::open(std::string(M3_SOURCE_DIR) + "/tests/unit/model_io/fixtures");
+      Checkpoint::open(std::string(M3_SOURCE_DIR) + "/tests/unit/model/fixtures");
   ASSERT_TRUE(r.has_value()) << r.error().message;
   EXPECT_EQ(r->num_tensors(), 12u);
   EXPECT_TRUE(r->get("layers.0.bf16", {3, 4}, {DType::kBF16}).has_value());
