@@ -1,7 +1,7 @@
 // What `--model` / MODEL_DIR names for serve, chat and generate: a checkpoint directory or a
 // synthetic model (`synthetic:layers=N[,seed=S]`, model/synthetic_model.h), plus the directory the
 // tokenizer, chat template and generation defaults come from (`--tokenizer DIR`, vLLM's flag;
-// for a synthetic model the demo model's). Pure (no model is read), so tests/unit/synthetic
+// for a synthetic model the demo model's). Pure (no model is read), so tests/unit/model
 // covers it on the CPU. Invariant: a resolved synthetic choice always has device "cuda".
 #pragma once
 
