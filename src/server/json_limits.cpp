@@ -1,0 +1,68 @@
+#include "server/json_limits.h"
+
+#include <vector>
+
+namespace m3::server {
+
+int json_nesting_depth(std::string_view text, int limit) {
+  int depth = 0, max_depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    switch (c) {
+      case '"': in_string = true; break;
+      case '[':
+      case '{':
+        if (++depth > max_depth) {
+          max_depth = depth;
+          if (max_depth > limit) return limit + 1;
+        }
+        break;
+      case ']':
+      case '}':
+        // Unbalanced text is the parser's to reject; never go negative here.
+        if (depth > 0) --depth;
+        break;
+      default: break;
+    }
+  }
+  return max_depth;
+}
+
+Result<nlohmann::ordered_json> parse_json_bounded(std::string_view text, const std::string& what,
+                                                  const std::string& param) {
+  if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      what + " nests objects/arrays more than " + std::to_string(kMaxJsonDepth) +
+                          " levels deep; flatten it",
+                      param);
+  }
+  nlohmann::ordered_json j;
+  try {
+    j = nlohmann::ordered_json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    return make_error(ErrorCode::kInvalidArgument, what + " is not valid JSON: " + e.what(), param);
+  }
+  return j;
+}
+
+size_t json_node_count(const nlohmann::ordered_json& j, size_t limit) {
+  size_t n = 0;
+  std::vector<const nlohmann::ordered_json*> todo{&j};
+  while (!todo.empty() && n <= limit) {
+    const nlohmann::ordered_json* v = todo.back();
+    todo.pop_back();
+    ++n;
+    if (v->is_structured()) {
+      for (const auto& e : *v) todo.push_back(&e);
+    }
+  }
+  return n;
+}
+
+}  // namespace m3::server
