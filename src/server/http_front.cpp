@@ -142,7 +142,10 @@ std::string peer_address(const sockaddr_storage& ss) {
   return buf;
 }
 
-enum class ConnState { kIdle, kHeaders, kBody, kWorker, kWriting };
+// kLinger: a refused request's answer is out and our side is shut down; what the client still
+// sends is read and dropped for a moment, so closing does not reset the connection before the
+// client has read the answer (a client sends its whole body before it reads).
+enum class ConnState { kIdle, kHeaders, kBody, kWorker, kWriting, kLinger };
 
 // Incremental decoder of a chunked body (RFC 9112 §7.1); chunk extensions and trailers ignored.
 struct ChunkDecoder {
@@ -269,7 +272,15 @@ class HttpFrontImpl {
     c.out.clear();
     c.out_pos = 0;
     if (c.close_after_write || stopping) {
-      close_conn(c.fd);
+      if (stopping) {
+        close_conn(c.fd);
+        return false;
+      }
+      ::shutdown(c.fd, SHUT_WR);
+      c.state = ConnState::kLinger;
+      c.in.clear();
+      c.deadline = Clock::now() + std::chrono::seconds(2);
+      set_events(c, EPOLLIN | EPOLLRDHUP);
       return false;
     }
     begin_idle(c);
@@ -741,6 +752,19 @@ class HttpFrontImpl {
     char buf[64 * 1024];
     size_t got = 0;
     const int fd = c.fd;
+    if (c.state == ConnState::kLinger) {
+      for (size_t dropped = 0; dropped < (size_t{1} << 20);) {
+        const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+        if (n > 0) {
+          dropped += static_cast<size_t>(n);
+          continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+        return close_conn(fd);
+      }
+      return;
+    }
     // At most 1 MiB per wake-up, so one fast sender cannot starve the others, and never more
     // than the current request needs plus one header block: pipelined requests wait in the
     // socket (level-triggered epoll brings them back), so one process() call stays short.
@@ -770,6 +794,10 @@ class HttpFrontImpl {
       auto it = conns.find(fd);
       if (it == conns.end()) continue;
       Conn& c = *it->second;
+      if (c.state == ConnState::kLinger) {
+        close_conn(fd);
+        continue;
+      }
       ++n_timeouts;
       if ((c.state == ConnState::kHeaders && !c.in.empty()) || c.state == ConnState::kBody) {
         // Best effort: tell a slow client why, then close without waiting on it.
@@ -814,7 +842,11 @@ class HttpFrontImpl {
         auto it = conns.find(fd);
         if (it == conns.end()) continue;
         Conn& c = *it->second;
-        if (c.state == ConnState::kWriting) {
+        if (c.state == ConnState::kWriting || c.state == ConnState::kLinger) {
+          if (c.state == ConnState::kLinger) {
+            read_conn(c);
+            continue;
+          }
           if (ev & (EPOLLERR | EPOLLHUP)) close_conn(fd);
           else if ((ev & EPOLLOUT) && flush(c)) process(fd);
           continue;
