@@ -320,7 +320,7 @@ class HttpFrontImpl {
     }
     if (version != "HTTP/1.1" && version != "HTTP/1.0") {
       why = "only HTTP/1.0 and HTTP/1.1 are served";
-      return version.rfind("HTTP/", 0) == 0 ? 505 : 400;
+      return 400;
     }
     std::string_view path = target;
     if (path.rfind("http://", 0) == 0 || path.rfind("https://", 0) == 0) {  // absolute form

@@ -34,12 +34,50 @@ int json_nesting_depth(std::string_view text, int limit) {
   return max_depth;
 }
 
+size_t json_max_object_members(std::string_view text, size_t limit) {
+  // One counter per open container; arrays keep theirs at 0 (their colons are inside members).
+  std::vector<std::pair<bool, size_t>> open;  // (is_object, members)
+  size_t best = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    switch (c) {
+      case '"': in_string = true; break;
+      case '{': open.emplace_back(true, 0); break;
+      case '[': open.emplace_back(false, 0); break;
+      case '}':
+      case ']':
+        if (!open.empty()) open.pop_back();
+        break;
+      case ':':
+        if (!open.empty() && open.back().first && ++open.back().second > best) {
+          best = open.back().second;
+          if (best > limit) return best;
+        }
+        break;
+      default: break;
+    }
+  }
+  return best;
+}
+
 Result<nlohmann::ordered_json> parse_json_bounded(std::string_view text, const std::string& what,
                                                   const std::string& param) {
   if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth) {
     return make_error(ErrorCode::kInvalidArgument,
                       what + " nests objects/arrays more than " + std::to_string(kMaxJsonDepth) +
                           " levels deep; flatten it",
+                      param);
+  }
+  if (const size_t m = json_max_object_members(text, kMaxObjectMembers); m > kMaxObjectMembers) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      what + " has an object with more than " + std::to_string(kMaxObjectMembers) +
+                          " members; send fewer keys",
                       param);
   }
   nlohmann::ordered_json j;

@@ -30,12 +30,19 @@ inline constexpr size_t kMaxStopTokenIds = 1024;
 inline constexpr size_t kMaxPrompts = 256;        // /v1/completions prompt list
 inline constexpr int kMaxChoices = 256;           // prompts x n per request
 inline constexpr size_t kMaxKwargsNodes = 4096;   // chat_template_kwargs values
+// Members of one JSON object: nlohmann's ordered_json checks each new key against the ones
+// before it, so parsing an object costs members^2 (100,000 keys took seconds).
+inline constexpr size_t kMaxObjectMembers = 8192;
 
 // Nesting depth of JSON text, stopping as soon as it passes `limit` (returns limit + 1 then).
 // Strings (with escapes) are skipped, so brackets inside them do not count.
 int json_nesting_depth(std::string_view text, int limit);
 
-// Parses `text` after checking its depth. `what` names the text in errors ("request body",
+// The most members any object in `text` has (counted by its top-level colons), stopping once
+// past `limit`. Iterative; meant for text whose depth was checked.
+size_t json_max_object_members(std::string_view text, size_t limit);
+
+// Parses `text` after checking its depth and object sizes. `what` names the text in errors ("request body",
 // "messages[0].tool_calls[1].function.arguments"); `param` is the error's param.
 Result<nlohmann::ordered_json> parse_json_bounded(std::string_view text, const std::string& what,
                                                   const std::string& param = "");

@@ -407,6 +407,10 @@ Result<OrderedJson> parse_messages(const OrderedJson& j) {
             return bad(ap, "'" + ap + "' nests objects/arrays more than " +
                                std::to_string(kMaxJsonDepth) + " levels deep; flatten it");
           }
+          if (json_max_object_members(text, kMaxObjectMembers) > kMaxObjectMembers) {
+            return bad(ap, "'" + ap + "' has an object with more than " +
+                               std::to_string(kMaxObjectMembers) + " members");
+          }
           OrderedJson args = OrderedJson::parse(text, nullptr, false);
           if (!args.is_discarded() && args.is_object()) fn["arguments"] = std::move(args);
         }

@@ -125,6 +125,11 @@ def test_wrong_method_is_405_with_allow(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f", "parameters": {
                                   "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(100000)}}}}]},
+     None),  # refused while parsing the body (an object of 100,000 keys costs seconds to parse)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+                                  "type": "object", "properties": {f"p{k}": {"type": "string"} for k in range(100)}}}}
+                                  for i in range(100)]},
      "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": 5}}]}]},

@@ -37,6 +37,17 @@ TEST(JsonLimits, ParseRefusesDeepTextWithoutRecursing) {
   EXPECT_NE(bad.error().message.find("not valid JSON"), std::string::npos);
 }
 
+TEST(JsonLimits, ObjectMembersAreCountedPerObject) {
+  EXPECT_EQ(json_max_object_members(R"({"a": 1, "b": {"c": 2}, "d": [{"e": 1, "f": 2, "g": ":"}]})", 100), 3u);
+  std::string big = "{";
+  for (int i = 0; i < 20000; ++i) big += std::string(i ? "," : "") + "\"k" + std::to_string(i) + "\": 0";
+  big += "}";
+  EXPECT_GT(json_max_object_members(big, kMaxObjectMembers), kMaxObjectMembers);
+  auto r = parse_json_bounded(big, "the request body");
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message.find("members"), std::string::npos);
+}
+
 TEST(JsonLimits, NodeCountStopsPastTheLimit) {
   const auto j = nlohmann::ordered_json::parse(R"({"a": [1, 2, {"b": null}], "c": "x"})");
   EXPECT_EQ(json_node_count(j, 100), 7u);
@@ -77,7 +88,7 @@ TEST(JsonLimits, CountCapsNameTheField) {
   auto t = parse_chat_request(R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {)" +
                               props + "}}}}]}");
   ASSERT_FALSE(t);
-  EXPECT_EQ(t.error().param, "tools");
+  EXPECT_EQ(t.error().code, ErrorCode::kInvalidArgument);
 
   auto s = parse_completion_request(R"({"prompt": "x", "stop": [)" + std::string("\"a\",") + std::string(40, ' ') + R"("b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]})");
   ASSERT_FALSE(s);
