@@ -83,6 +83,11 @@ struct ServeArgs {
   std::string scheduling_policy = "fcfs";
   std::string log_level = "info";
   int http_threads = 0;
+  double shutdown_timeout = 20.0;
+  int max_connections = 4096;
+  int max_connections_per_client = 2048;
+  double header_timeout = 10.0;
+  double body_timeout = 60.0;
   DeviceArgs device;
   VllmFlagValues vllm;                   // the vLLM flags m3serve has no option of its own for
   bool gemm_precision_given = false;     // set after parsing (a --dtype must not contradict it)
@@ -367,6 +372,11 @@ int run_serve(ServeArgs a) {
   sc.version = M3_VERSION;
   sc.num_http_threads = a.http_threads;
   sc.max_num_seqs = a.max_num_seqs;
+  sc.shutdown_timeout_s = a.shutdown_timeout;
+  sc.max_connections = a.max_connections;
+  sc.max_connections_per_client = a.max_connections_per_client;
+  sc.header_timeout_s = a.header_timeout;
+  sc.body_timeout_s = a.body_timeout;
   auto http = std::make_unique<server::HttpServer>(*eng, std::move(*assets), sc);
   if (auto st = http->bind(); !st) {
     eng->shutdown(false);
@@ -455,6 +465,20 @@ RunFn register_serve(CLI::App& app) {
       sub->add_option("--log-level,--uvicorn-log-level", a->log_level, "debug, info, warning, error")
           ->capture_default_str();
   sub->add_option("--http-threads", a->http_threads, "HTTP worker threads (0: from --max-num-seqs)");
+  sub->add_option("--shutdown-timeout", a->shutdown_timeout,
+                  "Seconds a drain (SIGTERM) waits for running requests before aborting them")
+      ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
+  sub->add_option("--max-connections", a->max_connections, "Open HTTP connections in all")
+      ->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  sub->add_option("--max-connections-per-client", a->max_connections_per_client,
+                  "Open HTTP connections from one client address")
+      ->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  sub->add_option("--request-header-timeout", a->header_timeout,
+                  "Seconds a client has to send a request's headers")
+      ->check(CLI::Range(0.1, 3600.0))->capture_default_str();
+  sub->add_option("--request-body-timeout", a->body_timeout,
+                  "Seconds a client has to send a request's body after its headers")
+      ->check(CLI::Range(0.1, 3600.0))->capture_default_str();
   add_device_options(sub, a->device);
   add_vllm_flags(sub, a->vllm, VllmCommand::kServe);
   return [a, sub, log_level] {

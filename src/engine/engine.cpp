@@ -56,6 +56,26 @@ void RequestStream::push(RequestOutput out) {
     queue_.push_back(std::move(out));
   }
   cv_.notify_all();
+  if (waker_) waker_->notify();
+}
+
+uint64_t StreamWaker::sequence() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sequence_;
+}
+
+uint64_t StreamWaker::wait(uint64_t seen, std::chrono::milliseconds timeout) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, timeout, [&] { return sequence_ != seen; });
+  return sequence_;
+}
+
+void StreamWaker::notify() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++sequence_;
+  }
+  cv_.notify_all();
 }
 
 bool RequestStream::done() const {
@@ -85,10 +105,16 @@ class EngineImpl {
   std::vector<uint64_t> aborts;
   bool stopping = false;
   bool drain = true;
+  bool abort_everything = false;  // Engine::abort_all(), handled once by the loop
   std::atomic<bool> accepting{true};
   std::atomic<bool> healthy{true};
   std::atomic<uint64_t> next_id{1};
-  std::atomic<int> num_waiting_total{0};  // incoming + scheduler waiting (admission bound)
+  std::atomic<int> num_waiting_total{0};  // the scheduler's waiting requests (admission bound)
+  std::atomic<int> num_running_total{0};  // the scheduler's running requests (stats)
+  // Requests submitted and not finished (incoming, waiting or running): the admission count.
+  // Changed under `mu` on submit and by the engine thread when a request ends, so a request
+  // moving from `incoming` into the scheduler is never missed between two stats refreshes.
+  std::atomic<int> num_unfinished{0};
 
   mutable std::mutex stats_mu;
   EngineStats stats;
@@ -138,6 +164,7 @@ void EngineImpl::admit(Pending& p) {
     o.finish_reason = "error";
     o.error = added.error().message;
     p.stream->push(std::move(o));
+    --num_unfinished;
     return;
   }
   states.emplace(p.id, std::move(st));
@@ -163,6 +190,7 @@ void EngineImpl::finish_abort(uint64_t id) {
   }
   live.erase(it);
   states.erase(id);
+  --num_unfinished;
 }
 
 void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
@@ -214,6 +242,7 @@ void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
     if (u.finished) {
       live.erase(it);
       states.erase(u.request_id);
+      --num_unfinished;
     }
   }
 }
@@ -228,6 +257,7 @@ void EngineImpl::refresh_stats() {
   stats.prefix_cache_hits = s.prefix_cache_hits;
   stats.num_preemptions = s.num_preemptions;
   num_waiting_total = s.num_waiting;
+  num_running_total = s.num_running;
 }
 
 void EngineImpl::loop() {
@@ -235,13 +265,17 @@ void EngineImpl::loop() {
     std::vector<Pending> in;
     std::vector<uint64_t> ab;
     bool stop_now = false;
+    bool abort_every = false;
     {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] {
-        return !incoming.empty() || !aborts.empty() || stopping || scheduler->has_unfinished();
+        return !incoming.empty() || !aborts.empty() || stopping || abort_everything ||
+               scheduler->has_unfinished();
       });
       in.swap(incoming);
       ab.swap(aborts);
+      abort_every = abort_everything;
+      abort_everything = false;
       stop_now = stopping && (!drain || (!scheduler->has_unfinished() && in.empty()));
       if (stopping && !drain) {
         // Abort everything still queued or running.
@@ -249,16 +283,22 @@ void EngineImpl::loop() {
       }
     }
     for (auto& p : in) {
-      if (stopping && !drain) {
+      if ((stopping && !drain) || abort_every) {
         RequestOutput o;
         o.finished = true;
         o.finish_reason = "abort";
         p.stream->push(std::move(o));
+        --num_unfinished;
         continue;
       }
       admit(p);
     }
     for (uint64_t id : ab) finish_abort(id);
+    if (abort_every) {
+      std::vector<uint64_t> ids;
+      for (auto& [id, l] : live) ids.push_back(id);
+      for (uint64_t id : ids) finish_abort(id);
+    }
     if (stop_now) {
       std::vector<uint64_t> ids;
       for (auto& [id, l] : live) ids.push_back(id);
@@ -418,20 +458,24 @@ Result<std::shared_ptr<RequestStream>> Engine::submit(GenerateRequest req) {
                                      p.max_tokens, e.info.max_model_len, "messages"));
 
   const uint64_t id = e.next_id++;
-  auto stream = std::make_shared<RequestStream>(id);
+  auto stream = std::make_shared<RequestStream>(id, req.waker);
   {
     std::lock_guard<std::mutex> lock(e.mu);
-    const int waiting = e.num_waiting_total.load() + static_cast<int>(e.incoming.size());
+    // Only requests that cannot start count against the queue: those the free sequence slots
+    // (--max-num-seqs minus running) will take at the next step are not waiting.
+    const int waiting = std::max(0, e.num_unfinished.load() - e.cfg.max_num_seqs);
     if (waiting >= e.cfg.max_queue_len) {
       return make_error(ErrorCode::kQueueFull,
                         "the request queue is full (" + std::to_string(waiting) +
-                            " waiting, --max-queue-len " + std::to_string(e.cfg.max_queue_len) +
+                            " waiting for one of " + std::to_string(e.cfg.max_num_seqs) +
+                            " running slots, --max-queue-len " + std::to_string(e.cfg.max_queue_len) +
                             "); retry later");
     }
     if (e.stopping) {
       return make_error(ErrorCode::kUnavailable, "the server is shutting down");
     }
     e.incoming.push_back({id, std::move(req), stream, Clock::now()});
+    ++e.num_unfinished;
   }
   e.cv.notify_all();
   return stream;
@@ -441,6 +485,14 @@ void Engine::abort(uint64_t request_id) {
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->aborts.push_back(request_id);
+  }
+  impl_->cv.notify_all();
+}
+
+void Engine::abort_all() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->abort_everything = true;
   }
   impl_->cv.notify_all();
 }

@@ -43,7 +43,9 @@ struct EngineConfig {
   int64_t kv_cache_memory_bytes = 0;  // 0: enough for max_num_seqs sequences of up to 4096 tokens, <= 4 GiB
   bool enable_prefix_caching = true;
   bool priority_scheduling = false;   // else first-come-first-served
-  int max_queue_len = 1024;           // waiting requests beyond this are refused (kQueueFull)
+  // Requests that cannot start at once (beyond the free --max-num-seqs slots) beyond this are
+  // refused (kQueueFull).
+  int max_queue_len = 1024;
   // Ids at or above this are never sampled (embedding rows past the tokenizer's vocabulary, e.g.
   // M3's padding rows 200061-200063). 0: the model's vocab_size.
   int64_t num_sampleable_tokens = 0;
@@ -115,10 +117,27 @@ struct RequestOutput {
   int num_cached_tokens = 0;
 };
 
+// Wakes one consumer that reads several RequestStreams (the n choices of one HTTP request): every
+// push to a stream made with this waker bumps its sequence number, so the consumer sleeps until
+// the engine produced something instead of polling each stream in turn.
+class StreamWaker {
+ public:
+  uint64_t sequence() const;
+  // Blocks until the sequence differs from `seen` or `timeout` passes; returns the sequence.
+  uint64_t wait(uint64_t seen, std::chrono::milliseconds timeout) const;
+  void notify();  // engine side
+
+ private:
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  uint64_t sequence_ = 0;
+};
+
 // The consumer end of one request's outputs. Thread-safe; the engine thread produces.
 class RequestStream {
  public:
-  explicit RequestStream(uint64_t id) : id_(id) {}
+  explicit RequestStream(uint64_t id, std::shared_ptr<StreamWaker> waker = nullptr)
+      : id_(id), waker_(std::move(waker)) {}
   uint64_t id() const { return id_; }
   // Blocks up to `timeout` for the next output; nullopt on timeout. After the finished output
   // has been returned, returns nullopt at once.
@@ -128,6 +147,7 @@ class RequestStream {
 
  private:
   uint64_t id_;
+  std::shared_ptr<StreamWaker> waker_;  // may be null
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<RequestOutput> queue_;
@@ -139,6 +159,7 @@ struct GenerateRequest {
   std::vector<int32_t> prompt_token_ids;
   SamplingParams params;
   int priority = 0;  // lower first, with EngineConfig::priority_scheduling
+  std::shared_ptr<StreamWaker> waker;  // optional: notified on every output of this request
 };
 
 class EngineImpl;
@@ -157,6 +178,8 @@ class Engine {
   Result<std::shared_ptr<RequestStream>> submit(GenerateRequest request);
   // Aborts a request (no-op when it already finished). Its stream gets a finished "abort" output.
   void abort(uint64_t request_id);
+  // Aborts every request queued or running now (the end of a drain that ran out of time).
+  void abort_all();
 
   const ModelInfo& model_info() const;
   EngineStats stats() const;

@@ -1,10 +1,11 @@
-// HttpServer: the OpenAI-compatible HTTP front end (cpp-httplib) over one Engine:
-// /v1/chat/completions, /v1/completions (JSON and SSE), /v1/models, /tokenize, /detokenize,
-// /health, /version, /metrics. Called by `m3serve serve` (app/cmd_serve.cpp).
+// HttpServer: the OpenAI-compatible HTTP server over one Engine: /v1/chat/completions,
+// /v1/completions (JSON and SSE), /v1/models, /tokenize, /detokenize, /health, /version,
+// /metrics. Called by `m3serve serve` (app/cmd_serve.cpp). HTTP itself is HttpFront
+// (http_front.h): an event loop that enforces deadlines and caps before a worker sees a request.
 // Threads (design.md §1): each HTTP worker parses, renders, tokenizes, submits, then reads its
 // RequestStreams and writes the response; the engine thread never waits on a socket.
 // Invariant: every request submitted to the engine is finished or aborted before its handler
-// returns, including when the client disconnects mid-stream.
+// returns, including when the client disconnects (streamed or not) or a drain times out.
 #pragma once
 
 #include <memory>
@@ -32,6 +33,14 @@ struct ServerConfig {
   std::string version = "0.0.0";
   int num_http_threads = 0;  // 0: from max_num_seqs
   int max_num_seqs = 64;
+  // A drain (SIGTERM) waits this long for running requests, then aborts what is left.
+  double shutdown_timeout_s = 20.0;
+  int max_connections = 4096;
+  int max_connections_per_client = 2048;
+  double header_timeout_s = 10.0;
+  double body_timeout_s = 60.0;
+  double keep_alive_timeout_s = 5.0;
+  size_t max_body_bytes = size_t{32} << 20;
 };
 
 // What the server reads from the model directory besides the weights.
@@ -56,12 +65,14 @@ class HttpServer {
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
 
-  // Binds host:port (port 0 picks a free one). Errors name --host / --port.
+  // Binds host:port (port 0 picks a free one). Errors name --host / --port; a port in use is
+  // "address in use", never shared.
   Status bind();
   int bound_port() const;
-  // Serves until stop(); blocks the calling thread.
+  // Serves until drain_and_stop(); blocks the calling thread.
   Status run();
-  // Stops accepting generation requests (503), waits for the ones in flight, stops listening.
+  // Stops accepting generation requests (503), waits up to shutdown_timeout_s for the ones in
+  // flight, aborts what is left, stops listening.
   void drain_and_stop();
   bool draining() const;
 

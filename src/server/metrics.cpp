@@ -110,6 +110,19 @@ std::string format_metrics(const engine::EngineStats& s, const std::string& mode
   w.scalar("http_requests_in_flight", "gauge", "HTTP generation requests being served.",
            static_cast<double>(g.http_requests_in_flight));
   w.scalar("server_draining", "gauge", "1 while the server drains after SIGTERM/SIGINT.", g.draining ? 1.0 : 0.0);
+  w.scalar("client_aborts_total", "counter", "Generation requests aborted because their client went away.",
+           static_cast<double>(g.client_aborts));
+  w.scalar("http_connections_open", "gauge", "Open HTTP connections.", static_cast<double>(g.connections_open));
+  w.scalar("http_requests_pending", "gauge", "Complete HTTP requests waiting for a worker thread.",
+           static_cast<double>(g.requests_pending));
+  w.scalar("http_workers_busy", "gauge", "HTTP worker threads running a request.", static_cast<double>(g.workers_busy));
+  w.scalar("http_rejected_capacity_total", "counter", "Requests and connections refused with 429 at capacity.",
+           static_cast<double>(g.rejected_capacity));
+  w.scalar("http_connection_timeouts_total", "counter",
+           "Connections closed for a header, body or idle deadline (or evicted for room).",
+           static_cast<double>(g.connection_timeouts));
+  w.scalar("http_bad_requests_total", "counter", "Malformed or over-limit HTTP requests refused by the front.",
+           static_cast<double>(g.bad_http_requests));
   return w.str();
 }
 

@@ -15,6 +15,13 @@ namespace m3::server {
 struct ServerGauges {
   int64_t http_requests_in_flight = 0;
   bool draining = false;
+  int64_t client_aborts = 0;        // generation requests aborted because the client left
+  int64_t connections_open = 0;     // HttpFrontStats (http_front.h)
+  int64_t requests_pending = 0;
+  int64_t workers_busy = 0;
+  int64_t rejected_capacity = 0;
+  int64_t connection_timeouts = 0;
+  int64_t bad_http_requests = 0;
 };
 
 std::string format_metrics(const engine::EngineStats& stats, const std::string& model_name,

@@ -1,10 +1,13 @@
-#include <algorithm>
 #include "server/openai_request.h"
+
+#include <algorithm>
 
 #include <cmath>
 #include <fstream>
 #include <limits>
 #include <sstream>
+
+#include "server/json_limits.h"
 
 namespace m3::server {
 
@@ -100,12 +103,7 @@ Status read_float(const OrderedJson& obj, const char* key, double lo, double hi,
 }
 
 Result<OrderedJson> parse_body(std::string_view body) {
-  OrderedJson j;
-  try {
-    j = OrderedJson::parse(body.begin(), body.end());
-  } catch (const nlohmann::json::exception& e) {
-    return bad("", std::string("request body is not valid JSON: ") + e.what());
-  }
+  M3_TRY(OrderedJson j, parse_json_bounded(body, "the request body"));
   if (!j.is_object()) {
     return bad("", "request body must be a JSON object, got " + type_of(j));
   }
@@ -195,6 +193,10 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
     if (stop->is_string()) {
       if (!stop->get<std::string>().empty()) p.stop.push_back(stop->get<std::string>());
     } else if (stop->is_array()) {
+      if (stop->size() > kMaxStopStrings) {
+        return bad("stop", "'stop' holds " + std::to_string(stop->size()) + " strings; at most " +
+                               std::to_string(kMaxStopStrings) + " are allowed");
+      }
       for (size_t i = 0; i < stop->size(); ++i) {
         const auto& s = (*stop)[i];
         if (!s.is_string()) {
@@ -205,10 +207,20 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
     } else {
       return bad("stop", "'stop' must be a string or an array of strings, got " + type_of(*stop));
     }
+    for (const auto& s : p.stop) {
+      if (s.size() > kMaxStopStringBytes) {
+        return bad("stop", "a stop string is " + std::to_string(s.size()) + " bytes; at most " +
+                               std::to_string(kMaxStopStringBytes) + " are allowed");
+      }
+    }
   }
   if (const OrderedJson* ids = field(j, "stop_token_ids")) {
     if (!ids->is_array()) {
       return bad("stop_token_ids", "'stop_token_ids' must be an array of integers, got " + type_of(*ids));
+    }
+    if (ids->size() > kMaxStopTokenIds) {
+      return bad("stop_token_ids", "'stop_token_ids' holds " + std::to_string(ids->size()) +
+                                       " ids; at most " + std::to_string(kMaxStopTokenIds) + " are allowed");
     }
     for (const auto& id : *ids) {
       if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
@@ -283,6 +295,10 @@ Result<OrderedJson> normalise_content(const OrderedJson& content, const std::str
     return bad(param, "'" + param + "' must be a string, null or an array of content parts, got " +
                           type_of(content));
   }
+  if (content.size() > kMaxContentParts) {
+    return bad(param, "'" + param + "' has " + std::to_string(content.size()) + " parts; at most " +
+                          std::to_string(kMaxContentParts) + " are allowed");
+  }
   std::string text;
   bool first = true;
   for (size_t i = 0; i < content.size(); ++i) {
@@ -318,6 +334,10 @@ Result<OrderedJson> parse_messages(const OrderedJson& j) {
   if (!msgs) return bad("messages", "'messages' is required: a non-empty array of {role, content}");
   if (!msgs->is_array()) return bad("messages", "'messages' must be an array, got " + type_of(*msgs));
   if (msgs->empty()) return bad("messages", "'messages' must not be empty");
+  if (msgs->size() > kMaxMessages) {
+    return bad("messages", "'messages' holds " + std::to_string(msgs->size()) + " messages; at most " +
+                               std::to_string(kMaxMessages) + " are allowed");
+  }
   OrderedJson out = OrderedJson::array();
   for (size_t i = 0; i < msgs->size(); ++i) {
     const std::string mp = "messages[" + std::to_string(i) + "]";
@@ -355,6 +375,10 @@ Result<OrderedJson> parse_messages(const OrderedJson& j) {
     if (msg.contains("tool_calls") && !msg["tool_calls"].is_null()) {
       const auto& tcs = msg["tool_calls"];
       if (!tcs.is_array()) return bad(mp + ".tool_calls", "'" + mp + ".tool_calls' must be an array");
+      if (tcs.size() > kMaxToolCalls) {
+        return bad(mp + ".tool_calls", "'" + mp + ".tool_calls' holds " + std::to_string(tcs.size()) +
+                                           " calls; at most " + std::to_string(kMaxToolCalls) + " are allowed");
+      }
       OrderedJson calls = OrderedJson::array();
       for (size_t k = 0; k < tcs.size(); ++k) {
         const std::string tp = mp + ".tool_calls[" + std::to_string(k) + "]";
@@ -368,8 +392,26 @@ Result<OrderedJson> parse_messages(const OrderedJson& j) {
           return bad(tp + ".function.name", "'" + tp + ".function.name' must be a string");
         }
         // Templates iterate the arguments as a mapping; clients send them as a JSON string.
+        if (fn.contains("arguments") && !fn["arguments"].is_string() && !fn["arguments"].is_object() &&
+            !fn["arguments"].is_null()) {
+          return bad(tp + ".function.arguments",
+                     "'" + tp + ".function.arguments' must be a JSON string (or an object), got " +
+                         type_of(fn["arguments"]));
+        }
         if (fn.contains("arguments") && fn["arguments"].is_string()) {
-          OrderedJson args = OrderedJson::parse(fn["arguments"].get<std::string>(), nullptr, false);
+          // Arguments that are not JSON stay a string (the template prints them as given); a
+          // string nested too deep is refused rather than parsed.
+          const std::string ap = tp + ".function.arguments";
+          const std::string& text = fn["arguments"].get_ref<const std::string&>();
+          if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth) {
+            return bad(ap, "'" + ap + "' nests objects/arrays more than " +
+                               std::to_string(kMaxJsonDepth) + " levels deep; flatten it");
+          }
+          if (json_max_object_members(text, kMaxObjectMembers) > kMaxObjectMembers) {
+            return bad(ap, "'" + ap + "' has an object with more than " +
+                               std::to_string(kMaxObjectMembers) + " members");
+          }
+          OrderedJson args = OrderedJson::parse(text, nullptr, false);
           if (!args.is_discarded() && args.is_object()) fn["arguments"] = std::move(args);
         }
         calls.push_back(std::move(call));
@@ -385,6 +427,15 @@ Status parse_tools(const OrderedJson& j, ChatRequest& r) {
   const OrderedJson* tools = field(j, "tools");
   if (tools) {
     if (!tools->is_array()) return bad("tools", "'tools' must be an array, got " + type_of(*tools));
+    if (tools->size() > kMaxTools) {
+      return bad("tools", "'tools' holds " + std::to_string(tools->size()) + " tools; at most " +
+                              std::to_string(kMaxTools) + " are allowed");
+    }
+    // Schemas are walked by the template and the tool parser; bound that work before it starts.
+    if (json_node_count(*tools, kMaxToolSchemaNodes) > kMaxToolSchemaNodes) {
+      return bad("tools", "'tools' holds more than " + std::to_string(kMaxToolSchemaNodes) +
+                              " JSON values in all; send fewer or smaller tool schemas");
+    }
     for (size_t i = 0; i < tools->size(); ++i) {
       const std::string tp = "tools[" + std::to_string(i) + "]";
       const auto& t = (*tools)[i];
@@ -487,6 +538,10 @@ Result<CompletionRequest> parse_completion_request(std::string_view body) {
   M3_TRY_STATUS(parse_common(j, r.common, false));
   const OrderedJson* prompt = field(j, "prompt");
   if (!prompt) return bad("prompt", "'prompt' is required: a string, a list of strings or token ids");
+  if (prompt->is_array() && !prompt->empty() && !(*prompt)[0].is_number() && prompt->size() > kMaxPrompts) {
+    return bad("prompt", "'prompt' holds " + std::to_string(prompt->size()) + " prompts; at most " +
+                             std::to_string(kMaxPrompts) + " are allowed in one request");
+  }
   if (prompt->is_string()) {
     r.prompts.push_back({true, prompt->get<std::string>(), {}});
   } else if (prompt->is_array()) {
@@ -518,8 +573,10 @@ Result<CompletionRequest> parse_completion_request(std::string_view body) {
                  "the prompt is empty; send at least one character or token id");
     }
   }
-  if (r.prompts.size() * static_cast<size_t>(r.common.n) > static_cast<size_t>(kMaxN) * 8) {
-    return bad("prompt", "too many prompts x n in one request; split it into several requests");
+  if (r.prompts.size() * static_cast<size_t>(r.common.n) > static_cast<size_t>(kMaxChoices)) {
+    return bad("n", std::to_string(r.prompts.size()) + " prompts x n=" + std::to_string(r.common.n) +
+                        " asks for more than " + std::to_string(kMaxChoices) +
+                        " completions in one request; split it into several requests");
   }
   M3_TRY(auto echo, opt_bool(j, "echo"));
   r.echo = echo.value_or(false);
@@ -546,6 +603,10 @@ Result<ChatRequest> parse_chat_request(std::string_view body) {
   M3_TRY_STATUS(parse_tools(j, r));
   if (const OrderedJson* kw = field(j, "chat_template_kwargs")) {
     if (!kw->is_object()) return bad("chat_template_kwargs", "'chat_template_kwargs' must be an object, got " + type_of(*kw));
+    if (json_node_count(*kw, kMaxKwargsNodes) > kMaxKwargsNodes) {
+      return bad("chat_template_kwargs", "'chat_template_kwargs' holds more than " +
+                                             std::to_string(kMaxKwargsNodes) + " JSON values");
+    }
     r.chat_template_kwargs = *kw;
   }
   M3_TRY(auto agp, opt_bool(j, "add_generation_prompt"));

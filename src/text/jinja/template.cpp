@@ -18,7 +18,13 @@ Result<Template> Template::parse(std::string_view source, std::string name) {
 Result<std::string> Template::render(const nlohmann::ordered_json& vars, const RenderOptions& options) const {
   if (!vars.is_object())
     return make_error(ErrorCode::kInvalidArgument, name_ + ": template variables must be a JSON object");
-  return render(from_json(vars), options);
+  Value v;
+  try {
+    v = from_json(vars);
+  } catch (const RenderError& e) {
+    return make_error(ErrorCode::kInvalidArgument, name_ + ": " + e.what());
+  }
+  return render(v, options);
 }
 
 }  // namespace m3::text::jinja

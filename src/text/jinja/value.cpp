@@ -493,7 +493,13 @@ std::string json_dumps(const Value& v, const JsonDumpOptions& opts) {
   return out;
 }
 
-Value from_json(const nlohmann::ordered_json& j) {
+namespace {
+
+Value from_json_at(const nlohmann::ordered_json& j, int depth, int max_depth) {
+  if (depth > max_depth) {
+    throw RenderError("template variables nest objects/arrays more than " + std::to_string(max_depth) +
+                      " levels deep");
+  }
   switch (j.type()) {
     case nlohmann::ordered_json::value_t::null: return Value::none();
     case nlohmann::ordered_json::value_t::boolean: return Value::boolean(j.get<bool>());
@@ -508,7 +514,7 @@ Value from_json(const nlohmann::ordered_json& j) {
     case nlohmann::ordered_json::value_t::array: {
       List items;
       items.reserve(j.size());
-      for (const auto& e : j) items.push_back(from_json(e));
+      for (const auto& e : j) items.push_back(from_json_at(e, depth + 1, max_depth));
       return Value::list(std::move(items));
     }
     case nlohmann::ordered_json::value_t::object: {
@@ -517,7 +523,7 @@ Value from_json(const nlohmann::ordered_json& j) {
       entries.reserve(j.size());
       // JSON object keys are unique, so append without the duplicate scan.
       for (auto it = j.begin(); it != j.end(); ++it)
-        entries.emplace_back(Value::string(it.key()), from_json(it.value()));
+        entries.emplace_back(Value::string(it.key()), from_json_at(it.value(), depth + 1, max_depth));
       return d;
     }
     case nlohmann::ordered_json::value_t::binary: {
@@ -528,6 +534,10 @@ Value from_json(const nlohmann::ordered_json& j) {
     default: return Value::none();
   }
 }
+
+}  // namespace
+
+Value from_json(const nlohmann::ordered_json& j, int max_depth) { return from_json_at(j, 0, max_depth); }
 
 nlohmann::ordered_json to_json(const Value& v) {
   switch (v.kind()) {

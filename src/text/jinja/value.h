@@ -143,7 +143,10 @@ struct JsonDumpOptions {
 std::string json_dumps(const Value& v, const JsonDumpOptions& opts);
 
 // nlohmann JSON -> Value (objects keep their order: pass ordered_json to keep the caller's order).
-Value from_json(const nlohmann::ordered_json& j);
+// The conversion recurses once per nesting level, so it refuses (throws RenderError) JSON nested
+// deeper than `max_depth`: request JSON reaches it, and the stack must not be the limit.
+inline constexpr int kMaxFromJsonDepth = 256;
+Value from_json(const nlohmann::ordered_json& j, int max_depth = kMaxFromJsonDepth);
 // Value -> JSON (for tests and callers that want data back). Throws RenderError on undefined.
 nlohmann::ordered_json to_json(const Value& v);
 

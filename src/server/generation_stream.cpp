@@ -1,0 +1,71 @@
+#include "server/generation_stream.h"
+
+namespace m3::server {
+
+void Generation::abort_all() {
+  for (auto& s : slots) {
+    if (s.stream && !s.aborted && !(s.out && s.out->finished())) {
+      engine_.abort(s.stream->id());
+      s.aborted = true;
+    }
+  }
+}
+
+bool Generation::all_finished() const {
+  for (const auto& s : slots) {
+    if (!s.out->finished()) return false;
+  }
+  return true;
+}
+
+std::vector<std::pair<size_t, ChoiceDelta>> Generation::take_ready() {
+  std::vector<std::pair<size_t, ChoiceDelta>> got;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    ChoiceSlot& s = slots[i];
+    while (!s.out->finished()) {
+      auto o = s.stream->next(std::chrono::milliseconds(0));
+      if (!o) break;
+      const bool was_finished = s.out->finished();
+      ChoiceDelta d = s.out->add(*o);
+      if (s.out->stop_string_hit() && !s.aborted) {
+        engine_.abort(s.stream->id());  // the engine keeps generating otherwise
+        s.aborted = true;
+      }
+      if (!d.empty() || (s.out->finished() && !was_finished)) got.emplace_back(i, std::move(d));
+    }
+  }
+  return got;
+}
+
+std::vector<std::pair<size_t, ChoiceDelta>> Generation::poll(std::chrono::milliseconds wait) {
+  // Read the sequence before draining: a push after the drain changes it, so the wait below
+  // cannot miss it.
+  const uint64_t seen = waker_->sequence();
+  auto got = take_ready();
+  if (!got.empty() || all_finished()) return got;
+  waker_->wait(seen, wait);
+  return take_ready();
+}
+
+bool Generation::wait_all(const HttpRequest& req, std::chrono::milliseconds check) {
+  while (!all_finished()) {
+    poll(check);
+    if (!all_finished() && req.client_gone()) {
+      abort_all();
+      return false;
+    }
+  }
+  return true;
+}
+
+bool SseEnvelope::finish(ResponseSink& sink, const UsageCounts& usage) const {
+  if (include_usage) {
+    Json j = {{"id", id}, {"object", object}, {"created", created}, {"model", model}};
+    j["choices"] = Json::array();
+    j["usage"] = usage_json(usage);
+    if (!sink.write(sse_event(j))) return false;
+  }
+  return sink.write(sse_done());
+}
+
+}  // namespace m3::server

@@ -1,0 +1,241 @@
+// Routing (404 / 405 with Allow), API-key checks, and the routes that are not generation:
+// /v1/models, /health, /ping, /version, /metrics (answered on the front's loop thread, so they
+// stay prompt under any load) and /tokenize, /detokenize (on workers). Part of HttpServerImpl.
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <string_view>
+
+#include "server/json_limits.h"
+#include "server/metrics.h"
+#include "server/server_impl.h"
+
+namespace m3::server {
+
+namespace {
+
+struct Route {
+  const char* path;
+  const char* method;
+  bool on_worker;  // generation and tokenization: may take long, runs on a worker
+};
+
+constexpr std::array<Route, 9> kRoutes = {{
+    {"/v1/completions", "POST", true},
+    {"/v1/chat/completions", "POST", true},
+    {"/tokenize", "POST", true},
+    {"/detokenize", "POST", true},
+    {"/v1/models", "GET", false},
+    {"/health", "GET", false},
+    {"/ping", "GET", false},
+    {"/version", "GET", false},
+    {"/metrics", "GET", false},
+}};
+
+const Route* find_route(const std::string& path) {
+  for (const auto& r : kRoutes) {
+    if (path == r.path) return &r;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+bool constant_time_equal(std::string_view a, std::string_view b) {
+  // Every byte of the longer string is visited and differences are OR-ed together, so the
+  // time does not reveal the length of the matching prefix.
+  const size_t n = std::max(a.size(), b.size());
+  unsigned diff = a.size() == b.size() ? 0u : 1u;
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= static_cast<unsigned>(x ^ y);
+  }
+  return diff == 0;
+}
+
+bool HttpServerImpl::authorized(const HttpRequest& req, HttpResponse& res) const {
+  if (cfg_.api_key.empty() || req.path.rfind("/v1", 0) != 0) return true;
+  const std::string& auth = req.header("authorization");
+  static constexpr std::string_view kPrefix = "Bearer ";
+  std::string key = auth.rfind(kPrefix, 0) == 0 ? auth.substr(kPrefix.size()) : std::string();
+  if (key.empty()) key = req.header("x-api-key");
+  if (constant_time_equal(key, cfg_.api_key)) return true;
+  send_error(res, Error{ErrorCode::kUnauthorized,
+                        key.empty() ? "missing API key: send 'Authorization: Bearer <key>'" : "invalid API key", ""});
+  return false;
+}
+
+bool HttpServerImpl::is_inline(const HttpRequest& req) const {
+  const Route* r = find_route(req.path);
+  return !(r && r->on_worker && req.method == r->method);
+}
+
+// 404 for an unknown path, 405 (with Allow) for a known path and another method.
+static bool check_method(const HttpRequest& req, HttpResponse& res) {
+  const Route* r = find_route(req.path);
+  if (!r) {
+    send_error(res, Error{ErrorCode::kNotFound, "no route for " + req.method + " " + req.path, ""});
+    return false;
+  }
+  if (req.method != r->method) {
+    nlohmann::json body = error_body(Error{ErrorCode::kInvalidArgument,
+                                           req.path + " takes " + r->method + ", not " + req.method, ""});
+    body["error"]["code"] = 405;
+    res.set_content(dump_json(body), "application/json");
+    res.status = 405;
+    res.set_header("Allow", r->method);
+    return false;
+  }
+  return true;
+}
+
+void HttpServerImpl::route_inline(const HttpRequest& req, HttpResponse& res) {
+  if (!authorized(req, res) || !check_method(req, res)) return;
+  if (req.path == "/v1/models") {
+    const auto& info = engine_.model_info();
+    Json data = Json::array();
+    for (const auto& name : cfg_.served_model_names) {
+      data.push_back({{"id", name},
+                      {"object", "model"},
+                      {"created", unix_now()},
+                      {"owned_by", "m3serve"},
+                      {"root", info.model_dir},
+                      {"parent", nullptr},
+                      {"max_model_len", info.max_model_len}});
+    }
+    return send_json(res, Json{{"object", "list"}, {"data", data}});
+  }
+  if (req.path == "/health" || req.path == "/ping") {
+    if (draining_ || !engine_.healthy()) {
+      res.status = 503;
+      res.set_content(draining_ ? "draining" : "unhealthy", "text/plain");
+      return;
+    }
+    res.status = 200;
+    return;
+  }
+  if (req.path == "/version") return send_json(res, Json{{"version", cfg_.version}});
+  if (req.path == "/metrics") {
+    ServerGauges g;
+    g.http_requests_in_flight = in_flight_.load();
+    g.draining = draining_.load();
+    g.client_aborts = client_aborts_.load();
+    if (front_) {
+      const HttpFrontStats fs = front_->stats();
+      g.connections_open = fs.connections_open;
+      g.requests_pending = fs.requests_pending;
+      g.workers_busy = fs.workers_busy;
+      g.rejected_capacity = fs.rejected_capacity_total;
+      g.connection_timeouts = fs.timeouts_total;
+      g.bad_http_requests = fs.bad_requests_total;
+    }
+    res.set_content(format_metrics(engine_.stats(), model_name(), g), "text/plain; version=0.0.4; charset=utf-8");
+    return;
+  }
+}
+
+void HttpServerImpl::route(const HttpRequest& req, HttpResponse& res) {
+  if (!authorized(req, res) || !check_method(req, res)) return;
+  if (req.path == "/v1/completions") return handle_completions(req, res);
+  if (req.path == "/v1/chat/completions") return handle_chat(req, res);
+  if (req.path == "/tokenize") return handle_tokenize(req, res);
+  if (req.path == "/detokenize") return handle_detokenize(req, res);
+}
+
+
+void HttpServerImpl::handle_tokenize(const HttpRequest& req, HttpResponse& res) {
+  auto parsed_body = parse_json_bounded(req.body, "the request body");
+  if (!parsed_body) return send_error(res, parsed_body.error());
+  OrderedJson& j = *parsed_body;
+  if (!j.is_object()) {
+    return send_error(res, Error{ErrorCode::kInvalidArgument, "request body must be a JSON object", ""});
+  }
+  bool return_strs = false;
+  if (j.contains("return_token_strs") && !j["return_token_strs"].is_null()) {
+    if (!j["return_token_strs"].is_boolean()) {
+      return send_error(res, Error{ErrorCode::kInvalidArgument, "'return_token_strs' must be a boolean",
+                                   "return_token_strs"});
+    }
+    return_strs = j["return_token_strs"].get<bool>();
+  }
+  if (j.contains("model") && !j["model"].is_null()) {
+    if (!j["model"].is_string()) {
+      return send_error(res, Error{ErrorCode::kInvalidArgument, "'model' must be a string", "model"});
+    }
+    if (auto st = check_model(j["model"].get<std::string>()); !st) return send_error(res, st.error());
+  }
+  std::vector<int32_t> ids;
+  if (j.contains("messages")) {
+    auto parsed = parse_chat_request(req.body);
+    if (!parsed) return send_error(res, parsed.error());
+    auto rendered = assets_.chat->render(*parsed);
+    if (!rendered) return send_error(res, rendered.error());
+    if (auto st = check_text_fits(rendered->prompt.size(), "messages"); !st) return send_error(res, st.error());
+    ids = assets_.tokenizer->encode(rendered->prompt);
+  } else if (j.contains("prompt") && j["prompt"].is_string()) {
+    bool add_special = true;
+    if (j.contains("add_special_tokens")) {
+      if (!j["add_special_tokens"].is_boolean()) {
+        return send_error(res, Error{ErrorCode::kInvalidArgument, "'add_special_tokens' must be a boolean", "add_special_tokens"});
+      }
+      add_special = j["add_special_tokens"].get<bool>();
+    }
+    const std::string& text = j["prompt"].get_ref<const std::string&>();
+    if (auto st = check_text_fits(text.size(), "prompt"); !st) return send_error(res, st.error());
+    ids = add_special ? encode_prompt(text) : assets_.tokenizer->encode(text);
+  } else {
+    return send_error(res, Error{ErrorCode::kInvalidArgument,
+                                 "give 'prompt' (a string) or 'messages' (a chat) to tokenize", "prompt"});
+  }
+  Json out;
+  out["count"] = ids.size();
+  out["max_model_len"] = engine_.model_info().max_model_len;
+  out["tokens"] = ids;
+  if (return_strs) {
+    Json strs = Json::array();
+    for (int32_t id : ids) strs.push_back(assets_.tokenizer->id_to_token(id));
+    out["token_strs"] = strs;
+  } else {
+    out["token_strs"] = nullptr;
+  }
+  send_json(res, out);
+}
+
+void HttpServerImpl::handle_detokenize(const HttpRequest& req, HttpResponse& res) {
+  auto parsed_body = parse_json_bounded(req.body, "the request body");
+  if (!parsed_body) return send_error(res, parsed_body.error());
+  OrderedJson& j = *parsed_body;
+  if (!j.is_object()) {
+    return send_error(res, Error{ErrorCode::kInvalidArgument, "request body must be a JSON object", ""});
+  }
+  if (j.contains("model") && !j["model"].is_null()) {
+    if (!j["model"].is_string()) {
+      return send_error(res, Error{ErrorCode::kInvalidArgument, "'model' must be a string", "model"});
+    }
+    if (auto st = check_model(j["model"].get<std::string>()); !st) return send_error(res, st.error());
+  }
+  if (!j.contains("tokens") || !j["tokens"].is_array()) {
+    return send_error(res, Error{ErrorCode::kInvalidArgument, "'tokens' must be an array of token ids", "tokens"});
+  }
+  if (j["tokens"].size() > static_cast<size_t>(engine_.model_info().max_model_len) * 4) {
+    return send_error(res, Error{ErrorCode::kInvalidArgument,
+                                 "'tokens' holds " + std::to_string(j["tokens"].size()) +
+                                     " ids; at most 4 x max_model_len (" +
+                                     std::to_string(int64_t{engine_.model_info().max_model_len} * 4) +
+                                     ") are detokenized at once",
+                                 "tokens"});
+  }
+  std::vector<int32_t> ids;
+  const int64_t vocab = std::max<int64_t>(assets_.tokenizer->vocab_size(), engine_.model_info().vocab_size);
+  for (const auto& t : j["tokens"]) {
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= vocab) {
+      return send_error(res, Error{ErrorCode::kInvalidArgument,
+                                   "'tokens' must hold token ids in [0, " + std::to_string(vocab) + ")", "tokens"});
+    }
+    ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
+  }
+  send_json(res, Json{{"prompt", assets_.tokenizer->decode(ids, false)}});
+}
+
+}  // namespace m3::server

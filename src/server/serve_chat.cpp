@@ -1,0 +1,195 @@
+// /v1/chat/completions: the chat template, reasoning and tool-call parsing, tool_choice checks,
+// as JSON or as an SSE stream. Part of HttpServerImpl (server_impl.h).
+#include <algorithm>
+#include <chrono>
+#include <optional>
+
+#include "server/server_impl.h"
+
+namespace m3::server {
+
+// ------------------------------------------------------------------------------------- chat
+
+namespace {
+
+// Required / named tool_choice are asked for in the prompt (no guided decoding yet); this
+// checks that the model complied.
+std::optional<Error> check_tool_choice(const ToolChoice& tc, const ChoiceOutput& out) {
+  if (tc.kind == ToolChoiceKind::kRequired && out.tool_calls().empty()) {
+    return Error{ErrorCode::kInternal,
+                 "tool_choice is \"required\" but the model answered without a tool call (this server "
+                 "asks for the call in the prompt and validates the answer; it has no guided decoding "
+                 "yet); retry, or use tool_choice \"auto\"",
+                 "tool_choice"};
+  }
+  if (tc.kind == ToolChoiceKind::kNamed) {
+    if (out.tool_calls().empty()) {
+      return Error{ErrorCode::kInternal,
+                   "tool_choice names `" + tc.name + "` but the model answered without calling it; retry, or use tool_choice \"auto\"",
+                   "tool_choice"};
+    }
+    for (const auto& c : out.tool_calls()) {
+      if (c.name != tc.name) {
+        return Error{ErrorCode::kInternal,
+                     "tool_choice names `" + tc.name + "` but the model called `" + c.name + "`; retry, or use tool_choice \"auto\"",
+                     "tool_choice"};
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
+  auto guard = std::make_shared<InFlight>(in_flight_);
+  if (draining_) return send_error(res, Error{ErrorCode::kUnavailable, "the server is draining (shutting down); retry on another replica", ""});
+  auto parsed = parse_chat_request(req.body);
+  if (!parsed) return send_error(res, parsed.error());
+  ChatRequest r = std::move(*parsed);
+  if (auto st = check_model(r.common.model); !st) return send_error(res, st.error());
+  const bool wants_tools = r.tools.is_array() && r.tool_choice.kind != ToolChoiceKind::kNone;
+  if (wants_tools && !cfg_.parse_tool_calls) {
+    return send_error(res, Error{ErrorCode::kInvalidArgument,
+                                 "tool calls need the server started with --tool-call-parser minimax_m3", "tools"});
+  }
+  if (wants_tools && r.tool_choice.kind == ToolChoiceKind::kAuto && !cfg_.enable_auto_tool_choice) {
+    return send_error(res, Error{ErrorCode::kInvalidArgument,
+                                 "\"auto\" tool choice needs the server started with --enable-auto-tool-choice",
+                                 "tool_choice"});
+  }
+  auto rendered = assets_.chat->render(r);
+  if (!rendered) return send_error(res, rendered.error());
+
+  auto gen = std::make_shared<Generation>(engine_);
+  PromptData pd;
+  if (auto st = check_text_fits(rendered->prompt.size(), "messages"); !st) return send_error(res, st.error());
+  pd.ids = assets_.tokenizer->encode(rendered->prompt);
+  gen->prompts.push_back(std::move(pd));
+  engine::SamplingParams sp = make_sampling_params(r.common, assets_.defaults);
+  if (auto st = fit_context(sp, r.common, gen->prompts[0].ids.size(), "messages"); !st) {
+    return send_error(res, st.error());
+  }
+
+  ChoiceOptions base;
+  base.tokenizer = assets_.tokenizer;
+  base.skip_special_tokens = r.common.skip_special_tokens;
+  base.stop = r.common.stop;
+  base.include_stop_str = r.common.include_stop_str_in_output;
+  base.eos_token_ids = engine_.model_info().eos_token_ids;
+  if (cfg_.parse_reasoning || wants_tools) {
+    text::ChatOutputOptions co;
+    co.parse_reasoning = cfg_.parse_reasoning;
+    co.thinking_mode = rendered->thinking_mode;
+    co.parse_tool_calls = wants_tools;
+    if (wants_tools) co.tools = nlohmann::json::parse(rendered->tools.dump());
+    co.tool_options.id_prefix = "call_" + random_id(20) + "_";
+    base.chat = co;
+  }
+  if (auto st = submit_all(*gen, sp, r.common, base); !st) return send_error(res, st.error());
+
+  const std::string id = "chatcmpl-" + random_id(32);
+  const int64_t created = unix_now();
+  const std::string model = model_name();
+  const ToolChoice tool_choice = wants_tools ? r.tool_choice : ToolChoice{ToolChoiceKind::kAuto, {}};
+  const bool logprobs = r.common.logprobs >= 0;
+  auto usage_of = [](const Generation& g) {
+    UsageCounts u;
+    u.prompt_tokens = static_cast<int64_t>(g.prompts[0].ids.size());
+    for (const auto& s : g.slots) {
+      u.completion_tokens += s.out->num_output_tokens();
+      u.cached_tokens = std::max<int64_t>(u.cached_tokens, s.out->num_cached_tokens());
+      u.reasoning_tokens += s.out->num_reasoning_tokens();
+    }
+    return u;
+  };
+
+  if (!r.common.stream) {
+    if (!wait_or_abort(*gen, req)) return;
+    for (const auto& s : gen->slots) {
+      if (s.out->finish_reason() == "error") {
+        return send_error(res, Error{ErrorCode::kInternal, "generation failed: " + s.out->error(), ""});
+      }
+      if (auto e = check_tool_choice(tool_choice, *s.out)) return send_error(res, *e);
+    }
+    Json choices = Json::array();
+    for (const auto& s : gen->slots) {
+      Json msg;
+      msg["role"] = "assistant";
+      const bool has_calls = !s.out->tool_calls().empty();
+      msg["content"] = (s.out->text().empty() && has_calls) ? Json(nullptr) : Json(s.out->text());
+      msg["reasoning"] = s.out->reasoning().empty() ? Json(nullptr) : Json(s.out->reasoning());
+      msg["reasoning_content"] = msg["reasoning"];
+      Json calls = Json::array();
+      for (const auto& c : s.out->tool_calls()) calls.push_back(tool_call_json(c));
+      msg["tool_calls"] = calls;
+      Json c;
+      c["index"] = s.index;
+      c["message"] = msg;
+      c["logprobs"] = logprobs ? chat_logprobs_json(s.out->logprobs()) : Json(nullptr);
+      c["finish_reason"] = s.out->finish_reason();
+      c["stop_reason"] = nullptr;
+      choices.push_back(std::move(c));
+    }
+    Json body = {{"id", id}, {"object", "chat.completion"}, {"created", created}, {"model", model}};
+    body["choices"] = choices;
+    body["usage"] = usage_json(usage_of(*gen));
+    return send_json(res, body);
+  }
+
+  const bool include_usage = r.common.include_usage;
+  const bool continuous = r.common.continuous_usage_stats;
+  res.set_header("Cache-Control", "no-cache");
+  res.content_type = "text/event-stream";
+  res.stream =
+      [gen, guard, env = SseEnvelope{id, "chat.completion.chunk", model, created, include_usage, continuous},
+       logprobs, tool_choice, usage_of](ResponseSink& sink) {
+        auto write = [&](const std::string& s) { return sink.write(s); };
+        auto chunk = [&](const ChoiceSlot& s, const Json& delta, const Json& lps, const Json& finish) {
+          Json c = {{"index", s.index}, {"delta", delta}, {"logprobs", lps}, {"finish_reason", finish}};
+          return write(env.chunk(std::move(c), [&] { return usage_of(*gen); }));
+        };
+        // The role comes first, before any token, in every choice.
+        for (const auto& s : gen->slots) {
+          if (!chunk(s, Json{{"role", "assistant"}, {"content", ""}}, nullptr, nullptr)) {
+            gen->abort_all();
+            return false;
+          }
+        }
+        for (;;) {
+          auto got = gen->poll(std::chrono::milliseconds(100));
+          for (auto& [i, d] : got) {
+            const ChoiceSlot& s = gen->slots[i];
+            Json finish = nullptr;
+            if (s.out->finished()) {
+              if (s.out->finish_reason() == "error") {
+                write(sse_error(Error{ErrorCode::kInternal, "generation failed: " + s.out->error(), ""}));
+                gen->abort_all();
+                return false;
+              }
+              if (auto e = check_tool_choice(tool_choice, *s.out)) {
+                write(sse_error(*e));
+                gen->abort_all();
+                return false;
+              }
+              finish = s.out->finish_reason();
+            }
+            const Json lps = logprobs && !d.logprobs.empty() ? chat_logprobs_json(d.logprobs) : Json(nullptr);
+            Json delta = chat_delta_json(d);
+            if (delta.empty() && finish.is_null() && lps.is_null()) continue;
+            if (!chunk(s, delta, lps, finish)) {
+              gen->abort_all();
+              return false;
+            }
+          }
+          if (gen->all_finished()) break;
+          if (got.empty() && sink.client_gone()) {
+            gen->abort_all();
+            return false;
+          }
+        }
+        return env.finish(sink, usage_of(*gen));
+      };
+}
+
+}  // namespace m3::server
