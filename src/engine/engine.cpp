@@ -520,6 +520,15 @@ void Engine::shutdown(bool drain) {
 
 Status check_context_length(int64_t prompt_tokens, int64_t max_tokens, int64_t max_model_len,
                             const std::string& prompt_param) {
+  if (max_tokens < 0) {
+    if (prompt_tokens < max_model_len) return {};
+    return make_error(ErrorCode::kContextLength,
+                      "This model's maximum context length is " + std::to_string(max_model_len) +
+                          " tokens. However, your prompt has " + std::to_string(prompt_tokens) +
+                          " tokens, which leaves no room for the completion. Please shorten the "
+                          "prompt.",
+                      prompt_param);
+  }
   const int64_t total = prompt_tokens + max_tokens;
   if (total <= max_model_len) return {};
   return make_error(ErrorCode::kContextLength,

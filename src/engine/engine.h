@@ -192,9 +192,11 @@ class Engine {
   std::unique_ptr<EngineImpl> impl_;
 };
 
-// The one prompt-length check (the engine's submit, `m3serve generate`): ok when prompt + max_tokens
-// fits max_model_len, else kContextLength with the numbers, naming `prompt_param` when the prompt
-// alone is too long and max_tokens otherwise (OpenAI's wording, as vLLM answers).
+// The one prompt-length check (the server before it submits, the engine's submit, `m3serve
+// generate`): ok when prompt + max_tokens fits max_model_len (max_tokens < 0: not given, then the
+// prompt must leave room for one token), else kContextLength with the numbers, naming
+// `prompt_param` when the prompt alone is too long and max_tokens otherwise (OpenAI's wording,
+// as vLLM answers).
 Status check_context_length(int64_t prompt_tokens, int64_t max_tokens, int64_t max_model_len,
                             const std::string& prompt_param);
 

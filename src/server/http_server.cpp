@@ -111,22 +111,9 @@ Status HttpServerImpl::fit_context(engine::SamplingParams& sp, const CommonParam
   if (n == 0) {
     return make_error(ErrorCode::kInvalidArgument, "the prompt is empty after tokenization; send some text", param);
   }
-  if (n >= max_len) {
-    return make_error(ErrorCode::kContextLength,
-                      "This model's maximum context length is " + std::to_string(max_len) +
-                          " tokens. However, your prompt has " + std::to_string(n) +
-                          " tokens, which leaves no room for the completion. Please shorten the prompt.",
-                      param);
-  }
+  M3_TRY_STATUS(engine::check_context_length(n, -1, max_len, param));
   if (p.max_tokens) {
-    if (n + *p.max_tokens > max_len) {
-      return make_error(ErrorCode::kContextLength,
-                        "This model's maximum context length is " + std::to_string(max_len) +
-                            " tokens. However, you requested " + std::to_string(n + *p.max_tokens) + " tokens (" +
-                            std::to_string(n) + " in the prompt, " + std::to_string(*p.max_tokens) +
-                            " for the completion). Please reduce the prompt or max_tokens.",
-                        "max_tokens");
-    }
+    M3_TRY_STATUS(engine::check_context_length(n, *p.max_tokens, max_len, param));
     sp.max_tokens = *p.max_tokens;
   } else {
     int64_t room = max_len - n;
