@@ -56,29 +56,8 @@ find_package(PkgConfig QUIET)
 if(PKG_CONFIG_FOUND)
   pkg_check_modules(PCRE2 QUIET IMPORTED_TARGET libpcre2-8)
   pkg_check_modules(UTF8PROC QUIET IMPORTED_TARGET libutf8proc)
-  pkg_check_modules(HTTPLIB QUIET IMPORTED_TARGET cpp-httplib)
   pkg_check_modules(XXHASH QUIET IMPORTED_TARGET libxxhash)
 endif()
 m3_lib_fallback(PkgConfig::PCRE2 STATIC libpcre2-8.a)
 m3_lib_fallback(PkgConfig::UTF8PROC STATIC libutf8proc.a)
 m3_lib_fallback(PkgConfig::XXHASH STATIC libxxhash.a)
-if(NOT TARGET PkgConfig::HTTPLIB)
-  # Debian's cpp-httplib is a .so built with OpenSSL, zlib and brotli; its header's class layouts
-  # depend on the same defines, so they are kept. The .so's own dependencies (libssl, libcrypto,
-  # libz, libbrotli*) sit beside it: -rpath-link finds them at link time, and an old-style RPATH
-  # (DT_RPATH, which unlike DT_RUNPATH also applies to the .so's dependencies) at run time.
-  file(GLOB M3_HTTPLIB_SO ${M3_GPU_DEPS}/lib/libcpp-httplib.so.*)
-  if(NOT M3_HTTPLIB_SO)
-    message(FATAL_ERROR "cpp-httplib not found: install libcpp-httplib-dev (tools/setup.sh) or "
-                        "fill .gpu_deps/ with tools/gpu_deps.sh")
-  endif()
-  list(GET M3_HTTPLIB_SO 0 M3_HTTPLIB_SO)
-  add_library(PkgConfig::HTTPLIB SHARED IMPORTED GLOBAL)
-  set_target_properties(PkgConfig::HTTPLIB PROPERTIES IMPORTED_LOCATION ${M3_HTTPLIB_SO}
-    INTERFACE_INCLUDE_DIRECTORIES ${M3_GPU_DEPS}/include
-    INTERFACE_COMPILE_DEFINITIONS
-      "CPPHTTPLIB_OPENSSL_SUPPORT;CPPHTTPLIB_ZLIB_SUPPORT;CPPHTTPLIB_BROTLI_SUPPORT"
-    INTERFACE_LINK_OPTIONS
-      "-Wl,-rpath-link,${M3_GPU_DEPS}/lib;-Wl,-rpath,${M3_GPU_DEPS}/lib;-Wl,--disable-new-dtags"
-    INTERFACE_LINK_LIBRARIES Threads::Threads)
-endif()

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Fills the ignored folder .gpu_deps/ (see .git/info/exclude) with the third-party headers and
+# Fills the ignored folder .gpu_deps/ (.gitignore) with the third-party headers and
 # libraries the full build needs but the GPU machine (Ubuntu 24.04, no internet, no apt) lacks,
 # copied from this development machine's Debian packages (tools/setup.sh installs them).
 # cmake/deps.cmake takes them from there when the system has no package, and the `run` tool
 # carries the folder to the GPU machine (carry: [".gpu_deps"]). Keeps it small (about 12 MB):
-# headers, static .a where Debian ships them, else the .so files (cpp-httplib and the libraries
-# it links: OpenSSL 3, zlib, brotli) under their sonames, as plain files (no symlinks).
+# headers and static .a archives.
 # Usage: tools/gpu_deps.sh [DEST]   (DEST defaults to <repo>/.gpu_deps)
 set -euo pipefail
 
@@ -38,22 +37,9 @@ copy_lib libgtest.a libgtest_main.a
 # PCRE2 (8-bit), utf8proc, xxhash: headers + static archives.
 copy_inc pcre2.h utf8proc.h xxhash.h xxh3.h
 copy_lib libpcre2-8.a libutf8proc.a libxxhash.a
-# cpp-httplib: Debian ships it compiled (split header + .so built with OpenSSL, zlib and brotli),
-# and the header's class layouts depend on those CPPHTTPLIB_*_SUPPORT defines, so the build keeps
-# them: it needs their headers, and the .so needs their libraries at link and run time.
-copy_inc httplib.h openssl zlib.h zconf.h brotli
-# The multiarch OpenSSL headers live under include/x86_64-linux-gnu/openssl: merge them in.
-cp -L "$inc"/x86_64-linux-gnu/openssl/*.h "$dest/include/openssl/"
-rm -rf "$dest/include/x86_64-linux-gnu"
-soname() { objdump -p "$lib/$1" | awk '/SONAME/ {print $2}'; }
-httplib_so="$(soname libcpp-httplib.so)"
-copy_lib "$httplib_so" libssl.so.3 libcrypto.so.3 libz.so.1 \
-  libbrotlicommon.so.1 libbrotlidec.so.1 libbrotlienc.so.1
-
 {
   echo "# Filled by tools/gpu_deps.sh on $(date -u +%Y-%m-%dT%H:%M:%SZ) from these Debian packages:"
   dpkg-query -W -f '${Package} ${Version}\n' libtl-expected-dev nlohmann-json3-dev libcli11-dev \
-    libgtest-dev libpcre2-dev libutf8proc-dev libxxhash-dev libcpp-httplib-dev libssl-dev \
-    zlib1g-dev libbrotli-dev 2>/dev/null || true
+    libgtest-dev libpcre2-dev libutf8proc-dev libxxhash-dev 2>/dev/null || true
 } > "$dest/VERSIONS"
 echo "gpu_deps.sh: $(du -sh "$dest" | cut -f1) in $dest"
