@@ -1,6 +1,9 @@
 #include "text/chat_output_parser.h"
 
+#include <algorithm>
+
 #include "core/check.h"
+#include "text/marker_scan.h"
 
 namespace m3::text {
 
@@ -35,30 +38,69 @@ void ChatOutputParser::route_content(std::string_view content, ChatOutputDelta& 
   for (auto& c : d.calls) out.tool_calls.push_back(std::move(c));
 }
 
+std::string ChatOutputParser::strip_eos(std::string_view text, bool eof) {
+  eos_hold_.append(text);
+  std::string out;
+  size_t pos = 0;
+  for (size_t at; (at = eos_hold_.find(kEosText, pos)) != std::string::npos;
+       pos = at + kEosText.size()) {
+    out.append(eos_hold_, pos, at - pos);
+  }
+  const std::string_view rest = std::string_view(eos_hold_).substr(pos);
+  const size_t hold = eof ? 0 : partial_marker_len(rest, kEosText);
+  out.append(rest.substr(0, rest.size() - hold));
+  eos_hold_.erase(0, eos_hold_.size() - hold);
+  return out;
+}
+
+void ChatOutputParser::hold_blank_content(ChatOutputDelta& out, bool eof) {
+  // Without tool parsing there is no call for blank content to stand beside: nothing is held.
+  if (!tools_ || content_visible_) return;
+  blank_content_ += out.content;
+  out.content.clear();
+  const bool blank = std::all_of(blank_content_.begin(), blank_content_.end(), is_ascii_ws);
+  if (!blank) {
+    content_visible_ = true;
+    out.content = std::move(blank_content_);
+    blank_content_.clear();
+  } else if (eof) {
+    if (tools_->num_calls() == 0) out.content = std::move(blank_content_);
+    blank_content_.clear();
+  }
+}
+
 ChatOutputDelta ChatOutputParser::feed(std::string_view text) {
+  const std::string clean = strip_eos(text, /*eof=*/false);
   ChatOutputDelta out;
   if (reasoning_) {
-    ReasoningDelta r = reasoning_->feed(text);
+    ReasoningDelta r = reasoning_->feed(clean);
     out.reasoning = std::move(r.reasoning);
     route_content(r.content, out);
   } else {
-    route_content(text, out);
+    route_content(clean, out);
   }
+  hold_blank_content(out, /*eof=*/false);
   return out;
 }
 
 ChatOutputDelta ChatOutputParser::finish() {
+  const std::string rest = strip_eos("", /*eof=*/true);  // a partial `[e~[` is text
   ChatOutputDelta out;
   if (reasoning_) {
+    // Fed only when non-empty: an extra feed() would count as one more reasoning token.
+    ReasoningDelta a = rest.empty() ? ReasoningDelta{} : reasoning_->feed(rest);
     ReasoningDelta r = reasoning_->finish();
-    out.reasoning = std::move(r.reasoning);
-    route_content(r.content, out);
+    out.reasoning = std::move(a.reasoning) + r.reasoning;
+    route_content(a.content + r.content, out);
+  } else {
+    route_content(rest, out);
   }
   if (tools_) {
     ToolDelta d = tools_->finish();
     out.content += d.content;
     for (auto& c : d.calls) out.tool_calls.push_back(std::move(c));
   }
+  hold_blank_content(out, /*eof=*/true);
   return out;
 }
 

@@ -4,6 +4,10 @@
 // Called by the server's output processing, one instance per choice; feed() takes detokenized
 // text (special tokens rendered as text) in any pieces.
 // Invariant: the concatenated deltas of any split equal parse() of the whole text.
+// Two output rules live here, above both parsers: the EOS token's text `[e~[` is removed from the
+// stream (it may be rendered when special tokens are detokenized as text), and when tool parsing
+// is on, content that is only whitespace is held and dropped if the output made a tool call (the
+// server then sends `content: null`, as vLLM does).
 #pragma once
 
 #include <optional>
@@ -44,6 +48,8 @@ struct ChatOutputResult {
 
 class ChatOutputParser {
  public:
+  static constexpr std::string_view kEosText = "[e~[";
+
   explicit ChatOutputParser(const ChatOutputOptions& options);
 
   ChatOutputDelta feed(std::string_view text);
@@ -58,9 +64,16 @@ class ChatOutputParser {
 
  private:
   void route_content(std::string_view content, ChatOutputDelta& out);
+  // The input minus every `[e~[`; a trailing partial `[e~[` waits in eos_hold_ until eof.
+  std::string strip_eos(std::string_view text, bool eof);
+  // Holds content while all of it so far is whitespace (see the header comment).
+  void hold_blank_content(ChatOutputDelta& out, bool eof);
 
   std::optional<ReasoningParser> reasoning_;
   std::optional<ToolCallParser> tools_;
+  std::string eos_hold_;
+  std::string blank_content_;     // content so far while it is all whitespace
+  bool content_visible_ = false;  // some non-whitespace content has been sent
 };
 
 }  // namespace m3::text

@@ -1,6 +1,7 @@
 #include "text/tool_parser.h"
 
 #include <algorithm>
+#include <initializer_list>
 #include <utility>
 
 #include "core/check.h"
@@ -10,7 +11,13 @@ namespace m3::text {
 namespace {
 
 constexpr std::string_view kNs = ToolCallParser::kNamespace;
-constexpr std::string_view kInvokeEnd = "]<]minimax[>[</invoke>";
+// Openers real outputs write besides NS<tool_call>: the block tag without NS, or an invoke with
+// or without NS and no block tag at all.
+constexpr std::string_view kBareToolCallStart = "<tool_call>";
+constexpr std::string_view kNsInvoke = "]<]minimax[>[<invoke";
+constexpr std::string_view kBareInvoke = "<invoke ";
+constexpr std::string_view kBareInvokeEnd = "</invoke>";
+constexpr std::string_view kBareToolCallEnd = "</tool_call>";
 
 bool is_ws(char c) { return is_ascii_ws(c); }
 std::string_view trim(std::string_view s) { return trim_ascii_ws(s); }
@@ -24,38 +31,39 @@ enum class TagStatus { kIncomplete, kJunk, kTag };
 struct Tag {
   TagStatus status = TagStatus::kJunk;
   bool closing = false;
-  std::string_view name;  // raw text between `<` or `</` and `>`
+  std::string name;  // raw text between `<` or `</` and `>` (a copy: buf_ is erased under it)
   size_t length = 0;      // bytes from the start of NS through `>`
 };
 
-// Reads `NS<name>` or `NS</name>` at the start of `s` (which starts with NS). A tag is junk if
-// the byte after NS is not `<`, the name is blank, contains `<` (a following NS would), or has no
-// `>` within kMaxTagBytes; it is incomplete while more input could still make it a tag.
-Tag read_tag(std::string_view s) {
+// Reads `NS<name>` / `NS</name>` at the start of `s` (prefix = NS size), or the same tag written
+// without the namespace token (prefix = 0). A tag is junk if the byte after the prefix is not
+// `<`, the name is blank, contains `<` (a following NS would), or has no `>` within kMaxTagBytes;
+// it is incomplete while more input could still make it a tag.
+Tag read_tag(std::string_view s, size_t prefix = kNs.size()) {
   Tag tag;
-  size_t i = kNs.size();
-  if (i >= s.size()) return Tag{TagStatus::kIncomplete};
+  size_t i = prefix;
+  if (i >= s.size()) return Tag{TagStatus::kIncomplete, false, {}, 0};
   if (s[i] != '<') return tag;
   ++i;
-  if (i >= s.size()) return Tag{TagStatus::kIncomplete};
+  if (i >= s.size()) return Tag{TagStatus::kIncomplete, false, {}, 0};
   if (s[i] == '/') {
     tag.closing = true;
     ++i;
   }
   const size_t name_start = i;
-  const size_t limit = std::min(s.size(), kNs.size() + ToolCallParser::kMaxTagBytes);
+  const size_t limit = std::min(s.size(), prefix + ToolCallParser::kMaxTagBytes);
   for (; i < limit; ++i) {
     if (s[i] == '<') return tag;
     if (s[i] == '>') {
-      tag.name = s.substr(name_start, i - name_start);
+      tag.name = std::string(s.substr(name_start, i - name_start));
       if (trim(tag.name).empty()) return Tag{};
       tag.status = TagStatus::kTag;
       tag.length = i + 1;
       return tag;
     }
   }
-  if (limit == kNs.size() + ToolCallParser::kMaxTagBytes) return Tag{};
-  return Tag{TagStatus::kIncomplete};
+  if (limit == prefix + ToolCallParser::kMaxTagBytes) return Tag{};
+  return Tag{TagStatus::kIncomplete, false, {}, 0};
 }
 
 // `invoke name="f"` / `invoke name='f'` / `invoke name=f` -> "f" (trimmed); nullopt otherwise.
@@ -77,6 +85,48 @@ std::optional<std::string> invoke_name(std::string_view raw) {
   value = trim(value);
   if (value.empty()) return std::nullopt;
   return std::string(value);
+}
+
+// The earliest of `markers` in `s` that is safe to act on, and how many bytes before it are
+// plain text. A marker found at `pos` is only acted on when no longer marker could still start
+// before it (a partial match at the end of `s` that begins earlier): then `found` stays empty and
+// `text_end` stops where that partial begins. At eof nothing is partial.
+struct Scan {
+  size_t text_end = 0;
+  std::string_view found;  // empty: no marker (yet)
+};
+
+Scan scan(std::string_view s, std::initializer_list<std::string_view> markers, bool eof) {
+  size_t pos = std::string_view::npos;
+  std::string_view found;
+  for (std::string_view m : markers) {
+    const size_t at = s.find(m);
+    if (at < pos || (at == pos && at != std::string_view::npos && m.size() > found.size())) {
+      pos = at;
+      found = m;
+    }
+  }
+  const size_t hold = eof ? 0 : partial_marker_len(s, markers);
+  const size_t safe = s.size() - hold;
+  if (pos != std::string_view::npos && pos <= safe) return Scan{pos, found};
+  return Scan{std::min(safe, pos), {}};
+}
+
+// Whether a closing tag written without NS, ending at `end` in `s`, is structure. In an invoke
+// written with NS tags a bare `</key>` is usually value text (code, HTML: vLLM #44060), so it
+// counts only when NS (or the end of the output) comes next; in an invoke opened without NS
+// (`<invoke name=..>`) it always counts. `s` starts with the bare tag. Followed by the same tag
+// with NS (`Paris</city>NS</city>`), the bare one was the value's text.
+enum class Verdict { kMore, kYes, kNo };
+Verdict bare_close_counts(std::string_view s, size_t end, bool eof, bool bare_invoke) {
+  if (bare_invoke) return Verdict::kYes;
+  const std::string own = std::string(kNs) + std::string(s.substr(0, end));
+  while (end < s.size() && is_ws(s[end])) ++end;
+  const std::string_view rest = s.substr(end);
+  if (rest.empty()) return eof ? Verdict::kYes : Verdict::kMore;
+  if (starts_with(rest, own)) return Verdict::kNo;
+  if (!eof && is_proper_prefix(rest, own)) return Verdict::kMore;
+  return starts_with(rest, kNs) ? Verdict::kYes : Verdict::kNo;
 }
 
 std::string quoted_key(std::string_view key) {
@@ -109,7 +159,11 @@ ToolDelta ToolCallParser::finish() {
   }
   switch (state_) {
     case State::kText:
+      break;
     case State::kBlock:
+      // Cut inside (or right after) the opener: markup, dropped. After calls, text held
+      // between the last invoke and the end was the model's content.
+      if (calls_in_block_ > 0) out.content += held_junk_;
       break;
     case State::kString:
       emit_args(out, "\"");
@@ -121,9 +175,11 @@ ToolDelta ToolCallParser::finish() {
       break;
     case State::kParams:
     case State::kSkip:
+    case State::kOrphan:  // a value that never met its closing tag: dropped
       end_call(out);
       break;
   }
+  reset_block();
   state_ = State::kText;
   buf_.clear();
   return out;
@@ -166,58 +222,126 @@ bool ToolCallParser::step(ToolDelta& out, bool eof) {
       return step_tree(out, eof);
     case State::kSkip:
       return step_skip(out, eof);
+    case State::kOrphan:
+      return step_orphan(out, eof);
   }
   return false;
 }
 
+void ToolCallParser::reset_block() {
+  block_text_.clear();
+  held_junk_.clear();
+  calls_in_block_ = 0;
+  invoke_opener_ = 0;
+}
+
+void ToolCallParser::end_block(ToolDelta& out) {
+  if (calls_in_block_ > 0) out.content += held_junk_;
+  reset_block();
+  state_ = State::kText;
+}
+
 bool ToolCallParser::step_text(ToolDelta& out, bool eof) {
-  const size_t start = buf_.find(kToolCallStart);
-  if (start != std::string::npos) {
-    out.content.append(buf_, 0, start);
-    buf_.erase(0, start + kToolCallStart.size());
-    state_ = State::kBlock;
+  // eof=false even at eof: what a partial opener left at the end is, is decided below.
+  const Scan s =
+      scan(buf_, {kToolCallStart, kToolCallEnd, kBareToolCallStart, kNsInvoke, kBareInvoke}, false);
+  out.content.append(buf_, 0, s.text_end);
+  buf_.erase(0, s.text_end);
+  if (s.found.empty()) {
+    // At eof the held bytes are a cut-off opener. NS and <tool_call> are single tokens, so a
+    // partial of either is the model's text; once NS is complete it is markup and dropped.
+    if (eof && buf_.size() <= kNs.size()) out.content += buf_;
+    if (eof) buf_.clear();
+    return false;
+  }
+  reset_block();
+  if (s.found == kToolCallEnd) {  // a stray block end is markup
+    buf_.erase(0, s.found.size());
     return true;
   }
-  const size_t hold = eof ? 0 : partial_marker_len(buf_, kToolCallStart);
-  out.content.append(buf_, 0, buf_.size() - hold);
-  buf_.erase(0, buf_.size() - hold);
-  return false;
+  if (s.found == kNsInvoke || s.found == kBareInvoke) {
+    invoke_opener_ = s.found.size();  // the invoke tag itself is read by step_block
+  } else {
+    block_text_.assign(s.found);  // given back to content if no call follows
+    buf_.erase(0, s.found.size());
+  }
+  state_ = State::kBlock;
+  return true;
+}
+
+bool ToolCallParser::fail_block(ToolDelta& out) {
+  // What followed the opener is not a call: the opener and that text are content, whole.
+  out.content += block_text_;
+  if (invoke_opener_ > 0) {  // buf_ still starts with the invoke opener: step past it
+    out.content.append(buf_, 0, invoke_opener_);
+    buf_.erase(0, invoke_opener_);
+  }
+  reset_block();
+  state_ = State::kText;
+  return true;
 }
 
 bool ToolCallParser::step_block(ToolDelta& out, bool eof) {
   size_t ws = 0;
   while (ws < buf_.size() && is_ws(buf_[ws])) ++ws;
-  buf_.erase(0, ws);  // whitespace between invokes is layout
+  if (calls_in_block_ == 0) block_text_.append(buf_, 0, ws);
+  // Whitespace between invokes is layout, but inside held text it is text (whatever the split).
+  if (!held_junk_.empty()) held_junk_.append(buf_, 0, ws);
+  buf_.erase(0, ws);
   if (buf_.empty()) return false;
-  if (!starts_with(buf_, kNs)) {
+  const bool ns = starts_with(buf_, kNs);
+  if (!ns && buf_[0] != '<') {
     if (is_proper_prefix(buf_, kNs)) {
       if (eof) buf_.clear();  // a truncated marker
       return false;
     }
-    state_ = State::kText;  // junk ends the block; it is content
-    return true;
+    if (calls_in_block_ == 0) return fail_block(out);
+    // Text after an invoke: held; dropped if another invoke follows, content otherwise.
+    const Scan s = scan(buf_, {kNs, "<"}, eof);
+    held_junk_.append(buf_, 0, s.text_end);
+    buf_.erase(0, s.text_end);
+    return s.text_end > 0;
   }
-  const Tag tag = read_tag(buf_);
+  const Tag tag = read_tag(buf_, ns ? kNs.size() : 0);
   if (tag.status == TagStatus::kIncomplete) {
-    if (eof) buf_.clear();
+    if (eof) buf_.clear();  // cut inside a tag: markup, dropped
     return false;
   }
   if (tag.status == TagStatus::kTag) {
-    if (tag.closing && tag.name == "tool_call") {
+    if (tag.name == "tool_call") {
+      const std::string_view raw = std::string_view(buf_).substr(0, tag.length);
+      if (tag.closing) {
+        buf_.erase(0, tag.length);
+        end_block(out);
+        return true;
+      }
+      if (calls_in_block_ == 0) block_text_.append(raw);  // a repeated opener is layout
       buf_.erase(0, tag.length);
-      state_ = State::kText;
       return true;
     }
     if (!tag.closing) {
       if (auto name = invoke_name(tag.name)) {
-        start_call(out, std::move(*name));
+        start_call(out, std::move(*name), !ns);
         buf_.erase(0, tag.length);
+        block_text_.clear();
+        held_junk_.clear();
+        invoke_opener_ = 0;
+        ++calls_in_block_;
         state_ = State::kParams;
         return true;
       }
     }
   }
-  state_ = State::kText;
+  if (calls_in_block_ == 0) return fail_block(out);
+  // A stray tag or NS between invokes is markup and dropped; a bare `<` that is no tag is text.
+  if (tag.status == TagStatus::kTag) {
+    buf_.erase(0, tag.length);
+  } else if (ns) {
+    buf_.erase(0, kNs.size());
+  } else {
+    held_junk_ += buf_[0];
+    buf_.erase(0, 1);
+  }
   return true;
 }
 
@@ -226,42 +350,74 @@ bool ToolCallParser::step_params(ToolDelta& out, bool eof) {
   while (ws < buf_.size() && is_ws(buf_[ws])) ++ws;
   buf_.erase(0, ws);
   if (buf_.empty()) return false;
-  if (!starts_with(buf_, kNs)) {
+  const bool ns = starts_with(buf_, kNs);
+  if (!ns && buf_[0] != '<') {
     if (is_proper_prefix(buf_, kNs)) {
       if (eof) buf_.clear();
       return false;
     }
-    state_ = State::kSkip;  // text at a parameter boundary: drop the rest of this invoke
+    // Text where a parameter should open: a value whose opening tag was left out (vLLM #51073),
+    // or junk; step_orphan decides at the next tag.
+    orphan_.clear();
+    state_ = State::kOrphan;
     return true;
   }
-  const Tag tag = read_tag(buf_);
+  if (ns && buf_.size() > kNs.size() && buf_[kNs.size()] != '<') {
+    buf_.erase(0, kNs.size());  // NS then text: the same, with the value's NS kept
+    orphan_.clear();
+    state_ = State::kOrphan;
+    return true;
+  }
+  const Tag tag = read_tag(buf_, ns ? kNs.size() : 0);
   if (tag.status == TagStatus::kIncomplete) {
     if (eof) buf_.clear();
     return false;
   }
   if (tag.status == TagStatus::kJunk) {
-    state_ = State::kSkip;
-    return true;
-  }
-  if (tag.closing) {
-    if (tag.name == "invoke" || tag.name == "tool_call") {
-      const bool block_end = tag.name == "tool_call";
-      buf_.erase(0, tag.length);
-      end_call(out);
-      state_ = block_end ? State::kText : State::kBlock;
+    if (!ns) {  // `<` that starts no tag: text
+      orphan_.clear();
+      state_ = State::kOrphan;
       return true;
     }
     state_ = State::kSkip;
     return true;
   }
+  if (tag.closing) {
+    buf_.erase(0, tag.length);
+    if (tag.name == "invoke") {
+      end_call(out);
+      state_ = State::kBlock;
+    } else if (tag.name == "tool_call") {
+      end_call(out);
+      end_block(out);
+    }
+    return true;  // a stray closing tag between parameters is markup, dropped
+  }
   if (auto name = invoke_name(tag.name)) {  // the previous invoke was never closed
     buf_.erase(0, tag.length);
     end_call(out);
-    start_call(out, std::move(*name));
+    start_call(out, std::move(*name), !ns);
+    ++calls_in_block_;
     return true;
   }
-  param_name_ = std::string(tag.name);
+  if (tag.name == "tool_call") {  // a repeated block opener
+    buf_.erase(0, tag.length);
+    return true;
+  }
+  if (!ns && schemas_.find(call_name_, tag.name) == nullptr) {
+    // A bare tag opens a parameter only when it names one of the tool's: otherwise it is text.
+    orphan_.clear();
+    state_ = State::kOrphan;
+    return true;
+  }
+  std::string name(tag.name);
   buf_.erase(0, tag.length);
+  open_param(out, std::move(name));
+  return true;
+}
+
+void ToolCallParser::open_param(ToolDelta& out, std::string name) {
+  param_name_ = std::move(name);
   const bool duplicate =
       std::find(param_names_.begin(), param_names_.end(), param_name_) != param_names_.end();
   const ParamType* type = schemas_.find(call_name_, param_name_);
@@ -274,13 +430,83 @@ bool ToolCallParser::step_params(ToolDelta& out, bool eof) {
     stack_.push_back(Frame{param_name_, {}});
     state_ = State::kTree;
   }
+}
+
+bool ToolCallParser::step_orphan(ToolDelta& out, bool eof) {
+  // Text up to the next tag; a closing tag names the parameter the text was the value of.
+  const Scan s = scan(buf_, {kNs, "<"}, eof);
+  orphan_.append(buf_, 0, s.text_end);
+  buf_.erase(0, s.text_end);
+  if (s.found.empty()) {
+    if (eof) buf_.clear();
+    return false;
+  }
+  const bool ns = s.found == kNs;
+  if (ns && buf_.size() > kNs.size() && buf_[kNs.size()] != '<') {
+    buf_.erase(0, kNs.size());  // a stray NS inside the value is markup
+    return true;
+  }
+  const Tag tag = read_tag(buf_, ns ? kNs.size() : 0);
+  if (tag.status == TagStatus::kIncomplete) {
+    if (eof) buf_.clear();
+    return false;
+  }
+  const bool is_tag = tag.status == TagStatus::kTag;
+  const bool ends_call = tag.closing && (tag.name == "invoke" || tag.name == "tool_call");
+  if (is_tag && tag.closing && !ns) {
+    const Verdict v = bare_close_counts(buf_, tag.length, eof, bare_invoke_);
+    if (v == Verdict::kMore) return false;
+    if (v == Verdict::kNo) {  // value text
+      orphan_.append(buf_, 0, tag.length);
+      buf_.erase(0, tag.length);
+      return true;
+    }
+  }
+  const bool names_param = is_tag && tag.closing && !ends_call &&
+                           (ns || schemas_.find(call_name_, tag.name) != nullptr);
+  if (names_param) {
+    std::string name(tag.name);
+    buf_.erase(0, tag.length);
+    if (std::find(param_names_.begin(), param_names_.end(), name) == param_names_.end()) {
+      stack_.clear();
+      stack_.push_back(Frame{std::move(name), {}});
+      stack_.back().node.text = std::move(orphan_);
+      finish_tree_param(out);
+    }
+    orphan_.clear();
+    state_ = State::kParams;
+    return true;
+  }
+  // Exactly the tags step_params consumes (anything else would bounce back here).
+  const bool structural =
+      is_tag && (ns || ends_call ||
+                 (!tag.closing && (tag.name == "tool_call" || invoke_name(tag.name).has_value() ||
+                                   schemas_.find(call_name_, tag.name) != nullptr)));
+  if (!structural) {  // `a < b`, `<b>`: value text
+    if (tag.status == TagStatus::kTag) {
+      orphan_.append(buf_, 0, tag.length);
+      buf_.erase(0, tag.length);
+    } else {
+      orphan_ += buf_[0];
+      buf_.erase(0, 1);
+    }
+    return true;
+  }
+  // Any other tag: the text was junk between parameters; the tag is read as usual.
+  orphan_.clear();
+  state_ = State::kParams;
   return true;
 }
 
 bool ToolCallParser::step_string(ToolDelta& out, bool eof) {
-  const size_t ns = buf_.find(kNs);
-  size_t text_end = ns;
-  if (ns == std::string::npos) text_end = buf_.size() - partial_marker_len(buf_, kNs);
+  // A string value ends at its closing tag (with NS, or without when bare_close_counts says so),
+  // or where it runs into markup that starts something else: a tag opening another parameter
+  // of the tool, an invoke or the block (its closing tag was dropped). Other NS tags and a stray
+  // NS inside the value are markup and dropped; the value's text goes on.
+  const std::string bare_close = "</" + param_name_ + ">";
+  // eof=false even at eof: a partial marker left at the very end is a cut tag, dropped below.
+  const Scan s = scan(buf_, {kNs, bare_close, kBareInvokeEnd, kBareToolCallEnd}, false);
+  const size_t text_end = s.text_end;
   if (text_end > 0) {
     // Bytes before a (possible) marker are final; at the very end of the buffer a UTF-8
     // sequence may still be incomplete and waits for the next delta.
@@ -294,55 +520,110 @@ bool ToolCallParser::step_string(ToolDelta& out, bool eof) {
     buf_.erase(0, consumed);
     if (consumed < text_end) return false;
   }
-  if (ns == std::string::npos) {
+  if (s.found.empty()) {
     if (eof) buf_.clear();  // a truncated marker
     return false;
   }
-  // buf_ starts with NS.
-  const std::string close_tag = std::string(kNs) + "</" + param_name_ + ">";
-  bool maybe_marker = false;
-  for (std::string_view end : {std::string_view(close_tag), kInvokeEnd, kToolCallEnd}) {
-    if (starts_with(buf_, end)) {
-      buf_.erase(0, end.size());
-      emit_args(out, "\"");
-      if (end == close_tag) {
-        state_ = State::kParams;
-      } else {
-        end_call(out);
-        state_ = end == kToolCallEnd ? State::kText : State::kBlock;
-      }
+  std::string name;  // what the tag closes or opens
+  size_t length = s.found.size();
+  bool closing = true;
+  if (s.found == kNs) {
+    Tag tag = read_tag(buf_);
+    if (tag.status == TagStatus::kIncomplete) {
+      if (eof) buf_.clear();
+      return false;
+    }
+    if (tag.status == TagStatus::kJunk) {
+      buf_.erase(0, kNs.size());  // a stray NS is markup, not part of the value
       return true;
     }
-    maybe_marker = maybe_marker || is_proper_prefix(buf_, end);
+    name = std::move(tag.name);
+    length = tag.length;
+    closing = tag.closing;
+  } else {
+    const Verdict v = bare_close_counts(buf_, length, eof, bare_invoke_);
+    if (v == Verdict::kMore) return false;
+    if (v == Verdict::kNo) {  // value text that looks like a closing tag
+      std::string escaped;
+      json_escape_append(s.found, escaped);
+      emit_args(out, escaped);
+      buf_.erase(0, length);
+      return true;
+    }
+    name = std::string(s.found.substr(2, s.found.size() - 3));  // `</name>` -> name
   }
-  if (maybe_marker) {
-    if (eof) buf_.clear();
-    return false;
+  const bool ends = closing ? (name == param_name_ || name == "invoke" || name == "tool_call")
+                            : (name == "tool_call" || invoke_name(name).has_value() ||
+                               (name != param_name_ && schemas_.find(call_name_, name) != nullptr));
+  if (!ends) {
+    buf_.erase(0, length);  // markup inside the value: dropped
+    return true;
   }
-  // Any other NS tag inside a string value is literal text (it was the model's value).
-  std::string escaped;
-  json_escape_append(kNs, escaped);
-  emit_args(out, escaped);
-  buf_.erase(0, kNs.size());
+  emit_args(out, "\"");
+  if (!closing) {
+    state_ = State::kParams;  // the tag is read again at the parameter boundary
+    return true;
+  }
+  buf_.erase(0, length);
+  if (name == param_name_) {
+    state_ = State::kParams;
+  } else {
+    end_call(out);
+    if (name == "tool_call") {
+      end_block(out);
+    } else {
+      state_ = State::kBlock;
+    }
+  }
   return true;
 }
 
 bool ToolCallParser::step_tree(ToolDelta& out, bool eof) {
-  const size_t ns = buf_.find(kNs);
-  if (ns != 0) {
-    size_t text_end = ns;
-    if (ns == std::string::npos) text_end = buf_.size() - partial_marker_len(buf_, kNs);
-    stack_.back().node.text.append(buf_, 0, text_end);
-    buf_.erase(0, text_end);
-    if (ns == std::string::npos) {
-      if (eof) buf_.clear();
-      return false;
+  // Structure: NS tags, and closing tags without NS that close an open element or the call.
+  std::vector<std::string> bare;
+  bare.reserve(stack_.size());
+  for (const Frame& f : stack_) bare.push_back("</" + f.name + ">");
+  size_t at = std::string::npos;
+  size_t hold = 0;
+  std::string_view found;
+  const auto consider = [&](std::string_view m) {
+    const size_t pos = buf_.find(m);
+    if (pos < at || (pos == at && pos != std::string::npos && m.size() > found.size())) {
+      at = pos;
+      found = m;
     }
+    if (!eof) hold = std::max(hold, partial_marker_len(buf_, m));
+  };
+  consider(kNs);
+  consider(kBareInvokeEnd);
+  consider(kBareToolCallEnd);
+  for (const std::string& m : bare) consider(m);
+  const size_t safe = buf_.size() - hold;
+  if (at != std::string::npos && at > safe) {
+    at = std::string::npos;
+    found = {};
   }
-  const Tag tag = read_tag(buf_);
+  const size_t text_end = std::min(at, safe);
+  stack_.back().node.text.append(buf_, 0, text_end);
+  buf_.erase(0, text_end);
+  if (found.empty()) {
+    if (eof) buf_.clear();
+    return false;
+  }
+  const bool ns = found == kNs;
+  const Tag tag = ns ? read_tag(buf_) : read_tag(buf_, 0);
   if (tag.status == TagStatus::kIncomplete) {
     if (eof) buf_.clear();
     return false;
+  }
+  if (!ns) {  // a bare closing tag (found is one): structure or value text?
+    const Verdict v = bare_close_counts(buf_, tag.length, eof, bare_invoke_);
+    if (v == Verdict::kMore) return false;
+    if (v == Verdict::kNo) {
+      stack_.back().node.text.append(buf_, 0, tag.length);
+      buf_.erase(0, tag.length);
+      return true;
+    }
   }
   const auto discard = [&] {
     stack_.clear();
@@ -375,7 +656,11 @@ bool ToolCallParser::step_tree(ToolDelta& out, bool eof) {
       while (stack_.size() > 1) pop();
       finish_tree_param(out);
       end_call(out);
-      state_ = tag.name == "tool_call" ? State::kText : State::kBlock;
+      if (tag.name == "tool_call") {
+        end_block(out);
+      } else {
+        state_ = State::kBlock;
+      }
       return true;
     }
     return discard();
@@ -385,9 +670,23 @@ bool ToolCallParser::step_tree(ToolDelta& out, bool eof) {
     while (stack_.size() > 1) pop();
     finish_tree_param(out);
     end_call(out);
-    start_call(out, std::move(*name));
+    start_call(out, std::move(*name), !ns);
+    ++calls_in_block_;
     state_ = State::kParams;
     return true;
+  }
+  // A dropped closing tag: an element that already holds text (and no children) cannot also
+  // hold elements, so it was closed; at the top, a tag naming another parameter of the tool
+  // starts that parameter.
+  const Frame& top = stack_.back();
+  if (top.node.children.empty() && !trim(top.node.text).empty()) {
+    if (stack_.size() > 1) {
+      pop();
+    } else if (tag.name != top.name && schemas_.find(call_name_, tag.name) != nullptr) {
+      finish_tree_param(out);
+      state_ = State::kParams;
+      return true;  // the tag is read again at the parameter boundary
+    }
   }
   if (stack_.size() >= kMaxDepth) return discard();
   stack_.push_back(Frame{std::string(tag.name), {}});
@@ -396,42 +695,69 @@ bool ToolCallParser::step_tree(ToolDelta& out, bool eof) {
 }
 
 bool ToolCallParser::step_skip(ToolDelta& out, bool eof) {
-  const size_t ns = buf_.find(kNs);
-  if (ns == std::string::npos) {
-    const size_t hold = eof ? 0 : partial_marker_len(buf_, kNs);
-    buf_.erase(0, buf_.size() - hold);
-    return false;
-  }
-  buf_.erase(0, ns);
-  for (std::string_view end : {kInvokeEnd, kToolCallEnd}) {
-    if (starts_with(buf_, end)) {
-      buf_.erase(0, end.size());
-      end_call(out);
-      state_ = end == kToolCallEnd ? State::kText : State::kBlock;
-      return true;
-    }
-  }
-  if (is_proper_prefix(buf_, kInvokeEnd) || is_proper_prefix(buf_, kToolCallEnd)) {
+  const Scan s = scan(buf_, {kNs, kBareInvokeEnd, kBareToolCallEnd, kBareInvoke}, eof);
+  buf_.erase(0, s.text_end);
+  if (s.found.empty()) {
     if (eof) buf_.clear();
     return false;
   }
-  buf_.erase(0, kNs.size());
+  const bool ns = s.found == kNs;
+  const Tag tag = read_tag(buf_, ns ? kNs.size() : 0);
+  if (tag.status == TagStatus::kIncomplete) {
+    if (eof) buf_.clear();
+    return false;
+  }
+  if (tag.status == TagStatus::kTag && tag.closing &&
+      (tag.name == "invoke" || tag.name == "tool_call")) {
+    if (!ns) {
+      const Verdict v = bare_close_counts(buf_, tag.length, eof, bare_invoke_);
+      if (v == Verdict::kMore) return false;
+      if (v == Verdict::kNo) {
+        buf_.erase(0, tag.length);
+        return true;
+      }
+    }
+    buf_.erase(0, tag.length);
+    end_call(out);
+    if (tag.name == "tool_call") {
+      end_block(out);
+    } else {
+      state_ = State::kBlock;
+    }
+    return true;
+  }
+  if (tag.status == TagStatus::kTag && !tag.closing) {
+    // Junk inside an invoke must not lose the next invoke.
+    if (auto name = invoke_name(tag.name)) {
+      buf_.erase(0, tag.length);
+      end_call(out);
+      start_call(out, std::move(*name), !ns);
+      ++calls_in_block_;
+      state_ = State::kParams;
+      return true;
+    }
+  }
+  buf_.erase(0, ns ? kNs.size() : 1);
   return true;
 }
 
-void ToolCallParser::start_call(ToolDelta& out, std::string name) {
+void ToolCallParser::start_call(ToolDelta& out, std::string name, bool bare) {
   // Filled in place: moving a ToolCallDelta trips a GCC 12 maybe-uninitialized false positive.
   ToolCallDelta& d = out.calls.emplace_back();
   d.index = next_index_++;
   d.id = options_.id_prefix + std::to_string(d.index);
   d.name = name;
   call_name_ = std::move(name);
+  call_open_ = true;
+  bare_invoke_ = bare;
   num_params_ = 0;
   param_names_.clear();
 }
 
 void ToolCallParser::end_call(ToolDelta& out) {
+  if (!call_open_) return;
   emit_args(out, num_params_ == 0 ? "{}" : "}");
+  call_open_ = false;
   call_name_.clear();
   num_params_ = 0;
   param_names_.clear();

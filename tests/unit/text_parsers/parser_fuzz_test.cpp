@@ -42,7 +42,11 @@ const char* const kFragments[] = {"]<]minimax[>[",
                                   "\xFF",
                                   "{\"a\":1}",
                                   "[1,",
-                                  "]<]mini"};
+                                  "]<]mini",
+                                  "[e~[",
+                                  "<invoke ",
+                                  "]<]minimax[>[offerta.docx",
+                                  "\n\n"};
 
 ChatOutputOptions random_options(std::mt19937& rng, const nlohmann::json& tools) {
   ChatOutputOptions o;

@@ -31,7 +31,7 @@ inline std::string golden_dir() {
 }
 
 inline std::vector<std::string> golden_files() {
-  return {"reasoning", "tool_calls", "truncated", "malformed", "chat"};
+  return {"reasoning", "tool_calls", "truncated", "malformed", "chat", "quirks"};
 }
 
 inline std::string sanitize_test_name(std::string s) {
