@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "text/jinja/template.h"
-#include "unit/text_jinja/golden_util.h"
+#include "unit/text/jinja/golden_util.h"
 
 namespace m3::text::jinja {
 namespace {

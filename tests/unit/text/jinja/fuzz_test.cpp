@@ -9,7 +9,7 @@
 
 #include "text/builtin_templates.h"
 #include "text/jinja/template.h"
-#include "unit/text_jinja/golden_util.h"
+#include "unit/text/jinja/golden_util.h"
 
 namespace m3::text::jinja {
 namespace {

@@ -7,7 +7,7 @@
 
 #include "text/builtin_templates.h"
 #include "text/chat_template.h"
-#include "unit/text_jinja/golden_util.h"
+#include "unit/text/jinja/golden_util.h"
 
 namespace m3::text {
 namespace {
