@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Make the chat-template goldens for tests/unit/text_jinja (m3serve's C++ Jinja renderer).
+"""Make the chat-template goldens for tests/unit/text/jinja (m3serve's C++ Jinja renderer).
 
 Renders with Python jinja2 through transformers' own code, exactly as
 `tokenizer.apply_chat_template(..., tokenize=False)` does:

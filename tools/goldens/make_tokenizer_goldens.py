@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Make the tokenizer fixtures and goldens for tests/unit/text_tokenizer (m3::text::Tokenizer).
+"""Make the tokenizer fixtures and goldens for tests/unit/text/tokenizer (m3::text::Tokenizer).
 
 Writes, with HF `tokenizers` (PyPI) as the oracle:
   tests/golden/text/m3_tokenizer/tokenizer.json      small byte-level BPE trained here, carrying
