@@ -283,18 +283,14 @@ int run_serve(ServeArgs a) {
       return fail("--default-chat-template-kwargs must be a JSON object, e.g. '{\"thinking_mode\": \"disabled\"}'");
     }
   }
-  // vLLM takes several keys (--api-key K1 K2); the server checks one key today.
+  // vLLM takes several keys (--api-key K1 K2): a request with any one of them is admitted.
   std::sort(a.api_keys.begin(), a.api_keys.end());
   a.api_keys.erase(std::unique(a.api_keys.begin(), a.api_keys.end()), a.api_keys.end());
-  if (a.api_keys.size() > 1) {
-    return fail("--api-key was given " + std::to_string(a.api_keys.size()) +
-                " different keys; this server checks one key so far (several keys need the "
-                "server's key check to take a list): give one --api-key");
-  }
-  std::string api_key = a.api_keys.empty() ? std::string() : a.api_keys.front();
-  if (api_key.empty()) {
-    if (const char* k = std::getenv("M3SERVE_API_KEY")) api_key = k;
-    else if (const char* k2 = std::getenv("VLLM_API_KEY")) api_key = k2;
+  a.api_keys.erase(std::remove(a.api_keys.begin(), a.api_keys.end(), std::string()),
+                   a.api_keys.end());
+  if (a.api_keys.empty()) {
+    if (const char* k = std::getenv("M3SERVE_API_KEY"); k && *k) a.api_keys.push_back(k);
+    else if (const char* k2 = std::getenv("VLLM_API_KEY"); k2 && *k2) a.api_keys.push_back(k2);
   }
   if (a.served_model_names.empty()) a.served_model_names.push_back(a.model_dir);
 
@@ -364,7 +360,7 @@ int run_serve(ServeArgs a) {
   sc.host = a.host;
   sc.port = a.port;
   sc.served_model_names = a.served_model_names;
-  sc.api_key = api_key;
+  sc.api_keys = a.api_keys;
   sc.parse_reasoning = a.reasoning_parser == "minimax_m3";
   sc.parse_tool_calls = a.tool_call_parser == "minimax_m3";
   // Auto tool choice is on by default (the only parser is M3's); the vLLM flag is accepted.

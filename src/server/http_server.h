@@ -26,7 +26,7 @@ struct ServerConfig {
   std::string host = "0.0.0.0";
   int port = 8000;
   std::vector<std::string> served_model_names;  // [0] is reported in responses
-  std::string api_key;                           // empty: no auth
+  std::vector<std::string> api_keys;             // empty: no auth; any one of them admits
   bool parse_reasoning = true;                   // --reasoning-parser minimax_m3
   bool parse_tool_calls = true;                  // --tool-call-parser minimax_m3
   bool enable_auto_tool_choice = true;

@@ -1,5 +1,5 @@
 // Routing (404 / 405 with Allow), API-key checks, and the routes that are not generation:
-// /v1/models, /health, /ping, /version, /metrics (answered on the front's loop thread, so they
+// /v1/models, /health, /ping (GET and POST), /load, /version, /metrics (answered on the front's loop thread, so they
 // stay prompt under any load) and /tokenize, /detokenize (on workers). Part of HttpServerImpl.
 #include <algorithm>
 #include <array>
@@ -20,7 +20,7 @@ struct Route {
   bool on_worker;  // generation and tokenization: may take long, runs on a worker
 };
 
-constexpr std::array<Route, 9> kRoutes = {{
+constexpr std::array<Route, 11> kRoutes = {{
     {"/v1/completions", "POST", true},
     {"/v1/chat/completions", "POST", true},
     {"/tokenize", "POST", true},
@@ -28,15 +28,30 @@ constexpr std::array<Route, 9> kRoutes = {{
     {"/v1/models", "GET", false},
     {"/health", "GET", false},
     {"/ping", "GET", false},
+    {"/ping", "POST", false},  // vLLM answers both (SageMaker's health probe POSTs)
+    {"/load", "GET", false},
     {"/version", "GET", false},
     {"/metrics", "GET", false},
 }};
 
-const Route* find_route(const std::string& path) {
+// The route of `path` taking `method`, else the first route of `path` (for 405), else null.
+const Route* find_route(const std::string& path, const std::string& method = "") {
+  const Route* any = nullptr;
   for (const auto& r : kRoutes) {
-    if (path == r.path) return &r;
+    if (path != r.path) continue;
+    if (method == r.method) return &r;
+    if (!any) any = &r;
   }
-  return nullptr;
+  return any;
+}
+
+// The methods `path` takes, for 405's Allow header ("GET, POST").
+std::string allowed_methods(const std::string& path) {
+  std::string out;
+  for (const auto& r : kRoutes) {
+    if (path == r.path) out += (out.empty() ? "" : ", ") + std::string(r.method);
+  }
+  return out;
 }
 
 }  // namespace
@@ -55,36 +70,41 @@ bool constant_time_equal(std::string_view a, std::string_view b) {
 }
 
 bool HttpServerImpl::authorized(const HttpRequest& req, HttpResponse& res) const {
-  if (cfg_.api_key.empty() || req.path.rfind("/v1", 0) != 0) return true;
+  if (cfg_.api_keys.empty() || req.path.rfind("/v1", 0) != 0) return true;
   const std::string& auth = req.header("authorization");
   static constexpr std::string_view kPrefix = "Bearer ";
   std::string key = auth.rfind(kPrefix, 0) == 0 ? auth.substr(kPrefix.size()) : std::string();
   if (key.empty()) key = req.header("x-api-key");
-  if (constant_time_equal(key, cfg_.api_key)) return true;
+  // Every key is compared (no early exit), so the time tells neither which key nor how much of one
+  // matched.
+  bool ok = false;
+  for (const std::string& k : cfg_.api_keys) ok = constant_time_equal(key, k) | ok;
+  if (ok) return true;
   send_error(res, Error{ErrorCode::kUnauthorized,
                         key.empty() ? "missing API key: send 'Authorization: Bearer <key>'" : "invalid API key", ""});
   return false;
 }
 
 bool HttpServerImpl::is_inline(const HttpRequest& req) const {
-  const Route* r = find_route(req.path);
+  const Route* r = find_route(req.path, req.method);
   return !(r && r->on_worker && req.method == r->method);
 }
 
 // 404 for an unknown path, 405 (with Allow) for a known path and another method.
 static bool check_method(const HttpRequest& req, HttpResponse& res) {
-  const Route* r = find_route(req.path);
+  const Route* r = find_route(req.path, req.method);
   if (!r) {
     send_error(res, Error{ErrorCode::kNotFound, "no route for " + req.method + " " + req.path, ""});
     return false;
   }
   if (req.method != r->method) {
+    const std::string allow = allowed_methods(req.path);
     nlohmann::json body = error_body(Error{ErrorCode::kInvalidArgument,
-                                           req.path + " takes " + r->method + ", not " + req.method, ""});
+                                           req.path + " takes " + allow + ", not " + req.method, ""});
     body["error"]["code"] = 405;
     res.set_content(dump_json(body), "application/json");
     res.status = 405;
-    res.set_header("Allow", r->method);
+    res.set_header("Allow", allow);
     return false;
   }
   return true;
@@ -116,6 +136,10 @@ void HttpServerImpl::route_inline(const HttpRequest& req, HttpResponse& res) {
     return;
   }
   if (req.path == "/version") return send_json(res, Json{{"version", cfg_.version}});
+  if (req.path == "/load") {
+    // vLLM's /load: the requests this server is working on (queued or running).
+    return send_json(res, Json{{"server_load", in_flight_.load()}});
+  }
   if (req.path == "/metrics") {
     ServerGauges g;
     g.http_requests_in_flight = in_flight_.load();

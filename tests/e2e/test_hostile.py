@@ -263,3 +263,21 @@ def test_shutdown_timeout_aborts_what_is_left(binary, model_dir):
     assert s.proc.wait(timeout=30) == 0  # well inside a 30 s grace period
     t.join(timeout=30)
     assert out.get("finish") == "abort"
+
+
+def test_several_api_keys_ping_post_and_load(binary, model_dir):
+    # vLLM's --api-key K1 K2: either key is admitted, any other is a 401; POST /ping is a health
+    # probe as GET is; /load reports the requests in flight (0 when idle).
+    s = Server(binary, model_dir, ["--api-key", "key-one", "key-two"])
+    try:
+        for key, want in (("key-one", 200), ("key-two", 200), ("key-three", 401), ("", 401)):
+            st, _ = http(s, "GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert st == want, (key, st)
+        assert http(s, "POST", "/ping", raw=b"")[0] == 200
+        assert http(s, "GET", "/ping")[0] == 200
+        st, text = http(s, "GET", "/load")
+        assert st == 200 and json.loads(text) == {"server_load": 0}
+        st, _ = http(s, "PUT", "/ping", raw=b"")
+        assert st == 405
+    finally:
+        s.stop()
