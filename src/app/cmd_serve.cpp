@@ -361,6 +361,8 @@ int run_serve(ServeArgs a) {
   sc.port = a.port;
   sc.served_model_names = a.served_model_names;
   sc.api_keys = a.api_keys;
+  sc.allowed_origins = plan->allowed_origins;
+  sc.allow_credentials = plan->allow_credentials;
   sc.parse_reasoning = a.reasoning_parser == "minimax_m3";
   sc.parse_tool_calls = a.tool_call_parser == "minimax_m3";
   // Auto tool choice is on by default (the only parser is M3's); the vLLM flag is accepted.

@@ -264,7 +264,7 @@ const std::vector<VllmFlag> kTable = {
   {"--enable-request-id-headers", false, FlagKind::kNoop, "",
    "not applied yet: responses carry no X-Request-Id header", kServeOnly},
   {"--enable-server-load-tracking", false, FlagKind::kNoop, "",
-   "not applied yet: there is no /load endpoint (server work of issue #14 item 5)", kServeOnly},
+   "/load is always served", kServeOnly},
   {"--enable-reasoning", false, FlagKind::kNoop, "",
    "reasoning is split whenever --reasoning-parser is minimax_m3 (the default)", kServeOnly},
   {"--structured-outputs-config", true, FlagKind::kNoop, "",
@@ -612,9 +612,12 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
     } else if (ln == "--allowed-origins" || ln == "--allowed-methods" ||
                ln == "--allowed-headers" || ln == "--allow-credentials") {
       if (ln == "--allowed-origins") plan.allowed_origins = parse_list(value);
-      plan.notices.push_back(shown(f, value) +
-                             ": not applied yet: the server sends no CORS headers, so browsers "
-                             "on other origins are refused (server work pending)");
+      if (ln == "--allow-credentials") plan.allow_credentials = true;
+      if (ln == "--allowed-methods" || ln == "--allowed-headers") {
+        plan.notices.push_back(shown(f, value) +
+                               ": CORS preflights are answered with GET, POST, OPTIONS and the "
+                               "headers the browser asks for");
+      }
     } else if (ln == "--root-path") {
       plan.root_path = trim(value);
       plan.notices.push_back("--root-path " + value +

@@ -71,7 +71,8 @@ struct CompatPlan {
   // owners): what the user asked for, kept so nothing is lost when the server grows them.
   bool log_requests = false;
   bool log_stats = true;
-  std::vector<std::string> allowed_origins;
+  std::vector<std::string> allowed_origins;  // CORS, applied (ServerConfig::allowed_origins)
+  bool allow_credentials = false;
   std::string root_path;
 };
 

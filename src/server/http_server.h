@@ -41,6 +41,10 @@ struct ServerConfig {
   double body_timeout_s = 60.0;
   double keep_alive_timeout_s = 5.0;
   size_t max_body_bytes = size_t{32} << 20;
+  // CORS (--allowed-origins): empty: off (no CORS headers, preflights get 405); "*": any origin;
+  // else the exact origins admitted. Browsers then get Access-Control-Allow-* on every route.
+  std::vector<std::string> allowed_origins;
+  bool allow_credentials = false;  // --allow-credentials
 };
 
 // What the server reads from the model directory besides the weights.

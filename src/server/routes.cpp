@@ -85,6 +85,29 @@ bool HttpServerImpl::authorized(const HttpRequest& req, HttpResponse& res) const
   return false;
 }
 
+bool HttpServerImpl::cors(const HttpRequest& req, HttpResponse& res) const {
+  if (cfg_.allowed_origins.empty()) return false;
+  const std::string& origin = req.header("origin");
+  if (origin.empty()) return false;
+  const bool any = std::find(cfg_.allowed_origins.begin(), cfg_.allowed_origins.end(), "*") !=
+                   cfg_.allowed_origins.end();
+  const bool listed = std::find(cfg_.allowed_origins.begin(), cfg_.allowed_origins.end(),
+                                origin) != cfg_.allowed_origins.end();
+  if (!any && !listed) return false;  // the browser refuses the response: no CORS headers
+  // With credentials a browser needs the origin itself, never "*".
+  res.set_header("Access-Control-Allow-Origin", any && !cfg_.allow_credentials ? "*" : origin);
+  res.set_header("Vary", "Origin");
+  if (cfg_.allow_credentials) res.set_header("Access-Control-Allow-Credentials", "true");
+  if (req.method != "OPTIONS" || req.header("access-control-request-method").empty()) return false;
+  // A preflight: answered here, before the API-key check (browsers send no credentials in it).
+  res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+  const std::string& want = req.header("access-control-request-headers");
+  res.set_header("Access-Control-Allow-Headers", want.empty() ? "Authorization, Content-Type" : want);
+  res.set_header("Access-Control-Max-Age", "600");
+  res.status = 204;
+  return true;
+}
+
 bool HttpServerImpl::is_inline(const HttpRequest& req) const {
   const Route* r = find_route(req.path, req.method);
   return !(r && r->on_worker && req.method == r->method);
@@ -111,7 +134,7 @@ static bool check_method(const HttpRequest& req, HttpResponse& res) {
 }
 
 void HttpServerImpl::route_inline(const HttpRequest& req, HttpResponse& res) {
-  if (!authorized(req, res) || !check_method(req, res)) return;
+  if (cors(req, res) || !authorized(req, res) || !check_method(req, res)) return;
   if (req.path == "/v1/models") {
     const auto& info = engine_.model_info();
     Json data = Json::array();
@@ -160,7 +183,7 @@ void HttpServerImpl::route_inline(const HttpRequest& req, HttpResponse& res) {
 }
 
 void HttpServerImpl::route(const HttpRequest& req, HttpResponse& res) {
-  if (!authorized(req, res) || !check_method(req, res)) return;
+  if (cors(req, res) || !authorized(req, res) || !check_method(req, res)) return;
   if (req.path == "/v1/completions") return handle_completions(req, res);
   if (req.path == "/v1/chat/completions") return handle_chat(req, res);
   if (req.path == "/tokenize") return handle_tokenize(req, res);

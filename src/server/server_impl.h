@@ -56,6 +56,8 @@ class HttpServerImpl {
   void route(const HttpRequest& req, HttpResponse& res);
   bool is_inline(const HttpRequest& req) const;
   void route_inline(const HttpRequest& req, HttpResponse& res);
+  // CORS headers for an admitted Origin; true when it answered a preflight (OPTIONS) itself.
+  bool cors(const HttpRequest& req, HttpResponse& res) const;
   bool authorized(const HttpRequest& req, HttpResponse& res) const;
   void handle_tokenize(const HttpRequest& req, HttpResponse& res);
   void handle_detokenize(const HttpRequest& req, HttpResponse& res);

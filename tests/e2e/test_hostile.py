@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import time
+import urllib.request
 
 import pytest
 
@@ -279,5 +280,30 @@ def test_several_api_keys_ping_post_and_load(binary, model_dir):
         assert st == 200 and json.loads(text) == {"server_load": 0}
         st, _ = http(s, "PUT", "/ping", raw=b"")
         assert st == 405
+    finally:
+        s.stop()
+
+
+def test_cors_with_allowed_origins(binary, model_dir):
+    # --allowed-origins: an admitted Origin gets Access-Control-Allow-Origin on every route and a
+    # preflight (OPTIONS) is answered without the API key; another origin gets no CORS header.
+    s = Server(binary, model_dir, ["--api-key", "k", "--allowed-origins", '["https://app.example"]'])
+    try:
+        req = urllib.request.Request(s.base + "/v1/models", headers={
+            "Origin": "https://app.example", "Authorization": "Bearer k"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+            assert r.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        pre = urllib.request.Request(s.base + "/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        with urllib.request.urlopen(pre, timeout=30) as r:
+            assert r.status == 204
+            assert "POST" in r.headers["Access-Control-Allow-Methods"]
+            assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        other = urllib.request.Request(s.base + "/v1/models", headers={
+            "Origin": "https://evil.example", "Authorization": "Bearer k"})
+        with urllib.request.urlopen(other, timeout=30) as r:
+            assert r.headers.get("Access-Control-Allow-Origin") is None
     finally:
         s.stop()
