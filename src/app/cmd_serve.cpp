@@ -362,6 +362,8 @@ int run_serve(ServeArgs a) {
   sc.served_model_names = a.served_model_names;
   sc.api_keys = a.api_keys;
   sc.allowed_origins = plan->allowed_origins;
+  sc.access_log = plan->access_log;
+  sc.stats_interval_s = plan->log_stats ? plan->stats_interval_s : 0.0;
   sc.allow_credentials = plan->allow_credentials;
   sc.parse_reasoning = a.reasoning_parser == "minimax_m3";
   sc.parse_tool_calls = a.tool_call_parser == "minimax_m3";

@@ -51,7 +51,8 @@ constexpr std::string_view kWhyGraphs =
     "m3serve captures a CUDA graph per decode step size by itself (up to 256 tokens); "
     "--enforce-eager turns that off";
 constexpr std::string_view kWhyNoLog =
-    "m3serve writes no per-request log lines yet (vLLM's access log is pending in the server)";
+    "m3serve logs one access line per request (--disable-uvicorn-access-log turns it off), "
+    "not the requests' prompts or outputs";
 constexpr std::string_view kWhyHub =
     "m3serve does not download from the Hugging Face Hub: download the checkpoint first "
     "(huggingface-cli download REPO --revision REV --local-dir DIR) and pass DIR";
@@ -240,7 +241,7 @@ const std::vector<VllmFlag> kTable = {
   {"--disable-log-stats", false, FlagKind::kHandled, "", "", kServeOnly},
   {"--enable-log-outputs", false, FlagKind::kNoop, "", kWhyNoLog, kServeOnly},
   {"--max-log-len", true, FlagKind::kNoop, "", kWhyNoLog, kServeOnly},
-  {"--disable-uvicorn-access-log", false, FlagKind::kNoop, "", kWhyNoLog, kServeOnly},
+  {"--disable-uvicorn-access-log", false, FlagKind::kHandled, "", "", kServeOnly},
   {"--disable-access-log-for-endpoints", true, FlagKind::kNoop, "", kWhyNoLog, kServeOnly},
   {"--log-config-file", true, FlagKind::kNoop, "",
    "m3serve logs to stderr; --log-level sets how much", kServeOnly},
@@ -604,8 +605,8 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       enable_log_requests = true;
     } else if (ln == "--disable-log-stats") {
       plan.log_stats = false;
-      plan.notices.push_back("--disable-log-stats is ignored: m3serve prints no periodic stats "
-                             "lines (scrape /metrics)");
+    } else if (ln == "--disable-uvicorn-access-log") {
+      plan.access_log = false;
     } else if (ln == "--override-generation-config") {
       M3_TRY(json j, parse_json_object(ln, value, "{\"temperature\": 1.0, \"top_p\": 0.95}"));
       plan.generation_overrides = j.dump();
@@ -653,6 +654,16 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       plan.log_level = lower(val);
       continue;
     }
+    if (name == "VLLM_LOG_STATS_INTERVAL") {
+      char* end = nullptr;
+      const double v = std::strtod(val.c_str(), &end);
+      if (val.empty() || *end != '\0' || !(v > 0)) {
+        return bad("VLLM_LOG_STATS_INTERVAL",
+                   "VLLM_LOG_STATS_INTERVAL='" + val + "' is not a positive number of seconds");
+      }
+      plan.stats_interval_s = v;
+      continue;
+    }
     ignored.push_back(name);
   }
   std::sort(ignored.begin(), ignored.end());
@@ -663,7 +674,7 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
                            (ignored.size() == 1 ? " is" : " are") +
                            " ignored: vLLM kernel and runtime switches have no effect on "
                            "m3serve (honoured: VLLM_API_KEY, VLLM_ALLOW_LONG_MAX_MODEL_LEN, "
-                           "VLLM_LOGGING_LEVEL)");
+                           "VLLM_LOGGING_LEVEL, VLLM_LOG_STATS_INTERVAL)");
   }
   return plan;
 }

@@ -70,7 +70,9 @@ struct CompatPlan {
   // For the server's request log / stats / CORS / root path work (item 5 and the server
   // owners): what the user asked for, kept so nothing is lost when the server grows them.
   bool log_requests = false;
-  bool log_stats = true;
+  bool log_stats = true;          // --disable-log-stats: false
+  bool access_log = true;         // --disable-uvicorn-access-log: false
+  double stats_interval_s = 10;   // VLLM_LOG_STATS_INTERVAL
   std::vector<std::string> allowed_origins;  // CORS, applied (ServerConfig::allowed_origins)
   bool allow_credentials = false;
   std::string root_path;

@@ -66,11 +66,15 @@ HttpServerImpl::HttpServerImpl(engine::Engine& engine, ServerAssets assets, Serv
       lim,
       [this](const HttpRequest& q, HttpResponse& s) {
         route(q, s);
+        access_log(q, s);
         // A large request leaves large free blocks behind; hand them back to the system.
         if (q.body.size() > (size_t{1} << 20)) malloc_trim(0);
       },
       [this](const HttpRequest& q) { return is_inline(q); },
-      [this](const HttpRequest& q, HttpResponse& s) { route_inline(q, s); });
+      [this](const HttpRequest& q, HttpResponse& s) {
+        route_inline(q, s);
+        access_log(q, s);
+      });
 }
 
 Status HttpServerImpl::check_model(const std::string& model) const {
@@ -167,7 +171,7 @@ bool HttpServerImpl::wait_or_abort(Generation& gen, const HttpRequest& req) {
 HttpServer::HttpServer(engine::Engine& engine, ServerAssets assets, ServerConfig config)
     : impl_(std::make_unique<HttpServerImpl>(engine, std::move(assets), std::move(config))) {}
 
-HttpServer::~HttpServer() = default;
+HttpServer::~HttpServer() { impl_->stop_stats(); }
 
 Status HttpServer::bind() {
   auto& c = impl_->cfg_;
@@ -179,7 +183,12 @@ Status HttpServer::bind() {
 
 int HttpServer::bound_port() const { return impl_->front_->port(); }
 
-Status HttpServer::run() { return impl_->front_->run(); }
+Status HttpServer::run() {
+  impl_->start_stats();
+  Status st = impl_->front_->run();
+  impl_->stop_stats();
+  return st;
+}
 
 void HttpServer::drain_and_stop() {
   auto& d = *impl_;
@@ -199,6 +208,7 @@ void HttpServer::drain_and_stop() {
     const auto hard = Clock::now() + std::chrono::seconds(5);
     while (d.in_flight_.load() > 0 && Clock::now() < hard) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  d.stop_stats();
   d.front_->stop();
 }
 

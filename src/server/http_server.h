@@ -45,6 +45,12 @@ struct ServerConfig {
   // else the exact origins admitted. Browsers then get Access-Control-Allow-* on every route.
   std::vector<std::string> allowed_origins;
   bool allow_credentials = false;  // --allow-credentials
+  // One line per answered request (`ADDR - "METHOD PATH HTTP/1.1" STATUS`, as vLLM's access
+  // log); off with --disable-uvicorn-access-log.
+  bool access_log = true;
+  // Every this many seconds with work, a line of throughput, queue and KV usage (vLLM's stats
+  // line; VLLM_LOG_STATS_INTERVAL); 0 (--disable-log-stats): none.
+  double stats_interval_s = 10.0;
 };
 
 // What the server reads from the model directory besides the weights.

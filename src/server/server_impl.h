@@ -7,8 +7,11 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -58,6 +61,16 @@ class HttpServerImpl {
   void route_inline(const HttpRequest& req, HttpResponse& res);
   // CORS headers for an admitted Origin; true when it answered a preflight (OPTIONS) itself.
   bool cors(const HttpRequest& req, HttpResponse& res) const;
+
+  // server_log.cpp: the access log line of an answered request, and the periodic stats thread
+  // (started by HttpServer::run, stopped by drain_and_stop / the destructor).
+  void access_log(const HttpRequest& req, const HttpResponse& res) const;
+  void start_stats();
+  void stop_stats();
+  std::thread stats_thread_;
+  std::mutex stats_mu_;
+  std::condition_variable stats_cv_;
+  bool stats_stop_ = false;
   bool authorized(const HttpRequest& req, HttpResponse& res) const;
   void handle_tokenize(const HttpRequest& req, HttpResponse& res);
   void handle_detokenize(const HttpRequest& req, HttpResponse& res);

@@ -4,6 +4,7 @@
 The binary comes from $M3SERVE_BIN (set by the ctest registration) or build/*/bin/m3serve.
 """
 
+import collections
 import glob
 import json
 import os
@@ -11,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -42,10 +44,17 @@ class Server:
                 "--served-model-name", MODEL_NAME] + list(extra_args)
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=dict(os.environ, **(env or {})))
+        # The server logs a line per request on stderr: read it continuously (a full pipe would
+        # block the server) and keep the last lines for tests and failure messages.
+        self.log = collections.deque(maxlen=2000)
+        self._log_reader = threading.Thread(target=self._read_log, daemon=True)
+        self._log_reader.start()
         self.startup_line = self.proc.stdout.readline()
         m = re.search(r"listening on http://[^:]+:(\d+)", self.startup_line)
         if not m:
-            err = self.proc.stderr.read() if self.proc.poll() is not None else ""
+            if self.proc.poll() is not None:
+                self._log_reader.join(timeout=5)
+            err = "".join(self.log)
             self.proc.kill()
             raise RuntimeError(f"m3serve did not start: {self.startup_line!r} {err}")
         self.port = int(m.group(1))
@@ -59,6 +68,10 @@ class Server:
             except Exception:
                 time.sleep(0.1)
         raise RuntimeError("m3serve /health never became ready")
+
+    def _read_log(self):
+        for line in self.proc.stderr:
+            self.log.append(line)
 
     def stop(self):
         if self.proc.poll() is None:

@@ -307,3 +307,30 @@ def test_cors_with_allowed_origins(binary, model_dir):
             assert r.headers.get("Access-Control-Allow-Origin") is None
     finally:
         s.stop()
+
+
+def test_access_log_and_stats_lines(binary, model_dir):
+    # vLLM's logs: one access line per answered request, and a stats line every
+    # VLLM_LOG_STATS_INTERVAL seconds while there is work; --disable-uvicorn-access-log and
+    # --disable-log-stats turn them off.
+    s = Server(binary, model_dir, [], env={"VLLM_LOG_STATS_INTERVAL": "0.5"})
+    try:
+        st, _ = http(s, "POST", "/v1/completions",
+                     {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 400, "ignore_eos": True})
+        assert st == 200
+        time.sleep(1.5)
+        log = "".join(s.log)
+        assert '"POST /v1/completions HTTP/1.1" 200' in log, log[-2000:]
+        assert "Avg generation throughput" in log, log[-2000:]
+    finally:
+        s.stop()
+    q = Server(binary, model_dir, ["--disable-uvicorn-access-log", "--disable-log-stats"],
+               env={"VLLM_LOG_STATS_INTERVAL": "0.5"})
+    try:
+        http(q, "POST", "/v1/completions", {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 400,
+                                            "ignore_eos": True})
+        time.sleep(1.5)
+        log = "".join(q.log)
+        assert "HTTP/1.1\" 200" not in log and "Avg generation throughput" not in log, log[-2000:]
+    finally:
+        q.stop()

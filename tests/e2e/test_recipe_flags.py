@@ -84,7 +84,7 @@ STARTS = [
      "--override-generation-config '{\"temperature\": 1.0, \"top_p\": 0.95, \"top_k\": 40}' "
      "--enable-prompt-tokens-details --exclude-tools-when-tool-choice-none --root-path /m3 "
      "--max_num_seqs 8 --host 256.0.0.1", {},
-     ["--seed 0", "--disable-log-stats is ignored", "--root-path /m3"]),
+     ["--seed 0", "--disable-log-requests is what m3serve does anyway", "--root-path /m3"]),
 ]
 
 

@@ -1,0 +1,63 @@
+// What the server logs besides errors: one access-log line per answered request (vLLM's
+// uvicorn line: `ADDR - "METHOD PATH HTTP/1.1" STATUS`) and, every stats_interval_s while there
+// is work, vLLM's stats line (throughput of the interval, running / waiting requests, KV usage,
+// prefix-cache hit rate). Part of HttpServerImpl; lines go to the process log (stderr).
+#include <chrono>
+#include <cstdio>
+
+#include "core/log.h"
+#include "server/server_impl.h"
+
+namespace m3::server {
+
+void HttpServerImpl::access_log(const HttpRequest& req, const HttpResponse& res) const {
+  if (!cfg_.access_log) return;
+  M3_LOG_INFO("%s - \"%s %s HTTP/1.1\" %d", req.remote_addr.c_str(), req.method.c_str(),
+              req.path.c_str(), res.status);
+}
+
+void HttpServerImpl::start_stats() {
+  if (cfg_.stats_interval_s <= 0 || stats_thread_.joinable()) return;
+  stats_stop_ = false;
+  stats_thread_ = std::thread([this] {
+    using Clock = std::chrono::steady_clock;
+    engine::EngineStats last = engine_.stats();
+    auto last_t = Clock::now();
+    const auto interval = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(cfg_.stats_interval_s));
+    std::unique_lock<std::mutex> lock(stats_mu_);
+    while (!stats_cv_.wait_for(lock, interval, [&] { return stats_stop_; })) {
+      const engine::EngineStats now = engine_.stats();
+      const auto t = Clock::now();
+      const double dt = std::chrono::duration<double>(t - last_t).count();
+      const int64_t prompt = now.prompt_tokens_total - last.prompt_tokens_total;
+      const int64_t gen = now.generation_tokens_total - last.generation_tokens_total;
+      // An idle server stays quiet (vLLM logs only while it has work).
+      if (prompt > 0 || gen > 0 || now.num_running > 0 || now.num_waiting > 0) {
+        const int64_t queries = now.prefix_cache_queries - last.prefix_cache_queries;
+        const int64_t hits = now.prefix_cache_hits - last.prefix_cache_hits;
+        M3_LOG_INFO(
+            "Engine 000: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+            "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache "
+            "hit rate: %.1f%%",
+            dt > 0 ? static_cast<double>(prompt) / dt : 0.0,
+            dt > 0 ? static_cast<double>(gen) / dt : 0.0, now.num_running, now.num_waiting,
+            100.0 * now.kv_cache_usage,
+            queries > 0 ? 100.0 * static_cast<double>(hits) / static_cast<double>(queries) : 0.0);
+      }
+      last = now;
+      last_t = t;
+    }
+  });
+}
+
+void HttpServerImpl::stop_stats() {
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_stop_ = true;
+  }
+  stats_cv_.notify_all();
+  if (stats_thread_.joinable()) stats_thread_.join();
+}
+
+}  // namespace m3::server
