@@ -459,9 +459,10 @@ Result<std::shared_ptr<RequestStream>> Engine::submit(GenerateRequest req) {
   const std::string vocab = "[0, " + std::to_string(e.info.vocab_size) + ")";
   for (const auto& [t, bias] : p.logit_bias) {
     if (!in_vocab(t)) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "logit_bias has token id " + std::to_string(t) + ", outside the vocabulary " + vocab,
-                        "logit_bias");
+      return make_error(
+          ErrorCode::kInvalidArgument,
+          "logit_bias has token id " + std::to_string(t) + ", outside the vocabulary " + vocab,
+          "logit_bias");
     }
   }
   for (int32_t t : p.allowed_token_ids) {

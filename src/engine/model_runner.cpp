@@ -152,7 +152,8 @@ sched::RunnerOutput ModelRunner::execute(
                                  st.history.size() - st.num_prompt_tokens);
     SampleRng rng{st.seed, gen.size()};  // the draw the device would make for this token
     std::span<const uint32_t> allowed;
-    if (mask_at[i] >= 0) allowed = std::span<const uint32_t>(masks.data() + mask_at[i] * mask_words, mask_words);
+    if (mask_at[i] >= 0)
+      allowed = std::span<const uint32_t>(masks.data() + mask_at[i] * mask_words, mask_words);
     bool none_allowed = false;
     const int32_t tok = Sampler::sample(lr, st.params, st.history, gen, rng, num_sampleable_,
                                         allowed, &none_allowed);

@@ -2,8 +2,8 @@
 // absolute positions, block tables as CSR, logits rows), runs the forward pass, and samples the
 // requests that reach the end of their known tokens (rows with penalties, logprobs, masks or a
 // TokenConstraint on the host; a constraint's allowed set is filled on a helper thread while
-// the forward runs, so constrained rows cost the batch little). Owns the ForwardBackend (model + KV pages on
-// one device) whose pages the scheduler hands out. Called only from the engine thread.
+// the forward runs, so constrained rows cost the batch little). Owns the ForwardBackend (model + KV
+// pages on one device) whose pages the scheduler hands out. Called only from the engine thread.
 // Invariant: page ids in the block tables index the backend's KV cache.
 #pragma once
 

@@ -44,8 +44,8 @@ class Sampler {
   // (if given) is set: the caller ends the request after this token.
   static int32_t sample(std::span<float> logits, const SamplingParams& p,
                         std::span<const int32_t> history, std::span<const int32_t> generated,
-                        SampleRng& rng, int64_t num_valid,
-                        std::span<const uint32_t> allowed = {}, bool* none_allowed = nullptr);
+                        SampleRng& rng, int64_t num_valid, std::span<const uint32_t> allowed = {},
+                        bool* none_allowed = nullptr);
 
   // Sets -inf where the masks of `p` (allowed_token_ids, bad_words) and `allowed` forbid a token
   // among the first `num_valid` ids and adds logit_bias. Returns false, leaving `logits`

@@ -114,7 +114,8 @@ TEST(TokenMasks, LogitBiasMovesTheGreedyChoice) {
   SamplingParams p;
   p.temperature = 0.f;
   auto row = logits_of(4);
-  const int32_t worst = static_cast<int32_t>(std::min_element(row.begin(), row.end()) - row.begin());
+  const int32_t worst =
+      static_cast<int32_t>(std::min_element(row.begin(), row.end()) - row.begin());
   p.logit_bias = {{worst, 100.f}};  // logits are N(0, 3): +100 beats every other id
   SampleRng rng{0, 0};
   EXPECT_EQ(Sampler::sample(row, p, {}, {}, rng, kVocab), worst);
