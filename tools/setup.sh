@@ -19,7 +19,7 @@ fi
 # Python oracles and the real OpenAI client for the tests (no torch: the model goldens are
 # committed, made by tools/goldens/make_model_goldens.py on the GPU machine).
 python3 -m pip install -q --disable-pip-version-check tokenizers jinja2 openai pytest numpy \
-  safetensors jsonschema 2>&1 | grep -v -i "warning: running pip as" || true
+  safetensors jsonschema langchain-openai 2>&1 | grep -v -i "warning: running pip as" || true
 # xgrammar (structured outputs): its PyPI sdist carries the C++ library, which cmake/deps.cmake
 # builds with the Python bindings off. Only xgrammar itself is taken as source (pip builds the
 # sdist's metadata with its build backend from wheels); the sources stay in the ignored .deps/.

@@ -39,16 +39,18 @@ class StructureFactory final : public engine::TokenConstraintFactory {
 Status HttpServerImpl::apply_output_controls(engine::SamplingParams& sp, const CommonParams& p,
                                              const std::optional<text::StructuredOutputSpec>& spec,
                                              text::ReasoningPrefix prefix) const {
-  // vLLM's bad_words: each word as written and with a leading space (the two ways a word starts
-  // in byte-level BPE), each a token sequence whose last token is banned after the others.
+  // vLLM's bad_words: each word (left-trimmed) as a token sequence, and also with a leading
+  // space (how a word starts mid-text in byte-level BPE) when that spelling has as many tokens
+  // and a different first one. A sequence's last token is banned right after the others.
   std::set<std::vector<int32_t>> seqs;
   for (const auto& w : p.bad_words) {
-    std::string trimmed = w;
-    trimmed.erase(0, trimmed.find_first_not_of(' '));
-    for (const std::string& text : {w, " " + trimmed}) {
-      std::vector<int32_t> ids = assets_.tokenizer->encode(text);
-      if (!ids.empty()) seqs.insert(std::move(ids));
+    const std::string trimmed = w.substr(std::min(w.size(), w.find_first_not_of(" \t\n")));
+    std::vector<int32_t> plain = assets_.tokenizer->encode(trimmed);
+    std::vector<int32_t> spaced = assets_.tokenizer->encode(" " + trimmed);
+    if (!plain.empty() && spaced.size() == plain.size() && spaced[0] != plain[0]) {
+      seqs.insert(std::move(spaced));
     }
+    if (!plain.empty()) seqs.insert(std::move(plain));
   }
   sp.bad_words.assign(seqs.begin(), seqs.end());
   if (spec) {
