@@ -61,3 +61,30 @@ endif()
 m3_lib_fallback(PkgConfig::PCRE2 STATIC libpcre2-8.a)
 m3_lib_fallback(PkgConfig::UTF8PROC STATIC libutf8proc.a)
 m3_lib_fallback(PkgConfig::XXHASH STATIC libxxhash.a)
+# xgrammar (structured outputs) from its PyPI sdist: tools/setup.sh unpacks it into .deps/, and
+# tools/gpu_deps.sh copies the parts the build needs into .gpu_deps/ for the GPU machine. Built
+# as a static library with its own flags, its Python bindings off. Without it, m3serve builds
+# and refuses structured outputs by name (M3_HAS_XGRAMMAR unset).
+set(M3_XGRAMMAR_VERSION 0.2.8)
+find_path(M3_XGRAMMAR_DIR CMakeLists.txt NO_DEFAULT_PATH
+  PATHS ${PROJECT_SOURCE_DIR}/.deps/xgrammar-${M3_XGRAMMAR_VERSION}
+        ${M3_GPU_DEPS}/xgrammar-${M3_XGRAMMAR_VERSION})
+if(M3_XGRAMMAR_DIR AND NOT TARGET xgrammar)
+  # Its CMakeLists includes ${CMAKE_BINARY_DIR}/config.cmake before its own cmake/config.cmake
+  # (which turns the Python bindings on): this one turns them, tests and cpptrace off.
+  file(WRITE ${CMAKE_BINARY_DIR}/config.cmake
+    "# Written by m3serve's cmake/deps.cmake for xgrammar's CMakeLists.\n"
+    "set(XGRAMMAR_BUILD_PYTHON_BINDINGS OFF)\nset(XGRAMMAR_BUILD_CXX_TESTS OFF)\n"
+    "set(XGRAMMAR_ENABLE_CPPTRACE OFF)\nset(XGRAMMAR_ENABLE_COVERAGE OFF)\n"
+    "set(XGRAMMAR_ENABLE_INTERNAL_CHECK OFF)\n")
+  # It prepends -Werror and -flto=auto to CMAKE_CXX_FLAGS: our flags come after and win (an LTO
+  # archive would need gcc-ar, and its warnings under newer compilers are not ours to fix).
+  set(m3_saved_cxx_flags "${CMAKE_CXX_FLAGS}")
+  set(CMAKE_CXX_FLAGS "${CMAKE_CXX_FLAGS} -fno-lto -Wno-error")
+  add_subdirectory(${M3_XGRAMMAR_DIR} ${CMAKE_BINARY_DIR}/_deps/xgrammar EXCLUDE_FROM_ALL)
+  set(CMAKE_CXX_FLAGS "${m3_saved_cxx_flags}")
+  message(STATUS "xgrammar ${M3_XGRAMMAR_VERSION}: ${M3_XGRAMMAR_DIR} (structured outputs on)")
+elseif(NOT M3_XGRAMMAR_DIR)
+  message(STATUS "xgrammar not found (run tools/setup.sh, or tools/gpu_deps.sh for the GPU "
+                 "machine): structured outputs will be refused")
+endif()

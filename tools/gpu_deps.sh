@@ -37,9 +37,20 @@ copy_lib libgtest.a libgtest_main.a
 # PCRE2 (8-bit), utf8proc, xxhash: headers + static archives.
 copy_inc pcre2.h utf8proc.h xxhash.h xxh3.h
 copy_lib libpcre2-8.a libutf8proc.a libxxhash.a
+# xgrammar's sources (structured outputs), from the sdist tools/setup.sh unpacked into .deps/:
+# only what its static library's build reads (about 2 MB).
+xg=xgrammar-0.2.8
+need "$repo/.deps/$xg/CMakeLists.txt"
+rm -rf "$dest/$xg"
+mkdir -p "$dest/$xg/3rdparty"
+cp -r "$repo/.deps/$xg/CMakeLists.txt" "$repo/.deps/$xg/cmake" "$repo/.deps/$xg/cpp" \
+  "$repo/.deps/$xg/include" "$dest/$xg/"
+cp -r "$repo/.deps/$xg/3rdparty/picojson" "$repo/.deps/$xg/3rdparty/dlpack" "$dest/$xg/3rdparty/"
+
 {
   echo "# Filled by tools/gpu_deps.sh on $(date -u +%Y-%m-%dT%H:%M:%SZ) from these Debian packages:"
   dpkg-query -W -f '${Package} ${Version}\n' libtl-expected-dev nlohmann-json3-dev libcli11-dev \
     libgtest-dev libpcre2-dev libutf8proc-dev libxxhash-dev 2>/dev/null || true
+  echo "$xg (PyPI sdist)"
 } > "$dest/VERSIONS"
 echo "gpu_deps.sh: $(du -sh "$dest" | cut -f1) in $dest"

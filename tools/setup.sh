@@ -19,4 +19,15 @@ fi
 # Python oracles and the real OpenAI client for the tests (no torch: the model goldens are
 # committed, made by tools/goldens/make_model_goldens.py on the GPU machine).
 python3 -m pip install -q --disable-pip-version-check tokenizers jinja2 openai pytest numpy \
-  safetensors 2>&1 | grep -v -i "warning: running pip as" || true
+  safetensors jsonschema langchain-openai 2>&1 | grep -v -i "warning: running pip as" || true
+# xgrammar (structured outputs): its PyPI sdist carries the C++ library, which cmake/deps.cmake
+# builds with the Python bindings off. Only xgrammar itself is taken as source (pip builds the
+# sdist's metadata with its build backend from wheels); the sources stay in the ignored .deps/.
+XGRAMMAR_VERSION=0.2.8
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+if [ ! -f "$repo/.deps/xgrammar-$XGRAMMAR_VERSION/CMakeLists.txt" ]; then
+  mkdir -p "$repo/.deps"
+  python3 -m pip download -q --disable-pip-version-check --no-deps --no-binary xgrammar \
+    "xgrammar==$XGRAMMAR_VERSION" -d "$repo/.deps" 2>&1 | grep -v -i "warning: running pip as" || true
+  tar -xzf "$repo/.deps/xgrammar-$XGRAMMAR_VERSION.tar.gz" -C "$repo/.deps"
+fi

@@ -157,6 +157,7 @@ void EngineImpl::admit(Pending& p) {
   st.history = p.req.prompt_token_ids;
   st.num_prompt_tokens = static_cast<int>(p.req.prompt_token_ids.size());
   if (sp.prompt_logprobs >= 0) st.prompt_logprobs.assign(st.num_prompt_tokens, std::nullopt);
+  if (sp.constraint) st.constraint = sp.constraint->make();
   auto added = scheduler->add_request(std::move(r));
   if (!added) {
     RequestOutput o;
@@ -453,6 +454,24 @@ Result<std::shared_ptr<RequestStream>> Engine::submit(GenerateRequest req) {
   }
   if (p.max_tokens < 1) {
     return make_error(ErrorCode::kInvalidArgument, "max_tokens must be at least 1", "max_tokens");
+  }
+  auto in_vocab = [&](int32_t t) { return t >= 0 && t < e.info.vocab_size; };
+  const std::string vocab = "[0, " + std::to_string(e.info.vocab_size) + ")";
+  for (const auto& [t, bias] : p.logit_bias) {
+    if (!in_vocab(t)) {
+      return make_error(
+          ErrorCode::kInvalidArgument,
+          "logit_bias has token id " + std::to_string(t) + ", outside the vocabulary " + vocab,
+          "logit_bias");
+    }
+  }
+  for (int32_t t : p.allowed_token_ids) {
+    if (!in_vocab(t)) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "allowed_token_ids has token id " + std::to_string(t) +
+                            ", outside the vocabulary " + vocab,
+                        "allowed_token_ids");
+    }
   }
   M3_TRY_STATUS(check_context_length(static_cast<int64_t>(req.prompt_token_ids.size()),
                                      p.max_tokens, e.info.max_model_len, "messages"));

@@ -1,5 +1,7 @@
 #include "engine/model_runner.h"
 
+#include <thread>
+
 #include "core/check.h"
 
 namespace m3::engine {
@@ -69,9 +71,7 @@ sched::RunnerOutput ModelRunner::execute(
       if (want[i].sample_row < 0) continue;
       const RunnerRequestState& st = states.at(out.requests[i].request_id);
       const SamplingParams& p = st.params;
-      const bool needs_host = p.logprobs >= 0 || p.repetition_penalty != 1.0f ||
-                              p.presence_penalty != 0.f || p.frequency_penalty != 0.f;
-      if (needs_host) {
+      if (p.needs_host_sampling() || st.constraint) {
         host_row[want[i].sample_row] = true;
         continue;
       }
@@ -89,8 +89,29 @@ sched::RunnerOutput ModelRunner::execute(
     for (size_t r = 0; r < host_row.size(); ++r)
       if (host_row[r]) b.host_logits_rows.push_back(static_cast<int32_t>(r));
   }
+  // The constraints' allowed sets for the rows sampled this step: they depend only on the tokens
+  // accepted so far, so a helper thread fills them while the forward runs. One bitmask of
+  // mask_words per request that samples with a constraint (mask_at[i] indexes it).
+  const int64_t mask_words = (backend_->config().vocab_size + 31) / 32;
+  std::vector<int32_t> mask_at(out.requests.size(), -1);
+  std::vector<TokenConstraint*> constrained;
+  for (size_t i = 0; i < out.requests.size(); ++i) {
+    if (want[i].sample_row < 0) continue;
+    RunnerRequestState& st = states.at(out.requests[i].request_id);
+    if (!st.constraint || st.constraint->is_terminated()) continue;
+    mask_at[i] = static_cast<int32_t>(constrained.size());
+    constrained.push_back(st.constraint.get());
+  }
+  std::vector<uint32_t> masks(constrained.size() * static_cast<size_t>(mask_words), 0u);
+  auto fill_masks = [&] {
+    for (size_t k = 0; k < constrained.size(); ++k)
+      constrained[k]->fill_allowed(std::span<uint32_t>(masks.data() + k * mask_words, mask_words));
+  };
+  std::thread filler;
+  if (!constrained.empty()) filler = std::thread(fill_masks);
   model::ForwardResult res;
   backend_->forward(b, &res, /*capture_msa=*/false);
+  if (filler.joinable()) filler.join();
   const int64_t V = res.vocab_size;
   // Where logits row r (of logits_indices) sits in res.logits.
   std::vector<int32_t> row_at;
@@ -130,11 +151,19 @@ sched::RunnerOutput ModelRunner::execute(
     std::span<const int32_t> gen(st.history.data() + st.num_prompt_tokens,
                                  st.history.size() - st.num_prompt_tokens);
     SampleRng rng{st.seed, gen.size()};  // the draw the device would make for this token
-    const int32_t tok = Sampler::sample(lr, st.params, st.history, gen, rng, num_sampleable_);
+    std::span<const uint32_t> allowed;
+    if (mask_at[i] >= 0)
+      allowed = std::span<const uint32_t>(masks.data() + mask_at[i] * mask_words, mask_words);
+    bool none_allowed = false;
+    const int32_t tok = Sampler::sample(lr, st.params, st.history, gen, rng, num_sampleable_,
+                                        allowed, &none_allowed);
     if (st.params.logprobs >= 0)
       st.step_logprobs.push_back(to_out(Sampler::logprobs(raw, tok, st.params.logprobs)));
     st.history.push_back(tok);
-    ro.sampled.push_back({r.request_id, {tok}});
+    // A constraint that completed (or could take nothing more) ends the request as EOS would.
+    bool stop = none_allowed;
+    if (st.constraint) stop = !st.constraint->accept(tok) || st.constraint->is_terminated() || stop;
+    ro.sampled.push_back({r.request_id, {tok}, stop});
   }
   return ro;
 }

@@ -1,7 +1,9 @@
 // ModelRunner: turns one SchedulerOutput into the flat ForwardBatch the model reads (token ids,
 // absolute positions, block tables as CSR, logits rows), runs the forward pass, and samples the
-// requests that reach the end of their known tokens. Owns the ForwardBackend (model + KV pages on
-// one device) whose pages the scheduler hands out. Called only from the engine thread.
+// requests that reach the end of their known tokens (rows with penalties, logprobs, masks or a
+// TokenConstraint on the host; a constraint's allowed set is filled on a helper thread while
+// the forward runs, so constrained rows cost the batch little). Owns the ForwardBackend (model + KV
+// pages on one device) whose pages the scheduler hands out. Called only from the engine thread.
 // Invariant: page ids in the block tables index the backend's KV cache.
 #pragma once
 
@@ -32,6 +34,9 @@ struct RunnerRequestState {
   int prompt_logprobs_filled = 0;
   // logprobs of the tokens sampled in the last step, consumed by the engine
   std::vector<TokenLogprobOut> step_logprobs;
+  // params.constraint->make(), made at admission; null without structured outputs. It has seen
+  // every sampled token (preemption recomputes the KV, not the tokens, so it stays valid).
+  std::unique_ptr<TokenConstraint> constraint;
 };
 
 class ModelRunner {

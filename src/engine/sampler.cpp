@@ -17,12 +17,52 @@ SampleRng Sampler::make_rng(const SamplingParams& p) {
   return SampleRng{(static_cast<uint64_t>(rd()) << 32) ^ rd(), 0};
 }
 
+bool Sampler::apply_masks(std::span<float> logits, const SamplingParams& p,
+                          std::span<const int32_t> generated, int64_t num_valid,
+                          std::span<const uint32_t> allowed) {
+  const int64_t V = std::min<int64_t>(static_cast<int64_t>(logits.size()), num_valid);
+  const bool masked = !allowed.empty() || !p.allowed_token_ids.empty() || !p.bad_words.empty();
+  if (masked) {
+    // ok[t]: token t survives every mask.
+    std::vector<uint8_t> ok(V, p.allowed_token_ids.empty() ? 1 : 0);
+    for (int32_t t : p.allowed_token_ids)
+      if (t >= 0 && t < V) ok[t] = 1;
+    for (const auto& w : p.bad_words) {
+      if (w.empty() || w.back() < 0 || w.back() >= V) continue;
+      const size_t prefix = w.size() - 1;
+      if (prefix > generated.size()) continue;
+      if (std::equal(w.begin(), w.end() - 1, generated.end() - prefix)) ok[w.back()] = 0;
+    }
+    if (!allowed.empty()) {
+      for (int64_t t = 0; t < V; ++t) {
+        const size_t word = static_cast<size_t>(t) / 32;
+        if (word >= allowed.size() || !((allowed[word] >> (t % 32)) & 1u)) ok[t] = 0;
+      }
+    }
+    if (std::find(ok.begin(), ok.end(), uint8_t{1}) == ok.end()) return false;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < V; ++t)
+      if (!ok[t]) logits[t] = ninf;
+  }
+  for (const auto& [t, bias] : p.logit_bias)
+    if (t >= 0 && t < V) logits[t] += bias;
+  return true;
+}
+
 int32_t Sampler::sample(std::span<float> logits, const SamplingParams& p,
                         std::span<const int32_t> history, std::span<const int32_t> generated,
-                        SampleRng& rng, int64_t num_valid) {
+                        SampleRng& rng, int64_t num_valid, std::span<const uint32_t> allowed,
+                        bool* none_allowed) {
   const int64_t V = std::min<int64_t>(static_cast<int64_t>(logits.size()), num_valid);
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t i = V; i < static_cast<int64_t>(logits.size()); ++i) logits[i] = ninf;
+  if (!apply_masks(logits, p, generated, num_valid, allowed)) {
+    if (none_allowed) *none_allowed = true;
+    SamplingParams unmasked = p;
+    unmasked.allowed_token_ids.clear();
+    unmasked.bad_words.clear();
+    apply_masks(logits, unmasked, generated, num_valid, {});
+  }
 
   if (p.repetition_penalty != 1.0f) {
     std::vector<bool> seen(logits.size(), false);

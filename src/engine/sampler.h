@@ -1,5 +1,6 @@
-// Sampler: turns one row of logits into a token, per request (presence/frequency/repetition
-// penalties, then temperature, top_k, min_p, top_p and the draw), and computes logprobs of the
+// Sampler: turns one row of logits into a token, per request (the token masks: allowed_token_ids,
+// bad words and a constraint's allowed set; then logit_bias and the presence/frequency/repetition
+// penalties; then temperature, top_k, min_p, top_p and the draw), and computes logprobs of the
 // raw model distribution (before penalties and temperature, as vLLM reports them by default).
 // Called by the engine's model runner per row sampled on the host, and by `m3serve generate`.
 // Invariant: the draw is kernels/cpu/sample.h's rule (the GPU sampler's oracle): token `step` of a
@@ -37,10 +38,21 @@ class Sampler {
   // Samples from `logits` with the draw (rng.seed, rng.step), then advances rng.step. `logits`
   // is modified in place (penalties; ids >= `num_valid`, padding rows, set to -inf and never
   // chosen). `history` = prompt + generated ids (for the repetition penalty), `generated` =
-  // output ids (for presence/frequency).
+  // output ids (for presence/frequency and bad words). `allowed`, when not empty, is a
+  // constraint's bitmask (TokenConstraint::fill_allowed): tokens whose bit is clear get -inf.
+  // When the masks together leave no token, they are dropped for this draw and `*none_allowed`
+  // (if given) is set: the caller ends the request after this token.
   static int32_t sample(std::span<float> logits, const SamplingParams& p,
                         std::span<const int32_t> history, std::span<const int32_t> generated,
-                        SampleRng& rng, int64_t num_valid);
+                        SampleRng& rng, int64_t num_valid, std::span<const uint32_t> allowed = {},
+                        bool* none_allowed = nullptr);
+
+  // Sets -inf where the masks of `p` (allowed_token_ids, bad_words) and `allowed` forbid a token
+  // among the first `num_valid` ids and adds logit_bias. Returns false, leaving `logits`
+  // unchanged, when no token would remain.
+  static bool apply_masks(std::span<float> logits, const SamplingParams& p,
+                          std::span<const int32_t> generated, int64_t num_valid,
+                          std::span<const uint32_t> allowed);
 
   // log_softmax(logits)[token] and the `k` best (token, logprob) pairs, best first; ties by id.
   static TokenLogprob logprobs(std::span<const float> logits, int32_t token, int32_t k);

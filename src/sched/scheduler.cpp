@@ -334,6 +334,7 @@ std::vector<RequestUpdate> Scheduler::update_from_output(const SchedulerOutput& 
       reason = check_stop(*req, token);
       if (reason != FinishReason::kNone) break;
     }
+    if (reason == FinishReason::kNone && sit->second->stop) reason = FinishReason::kStop;
     if (reason == FinishReason::kNone) {
       RequestUpdate u = make_update(*req);
       u.new_token_ids = std::move(new_tokens);

@@ -35,6 +35,9 @@ struct SchedulerOutput {
 struct SampledTokens {
   uint64_t request_id = 0;
   std::vector<int32_t> token_ids;  // usually one; more with speculative decoding
+  // The request's token constraint (a grammar) is complete after these tokens: it stops as on
+  // EOS, whatever ignore_eos and min_tokens say.
+  bool stop = false;
 };
 
 struct RunnerOutput {

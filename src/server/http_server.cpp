@@ -51,6 +51,8 @@ HttpServerImpl::HttpServerImpl(engine::Engine& engine, ServerAssets assets, Serv
   for (int32_t id = 0; id < assets_.tokenizer->vocab_size(); ++id) {
     max_token_bytes_ = std::max(max_token_bytes_, assets_.tokenizer->id_to_token(id).size());
   }
+  structured_ = std::make_unique<text::StructuredOutputCompiler>(
+      assets_.tokenizer, engine_.model_info().vocab_size, engine_.model_info().eos_token_ids);
   HttpLimits lim;
   int threads = cfg_.num_http_threads;
   if (threads <= 0) threads = std::clamp(cfg_.max_num_seqs * 4, 256, 1024);

@@ -26,6 +26,8 @@ inline constexpr size_t kMaxTools = 512;          // tools of one request
 inline constexpr size_t kMaxToolSchemaNodes = 16384;  // JSON values in all tools together
 inline constexpr size_t kMaxStopStrings = 16;
 inline constexpr size_t kMaxStopStringBytes = 1024;
+// logit_bias entries in one request (OpenAI accepts up to 300; vLLM has no limit).
+inline constexpr size_t kMaxLogitBias = 1024;
 inline constexpr size_t kMaxStopTokenIds = 1024;
 inline constexpr size_t kMaxPrompts = 256;        // /v1/completions prompt list
 inline constexpr int kMaxChoices = 256;           // prompts x n per request

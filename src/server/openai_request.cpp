@@ -110,6 +110,245 @@ Result<OrderedJson> parse_body(std::string_view body) {
   return j;
 }
 
+Result<std::vector<int32_t>> token_array(const OrderedJson& arr, const std::string& param);
+
+// logit_bias, allowed_token_ids, bad_words.
+Status parse_logit_controls(const OrderedJson& j, CommonParams& p) {
+  if (const OrderedJson* lb = field(j, "logit_bias")) {
+    if (!lb->is_object()) {
+      return bad(
+          "logit_bias",
+          "'logit_bias' must be an object of token id (a string) -> bias, got " + type_of(*lb));
+    }
+    if (lb->size() > kMaxLogitBias) {
+      return bad("logit_bias", "'logit_bias' holds " + std::to_string(lb->size()) +
+                                   " entries; at most " + std::to_string(kMaxLogitBias) +
+                                   " are allowed");
+    }
+    for (auto it = lb->begin(); it != lb->end(); ++it) {
+      const std::string& key = it.key();
+      int64_t id = -1;
+      if (!key.empty() && key.size() <= 10 && std::all_of(key.begin(), key.end(), ::isdigit))
+        id = std::stoll(key);
+      if (id < 0 || id > std::numeric_limits<int32_t>::max()) {
+        return bad("logit_bias",
+                   "'logit_bias' keys must be token ids written as decimal strings, got \"" +
+                       key.substr(0, 40) + "\"");
+      }
+      if (!it->is_number() || !std::isfinite(it->get<double>())) {
+        return bad("logit_bias",
+                   "'logit_bias[\"" + key + "\"]' must be a number, got " + type_of(*it));
+      }
+      // As OpenAI (and vLLM): biases are clamped to [-100, 100].
+      const float b = static_cast<float>(std::clamp(it->get<double>(), -100.0, 100.0));
+      p.logit_bias.push_back({static_cast<int32_t>(id), b});
+    }
+  }
+  if (const OrderedJson* ids = field(j, "allowed_token_ids")) {
+    if (!ids->is_array()) {
+      return bad("allowed_token_ids",
+                 "'allowed_token_ids' must be an array of token ids, got " + type_of(*ids));
+    }
+    M3_TRY(p.allowed_token_ids, token_array(*ids, "allowed_token_ids"));
+  }
+  if (const OrderedJson* bw = field(j, "bad_words")) {
+    if (!bw->is_array())
+      return bad("bad_words", "'bad_words' must be an array of strings, got " + type_of(*bw));
+    if (bw->size() > kMaxStopStrings) {
+      return bad("bad_words", "'bad_words' holds " + std::to_string(bw->size()) +
+                                  " strings; at most " + std::to_string(kMaxStopStrings) +
+                                  " are allowed");
+    }
+    for (size_t i = 0; i < bw->size(); ++i) {
+      const auto& w = (*bw)[i];
+      const std::string wp = "bad_words[" + std::to_string(i) + "]";
+      if (!w.is_string() || w.get<std::string>().empty()) {
+        return bad(wp, "'" + wp + "' must be a non-empty string");
+      }
+      if (w.get<std::string>().size() > kMaxStopStringBytes) {
+        return bad(wp,
+                   "'" + wp + "' is longer than " + std::to_string(kMaxStopStringBytes) + " bytes");
+      }
+      p.bad_words.push_back(w.get<std::string>());
+    }
+  }
+  return {};
+}
+
+// A JSON schema given as an object or as JSON text (vLLM accepts both for guided_json).
+Result<std::string> schema_text(const OrderedJson& v, const std::string& param) {
+  if (v.is_object() || v.is_boolean()) return v.dump();
+  if (v.is_string()) {
+    OrderedJson parsed = OrderedJson::parse(v.get<std::string>(), nullptr, false);
+    if (!parsed.is_discarded() && (parsed.is_object() || parsed.is_boolean())) return parsed.dump();
+    return bad(param, "'" + param + "' must be a JSON schema: an object, or a string holding one");
+  }
+  return bad(param, "'" + param + "' must be a JSON schema object, got " + type_of(v));
+}
+
+Result<std::string> string_field(const OrderedJson& v, const std::string& param) {
+  if (!v.is_string() || v.get<std::string>().empty()) {
+    return bad(param, "'" + param + "' must be a non-empty string, got " + type_of(v));
+  }
+  return v.get<std::string>();
+}
+
+Result<std::vector<std::string>> choice_list(const OrderedJson& v, const std::string& param) {
+  if (!v.is_array() || v.empty())
+    return bad(param, "'" + param + "' must be a non-empty array of strings");
+  std::vector<std::string> out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!v[i].is_string()) {
+      return bad(param, "'" + param + "[" + std::to_string(i) + "]' must be a string, got " +
+                            type_of(v[i]));
+    }
+    out.push_back(v[i].get<std::string>());
+  }
+  return out;
+}
+
+// One constraint from structured_outputs.<key> / guided_<key>.
+Result<std::optional<text::StructuredOutputSpec>> structured_entry(const OrderedJson& v,
+                                                                   const std::string& key,
+                                                                   const std::string& param) {
+  using K = text::StructuredOutputSpec::Kind;
+  text::StructuredOutputSpec s;
+  s.param = param;
+  if (key == "json") {
+    s.kind = K::kJsonSchema;
+    M3_TRY(s.value, schema_text(v, param));
+  } else if (key == "regex") {
+    s.kind = K::kRegex;
+    M3_TRY(s.value, string_field(v, param));
+  } else if (key == "choice") {
+    s.kind = K::kChoice;
+    M3_TRY(s.choices, choice_list(v, param));
+  } else if (key == "grammar") {
+    s.kind = K::kGrammar;
+    M3_TRY(s.value, string_field(v, param));
+  } else if (key == "json_object") {
+    if (!v.is_boolean()) return bad(param, "'" + param + "' must be a boolean, got " + type_of(v));
+    if (!v.get<bool>()) return std::optional<text::StructuredOutputSpec>();
+    s.kind = K::kJsonObject;
+  }
+  return std::optional<text::StructuredOutputSpec>(std::move(s));
+}
+
+// response_format, structured_outputs and the guided_* aliases; at most one constraint.
+Status parse_structured(const OrderedJson& j, CommonParams& p) {
+  std::vector<text::StructuredOutputSpec> found;
+  if (const OrderedJson* rf = field(j, "response_format")) {
+    if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string()) {
+      return bad("response_format", "'response_format' must be an object with a string 'type'");
+    }
+    const std::string t = (*rf)["type"].get<std::string>();
+    text::StructuredOutputSpec s;
+    if (t == "json_object") {
+      s.kind = text::StructuredOutputSpec::Kind::kJsonObject;
+      s.param = "response_format";
+      found.push_back(std::move(s));
+    } else if (t == "json_schema") {
+      const OrderedJson* js = field(*rf, "json_schema");
+      if (!js || !js->is_object()) {
+        return bad("response_format.json_schema",
+                   "'response_format.json_schema' must be an object {name, schema, strict}");
+      }
+      // OpenAI's field is `schema`; vLLM also reads `json_schema` there.
+      const OrderedJson* schema = field(*js, "schema");
+      std::string sp = "response_format.json_schema.schema";
+      if (!schema) {
+        schema = field(*js, "json_schema");
+        sp = "response_format.json_schema.json_schema";
+      }
+      if (!schema) {
+        return bad(
+            "response_format.json_schema.schema",
+            "'response_format.json_schema.schema' is required: the JSON schema of the output");
+      }
+      if (const OrderedJson* strict = field(*js, "strict"); strict && !strict->is_boolean()) {
+        return bad("response_format.json_schema.strict",
+                   "'response_format.json_schema.strict' must be a boolean");
+      }
+      s.kind = text::StructuredOutputSpec::Kind::kJsonSchema;
+      s.param = sp;
+      M3_TRY(s.value, schema_text(*schema, sp));
+      found.push_back(std::move(s));
+    } else if (t == "structural_tag") {
+      return unsupported("response_format",
+                         "response_format type 'structural_tag' is not supported; "
+                         "use 'json_schema', 'json_object', or structured_outputs "
+                         "{json, regex, choice, grammar}");
+    } else if (t != "text") {
+      return bad("response_format.type",
+                 "'response_format.type' must be \"text\", \"json_object\" or "
+                 "\"json_schema\", got \"" +
+                     t + "\"");
+    }
+  }
+  static constexpr const char* kKinds[] = {"json", "regex", "choice", "grammar", "json_object"};
+  if (const OrderedJson* so = field(j, "structured_outputs")) {
+    if (!so->is_object()) {
+      return bad("structured_outputs",
+                 "'structured_outputs' must be an object, got " + type_of(*so));
+    }
+    for (auto it = so->begin(); it != so->end(); ++it) {
+      const std::string& key = it.key();
+      const std::string param = "structured_outputs." + key;
+      if (it->is_null()) continue;
+      if (std::find(std::begin(kKinds), std::end(kKinds), key) != std::end(kKinds)) {
+        M3_TRY(auto s, structured_entry(*it, key, param));
+        if (s) found.push_back(std::move(*s));
+      } else if (key == "disable_fallback" || key == "disable_any_whitespace" ||
+                 key == "disable_additional_properties") {
+        // One grammar engine (no fallback to choose); the others change the grammar and are
+        // only accepted where they change nothing.
+        if (!it->is_boolean()) return bad(param, "'" + param + "' must be a boolean");
+        if (key != "disable_fallback" && it->get<bool>()) {
+          return unsupported(param, "'" + param + "': true is not supported; leave it out");
+        }
+      } else if (key == "backend") {
+        if (!it->is_string() ||
+            (it->get<std::string>() != "xgrammar" && it->get<std::string>() != "auto")) {
+          return unsupported(
+              param, "'" + param + "' must be \"xgrammar\" or \"auto\" (the only backend here)");
+        }
+      } else if (key == "whitespace_pattern" || key == "structural_tag") {
+        return unsupported(
+            param,
+            "'" + param + "' is not supported; use json, regex, choice, grammar or json_object");
+      } else {
+        return bad(param, "'structured_outputs' has no field '" + key +
+                              "'; it takes one of json, regex, choice, grammar, json_object");
+      }
+    }
+  }
+  for (const char* key : kKinds) {
+    const std::string g = std::string("guided_") + key;
+    if (const OrderedJson* v = field(j, g.c_str())) {
+      M3_TRY(auto s, structured_entry(*v, key, g));
+      if (s) found.push_back(std::move(*s));
+    }
+  }
+  if (const OrderedJson* b = field(j, "guided_decoding_backend")) {
+    if (!b->is_string() ||
+        (b->get<std::string>() != "xgrammar" && b->get<std::string>() != "auto")) {
+      return unsupported("guided_decoding_backend",
+                         "'guided_decoding_backend' must be \"xgrammar\" or \"auto\"");
+    }
+  }
+  if (field(j, "guided_whitespace_pattern")) {
+    return unsupported("guided_whitespace_pattern",
+                       "'guided_whitespace_pattern' is not supported; leave it out");
+  }
+  if (found.size() > 1) {
+    return bad(found[1].param, "only one structured output constraint may be given, but '" +
+                                   found[0].param + "' and '" + found[1].param +
+                                   "' both are; keep one");
+  }
+  if (!found.empty()) p.structured = std::move(found[0]);
+  return {};
+}
+
 // Fields that both endpoints read.
 Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
   M3_TRY(auto model, opt_string(j, "model"));
@@ -244,27 +483,8 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
     p.priority = static_cast<int32_t>(*priority);
   }
 
-  if (const OrderedJson* lb = field(j, "logit_bias")) {
-    if (!lb->is_object()) return bad("logit_bias", "'logit_bias' must be an object");
-    if (!lb->empty()) return unsupported("logit_bias", "'logit_bias' is not supported by this server; leave it out");
-  }
-  if (const OrderedJson* rf = field(j, "response_format")) {
-    if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string()) {
-      return bad("response_format", "'response_format' must be an object with a string 'type'");
-    }
-    const std::string t = (*rf)["type"].get<std::string>();
-    if (t != "text") {
-      return unsupported("response_format",
-                         "response_format type '" + t +
-                             "' needs guided decoding, which this server does not have yet; "
-                             "use {\"type\": \"text\"} and describe the format in the prompt");
-    }
-  }
-  for (const char* guided : {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}) {
-    if (field(j, guided)) {
-      return unsupported(guided, std::string("'") + guided + "' (guided decoding) is not supported by this server");
-    }
-  }
+  M3_TRY_STATUS(parse_logit_controls(j, p));
+  M3_TRY_STATUS(parse_structured(j, p));
   (void)chat;
   return {};
 }
@@ -647,6 +867,8 @@ engine::SamplingParams make_sampling_params(const CommonParams& p, const Generat
   sp.min_tokens = p.min_tokens;
   sp.ignore_eos = p.ignore_eos;
   sp.stop_token_ids = p.stop_token_ids;
+  sp.logit_bias = p.logit_bias;
+  sp.allowed_token_ids = p.allowed_token_ids;
   if (p.max_tokens) sp.max_tokens = *p.max_tokens;
   return sp;
 }

@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "engine/sampling_params.h"
+#include "text/structured_output.h"
 
 namespace m3::server {
 
@@ -61,6 +62,12 @@ struct CommonParams {
   bool include_stop_str_in_output = false;
   int32_t priority = 0;
   int32_t logprobs = -1;  // -1 none; k >= 0: chosen token + top k
+  // Structured outputs: response_format (json_object / json_schema), structured_outputs {json,
+  // regex, choice, grammar, json_object}, or the deprecated guided_* fields; at most one.
+  std::optional<text::StructuredOutputSpec> structured;
+  std::vector<std::pair<int32_t, float>> logit_bias;  // clamped to [-100, 100]
+  std::vector<int32_t> allowed_token_ids;
+  std::vector<std::string> bad_words;  // tokenized by the handler
 };
 
 // One completions prompt: text, or token ids.

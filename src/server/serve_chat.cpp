@@ -12,27 +12,32 @@ namespace m3::server {
 
 namespace {
 
-// Required / named tool_choice are asked for in the prompt (no guided decoding yet); this
-// checks that the model complied.
+// Required / named tool_choice are enforced by a grammar over the tool-call markup, so an output
+// that ended by itself ("stop") always holds the call; this checks that invariant. An output cut
+// by max_tokens ("length") or aborted is returned as it is, like any truncated answer.
 std::optional<Error> check_tool_choice(const ToolChoice& tc, const ChoiceOutput& out) {
+  if (out.finish_reason() != "stop" && out.finish_reason() != "tool_calls") return std::nullopt;
   if (tc.kind == ToolChoiceKind::kRequired && out.tool_calls().empty()) {
     return Error{ErrorCode::kInternal,
-                 "tool_choice is \"required\" but the model answered without a tool call (this server "
-                 "asks for the call in the prompt and validates the answer; it has no guided decoding "
-                 "yet); retry, or use tool_choice \"auto\"",
+                 "tool_choice is \"required\" but the output holds no parsable tool call although "
+                 "the tool-call grammar completed; please report this",
                  "tool_choice"};
   }
   if (tc.kind == ToolChoiceKind::kNamed) {
     if (out.tool_calls().empty()) {
       return Error{ErrorCode::kInternal,
-                   "tool_choice names `" + tc.name + "` but the model answered without calling it; retry, or use tool_choice \"auto\"",
+                   "tool_choice names `" + tc.name +
+                       "` but the output holds no parsable call of it although "
+                       "the tool-call grammar completed; please report this",
                    "tool_choice"};
     }
     for (const auto& c : out.tool_calls()) {
       if (c.name != tc.name) {
-        return Error{ErrorCode::kInternal,
-                     "tool_choice names `" + tc.name + "` but the model called `" + c.name + "`; retry, or use tool_choice \"auto\"",
-                     "tool_choice"};
+        return Error{
+            ErrorCode::kInternal,
+            "tool_choice names `" + tc.name + "` but the output calls `" + c.name +
+                "` although the tool-call grammar allows only the named one; please report this",
+            "tool_choice"};
       }
     }
   }
@@ -70,6 +75,43 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
   if (auto st = fit_context(sp, r.common, gen->prompts[0].ids.size(), "messages"); !st) {
     return send_error(res, st.error());
   }
+  // tool_choice required / named: a grammar over the M3 tool-call block makes the call certain.
+  std::optional<text::StructuredOutputSpec> spec = r.common.structured;
+  const bool forced_tool = wants_tools && (r.tool_choice.kind == ToolChoiceKind::kRequired ||
+                                           r.tool_choice.kind == ToolChoiceKind::kNamed);
+  if (forced_tool) {
+    if (spec) {
+      return send_error(
+          res, Error{ErrorCode::kInvalidArgument,
+                     "tool_choice \"required\" or a named function already fixes the output's "
+                     "format; drop '" +
+                         spec->param + "' or use tool_choice \"auto\"",
+                     spec->param});
+    }
+    text::StructuredOutputSpec ts;
+    ts.kind = text::StructuredOutputSpec::Kind::kToolCall;
+    ts.tools = r.tools;
+    if (r.tool_choice.kind == ToolChoiceKind::kNamed) ts.tool_name = r.tool_choice.name;
+    ts.param = "tool_choice";
+    spec = std::move(ts);
+  }
+  // The format applies after the reasoning block when reasoning is parsed out of the output.
+  text::ReasoningPrefix prefix = text::ReasoningPrefix::kNone;
+  if (cfg_.parse_reasoning) {
+    switch (rendered->thinking_mode) {
+      case text::ThinkingMode::kEnabled:
+        prefix = text::ReasoningPrefix::kInside;
+        break;
+      case text::ThinkingMode::kDisabled:
+        prefix = text::ReasoningPrefix::kNone;
+        break;
+      case text::ThinkingMode::kAdaptive:
+        prefix = text::ReasoningPrefix::kOptional;
+        break;
+    }
+  }
+  if (auto st = apply_output_controls(sp, r.common, spec, prefix); !st)
+    return send_error(res, st.error());
 
   ChoiceOptions base;
   base.tokenizer = assets_.tokenizer;

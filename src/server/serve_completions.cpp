@@ -59,6 +59,11 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
     }
   }
   if (auto st = fit_context(sp, r.common, longest, longest_param); !st) return send_error(res, st.error());
+  if (auto st =
+          apply_output_controls(sp, r.common, r.common.structured, text::ReasoningPrefix::kNone);
+      !st) {
+    return send_error(res, st.error());
+  }
 
   ChoiceOptions base;
   base.tokenizer = assets_.tokenizer;

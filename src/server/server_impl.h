@@ -21,6 +21,7 @@
 #include "server/http_front.h"
 #include "server/http_server.h"
 #include "server/response_json.h"
+#include "text/structured_output.h"
 
 namespace m3::server {
 
@@ -46,6 +47,8 @@ class HttpServerImpl {
   // than max_model_len * this many bytes (x2 for normalisation) cannot fit, so it is refused
   // before it is tokenized.
   size_t max_token_bytes_ = 1;
+  // Compiles structured outputs with the tokenizer's vocabulary (output_constraints.cpp); caches.
+  std::unique_ptr<text::StructuredOutputCompiler> structured_;
 
   const std::string& model_name() const { return cfg_.served_model_names[0]; }
 
@@ -86,6 +89,11 @@ class HttpServerImpl {
   // Fills max_tokens and checks the context length; `param` names the prompt field.
   Status fit_context(engine::SamplingParams& sp, const CommonParams& p, size_t prompt_len,
                      const std::string& param) const;
+  // output_constraints.cpp: fills sp's bad_words (tokenized) and, for `spec`, its grammar
+  // constraint (the format after the reasoning `prefix`). Errors name the field.
+  Status apply_output_controls(engine::SamplingParams& sp, const CommonParams& p,
+                               const std::optional<text::StructuredOutputSpec>& spec,
+                               text::ReasoningPrefix prefix) const;
   // Submits slots for every prompt x n; on error nothing stays submitted.
   Status submit_all(Generation& gen, const engine::SamplingParams& sp, const CommonParams& p,
                     const ChoiceOptions& base) const;

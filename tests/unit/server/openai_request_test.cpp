@@ -174,12 +174,107 @@ TEST(OpenAIRequest, ToolChoiceForms) {
 
 TEST(OpenAIRequest, UnsupportedFeaturesAreNamed) {
   const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
-  Error e = chat_error("{" + msgs + R"(, "response_format": {"type": "json_object"}})");
+  Error e = chat_error("{" + msgs + R"(, "response_format": {"type": "structural_tag"}})");
   EXPECT_EQ(e.param, "response_format");
   EXPECT_EQ(error_body(e)["error"]["code"], "unsupported_value");
-  EXPECT_TRUE(parse_chat_request("{" + msgs + R"(, "response_format": {"type": "text"}})").has_value());
-  EXPECT_EQ(chat_error("{" + msgs + R"(, "logit_bias": {"5": 1}})").param, "logit_bias");
+  EXPECT_TRUE(
+      parse_chat_request("{" + msgs + R"(, "response_format": {"type": "text"}})").has_value());
   EXPECT_EQ(chat_error("{" + msgs + R"(, "best_of": 3})").param, "best_of");
+  EXPECT_EQ(
+      chat_error("{" + msgs + R"(, "structured_outputs": {"whitespace_pattern": " "}})").param,
+      "structured_outputs.whitespace_pattern");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "guided_whitespace_pattern": " "})").param,
+            "guided_whitespace_pattern");
+}
+
+// response_format, structured_outputs and the guided_* aliases become one StructuredOutputSpec
+// naming its field; conflicting or malformed ones are refused by name.
+TEST(OpenAIRequest, StructuredOutputFields) {
+  using K = text::StructuredOutputSpec::Kind;
+  const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+  auto spec = [&](const std::string& extra) {
+    auto r = parse_chat_request("{" + msgs + ", " + extra + "}");
+    EXPECT_TRUE(r.has_value()) << extra << ": " << (r ? "" : r.error().message);
+    return r && r->common.structured ? *r->common.structured : text::StructuredOutputSpec{};
+  };
+  auto s = spec(R"("response_format": {"type": "json_object"})");
+  EXPECT_EQ(s.kind, K::kJsonObject);
+  EXPECT_EQ(s.param, "response_format");
+  s = spec(
+      R"("response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": true,
+           "schema": {"type": "object", "properties": {"b": {}, "a": {}}}}})");
+  EXPECT_EQ(s.kind, K::kJsonSchema);
+  EXPECT_EQ(s.param, "response_format.json_schema.schema");
+  EXPECT_LT(s.value.find("\"b\""), s.value.find("\"a\""));  // property order kept
+  s = spec(R"("structured_outputs": {"regex": "[0-9]+"})");
+  EXPECT_EQ(s.kind, K::kRegex);
+  EXPECT_EQ(s.value, "[0-9]+");
+  EXPECT_EQ(s.param, "structured_outputs.regex");
+  s = spec(R"("structured_outputs": {"choice": ["a", "b"], "disable_fallback": true})");
+  EXPECT_EQ(s.kind, K::kChoice);
+  EXPECT_EQ(s.choices, (std::vector<std::string>{"a", "b"}));
+  s = spec(R"("structured_outputs": {"grammar": "root ::= \"x\""})");
+  EXPECT_EQ(s.kind, K::kGrammar);
+  s = spec(R"("structured_outputs": {"json_object": true})");
+  EXPECT_EQ(s.kind, K::kJsonObject);
+  s = spec(R"("guided_json": "{\"type\": \"object\"}")");
+  EXPECT_EQ(s.kind, K::kJsonSchema);
+  EXPECT_EQ(s.param, "guided_json");
+  s = spec(R"("guided_choice": ["x"], "guided_decoding_backend": "xgrammar")");
+  EXPECT_EQ(s.kind, K::kChoice);
+  EXPECT_EQ(spec(R"("guided_regex": "a+")").param, "guided_regex");
+  EXPECT_EQ(spec(R"("guided_grammar": "root ::= \"a\"")").param, "guided_grammar");
+  auto r = parse_completion_request(R"({"prompt": "x", "structured_outputs": {"choice": ["a"]}})");
+  ASSERT_TRUE(r.has_value());
+  EXPECT_TRUE(r->common.structured.has_value());
+
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "response_format": {"type": "json_object"},
+            "structured_outputs": {"regex": "a"}})")
+                .param,
+            "structured_outputs.regex");
+  EXPECT_EQ(
+      chat_error("{" + msgs + R"(, "structured_outputs": {"regex": "a", "choice": ["b"]}})").param,
+      "structured_outputs.choice");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "response_format": {"type": "json_schema"}})").param,
+            "response_format.json_schema");
+  EXPECT_EQ(
+      chat_error("{" + msgs +
+                 R"(, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})")
+          .param,
+      "response_format.json_schema.schema");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "response_format": {"type": "yaml"}})").param,
+            "response_format.type");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "structured_outputs": {"choice": []}})").param,
+            "structured_outputs.choice");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "structured_outputs": {"regex": 5}})").param,
+            "structured_outputs.regex");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "structured_outputs": {"jsn": {}}})").param,
+            "structured_outputs.jsn");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "guided_json": "not json"})").param, "guided_json");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "structured_outputs": {"backend": "outlines"}})").param,
+            "structured_outputs.backend");
+}
+
+TEST(OpenAIRequest, LogitBiasAllowedTokenIdsAndBadWords) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+  auto r = parse_chat_request("{" + msgs + R"(, "logit_bias": {"5": 1.5, "7": -300, "9": 250},
+                              "allowed_token_ids": [1, 2, 3], "bad_words": ["foo", " bar baz"]})");
+  ASSERT_TRUE(r.has_value()) << r.error().message;
+  using P = std::pair<int32_t, float>;
+  EXPECT_EQ(r->common.logit_bias, (std::vector<P>{{5, 1.5f}, {7, -100.f}, {9, 100.f}}));  // clamped
+  EXPECT_EQ(r->common.allowed_token_ids, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(r->common.bad_words, (std::vector<std::string>{"foo", " bar baz"}));
+  const auto sp = make_sampling_params(r->common, GenerationDefaults{});
+  EXPECT_EQ(sp.logit_bias.size(), 3u);
+  EXPECT_EQ(sp.allowed_token_ids.size(), 3u);
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "logit_bias": {"x": 1}})").param, "logit_bias");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "logit_bias": {"-1": 1}})").param, "logit_bias");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "logit_bias": {"1": "a"}})").param, "logit_bias");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "logit_bias": [1]})").param, "logit_bias");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "allowed_token_ids": []})").param, "allowed_token_ids");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "allowed_token_ids": ["a"]})").param, "allowed_token_ids");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "bad_words": [""]})").param, "bad_words[0]");
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "bad_words": "x"})").param, "bad_words");
 }
 
 TEST(OpenAIRequest, CompletionPromptForms) {

@@ -1,0 +1,297 @@
+#include "text/structured_output.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+
+#ifdef M3_HAS_XGRAMMAR
+#include <xgrammar/xgrammar.h>
+#endif
+
+namespace m3::text {
+
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr const char* kNs = "]<]minimax[>[";  // the M3 tool-call namespace marker
+constexpr const char* kThinkBegin = "<mm:think>";
+constexpr const char* kThinkEnd = "</mm:think>";
+// Special tokens whose text the formats above spell; every other special token is never allowed
+// (its text would vanish from the output when special tokens are skipped).
+constexpr const char* kGrammarSpecials[] = {"]<]minimax[>[", "<tool_call>", "</tool_call>",
+                                            "<mm:think>", "</mm:think>"};
+
+// Whitespace between JSON tokens is free (as vLLM's default), up to this many characters per gap:
+// enough for JSON pretty-printed 4 spaces deep 15 levels, and it keeps a weak model from spending
+// its whole max_tokens on a run of blanks inside an object.
+constexpr int kMaxJsonWhitespace = 64;
+
+tl::unexpected<Error> bad(const std::string& param, const std::string& message) {
+  return make_error(ErrorCode::kInvalidArgument, message, param);
+}
+
+Json const_string(const std::string& s) {
+  return {{"type", "const_string"}, {"value", s}};
+}
+
+// The tool-call block in the M3 markup (docs: m3-model.md 6.3): NS<tool_call>\n, one or more
+// NS<invoke name="F"> parameters-as-XML NS</invoke>\n, NS</tool_call>. Parameters follow the
+// function's JSON schema in xgrammar's minimax_m3_xml style (NS<p>value NS</p>, nested objects and
+// arrays as child elements).
+Result<Json> tool_call_format(const StructuredOutputSpec& spec) {
+  Json invokes = Json::array();
+  if (!spec.tools.is_array() || spec.tools.empty()) {
+    return bad(spec.param, "'" + spec.param + "' needs a non-empty 'tools' list");
+  }
+  for (size_t i = 0; i < spec.tools.size(); ++i) {
+    const Json& fn = spec.tools[i].contains("function") ? spec.tools[i]["function"] : spec.tools[i];
+    const std::string name = fn.value("name", "");
+    if (!spec.tool_name.empty() && name != spec.tool_name) continue;
+    Json params = fn.contains("parameters") && fn["parameters"].is_object()
+                      ? fn["parameters"]
+                      : Json{{"type", "object"}, {"properties", Json::object()}};
+    invokes.push_back(
+        {{"type", "tag"},
+         {"begin", std::string(kNs) + "<invoke name=\"" + name + "\">"},
+         {"content",
+          {{"type", "json_schema"}, {"json_schema", params}, {"style", "minimax_m3_xml"}}},
+         {"end", std::string(kNs) + "</invoke>\n"}});
+  }
+  if (invokes.empty()) {
+    return bad(spec.param,
+               "tool_choice names function '" + spec.tool_name + "', which is not in 'tools'");
+  }
+  Json content = spec.tool_name.empty() ? Json{{"type", "tags_with_separator"},
+                                               {"tags", invokes},
+                                               {"separator", ""},
+                                               {"at_least_one", true}}
+                                        : invokes[0];
+  return Json{{"type", "tag"},
+              {"begin", std::string(kNs) + "<tool_call>\n"},
+              {"content", content},
+              {"end", std::string(kNs) + "</tool_call>"}};
+}
+
+// The structural-tag format (xgrammar's JSON description) of the output after any reasoning.
+Result<Json> body_format(const StructuredOutputSpec& spec) {
+  using K = StructuredOutputSpec::Kind;
+  switch (spec.kind) {
+    case K::kJsonSchema: {
+      Json schema = Json::parse(spec.value, nullptr, false);
+      if (schema.is_discarded() || !(schema.is_object() || schema.is_boolean())) {
+        return bad(spec.param, "'" + spec.param + "' must be a JSON schema (an object)");
+      }
+      return Json{{"type", "json_schema"},
+                  {"json_schema", schema},
+                  {"max_whitespace_cnt", kMaxJsonWhitespace}};
+    }
+    case K::kJsonObject:
+      return Json{{"type", "json_schema"},
+                  {"json_schema", {{"type", "object"}, {"additionalProperties", true}}},
+                  {"max_whitespace_cnt", kMaxJsonWhitespace}};
+    case K::kRegex:
+      return Json{{"type", "regex"}, {"pattern", spec.value}};
+    case K::kChoice: {
+      if (spec.choices.empty())
+        return bad(spec.param, "'" + spec.param + "' must list at least one choice");
+      Json elems = Json::array();
+      for (const auto& c : spec.choices) elems.push_back(const_string(c));
+      return Json{{"type", "or"}, {"elements", elems}};
+    }
+    case K::kGrammar:
+      return Json{{"type", "grammar"}, {"grammar", spec.value}};
+    case K::kToolCall:
+      return tool_call_format(spec);
+  }
+  return bad(spec.param, "unknown structured output kind");
+}
+
+Json with_reasoning(Json body, ReasoningPrefix prefix) {
+  if (prefix == ReasoningPrefix::kNone) return body;
+  Json free_text = {{"type", "any_text"}};
+  if (prefix == ReasoningPrefix::kInside) {
+    Json reasoning = {{"type", "tag"}, {"begin", ""}, {"content", free_text}, {"end", kThinkEnd}};
+    return Json{{"type", "sequence"}, {"elements", {reasoning, body}}};
+  }
+  Json block = {
+      {"type", "tag"}, {"begin", kThinkBegin}, {"content", free_text}, {"end", kThinkEnd}};
+  Json lead = {{"type", "optional"},
+               {"content", {{"type", "or"}, {"elements", {block, const_string(kThinkEnd)}}}}};
+  return Json{{"type", "sequence"}, {"elements", {lead, body}}};
+}
+
+// xgrammar's messages start with "[hh:mm:ss] path/file.cc:line: ": keep what follows.
+std::string clean_message(std::string msg) {
+  if (!msg.empty() && msg[0] == '[') {
+    const size_t src = msg.find(".cc:");
+    const size_t colon = src == std::string::npos ? src : msg.find(": ", src);
+    if (colon != std::string::npos) msg = msg.substr(colon + 2);
+  }
+  while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
+  if (msg.size() > 600) msg = msg.substr(0, 600) + "...";
+  return msg;
+}
+
+std::string what_of(const StructuredOutputSpec& spec) {
+  using K = StructuredOutputSpec::Kind;
+  switch (spec.kind) {
+    case K::kJsonSchema:
+      return "JSON schema";
+    case K::kJsonObject:
+      return "JSON object format";
+    case K::kRegex:
+      return "regular expression";
+    case K::kChoice:
+      return "choice list";
+    case K::kGrammar:
+      return "EBNF grammar (xgrammar/GBNF syntax with a `root ::= ...` rule)";
+    case K::kToolCall:
+      return "tool-call format (a tool's parameters schema)";
+  }
+  return "format";
+}
+
+}  // namespace
+
+#ifdef M3_HAS_XGRAMMAR
+
+namespace {
+
+class XgMatcher final : public TokenMatcher {
+ public:
+  XgMatcher(const xgrammar::CompiledGrammar& g, int32_t bitmask_words)
+      : m_(g), bits_(bitmask_words, 0) {}
+
+  void fill_allowed(std::span<uint32_t> allowed) override {
+    std::fill(bits_.begin(), bits_.end(), 0);
+    int64_t shape[1] = {static_cast<int64_t>(bits_.size())};
+    DLTensor t{};
+    t.data = bits_.data();
+    t.device = DLDevice{kDLCPU, 0};
+    t.ndim = 1;
+    t.dtype = xgrammar::GetBitmaskDLType();
+    t.shape = shape;
+    m_.FillNextTokenBitmask(&t);
+    const size_t n = std::min(allowed.size(), bits_.size());
+    std::memcpy(allowed.data(), bits_.data(), n * sizeof(uint32_t));
+  }
+  bool accept(int32_t token_id) override { return m_.AcceptToken(token_id); }
+  bool is_terminated() const override { return m_.IsTerminated(); }
+
+ private:
+  xgrammar::GrammarMatcher m_;
+  std::vector<int32_t> bits_;
+};
+
+class XgStructure final : public CompiledStructure {
+ public:
+  XgStructure(xgrammar::CompiledGrammar g, int32_t words) : g_(std::move(g)), words_(words) {}
+  std::unique_ptr<TokenMatcher> make_matcher() const override {
+    return std::make_unique<XgMatcher>(g_, words_);
+  }
+
+ private:
+  xgrammar::CompiledGrammar g_;
+  int32_t words_;
+};
+
+}  // namespace
+
+struct StructuredOutputCompiler::Impl {
+  std::shared_ptr<const Tokenizer> tokenizer;
+  int64_t vocab_size = 0;
+  std::vector<int32_t> stop_ids;
+  std::mutex mu;
+  std::optional<xgrammar::GrammarCompiler> compiler;  // made on first use (walks the vocab)
+  int32_t words = 0;
+  // Compiled structures by key; cleared when it grows past kMaxEntries.
+  static constexpr size_t kMaxEntries = 512;
+  std::map<std::string, std::shared_ptr<const CompiledStructure>> cache;
+
+  xgrammar::GrammarCompiler& get_compiler() {
+    if (!compiler) {
+      const int32_t n =
+          std::max<int32_t>(tokenizer->vocab_size(), static_cast<int32_t>(vocab_size));
+      std::vector<std::string> vocab(tokenizer->vocab_size());
+      for (int32_t id = 0; id < tokenizer->vocab_size(); ++id) {
+        if (!tokenizer->contains_id(id)) continue;  // "" = never allowed
+        std::string text(tokenizer->decoded_bytes(id));
+        if (tokenizer->is_special(id) &&
+            std::find(std::begin(kGrammarSpecials), std::end(kGrammarSpecials), text) ==
+                std::end(kGrammarSpecials)) {
+          text.clear();
+        }
+        vocab[id] = std::move(text);
+      }
+      xgrammar::TokenizerInfo info(vocab, xgrammar::VocabType::RAW, n, stop_ids, false);
+      compiler.emplace(info, /*max_threads=*/2, /*cache_enabled=*/false);
+      words = xgrammar::GetBitmaskSize(n);
+    }
+    return *compiler;
+  }
+};
+
+StructuredOutputCompiler::StructuredOutputCompiler(std::shared_ptr<const Tokenizer> tokenizer,
+                                                   int64_t vocab_size,
+                                                   std::vector<int32_t> stop_token_ids)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->tokenizer = std::move(tokenizer);
+  impl_->vocab_size = vocab_size;
+  impl_->stop_ids = std::move(stop_token_ids);
+}
+
+bool StructuredOutputCompiler::available() {
+  return true;
+}
+
+Result<std::shared_ptr<const CompiledStructure>> StructuredOutputCompiler::compile(
+    const StructuredOutputSpec& spec, ReasoningPrefix prefix) const {
+  M3_TRY(Json body, body_format(spec));
+  const Json tag = {{"type", "structural_tag"},
+                    {"format", with_reasoning(std::move(body), prefix)}};
+  const std::string key = tag.dump();
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (auto it = impl_->cache.find(key); it != impl_->cache.end()) return it->second;
+  try {
+    xgrammar::GrammarCompiler& c = impl_->get_compiler();
+    auto compiled = std::make_shared<XgStructure>(c.CompileStructuralTag(key), impl_->words);
+    if (impl_->cache.size() >= Impl::kMaxEntries) impl_->cache.clear();
+    impl_->cache.emplace(key, compiled);
+    return std::shared_ptr<const CompiledStructure>(compiled);
+  } catch (const std::exception& e) {
+    return bad(spec.param, "'" + spec.param + "' is not a valid " + what_of(spec) + ": " +
+                               clean_message(e.what()));
+  }
+}
+
+#else  // !M3_HAS_XGRAMMAR
+
+struct StructuredOutputCompiler::Impl {};
+
+StructuredOutputCompiler::StructuredOutputCompiler(std::shared_ptr<const Tokenizer>, int64_t,
+                                                   std::vector<int32_t>) {}
+
+bool StructuredOutputCompiler::available() {
+  return false;
+}
+
+Result<std::shared_ptr<const CompiledStructure>> StructuredOutputCompiler::compile(
+    const StructuredOutputSpec& spec, ReasoningPrefix prefix) const {
+  (void)prefix;
+  return make_error(
+      ErrorCode::kUnsupported,
+      "'" + spec.param +
+          "' needs structured outputs, and this m3serve was built "
+          "without xgrammar; rebuild after tools/setup.sh (or tools/gpu_deps.sh on the "
+          "GPU machine) fetches it",
+      spec.param);
+}
+
+#endif
+
+StructuredOutputCompiler::~StructuredOutputCompiler() = default;
+
+}  // namespace m3::text
