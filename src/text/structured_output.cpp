@@ -12,6 +12,8 @@
 
 namespace m3::text {
 
+#ifdef M3_HAS_XGRAMMAR
+
 namespace {
 
 using Json = nlohmann::ordered_json;
@@ -153,12 +155,6 @@ std::string what_of(const StructuredOutputSpec& spec) {
   }
   return "format";
 }
-
-}  // namespace
-
-#ifdef M3_HAS_XGRAMMAR
-
-namespace {
 
 class XgMatcher final : public TokenMatcher {
  public:
