@@ -39,6 +39,55 @@ Json const_string(const std::string& s) {
   return {{"type", "const_string"}, {"value", s}};
 }
 
+// A tool's parameters schema relaxed to what xgrammar's minimax_m3_xml style can express, so any
+// valid tool schema gives a grammar (the call stays well-formed; the tool parser then converts the
+// values with the request's own schema). String pattern / format / length limits are dropped
+// (a value's text must only exclude the namespace marker); an untyped value and a free-form
+// object (no properties: a dict) become a string, which the parser reads as JSON text; extra
+// properties of an object with declared ones are not offered.
+void relax_for_m3_xml(Json& s, bool top) {
+  if (!s.is_object()) return;
+  static constexpr const char* kShape[] = {"type", "properties", "items", "prefixItems", "anyOf",
+                                           "oneOf", "allOf", "enum", "const", "$ref"};
+  bool shaped = false;
+  for (const char* k : kShape) shaped = shaped || s.contains(k);
+  if (!shaped) {
+    s = Json{{"type", "string"}};
+    return;
+  }
+  for (const char* k : {"pattern", "format", "minLength", "maxLength"}) s.erase(k);
+  const bool has_props =
+      s.contains("properties") && s["properties"].is_object() && !s["properties"].empty();
+  if (!top && !has_props && s.value("type", Json()) == Json("object")) {
+    s = Json{{"type", "string"}};
+    return;
+  }
+  for (const char* k : {"additionalProperties", "patternProperties", "propertyNames",
+                        "unevaluatedProperties", "unevaluatedItems"}) {
+    s.erase(k);
+  }
+  if (has_props) {
+    for (auto& [name, sub] : s["properties"].items()) relax_for_m3_xml(sub, false);
+  }
+  if (s.contains("items")) {
+    if (s["items"].is_array()) {
+      for (auto& sub : s["items"]) relax_for_m3_xml(sub, false);
+    } else if (s["items"].is_object()) {
+      relax_for_m3_xml(s["items"], false);
+    }
+  }
+  for (const char* k : {"prefixItems", "anyOf", "oneOf", "allOf"}) {
+    if (s.contains(k) && s[k].is_array()) {
+      for (auto& sub : s[k]) relax_for_m3_xml(sub, false);
+    }
+  }
+  for (const char* k : {"$defs", "definitions"}) {
+    if (s.contains(k) && s[k].is_object()) {
+      for (auto& [name, sub] : s[k].items()) relax_for_m3_xml(sub, false);
+    }
+  }
+}
+
 // The tool-call block in the M3 markup (docs: m3-model.md 6.3): NS<tool_call>\n, one or more
 // NS<invoke name="F"> parameters-as-XML NS</invoke>\n, NS</tool_call>. Parameters follow the
 // function's JSON schema in xgrammar's minimax_m3_xml style (NS<p>value NS</p>, nested objects and
@@ -55,6 +104,7 @@ Result<Json> tool_call_format(const StructuredOutputSpec& spec) {
     Json params = fn.contains("parameters") && fn["parameters"].is_object()
                       ? fn["parameters"]
                       : Json{{"type", "object"}, {"properties", Json::object()}};
+    relax_for_m3_xml(params, /*top=*/true);
     invokes.push_back(
         {{"type", "tag"},
          {"begin", std::string(kNs) + "<invoke name=\"" + name + "\">"},
