@@ -47,8 +47,8 @@ Json const_string(const std::string& s) {
 // properties of an object with declared ones are not offered.
 void relax_for_m3_xml(Json& s, bool top) {
   if (!s.is_object()) return;
-  static constexpr const char* kShape[] = {"type", "properties", "items", "prefixItems", "anyOf",
-                                           "oneOf", "allOf", "enum", "const", "$ref"};
+  static constexpr const char* kShape[] = {"type",  "properties", "items", "prefixItems", "anyOf",
+                                           "oneOf", "allOf",      "enum",  "const",       "$ref"};
   bool shaped = false;
   for (const char* k : kShape) shaped = shaped || s.contains(k);
   if (!shaped) {
@@ -296,21 +296,30 @@ bool StructuredOutputCompiler::available() {
 Result<std::shared_ptr<const CompiledStructure>> StructuredOutputCompiler::compile(
     const StructuredOutputSpec& spec, ReasoningPrefix prefix) const {
   M3_TRY(Json body, body_format(spec));
-  const Json tag = {{"type", "structural_tag"},
-                    {"format", with_reasoning(std::move(body), prefix)}};
+  const Json tag = {{"type", "structural_tag"}, {"format", with_reasoning(std::move(body), prefix)}};
   const std::string key = tag.dump();
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  if (auto it = impl_->cache.find(key); it != impl_->cache.end()) return it->second;
-  try {
-    xgrammar::GrammarCompiler& c = impl_->get_compiler();
-    auto compiled = std::make_shared<XgStructure>(c.CompileStructuralTag(key), impl_->words);
-    if (impl_->cache.size() >= Impl::kMaxEntries) impl_->cache.clear();
-    impl_->cache.emplace(key, compiled);
-    return std::shared_ptr<const CompiledStructure>(compiled);
-  } catch (const std::exception& e) {
-    return bad(spec.param, "'" + spec.param + "' is not a valid " + what_of(spec) + ": " +
-                               clean_message(e.what()));
+  xgrammar::GrammarCompiler* c = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (auto it = impl_->cache.find(key); it != impl_->cache.end()) return it->second;
+    c = &impl_->get_compiler();
   }
+  // Compiled without the lock (xgrammar's compiler is thread-safe): a large schema does not hold
+  // up other requests. Two requests with a new key at once may both compile it; one is kept.
+  try {
+    auto compiled = std::make_shared<XgStructure>(c->CompileStructuralTag(key), impl_->words);
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (impl_->cache.size() >= Impl::kMaxEntries) impl_->cache.clear();
+    return impl_->cache.emplace(key, compiled).first->second;
+  } catch (const std::exception& e) {
+    return bad(spec.param,
+               "'" + spec.param + "' is not a valid " + what_of(spec) + ": " + clean_message(e.what()));
+  }
+}
+
+void StructuredOutputCompiler::warm_up() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->get_compiler();
 }
 
 #else  // !M3_HAS_XGRAMMAR

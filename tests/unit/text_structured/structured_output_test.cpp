@@ -198,8 +198,8 @@ TEST_F(Structured, ToolSchemasAreRelaxedToTheMarkup) {
   auto c = compile(spec);
   ASSERT_TRUE(c);
   const std::string call = ns + "<tool_call>\n" + ns + "<invoke name=\"f\">" + ns + "<q>A b" + ns +
-                           "</q>" + ns + "<any>5" + ns + "</any>" + ns + "<meta>{\"k\": \"v\"}" + ns +
-                           "</meta>" + ns + "</invoke>\n" + ns + "</tool_call>";
+                           "</q>" + ns + "<any>5" + ns + "</any>" + ns + "<meta>{\"k\": \"v\"}" +
+                           ns + "</meta>" + ns + "</invoke>\n" + ns + "</tool_call>";
   expect_complete(*c, call);
 }
 
