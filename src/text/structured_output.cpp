@@ -220,11 +220,23 @@ class XgMatcher final : public TokenMatcher {
     t.ndim = 1;
     t.dtype = xgrammar::GetBitmaskDLType();
     t.shape = shape;
-    m_.FillNextTokenBitmask(&t);
+    // No exception leaves the module: a matcher that fails allows nothing, so the request ends
+    // (the engine stops a request whose masks leave no token).
+    try {
+      m_.FillNextTokenBitmask(&t);
+    } catch (const std::exception&) {
+      std::fill(bits_.begin(), bits_.end(), 0);
+    }
     const size_t n = std::min(allowed.size(), bits_.size());
     std::memcpy(allowed.data(), bits_.data(), n * sizeof(uint32_t));
   }
-  bool accept(int32_t token_id) override { return m_.AcceptToken(token_id); }
+  bool accept(int32_t token_id) override {
+    try {
+      return m_.AcceptToken(token_id);
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
   bool is_terminated() const override { return m_.IsTerminated(); }
 
  private:
