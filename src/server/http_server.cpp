@@ -53,6 +53,7 @@ HttpServerImpl::HttpServerImpl(engine::Engine& engine, ServerAssets assets, Serv
   }
   structured_ = std::make_unique<text::StructuredOutputCompiler>(
       assets_.tokenizer, engine_.model_info().vocab_size, engine_.model_info().eos_token_ids);
+  structured_->warm_up();  // at start, so the first structured request does not pay for it
   HttpLimits lim;
   int threads = cfg_.num_http_threads;
   if (threads <= 0) threads = std::clamp(cfg_.max_num_seqs * 4, 256, 1024);

@@ -12,6 +12,8 @@
 
 namespace m3::text {
 
+#ifdef M3_HAS_XGRAMMAR
+
 namespace {
 
 using Json = nlohmann::ordered_json;
@@ -37,6 +39,55 @@ Json const_string(const std::string& s) {
   return {{"type", "const_string"}, {"value", s}};
 }
 
+// A tool's parameters schema relaxed to what xgrammar's minimax_m3_xml style can express, so any
+// valid tool schema gives a grammar (the call stays well-formed; the tool parser then converts the
+// values with the request's own schema). String pattern / format / length limits are dropped
+// (a value's text must only exclude the namespace marker); an untyped value and a free-form
+// object (no properties: a dict) become a string, which the parser reads as JSON text; extra
+// properties of an object with declared ones are not offered.
+void relax_for_m3_xml(Json& s, bool top) {
+  if (!s.is_object()) return;
+  static constexpr const char* kShape[] = {"type",  "properties", "items", "prefixItems", "anyOf",
+                                           "oneOf", "allOf",      "enum",  "const",       "$ref"};
+  bool shaped = false;
+  for (const char* k : kShape) shaped = shaped || s.contains(k);
+  if (!shaped) {
+    s = Json{{"type", "string"}};
+    return;
+  }
+  for (const char* k : {"pattern", "format", "minLength", "maxLength"}) s.erase(k);
+  const bool has_props =
+      s.contains("properties") && s["properties"].is_object() && !s["properties"].empty();
+  if (!top && !has_props && s.value("type", Json()) == Json("object")) {
+    s = Json{{"type", "string"}};
+    return;
+  }
+  for (const char* k : {"additionalProperties", "patternProperties", "propertyNames",
+                        "unevaluatedProperties", "unevaluatedItems"}) {
+    s.erase(k);
+  }
+  if (has_props) {
+    for (auto& [name, sub] : s["properties"].items()) relax_for_m3_xml(sub, false);
+  }
+  if (s.contains("items")) {
+    if (s["items"].is_array()) {
+      for (auto& sub : s["items"]) relax_for_m3_xml(sub, false);
+    } else if (s["items"].is_object()) {
+      relax_for_m3_xml(s["items"], false);
+    }
+  }
+  for (const char* k : {"prefixItems", "anyOf", "oneOf", "allOf"}) {
+    if (s.contains(k) && s[k].is_array()) {
+      for (auto& sub : s[k]) relax_for_m3_xml(sub, false);
+    }
+  }
+  for (const char* k : {"$defs", "definitions"}) {
+    if (s.contains(k) && s[k].is_object()) {
+      for (auto& [name, sub] : s[k].items()) relax_for_m3_xml(sub, false);
+    }
+  }
+}
+
 // The tool-call block in the M3 markup (docs: m3-model.md 6.3): NS<tool_call>\n, one or more
 // NS<invoke name="F"> parameters-as-XML NS</invoke>\n, NS</tool_call>. Parameters follow the
 // function's JSON schema in xgrammar's minimax_m3_xml style (NS<p>value NS</p>, nested objects and
@@ -53,6 +104,7 @@ Result<Json> tool_call_format(const StructuredOutputSpec& spec) {
     Json params = fn.contains("parameters") && fn["parameters"].is_object()
                       ? fn["parameters"]
                       : Json{{"type", "object"}, {"properties", Json::object()}};
+    relax_for_m3_xml(params, /*top=*/true);
     invokes.push_back(
         {{"type", "tag"},
          {"begin", std::string(kNs) + "<invoke name=\"" + name + "\">"},
@@ -154,12 +206,6 @@ std::string what_of(const StructuredOutputSpec& spec) {
   return "format";
 }
 
-}  // namespace
-
-#ifdef M3_HAS_XGRAMMAR
-
-namespace {
-
 class XgMatcher final : public TokenMatcher {
  public:
   XgMatcher(const xgrammar::CompiledGrammar& g, int32_t bitmask_words)
@@ -174,11 +220,23 @@ class XgMatcher final : public TokenMatcher {
     t.ndim = 1;
     t.dtype = xgrammar::GetBitmaskDLType();
     t.shape = shape;
-    m_.FillNextTokenBitmask(&t);
+    // No exception leaves the module: a matcher that fails allows nothing, so the request ends
+    // (the engine stops a request whose masks leave no token).
+    try {
+      m_.FillNextTokenBitmask(&t);
+    } catch (const std::exception&) {
+      std::fill(bits_.begin(), bits_.end(), 0);
+    }
     const size_t n = std::min(allowed.size(), bits_.size());
     std::memcpy(allowed.data(), bits_.data(), n * sizeof(uint32_t));
   }
-  bool accept(int32_t token_id) override { return m_.AcceptToken(token_id); }
+  bool accept(int32_t token_id) override {
+    try {
+      return m_.AcceptToken(token_id);
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
   bool is_terminated() const override { return m_.IsTerminated(); }
 
  private:
@@ -250,21 +308,30 @@ bool StructuredOutputCompiler::available() {
 Result<std::shared_ptr<const CompiledStructure>> StructuredOutputCompiler::compile(
     const StructuredOutputSpec& spec, ReasoningPrefix prefix) const {
   M3_TRY(Json body, body_format(spec));
-  const Json tag = {{"type", "structural_tag"},
-                    {"format", with_reasoning(std::move(body), prefix)}};
+  const Json tag = {{"type", "structural_tag"}, {"format", with_reasoning(std::move(body), prefix)}};
   const std::string key = tag.dump();
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  if (auto it = impl_->cache.find(key); it != impl_->cache.end()) return it->second;
-  try {
-    xgrammar::GrammarCompiler& c = impl_->get_compiler();
-    auto compiled = std::make_shared<XgStructure>(c.CompileStructuralTag(key), impl_->words);
-    if (impl_->cache.size() >= Impl::kMaxEntries) impl_->cache.clear();
-    impl_->cache.emplace(key, compiled);
-    return std::shared_ptr<const CompiledStructure>(compiled);
-  } catch (const std::exception& e) {
-    return bad(spec.param, "'" + spec.param + "' is not a valid " + what_of(spec) + ": " +
-                               clean_message(e.what()));
+  xgrammar::GrammarCompiler* c = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (auto it = impl_->cache.find(key); it != impl_->cache.end()) return it->second;
+    c = &impl_->get_compiler();
   }
+  // Compiled without the lock (xgrammar's compiler is thread-safe): a large schema does not hold
+  // up other requests. Two requests with a new key at once may both compile it; one is kept.
+  try {
+    auto compiled = std::make_shared<XgStructure>(c->CompileStructuralTag(key), impl_->words);
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (impl_->cache.size() >= Impl::kMaxEntries) impl_->cache.clear();
+    return impl_->cache.emplace(key, compiled).first->second;
+  } catch (const std::exception& e) {
+    return bad(spec.param,
+               "'" + spec.param + "' is not a valid " + what_of(spec) + ": " + clean_message(e.what()));
+  }
+}
+
+void StructuredOutputCompiler::warm_up() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->get_compiler();
 }
 
 #else  // !M3_HAS_XGRAMMAR

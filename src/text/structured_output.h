@@ -70,6 +70,10 @@ class StructuredOutputCompiler {
   // Whether this build has the grammar engine.
   static bool available();
 
+  // Builds the grammar engine's view of the vocabulary (a walk over every token; the first
+  // compile does it otherwise). Thread-safe.
+  void warm_up() const;
+
   // Compiles (or finds in the cache, keyed by the spec and the prefix) the structure. Errors: an
   // invalid schema / regex / grammar / tool schema is kInvalidArgument naming spec.param; a build
   // without xgrammar gives kUnsupported.

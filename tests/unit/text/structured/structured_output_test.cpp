@@ -183,6 +183,26 @@ TEST_F(Structured, ToolCallBlockInTheM3Markup) {
   EXPECT_EQ(bad.error().param, "tool_choice");
 }
 
+// Tool schemas beyond what the XML style expresses (string limits, formats, untyped values,
+// free-form dicts, additionalProperties) still give a grammar: the call stays well-formed.
+TEST_F(Structured, ToolSchemasAreRelaxedToTheMarkup) {
+  const std::string ns = "]<]minimax[>[";
+  StructuredOutputSpec spec;
+  spec.kind = Kind::kToolCall;
+  spec.param = "tool_choice";
+  spec.tools = nlohmann::ordered_json::parse(R"([{"type": "function", "function": {"name": "f",
+    "parameters": {"type": "object", "additionalProperties": true, "properties": {
+      "q": {"type": "string", "minLength": 2, "pattern": "^[a-z]+$", "format": "email"},
+      "any": {}, "meta": {"type": "object", "additionalProperties": {"type": "string"}},
+      "n": {"type": "integer"}}, "required": ["q", "meta"]}}}])");
+  auto c = compile(spec);
+  ASSERT_TRUE(c);
+  const std::string call = ns + "<tool_call>\n" + ns + "<invoke name=\"f\">" + ns + "<q>A b" + ns +
+                           "</q>" + ns + "<any>5" + ns + "</any>" + ns + "<meta>{\"k\": \"v\"}" +
+                           ns + "</meta>" + ns + "</invoke>\n" + ns + "</tool_call>";
+  expect_complete(*c, call);
+}
+
 TEST_F(Structured, InvalidInputsAreErrorsNamingTheField) {
   struct Case {
     StructuredOutputSpec spec;
