@@ -29,12 +29,15 @@ static double measure_read_bw() {
   for (int rep = 0; rep < 3; ++rep) {
     auto t0 = Clock::now();
     std::atomic<int> slot{0};
-    m3::parallel_for(static_cast<int64_t>(n), [&](int64_t b, int64_t e) {
-      float acc[8] = {0};
-      for (int64_t i = b; i + 8 <= e; i += 8)
-        for (int l = 0; l < 8; ++l) acc[l] += buf[i + l];
-      partial[slot++ % partial.size()] += acc[0] + acc[7];
-    }, 1 << 16);
+    m3::parallel_for(
+        static_cast<int64_t>(n),
+        [&](int64_t b, int64_t e) {
+          float acc[8] = {0};
+          for (int64_t i = b; i + 8 <= e; i += 8)
+            for (int l = 0; l < 8; ++l) acc[l] += buf[i + l];
+          partial[slot++ % partial.size()] += acc[0] + acc[7];
+        },
+        1 << 16);
     best = std::max(best, n * sizeof(float) / seconds_since(t0));
   }
   if (partial[0] < 0) std::printf("?");
@@ -81,9 +84,11 @@ int main(int argc, char** argv) {
   const double flops = measure_flops();
   std::printf("ceiling: read bandwidth %.1f GB/s, fp32 FMA %.1f GFLOP/s\n", bw / 1e9, flops / 1e9);
 
-  const double weight_bytes = static_cast<double>((*m)->weights().bytes_in_place + (*m)->weights().bytes_owned);
+  const double weight_bytes =
+      static_cast<double>((*m)->weights().bytes_in_place + (*m)->weights().bytes_owned);
   for (int batch : {1, 8}) {
-    m3::runtime::SequenceRunner r(**m, static_cast<int64_t>(batch) * (prefill_len + steps + 1), batch);
+    m3::runtime::SequenceRunner r(**m, static_cast<int64_t>(batch) * (prefill_len + steps + 1),
+                                  batch);
     std::vector<int> seqs;
     std::vector<std::vector<int32_t>> prompts(batch);
     for (int b = 0; b < batch; ++b) {
@@ -97,7 +102,8 @@ int main(int argc, char** argv) {
     t0 = Clock::now();
     for (int s = 0; s < steps; ++s) {
       std::vector<m3::runtime::SequenceRunner::Chunk> chunks;
-      for (int b = 0; b < batch; ++b) chunks.push_back({seqs[b], std::span<const int32_t>(&next[b], 1), false});
+      for (int b = 0; b < batch; ++b)
+        chunks.push_back({seqs[b], std::span<const int32_t>(&next[b], 1), false});
       auto out = r.step(chunks);
       for (int b = 0; b < batch; ++b) {
         const float* row = out.logits.data() + static_cast<int64_t>(b) * cfg.vocab_size;
@@ -105,11 +111,11 @@ int main(int argc, char** argv) {
       }
     }
     const double td = seconds_since(t0);
-    std::printf("batch %d: prefill %d tokens x %d: %.1f tokens/s | decode %d steps: %.1f tokens/s, "
-                "%.2f ms/step, all weight bytes / step time %.2f GB/s (%.0f%% of the read ceiling)\n",
-                batch, prefill_len, batch, batch * prefill_len / tp, steps, batch * steps / td,
-                1e3 * td / steps, weight_bytes * steps / td / 1e9,
-                100.0 * weight_bytes * steps / td / bw);
+    std::printf(
+        "batch %d: prefill %d tokens x %d: %.1f tokens/s | decode %d steps: %.1f tokens/s, "
+        "%.2f ms/step, all weight bytes / step time %.2f GB/s (%.0f%% of the read ceiling)\n",
+        batch, prefill_len, batch, batch * prefill_len / tp, steps, batch * steps / td,
+        1e3 * td / steps, weight_bytes * steps / td / 1e9, 100.0 * weight_bytes * steps / td / bw);
   }
   return 0;
 }

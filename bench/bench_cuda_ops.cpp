@@ -57,7 +57,8 @@ int main(int argc, char** argv) {
     const double ms = time_ms(s, 10, [&] {
       M3_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, s));
     });
-    std::printf("ceiling: device copy %.0f GB/s (read + write), measured now\n", 2.0 * bytes / (ms * 1e-3) / 1e9);
+    std::printf("ceiling: device copy %.0f GB/s (read + write), measured now\n",
+                2.0 * bytes / (ms * 1e-3) / 1e9);
   }
 
   // linear: q_proj (6144 -> 8192), bf16 weights.
@@ -96,14 +97,14 @@ int main(int argc, char** argv) {
     std::vector<int32_t> hp(rows);
     std::iota(hp.begin(), hp.end(), 100000);
     DeviceBuffer<int32_t> pos(hp);
-    const double ms = time_ms(s, iters, [&] {
-      gk::rope_neox(q.data(), rows, 64, 128, 64, pos.data(), 5e6, s);
-    });
+    const double ms =
+        time_ms(s, iters, [&] { gk::rope_neox(q.data(), rows, 64, 128, 64, pos.data(), 5e6, s); });
     report("rope 512 x 64 heads x 128 (rot 64)", ms, 2.0 * rows * 64 * 64 * 4 * 1e-9, "GB/s");
   }
   {
     const int64_t inter = 3072;
-    auto gt = filled<float>(rows * inter, -8.f, 8.f, 6), up = filled<float>(rows * inter, -8.f, 8.f, 7);
+    auto gt = filled<float>(rows * inter, -8.f, 8.f, 6),
+         up = filled<float>(rows * inter, -8.f, 8.f, 7);
     DeviceBuffer<float> out(rows * inter);
     const double ms = time_ms(s, iters, [&] {
       gk::swiglu_oai(gt.data(), up.data(), rows, inter, 1.702f, 7.f, 1.f, out.data(), s);

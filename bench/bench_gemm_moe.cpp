@@ -4,7 +4,8 @@
 // bytes) at n = 1 and 8, GEMV vs cuBLASLt around the threshold, cuBLASLt TFLOP/s at n = 8192 and
 // 32768 in both GEMM precisions, and the MoE block (router + shared expert + 128 experts top-4)
 // at n = 1, 8, 64, 256, 1024 with the bytes of the experts it touched per second.
-// Usage: bench_gemm_moe [iters=20] [quick]. Exits 1 with the probe's message where no GPU is usable.
+// Usage: bench_gemm_moe [iters=20] [quick]. Exits 1 with the probe's message where no GPU is
+// usable.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -117,8 +118,10 @@ int main(int argc, char** argv) {
     const size_t wbytes = sh.m * sh.k * m3::dtype_size(sh.dt);
     DeviceBuffer<uint16_t> wb;
     DeviceBuffer<float> wf;
-    if (sh.dt == DType::kBF16) wb = bf16_weights(sh.m * sh.k, 3);
-    else wf = f32_values(sh.m * sh.k, 3, 0.05f);
+    if (sh.dt == DType::kBF16)
+      wb = bf16_weights(sh.m * sh.k, 3);
+    else
+      wf = f32_values(sh.m * sh.k, 3, 0.05f);
     const gk::MatRef w{sh.dt == DType::kBF16 ? static_cast<const void*>(wb.data()) : wf.data(),
                        sh.dt, sh.m, sh.k};
     // Every shape at n = 1 and 8; the threshold sweep (GEMV vs both GEMM precisions) on q_proj
@@ -133,11 +136,14 @@ int main(int argc, char** argv) {
         const auto prec = v == 2 ? gk::GemmPrecision::kBf16 : gk::GemmPrecision::kExact;
         if (v > 0 && (n < 8 || sh.dt == DType::kF32) && !(sweep && n >= 4)) continue;
         gk::set_gemm_precision(prec);
-        const double ms = time_ms(s, iters, [&] { blas::linear_with(path, x.data(), n, w, y.data(), s); });
+        const double ms =
+            time_ms(s, iters, [&] { blas::linear_with(path, x.data(), n, w, y.data(), s); });
         const double gbs = wbytes / (ms * 1e-3) / 1e9;
         std::printf("  %-26s n=%-3lld %-10s %8.4f ms %7.0f GB/s  %5.1f%%\n", sh.name, (long long)n,
-                    v == 0 ? "gemv" : v == 1 ? "gemm exact" : "gemm bf16", ms, gbs,
-                    100.0 * gbs / copy_gbs);
+                    v == 0   ? "gemv"
+                    : v == 1 ? "gemm exact"
+                             : "gemm bf16",
+                    ms, gbs, 100.0 * gbs / copy_gbs);
       }
       gk::set_gemm_precision(gk::GemmPrecision::kExact);
     }
@@ -155,8 +161,9 @@ int main(int argc, char** argv) {
       DeviceBuffer<float> y(n * sh.m);
       for (auto p : {gk::GemmPrecision::kExact, gk::GemmPrecision::kBf16}) {
         gk::set_gemm_precision(p);
-        const double ms = time_ms(s, std::max(3, iters / 4),
-                                  [&] { blas::linear_with(blas::LinearPath::kGemm, x.data(), n, w, y.data(), s); });
+        const double ms = time_ms(s, std::max(3, iters / 4), [&] {
+          blas::linear_with(blas::LinearPath::kGemm, x.data(), n, w, y.data(), s);
+        });
         const double tf = 2.0 * n * sh.m * sh.k / (ms * 1e-3) / 1e12;
         std::printf("  %-26s n=%-6lld %-5s %8.3f ms %6.0f TFLOP/s  %5.1f%%\n", sh.name,
                     (long long)n, prec_name(p), ms, tf, 100.0 * tf / gemm_tf);
@@ -166,11 +173,13 @@ int main(int argc, char** argv) {
   gk::set_gemm_precision(gk::GemmPrecision::kExact);
 
   // ---- the MoE block at real shapes
-  std::printf("\nMoE block: router + top-4 of 128 experts + shared expert, hidden 6144, inter 3072\n");
+  std::printf(
+      "\nMoE block: router + top-4 of 128 experts + shared expert, hidden 6144, inter 3072\n");
   {
     const int64_t ne = 128, k = 4, h = 6144, inter = 3072;
     const size_t per = inter * h;
-    auto w1 = bf16_weights(ne * per, 7), w3 = bf16_weights(ne * per, 8), w2 = bf16_weights(ne * per, 9);
+    auto w1 = bf16_weights(ne * per, 7), w3 = bf16_weights(ne * per, 8),
+         w2 = bf16_weights(ne * per, 9);
     auto sg = bf16_weights(per, 10), su = bf16_weights(per, 11), sd = bf16_weights(per, 12);
     auto router = f32_values(ne * h, 13, 0.02f);
     const gk::MoeExpertWeights ew{w1.data(), w3.data(), w2.data(), DType::kBF16, ne, inter, h};
@@ -200,9 +209,10 @@ int main(int argc, char** argv) {
         gk::moe_experts(x.data(), n, ids.data(), wts.data(), k, ew, act, out.data(), out.data(),
                         work.data(), s);
       });
-      std::printf("  n=%-4lld %3zu experts touched: block %8.4f ms, %6.0f GB/s of weights "
-                  "(%5.1f%% of copy); routed experts alone %8.4f ms\n",
-                  (long long)n, touched.size(), ms, gbs, 100.0 * gbs / copy_gbs, ems);
+      std::printf(
+          "  n=%-4lld %3zu experts touched: block %8.4f ms, %6.0f GB/s of weights "
+          "(%5.1f%% of copy); routed experts alone %8.4f ms\n",
+          (long long)n, touched.size(), ms, gbs, 100.0 * gbs / copy_gbs, ems);
     }
   }
   return 0;

@@ -25,12 +25,12 @@
 
 namespace {
 
+using m3::bench::copy_bandwidth;
+using m3::bench::now_s;
 using m3::model::ForwardBatch;
 using m3::model::KvCacheCuda;
 using m3::model::M3Config;
 using m3::model::M3ModelCuda;
-using m3::bench::copy_bandwidth;
-using m3::bench::now_s;
 
 // `num_seqs` sequences, each owning `pages_per_seq` consecutive pages from `first_page`, with
 // `new_tokens` tokens each at positions [ctx, ctx + new_tokens).
@@ -57,8 +57,9 @@ int main(int argc, char** argv) {
   const int64_t ctx = argc > 1 ? std::atoll(argv[1]) : 8192;
   const int iters = argc > 2 ? std::atoi(argv[2]) : 20;
   const std::string precision = argc > 3 ? argv[3] : "exact";
-  m3::kernels::cuda::set_gemm_precision(precision == "bf16" ? m3::kernels::cuda::GemmPrecision::kBf16
-                                                            : m3::kernels::cuda::GemmPrecision::kExact);
+  m3::kernels::cuda::set_gemm_precision(precision == "bf16"
+                                            ? m3::kernels::cuda::GemmPrecision::kBf16
+                                            : m3::kernels::cuda::GemmPrecision::kExact);
   auto dev = m3::gpu::probe_device(0);
   if (!dev) {
     std::fprintf(stderr, "bench_layer: %s\n", dev.error().message.c_str());
@@ -81,7 +82,8 @@ int main(int argc, char** argv) {
   const double H = cfg.hidden_size, Ie = cfg.intermediate_size, E = cfg.num_local_experts,
                K = cfg.num_experts_per_tok;
   const double attn_params = (cfg.q_size() + 2.0 * cfg.kv_size() +
-                              cfg.index_n_heads * cfg.index_head_dim + cfg.index_head_dim) * H +
+                              cfg.index_n_heads * cfg.index_head_dim + cfg.index_head_dim) *
+                                 H +
                              H * cfg.q_size();
   const double expert_params = 3.0 * Ie * H;
   const double bytes_fixed = attn_params * 2 + E * H * 4 /*router f32*/ + expert_params * 2;
@@ -125,8 +127,7 @@ int main(int argc, char** argv) {
     const double t0 = now_s();
     for (int i = 0; i < reps; ++i) m.forward(b, cache, nullptr);
     const double dt = (now_s() - t0) / reps;
-    const double gemm_flops =
-        2.0 * T * (attn_params + E * H /*router*/ + expert_params * (1 + K));
+    const double gemm_flops = 2.0 * T * (attn_params + E * H /*router*/ + expert_params * (1 + K));
     // Causal MSA: each query attends to min(pos+1, topk*page) keys, 64 heads, QK and PV.
     double keys = 0;
     const double cap = static_cast<double>(cfg.sparse_topk_blocks * page);

@@ -34,8 +34,8 @@ using m3::bench::time_ms;
 void fill_random(float* dst, size_t n, const DeviceBuffer<float>& seed, cudaStream_t s) {
   for (size_t off = 0; off < n; off += seed.size()) {
     const size_t m = std::min(seed.size(), n - off);
-    M3_CUDA_CHECK(cudaMemcpyAsync(dst + off, seed.data(), m * sizeof(float),
-                                  cudaMemcpyDeviceToDevice, s));
+    M3_CUDA_CHECK(
+        cudaMemcpyAsync(dst + off, seed.data(), m * sizeof(float), cudaMemcpyDeviceToDevice, s));
   }
 }
 
@@ -52,11 +52,12 @@ int main(int argc, char** argv) {
   const int64_t max_batch = 8;
   const int64_t max_tokens = max_batch * max_ctx;
   const int64_t pages = max_tokens / kPage;
-  std::printf("device: %s; one layer: %lld q / %lld kv heads x %lld, index %lld x %lld, page "
-              "%lld, top-%lld; fp32 KV cache of %.1f GiB\n",
-              dev->name.c_str(), (long long)kHeads, (long long)kKvHeads, (long long)kDim,
-              (long long)kIndexHeads, (long long)kIndexDim, (long long)kPage, (long long)kTopk,
-              (double)pages * kPage * (2 * kKvHeads * kDim + kIndexDim) * 4 / (1 << 30));
+  std::printf(
+      "device: %s; one layer: %lld q / %lld kv heads x %lld, index %lld x %lld, page "
+      "%lld, top-%lld; fp32 KV cache of %.1f GiB\n",
+      dev->name.c_str(), (long long)kHeads, (long long)kKvHeads, (long long)kDim,
+      (long long)kIndexHeads, (long long)kIndexDim, (long long)kPage, (long long)kTopk,
+      (double)pages * kPage * (2 * kKvHeads * kDim + kIndexDim) * 4 / (1 << 30));
 
   m3::gpu::Stream stream;
   cudaStream_t s = stream.get();
@@ -80,8 +81,8 @@ int main(int argc, char** argv) {
   {
     const size_t n = std::min<size_t>(k.size() / 2, size_t{1} << 29);
     const double ms = time_ms(s, 5, [&] {
-      M3_CUDA_CHECK(cudaMemcpyAsync(k.data() + n, k.data(), n * sizeof(float),
-                                    cudaMemcpyDeviceToDevice, s));
+      M3_CUDA_CHECK(
+          cudaMemcpyAsync(k.data() + n, k.data(), n * sizeof(float), cudaMemcpyDeviceToDevice, s));
     });
     std::printf("device copy: %.0f GB/s (read + write of %.1f GiB)\n", 2.0 * n * 4 / ms / 1e6,
                 n * 4.0 / (1 << 30));
@@ -128,8 +129,8 @@ int main(int argc, char** argv) {
                             out.data(), s);
       };
       auto dense = [&] {
-        gk::attention_paged(q.data(), kHeads, cache, layout, nullptr, 0, scale, ctx, w,
-                            out.data(), s);
+        gk::attention_paged(q.data(), kHeads, cache, layout, nullptr, 0, scale, ctx, w, out.data(),
+                            s);
       };
       const double t_sel = time_ms(s, iters, select);
       const double t_att = time_ms(s, iters, sparse);

@@ -35,12 +35,12 @@
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
 #include "kernels/cuda/ops.h"
-#include "runtime/cuda/cuda_backend.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
-#include "runtime/sequence_runner.h"
 #include "model/shard.h"
 #include "model/synthetic_model.h"
+#include "runtime/cuda/cuda_backend.h"
+#include "runtime/sequence_runner.h"
 
 namespace {
 
@@ -89,12 +89,12 @@ double step_bytes(const M3Config& c, const model::ShardPlan& p, int B, int64_t c
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const bool sparse = c.layer_is_sparse[l];
     const double ni = sparse ? (tp ? p.num_kv_heads : c.index_n_heads) : 0;
-    bytes += ((p.num_q_heads * 2.0 + 2.0 * p.num_kv_heads) * d + (sparse ? (ni + 1) * di : 0)) *
-             h * 2;
+    bytes +=
+        ((p.num_q_heads * 2.0 + 2.0 * p.num_kv_heads) * d + (sparse ? (ni + 1) * di : 0)) * h * 2;
     // KV read per sequence: all keys (dense layers) or the selected blocks (MSA), plus index-K.
-    const double keys = sparse ? std::min<double>(ctx + 1.0, c.sparse_topk_blocks *
-                                                                 c.sparse_block_size)
-                               : ctx + 1.0;
+    const double keys =
+        sparse ? std::min<double>(ctx + 1.0, c.sparse_topk_blocks * c.sparse_block_size)
+               : ctx + 1.0;
     bytes += seqs * (keys * 2 * p.num_kv_heads * d * 4 + (sparse ? (ctx + 1.0) * di * 4 : 0));
     if (!c.layer_is_moe[l]) {
       bytes += 3.0 * p.dense_inter * h * 2;
@@ -147,7 +147,8 @@ double decode_ms(runtime::ForwardBackend& be, int B, int ctx, int steps) {
   double total = 0;
   for (int i = 0; i < steps + 3; ++i) {
     std::vector<SequenceChunk> chunks;
-    for (int s = 0; s < B; ++s) chunks.push_back({seqs[s], std::span<const int32_t>(&feed[s], 1), false});
+    for (int s = 0; s < B; ++s)
+      chunks.push_back({seqs[s], std::span<const int32_t>(&feed[s], 1), false});
     ForwardBatch b = pages.build_step(chunks);
     for (int32_t row = 0; row < B; ++row) {
       kernels::cpu::SampleRow sr;
@@ -165,7 +166,7 @@ double decode_ms(runtime::ForwardBackend& be, int B, int ctx, int steps) {
 }
 
 std::unique_ptr<runtime::ForwardBackend> make_backend(const Args& a, const Config& c, int layers,
-                                                    int total_seqs, bool skip_comm) {
+                                                      int total_seqs, bool skip_comm) {
   auto host = model::M3Model::load("synthetic:layers=" + std::to_string(layers));
   if (!host) {
     std::fprintf(stderr, "bench_tp: %s\n", host.error().message.c_str());
@@ -173,9 +174,8 @@ std::unique_ptr<runtime::ForwardBackend> make_backend(const Args& a, const Confi
   }
   const M3Config cfg = (*host)->config();
   runtime::CudaBackendOptions opts;
-  const int64_t pages =
-      SequencePages::pages_needed(int64_t{a.ctx + a.steps + 8} * total_seqs, total_seqs,
-                                  cfg.sparse_block_size);
+  const int64_t pages = SequencePages::pages_needed(int64_t{a.ctx + a.steps + 8} * total_seqs,
+                                                    total_seqs, cfg.sparse_block_size);
   // Every batch size gets its own sequences (decode_ms): room for all of them. Whole-head page
   // bytes, so a TP rank gets at least as many pages.
   opts.kv_cache_memory_bytes = pages * model::KvCache::page_bytes(cfg);
@@ -219,14 +219,15 @@ CommTimes time_collectives(int tp, const std::vector<int>& batches, int64_t hidd
       }
       cudaStream_t s = (*comm)->stream();
       const int64_t big = int64_t{64} << 20;  // 256 MiB of f32
-      gpu::DeviceBuffer<float> buf(static_cast<size_t>(std::max<int64_t>(big, 64 * vocab_chunk * tp)));
+      gpu::DeviceBuffer<float> buf(
+          static_cast<size_t>(std::max<int64_t>(big, 64 * vocab_chunk * tp)));
       M3_CUDA_CHECK(cudaMemset(buf.data(), 0, buf.size() * sizeof(float)));
       for (int B : batches) {
         const int64_t n = B * hidden;
         const double ar = bench::time_ms(s, 200, [&] { (*comm)->all_reduce_sum(buf.data(), n); });
         const int64_t g = B * vocab_chunk;
-        const double ag = bench::time_ms(
-            s, 50, [&] { (*comm)->all_gather(buf.data(), g, buf.data() + g); });
+        const double ag =
+            bench::time_ms(s, 50, [&] { (*comm)->all_gather(buf.data(), g, buf.data() + g); });
         if (r == 0) {
           out.all_reduce_ms[B] = ar;
           out.all_gather_ms[B] = ag;
@@ -254,14 +255,22 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (k == "--layers") a.layers = parse_list(val());
-    else if (k == "--tp") a.tps = parse_list(val());
-    else if (k == "--batches") a.batches = parse_list(val());
-    else if (k == "--ctx") a.ctx = std::atoi(val());
-    else if (k == "--steps") a.steps = std::atoi(val());
-    else if (k == "--parallel-eager") a.graphs = false;
-    else if (k == "--no-ep") a.ep = false;
-    else if (k == "--no-dp") a.dp = false;
+    if (k == "--layers")
+      a.layers = parse_list(val());
+    else if (k == "--tp")
+      a.tps = parse_list(val());
+    else if (k == "--batches")
+      a.batches = parse_list(val());
+    else if (k == "--ctx")
+      a.ctx = std::atoi(val());
+    else if (k == "--steps")
+      a.steps = std::atoi(val());
+    else if (k == "--parallel-eager")
+      a.graphs = false;
+    else if (k == "--no-ep")
+      a.ep = false;
+    else if (k == "--no-dp")
+      a.dp = false;
     else {
       std::fprintf(stderr,
                    "usage: bench_tp [--layers 4,8] [--tp 2] [--batches 1,64] [--ctx 1024] "
@@ -280,10 +289,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   const double bw = bench::copy_bandwidth();
-  std::printf("device: %d x %s; copy bandwidth (read+write) %.0f GB/s per GPU; context %d "
-              "tokens per sequence; TP / DP ranks %s\n",
-              gpus, dev->name.c_str(), bw / 1e9, a.ctx,
-              a.graphs ? "replay CUDA graphs (serve's default)" : "run eagerly (--parallel-eager)");
+  std::printf(
+      "device: %d x %s; copy bandwidth (read+write) %.0f GB/s per GPU; context %d "
+      "tokens per sequence; TP / DP ranks %s\n",
+      gpus, dev->name.c_str(), bw / 1e9, a.ctx,
+      a.graphs ? "replay CUDA graphs (serve's default)" : "run eagerly (--parallel-eager)");
   std::vector<Config> configs = {{1, false}};
   for (int tp : a.tps) {
     if (tp < 2) continue;
@@ -314,13 +324,14 @@ int main(int argc, char** argv) {
         for (int B : a.batches) (skip ? without : with)[B] = decode_ms(*be, B, a.ctx, a.steps);
       }
       for (int B : a.batches) {
-        rows.push_back({c.name(), c.tp, c.dp, L, B, with[B], without.count(B) ? without[B] : with[B],
-                        step_bytes(cfg, plan, B, a.ctx)});
+        rows.push_back({c.name(), c.tp, c.dp, L, B, with[B],
+                        without.count(B) ? without[B] : with[B], step_bytes(cfg, plan, B, a.ctx)});
         const Row& r = rows.back();
-        std::printf("%-7s layers %2d batch %3d: %8.3f ms/step (%.0f tok/s), no-comm %8.3f ms, "
-                    "rank reads %.2f GB = %.1f%% of copy bw\n",
-                    r.config.c_str(), L, B, r.ms, B / (r.ms * 1e-3), r.ms_nocomm, r.bytes / 1e9,
-                    100.0 * r.bytes / (r.ms * 1e-3) / bw);
+        std::printf(
+            "%-7s layers %2d batch %3d: %8.3f ms/step (%.0f tok/s), no-comm %8.3f ms, "
+            "rank reads %.2f GB = %.1f%% of copy bw\n",
+            r.config.c_str(), L, B, r.ms, B / (r.ms * 1e-3), r.ms_nocomm, r.bytes / 1e9,
+            100.0 * r.bytes / (r.ms * 1e-3) / bw);
         std::fflush(stdout);
       }
     }
@@ -334,8 +345,8 @@ int main(int argc, char** argv) {
   }
 
   std::printf("\n# decode step, %d tokens of context per sequence\n", a.ctx);
-  std::printf("%-7s %6s %5s %10s %9s %10s %8s %12s %9s\n", "config", "layers", "batch",
-              "ms/step", "tok/s", "no-comm ms", "comm %", "isolated ms", "of bw");
+  std::printf("%-7s %6s %5s %10s %9s %10s %8s %12s %9s\n", "config", "layers", "batch", "ms/step",
+              "tok/s", "no-comm ms", "comm %", "isolated ms", "of bw");
   for (const Row& r : rows) {
     double iso = 0;
     if (auto it = comm.find(r.tp); it != comm.end() && !r.dp) {

@@ -36,8 +36,7 @@ double time_ms(cudaStream_t stream, int iters, F fn) {
 }
 
 inline double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // Copy bandwidth of the current device (bytes read + written per second) over a 2 GiB buffer,

@@ -42,8 +42,8 @@ inline std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
 
 }  // namespace m3::testing
 
-#define SKIP_WITHOUT_GPU()                                                  \
-  do {                                                                      \
-    if (!m3::testing::gpu_unavailable_reason().empty())                     \
-      GTEST_SKIP() << m3::testing::gpu_unavailable_reason();                \
+#define SKIP_WITHOUT_GPU()                                   \
+  do {                                                       \
+    if (!m3::testing::gpu_unavailable_reason().empty())      \
+      GTEST_SKIP() << m3::testing::gpu_unavailable_reason(); \
   } while (0)

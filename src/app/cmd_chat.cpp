@@ -3,9 +3,9 @@
 // /think enabled|disabled|adaptive, /reset, /quit. Reads stdin line by line, so it also works
 // piped (`echo "hi" | m3serve chat`). Takes the vLLM flags that make sense without a server
 // (app/vllm_flags.h): --seed seeds every answer, --dtype, --hf-overrides, ...
+#include <unistd.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -45,13 +45,14 @@ struct ChatArgs {
 int run_chat(const ChatArgs& args) {
   ChatArgs a = args;
   const EnvList env = process_environment();
-  auto plan = review_vllm_flags(a.vllm, VllmCommand::kChat, a.device.device,
-                                a.gemm_precision_given, env);
+  auto plan =
+      review_vllm_flags(a.vllm, VllmCommand::kChat, a.device.device, a.gemm_precision_given, env);
   if (!plan) return fail(plan.error().message);
   for (const auto& n : plan->notices) std::fprintf(stderr, "m3serve: note: %s\n", n.c_str());
   if (plan->gemm_precision) a.device.gemm_precision = *plan->gemm_precision;
   if (plan->enforce_eager) a.device.enforce_eager = true;
-  if (auto st = model::set_config_overrides(plan->hf_overrides); !st) return fail(st.error().message);
+  if (auto st = model::set_config_overrides(plan->hf_overrides); !st)
+    return fail(st.error().message);
   if (!a.model_dir.empty()) {
     std::string notice;
     auto resolved = resolve_model_argument(a.model_dir, env, &notice);
@@ -60,7 +61,8 @@ int run_chat(const ChatArgs& args) {
     a.model_dir = *resolved;
   }
   if (a.model_dir.empty()) a.model_dir = find_demo_model();
-  if (a.model_dir.empty()) return fail("no MODEL_DIR given and no demo model found; run `m3serve chat /path/to/model`");
+  if (a.model_dir.empty())
+    return fail("no MODEL_DIR given and no demo model found; run `m3serve chat /path/to/model`");
   auto mode = text::thinking_mode_from_string(a.thinking_mode);
   if (!mode) return fail(mode.error().message);
   auto choice = resolve_model(a.model_dir, a.tokenizer, a.device.device, find_demo_model());
@@ -84,8 +86,10 @@ int run_chat(const ChatArgs& args) {
   const bool tty = isatty(1) != 0;
   const char* dim = tty ? "\033[2m" : "";
   const char* reset = tty ? "\033[0m" : "";
-  std::printf("m3serve chat: %s on %s (%d tokens of context). /think enabled|disabled|adaptive, /reset, /quit\n",
-              a.model_dir.c_str(), info.device.c_str(), info.max_model_len);
+  std::printf(
+      "m3serve chat: %s on %s (%d tokens of context). /think enabled|disabled|adaptive, /reset, "
+      "/quit\n",
+      a.model_dir.c_str(), info.device.c_str(), info.max_model_len);
 
   nlohmann::ordered_json messages = nlohmann::ordered_json::array();
   if (!a.system.empty()) messages.push_back({{"role", "system"}, {"content", a.system}});
@@ -128,7 +132,9 @@ int run_chat(const ChatArgs& args) {
     req.params.temperature = a.temperature;
     // --seed: each answer reproducible; turns differ (the seed advances per answer).
     if (plan->seed) req.params.seed = *plan->seed + static_cast<uint64_t>(messages.size());
-    req.params.max_tokens = std::max(1, std::min(a.max_tokens, info.max_model_len - static_cast<int>(req.prompt_token_ids.size())));
+    req.params.max_tokens = std::max(
+        1,
+        std::min(a.max_tokens, info.max_model_len - static_cast<int>(req.prompt_token_ids.size())));
     auto stream = (*eng)->submit(req);
     if (!stream) {
       std::printf("error: %s\n", stream.error().message.c_str());
@@ -161,7 +167,9 @@ int run_chat(const ChatArgs& args) {
       auto o = (*stream)->next(std::chrono::milliseconds(600000));
       if (!o) break;
       for (int32_t id : o->new_token_ids) {
-        if (std::find(info.eos_token_ids.begin(), info.eos_token_ids.end(), id) != info.eos_token_ids.end()) continue;
+        if (std::find(info.eos_token_ids.begin(), info.eos_token_ids.end(), id) !=
+            info.eos_token_ids.end())
+          continue;
         show(parser.feed(detok.step(id)));
       }
       if (o->finished) {
@@ -185,10 +193,12 @@ int run_chat(const ChatArgs& args) {
 
 RunFn register_chat(CLI::App& app) {
   auto a = std::make_shared<ChatArgs>();
-  CLI::App* sub = app.add_subcommand("chat", "Interactive terminal chat (the demo model when no MODEL_DIR)");
-  sub->add_option("model_dir", a->model_dir,
-                  "Model directory (default: the embedded demo model), or synthetic:layers=N[,seed=S] "
-                  "with --device cuda");
+  CLI::App* sub =
+      app.add_subcommand("chat", "Interactive terminal chat (the demo model when no MODEL_DIR)");
+  sub->add_option(
+      "model_dir", a->model_dir,
+      "Model directory (default: the embedded demo model), or synthetic:layers=N[,seed=S] "
+      "with --device cuda");
   sub->add_option("--tokenizer", a->tokenizer,
                   "Directory with tokenizer.json and the chat template (default: the model's; for "
                   "a synthetic model, the demo model's)");

@@ -66,9 +66,10 @@ Result<std::vector<int32_t>> parse_ids(const std::string& s) {
     tok.erase(0, tok.find_first_not_of(" \t"));
     tok.erase(tok.find_last_not_of(" \t") + 1);
     if (tok.empty()) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "--prompt-ids has an empty entry; give comma-separated integers like 5,17,42",
-                        "--prompt-ids");
+      return make_error(
+          ErrorCode::kInvalidArgument,
+          "--prompt-ids has an empty entry; give comma-separated integers like 5,17,42",
+          "--prompt-ids");
     }
     char* end = nullptr;
     errno = 0;
@@ -119,10 +120,9 @@ int run_generate(const GenerateArgs& a) {
   dev.parallel = a.parallel;
   dev.gemm_precision = a.gemm_precision;
   dev.dp_kv_partitions = false;  // the runner hands out one page-id space
-  auto factory = make_backend_factory(dev, pages * model::KvCache::page_bytes(cfg), 0,
-                                      model::is_synthetic_model(a.model_dir)
-                                          ? model::parse_synthetic_spec(a.model_dir)->seed
-                                          : 0);
+  auto factory = make_backend_factory(
+      dev, pages * model::KvCache::page_bytes(cfg), 0,
+      model::is_synthetic_model(a.model_dir) ? model::parse_synthetic_spec(a.model_dir)->seed : 0);
   if (!factory) return fail(factory.error().message);
   auto backend = *factory ? (*factory)(std::move(*host), pages)
                           : runtime::make_cpu_backend(std::move(*host), pages);
@@ -167,7 +167,8 @@ int run_generate(const GenerateArgs& a) {
   for (int step = 0; step < a.max_tokens; ++step) {
     std::vector<float> work(last_logits);
     const int32_t tok = engine::Sampler::sample(work, sp, history, out_ids, rng, V);
-    if (a.logprobs >= 0) out_lps.push_back(logprob_json(engine::Sampler::logprobs(last_logits, tok, k)));
+    if (a.logprobs >= 0)
+      out_lps.push_back(logprob_json(engine::Sampler::logprobs(last_logits, tok, k)));
     out_ids.push_back(tok);
     history.push_back(tok);
     const bool eos = std::find(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end(), tok) !=

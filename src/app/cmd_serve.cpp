@@ -54,7 +54,6 @@ std::string find_demo_model() {
   return {};
 }
 
-
 namespace {
 
 struct ServeArgs {
@@ -89,8 +88,8 @@ struct ServeArgs {
   double header_timeout = 10.0;
   double body_timeout = 60.0;
   DeviceArgs device;
-  VllmFlagValues vllm;                   // the vLLM flags m3serve has no option of its own for
-  bool gemm_precision_given = false;     // set after parsing (a --dtype must not contradict it)
+  VllmFlagValues vllm;                // the vLLM flags m3serve has no option of its own for
+  bool gemm_precision_given = false;  // set after parsing (a --dtype must not contradict it)
   bool log_level_given = false;
 };
 
@@ -121,23 +120,35 @@ Result<int64_t> parse_bytes(const std::string& s) {
   try {
     v = std::stod(s, &pos);
   } catch (...) {
-    return make_error(ErrorCode::kInvalidArgument, "--kv-cache-memory-bytes '" + s + "' is not a size like 4294967296 or 4GiB",
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--kv-cache-memory-bytes '" + s + "' is not a size like 4294967296 or 4GiB",
                       "--kv-cache-memory-bytes");
   }
   std::string unit = s.substr(pos);
   double mul = 1;
-  if (unit.empty() || unit == "B") mul = 1;
-  else if (unit == "K" || unit == "KB") mul = 1e3;
-  else if (unit == "M" || unit == "MB") mul = 1e6;
-  else if (unit == "G" || unit == "GB") mul = 1e9;
-  else if (unit == "KiB" || unit == "k") mul = 1024.0;
-  else if (unit == "MiB" || unit == "m") mul = 1024.0 * 1024;
-  else if (unit == "GiB" || unit == "g") mul = 1024.0 * 1024 * 1024;
+  if (unit.empty() || unit == "B")
+    mul = 1;
+  else if (unit == "K" || unit == "KB")
+    mul = 1e3;
+  else if (unit == "M" || unit == "MB")
+    mul = 1e6;
+  else if (unit == "G" || unit == "GB")
+    mul = 1e9;
+  else if (unit == "KiB" || unit == "k")
+    mul = 1024.0;
+  else if (unit == "MiB" || unit == "m")
+    mul = 1024.0 * 1024;
+  else if (unit == "GiB" || unit == "g")
+    mul = 1024.0 * 1024 * 1024;
   else {
-    return make_error(ErrorCode::kInvalidArgument, "--kv-cache-memory-bytes unit '" + unit + "' is unknown; use B, KiB, MiB, GiB (or K, M, G)",
-                      "--kv-cache-memory-bytes");
+    return make_error(
+        ErrorCode::kInvalidArgument,
+        "--kv-cache-memory-bytes unit '" + unit + "' is unknown; use B, KiB, MiB, GiB (or K, M, G)",
+        "--kv-cache-memory-bytes");
   }
-  if (v <= 0) return make_error(ErrorCode::kInvalidArgument, "--kv-cache-memory-bytes must be positive", "--kv-cache-memory-bytes");
+  if (v <= 0)
+    return make_error(ErrorCode::kInvalidArgument, "--kv-cache-memory-bytes must be positive",
+                      "--kv-cache-memory-bytes");
   return static_cast<int64_t>(v * mul);
 }
 
@@ -154,8 +165,10 @@ class LoadProgress {
       static const char kSpin[] = "|/-\\";
       int i = 0;
       while (!done_) {
-        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        std::fprintf(stderr, "\r\033[Km3serve: loading %s %c %.1fs", what_.c_str(), kSpin[i++ % 4], s);
+        const double s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::fprintf(stderr, "\r\033[Km3serve: loading %s %c %.1fs", what_.c_str(), kSpin[i++ % 4],
+                     s);
         std::fflush(stderr);
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
       }
@@ -178,8 +191,8 @@ class LoadProgress {
 
 int run_serve(ServeArgs a) {
   const EnvList env = process_environment();
-  auto plan = review_vllm_flags(a.vllm, VllmCommand::kServe, a.device.device,
-                                a.gemm_precision_given, env);
+  auto plan =
+      review_vllm_flags(a.vllm, VllmCommand::kServe, a.device.device, a.gemm_precision_given, env);
   if (!plan) return fail(plan.error().message);
   for (const auto& n : plan->notices) std::fprintf(stderr, "m3serve: note: %s\n", n.c_str());
   if (plan->gemm_precision) a.device.gemm_precision = *plan->gemm_precision;
@@ -188,7 +201,8 @@ int run_serve(ServeArgs a) {
   auto max_model_len = parse_max_model_len(a.max_model_len.empty() ? "0" : a.max_model_len);
   if (!max_model_len) return fail(max_model_len.error().message);
   if (!a.model_flag.empty()) {
-    if (!a.model_dir.empty() && a.model_dir != a.model_flag) return fail("give the model directory once (positional or --model)");
+    if (!a.model_dir.empty() && a.model_dir != a.model_flag)
+      return fail("give the model directory once (positional or --model)");
     a.model_dir = a.model_flag;
   }
   if (!a.model_dir.empty()) {
@@ -204,8 +218,9 @@ int run_serve(ServeArgs a) {
   if (a.model_dir.empty()) {
     a.model_dir = find_demo_model();
     if (a.model_dir.empty()) {
-      return fail("no MODEL_DIR given and no demo model found (looked in $M3SERVE_MODELS_DIR/demo and "
-                  "models/demo above the executable); run `m3serve serve /path/to/model`");
+      return fail(
+          "no MODEL_DIR given and no demo model found (looked in $M3SERVE_MODELS_DIR/demo and "
+          "models/demo above the executable); run `m3serve serve /path/to/model`");
     }
     if (a.served_model_names.empty()) a.served_model_names.push_back("demo");
   }
@@ -215,7 +230,8 @@ int run_serve(ServeArgs a) {
       !std::filesystem::exists(std::filesystem::path(a.model_dir) / "config.json")) {
     return fail("model directory '" + a.model_dir + "' has no config.json");
   }
-  if (auto st = model::set_config_overrides(plan->hf_overrides); !st) return fail(st.error().message);
+  if (auto st = model::set_config_overrides(plan->hf_overrides); !st)
+    return fail(st.error().message);
   if (!choice->synthetic) {
     // The checkpoint's own config (with --hf-overrides) gives the block size and the length
     // limit before the weights are read.
@@ -223,14 +239,16 @@ int run_serve(ServeArgs a) {
     if (!cfg) {
       std::string msg = cfg.error().message;
       if (touches_rope(nlohmann::json::parse(plan->hf_overrides, nullptr, false))) {
-        msg += " (set by --hf-overrides: YaRN context extension is not implemented yet; leave "
-               "rope_scaling out to serve the native window of max_position_embeddings, and set "
-               "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to let --max-model-len go past it)";
+        msg +=
+            " (set by --hf-overrides: YaRN context extension is not implemented yet; leave "
+            "rope_scaling out to serve the native window of max_position_embeddings, and set "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to let --max-model-len go past it)";
       }
       return fail(msg);
     }
     if (a.block_size == 0) a.block_size = static_cast<int>(cfg->sparse_block_size);
-    if (auto st = model::check_kv_block_size(*cfg, a.block_size); !st) return fail(st.error().message);
+    if (auto st = model::check_kv_block_size(*cfg, a.block_size); !st)
+      return fail(st.error().message);
     const int64_t native = cfg->max_position_embeddings;
     if (*max_model_len > native) {
       if (!plan->allow_long_max_model_len) {
@@ -246,24 +264,32 @@ int run_serve(ServeArgs a) {
                    static_cast<long long>(*max_model_len), static_cast<long long>(native),
                    static_cast<long long>(native));
       auto extra = max_len_override(a.model_dir, *max_model_len);
-      auto merged = model::merge_config_json(
-          plan->hf_overrides.empty() ? "{}" : plan->hf_overrides, *extra, "--hf-overrides");
+      auto merged = model::merge_config_json(plan->hf_overrides.empty() ? "{}" : plan->hf_overrides,
+                                             *extra, "--hf-overrides");
       if (!merged) return fail(merged.error().message);
       if (auto st = model::set_config_overrides(*merged); !st) return fail(st.error().message);
     }
   } else if (a.block_size == 0) {
     a.block_size = 128;  // the synthetic model has M3's geometry
   }
-  if (a.log_level == "debug") set_log_level(LogLevel::kDebug);
-  else if (a.log_level == "info") set_log_level(LogLevel::kInfo);
-  else if (a.log_level == "warning" || a.log_level == "warn") set_log_level(LogLevel::kWarn);
-  else if (a.log_level == "error" || a.log_level == "critical") set_log_level(LogLevel::kError);
-  else if (a.log_level != "trace") return fail("--log-level must be debug, info, warning, error or critical");
+  if (a.log_level == "debug")
+    set_log_level(LogLevel::kDebug);
+  else if (a.log_level == "info")
+    set_log_level(LogLevel::kInfo);
+  else if (a.log_level == "warning" || a.log_level == "warn")
+    set_log_level(LogLevel::kWarn);
+  else if (a.log_level == "error" || a.log_level == "critical")
+    set_log_level(LogLevel::kError);
+  else if (a.log_level != "trace")
+    return fail("--log-level must be debug, info, warning, error or critical");
   if (a.tool_call_parser != "minimax_m3" && a.tool_call_parser != "none") {
-    return fail("--tool-call-parser '" + a.tool_call_parser + "' is not supported; this server speaks the MiniMax-M3 format: use minimax_m3");
+    return fail("--tool-call-parser '" + a.tool_call_parser +
+                "' is not supported; this server speaks the MiniMax-M3 format: use minimax_m3");
   }
-  if (a.reasoning_parser != "minimax_m3" && a.reasoning_parser != "none" && !a.reasoning_parser.empty()) {
-    return fail("--reasoning-parser '" + a.reasoning_parser + "' is not supported; use minimax_m3 (or none)");
+  if (a.reasoning_parser != "minimax_m3" && a.reasoning_parser != "none" &&
+      !a.reasoning_parser.empty()) {
+    return fail("--reasoning-parser '" + a.reasoning_parser +
+                "' is not supported; use minimax_m3 (or none)");
   }
   if (a.scheduling_policy != "fcfs" && a.scheduling_policy != "priority") {
     return fail("--scheduling-policy must be fcfs or priority");
@@ -280,7 +306,9 @@ int run_serve(ServeArgs a) {
   if (!a.default_chat_template_kwargs.empty()) {
     default_kwargs = server::OrderedJson::parse(a.default_chat_template_kwargs, nullptr, false);
     if (default_kwargs.is_discarded() || !default_kwargs.is_object()) {
-      return fail("--default-chat-template-kwargs must be a JSON object, e.g. '{\"thinking_mode\": \"disabled\"}'");
+      return fail(
+          "--default-chat-template-kwargs must be a JSON object, e.g. '{\"thinking_mode\": "
+          "\"disabled\"}'");
     }
   }
   // vLLM takes several keys (--api-key K1 K2): a request with any one of them is admitted.
@@ -289,8 +317,10 @@ int run_serve(ServeArgs a) {
   a.api_keys.erase(std::remove(a.api_keys.begin(), a.api_keys.end(), std::string()),
                    a.api_keys.end());
   if (a.api_keys.empty()) {
-    if (const char* k = std::getenv("M3SERVE_API_KEY"); k && *k) a.api_keys.push_back(k);
-    else if (const char* k2 = std::getenv("VLLM_API_KEY"); k2 && *k2) a.api_keys.push_back(k2);
+    if (const char* k = std::getenv("M3SERVE_API_KEY"); k && *k)
+      a.api_keys.push_back(k);
+    else if (const char* k2 = std::getenv("VLLM_API_KEY"); k2 && *k2)
+      a.api_keys.push_back(k2);
   }
   if (a.served_model_names.empty()) a.served_model_names.push_back(a.model_dir);
 
@@ -320,18 +350,25 @@ int run_serve(ServeArgs a) {
     if (over->frequency_penalty) d.frequency_penalty = over->frequency_penalty;
     if (over->max_new_tokens) d.max_new_tokens = over->max_new_tokens;
     std::string unknown;
-    static const std::vector<std::string> kKnown = {
-        "temperature",      "top_p",             "top_k",         "min_p", "repetition_penalty",
-        "presence_penalty", "frequency_penalty", "max_new_tokens"};
+    static const std::vector<std::string> kKnown = {"temperature",
+                                                    "top_p",
+                                                    "top_k",
+                                                    "min_p",
+                                                    "repetition_penalty",
+                                                    "presence_penalty",
+                                                    "frequency_penalty",
+                                                    "max_new_tokens"};
     const auto over_json = nlohmann::json::parse(plan->generation_overrides);
     for (auto it = over_json.begin(); it != over_json.end(); ++it) {
       if (std::find(kKnown.begin(), kKnown.end(), it.key()) == kKnown.end())
         unknown += (unknown.empty() ? "" : ", ") + it.key();
     }
     if (!unknown.empty()) {
-      std::fprintf(stderr, "m3serve: note: --override-generation-config keys %s are ignored (m3serve "
+      std::fprintf(stderr,
+                   "m3serve: note: --override-generation-config keys %s are ignored (m3serve "
                    "reads temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, "
-                   "frequency_penalty, max_new_tokens)\n", unknown.c_str());
+                   "frequency_penalty, max_new_tokens)\n",
+                   unknown.c_str());
     }
   }
 
@@ -383,18 +420,22 @@ int run_serve(ServeArgs a) {
     return fail(st.error().message);
   }
   const auto& info = eng->model_info();
-  std::printf("m3serve %s: serving %s as '%s' (%s) on %s | KV cache: %lld tokens (%lld pages of %d) | "
-              "max-model-len %d | prefix caching %s | listening on http://%s:%d\n",
-              M3_VERSION, a.model_dir.c_str(), a.served_model_names[0].c_str(), info.summary.c_str(),
-              info.device.c_str(), static_cast<long long>(info.kv_tokens), static_cast<long long>(info.num_kv_blocks), info.block_size,
-              info.max_model_len, ec.enable_prefix_caching ? "on" : "off", a.host.c_str(), http->bound_port());
+  std::printf(
+      "m3serve %s: serving %s as '%s' (%s) on %s | KV cache: %lld tokens (%lld pages of %d) | "
+      "max-model-len %d | prefix caching %s | listening on http://%s:%d\n",
+      M3_VERSION, a.model_dir.c_str(), a.served_model_names[0].c_str(), info.summary.c_str(),
+      info.device.c_str(), static_cast<long long>(info.kv_tokens),
+      static_cast<long long>(info.num_kv_blocks), info.block_size, info.max_model_len,
+      ec.enable_prefix_caching ? "on" : "off", a.host.c_str(), http->bound_port());
   std::fflush(stdout);
 
   std::thread signals([&http, sigs] {
     int sig = 0;
     sigwait(&sigs, &sig);
-    std::fprintf(stderr, "m3serve: %s received: draining (new requests get 503; send it again to exit now)\n",
-                 sig == SIGTERM ? "SIGTERM" : "SIGINT");
+    std::fprintf(
+        stderr,
+        "m3serve: %s received: draining (new requests get 503; send it again to exit now)\n",
+        sig == SIGTERM ? "SIGTERM" : "SIGINT");
     std::thread second([sigs] {
       int s2 = 0;
       sigwait(&sigs, &s2);
@@ -422,63 +463,86 @@ RunFn register_serve(CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
   CLI::App* sub = app.add_subcommand("serve", "Serve a model over an OpenAI-compatible HTTP API");
   sub->add_option("model_dir", a->model_dir, "Model directory (default: the embedded demo model)");
-  sub->add_option("--model", a->model_flag,
-                  "Model directory (same as the positional argument), or synthetic:layers=N[,seed=S] "
-                  "(M3's shapes, weights generated on the GPU; needs --device cuda)");
+  sub->add_option(
+      "--model", a->model_flag,
+      "Model directory (same as the positional argument), or synthetic:layers=N[,seed=S] "
+      "(M3's shapes, weights generated on the GPU; needs --device cuda)");
   sub->add_option("--tokenizer", a->tokenizer,
                   "Directory with tokenizer.json, chat template and generation_config.json "
                   "(default: the model's; for a synthetic model, the demo model's)");
   sub->add_option("--host", a->host, "Address to listen on")->capture_default_str();
   sub->add_option("--port", a->port, "TCP port (0: pick a free one)")->capture_default_str();
-  sub->add_option("--served-model-name", a->served_model_names, "Model name(s) clients use (default: MODEL_DIR)")
+  sub->add_option("--served-model-name", a->served_model_names,
+                  "Model name(s) clients use (default: MODEL_DIR)")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   sub->add_option("--max-model-len", a->max_model_len,
                   "Max tokens per sequence (prompt + output): 65536, 128k (x1000), 1M (x1024); "
                   "auto/-1/0: from the model and KV pool. Past max_position_embeddings only with "
                   "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1");
-  sub->add_option("--max-num-seqs", a->max_num_seqs, "Max sequences per engine step")->capture_default_str();
-  sub->add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "Token budget per engine step")->capture_default_str();
+  sub->add_option("--max-num-seqs", a->max_num_seqs, "Max sequences per engine step")
+      ->capture_default_str();
+  sub->add_option("--max-num-batched-tokens", a->max_num_batched_tokens,
+                  "Token budget per engine step")
+      ->capture_default_str();
   sub->add_option("--block-size", a->block_size,
                   "KV page size in tokens: must be the checkpoint's MSA block (sparse_block_size, "
                   "128 for MiniMax-M3), which is the default");
-  sub->add_flag("--enable-prefix-caching", a->enable_prefix_caching, "Reuse KV pages of shared prompt prefixes (default)");
-  sub->add_flag("--no-enable-prefix-caching", a->no_enable_prefix_caching, "Turn prefix caching off");
-  sub->add_option("--api-key", a->api_keys,
-                  "Require 'Authorization: Bearer KEY' on /v1 (also $M3SERVE_API_KEY, $VLLM_API_KEY)")
+  sub->add_flag("--enable-prefix-caching", a->enable_prefix_caching,
+                "Reuse KV pages of shared prompt prefixes (default)");
+  sub->add_flag("--no-enable-prefix-caching", a->no_enable_prefix_caching,
+                "Turn prefix caching off");
+  sub->add_option(
+         "--api-key", a->api_keys,
+         "Require 'Authorization: Bearer KEY' on /v1 (also $M3SERVE_API_KEY, $VLLM_API_KEY)")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  sub->add_option("--tool-call-parser", a->tool_call_parser, "minimax_m3 (default) or none")->capture_default_str();
-  sub->add_option("--reasoning-parser", a->reasoning_parser, "minimax_m3 (default) or none")->capture_default_str();
-  sub->add_flag("--enable-auto-tool-choice", a->enable_auto_tool_choice, "Accepted for vLLM compatibility (always on)");
-  sub->add_option("--chat-template", a->chat_template, "Jinja chat template file (default: the model's)");
+  sub->add_option("--tool-call-parser", a->tool_call_parser, "minimax_m3 (default) or none")
+      ->capture_default_str();
+  sub->add_option("--reasoning-parser", a->reasoning_parser, "minimax_m3 (default) or none")
+      ->capture_default_str();
+  sub->add_flag("--enable-auto-tool-choice", a->enable_auto_tool_choice,
+                "Accepted for vLLM compatibility (always on)");
+  sub->add_option("--chat-template", a->chat_template,
+                  "Jinja chat template file (default: the model's)");
   sub->add_option("--default-chat-template-kwargs", a->default_chat_template_kwargs,
-                  "JSON object of chat template kwargs applied to every request, e.g. '{\"thinking_mode\":\"disabled\"}'");
+                  "JSON object of chat template kwargs applied to every request, e.g. "
+                  "'{\"thinking_mode\":\"disabled\"}'");
   sub->add_option("--generation-config", a->generation_config,
-                  "Sampling defaults: auto (the model's generation_config.json), vllm (none), or a directory")
+                  "Sampling defaults: auto (the model's generation_config.json), vllm (none), or a "
+                  "directory")
       ->capture_default_str();
   sub->add_option("--max-queue-len,--max-num-queued-reqs", a->max_queue_len,
                   "Waiting requests beyond this get HTTP 429")
       ->capture_default_str();
-  sub->add_flag("--language-model-only", a->language_model_only, "Accepted: this server runs the text model only");
-  sub->add_option("--kv-cache-memory-bytes", a->kv_cache_memory_bytes, "KV cache size (bytes, or with KiB/MiB/GiB)");
-  sub->add_option("--scheduling-policy", a->scheduling_policy, "fcfs or priority")->capture_default_str();
-  CLI::Option* log_level =
-      sub->add_option("--log-level,--uvicorn-log-level", a->log_level, "debug, info, warning, error")
-          ->capture_default_str();
-  sub->add_option("--http-threads", a->http_threads, "HTTP worker threads (0: from --max-num-seqs)");
+  sub->add_flag("--language-model-only", a->language_model_only,
+                "Accepted: this server runs the text model only");
+  sub->add_option("--kv-cache-memory-bytes", a->kv_cache_memory_bytes,
+                  "KV cache size (bytes, or with KiB/MiB/GiB)");
+  sub->add_option("--scheduling-policy", a->scheduling_policy, "fcfs or priority")
+      ->capture_default_str();
+  CLI::Option* log_level = sub->add_option("--log-level,--uvicorn-log-level", a->log_level,
+                                           "debug, info, warning, error")
+                               ->capture_default_str();
+  sub->add_option("--http-threads", a->http_threads,
+                  "HTTP worker threads (0: from --max-num-seqs)");
   sub->add_option("--shutdown-timeout", a->shutdown_timeout,
                   "Seconds a drain (SIGTERM) waits for running requests before aborting them")
-      ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
+      ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str();
   sub->add_option("--max-connections", a->max_connections, "Open HTTP connections in all")
-      ->check(CLI::Range(1, 1 << 20))->capture_default_str();
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   sub->add_option("--max-connections-per-client", a->max_connections_per_client,
                   "Open HTTP connections from one client address")
-      ->check(CLI::Range(1, 1 << 20))->capture_default_str();
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   sub->add_option("--request-header-timeout", a->header_timeout,
                   "Seconds a client has to send a request's headers")
-      ->check(CLI::Range(0.1, 3600.0))->capture_default_str();
+      ->check(CLI::Range(0.1, 3600.0))
+      ->capture_default_str();
   sub->add_option("--request-body-timeout", a->body_timeout,
                   "Seconds a client has to send a request's body after its headers")
-      ->check(CLI::Range(0.1, 3600.0))->capture_default_str();
+      ->check(CLI::Range(0.1, 3600.0))
+      ->capture_default_str();
   add_device_options(sub, a->device);
   add_vllm_flags(sub, a->vllm, VllmCommand::kServe);
   return [a, sub, log_level] {

@@ -62,7 +62,8 @@ std::string dump(const nlohmann::ordered_json& j) {
 }
 
 int run_tokenize(const TokenizeArgs& a) {
-  if (a.text_given == !a.chat_file.empty()) return fail("give exactly one of --text or --chat FILE");
+  if (a.text_given == !a.chat_file.empty())
+    return fail("give exactly one of --text or --chat FILE");
   auto tok = load_tokenizer(a.model);
   if (!tok) return fail(tok.error().message);
   nlohmann::ordered_json out;
@@ -87,11 +88,13 @@ int run_tokenize(const TokenizeArgs& a) {
     cr.messages = req["messages"];
     if (req.contains("tools")) cr.tools = req["tools"];
     if (req.contains("chat_template_kwargs")) {
-      if (!req["chat_template_kwargs"].is_object()) return fail("chat_template_kwargs must be an object");
+      if (!req["chat_template_kwargs"].is_object())
+        return fail("chat_template_kwargs must be an object");
       cr.chat_template_kwargs = req["chat_template_kwargs"];
     }
     if (req.contains("add_generation_prompt")) {
-      if (!req["add_generation_prompt"].is_boolean()) return fail("add_generation_prompt must be true or false");
+      if (!req["add_generation_prompt"].is_boolean())
+        return fail("add_generation_prompt must be true or false");
       cr.add_generation_prompt = req["add_generation_prompt"].get<bool>();
     }
     const fs::path dir = model_dir_of(a.model);
@@ -148,22 +151,29 @@ int run_detokenize(const TokenizeArgs& a) {
 
 RunFn register_tokenize(CLI::App& app) {
   auto a = std::make_shared<TokenizeArgs>();
-  CLI::App* sub = app.add_subcommand("tokenize", "Token ids of a text or of a rendered chat prompt");
-  sub->add_option("--model", a->model, "Model directory with tokenizer.json (or the file)")->required();
+  CLI::App* sub =
+      app.add_subcommand("tokenize", "Token ids of a text or of a rendered chat prompt");
+  sub->add_option("--model", a->model, "Model directory with tokenizer.json (or the file)")
+      ->required();
   sub->add_option_function<std::string>(
       "--text", [a](const std::string& s) { a->text = s, a->text_given = true; }, "Text to encode");
-  sub->add_option("--chat", a->chat_file, "JSON file: {messages, tools?, chat_template_kwargs?, add_generation_prompt?}");
-  sub->add_option("--chat-template", a->chat_template, "Jinja chat template file (else the model's)");
-  sub->add_flag("--add-special-tokens", a->add_special_tokens, "Apply the tokenizer's post-processor");
+  sub->add_option("--chat", a->chat_file,
+                  "JSON file: {messages, tools?, chat_template_kwargs?, add_generation_prompt?}");
+  sub->add_option("--chat-template", a->chat_template,
+                  "Jinja chat template file (else the model's)");
+  sub->add_flag("--add-special-tokens", a->add_special_tokens,
+                "Apply the tokenizer's post-processor");
   return [a] { return run_tokenize(*a); };
 }
 
 RunFn register_detokenize(CLI::App& app) {
   auto a = std::make_shared<TokenizeArgs>();
   CLI::App* sub = app.add_subcommand("detokenize", "Text of token ids");
-  sub->add_option("--model", a->model, "Model directory with tokenizer.json (or the file)")->required();
+  sub->add_option("--model", a->model, "Model directory with tokenizer.json (or the file)")
+      ->required();
   sub->add_option("--ids", a->ids, "Comma-separated token ids")->required();
-  sub->add_flag("--skip-special-tokens", a->skip_special_tokens, "Drop special tokens from the text");
+  sub->add_flag("--skip-special-tokens", a->skip_special_tokens,
+                "Drop special tokens from the text");
   return [a] { return run_detokenize(*a); };
 }
 

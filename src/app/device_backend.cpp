@@ -5,9 +5,9 @@
 #include <cstdio>
 #include <memory>
 
+#include "model/m3_model.h"
 #include "runtime/forward_backend.h"
 #include "runtime/kv_budget.h"
-#include "model/m3_model.h"
 #ifdef M3_HAS_CUDA
 #include "gpu/device.h"
 #include "kernels/cuda/ops.h"
@@ -26,8 +26,9 @@ void add_device_options(CLI::App* sub, DeviceArgs& a) {
       ->capture_default_str();
   add_parallel_options(sub, a.parallel);
   add_gemm_precision_option(sub, a.gemm_precision);
-  sub->add_flag("--enforce-eager", a.enforce_eager,
-                "With --device cuda: run every step eagerly (no CUDA graph replay of decode steps)");
+  sub->add_flag(
+      "--enforce-eager", a.enforce_eager,
+      "With --device cuda: run every step eagerly (no CUDA graph replay of decode steps)");
 }
 
 void add_gemm_precision_option(CLI::App* sub, std::string& value) {
@@ -67,8 +68,8 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
   // Probe before the checkpoint is read: a machine without a GPU fails in milliseconds.
   auto probe = gpu::probe_device(0);
   if (!probe) {
-    return make_error(ErrorCode::kUnavailable,
-                      "--device cuda: " + probe.error().message, "--device");
+    return make_error(ErrorCode::kUnavailable, "--device cuda: " + probe.error().message,
+                      "--device");
   }
   runtime::CudaBackendOptions opts;
   opts.device = 0;
@@ -84,8 +85,9 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
     M3_TRY_STATUS(runtime::check_tensor_parallel_devices(tp));
     const bool ep = a.parallel.enable_expert_parallel;
     return engine::BackendFactory(
-        [opts, tp, ep](std::unique_ptr<model::M3Model> host, int64_t /*cpu_num_pages*/)
-            -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+        [opts, tp, ep](
+            std::unique_ptr<model::M3Model> host,
+            int64_t /*cpu_num_pages*/) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
           return runtime::make_cuda_sharded_backend(std::move(host), opts, tp, ep);
         });
   }
@@ -95,8 +97,9 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
     M3_TRY_STATUS(runtime::check_data_parallel_devices(dp));
     const bool ep = a.parallel.enable_expert_parallel;
     return engine::BackendFactory(
-        [opts, dp, ep](std::unique_ptr<model::M3Model> host, int64_t /*cpu_num_pages*/)
-            -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+        [opts, dp, ep](
+            std::unique_ptr<model::M3Model> host,
+            int64_t /*cpu_num_pages*/) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
           return runtime::make_cuda_data_parallel_backend(std::move(host), opts, dp, ep);
         });
   }

@@ -22,9 +22,9 @@ namespace m3::app {
 struct DeviceArgs {
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;
-  ParallelArgs parallel;  // --tensor-parallel-size and friends (app/parallel_args.h)
+  ParallelArgs parallel;                 // --tensor-parallel-size and friends (app/parallel_args.h)
   std::string gemm_precision = "exact";  // --gemm-precision exact|bf16 (GPU GEMMs)
-  bool enforce_eager = false;             // --enforce-eager: no CUDA graphs
+  bool enforce_eager = false;            // --enforce-eager: no CUDA graphs
   // Attention DP: one page-id partition per rank (the engine's scheduler keeps a sequence in
   // one); off for drivers that hand out one page-id space themselves (`generate`).
   bool dp_kv_partitions = true;

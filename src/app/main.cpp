@@ -44,8 +44,9 @@ int main(int argc, char** argv) {
     // CLI11 says "The following argument(s) was/were not expected: X"; keep only X.
     std::string what = e.what();
     if (const size_t colon = what.find(": "); colon != std::string::npos) what.erase(0, colon + 2);
-    return m3::app::fail(what + ": not a flag of `" + sub + "` (neither m3serve's nor a vLLM flag " +
-                             "it knows); `" + sub + " --help` lists them, vLLM's included",
+    return m3::app::fail(what + ": not a flag of `" + sub +
+                             "` (neither m3serve's nor a vLLM flag " + "it knows); `" + sub +
+                             " --help` lists them, vLLM's included",
                          e.get_exit_code());
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

@@ -13,7 +13,7 @@
 namespace m3::app {
 
 struct ModelChoice {
-  std::string model;          // as given: a directory or the synthetic spec
+  std::string model;  // as given: a directory or the synthetic spec
   bool synthetic = false;
   model::SyntheticSpec spec;  // when synthetic
   std::string tokenizer_dir;  // tokenizer.json (+ chat template, generation_config.json)

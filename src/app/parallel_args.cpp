@@ -2,8 +2,8 @@
 
 #include <CLI/CLI.hpp>
 
-#include "runtime/forward_backend.h"
 #include "model/m3_model.h"
+#include "runtime/forward_backend.h"
 
 namespace m3::app {
 
@@ -83,8 +83,9 @@ engine::BackendFactory wrap_backend_factory(const ParallelArgs& a,
   const int tp = a.tensor_parallel_size, dp = a.data_parallel_size;
   const bool ep = a.enable_expert_parallel;
   return engine::BackendFactory(
-      [tp, ep, dp, dp_kv_partitions](std::unique_ptr<model::M3Model> host,
-                   int64_t cpu_num_pages) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+      [tp, ep, dp, dp_kv_partitions](
+          std::unique_ptr<model::M3Model> host,
+          int64_t cpu_num_pages) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
         // Serving: the scheduler hands out pages, so DP ranks get a page partition each.
         return runtime::make_cpu_sharded_backend(std::move(host), cpu_num_pages, tp, ep, dp,
                                                  dp_kv_partitions);

@@ -329,7 +329,9 @@ std::string trim(std::string s) {
 }
 
 // The long name of an entry ("--pipeline-parallel-size" of "--pipeline-parallel-size").
-std::string_view long_name(const VllmFlag& f) { return f.names.substr(0, f.names.find(',')); }
+std::string_view long_name(const VllmFlag& f) {
+  return f.names.substr(0, f.names.find(','));
+}
 
 bool in_list(std::string_view list, const std::string& value) {
   const std::string v = lower(trim(value));
@@ -357,10 +359,9 @@ Result<json> parse_json_object(const std::string& flag, const std::string& text,
                                const std::string& example) {
   json j = json::parse(text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      flag + " must be a JSON object, e.g. '" + example + "'; got: " +
-                          text.substr(0, 200),
-                      flag);
+    return make_error(
+        ErrorCode::kInvalidArgument,
+        flag + " must be a JSON object, e.g. '" + example + "'; got: " + text.substr(0, 200), flag);
   }
   return j;
 }
@@ -426,8 +427,8 @@ Status review_dtype(const std::string& value, const std::string& device, bool pr
 Status review_compilation(const std::string& value, CompatPlan& plan) {
   std::string text = trim(value);
   // `-O3` / `-O 3`: vLLM's optimisation level shorthand.
-  if (!text.empty() && std::all_of(text.begin(), text.end(),
-                                       [](char c) { return c >= '0' && c <= '9'; })) {
+  if (!text.empty() &&
+      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; })) {
     plan.notices.push_back("--compilation-config / -O " + text +
                            " is ignored: m3serve compiles no graphs at start-up; CUDA graphs of "
                            "decode steps are captured by default (--enforce-eager turns them off)");
@@ -438,8 +439,9 @@ Status review_compilation(const std::string& value, CompatPlan& plan) {
   auto mode = j.find("cudagraph_mode");
   if (mode != j.end() && mode->is_string() && lower(mode->get<std::string>()) == "none") {
     plan.enforce_eager = true;
-    plan.notices.push_back("--compilation-config cudagraph_mode NONE: CUDA graphs are off "
-                           "(as --enforce-eager)");
+    plan.notices.push_back(
+        "--compilation-config cudagraph_mode NONE: CUDA graphs are off "
+        "(as --enforce-eager)");
   } else {
     plan.notices.push_back("--compilation-config is ignored: " + std::string(kWhyGraphs));
   }
@@ -463,14 +465,16 @@ Status review_attention_config(const std::string& value, CompatPlan& plan) {
   }
   std::string keys;
   for (const auto& k : ignored) keys += (keys.empty() ? "" : ", ") + k;
-  plan.notices.push_back("--attention-config (" + keys + ") is ignored: " +
-                         std::string(kWhyKernels));
+  plan.notices.push_back("--attention-config (" + keys +
+                         ") is ignored: " + std::string(kWhyKernels));
   return {};
 }
 
 }  // namespace
 
-const std::vector<VllmFlag>& vllm_flag_table() { return kTable; }
+const std::vector<VllmFlag>& vllm_flag_table() {
+  return kTable;
+}
 
 void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
   v.options.assign(kTable.size(), nullptr);
@@ -496,25 +500,30 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
     }
     const std::string ln(long_name(f));
     if (ln == "--dtype") {
-      help = "auto | bfloat16 | float32. With --device cuda it sets the GEMM precision: float32 "
-             "= --gemm-precision exact, bfloat16 = --gemm-precision bf16, auto = the default "
-             "(exact). On the CPU activations are always fp32";
+      help =
+          "auto | bfloat16 | float32. With --device cuda it sets the GEMM precision: float32 "
+          "= --gemm-precision exact, bfloat16 = --gemm-precision bf16, auto = the default "
+          "(exact). On the CPU activations are always fp32";
     } else if (ln == "--seed") {
       help = "Seed for requests that give none (chat); serve: see the start-up note";
     } else if (ln == "--hf-overrides") {
-      help = "JSON object merged into config.json before it is read, e.g. "
-             "'{\"text_config\": {\"max_position_embeddings\": 262144}}'";
+      help =
+          "JSON object merged into config.json before it is read, e.g. "
+          "'{\"text_config\": {\"max_position_embeddings\": 262144}}'";
     } else if (ln == "--compilation-config") {
-      help = "vLLM compilation config: cudagraph_mode NONE turns CUDA graphs off (as "
-             "--enforce-eager); the rest has no effect here";
+      help =
+          "vLLM compilation config: cudagraph_mode NONE turns CUDA graphs off (as "
+          "--enforce-eager); the rest has no effect here";
     } else if (ln == "--attention-config") {
-      help = "vLLM attention config (also --attention-config.KEY VALUE): backends have no effect "
-             "here; indexer_kv_dtype fp8 is refused until issue #15";
+      help =
+          "vLLM attention config (also --attention-config.KEY VALUE): backends have no effect "
+          "here; indexer_kv_dtype fp8 is refused until issue #15";
     } else if (ln == "--max-logprobs") {
       help = "Most top logprobs a request may ask for (m3serve's limit is 20)";
     } else if (ln == "--override-generation-config") {
-      help = "JSON object of sampling defaults over generation_config.json, e.g. "
-             "'{\"temperature\": 1.0, \"top_p\": 0.95, \"top_k\": 40}'";
+      help =
+          "JSON object of sampling defaults over generation_config.json, e.g. "
+          "'{\"temperature\": 1.0, \"top_p\": 0.95, \"top_k\": 40}'";
     } else if (f.kind == FlagKind::kHandled) {
       help = "vLLM flag; start-up prints what it does here";
     }
@@ -552,17 +561,17 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       } else {
         const std::string lead =
             f.kind == FlagKind::kComing ? " is not available yet: " : " is not supported: ";
-        return make_error(ErrorCode::kUnsupported, shown(f, value) + lead + std::string(f.why),
-                          ln);
+        return make_error(ErrorCode::kUnsupported, shown(f, value) + lead + std::string(f.why), ln);
       }
       continue;
     }
     if (ln == "--dtype") {
       M3_TRY_STATUS(review_dtype(value, device, gemm_precision_given, plan));
       if (plan.gemm_precision && gemm_precision_given) {
-        return bad("--dtype", "--dtype " + value + " and --gemm-precision are both given; "
-                              "--dtype float32 is --gemm-precision exact and --dtype bfloat16 "
-                              "is --gemm-precision bf16: give one of them");
+        return bad("--dtype", "--dtype " + value +
+                                  " and --gemm-precision are both given; "
+                                  "--dtype float32 is --gemm-precision exact and --dtype bfloat16 "
+                                  "is --gemm-precision bf16: give one of them");
       }
     } else if (ln == "--seed") {
       M3_TRY(plan.seed, parse_seed(value));
@@ -670,8 +679,7 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
   if (!ignored.empty()) {
     std::string names;
     for (const auto& n : ignored) names += (names.empty() ? "" : ", ") + n;
-    plan.notices.push_back("environment " + names +
-                           (ignored.size() == 1 ? " is" : " are") +
+    plan.notices.push_back("environment " + names + (ignored.size() == 1 ? " is" : " are") +
                            " ignored: vLLM kernel and runtime switches have no effect on "
                            "m3serve (honoured: VLLM_API_KEY, VLLM_ALLOW_LONG_MAX_MODEL_LEN, "
                            "VLLM_LOGGING_LEVEL, VLLM_LOG_STATS_INTERVAL)");
@@ -682,11 +690,11 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
 std::vector<std::string> normalize_vllm_argv(const std::vector<std::string>& in) {
   // vLLM's multi-letter short aliases (argparse allows them; CLI11 short names are one letter).
   static const std::map<std::string, std::string> kShort = {
-      {"-tp", "--tensor-parallel-size"},     {"-pp", "--pipeline-parallel-size"},
-      {"-dp", "--data-parallel-size"},       {"-dpl", "--data-parallel-size-local"},
-      {"-dpa", "--data-parallel-address"},   {"-dpp", "--data-parallel-rpc-port"},
+      {"-tp", "--tensor-parallel-size"},      {"-pp", "--pipeline-parallel-size"},
+      {"-dp", "--data-parallel-size"},        {"-dpl", "--data-parallel-size-local"},
+      {"-dpa", "--data-parallel-address"},    {"-dpp", "--data-parallel-rpc-port"},
       {"-dpr", "--data-parallel-start-rank"}, {"-dpb", "--data-parallel-backend"},
-      {"-asc", "--api-server-count"},        {"-ep", "--enable-expert-parallel"}};
+      {"-asc", "--api-server-count"},         {"-ep", "--enable-expert-parallel"}};
   std::vector<std::string> args;
   args.reserve(in.size());
   for (const std::string& a : in) {
@@ -761,13 +769,12 @@ Result<std::string> resolve_model_argument(const std::string& model, const EnvLi
   if (model.empty() || fs::exists(model, ec) || model.rfind("synthetic:", 0) == 0) return model;
   // `org/name`: exactly one slash, no leading '/' or '.', characters a hub id may have.
   const size_t slash = model.find('/');
-  const bool hub_like =
-      slash != std::string::npos && slash > 0 && slash + 1 < model.size() &&
-      model.find('/', slash + 1) == std::string::npos && model[0] != '.' &&
-      std::all_of(model.begin(), model.end(), [](char c) {
-        return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' ||
-               c == '/';
-      });
+  const bool hub_like = slash != std::string::npos && slash > 0 && slash + 1 < model.size() &&
+                        model.find('/', slash + 1) == std::string::npos && model[0] != '.' &&
+                        std::all_of(model.begin(), model.end(), [](char c) {
+                          return std::isalnum(static_cast<unsigned char>(c)) || c == '-' ||
+                                 c == '_' || c == '.' || c == '/';
+                        });
   if (!hub_like) return model;  // the caller reports a missing directory
   const auto getenv_of = [&](const std::string& name) -> std::string {
     for (const auto& kv : env) {
@@ -780,8 +787,7 @@ Result<std::string> resolve_model_argument(const std::string& model, const EnvLi
   if (auto h = getenv_of("HF_HOME"); !h.empty()) caches.push_back(fs::path(h) / "hub");
   if (auto home = getenv_of("HOME"); !home.empty())
     caches.push_back(fs::path(home) / ".cache" / "huggingface" / "hub");
-  const std::string repo_dir =
-      "models--" + model.substr(0, slash) + "--" + model.substr(slash + 1);
+  const std::string repo_dir = "models--" + model.substr(0, slash) + "--" + model.substr(slash + 1);
   for (const auto& cache : caches) {
     const fs::path repo = cache / repo_dir;
     std::ifstream ref(repo / "refs" / "main");
@@ -794,14 +800,16 @@ Result<std::string> resolve_model_argument(const std::string& model, const EnvLi
       }
     }
   }
-  return make_error(
-      ErrorCode::kNotFound,
-      "'" + model + "' is not a directory. m3serve does not download from the Hugging Face Hub "
-      "and found no copy in the local cache ($HF_HUB_CACHE, $HF_HOME/hub, "
-      "~/.cache/huggingface/hub). Download it (huggingface-cli download " + model +
-      " --local-dir /data/" + model.substr(slash + 1) + ") and pass the directory: m3serve "
-      "serve /data/" + model.substr(slash + 1) + " --served-model-name " + model,
-      "model");
+  return make_error(ErrorCode::kNotFound,
+                    "'" + model +
+                        "' is not a directory. m3serve does not download from the Hugging Face Hub "
+                        "and found no copy in the local cache ($HF_HUB_CACHE, $HF_HOME/hub, "
+                        "~/.cache/huggingface/hub). Download it (huggingface-cli download " +
+                        model + " --local-dir /data/" + model.substr(slash + 1) +
+                        ") and pass the directory: m3serve "
+                        "serve /data/" +
+                        model.substr(slash + 1) + " --served-model-name " + model,
+                    "model");
 }
 
 Result<int64_t> parse_max_model_len(const std::string& text) {
@@ -821,13 +829,26 @@ Result<int64_t> parse_max_model_len(const std::string& text) {
   if (std::isalpha(static_cast<unsigned char>(last))) {
     num.pop_back();
     switch (last) {
-      case 'k': mul = 1e3; break;
-      case 'm': mul = 1e6; break;
-      case 'g': mul = 1e9; break;
-      case 'K': mul = 1024.0; break;
-      case 'M': mul = 1024.0 * 1024; break;
-      case 'G': mul = 1024.0 * 1024 * 1024; break;
-      default: return fail();
+      case 'k':
+        mul = 1e3;
+        break;
+      case 'm':
+        mul = 1e6;
+        break;
+      case 'g':
+        mul = 1e9;
+        break;
+      case 'K':
+        mul = 1024.0;
+        break;
+      case 'M':
+        mul = 1024.0 * 1024;
+        break;
+      case 'G':
+        mul = 1024.0 * 1024 * 1024;
+        break;
+      default:
+        return fail();
     }
   }
   char* end = nullptr;

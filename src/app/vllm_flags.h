@@ -59,7 +59,7 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd);
 
 // What the handled flags and the environment ask the command to do.
 struct CompatPlan {
-  std::vector<std::string> notices;  // printed once at start-up, "m3serve: note: ..." each
+  std::vector<std::string> notices;           // printed once at start-up, "m3serve: note: ..." each
   std::optional<std::string> gemm_precision;  // --dtype on the GPU: "exact" / "bf16"
   bool enforce_eager = false;                 // --compilation-config cudagraph_mode NONE
   std::string hf_overrides;                   // JSON object text ("" none)
@@ -70,9 +70,9 @@ struct CompatPlan {
   // For the server's request log / stats / CORS / root path work (item 5 and the server
   // owners): what the user asked for, kept so nothing is lost when the server grows them.
   bool log_requests = false;
-  bool log_stats = true;          // --disable-log-stats: false
-  bool access_log = true;         // --disable-uvicorn-access-log: false
-  double stats_interval_s = 10;   // VLLM_LOG_STATS_INTERVAL
+  bool log_stats = true;                     // --disable-log-stats: false
+  bool access_log = true;                    // --disable-uvicorn-access-log: false
+  double stats_interval_s = 10;              // VLLM_LOG_STATS_INTERVAL
   std::vector<std::string> allowed_origins;  // CORS, applied (ServerConfig::allowed_origins)
   bool allow_credentials = false;
   std::string root_path;

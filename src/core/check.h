@@ -11,7 +11,8 @@ namespace m3 {
 [[noreturn]] void check_failed(const char* file, int line, const char* cond);
 }  // namespace m3
 
-#define M3_CHECK(cond, ...)                                                   \
-  do {                                                                        \
-    if (__builtin_expect(!(cond), 0)) ::m3::check_failed(__FILE__, __LINE__, #cond __VA_OPT__(, ) __VA_ARGS__); \
+#define M3_CHECK(cond, ...)                                                     \
+  do {                                                                          \
+    if (__builtin_expect(!(cond), 0))                                           \
+      ::m3::check_failed(__FILE__, __LINE__, #cond __VA_OPT__(, ) __VA_ARGS__); \
   } while (0)

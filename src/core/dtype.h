@@ -13,7 +13,7 @@ namespace m3 {
 enum class DType : uint8_t { kF32, kF16, kBF16, kF8E4M3, kU8, kI8, kI32, kI64, kF64, kBool };
 
 size_t dtype_size(DType d);
-const char* dtype_name(DType d);                         // safetensors spelling: "BF16", ...
+const char* dtype_name(DType d);                           // safetensors spelling: "BF16", ...
 std::optional<DType> dtype_from_name(std::string_view s);  // inverse of dtype_name
 
 struct bf16 {
@@ -35,7 +35,9 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+inline float round_to_bf16(float f) {
+  return bf16_to_f32(f32_to_bf16(f));
+}
 
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);

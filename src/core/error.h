@@ -47,13 +47,13 @@ inline tl::unexpected<Error> make_error(ErrorCode code, std::string message,
 // M3_TRY(var, expr): evaluate a Result, return its error from the enclosing function on failure.
 #define M3_TRY_CONCAT2(a, b) a##b
 #define M3_TRY_CONCAT(a, b) M3_TRY_CONCAT2(a, b)
-#define M3_TRY(var, expr)                                             \
-  auto M3_TRY_CONCAT(m3_try_, __LINE__) = (expr);                     \
-  if (!M3_TRY_CONCAT(m3_try_, __LINE__))                              \
+#define M3_TRY(var, expr)                                                       \
+  auto M3_TRY_CONCAT(m3_try_, __LINE__) = (expr);                               \
+  if (!M3_TRY_CONCAT(m3_try_, __LINE__))                                        \
     return tl::unexpected(std::move(M3_TRY_CONCAT(m3_try_, __LINE__).error())); \
   var = std::move(*M3_TRY_CONCAT(m3_try_, __LINE__))
-#define M3_TRY_STATUS(expr)                                         \
-  do {                                                              \
-    auto m3_try_status_ = (expr);                                   \
+#define M3_TRY_STATUS(expr)                                                        \
+  do {                                                                             \
+    auto m3_try_status_ = (expr);                                                  \
     if (!m3_try_status_) return tl::unexpected(std::move(m3_try_status_.error())); \
   } while (0)

@@ -23,8 +23,12 @@ std::atomic<int> g_level{static_cast<int>(initial_level())};
 std::mutex g_mu;
 }  // namespace
 
-void set_log_level(LogLevel level) { g_level = static_cast<int>(level); }
-LogLevel log_level() { return static_cast<LogLevel>(g_level.load()); }
+void set_log_level(LogLevel level) {
+  g_level = static_cast<int>(level);
+}
+LogLevel log_level() {
+  return static_cast<LogLevel>(g_level.load());
+}
 
 void log_write(LogLevel level, const char* fmt, ...) {
   if (static_cast<int>(level) < g_level.load()) return;

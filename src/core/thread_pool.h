@@ -23,8 +23,7 @@ class ThreadPool {
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
 
   // fn(begin, end) over chunks of [0, n); chunks are at least `grain` long.
-  void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn,
-                    int64_t grain = 1);
+  void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int64_t grain = 1);
 
  private:
   void worker_loop(int index);

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <thread>
 #include <unordered_map>
 
@@ -12,10 +12,10 @@
 #include "core/log.h"
 #include "engine/model_runner.h"
 #include "model/config.h"
-#include "runtime/forward_backend.h"
-#include "runtime/kv_budget.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
+#include "runtime/forward_backend.h"
+#include "runtime/kv_budget.h"
 #include "sched/scheduler.h"
 
 namespace m3::engine {
@@ -150,7 +150,8 @@ void EngineImpl::admit(Pending& p) {
   // Prompt logprobs need every prompt position computed: a unique salt keeps this request off
   // the prefix cache (no hits, and its pages are not shared).
   const uint64_t salt = sp.prompt_logprobs >= 0 ? (p.id | (1ull << 63)) : 0;
-  auto r = std::make_unique<sched::Request>(p.id, p.req.prompt_token_ids, stop, p.req.priority, salt);
+  auto r =
+      std::make_unique<sched::Request>(p.id, p.req.prompt_token_ids, stop, p.req.priority, salt);
   RunnerRequestState st;
   st.params = sp;
   st.seed = Sampler::make_rng(sp).seed;
@@ -222,16 +223,26 @@ void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
         stats.time_to_first_token_s.observe(std::chrono::duration<double>(now - l.arrival).count());
         stats.prompt_tokens_total += u.num_prompt_tokens;
       } else {
-        stats.inter_token_latency_s.observe(std::chrono::duration<double>(now - l.last_token).count());
+        stats.inter_token_latency_s.observe(
+            std::chrono::duration<double>(now - l.last_token).count());
       }
       l.last_token = now;
     }
     if (u.finished) {
       o.finished = true;
       switch (u.finish_reason) {
-        case sched::FinishReason::kStop: o.finish_reason = "stop"; ++stats.requests_finished_stop; break;
-        case sched::FinishReason::kLength: o.finish_reason = "length"; ++stats.requests_finished_length; break;
-        default: o.finish_reason = "abort"; ++stats.requests_finished_abort; break;
+        case sched::FinishReason::kStop:
+          o.finish_reason = "stop";
+          ++stats.requests_finished_stop;
+          break;
+        case sched::FinishReason::kLength:
+          o.finish_reason = "length";
+          ++stats.requests_finished_length;
+          break;
+        default:
+          o.finish_reason = "abort";
+          ++stats.requests_finished_abort;
+          break;
       }
       o.stop_token_id = u.stop_token_id;
       stats.e2e_request_latency_s.observe(std::chrono::duration<double>(now - l.arrival).count());
@@ -329,7 +340,9 @@ void EngineImpl::loop() {
 
 Engine::Engine(std::unique_ptr<EngineImpl> impl) : impl_(std::move(impl)) {}
 
-Engine::~Engine() { shutdown(false); }
+Engine::~Engine() {
+  shutdown(false);
+}
 
 Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   auto impl = std::make_unique<EngineImpl>();
@@ -349,8 +362,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   }
   int64_t bytes = config.kv_cache_memory_bytes;
   if (bytes <= 0) {
-    const int64_t want_tokens =
-        std::min<int64_t>(max_len, 4096) * std::max(1, config.max_num_seqs);
+    const int64_t want_tokens = std::min<int64_t>(max_len, 4096) * std::max(1, config.max_num_seqs);
     bytes = std::min<int64_t>(((want_tokens + bs - 1) / bs) * page_bytes, int64_t{4} << 30);
   }
   const int64_t cpu_num_pages = bytes / page_bytes;
@@ -390,8 +402,8 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   M3_CHECK(num_kv_partitions >= 1 && num_pages % num_kv_partitions == 0,
            "engine: backend %s has %lld pages in %d partitions", backend->device_name().c_str(),
            static_cast<long long>(num_pages), num_kv_partitions);
-  M3_TRY_STATUS(check_fit(num_pages, backend->device_name(), backend->kv_cache_flag(),
-                          num_kv_partitions));
+  M3_TRY_STATUS(
+      check_fit(num_pages, backend->device_name(), backend->kv_cache_flag(), num_kv_partitions));
   sched::SchedulerConfig sc;
   sc.max_num_seqs = config.max_num_seqs;
   sc.max_num_batched_tokens = config.max_num_batched_tokens;
@@ -420,8 +432,8 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   impl->runner = std::make_unique<ModelRunner>(std::move(backend), sampleable);
   impl->scheduler = std::make_unique<sched::Scheduler>(sc);
   auto& st = impl->stats;
-  const std::vector<double> lat = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
-                                   0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0};
+  const std::vector<double> lat = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25, 0.5,
+                                   0.75,  1.0,   2.5,  5.0,  7.5,  10.0, 20.0, 40.0, 80.0};
   st.time_to_first_token_s = Histogram::with_bounds(lat);
   st.inter_token_latency_s = Histogram::with_bounds(lat);
   st.e2e_request_latency_s = Histogram::with_bounds(lat);
@@ -437,18 +449,21 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
 Result<std::shared_ptr<RequestStream>> Engine::submit(GenerateRequest req) {
   EngineImpl& e = *impl_;
   if (!e.accepting) {
-    return make_error(ErrorCode::kUnavailable, "the server is shutting down; retry on another replica");
+    return make_error(ErrorCode::kUnavailable,
+                      "the server is shutting down; retry on another replica");
   }
   const auto& p = req.params;
   if (req.prompt_token_ids.empty()) {
-    return make_error(ErrorCode::kInvalidArgument, "the prompt is empty; give at least one token", "prompt");
+    return make_error(ErrorCode::kInvalidArgument, "the prompt is empty; give at least one token",
+                      "prompt");
   }
   for (size_t i = 0; i < req.prompt_token_ids.size(); ++i) {
     const int32_t t = req.prompt_token_ids[i];
     if (t < 0 || t >= e.info.vocab_size) {
       return make_error(ErrorCode::kInvalidArgument,
                         "prompt token " + std::to_string(i) + " has id " + std::to_string(t) +
-                            ", outside the vocabulary [0, " + std::to_string(e.info.vocab_size) + ")",
+                            ", outside the vocabulary [0, " + std::to_string(e.info.vocab_size) +
+                            ")",
                         "prompt");
     }
   }
@@ -487,8 +502,8 @@ Result<std::shared_ptr<RequestStream>> Engine::submit(GenerateRequest req) {
       return make_error(ErrorCode::kQueueFull,
                         "the request queue is full (" + std::to_string(waiting) +
                             " waiting for one of " + std::to_string(e.cfg.max_num_seqs) +
-                            " running slots, --max-queue-len " + std::to_string(e.cfg.max_queue_len) +
-                            "); retry later");
+                            " running slots, --max-queue-len " +
+                            std::to_string(e.cfg.max_queue_len) + "); retry later");
     }
     if (e.stopping) {
       return make_error(ErrorCode::kUnavailable, "the server is shutting down");
@@ -516,14 +531,18 @@ void Engine::abort_all() {
   impl_->cv.notify_all();
 }
 
-const ModelInfo& Engine::model_info() const { return impl_->info; }
+const ModelInfo& Engine::model_info() const {
+  return impl_->info;
+}
 
 EngineStats Engine::stats() const {
   std::lock_guard<std::mutex> lock(impl_->stats_mu);
   return impl_->stats;
 }
 
-bool Engine::healthy() const { return impl_->healthy && impl_->accepting; }
+bool Engine::healthy() const {
+  return impl_->healthy && impl_->accepting;
+}
 
 void Engine::shutdown(bool drain) {
   if (!impl_) return;

@@ -38,11 +38,12 @@ struct EngineConfig {
   std::string model_dir;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
-  int max_model_len = 0;              // 0: the model's max_position_embeddings, capped by the KV pool
-  int block_size = 128;               // must equal the model's sparse_block_size
-  int64_t kv_cache_memory_bytes = 0;  // 0: enough for max_num_seqs sequences of up to 4096 tokens, <= 4 GiB
+  int max_model_len = 0;  // 0: the model's max_position_embeddings, capped by the KV pool
+  int block_size = 128;   // must equal the model's sparse_block_size
+  int64_t kv_cache_memory_bytes =
+      0;  // 0: enough for max_num_seqs sequences of up to 4096 tokens, <= 4 GiB
   bool enable_prefix_caching = true;
-  bool priority_scheduling = false;   // else first-come-first-served
+  bool priority_scheduling = false;  // else first-come-first-served
   // Requests that cannot start at once (beyond the free --max-num-seqs slots) beyond this are
   // refused (kQueueFull).
   int max_queue_len = 1024;
@@ -55,8 +56,8 @@ struct EngineConfig {
 
 // Histogram with fixed upper bounds (Prometheus style: counts are per bucket, not cumulative).
 struct Histogram {
-  std::vector<double> bounds;   // ascending upper bounds; an implicit +Inf bucket follows
-  std::vector<uint64_t> counts; // bounds.size() + 1
+  std::vector<double> bounds;    // ascending upper bounds; an implicit +Inf bucket follows
+  std::vector<uint64_t> counts;  // bounds.size() + 1
   double sum = 0.0;
   uint64_t count = 0;
   void observe(double v);
@@ -86,13 +87,13 @@ struct EngineStats {
 
 struct ModelInfo {
   std::string model_dir;
-  std::string summary;   // one line from M3Config::summary()
+  std::string summary;  // one line from M3Config::summary()
   int64_t vocab_size = 0;
   int max_model_len = 0;
   int block_size = 0;
   int64_t num_kv_blocks = 0;
-  int64_t kv_tokens = 0;    // num_kv_blocks * block_size
-  std::string device;       // ForwardBackend::device_name(), e.g. "cpu"
+  int64_t kv_tokens = 0;  // num_kv_blocks * block_size
+  std::string device;     // ForwardBackend::device_name(), e.g. "cpu"
   std::vector<int32_t> eos_token_ids;
 };
 
@@ -109,9 +110,9 @@ struct RequestOutput {
   // First output only, when prompt_logprobs >= 0: entry 0 is empty (token 0 has no context).
   std::optional<std::vector<std::optional<TokenLogprobOut>>> prompt_logprobs;
   bool finished = false;
-  std::string finish_reason;            // "stop" | "length" | "abort" | "error"
-  std::optional<int32_t> stop_token_id; // the stop_token_ids entry that ended it
-  std::string error;                    // finish_reason == "error"
+  std::string finish_reason;             // "stop" | "length" | "abort" | "error"
+  std::optional<int32_t> stop_token_id;  // the stop_token_ids entry that ended it
+  std::string error;                     // finish_reason == "error"
   int num_prompt_tokens = 0;
   int num_output_tokens = 0;
   int num_cached_tokens = 0;
@@ -158,7 +159,7 @@ class RequestStream {
 struct GenerateRequest {
   std::vector<int32_t> prompt_token_ids;
   SamplingParams params;
-  int priority = 0;  // lower first, with EngineConfig::priority_scheduling
+  int priority = 0;                    // lower first, with EngineConfig::priority_scheduling
   std::shared_ptr<StreamWaker> waker;  // optional: notified on every output of this request
 };
 

@@ -21,8 +21,8 @@ ModelRunner::ModelRunner(std::unique_ptr<runtime::ForwardBackend> backend, int64
   M3_CHECK(backend_ != nullptr);
 }
 
-sched::RunnerOutput ModelRunner::execute(
-    const sched::SchedulerOutput& out, std::unordered_map<uint64_t, RunnerRequestState>& states) {
+sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
+                                         std::unordered_map<uint64_t, RunnerRequestState>& states) {
   model::ForwardBatch b;
   // Logits rows wanted per scheduled request: prompt-logprob rows (position -> row), and the
   // sampling row (-1 when the request does not sample this step).
@@ -117,7 +117,8 @@ sched::RunnerOutput ModelRunner::execute(
   std::vector<int32_t> row_at;
   if (!b.device_samples.empty()) {  // then res.logits holds exactly res.logits_rows
     row_at.assign(b.logits_indices.size(), -1);
-    for (size_t j = 0; j < res.logits_rows.size(); ++j) row_at[res.logits_rows[j]] = static_cast<int32_t>(j);
+    for (size_t j = 0; j < res.logits_rows.size(); ++j)
+      row_at[res.logits_rows[j]] = static_cast<int32_t>(j);
   }
   auto logits_row = [&](int32_t r) {
     const int32_t at = row_at.empty() ? r : row_at[r];

@@ -15,8 +15,8 @@
 
 #include "engine/engine.h"
 #include "engine/sampler.h"
-#include "runtime/forward_backend.h"
 #include "model/m3_model.h"
+#include "runtime/forward_backend.h"
 #include "sched/scheduler_output.h"
 
 namespace m3::engine {

@@ -70,7 +70,8 @@ int32_t Sampler::sample(std::span<float> logits, const SamplingParams& p,
       if (t >= 0 && t < V) seen[t] = true;
     for (int64_t i = 0; i < V; ++i) {
       if (!seen[i]) continue;
-      logits[i] = logits[i] > 0 ? logits[i] / p.repetition_penalty : logits[i] * p.repetition_penalty;
+      logits[i] =
+          logits[i] > 0 ? logits[i] / p.repetition_penalty : logits[i] * p.repetition_penalty;
     }
   }
   if (p.presence_penalty != 0.f || p.frequency_penalty != 0.f) {

@@ -8,15 +8,15 @@ namespace m3::gpu {
 [[noreturn]] void cuda_fail(cudaError_t err, const char* what, const char* file, int line);
 }  // namespace m3::gpu
 
-#define M3_CUDA_CHECK(expr)                                                   \
-  do {                                                                        \
-    cudaError_t m3_err_ = (expr);                                             \
+#define M3_CUDA_CHECK(expr)                                                               \
+  do {                                                                                    \
+    cudaError_t m3_err_ = (expr);                                                         \
     if (m3_err_ != cudaSuccess) ::m3::gpu::cuda_fail(m3_err_, #expr, __FILE__, __LINE__); \
   } while (0)
 
 // After a kernel launch: checks the launch and names the kernel.
-#define M3_CUDA_CHECK_LAUNCH(kernel_name)                                      \
-  do {                                                                        \
-    cudaError_t m3_err_ = cudaGetLastError();                                 \
+#define M3_CUDA_CHECK_LAUNCH(kernel_name)                                                       \
+  do {                                                                                          \
+    cudaError_t m3_err_ = cudaGetLastError();                                                   \
     if (m3_err_ != cudaSuccess) ::m3::gpu::cuda_fail(m3_err_, kernel_name, __FILE__, __LINE__); \
   } while (0)

@@ -33,16 +33,16 @@ struct M3Config {
   int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-6;
   double rope_theta = 5000000.0;
-  int64_t rotary_dim = 0;                // rotated dims per head (NeoX halves), <= head_dim
+  int64_t rotary_dim = 0;  // rotated dims per head (NeoX halves), <= head_dim
   double swiglu_alpha = 1.702;
   double swiglu_limit = 7.0;
-  double swiglu_beta = 1.0;              // the "+1" on up; absent in the file means 1.0
+  double swiglu_beta = 1.0;  // the "+1" on up; absent in the file means 1.0
   double routed_scaling_factor = 1.0;
-  bool use_routing_bias = true;          // e_score_correction_bias present and used for selection
+  bool use_routing_bias = true;  // e_score_correction_bias present and used for selection
   bool tie_word_embeddings = false;
 
   // MiniMax Sparse Attention (used on layers with layer_is_sparse[i]).
-  int64_t index_n_heads = 0;    // == num_key_value_heads (checked)
+  int64_t index_n_heads = 0;  // == num_key_value_heads (checked)
   int64_t index_head_dim = 0;
   int64_t sparse_block_size = 128;  // tokens per scored block == KV page size
   int64_t sparse_topk_blocks = 16;

@@ -61,9 +61,9 @@ Result<std::string> merge_config_json(std::string_view config_text, std::string_
   M3_TRY(json over, parse_override(override_text));
   json root = json::parse(config_text.begin(), config_text.end(), nullptr, false);
   if (root.is_discarded() || !root.is_object()) {
-    return make_error(ErrorCode::kFormat,
-                      std::string(source) + " is not a JSON object, so --hf-overrides cannot be "
-                                            "merged into it");
+    return make_error(ErrorCode::kFormat, std::string(source) +
+                                              " is not a JSON object, so --hf-overrides cannot be "
+                                              "merged into it");
   }
   merge_into(root, over);
   return root.dump();

@@ -50,8 +50,7 @@ class CpuOps {
     kernels::cpu::add_rmsnorm_gemma(x, y, rows, dim, w, eps, out);
   }
   void add_inplace(float* x, const float* y, int64_t n) { kernels::cpu::add_inplace(x, y, n); }
-  void attn_prep(const kernels::AttnPrepArgs& a, const KvPages& cache,
-                 const TokenLayout& layout) {
+  void attn_prep(const kernels::AttnPrepArgs& a, const KvPages& cache, const TokenLayout& layout) {
     kernels::cpu::attn_prep(a, cache, layout);
   }
   void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& cache,
@@ -80,9 +79,9 @@ class CpuOps {
   void moe_localize_ids(int32_t* ids, int64_t n, int64_t first, int64_t count) {
     kernels::cpu::moe_localize_ids(ids, n, first, count);
   }
-  void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights,
-                   int64_t k, const kernels::MoeExpertWeights& w,
-                   const kernels::SwigluParams& act, const float* shared, float* out) {
+  void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights, int64_t k,
+                   const kernels::MoeExpertWeights& w, const kernels::SwigluParams& act,
+                   const float* shared, float* out) {
     kernels::cpu::moe_experts(x, n, ids, weights, k, w, act, shared, out);
   }
   void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t cols, float* dst) {
@@ -95,9 +94,7 @@ class CpuOps {
   void fill_zero(float* x, int64_t n) { kernels::cpu::fill_zero(x, n); }
   void copy(float* dst, const float* src, int64_t n) { kernels::cpu::copy(dst, src, n); }
   // Ops memory is host memory: a plain copy.
-  void download(int32_t* host, const int32_t* src, int64_t n) {
-    std::copy(src, src + n, host);
-  }
+  void download(int32_t* host, const int32_t* src, int64_t n) { std::copy(src, src + n, host); }
 
   // Collectives of a shard (every rank calls them in the same order).
   void all_reduce_sum(float* data, int64_t n) { group().all_reduce_sum(data, n); }

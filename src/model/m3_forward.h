@@ -34,8 +34,29 @@ namespace m3::model {
 // Named scratch buffers of a forward (the Ops own them; a name's buffer keeps its contents while
 // it does not grow, and grows only by Ops::f32 / Ops::i32 asking for more).
 enum class Buf {
-  kX, kA, kQ, kK, kV, kAttn, kY, kIq, kIk, kProj, kG, kU, kRouterLogits, kRouteW, kHs,
-  kLogits, kTpMine, kTpLocal, kTpAll, kDpSend, kDpAll, kDpRouted, kCount
+  kX,
+  kA,
+  kQ,
+  kK,
+  kV,
+  kAttn,
+  kY,
+  kIq,
+  kIk,
+  kProj,
+  kG,
+  kU,
+  kRouterLogits,
+  kRouteW,
+  kHs,
+  kLogits,
+  kTpMine,
+  kTpLocal,
+  kTpAll,
+  kDpSend,
+  kDpAll,
+  kDpRouted,
+  kCount
 };
 enum class IBuf { kSel, kRouteIds, kSelAll, kCount };
 
@@ -176,7 +197,7 @@ class M3Forward {
       } else {
         ops.attention_paged(q, nq, pages, layout, nullptr, 0, scale, max_kv_len, attn);
       }
-      ops.linear(attn, T, L.o_proj, y);  // y: [T, hidden]
+      ops.linear(attn, T, L.o_proj, y);      // y: [T, hidden]
       if (tp) ops.all_reduce_sum(y, T * H);  // partial sums over this rank's heads
       ops.add_rmsnorm_gemma(x, y, T, H, L.post_attention_norm, eps, a);  // x += y; a = norm(x)
       if (cfg_.layer_is_moe[li]) {
@@ -332,8 +353,8 @@ class M3Forward {
   }
 
   // out [n, hidden] = down(swiglu_oai(gate(x), up(x))).
-  void dense_mlp(Ops& ops, const MatRef& gate, const MatRef& up, const MatRef& down,
-                 const float* x, int64_t n, float* out) const {
+  void dense_mlp(Ops& ops, const MatRef& gate, const MatRef& up, const MatRef& down, const float* x,
+                 int64_t n, float* out) const {
     const int64_t inter = gate.rows;
     const float alpha = static_cast<float>(cfg_.swiglu_alpha),
                 limit = static_cast<float>(cfg_.swiglu_limit),

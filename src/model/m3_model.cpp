@@ -43,8 +43,7 @@ M3Model::M3Model(M3Config cfg, std::unique_ptr<M3Weights> w)
 
 M3Model::M3Model(M3Config cfg, std::shared_ptr<const M3Weights> base,
                  std::unique_ptr<M3Weights> views, ShardPlan plan, dist::Communicator* comm)
-    : cfg_(std::move(cfg)), base_(std::move(base)), w_(std::move(views)), plan_(plan),
-      comm_(comm) {
+    : cfg_(std::move(cfg)), base_(std::move(base)), w_(std::move(views)), plan_(plan), comm_(comm) {
   init_forward();
 }
 
@@ -72,8 +71,8 @@ Status M3Model::validate_prompt(std::span<const int32_t> ids) const {
 
 Status validate_prompt_ids(const M3Config& cfg, std::span<const int32_t> ids) {
   if (ids.empty()) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "the prompt is empty; give at least one token", "prompt");
+    return make_error(ErrorCode::kInvalidArgument, "the prompt is empty; give at least one token",
+                      "prompt");
   }
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0 || ids[i] >= cfg.vocab_size) {
@@ -93,9 +92,13 @@ void M3Model::init_forward() {
 
 M3Model::~M3Model() = default;
 
-void M3Model::set_dp_step_rows(int64_t max_rows) const { fw_->set_dp_step_rows(max_rows); }
+void M3Model::set_dp_step_rows(int64_t max_rows) const {
+  fw_->set_dp_step_rows(max_rows);
+}
 
-void M3Model::forward_dp_idle() const { fw_->run_idle(*ops_); }
+void M3Model::forward_dp_idle() const {
+  fw_->run_idle(*ops_);
+}
 
 void M3Model::forward(const ForwardBatch& b, KvCache& cache, ForwardResult* out,
                       bool capture_msa) const {

@@ -120,7 +120,7 @@ class M3Model {
   std::shared_ptr<const M3Weights> base_;  // the unsharded weights (owner of in-place views)
   std::shared_ptr<const M3Weights> w_;     // what forward reads: base_ itself, or rank views
   ShardPlan plan_;
-  dist::Communicator* comm_ = nullptr;     // non-null iff plan_.sharded(); not owned
+  dist::Communicator* comm_ = nullptr;  // non-null iff plan_.sharded(); not owned
   // The forward pass and its ops (scratch buffers, the communicator); forward() is const to its
   // callers (weights and config do not change) while the scratch behind these pointers does.
   std::unique_ptr<CpuOps> ops_;

@@ -39,7 +39,7 @@ struct ShardPlan {
   int rank = 0;
   int world = 1;
   bool expert_parallel = false;
-  bool data_parallel = false;  // see ShardSpec; the ranges below are then whole except experts
+  bool data_parallel = false;     // see ShardSpec; the ranges below are then whole except experts
   int64_t dp_pages_per_rank = 0;  // see ShardSpec
   // Attention: query heads split evenly. KV heads split when world <= num_kv_heads; else each
   // rank keeps the one KV head its query heads use (replicated across world / num_kv_heads ranks).

@@ -31,7 +31,9 @@ Result<uint64_t> parse_u64(std::string_view spec, std::string_view key, std::str
 
 }  // namespace
 
-bool is_synthetic_model(std::string_view model) { return model.starts_with(kSyntheticPrefix); }
+bool is_synthetic_model(std::string_view model) {
+  return model.starts_with(kSyntheticPrefix);
+}
 
 Result<SyntheticSpec> parse_synthetic_spec(std::string_view model) {
   const std::string spec(model);
@@ -48,10 +50,10 @@ Result<SyntheticSpec> parse_synthetic_spec(std::string_view model) {
     rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
     const size_t eq = item.find('=');
     if (eq == std::string_view::npos) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "--model " + spec + ": '" + std::string(item) +
-                            "' is not key=value; use " + kForm,
-                        "--model");
+      return make_error(
+          ErrorCode::kInvalidArgument,
+          "--model " + spec + ": '" + std::string(item) + "' is not key=value; use " + kForm,
+          "--model");
     }
     const std::string_view key = item.substr(0, eq), value = item.substr(eq + 1);
     if (key == "layers" && !have_layers) {
@@ -176,12 +178,13 @@ int64_t synthetic_weight_bytes(const M3Config& cfg, const ShardPlan& plan) {
 std::string synthetic_needs_cuda_message(std::string_view model) {
   // One MoE layer's bytes, to show the scale: 128 experts x 3 x 3072 x 6144 bf16 = 14.5 GB.
   M3Config one = synthetic_m3_config(4);
-  const double moe_gb =
-      static_cast<double>(synthetic_weight_bytes(one) - synthetic_weight_bytes(synthetic_m3_config(3))) / 1e9;
+  const double moe_gb = static_cast<double>(synthetic_weight_bytes(one) -
+                                            synthetic_weight_bytes(synthetic_m3_config(3))) /
+                        1e9;
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.1f GB", moe_gb);
-  return "--model " + std::string(model) +
-         " is a synthetic MiniMax-M3 at the real shapes (" + buf + " of weights per MoE layer), "
+  return "--model " + std::string(model) + " is a synthetic MiniMax-M3 at the real shapes (" + buf +
+         " of weights per MoE layer), "
          "generated on the GPU; it is too big for the CPU path: use --device cuda";
 }
 

@@ -71,7 +71,8 @@ class Loader {
     auto& buf = w_.owned_u16.emplace_back(rows * cols);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < cols; ++c) {
-        const float v = fp8_e4m3_to_f32(t.data[r * cols + c]) * e8m0_to_f32(s->data[r * nblk + c / 32]);
+        const float v =
+            fp8_e4m3_to_f32(t.data[r * cols + c]) * e8m0_to_f32(s->data[r * nblk + c / 32]);
         buf[r * cols + c] = f32_to_bf16(v);
       }
     }

@@ -36,8 +36,8 @@ struct LayerWeights {
   // dense MLP (dense layers only)
   MatRef gate_proj, up_proj, down_proj;
   // MoE (moe layers only)
-  MatRef router;               // [experts, hidden], f32 in M3 checkpoints
-  VecRef router_bias;          // [experts] f32 (n == 0 when use_routing_bias is false)
+  MatRef router;       // [experts, hidden], f32 in M3 checkpoints
+  VecRef router_bias;  // [experts] f32 (n == 0 when use_routing_bias is false)
   std::vector<ExpertWeights> experts;
   bool has_shared_expert = false;
   MatRef shared_gate, shared_up, shared_down;
@@ -49,11 +49,11 @@ struct M3Weights {
   MatRef lm_head;       // [vocab, hidden]
   std::vector<LayerWeights> layers;
 
-  std::shared_ptr<Checkpoint> checkpoint;         // keeps the mappings alive
-  std::vector<std::vector<uint16_t>> owned_u16;   // dequantised bf16 copies
-  std::vector<std::vector<float>> owned_f32;      // widened f16 copies
-  size_t bytes_in_place = 0;                      // weight bytes read from the mapping
-  size_t bytes_owned = 0;                         // weight bytes converted at load
+  std::shared_ptr<Checkpoint> checkpoint;        // keeps the mappings alive
+  std::vector<std::vector<uint16_t>> owned_u16;  // dequantised bf16 copies
+  std::vector<std::vector<float>> owned_f32;     // widened f16 copies
+  size_t bytes_in_place = 0;                     // weight bytes read from the mapping
+  size_t bytes_owned = 0;                        // weight bytes converted at load
 };
 
 // Loads and checks every text tensor the config implies (the tensor table, model/tensor_table.h,

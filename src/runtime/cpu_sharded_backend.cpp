@@ -6,9 +6,9 @@
 #include "core/check.h"
 #include "core/log.h"
 #include "dist/cpu_communicator.h"
+#include "model/kv_cache.h"
 #include "runtime/dp_batch_split.h"
 #include "runtime/forward_backend.h"
-#include "model/kv_cache.h"
 #include "runtime/rank_threads.h"
 
 namespace m3::runtime {
@@ -21,8 +21,7 @@ class ShardedCpuBackend final : public ForwardBackend {
  public:
   ShardedCpuBackend(std::shared_ptr<dist::CpuGroup> group,
                     std::vector<std::unique_ptr<dist::Communicator>> comms,
-                    std::vector<std::unique_ptr<M3Model>> shards, int64_t num_pages,
-                    int partitions)
+                    std::vector<std::unique_ptr<M3Model>> shards, int64_t num_pages, int partitions)
       : group_(std::move(group)),
         comms_(std::move(comms)),
         shards_(std::move(shards)),
@@ -47,8 +46,7 @@ class ShardedCpuBackend final : public ForwardBackend {
       });
       return;
     }
-    split_.split(batch, shards_[0]->shard_plan(),
-                 partitions_ > 1 ? caches_[0]->num_pages() : 0);
+    split_.split(batch, shards_[0]->shard_plan(), partitions_ > 1 ? caches_[0]->num_pages() : 0);
     const int64_t nmax = split_.max_rank_tokens();
     threads_.run([&](int r) {
       const M3Model& m = *shards_[r];
@@ -83,12 +81,9 @@ class ShardedCpuBackend final : public ForwardBackend {
 
 }  // namespace
 
-Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(std::unique_ptr<M3Model> model,
-                                                                 int64_t num_pages,
-                                                                 int tensor_parallel_size,
-                                                                 bool expert_parallel,
-                                                                 int data_parallel_size,
-                                                                 bool dp_kv_partitions) {
+Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(
+    std::unique_ptr<M3Model> model, int64_t num_pages, int tensor_parallel_size,
+    bool expert_parallel, int data_parallel_size, bool dp_kv_partitions) {
   M3_CHECK(model != nullptr);
   if (tensor_parallel_size < 1) {
     return make_error(
@@ -133,7 +128,8 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(std::unique_ptr
   if (rank_pages < 1) {
     return make_error(ErrorCode::kInvalidArgument,
                       "the CPU KV cache of " + std::to_string(num_pages) + " pages gives each of " +
-                          "the " + std::to_string(W) + " data-parallel ranks none; raise "
+                          "the " + std::to_string(W) +
+                          " data-parallel ranks none; raise "
                           "--kv-cache-memory-bytes to at least " +
                           std::to_string(W * KvCache::page_bytes(model->config())),
                       "--kv-cache-memory-bytes");
@@ -173,9 +169,8 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(std::unique_ptr
               per_rank * W / (1 << 20), W);
   // The shards share the weights; the unsharded model object is no longer needed.
   model.reset();
-  return std::unique_ptr<ForwardBackend>(
-      new ShardedCpuBackend(std::move(group), std::move(comms), std::move(shards), rank_pages,
-                            partitioned ? W : 1));
+  return std::unique_ptr<ForwardBackend>(new ShardedCpuBackend(
+      std::move(group), std::move(comms), std::move(shards), rank_pages, partitioned ? W : 1));
 }
 
 }  // namespace m3::runtime

@@ -1,16 +1,14 @@
-// DpBatchSplit: the host half of attention data parallel (runtime/cpu_sharded_backend.cpp on the CPU,
-// runtime/cuda/cuda_dp_backend.cpp on GPUs):
-// one step's ForwardBatch split into one batch per DP rank by sequence owner, and the ranks'
-// ForwardResults merged back into the caller's order. The owner is the rank whose page partition
-// holds the sequence's pages (partitioned pools: pages [r * P, (r + 1) * P) live on rank r, and
-// the rank sees them as [0, P)), or else ShardPlan::dp_owner of its first page (one shared page-id
-// space, every rank allocating all of it). Host code only (no CUDA), so its bookkeeping can be
-// checked without a GPU.
-// Invariant: after split(b), batch(r) holds exactly b's tokens of the sequences rank r owns, in
-// b's order, with only those sequences' block tables (renumbered densely, page ids made local to
-// the rank's partition); merge(b, ...) reads the results of that split, each with
-// M3Model::forward's contract (every logits row when the rank's batch has no device_samples,
-// else only its host_logits_rows).
+// DpBatchSplit: the host half of attention data parallel (runtime/cpu_sharded_backend.cpp on the
+// CPU, runtime/cuda/cuda_dp_backend.cpp on GPUs): one step's ForwardBatch split into one batch per
+// DP rank by sequence owner, and the ranks' ForwardResults merged back into the caller's order. The
+// owner is the rank whose page partition holds the sequence's pages (partitioned pools: pages [r *
+// P, (r + 1) * P) live on rank r, and the rank sees them as [0, P)), or else ShardPlan::dp_owner of
+// its first page (one shared page-id space, every rank allocating all of it). Host code only (no
+// CUDA), so its bookkeeping can be checked without a GPU. Invariant: after split(b), batch(r) holds
+// exactly b's tokens of the sequences rank r owns, in b's order, with only those sequences' block
+// tables (renumbered densely, page ids made local to the rank's partition); merge(b, ...) reads the
+// results of that split, each with M3Model::forward's contract (every logits row when the rank's
+// batch has no device_samples, else only its host_logits_rows).
 #pragma once
 
 #include <algorithm>
@@ -81,10 +79,12 @@ class DpBatchSplit {
         const int32_t p0 = b.block_table_offsets[s], p1 = b.block_table_offsets[s + 1];
         M3_CHECK(p1 > p0, "sequence %d has no pages", s);
         const int32_t first = b.block_table[p0];
-        const int r = pages_per_rank > 0 ? static_cast<int>(first / pages_per_rank)
-                                         : plan.dp_owner(first);
-        M3_CHECK(r >= 0 && r < plan.world, "sequence %d: page %d is outside the %d partitions of "
-                 "%lld pages", s, first, plan.world, static_cast<long long>(pages_per_rank));
+        const int r =
+            pages_per_rank > 0 ? static_cast<int>(first / pages_per_rank) : plan.dp_owner(first);
+        M3_CHECK(r >= 0 && r < plan.world,
+                 "sequence %d: page %d is outside the %d partitions of "
+                 "%lld pages",
+                 s, first, plan.world, static_cast<long long>(pages_per_rank));
         ForwardBatch& lb = steps_[r].batch;
         seq_owner_[s] = r;
         seq_local_[s] = static_cast<int32_t>(lb.block_table_offsets.size()) - 1;
@@ -93,7 +93,8 @@ class DpBatchSplit {
           const int32_t page = b.block_table[p];
           M3_CHECK(pages_per_rank == 0 || (page >= base && page < base + pages_per_rank),
                    "sequence %d has pages in two data-parallel partitions (%d and %d, %lld "
-                   "pages each)", s, first, page, static_cast<long long>(pages_per_rank));
+                   "pages each)",
+                   s, first, page, static_cast<long long>(pages_per_rank));
           lb.block_table.push_back(static_cast<int32_t>(page - base));
         }
         lb.block_table_offsets.push_back(static_cast<int32_t>(lb.block_table.size()));
@@ -176,7 +177,8 @@ class DpBatchSplit {
     } else {
       out->sampled.resize(b.device_samples.size());
       for (size_t i = 0; i < b.device_samples.size(); ++i)
-        out->sampled[i] = steps_[row_owner_[b.device_samples[i].row]].result.sampled[sample_local_[i]];
+        out->sampled[i] =
+            steps_[row_owner_[b.device_samples[i].row]].result.sampled[sample_local_[i]];
       out->logits_rows = b.host_logits_rows;
       out->logits.resize(b.host_logits_rows.size() * V);
       for (size_t j = 0; j < b.host_logits_rows.size(); ++j)
@@ -201,7 +203,6 @@ class DpBatchSplit {
       }
     }
   }
-
 
  private:
   // One rank's part of a step: its tokens, its sequences' block tables (local sequence ids), its

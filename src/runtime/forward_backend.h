@@ -65,11 +65,8 @@ std::unique_ptr<ForwardBackend> borrow_cpu_backend(const M3Model& model, int64_t
 // drivers that hand out pages themselves (SequencePages) leave it off. Errors: num_pages < 1 (or
 // fewer than D when partitioned), a config-only model, TP and DP both > 1, or a split that does
 // not divide the model (the message names the flag).
-Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(std::unique_ptr<M3Model> model,
-                                                                 int64_t num_pages,
-                                                                 int tensor_parallel_size,
-                                                                 bool expert_parallel,
-                                                                 int data_parallel_size = 1,
-                                                                 bool dp_kv_partitions = false);
+Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(
+    std::unique_ptr<M3Model> model, int64_t num_pages, int tensor_parallel_size,
+    bool expert_parallel, int data_parallel_size = 1, bool dp_kv_partitions = false);
 
 }  // namespace m3::runtime

@@ -18,15 +18,14 @@ Status check_max_model_len_fits(int64_t max_model_len, const KvPoolFacts& pool) 
   std::string msg = "--max-model-len " + std::to_string(max_model_len) + " needs " +
                     std::to_string(need) + " KV pages of " + std::to_string(pool.page_size) +
                     " tokens (" + mib + " each) for one sequence, but the KV cache on " +
-                    pool.where + " has " + std::to_string(pages) + " pages = " +
-                    std::to_string(tokens) + " tokens";
+                    pool.where + " has " + std::to_string(pages) +
+                    " pages = " + std::to_string(tokens) + " tokens";
   if (pool.num_partitions > 1) {
     msg += " in each of its " + std::to_string(pool.num_partitions) +
            " data-parallel partitions (a sequence cannot span partitions)";
   }
   if (!pool.sized_by.empty()) msg += " (" + pool.sized_by + ")";
-  msg += "; lower --max-model-len to at most " + std::to_string(tokens) + ", or raise " +
-         pool.flag;
+  msg += "; lower --max-model-len to at most " + std::to_string(tokens) + ", or raise " + pool.flag;
   if (pool.flag == "--gpu-memory-utilization") msg += " or free GPU memory";
   return make_error(ErrorCode::kInvalidArgument, msg, "--max-model-len");
 }

@@ -14,12 +14,12 @@
 namespace m3::runtime {
 
 struct KvPoolFacts {
-  int64_t num_pages = 0;    // pages the pool will have
-  int64_t page_size = 0;    // tokens per page (the MSA block, 128 for M3)
-  int64_t page_bytes = 0;   // bytes of one page over all layers
-  std::string where;        // e.g. "cuda:0 (NVIDIA H200)"
-  std::string sized_by;     // how the pool was sized, e.g. "120.3 GiB free after the weights x 0.9"
-  std::string flag;         // the flag that sizes the pool, e.g. "--gpu-memory-utilization"
+  int64_t num_pages = 0;   // pages the pool will have
+  int64_t page_size = 0;   // tokens per page (the MSA block, 128 for M3)
+  int64_t page_bytes = 0;  // bytes of one page over all layers
+  std::string where;       // e.g. "cuda:0 (NVIDIA H200)"
+  std::string sized_by;    // how the pool was sized, e.g. "120.3 GiB free after the weights x 0.9"
+  std::string flag;        // the flag that sizes the pool, e.g. "--gpu-memory-utilization"
   int64_t num_partitions = 1;  // attention DP: a sequence's pages stay in one of these
 };
 

@@ -9,7 +9,9 @@ RankThreads::RankThreads(int world, std::function<void(int)> thread_init)
   for (int r = 0; r < world; ++r) workers_.emplace_back([this, r] { worker(r); });
 }
 
-RankThreads::~RankThreads() { stop(); }
+RankThreads::~RankThreads() {
+  stop();
+}
 
 void RankThreads::stop() {
   {

@@ -27,7 +27,8 @@ class SequencePages {
  public:
   // Pages for `max_total_tokens` tokens over up to `max_seqs` sequences (each rounds up).
   static int64_t pages_needed(int64_t max_total_tokens, int64_t max_seqs, int64_t page_size);
-  SequencePages(int64_t num_pages, int64_t page_size) : num_pages_(num_pages), page_size_(page_size) {}
+  SequencePages(int64_t num_pages, int64_t page_size)
+      : num_pages_(num_pages), page_size_(page_size) {}
   int add_sequence();
   int64_t length(int seq) const { return seqs_[seq].length; }
   // The ForwardBatch of one step over `chunks` (pages assigned, lengths advanced); logits rows

@@ -67,10 +67,11 @@ nlohmann::json error_body(const Error& error) {
       type = "server_error";
       break;
   }
-  nlohmann::json err = {{"message", error.message},
-                        {"type", type},
-                        {"param", error.param.empty() ? nlohmann::json(nullptr) : nlohmann::json(error.param)},
-                        {"code", code}};
+  nlohmann::json err = {
+      {"message", error.message},
+      {"type", type},
+      {"param", error.param.empty() ? nlohmann::json(nullptr) : nlohmann::json(error.param)},
+      {"code", code}};
   return {{"error", err}};
 }
 

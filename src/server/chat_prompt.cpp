@@ -4,10 +4,12 @@
 
 namespace m3::server {
 
-Result<ChatPrompt> ChatPrompt::from_source(const std::string& source, const OrderedJson& default_kwargs,
+Result<ChatPrompt> ChatPrompt::from_source(const std::string& source,
+                                           const OrderedJson& default_kwargs,
                                            const OrderedJson& special_tokens) {
-  M3_TRY(auto tpl, text::ChatTemplate::from_string(source, "chat template",
-                                                     special_tokens.is_object() ? special_tokens : OrderedJson::object()));
+  M3_TRY(auto tpl, text::ChatTemplate::from_string(
+                       source, "chat template",
+                       special_tokens.is_object() ? special_tokens : OrderedJson::object()));
   ChatPrompt p;
   p.template_ = std::make_shared<const text::ChatTemplate>(std::move(tpl));
   p.source_name_ = "chat template";
@@ -52,17 +54,20 @@ Result<RenderedChat> ChatPrompt::render(const ChatRequest& r) const {
   M3_CHECK(template_ != nullptr);
   RenderedChat out;
   OrderedJson kwargs = default_kwargs_;
-  for (auto it = r.chat_template_kwargs.begin(); it != r.chat_template_kwargs.end(); ++it) kwargs[it.key()] = it.value();
+  for (auto it = r.chat_template_kwargs.begin(); it != r.chat_template_kwargs.end(); ++it)
+    kwargs[it.key()] = it.value();
 
   // Thinking mode: what the template is told is what the reasoning parser must assume.
   out.thinking_mode = text::ThinkingMode::kAdaptive;
   if (kwargs.contains("thinking_mode") && !kwargs["thinking_mode"].is_null()) {
     if (!kwargs["thinking_mode"].is_string()) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "chat_template_kwargs.thinking_mode must be \"enabled\", \"disabled\" or \"adaptive\"",
-                        "chat_template_kwargs.thinking_mode");
+      return make_error(
+          ErrorCode::kInvalidArgument,
+          "chat_template_kwargs.thinking_mode must be \"enabled\", \"disabled\" or \"adaptive\"",
+          "chat_template_kwargs.thinking_mode");
     }
-    M3_TRY(out.thinking_mode, text::thinking_mode_from_string(kwargs["thinking_mode"].get<std::string>()));
+    M3_TRY(out.thinking_mode,
+           text::thinking_mode_from_string(kwargs["thinking_mode"].get<std::string>()));
   } else if (kwargs.contains("enable_thinking") && kwargs["enable_thinking"].is_boolean() &&
              kwargs["enable_thinking"].get<bool>()) {
     // Deprecated switch: true means "enabled" (the M3 template maps it the same way).
@@ -90,7 +95,8 @@ Result<RenderedChat> ChatPrompt::render(const ChatRequest& r) const {
     if ((role == "system" || role == "developer") && first["content"].is_string()) {
       first["content"] = first["content"].get<std::string>() + "\n\n" + instruction;
     } else {
-      tr.messages.insert(tr.messages.begin(), OrderedJson{{"role", "system"}, {"content", instruction}});
+      tr.messages.insert(tr.messages.begin(),
+                         OrderedJson{{"role", "system"}, {"content", instruction}});
     }
   }
   auto text = template_->render(tr);
@@ -105,7 +111,8 @@ Result<RenderedChat> ChatPrompt::render(const ChatRequest& r) const {
   if (r.continue_final_message) {
     // Cut after the final message's content so the model continues it.
     const auto& last = tr.messages.back();
-    if (last.contains("content") && last["content"].is_string() && !last["content"].get<std::string>().empty()) {
+    if (last.contains("content") && last["content"].is_string() &&
+        !last["content"].get<std::string>().empty()) {
       const std::string c = last["content"].get<std::string>();
       const size_t pos = out.prompt.rfind(c);
       if (pos != std::string::npos) out.prompt.resize(pos + c.size());

@@ -32,7 +32,8 @@ class ChatPrompt {
   static Result<ChatPrompt> load(const std::string& model_dir, const std::string& template_path,
                                  const OrderedJson& default_kwargs);
   // For tests: a template given as text.
-  static Result<ChatPrompt> from_source(const std::string& source, const OrderedJson& default_kwargs,
+  static Result<ChatPrompt> from_source(const std::string& source,
+                                        const OrderedJson& default_kwargs,
                                         const OrderedJson& special_tokens = OrderedJson::object());
 
   const std::string& source_name() const { return source_name_; }

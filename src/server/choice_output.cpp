@@ -89,7 +89,8 @@ ChoiceDelta ChoiceOutput::add(const engine::RequestOutput& out) {
       }
     }
     std::string piece;
-    if (!(opt_.skip_special_tokens && opt_.tokenizer->skipped_when_skipping_special(id) && !is_marker(id))) {
+    if (!(opt_.skip_special_tokens && opt_.tokenizer->skipped_when_skipping_special(id) &&
+          !is_marker(id))) {
       piece = detok_.step(id);
     }
     std::string visible = stop_.feed(piece);

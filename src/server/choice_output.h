@@ -42,7 +42,9 @@ struct ChoiceDelta {
   std::string reasoning;
   std::vector<text::ToolCallDelta> tool_calls;
   std::vector<TokenLogprob> logprobs;
-  bool empty() const { return text.empty() && reasoning.empty() && tool_calls.empty() && logprobs.empty(); }
+  bool empty() const {
+    return text.empty() && reasoning.empty() && tool_calls.empty() && logprobs.empty();
+  }
 };
 
 class ChoiceOutput {
@@ -71,7 +73,8 @@ class ChoiceOutput {
   const std::vector<text::ToolCall>& tool_calls() const { return result_.tool_calls; }
   const std::vector<TokenLogprob>& logprobs() const { return logprobs_; }
   // From the first output when prompt logprobs were asked for.
-  const std::optional<std::vector<std::optional<engine::TokenLogprobOut>>>& prompt_logprobs() const {
+  const std::optional<std::vector<std::optional<engine::TokenLogprobOut>>>& prompt_logprobs()
+      const {
     return prompt_logprobs_;
   }
 

@@ -81,8 +81,10 @@ struct SseEnvelope {
   std::string chunk(Json choice, UsageFn usage) const {
     Json j = {{"id", id}, {"object", object}, {"created", created}, {"model", model}};
     j["choices"] = Json::array({std::move(choice)});
-    if (continuous) j["usage"] = usage_json(usage());
-    else if (include_usage) j["usage"] = nullptr;
+    if (continuous)
+      j["usage"] = usage_json(usage());
+    else if (include_usage)
+      j["usage"] = nullptr;
     return sse_event(j);
   }
   // The usage-only chunk when include_usage, then [DONE]. False when the client is gone.

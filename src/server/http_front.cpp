@@ -16,8 +16,8 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -40,24 +40,42 @@ Clock::duration seconds(double s) {
 
 const char* reason_phrase(int status) {
   switch (status) {
-    case 100: return "Continue";
-    case 200: return "OK";
-    case 400: return "Bad Request";
-    case 401: return "Unauthorized";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 408: return "Request Timeout";
-    case 411: return "Length Required";
-    case 413: return "Payload Too Large";
-    case 415: return "Unsupported Media Type";
-    case 417: return "Expectation Failed";
-    case 429: return "Too Many Requests";
-    case 431: return "Request Header Fields Too Large";
-    case 500: return "Internal Server Error";
-    case 501: return "Not Implemented";
-    case 503: return "Service Unavailable";
-    case 505: return "HTTP Version Not Supported";
-    default: return status < 400 ? "OK" : "Error";
+    case 100:
+      return "Continue";
+    case 200:
+      return "OK";
+    case 400:
+      return "Bad Request";
+    case 401:
+      return "Unauthorized";
+    case 404:
+      return "Not Found";
+    case 405:
+      return "Method Not Allowed";
+    case 408:
+      return "Request Timeout";
+    case 411:
+      return "Length Required";
+    case 413:
+      return "Payload Too Large";
+    case 415:
+      return "Unsupported Media Type";
+    case 417:
+      return "Expectation Failed";
+    case 429:
+      return "Too Many Requests";
+    case 431:
+      return "Request Header Fields Too Large";
+    case 500:
+      return "Internal Server Error";
+    case 501:
+      return "Not Implemented";
+    case 503:
+      return "Service Unavailable";
+    case 505:
+      return "HTTP Version Not Supported";
+    default:
+      return status < 400 ? "OK" : "Error";
   }
 }
 
@@ -80,7 +98,9 @@ bool is_token_char(char c) {
 
 // The error body every front-made response carries (the OpenAI shape, status as the code).
 std::string front_error_body(int status, const std::string& message) {
-  Error e{status == 429 ? ErrorCode::kQueueFull : status == 503 ? ErrorCode::kUnavailable : ErrorCode::kInvalidArgument,
+  Error e{status == 429   ? ErrorCode::kQueueFull
+          : status == 503 ? ErrorCode::kUnavailable
+                          : ErrorCode::kInvalidArgument,
           message, ""};
   nlohmann::json j = error_body(e);
   j["error"]["code"] = status;
@@ -91,8 +111,10 @@ std::string response_head(const HttpResponse& r, bool keep_alive, bool chunked) 
   std::string h = "HTTP/1.1 " + std::to_string(r.status) + " " + reason_phrase(r.status) + "\r\n";
   h += "Content-Type: " + r.content_type + "\r\n";
   for (const auto& [k, v] : r.headers) h += k + ": " + v + "\r\n";
-  if (chunked) h += "Transfer-Encoding: chunked\r\n";
-  else h += "Content-Length: " + std::to_string(r.body.size()) + "\r\n";
+  if (chunked)
+    h += "Transfer-Encoding: chunked\r\n";
+  else
+    h += "Content-Length: " + std::to_string(r.body.size()) + "\r\n";
   h += keep_alive ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
   return h;
 }
@@ -107,7 +129,8 @@ bool send_all(int fd, std::string_view data, Clock::time_point deadline) {
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
       if (left <= 0) return false;
       pollfd p{fd, POLLOUT, 0};
       const int r = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1000)));
@@ -259,7 +282,8 @@ class HttpFrontImpl {
   // pipelined requests are handled in a loop, not by recursion).
   bool flush(Conn& c) {
     while (c.out_pos < c.out.size()) {
-      const ssize_t n = ::send(c.fd, c.out.data() + c.out_pos, c.out.size() - c.out_pos, MSG_NOSIGNAL);
+      const ssize_t n =
+          ::send(c.fd, c.out.data() + c.out_pos, c.out.size() - c.out_pos, MSG_NOSIGNAL);
       if (n > 0) {
         c.out_pos += static_cast<size_t>(n);
         continue;
@@ -308,11 +332,13 @@ class HttpFrontImpl {
     std::string_view line = head.substr(0, line_end);
     const size_t sp1 = line.find(' ');
     const size_t sp2 = sp1 == std::string_view::npos ? sp1 : line.find(' ', sp1 + 1);
-    if (sp1 == std::string_view::npos || sp2 == std::string_view::npos || line.find(' ', sp2 + 1) != std::string_view::npos) {
+    if (sp1 == std::string_view::npos || sp2 == std::string_view::npos ||
+        line.find(' ', sp2 + 1) != std::string_view::npos) {
       why = "malformed request line; expected 'METHOD /path HTTP/1.1'";
       return 400;
     }
-    const std::string_view method = line.substr(0, sp1), target = line.substr(sp1 + 1, sp2 - sp1 - 1),
+    const std::string_view method = line.substr(0, sp1),
+                           target = line.substr(sp1 + 1, sp2 - sp1 - 1),
                            version = line.substr(sp2 + 1);
     if (method.empty() || !std::all_of(method.begin(), method.end(), is_token_char)) {
       why = "malformed request method";
@@ -369,7 +395,8 @@ class HttpFrontImpl {
           size_t comma = v.find(',', start);
           if (comma == std::string_view::npos) comma = v.size();
           const std::string_view item = trim_ows(v.substr(start, comma - start));
-          if (item.empty() || !std::all_of(item.begin(), item.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+          if (item.empty() || !std::all_of(item.begin(), item.end(),
+                                           [](char ch) { return ch >= '0' && ch <= '9'; })) {
             why = "Content-Length '" + value + "' is not a number";
             return 400;
           }
@@ -383,20 +410,24 @@ class HttpFrontImpl {
         }
       } else if (name == "transfer-encoding") {
         if (have_te || ascii_lower(value) != "chunked") {
-          why = "Transfer-Encoding '" + value + "' is not supported; send 'chunked' or a Content-Length";
+          why = "Transfer-Encoding '" + value +
+                "' is not supported; send 'chunked' or a Content-Length";
           return 501;
         }
         have_te = true;
       } else if (name == "content-encoding") {
         const std::string v = ascii_lower(value);
         if (!v.empty() && v != "identity") {
-          why = "compressed request bodies (Content-Encoding: " + value + ") are not accepted; send it uncompressed";
+          why = "compressed request bodies (Content-Encoding: " + value +
+                ") are not accepted; send it uncompressed";
           return 415;
         }
       } else if (name == "connection") {
         const std::string v = ascii_lower(value);
-        if (v.find("close") != std::string::npos) c.keep_alive = false;
-        else if (v.find("keep-alive") != std::string::npos) c.keep_alive = true;
+        if (v.find("close") != std::string::npos)
+          c.keep_alive = false;
+        else if (v.find("keep-alive") != std::string::npos)
+          c.keep_alive = true;
       }
       c.req.headers.emplace_back(std::move(name), std::move(value));
     }
@@ -406,9 +437,12 @@ class HttpFrontImpl {
     }
     if (have_length) {
       const size_t limit_digits = std::to_string(lim.max_body_bytes).size();
-      const std::string digits = content_length.substr(std::min(content_length.find_first_not_of('0'), content_length.size()));
-      if (digits.size() > limit_digits || (digits.empty() ? 0 : std::stoull(digits)) > lim.max_body_bytes) {
-        why = "the request body (" + content_length + " bytes) is over the limit of " + std::to_string(lim.max_body_bytes) + " bytes";
+      const std::string digits = content_length.substr(
+          std::min(content_length.find_first_not_of('0'), content_length.size()));
+      if (digits.size() > limit_digits ||
+          (digits.empty() ? 0 : std::stoull(digits)) > lim.max_body_bytes) {
+        why = "the request body (" + content_length + " bytes) is over the limit of " +
+              std::to_string(lim.max_body_bytes) + " bytes";
         return 413;
       }
       c.content_length = digits.empty() ? 0 : static_cast<size_t>(std::stoull(digits));
@@ -424,7 +458,8 @@ class HttpFrontImpl {
     const std::string& in = c.in;
     int status = 0;
     while (c.chunk.step != ChunkDecoder::Step::kDone) {
-      if (c.chunk.step == ChunkDecoder::Step::kSize || c.chunk.step == ChunkDecoder::Step::kTrailer) {
+      if (c.chunk.step == ChunkDecoder::Step::kSize ||
+          c.chunk.step == ChunkDecoder::Step::kTrailer) {
         const size_t e = in.find("\r\n", pos);
         if (e == std::string::npos) {
           if (in.size() - pos > 4096) {
@@ -449,9 +484,9 @@ class HttpFrontImpl {
         bool ok = true;
         for (char ch : line) {
           const int d = std::isdigit(static_cast<unsigned char>(ch)) ? ch - '0'
-                        : (ch >= 'a' && ch <= 'f')                  ? ch - 'a' + 10
-                        : (ch >= 'A' && ch <= 'F')                  ? ch - 'A' + 10
-                                                                    : -1;
+                        : (ch >= 'a' && ch <= 'f')                   ? ch - 'a' + 10
+                        : (ch >= 'A' && ch <= 'F')                   ? ch - 'A' + 10
+                                                                     : -1;
           if (d < 0) ok = false;
           size = size * 16 + static_cast<size_t>(std::max(d, 0));
         }
@@ -461,7 +496,8 @@ class HttpFrontImpl {
           break;
         }
         if (size > lim.max_body_bytes || c.req.body.size() + size > lim.max_body_bytes) {
-          why = "the chunked request body is over the limit of " + std::to_string(lim.max_body_bytes) + " bytes";
+          why = "the chunked request body is over the limit of " +
+                std::to_string(lim.max_body_bytes) + " bytes";
           status = 413;
           break;
         }
@@ -508,12 +544,16 @@ class HttpFrontImpl {
         if (end == std::string::npos) {
           c.scan_from = c.in.size() > 3 ? c.in.size() - 3 : 0;
           if (c.in.size() > lim.max_header_bytes) {
-            return reject(c, 431, "the request line and headers are over " + std::to_string(lim.max_header_bytes) + " bytes");
+            return reject(c, 431,
+                          "the request line and headers are over " +
+                              std::to_string(lim.max_header_bytes) + " bytes");
           }
           return;
         }
         if (end + 4 > lim.max_header_bytes) {
-          return reject(c, 431, "the request line and headers are over " + std::to_string(lim.max_header_bytes) + " bytes");
+          return reject(c, 431,
+                        "the request line and headers are over " +
+                            std::to_string(lim.max_header_bytes) + " bytes");
         }
         std::string why;
         if (const int st = parse_head(c, end + 2, why); st != 0) return reject(c, st, why);
@@ -524,10 +564,12 @@ class HttpFrontImpl {
         const bool wants_body = c.chunked || c.content_length > 0;
         const std::string expect = ascii_lower(c.req.header("expect"));
         if (!expect.empty()) {
-          if (expect != "100-continue") return reject(c, 417, "only 'Expect: 100-continue' is understood");
+          if (expect != "100-continue")
+            return reject(c, 417, "only 'Expect: 100-continue' is understood");
           if (wants_body && c.in.empty()) {
             static const std::string kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
-            [[maybe_unused]] ssize_t n = ::send(c.fd, kContinue.data(), kContinue.size(), MSG_NOSIGNAL);
+            [[maybe_unused]] ssize_t n =
+                ::send(c.fd, kContinue.data(), kContinue.size(), MSG_NOSIGNAL);
           }
         }
       }
@@ -563,7 +605,8 @@ class HttpFrontImpl {
       } catch (const std::exception& e) {
         r = HttpResponse{};
         r.status = 500;
-        r.set_content(front_error_body(500, std::string("internal error: ") + e.what()), "application/json");
+        r.set_content(front_error_body(500, std::string("internal error: ") + e.what()),
+                      "application/json");
       }
       return respond_inline(c, r, c.keep_alive);
     }
@@ -572,8 +615,9 @@ class HttpFrontImpl {
       if (static_cast<int>(pending.size()) >= lim.max_pending) {
         ++n_rejected;
         reject(c, 429,
-               "the server is at capacity (" + std::to_string(lim.num_workers) + " requests being served and " +
-                   std::to_string(pending.size()) + " waiting); retry after a second");
+               "the server is at capacity (" + std::to_string(lim.num_workers) +
+                   " requests being served and " + std::to_string(pending.size()) +
+                   " waiting); retry after a second");
         return;
       }
       ::epoll_ctl(epoll_fd, EPOLL_CTL_DEL, c.fd, nullptr);
@@ -618,7 +662,8 @@ class HttpFrontImpl {
       M3_LOG_ERROR("server: handler exception: %s", e.what());
       r = HttpResponse{};
       r.status = 500;
-      r.set_content(front_error_body(500, std::string("internal error: ") + e.what()), "application/json");
+      r.set_content(front_error_body(500, std::string("internal error: ") + e.what()),
+                    "application/json");
     }
     const bool keep = c.keep_alive && !stopping;
     auto deadline = [&] { return Clock::now() + seconds(lim.write_timeout_s); };
@@ -651,7 +696,8 @@ class HttpFrontImpl {
     } catch (const std::exception& e) {
       M3_LOG_ERROR("server: stream exception: %s", e.what());
     }
-    r.stream = nullptr;  // releases what the stream held (the engine requests) before the next request
+    r.stream =
+        nullptr;  // releases what the stream held (the engine requests) before the next request
     if (!done || !sink.ok) return false;
     return send_all(fd, "0\r\n\r\n", deadline()) && keep;
   }
@@ -687,7 +733,8 @@ class HttpFrontImpl {
       if (addr && c.addr != *addr) continue;
       if (c.state != ConnState::kIdle && c.state != ConnState::kHeaders) continue;
       auto rank = [](const Conn& x) { return x.state == ConnState::kIdle ? 0 : 1; };
-      if (!best || rank(c) < rank(*best) || (rank(c) == rank(*best) && c.since < best->since)) best = &c;
+      if (!best || rank(c) < rank(*best) || (rank(c) == rank(*best) && c.since < best->since))
+        best = &c;
     }
     if (!best) return false;
     ++n_timeouts;
@@ -699,7 +746,8 @@ class HttpFrontImpl {
     for (;;) {
       sockaddr_storage ss{};
       socklen_t sl = sizeof ss;
-      const int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      const int fd =
+          ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EINTR) continue;
         if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
@@ -707,7 +755,8 @@ class HttpFrontImpl {
           ::epoll_ctl(epoll_fd, EPOLL_CTL_DEL, listen_fd, nullptr);
           listen_paused = true;
           listen_resume = Clock::now() + std::chrono::milliseconds(100);
-          M3_LOG_WARN("server: accept: %s; pausing new connections for 100 ms", std::strerror(errno));
+          M3_LOG_WARN("server: accept: %s; pausing new connections for 100 ms",
+                      std::strerror(errno));
         }
         return;
       }
@@ -719,7 +768,8 @@ class HttpFrontImpl {
       if (!room) {
         // Every connection is busy with a request: tell this one to come back.
         ++n_rejected;
-        const std::string body = front_error_body(429, "too many open connections; retry after a second");
+        const std::string body =
+            front_error_body(429, "too many open connections; retry after a second");
         HttpResponse r;
         r.status = 429;
         r.set_content(body, "application/json");
@@ -768,8 +818,9 @@ class HttpFrontImpl {
     // At most 1 MiB per wake-up, so one fast sender cannot starve the others, and never more
     // than the current request needs plus one header block: pipelined requests wait in the
     // socket (level-triggered epoll brings them back), so one process() call stays short.
-    const size_t want = c.state == ConnState::kBody && !c.chunked ? c.content_length + lim.max_header_bytes
-                                                                  : lim.max_header_bytes + 1;
+    const size_t want = c.state == ConnState::kBody && !c.chunked
+                            ? c.content_length + lim.max_header_bytes
+                            : lim.max_header_bytes + 1;
     while (got < (size_t{1} << 20) && c.in.size() < want) {
       const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
       if (n > 0) {
@@ -801,14 +852,15 @@ class HttpFrontImpl {
       ++n_timeouts;
       if ((c.state == ConnState::kHeaders && !c.in.empty()) || c.state == ConnState::kBody) {
         // Best effort: tell a slow client why, then close without waiting on it.
-        const std::string body = front_error_body(408, c.state == ConnState::kBody
-                                                           ? "the request body did not arrive in time"
-                                                           : "the request headers did not arrive in time");
+        const std::string body = front_error_body(
+            408, c.state == ConnState::kBody ? "the request body did not arrive in time"
+                                             : "the request headers did not arrive in time");
         HttpResponse r;
         r.status = 408;
         r.set_content(body, "application/json");
         const std::string msg = response_head(r, false, false) + r.body;
-        [[maybe_unused]] ssize_t n = ::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        [[maybe_unused]] ssize_t n =
+            ::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
       }
       close_conn(fd);
     }
@@ -847,8 +899,10 @@ class HttpFrontImpl {
             read_conn(c);
             continue;
           }
-          if (ev & (EPOLLERR | EPOLLHUP)) close_conn(fd);
-          else if ((ev & EPOLLOUT) && flush(c)) process(fd);
+          if (ev & (EPOLLERR | EPOLLHUP))
+            close_conn(fd);
+          else if ((ev & EPOLLOUT) && flush(c))
+            process(fd);
           continue;
         }
         if (ev & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) read_conn(c);
@@ -862,8 +916,8 @@ class HttpFrontImpl {
   }
 };
 
-HttpFront::HttpFront(HttpLimits limits, HttpHandler handler, std::function<bool(const HttpRequest&)> is_inline,
-                     HttpHandler inline_handler)
+HttpFront::HttpFront(HttpLimits limits, HttpHandler handler,
+                     std::function<bool(const HttpRequest&)> is_inline, HttpHandler inline_handler)
     : impl_(std::make_unique<HttpFrontImpl>()) {
   impl_->lim = limits;
   impl_->handler = std::move(handler);
@@ -871,7 +925,9 @@ HttpFront::HttpFront(HttpLimits limits, HttpHandler handler, std::function<bool(
   impl_->inline_handler = std::move(inline_handler);
 }
 
-HttpFront::~HttpFront() { stop(); }
+HttpFront::~HttpFront() {
+  stop();
+}
 
 Status HttpFront::bind(const std::string& host, int port) {
   auto& d = *impl_;
@@ -887,14 +943,18 @@ Status HttpFront::bind(const std::string& host, int port) {
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* res = nullptr;
   const std::string port_s = std::to_string(port);
-  if (const int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port_s.c_str(), &hints, &res); rc != 0) {
+  if (const int rc =
+          getaddrinfo(host.empty() ? nullptr : host.c_str(), port_s.c_str(), &hints, &res);
+      rc != 0) {
     return make_error(ErrorCode::kInvalidArgument,
-                      "cannot listen on " + host + ": " + gai_strerror(rc) + "; check --host", "--host");
+                      "cannot listen on " + host + ": " + gai_strerror(rc) + "; check --host",
+                      "--host");
   }
   std::string last_error = "no address";
   int err_no = 0;
   for (addrinfo* a = res; a; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    const int fd =
+        ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) continue;
     // SO_REUSEADDR only lets us rebind over TIME_WAIT sockets; on Linux it never lets two
     // listeners share a port (that is SO_REUSEPORT, deliberately not set).
@@ -912,12 +972,15 @@ Status HttpFront::bind(const std::string& host, int port) {
   if (d.listen_fd < 0) {
     const std::string where = host + ":" + port_s;
     if (err_no == EADDRINUSE) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "cannot listen on " + where + ": address in use (another process listens there); stop it or choose another --port",
-                        "--port");
+      return make_error(
+          ErrorCode::kInvalidArgument,
+          "cannot listen on " + where +
+              ": address in use (another process listens there); stop it or choose another --port",
+          "--port");
     }
     return make_error(ErrorCode::kInvalidArgument,
-                      "cannot listen on " + where + ": " + last_error + "; check --host and --port", "--port");
+                      "cannot listen on " + where + ": " + last_error + "; check --host and --port",
+                      "--port");
   }
   sockaddr_storage ss{};
   socklen_t sl = sizeof ss;
@@ -926,7 +989,8 @@ Status HttpFront::bind(const std::string& host, int port) {
                                     : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
   d.epoll_fd = ::epoll_create1(EPOLL_CLOEXEC);
   d.wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (d.epoll_fd < 0 || d.wake_fd < 0) return make_error(ErrorCode::kIo, std::string("epoll/eventfd: ") + std::strerror(errno));
+  if (d.epoll_fd < 0 || d.wake_fd < 0)
+    return make_error(ErrorCode::kIo, std::string("epoll/eventfd: ") + std::strerror(errno));
   epoll_event e{};
   e.events = EPOLLIN;
   e.data.fd = d.listen_fd;
@@ -936,13 +1000,16 @@ Status HttpFront::bind(const std::string& host, int port) {
   return {};
 }
 
-int HttpFront::port() const { return impl_->port; }
+int HttpFront::port() const {
+  return impl_->port;
+}
 
 Status HttpFront::run() {
   auto& d = *impl_;
   if (d.listen_fd < 0) return make_error(ErrorCode::kInternal, "HttpFront::run before bind");
   d.running = true;
-  for (int i = 0; i < std::max(1, d.lim.num_workers); ++i) d.workers.emplace_back([&d] { d.worker_loop(); });
+  for (int i = 0; i < std::max(1, d.lim.num_workers); ++i)
+    d.workers.emplace_back([&d] { d.worker_loop(); });
   d.loop();
   // Stopping: no new connections; let the workers finish what they hold.
   ::epoll_ctl(d.epoll_fd, EPOLL_CTL_DEL, d.listen_fd, nullptr);

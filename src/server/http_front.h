@@ -31,13 +31,13 @@ struct HttpLimits {
   size_t max_header_bytes = 32 * 1024;    // request line + headers
   size_t max_headers = 100;
   size_t max_body_bytes = size_t{32} << 20;  // after de-chunking; compressed bodies are refused
-  int num_workers = 256;                  // threads running the (blocking) handlers
-  int max_pending = 1024;                 // complete requests waiting for a worker
+  int num_workers = 256;                     // threads running the (blocking) handlers
+  int max_pending = 1024;                    // complete requests waiting for a worker
 };
 
 struct HttpFrontStats {
   int64_t connections_open = 0;
-  int64_t requests_pending = 0;        // complete, waiting for a worker
+  int64_t requests_pending = 0;  // complete, waiting for a worker
   int64_t workers_busy = 0;
   int64_t rejected_capacity_total = 0;  // 429 for lack of a worker or a connection slot
   int64_t timeouts_total = 0;           // header/body/idle deadlines that closed a connection
@@ -52,8 +52,8 @@ class HttpFront {
  public:
   // `inline_handler` answers the requests for which `is_inline` is true, on the loop thread: it
   // must not block. `handler` answers the rest on the workers.
-  HttpFront(HttpLimits limits, HttpHandler handler, std::function<bool(const HttpRequest&)> is_inline,
-            HttpHandler inline_handler);
+  HttpFront(HttpLimits limits, HttpHandler handler,
+            std::function<bool(const HttpRequest&)> is_inline, HttpHandler inline_handler);
   ~HttpFront();
   HttpFront(const HttpFront&) = delete;
   HttpFront& operator=(const HttpFront&) = delete;

@@ -20,7 +20,8 @@ namespace m3::server {
 using Clock = std::chrono::steady_clock;
 
 std::string random_id(size_t len) {
-  static constexpr char kAlphabet[] = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+  static constexpr char kAlphabet[] =
+      "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
   thread_local std::mt19937_64 rng{std::random_device{}() ^
                                    static_cast<uint64_t>(Clock::now().time_since_epoch().count())};
   std::string s(len, '0');
@@ -28,7 +29,9 @@ std::string random_id(size_t len) {
   return s;
 }
 
-int64_t unix_now() { return static_cast<int64_t>(std::time(nullptr)); }
+int64_t unix_now() {
+  return static_cast<int64_t>(std::time(nullptr));
+}
 
 void send_error(HttpResponse& res, const Error& e) {
   res.status = http_status(e);
@@ -86,8 +89,8 @@ Status HttpServerImpl::check_model(const std::string& model) const {
     if (n == model) return {};
   }
   return make_error(ErrorCode::kModelNotFound,
-                    "The model `" + model + "` does not exist. This server serves `" + model_name() +
-                        "` (see GET /v1/models).",
+                    "The model `" + model + "` does not exist. This server serves `" +
+                        model_name() + "` (see GET /v1/models).",
                     "model");
 }
 
@@ -107,16 +110,18 @@ Status HttpServerImpl::check_text_fits(size_t text_bytes, const std::string& par
                     "This model's maximum context length is " + std::to_string(max_len) +
                         " tokens. However, your prompt is " + std::to_string(text_bytes) +
                         " bytes, more than that many tokens can hold (at most " +
-                        std::to_string(max_token_bytes_) + " bytes per token). Please shorten the prompt.",
+                        std::to_string(max_token_bytes_) +
+                        " bytes per token). Please shorten the prompt.",
                     param);
 }
 
-Status HttpServerImpl::fit_context(engine::SamplingParams& sp, const CommonParams& p, size_t prompt_len,
-                                   const std::string& param) const {
+Status HttpServerImpl::fit_context(engine::SamplingParams& sp, const CommonParams& p,
+                                   size_t prompt_len, const std::string& param) const {
   const int64_t max_len = engine_.model_info().max_model_len;
   const int64_t n = static_cast<int64_t>(prompt_len);
   if (n == 0) {
-    return make_error(ErrorCode::kInvalidArgument, "the prompt is empty after tokenization; send some text", param);
+    return make_error(ErrorCode::kInvalidArgument,
+                      "the prompt is empty after tokenization; send some text", param);
   }
   M3_TRY_STATUS(engine::check_context_length(n, -1, max_len, param));
   if (p.max_tokens) {
@@ -133,8 +138,8 @@ Status HttpServerImpl::fit_context(engine::SamplingParams& sp, const CommonParam
   return {};
 }
 
-Status HttpServerImpl::submit_all(Generation& gen, const engine::SamplingParams& sp0, const CommonParams& p,
-                                  const ChoiceOptions& base) const {
+Status HttpServerImpl::submit_all(Generation& gen, const engine::SamplingParams& sp0,
+                                  const CommonParams& p, const ChoiceOptions& base) const {
   int index = 0;
   for (size_t pi = 0; pi < gen.prompts.size(); ++pi) {
     for (int i = 0; i < p.n; ++i) {
@@ -174,17 +179,23 @@ bool HttpServerImpl::wait_or_abort(Generation& gen, const HttpRequest& req) {
 HttpServer::HttpServer(engine::Engine& engine, ServerAssets assets, ServerConfig config)
     : impl_(std::make_unique<HttpServerImpl>(engine, std::move(assets), std::move(config))) {}
 
-HttpServer::~HttpServer() { impl_->stop_stats(); }
+HttpServer::~HttpServer() {
+  impl_->stop_stats();
+}
 
 Status HttpServer::bind() {
   auto& c = impl_->cfg_;
   if (c.port < 0 || c.port > 65535) {
-    return make_error(ErrorCode::kInvalidArgument, "--port " + std::to_string(c.port) + " is not a TCP port (0..65535)", "--port");
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--port " + std::to_string(c.port) + " is not a TCP port (0..65535)",
+                      "--port");
   }
   return impl_->front_->bind(c.host, c.port);
 }
 
-int HttpServer::bound_port() const { return impl_->front_->port(); }
+int HttpServer::bound_port() const {
+  return impl_->front_->port();
+}
 
 Status HttpServer::run() {
   impl_->start_stats();
@@ -197,35 +208,43 @@ void HttpServer::drain_and_stop() {
   auto& d = *impl_;
   d.draining_ = true;
   // Generation handlers that are running finish (their streams complete); new ones get 503.
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(d.cfg_.shutdown_timeout_s));
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(d.cfg_.shutdown_timeout_s));
   while (d.in_flight_.load() > 0 && Clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   if (d.in_flight_.load() > 0) {
-    M3_LOG_WARN("server: %lld requests still running after --shutdown-timeout %.1f s: aborting them",
-                static_cast<long long>(d.in_flight_.load()), d.cfg_.shutdown_timeout_s);
+    M3_LOG_WARN(
+        "server: %lld requests still running after --shutdown-timeout %.1f s: aborting them",
+        static_cast<long long>(d.in_flight_.load()), d.cfg_.shutdown_timeout_s);
     d.engine_.abort_all();
     // Aborted handlers end with their streams; bound the wait anyway (a stalled client write
     // gives up after the front's write timeout).
     const auto hard = Clock::now() + std::chrono::seconds(5);
-    while (d.in_flight_.load() > 0 && Clock::now() < hard) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    while (d.in_flight_.load() > 0 && Clock::now() < hard)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   d.stop_stats();
   d.front_->stop();
 }
 
-bool HttpServer::draining() const { return impl_->draining_; }
+bool HttpServer::draining() const {
+  return impl_->draining_;
+}
 
 // ------------------------------------------------------------------------------------ assets
 
-Result<ServerAssets> load_server_assets(const std::string& model_dir, const std::string& chat_template_path,
-                                        const OrderedJson& default_kwargs, const std::string& generation_config) {
+Result<ServerAssets> load_server_assets(const std::string& model_dir,
+                                        const std::string& chat_template_path,
+                                        const OrderedJson& default_kwargs,
+                                        const std::string& generation_config) {
   ServerAssets a;
   const std::string tok_path = model_dir + "/tokenizer.json";
   auto tok = text::Tokenizer::from_file(tok_path);
   if (!tok) {
-    return make_error(tok.error().code, "cannot load the tokenizer " + tok_path + ": " + tok.error().message);
+    return make_error(tok.error().code,
+                      "cannot load the tokenizer " + tok_path + ": " + tok.error().message);
   }
   a.tokenizer = *tok;
   M3_TRY(auto chat, ChatPrompt::load(model_dir, chat_template_path, default_kwargs));
@@ -233,7 +252,8 @@ Result<ServerAssets> load_server_assets(const std::string& model_dir, const std:
   if (generation_config == "vllm") {
     a.defaults = GenerationDefaults{};
   } else {
-    const std::string dir = (generation_config.empty() || generation_config == "auto") ? model_dir : generation_config;
+    const std::string dir =
+        (generation_config.empty() || generation_config == "auto") ? model_dir : generation_config;
     M3_TRY(a.defaults, GenerationDefaults::from_dir(dir));
   }
   return a;

@@ -26,9 +26,9 @@ struct ServerConfig {
   std::string host = "0.0.0.0";
   int port = 8000;
   std::vector<std::string> served_model_names;  // [0] is reported in responses
-  std::vector<std::string> api_keys;             // empty: no auth; any one of them admits
-  bool parse_reasoning = true;                   // --reasoning-parser minimax_m3
-  bool parse_tool_calls = true;                  // --tool-call-parser minimax_m3
+  std::vector<std::string> api_keys;            // empty: no auth; any one of them admits
+  bool parse_reasoning = true;                  // --reasoning-parser minimax_m3
+  bool parse_tool_calls = true;                 // --tool-call-parser minimax_m3
   bool enable_auto_tool_choice = true;
   std::string version = "0.0.0";
   int num_http_threads = 0;  // 0: from max_num_seqs
@@ -62,7 +62,8 @@ struct ServerAssets {
 
 // tokenizer.json, the chat template and generation_config.json from `model_dir`.
 // `generation_config`: "auto"/"" (the model dir), "vllm" (none: OpenAI defaults), or a directory.
-Result<ServerAssets> load_server_assets(const std::string& model_dir, const std::string& chat_template_path,
+Result<ServerAssets> load_server_assets(const std::string& model_dir,
+                                        const std::string& chat_template_path,
                                         const OrderedJson& default_chat_template_kwargs,
                                         const std::string& generation_config);
 

@@ -14,8 +14,8 @@
 namespace m3::server {
 
 struct HttpRequest {
-  std::string method;  // as sent, e.g. "POST"
-  std::string path;    // the target without its query string
+  std::string method;                                        // as sent, e.g. "POST"
+  std::string path;                                          // the target without its query string
   std::vector<std::pair<std::string, std::string>> headers;  // names lower-cased
   std::string body;                                          // de-chunked
   std::string remote_addr;
@@ -54,7 +54,9 @@ struct HttpResponse {
     body = std::move(b);
     content_type = std::move(type);
   }
-  void set_header(std::string name, std::string value) { headers.emplace_back(std::move(name), std::move(value)); }
+  void set_header(std::string name, std::string value) {
+    headers.emplace_back(std::move(name), std::move(value));
+  }
 };
 
 }  // namespace m3::server

@@ -9,13 +9,18 @@ int json_nesting_depth(std::string_view text, int limit) {
   bool in_string = false, escaped = false;
   for (const char c : text) {
     if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
       continue;
     }
     switch (c) {
-      case '"': in_string = true; break;
+      case '"':
+        in_string = true;
+        break;
       case '[':
       case '{':
         if (++depth > max_depth) {
@@ -28,7 +33,8 @@ int json_nesting_depth(std::string_view text, int limit) {
         // Unbalanced text is the parser's to reject; never go negative here.
         if (depth > 0) --depth;
         break;
-      default: break;
+      default:
+        break;
     }
   }
   return max_depth;
@@ -41,15 +47,24 @@ size_t json_max_object_members(std::string_view text, size_t limit) {
   bool in_string = false, escaped = false;
   for (const char c : text) {
     if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
       continue;
     }
     switch (c) {
-      case '"': in_string = true; break;
-      case '{': open.emplace_back(true, 0); break;
-      case '[': open.emplace_back(false, 0); break;
+      case '"':
+        in_string = true;
+        break;
+      case '{':
+        open.emplace_back(true, 0);
+        break;
+      case '[':
+        open.emplace_back(false, 0);
+        break;
       case '}':
       case ']':
         if (!open.empty()) open.pop_back();
@@ -60,7 +75,8 @@ size_t json_max_object_members(std::string_view text, size_t limit) {
           if (best > limit) return best;
         }
         break;
-      default: break;
+      default:
+        break;
     }
   }
   return best;

@@ -18,20 +18,20 @@ namespace m3::server {
 
 // Caps on what one request may hold. Each is far above what a real client sends (OpenAI allows
 // 4 stop strings and 128 tools) and low enough that a rejected request costs little.
-inline constexpr int kMaxJsonDepth = 64;          // objects/arrays nested in any JSON text
-inline constexpr size_t kMaxMessages = 8192;      // chat messages
-inline constexpr size_t kMaxContentParts = 4096;  // parts of one message's content
-inline constexpr size_t kMaxToolCalls = 1024;     // tool_calls of one message
-inline constexpr size_t kMaxTools = 512;          // tools of one request
+inline constexpr int kMaxJsonDepth = 64;              // objects/arrays nested in any JSON text
+inline constexpr size_t kMaxMessages = 8192;          // chat messages
+inline constexpr size_t kMaxContentParts = 4096;      // parts of one message's content
+inline constexpr size_t kMaxToolCalls = 1024;         // tool_calls of one message
+inline constexpr size_t kMaxTools = 512;              // tools of one request
 inline constexpr size_t kMaxToolSchemaNodes = 16384;  // JSON values in all tools together
 inline constexpr size_t kMaxStopStrings = 16;
 inline constexpr size_t kMaxStopStringBytes = 1024;
 // logit_bias entries in one request (OpenAI accepts up to 300; vLLM has no limit).
 inline constexpr size_t kMaxLogitBias = 1024;
 inline constexpr size_t kMaxStopTokenIds = 1024;
-inline constexpr size_t kMaxPrompts = 256;        // /v1/completions prompt list
-inline constexpr int kMaxChoices = 256;           // prompts x n per request
-inline constexpr size_t kMaxKwargsNodes = 4096;   // chat_template_kwargs values
+inline constexpr size_t kMaxPrompts = 256;       // /v1/completions prompt list
+inline constexpr int kMaxChoices = 256;          // prompts x n per request
+inline constexpr size_t kMaxKwargsNodes = 4096;  // chat_template_kwargs values
 // Members of one JSON object: nlohmann's ordered_json checks each new key against the ones
 // before it, so parsing an object costs members^2 (100,000 keys took seconds).
 inline constexpr size_t kMaxObjectMembers = 8192;
@@ -44,8 +44,8 @@ int json_nesting_depth(std::string_view text, int limit);
 // past `limit`. Iterative; meant for text whose depth was checked.
 size_t json_max_object_members(std::string_view text, size_t limit);
 
-// Parses `text` after checking its depth and object sizes. `what` names the text in errors ("request body",
-// "messages[0].tool_calls[1].function.arguments"); `param` is the error's param.
+// Parses `text` after checking its depth and object sizes. `what` names the text in errors
+// ("request body", "messages[0].tool_calls[1].function.arguments"); `param` is the error's param.
 Result<nlohmann::ordered_json> parse_json_bounded(std::string_view text, const std::string& what,
                                                   const std::string& param = "");
 

@@ -15,8 +15,8 @@ namespace m3::server {
 struct ServerGauges {
   int64_t http_requests_in_flight = 0;
   bool draining = false;
-  int64_t client_aborts = 0;        // generation requests aborted because the client left
-  int64_t connections_open = 0;     // HttpFrontStats (http_front.h)
+  int64_t client_aborts = 0;     // generation requests aborted because the client left
+  int64_t connections_open = 0;  // HttpFrontStats (http_front.h)
   int64_t requests_pending = 0;
   int64_t workers_busy = 0;
   int64_t rejected_capacity = 0;

@@ -399,7 +399,8 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
     }
     if (p.max_tokens && *min_tokens > *p.max_tokens) {
       return bad("min_tokens", "'min_tokens' (" + std::to_string(*min_tokens) +
-                                   ") must not exceed max_tokens (" + std::to_string(*p.max_tokens) + ")");
+                                   ") must not exceed max_tokens (" +
+                                   std::to_string(*p.max_tokens) + ")");
     }
     p.min_tokens = static_cast<int32_t>(*min_tokens);
   }
@@ -439,7 +440,8 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
       for (size_t i = 0; i < stop->size(); ++i) {
         const auto& s = (*stop)[i];
         if (!s.is_string()) {
-          return bad("stop", "'stop[" + std::to_string(i) + "]' must be a string, got " + type_of(s));
+          return bad("stop",
+                     "'stop[" + std::to_string(i) + "]' must be a string, got " + type_of(s));
         }
         if (!s.get<std::string>().empty()) p.stop.push_back(s.get<std::string>());
       }
@@ -455,11 +457,13 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
   }
   if (const OrderedJson* ids = field(j, "stop_token_ids")) {
     if (!ids->is_array()) {
-      return bad("stop_token_ids", "'stop_token_ids' must be an array of integers, got " + type_of(*ids));
+      return bad("stop_token_ids",
+                 "'stop_token_ids' must be an array of integers, got " + type_of(*ids));
     }
     if (ids->size() > kMaxStopTokenIds) {
       return bad("stop_token_ids", "'stop_token_ids' holds " + std::to_string(ids->size()) +
-                                       " ids; at most " + std::to_string(kMaxStopTokenIds) + " are allowed");
+                                       " ids; at most " + std::to_string(kMaxStopTokenIds) +
+                                       " are allowed");
     }
     for (const auto& id : *ids) {
       if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
@@ -477,7 +481,8 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
   p.include_stop_str_in_output = incl.value_or(false);
   M3_TRY(auto priority, opt_integer(j, "priority"));
   if (priority) {
-    if (*priority < std::numeric_limits<int32_t>::min() || *priority > std::numeric_limits<int32_t>::max()) {
+    if (*priority < std::numeric_limits<int32_t>::min() ||
+        *priority > std::numeric_limits<int32_t>::max()) {
       return bad("priority", "'priority' must fit in 32 bits");
     }
     p.priority = static_cast<int32_t>(*priority);
@@ -496,10 +501,12 @@ Result<std::vector<int32_t>> token_array(const OrderedJson& arr, const std::stri
     if (!(v.is_number_integer() || v.is_number_unsigned())) {
       return bad(param, "'" + param + "' must hold only integer token ids, got " + type_of(v));
     }
-    const int64_t id = v.is_number_unsigned() ? static_cast<int64_t>(std::min<uint64_t>(v.get<uint64_t>(), 1ull << 40))
-                                              : v.get<int64_t>();
+    const int64_t id = v.is_number_unsigned()
+                           ? static_cast<int64_t>(std::min<uint64_t>(v.get<uint64_t>(), 1ull << 40))
+                           : v.get<int64_t>();
     if (id < 0 || id > std::numeric_limits<int32_t>::max()) {
-      return bad(param, "'" + param + "' holds token id " + std::to_string(id) + ", which is not a valid id");
+      return bad(param, "'" + param + "' holds token id " + std::to_string(id) +
+                            ", which is not a valid id");
     }
     ids.push_back(static_cast<int32_t>(id));
   }
@@ -542,8 +549,9 @@ Result<OrderedJson> normalise_content(const OrderedJson& content, const std::str
     } else if (type == "refusal") {
       continue;
     } else {
-      return unsupported(pp, "content part type '" + type +
-                                 "' is not supported: this server serves the text model only; send text parts");
+      return unsupported(
+          pp, "content part type '" + type +
+                  "' is not supported: this server serves the text model only; send text parts");
     }
   }
   return OrderedJson(text);
@@ -552,11 +560,13 @@ Result<OrderedJson> normalise_content(const OrderedJson& content, const std::str
 Result<OrderedJson> parse_messages(const OrderedJson& j) {
   const OrderedJson* msgs = field(j, "messages");
   if (!msgs) return bad("messages", "'messages' is required: a non-empty array of {role, content}");
-  if (!msgs->is_array()) return bad("messages", "'messages' must be an array, got " + type_of(*msgs));
+  if (!msgs->is_array())
+    return bad("messages", "'messages' must be an array, got " + type_of(*msgs));
   if (msgs->empty()) return bad("messages", "'messages' must not be empty");
   if (msgs->size() > kMaxMessages) {
-    return bad("messages", "'messages' holds " + std::to_string(msgs->size()) + " messages; at most " +
-                               std::to_string(kMaxMessages) + " are allowed");
+    return bad("messages", "'messages' holds " + std::to_string(msgs->size()) +
+                               " messages; at most " + std::to_string(kMaxMessages) +
+                               " are allowed");
   }
   OrderedJson out = OrderedJson::array();
   for (size_t i = 0; i < msgs->size(); ++i) {
@@ -569,7 +579,8 @@ Result<OrderedJson> parse_messages(const OrderedJson& j) {
     OrderedJson msg = m;
     const std::string role = m["role"].get<std::string>();
     // The roles chat templates know ("root" carries M3's identity override).
-    static const char* const kRoles[] = {"system", "developer", "user", "assistant", "tool", "function", "root"};
+    static const char* const kRoles[] = {"system", "developer", "user", "assistant",
+                                         "tool",   "function",  "root"};
     if (std::find(std::begin(kRoles), std::end(kRoles), role) == std::end(kRoles)) {
       return bad(mp + ".role", "'" + mp + ".role' is '" + role +
                                    "'; use one of system, developer, user, assistant, tool, root");
@@ -594,10 +605,12 @@ Result<OrderedJson> parse_messages(const OrderedJson& j) {
     }
     if (msg.contains("tool_calls") && !msg["tool_calls"].is_null()) {
       const auto& tcs = msg["tool_calls"];
-      if (!tcs.is_array()) return bad(mp + ".tool_calls", "'" + mp + ".tool_calls' must be an array");
+      if (!tcs.is_array())
+        return bad(mp + ".tool_calls", "'" + mp + ".tool_calls' must be an array");
       if (tcs.size() > kMaxToolCalls) {
-        return bad(mp + ".tool_calls", "'" + mp + ".tool_calls' holds " + std::to_string(tcs.size()) +
-                                           " calls; at most " + std::to_string(kMaxToolCalls) + " are allowed");
+        return bad(mp + ".tool_calls", "'" + mp + ".tool_calls' holds " +
+                                           std::to_string(tcs.size()) + " calls; at most " +
+                                           std::to_string(kMaxToolCalls) + " are allowed");
       }
       OrderedJson calls = OrderedJson::array();
       for (size_t k = 0; k < tcs.size(); ++k) {
@@ -612,8 +625,8 @@ Result<OrderedJson> parse_messages(const OrderedJson& j) {
           return bad(tp + ".function.name", "'" + tp + ".function.name' must be a string");
         }
         // Templates iterate the arguments as a mapping; clients send them as a JSON string.
-        if (fn.contains("arguments") && !fn["arguments"].is_string() && !fn["arguments"].is_object() &&
-            !fn["arguments"].is_null()) {
+        if (fn.contains("arguments") && !fn["arguments"].is_string() &&
+            !fn["arguments"].is_object() && !fn["arguments"].is_null()) {
           return bad(tp + ".function.arguments",
                      "'" + tp + ".function.arguments' must be a JSON string (or an object), got " +
                          type_of(fn["arguments"]));
@@ -660,18 +673,22 @@ Status parse_tools(const OrderedJson& j, ChatRequest& r) {
       const std::string tp = "tools[" + std::to_string(i) + "]";
       const auto& t = (*tools)[i];
       if (!t.is_object()) return bad(tp, "'" + tp + "' must be an object");
-      if (t.contains("type") && (!t["type"].is_string() || t["type"].get<std::string>() != "function")) {
+      if (t.contains("type") &&
+          (!t["type"].is_string() || t["type"].get<std::string>() != "function")) {
         return unsupported(tp + ".type", "'" + tp + ".type' must be \"function\"");
       }
       if (!t.contains("function") || !t["function"].is_object()) {
         return bad(tp + ".function", "'" + tp + ".function' must be an object with 'name'");
       }
       const auto& fn = t["function"];
-      if (!fn.contains("name") || !fn["name"].is_string() || fn["name"].get<std::string>().empty()) {
+      if (!fn.contains("name") || !fn["name"].is_string() ||
+          fn["name"].get<std::string>().empty()) {
         return bad(tp + ".function.name", "'" + tp + ".function.name' must be a non-empty string");
       }
-      if (fn.contains("parameters") && !fn["parameters"].is_null() && !fn["parameters"].is_object()) {
-        return bad(tp + ".function.parameters", "'" + tp + ".function.parameters' must be a JSON schema object");
+      if (fn.contains("parameters") && !fn["parameters"].is_null() &&
+          !fn["parameters"].is_object()) {
+        return bad(tp + ".function.parameters",
+                   "'" + tp + ".function.parameters' must be a JSON schema object");
       }
     }
     if (!tools->empty()) r.tools = *tools;
@@ -684,31 +701,47 @@ Status parse_tools(const OrderedJson& j, ChatRequest& r) {
   r.tool_choice_given = true;
   if (tc->is_string()) {
     const std::string s = tc->get<std::string>();
-    if (s == "auto") r.tool_choice.kind = ToolChoiceKind::kAuto;
-    else if (s == "none") r.tool_choice.kind = ToolChoiceKind::kNone;
-    else if (s == "required") r.tool_choice.kind = ToolChoiceKind::kRequired;
-    else return bad("tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}, got \"" + s + "\"");
+    if (s == "auto")
+      r.tool_choice.kind = ToolChoiceKind::kAuto;
+    else if (s == "none")
+      r.tool_choice.kind = ToolChoiceKind::kNone;
+    else if (s == "required")
+      r.tool_choice.kind = ToolChoiceKind::kRequired;
+    else
+      return bad("tool_choice",
+                 "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": "
+                 "\"function\", \"function\": {\"name\": ...}}, got \"" +
+                     s + "\"");
   } else if (tc->is_object()) {
     const auto fn = tc->find("function");
-    if (fn == tc->end() || !fn->is_object() || !fn->contains("name") || !(*fn)["name"].is_string()) {
-      return bad("tool_choice", "'tool_choice' object must be {\"type\": \"function\", \"function\": {\"name\": ...}}");
+    if (fn == tc->end() || !fn->is_object() || !fn->contains("name") ||
+        !(*fn)["name"].is_string()) {
+      return bad(
+          "tool_choice",
+          "'tool_choice' object must be {\"type\": \"function\", \"function\": {\"name\": ...}}");
     }
     r.tool_choice.kind = ToolChoiceKind::kNamed;
     r.tool_choice.name = (*fn)["name"].get<std::string>();
   } else {
     return bad("tool_choice", "'tool_choice' must be a string or an object, got " + type_of(*tc));
   }
-  if (r.tool_choice.kind == ToolChoiceKind::kRequired || r.tool_choice.kind == ToolChoiceKind::kNamed) {
+  if (r.tool_choice.kind == ToolChoiceKind::kRequired ||
+      r.tool_choice.kind == ToolChoiceKind::kNamed) {
     if (!r.tools.is_array()) {
-      return bad("tool_choice", "tool_choice '" + std::string(r.tool_choice.kind == ToolChoiceKind::kNamed ? "function" : "required") +
-                                    "' needs a non-empty 'tools' list");
+      return bad(
+          "tool_choice",
+          "tool_choice '" +
+              std::string(r.tool_choice.kind == ToolChoiceKind::kNamed ? "function" : "required") +
+              "' needs a non-empty 'tools' list");
     }
   }
   if (r.tool_choice.kind == ToolChoiceKind::kNamed) {
     bool found = false;
-    for (const auto& t : r.tools) found = found || t["function"]["name"].get<std::string>() == r.tool_choice.name;
+    for (const auto& t : r.tools)
+      found = found || t["function"]["name"].get<std::string>() == r.tool_choice.name;
     if (!found) {
-      return bad("tool_choice", "tool_choice names function '" + r.tool_choice.name + "', which is not in 'tools'");
+      return bad("tool_choice", "tool_choice names function '" + r.tool_choice.name +
+                                    "', which is not in 'tools'");
     }
   }
   return {};
@@ -716,7 +749,8 @@ Status parse_tools(const OrderedJson& j, ChatRequest& r) {
 
 }  // namespace
 
-Result<GenerationDefaults> GenerationDefaults::from_json_text(std::string_view text, std::string_view source) {
+Result<GenerationDefaults> GenerationDefaults::from_json_text(std::string_view text,
+                                                              std::string_view source) {
   nlohmann::json j = nlohmann::json::parse(text.begin(), text.end(), nullptr, false);
   if (j.is_discarded() || !j.is_object()) {
     return make_error(ErrorCode::kFormat, std::string(source) + " is not a JSON object");
@@ -732,7 +766,8 @@ Result<GenerationDefaults> GenerationDefaults::from_json_text(std::string_view t
   num("repetition_penalty", d.repetition_penalty);
   num("presence_penalty", d.presence_penalty);
   num("frequency_penalty", d.frequency_penalty);
-  if (auto it = j.find("top_k"); it != j.end() && it->is_number_integer()) d.top_k = it->get<int32_t>();
+  if (auto it = j.find("top_k"); it != j.end() && it->is_number_integer())
+    d.top_k = it->get<int32_t>();
   if (auto it = j.find("max_new_tokens"); it != j.end() && it->is_number_integer()) {
     d.max_new_tokens = it->get<int32_t>();
   }
@@ -757,8 +792,10 @@ Result<CompletionRequest> parse_completion_request(std::string_view body) {
   CompletionRequest r;
   M3_TRY_STATUS(parse_common(j, r.common, false));
   const OrderedJson* prompt = field(j, "prompt");
-  if (!prompt) return bad("prompt", "'prompt' is required: a string, a list of strings or token ids");
-  if (prompt->is_array() && !prompt->empty() && !(*prompt)[0].is_number() && prompt->size() > kMaxPrompts) {
+  if (!prompt)
+    return bad("prompt", "'prompt' is required: a string, a list of strings or token ids");
+  if (prompt->is_array() && !prompt->empty() && !(*prompt)[0].is_number() &&
+      prompt->size() > kMaxPrompts) {
     return bad("prompt", "'prompt' holds " + std::to_string(prompt->size()) + " prompts; at most " +
                              std::to_string(kMaxPrompts) + " are allowed in one request");
   }
@@ -785,7 +822,8 @@ Result<CompletionRequest> parse_completion_request(std::string_view body) {
       }
     }
   } else {
-    return bad("prompt", "'prompt' must be a string, a list of strings or token ids, got " + type_of(*prompt));
+    return bad("prompt", "'prompt' must be a string, a list of strings or token ids, got " +
+                             type_of(*prompt));
   }
   for (size_t i = 0; i < r.prompts.size(); ++i) {
     if (r.prompts[i].is_text && r.prompts[i].text.empty()) {
@@ -794,24 +832,28 @@ Result<CompletionRequest> parse_completion_request(std::string_view body) {
     }
   }
   if (r.prompts.size() * static_cast<size_t>(r.common.n) > static_cast<size_t>(kMaxChoices)) {
-    return bad("n", std::to_string(r.prompts.size()) + " prompts x n=" + std::to_string(r.common.n) +
-                        " asks for more than " + std::to_string(kMaxChoices) +
+    return bad("n", std::to_string(r.prompts.size()) +
+                        " prompts x n=" + std::to_string(r.common.n) + " asks for more than " +
+                        std::to_string(kMaxChoices) +
                         " completions in one request; split it into several requests");
   }
   M3_TRY(auto echo, opt_bool(j, "echo"));
   r.echo = echo.value_or(false);
   if (const OrderedJson* lp = field(j, "logprobs")) {
     if (!(lp->is_number_integer() || lp->is_number_unsigned())) {
-      return bad("logprobs", "'logprobs' must be an integer (0.." + std::to_string(kMaxLogprobs) + ") for completions, got " + type_of(*lp));
+      return bad("logprobs", "'logprobs' must be an integer (0.." + std::to_string(kMaxLogprobs) +
+                                 ") for completions, got " + type_of(*lp));
     }
     const int64_t k = lp->get<int64_t>();
     if (k < 0 || k > kMaxLogprobs) {
-      return bad("logprobs", "'logprobs' must be between 0 and " + std::to_string(kMaxLogprobs) + ", got " + std::to_string(k));
+      return bad("logprobs", "'logprobs' must be between 0 and " + std::to_string(kMaxLogprobs) +
+                                 ", got " + std::to_string(k));
     }
     r.common.logprobs = static_cast<int32_t>(k);
   }
   M3_TRY(auto suffix, opt_string(j, "suffix"));
-  if (suffix && !suffix->empty()) return unsupported("suffix", "'suffix' (fill-in-the-middle) is not supported; leave it out");
+  if (suffix && !suffix->empty())
+    return unsupported("suffix", "'suffix' (fill-in-the-middle) is not supported; leave it out");
   return r;
 }
 
@@ -822,7 +864,9 @@ Result<ChatRequest> parse_chat_request(std::string_view body) {
   M3_TRY(r.messages, parse_messages(j));
   M3_TRY_STATUS(parse_tools(j, r));
   if (const OrderedJson* kw = field(j, "chat_template_kwargs")) {
-    if (!kw->is_object()) return bad("chat_template_kwargs", "'chat_template_kwargs' must be an object, got " + type_of(*kw));
+    if (!kw->is_object())
+      return bad("chat_template_kwargs",
+                 "'chat_template_kwargs' must be an object, got " + type_of(*kw));
     if (json_node_count(*kw, kMaxKwargsNodes) > kMaxKwargsNodes) {
       return bad("chat_template_kwargs", "'chat_template_kwargs' holds more than " +
                                              std::to_string(kMaxKwargsNodes) + " JSON values");
@@ -834,7 +878,8 @@ Result<ChatRequest> parse_chat_request(std::string_view body) {
   M3_TRY(auto cfm, opt_bool(j, "continue_final_message"));
   r.continue_final_message = cfm.value_or(false);
   if (r.continue_final_message && r.add_generation_prompt && agp) {
-    return bad("continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both be true");
+    return bad("continue_final_message",
+               "'continue_final_message' and 'add_generation_prompt' cannot both be true");
   }
   if (r.continue_final_message) r.add_generation_prompt = false;
   M3_TRY(auto lp, opt_bool(j, "logprobs"));
@@ -842,9 +887,12 @@ Result<ChatRequest> parse_chat_request(std::string_view body) {
   M3_TRY(auto tlp, opt_integer(j, "top_logprobs"));
   if (tlp) {
     if (*tlp < 0 || *tlp > kMaxLogprobs) {
-      return bad("top_logprobs", "'top_logprobs' must be between 0 and " + std::to_string(kMaxLogprobs) + ", got " + std::to_string(*tlp));
+      return bad("top_logprobs", "'top_logprobs' must be between 0 and " +
+                                     std::to_string(kMaxLogprobs) + ", got " +
+                                     std::to_string(*tlp));
     }
-    if (!r.logprobs && *tlp > 0) return bad("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    if (!r.logprobs && *tlp > 0)
+      return bad("top_logprobs", "'top_logprobs' needs 'logprobs': true");
     r.top_logprobs = static_cast<int32_t>(*tlp);
   }
   r.common.logprobs = r.logprobs ? r.top_logprobs : -1;

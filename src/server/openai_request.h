@@ -43,9 +43,9 @@ struct CommonParams {
   std::string model;  // empty: not given
   int32_t n = 1;
   bool stream = false;
-  bool include_usage = false;            // stream_options.include_usage
-  bool continuous_usage_stats = false;   // stream_options.continuous_usage_stats (vLLM)
-  std::optional<int32_t> max_tokens;     // max_tokens / max_completion_tokens
+  bool include_usage = false;           // stream_options.include_usage
+  bool continuous_usage_stats = false;  // stream_options.continuous_usage_stats (vLLM)
+  std::optional<int32_t> max_tokens;    // max_tokens / max_completion_tokens
   int32_t min_tokens = 0;
   std::optional<float> temperature;
   std::optional<float> top_p;
@@ -55,7 +55,7 @@ struct CommonParams {
   std::optional<float> frequency_penalty;
   std::optional<float> repetition_penalty;
   std::optional<uint64_t> seed;
-  std::vector<std::string> stop;        // non-empty strings
+  std::vector<std::string> stop;  // non-empty strings
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
   bool skip_special_tokens = true;

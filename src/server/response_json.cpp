@@ -8,11 +8,17 @@ std::string dump_json(const Json& j) {
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-std::string sse_event(const Json& j) { return "data: " + dump_json(j) + "\n\n"; }
+std::string sse_event(const Json& j) {
+  return "data: " + dump_json(j) + "\n\n";
+}
 
-std::string sse_done() { return "data: [DONE]\n\n"; }
+std::string sse_done() {
+  return "data: [DONE]\n\n";
+}
 
-std::string sse_error(const Error& error) { return "data: " + error_json(error) + "\n\n"; }
+std::string sse_error(const Error& error) {
+  return "data: " + error_json(error) + "\n\n";
+}
 
 Json usage_json(const UsageCounts& u) {
   Json j;

@@ -1,6 +1,7 @@
 // Routing (404 / 405 with Allow), API-key checks, and the routes that are not generation:
-// /v1/models, /health, /ping (GET and POST), /load, /version, /metrics (answered on the front's loop thread, so they
-// stay prompt under any load) and /tokenize, /detokenize (on workers). Part of HttpServerImpl.
+// /v1/models, /health, /ping (GET and POST), /load, /version, /metrics (answered on the front's
+// loop thread, so they stay prompt under any load) and /tokenize, /detokenize (on workers). Part of
+// HttpServerImpl.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -81,7 +82,9 @@ bool HttpServerImpl::authorized(const HttpRequest& req, HttpResponse& res) const
   for (const std::string& k : cfg_.api_keys) ok = constant_time_equal(key, k) | ok;
   if (ok) return true;
   send_error(res, Error{ErrorCode::kUnauthorized,
-                        key.empty() ? "missing API key: send 'Authorization: Bearer <key>'" : "invalid API key", ""});
+                        key.empty() ? "missing API key: send 'Authorization: Bearer <key>'"
+                                    : "invalid API key",
+                        ""});
   return false;
 }
 
@@ -91,8 +94,8 @@ bool HttpServerImpl::cors(const HttpRequest& req, HttpResponse& res) const {
   if (origin.empty()) return false;
   const bool any = std::find(cfg_.allowed_origins.begin(), cfg_.allowed_origins.end(), "*") !=
                    cfg_.allowed_origins.end();
-  const bool listed = std::find(cfg_.allowed_origins.begin(), cfg_.allowed_origins.end(),
-                                origin) != cfg_.allowed_origins.end();
+  const bool listed = std::find(cfg_.allowed_origins.begin(), cfg_.allowed_origins.end(), origin) !=
+                      cfg_.allowed_origins.end();
   if (!any && !listed) return false;  // the browser refuses the response: no CORS headers
   // With credentials a browser needs the origin itself, never "*".
   res.set_header("Access-Control-Allow-Origin", any && !cfg_.allow_credentials ? "*" : origin);
@@ -102,7 +105,8 @@ bool HttpServerImpl::cors(const HttpRequest& req, HttpResponse& res) const {
   // A preflight: answered here, before the API-key check (browsers send no credentials in it).
   res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
   const std::string& want = req.header("access-control-request-headers");
-  res.set_header("Access-Control-Allow-Headers", want.empty() ? "Authorization, Content-Type" : want);
+  res.set_header("Access-Control-Allow-Headers",
+                 want.empty() ? "Authorization, Content-Type" : want);
   res.set_header("Access-Control-Max-Age", "600");
   res.status = 204;
   return true;
@@ -122,8 +126,8 @@ static bool check_method(const HttpRequest& req, HttpResponse& res) {
   }
   if (req.method != r->method) {
     const std::string allow = allowed_methods(req.path);
-    nlohmann::json body = error_body(Error{ErrorCode::kInvalidArgument,
-                                           req.path + " takes " + allow + ", not " + req.method, ""});
+    nlohmann::json body = error_body(Error{
+        ErrorCode::kInvalidArgument, req.path + " takes " + allow + ", not " + req.method, ""});
     body["error"]["code"] = 405;
     res.set_content(dump_json(body), "application/json");
     res.status = 405;
@@ -177,7 +181,8 @@ void HttpServerImpl::route_inline(const HttpRequest& req, HttpResponse& res) {
       g.connection_timeouts = fs.timeouts_total;
       g.bad_http_requests = fs.bad_requests_total;
     }
-    res.set_content(format_metrics(engine_.stats(), model_name(), g), "text/plain; version=0.0.4; charset=utf-8");
+    res.set_content(format_metrics(engine_.stats(), model_name(), g),
+                    "text/plain; version=0.0.4; charset=utf-8");
     return;
   }
 }
@@ -190,27 +195,29 @@ void HttpServerImpl::route(const HttpRequest& req, HttpResponse& res) {
   if (req.path == "/detokenize") return handle_detokenize(req, res);
 }
 
-
 void HttpServerImpl::handle_tokenize(const HttpRequest& req, HttpResponse& res) {
   auto parsed_body = parse_json_bounded(req.body, "the request body");
   if (!parsed_body) return send_error(res, parsed_body.error());
   OrderedJson& j = *parsed_body;
   if (!j.is_object()) {
-    return send_error(res, Error{ErrorCode::kInvalidArgument, "request body must be a JSON object", ""});
+    return send_error(res,
+                      Error{ErrorCode::kInvalidArgument, "request body must be a JSON object", ""});
   }
   bool return_strs = false;
   if (j.contains("return_token_strs") && !j["return_token_strs"].is_null()) {
     if (!j["return_token_strs"].is_boolean()) {
-      return send_error(res, Error{ErrorCode::kInvalidArgument, "'return_token_strs' must be a boolean",
-                                   "return_token_strs"});
+      return send_error(res, Error{ErrorCode::kInvalidArgument,
+                                   "'return_token_strs' must be a boolean", "return_token_strs"});
     }
     return_strs = j["return_token_strs"].get<bool>();
   }
   if (j.contains("model") && !j["model"].is_null()) {
     if (!j["model"].is_string()) {
-      return send_error(res, Error{ErrorCode::kInvalidArgument, "'model' must be a string", "model"});
+      return send_error(res,
+                        Error{ErrorCode::kInvalidArgument, "'model' must be a string", "model"});
     }
-    if (auto st = check_model(j["model"].get<std::string>()); !st) return send_error(res, st.error());
+    if (auto st = check_model(j["model"].get<std::string>()); !st)
+      return send_error(res, st.error());
   }
   std::vector<int32_t> ids;
   if (j.contains("messages")) {
@@ -218,13 +225,16 @@ void HttpServerImpl::handle_tokenize(const HttpRequest& req, HttpResponse& res) 
     if (!parsed) return send_error(res, parsed.error());
     auto rendered = assets_.chat->render(*parsed);
     if (!rendered) return send_error(res, rendered.error());
-    if (auto st = check_text_fits(rendered->prompt.size(), "messages"); !st) return send_error(res, st.error());
+    if (auto st = check_text_fits(rendered->prompt.size(), "messages"); !st)
+      return send_error(res, st.error());
     ids = assets_.tokenizer->encode(rendered->prompt);
   } else if (j.contains("prompt") && j["prompt"].is_string()) {
     bool add_special = true;
     if (j.contains("add_special_tokens")) {
       if (!j["add_special_tokens"].is_boolean()) {
-        return send_error(res, Error{ErrorCode::kInvalidArgument, "'add_special_tokens' must be a boolean", "add_special_tokens"});
+        return send_error(
+            res, Error{ErrorCode::kInvalidArgument, "'add_special_tokens' must be a boolean",
+                       "add_special_tokens"});
       }
       add_special = j["add_special_tokens"].get<bool>();
     }
@@ -232,8 +242,9 @@ void HttpServerImpl::handle_tokenize(const HttpRequest& req, HttpResponse& res) 
     if (auto st = check_text_fits(text.size(), "prompt"); !st) return send_error(res, st.error());
     ids = add_special ? encode_prompt(text) : assets_.tokenizer->encode(text);
   } else {
-    return send_error(res, Error{ErrorCode::kInvalidArgument,
-                                 "give 'prompt' (a string) or 'messages' (a chat) to tokenize", "prompt"});
+    return send_error(
+        res, Error{ErrorCode::kInvalidArgument,
+                   "give 'prompt' (a string) or 'messages' (a chat) to tokenize", "prompt"});
   }
   Json out;
   out["count"] = ids.size();
@@ -254,31 +265,39 @@ void HttpServerImpl::handle_detokenize(const HttpRequest& req, HttpResponse& res
   if (!parsed_body) return send_error(res, parsed_body.error());
   OrderedJson& j = *parsed_body;
   if (!j.is_object()) {
-    return send_error(res, Error{ErrorCode::kInvalidArgument, "request body must be a JSON object", ""});
+    return send_error(res,
+                      Error{ErrorCode::kInvalidArgument, "request body must be a JSON object", ""});
   }
   if (j.contains("model") && !j["model"].is_null()) {
     if (!j["model"].is_string()) {
-      return send_error(res, Error{ErrorCode::kInvalidArgument, "'model' must be a string", "model"});
+      return send_error(res,
+                        Error{ErrorCode::kInvalidArgument, "'model' must be a string", "model"});
     }
-    if (auto st = check_model(j["model"].get<std::string>()); !st) return send_error(res, st.error());
+    if (auto st = check_model(j["model"].get<std::string>()); !st)
+      return send_error(res, st.error());
   }
   if (!j.contains("tokens") || !j["tokens"].is_array()) {
-    return send_error(res, Error{ErrorCode::kInvalidArgument, "'tokens' must be an array of token ids", "tokens"});
+    return send_error(res, Error{ErrorCode::kInvalidArgument,
+                                 "'tokens' must be an array of token ids", "tokens"});
   }
   if (j["tokens"].size() > static_cast<size_t>(engine_.model_info().max_model_len) * 4) {
-    return send_error(res, Error{ErrorCode::kInvalidArgument,
-                                 "'tokens' holds " + std::to_string(j["tokens"].size()) +
-                                     " ids; at most 4 x max_model_len (" +
-                                     std::to_string(int64_t{engine_.model_info().max_model_len} * 4) +
-                                     ") are detokenized at once",
-                                 "tokens"});
+    return send_error(res,
+                      Error{ErrorCode::kInvalidArgument,
+                            "'tokens' holds " + std::to_string(j["tokens"].size()) +
+                                " ids; at most 4 x max_model_len (" +
+                                std::to_string(int64_t{engine_.model_info().max_model_len} * 4) +
+                                ") are detokenized at once",
+                            "tokens"});
   }
   std::vector<int32_t> ids;
-  const int64_t vocab = std::max<int64_t>(assets_.tokenizer->vocab_size(), engine_.model_info().vocab_size);
+  const int64_t vocab =
+      std::max<int64_t>(assets_.tokenizer->vocab_size(), engine_.model_info().vocab_size);
   for (const auto& t : j["tokens"]) {
     if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= vocab) {
-      return send_error(res, Error{ErrorCode::kInvalidArgument,
-                                   "'tokens' must hold token ids in [0, " + std::to_string(vocab) + ")", "tokens"});
+      return send_error(
+          res,
+          Error{ErrorCode::kInvalidArgument,
+                "'tokens' must hold token ids in [0, " + std::to_string(vocab) + ")", "tokens"});
     }
     ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
   }

@@ -48,27 +48,34 @@ std::optional<Error> check_tool_choice(const ToolChoice& tc, const ChoiceOutput&
 
 void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
   auto guard = std::make_shared<InFlight>(in_flight_);
-  if (draining_) return send_error(res, Error{ErrorCode::kUnavailable, "the server is draining (shutting down); retry on another replica", ""});
+  if (draining_)
+    return send_error(
+        res, Error{ErrorCode::kUnavailable,
+                   "the server is draining (shutting down); retry on another replica", ""});
   auto parsed = parse_chat_request(req.body);
   if (!parsed) return send_error(res, parsed.error());
   ChatRequest r = std::move(*parsed);
   if (auto st = check_model(r.common.model); !st) return send_error(res, st.error());
   const bool wants_tools = r.tools.is_array() && r.tool_choice.kind != ToolChoiceKind::kNone;
   if (wants_tools && !cfg_.parse_tool_calls) {
-    return send_error(res, Error{ErrorCode::kInvalidArgument,
-                                 "tool calls need the server started with --tool-call-parser minimax_m3", "tools"});
+    return send_error(
+        res,
+        Error{ErrorCode::kInvalidArgument,
+              "tool calls need the server started with --tool-call-parser minimax_m3", "tools"});
   }
   if (wants_tools && r.tool_choice.kind == ToolChoiceKind::kAuto && !cfg_.enable_auto_tool_choice) {
-    return send_error(res, Error{ErrorCode::kInvalidArgument,
-                                 "\"auto\" tool choice needs the server started with --enable-auto-tool-choice",
-                                 "tool_choice"});
+    return send_error(
+        res, Error{ErrorCode::kInvalidArgument,
+                   "\"auto\" tool choice needs the server started with --enable-auto-tool-choice",
+                   "tool_choice"});
   }
   auto rendered = assets_.chat->render(r);
   if (!rendered) return send_error(res, rendered.error());
 
   auto gen = std::make_shared<Generation>(engine_);
   PromptData pd;
-  if (auto st = check_text_fits(rendered->prompt.size(), "messages"); !st) return send_error(res, st.error());
+  if (auto st = check_text_fits(rendered->prompt.size(), "messages"); !st)
+    return send_error(res, st.error());
   pd.ids = assets_.tokenizer->encode(rendered->prompt);
   gen->prompts.push_back(std::move(pd));
   engine::SamplingParams sp = make_sampling_params(r.common, assets_.defaults);
@@ -133,7 +140,8 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
   const std::string id = "chatcmpl-" + random_id(32);
   const int64_t created = unix_now();
   const std::string model = model_name();
-  const ToolChoice tool_choice = wants_tools ? r.tool_choice : ToolChoice{ToolChoiceKind::kAuto, {}};
+  const ToolChoice tool_choice =
+      wants_tools ? r.tool_choice : ToolChoice{ToolChoiceKind::kAuto, {}};
   const bool logprobs = r.common.logprobs >= 0;
   auto usage_of = [](const Generation& g) {
     UsageCounts u;
@@ -150,7 +158,8 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
     if (!wait_or_abort(*gen, req)) return;
     for (const auto& s : gen->slots) {
       if (s.out->finish_reason() == "error") {
-        return send_error(res, Error{ErrorCode::kInternal, "generation failed: " + s.out->error(), ""});
+        return send_error(res,
+                          Error{ErrorCode::kInternal, "generation failed: " + s.out->error(), ""});
       }
       if (auto e = check_tool_choice(tool_choice, *s.out)) return send_error(res, *e);
     }
@@ -183,55 +192,58 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
   const bool continuous = r.common.continuous_usage_stats;
   res.set_header("Cache-Control", "no-cache");
   res.content_type = "text/event-stream";
-  res.stream =
-      [gen, guard, env = SseEnvelope{id, "chat.completion.chunk", model, created, include_usage, continuous},
-       logprobs, tool_choice, usage_of](ResponseSink& sink) {
-        auto write = [&](const std::string& s) { return sink.write(s); };
-        auto chunk = [&](const ChoiceSlot& s, const Json& delta, const Json& lps, const Json& finish) {
-          Json c = {{"index", s.index}, {"delta", delta}, {"logprobs", lps}, {"finish_reason", finish}};
-          return write(env.chunk(std::move(c), [&] { return usage_of(*gen); }));
-        };
-        // The role comes first, before any token, in every choice.
-        for (const auto& s : gen->slots) {
-          if (!chunk(s, Json{{"role", "assistant"}, {"content", ""}}, nullptr, nullptr)) {
+  res.stream = [gen, guard,
+                env = SseEnvelope{id, "chat.completion.chunk", model, created, include_usage,
+                                  continuous},
+                logprobs, tool_choice, usage_of](ResponseSink& sink) {
+    auto write = [&](const std::string& s) { return sink.write(s); };
+    auto chunk = [&](const ChoiceSlot& s, const Json& delta, const Json& lps, const Json& finish) {
+      Json c = {{"index", s.index}, {"delta", delta}, {"logprobs", lps}, {"finish_reason", finish}};
+      return write(env.chunk(std::move(c), [&] { return usage_of(*gen); }));
+    };
+    // The role comes first, before any token, in every choice.
+    for (const auto& s : gen->slots) {
+      if (!chunk(s, Json{{"role", "assistant"}, {"content", ""}}, nullptr, nullptr)) {
+        gen->abort_all();
+        return false;
+      }
+    }
+    for (;;) {
+      auto got = gen->poll(std::chrono::milliseconds(100));
+      for (auto& [i, d] : got) {
+        const ChoiceSlot& s = gen->slots[i];
+        Json finish = nullptr;
+        if (s.out->finished()) {
+          if (s.out->finish_reason() == "error") {
+            write(
+                sse_error(Error{ErrorCode::kInternal, "generation failed: " + s.out->error(), ""}));
             gen->abort_all();
             return false;
           }
-        }
-        for (;;) {
-          auto got = gen->poll(std::chrono::milliseconds(100));
-          for (auto& [i, d] : got) {
-            const ChoiceSlot& s = gen->slots[i];
-            Json finish = nullptr;
-            if (s.out->finished()) {
-              if (s.out->finish_reason() == "error") {
-                write(sse_error(Error{ErrorCode::kInternal, "generation failed: " + s.out->error(), ""}));
-                gen->abort_all();
-                return false;
-              }
-              if (auto e = check_tool_choice(tool_choice, *s.out)) {
-                write(sse_error(*e));
-                gen->abort_all();
-                return false;
-              }
-              finish = s.out->finish_reason();
-            }
-            const Json lps = logprobs && !d.logprobs.empty() ? chat_logprobs_json(d.logprobs) : Json(nullptr);
-            Json delta = chat_delta_json(d);
-            if (delta.empty() && finish.is_null() && lps.is_null()) continue;
-            if (!chunk(s, delta, lps, finish)) {
-              gen->abort_all();
-              return false;
-            }
-          }
-          if (gen->all_finished()) break;
-          if (got.empty() && sink.client_gone()) {
+          if (auto e = check_tool_choice(tool_choice, *s.out)) {
+            write(sse_error(*e));
             gen->abort_all();
             return false;
           }
+          finish = s.out->finish_reason();
         }
-        return env.finish(sink, usage_of(*gen));
-      };
+        const Json lps =
+            logprobs && !d.logprobs.empty() ? chat_logprobs_json(d.logprobs) : Json(nullptr);
+        Json delta = chat_delta_json(d);
+        if (delta.empty() && finish.is_null() && lps.is_null()) continue;
+        if (!chunk(s, delta, lps, finish)) {
+          gen->abort_all();
+          return false;
+        }
+      }
+      if (gen->all_finished()) break;
+      if (got.empty() && sink.client_gone()) {
+        gen->abort_all();
+        return false;
+      }
+    }
+    return env.finish(sink, usage_of(*gen));
+  };
 }
 
 }  // namespace m3::server

@@ -12,7 +12,10 @@ namespace m3::server {
 void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& res) {
   // Shared with the stream provider, which runs after this handler returns.
   auto guard = std::make_shared<InFlight>(in_flight_);
-  if (draining_) return send_error(res, Error{ErrorCode::kUnavailable, "the server is draining (shutting down); retry on another replica", ""});
+  if (draining_)
+    return send_error(
+        res, Error{ErrorCode::kUnavailable,
+                   "the server is draining (shutting down); retry on another replica", ""});
   auto parsed = parse_completion_request(req.body);
   if (!parsed) return send_error(res, parsed.error());
   CompletionRequest r = std::move(*parsed);
@@ -22,19 +25,22 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
   const int32_t vocab = static_cast<int32_t>(engine_.model_info().vocab_size);
   for (size_t i = 0; i < r.prompts.size(); ++i) {
     PromptData pd;
-    const std::string param = r.prompts.size() == 1 ? "prompt" : "prompt[" + std::to_string(i) + "]";
+    const std::string param =
+        r.prompts.size() == 1 ? "prompt" : "prompt[" + std::to_string(i) + "]";
     if (r.prompts[i].is_text) {
-      if (auto st = check_text_fits(r.prompts[i].text.size(), param); !st) return send_error(res, st.error());
+      if (auto st = check_text_fits(r.prompts[i].text.size(), param); !st)
+        return send_error(res, st.error());
       pd.ids = encode_prompt(r.prompts[i].text);
       pd.text = r.prompts[i].text;
     } else {
       pd.ids = r.prompts[i].token_ids;
       for (int32_t id : pd.ids) {
         if (id >= vocab) {
-          return send_error(res, Error{ErrorCode::kInvalidArgument,
-                                       "token id " + std::to_string(id) + " in '" + param +
-                                           "' is outside the vocabulary [0, " + std::to_string(vocab) + ")",
-                                       param});
+          return send_error(
+              res, Error{ErrorCode::kInvalidArgument,
+                         "token id " + std::to_string(id) + " in '" + param +
+                             "' is outside the vocabulary [0, " + std::to_string(vocab) + ")",
+                         param});
         }
       }
       if (r.echo) pd.text = assets_.tokenizer->decode(pd.ids, r.common.skip_special_tokens);
@@ -54,11 +60,14 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
   }
   for (size_t i = 0; i < gen->prompts.size(); ++i) {
     if (gen->prompts[i].ids.empty()) {
-      return send_error(res, Error{ErrorCode::kInvalidArgument, "the prompt is empty after tokenization; send some text",
-                                   gen->prompts.size() == 1 ? "prompt" : "prompt[" + std::to_string(i) + "]"});
+      return send_error(
+          res, Error{ErrorCode::kInvalidArgument,
+                     "the prompt is empty after tokenization; send some text",
+                     gen->prompts.size() == 1 ? "prompt" : "prompt[" + std::to_string(i) + "]"});
     }
   }
-  if (auto st = fit_context(sp, r.common, longest, longest_param); !st) return send_error(res, st.error());
+  if (auto st = fit_context(sp, r.common, longest, longest_param); !st)
+    return send_error(res, st.error());
   if (auto st =
           apply_output_controls(sp, r.common, r.common.structured, text::ReasoningPrefix::kNone);
       !st) {
@@ -86,7 +95,8 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
       std::vector<std::pair<std::string, float>> top;
       if (pl && k < pl->size() && (*pl)[k]) {
         v = (*pl)[k]->logprob;
-        for (const auto& [tid, l] : (*pl)[k]->top) top.emplace_back(ChoiceOutput::token_text(*tok, tid), l);
+        for (const auto& [tid, l] : (*pl)[k]->top)
+          top.emplace_back(ChoiceOutput::token_text(*tok, tid), l);
       }
       lp.add(ChoiceOutput::token_text(*tok, pd.ids[k]), v, top);
     }
@@ -97,7 +107,8 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
     std::vector<int64_t> cached(g.prompts.size(), 0);
     for (const auto& s : g.slots) {
       u.completion_tokens += s.out->num_output_tokens();
-      cached[s.prompt_index] = std::max<int64_t>(cached[s.prompt_index], s.out->num_cached_tokens());
+      cached[s.prompt_index] =
+          std::max<int64_t>(cached[s.prompt_index], s.out->num_cached_tokens());
     }
     for (int64_t c : cached) u.cached_tokens += c;
     return u;
@@ -108,7 +119,8 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
     Json choices = Json::array();
     for (const auto& s : gen->slots) {
       if (s.out->finish_reason() == "error") {
-        return send_error(res, Error{ErrorCode::kInternal, "generation failed: " + s.out->error(), ""});
+        return send_error(res,
+                          Error{ErrorCode::kInternal, "generation failed: " + s.out->error(), ""});
       }
     }
     for (const auto& s : gen->slots) {
@@ -141,89 +153,91 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
   const int logprobs = r.common.logprobs;
   res.set_header("Cache-Control", "no-cache");
   res.content_type = "text/event-stream";
-  res.stream =
-      [gen, guard, env = SseEnvelope{id, "text_completion", model, created, include_usage, continuous},
-       echo, logprobs, prompt_lps, usage_of](ResponseSink& sink) {
-        auto write = [&](const std::string& s) { return sink.write(s); };
-        auto chunk = [&](const ChoiceSlot& s, const std::string& text, const Json& lps, const Json& finish) {
-          Json c = {{"index", s.index}, {"text", text}, {"logprobs", lps}, {"finish_reason", finish}};
-          return write(env.chunk(std::move(c), [&] { return usage_of(*gen); }));
-        };
-        std::vector<int64_t> offsets(gen->slots.size(), 0);
-        if (echo) {
-          for (size_t i = 0; i < gen->slots.size(); ++i) {
-            const auto& s = gen->slots[i];
-            const PromptData& pd = gen->prompts[s.prompt_index];
-            Json lps = nullptr;
-            if (logprobs >= 0) {
-              // Prompt logprobs arrive with the first output; wait for it.
-              while (!s.out->prompt_logprobs() && !s.out->finished()) {
-                auto got = gen->poll(std::chrono::milliseconds(50));
-                (void)got;
-                if (sink.client_gone()) {
-                  gen->abort_all();
-                  return false;
-                }
-              }
-              CompletionLogprobs lp;
-              prompt_lps(*s.out, pd, lp);
-              offsets[i] = lp.next_offset;
-              lps = lp.to_json();
-            }
-            if (!chunk(s, pd.text, lps, nullptr)) {
+  res.stream = [gen, guard,
+                env = SseEnvelope{id, "text_completion", model, created, include_usage, continuous},
+                echo, logprobs, prompt_lps, usage_of](ResponseSink& sink) {
+    auto write = [&](const std::string& s) { return sink.write(s); };
+    auto chunk = [&](const ChoiceSlot& s, const std::string& text, const Json& lps,
+                     const Json& finish) {
+      Json c = {{"index", s.index}, {"text", text}, {"logprobs", lps}, {"finish_reason", finish}};
+      return write(env.chunk(std::move(c), [&] { return usage_of(*gen); }));
+    };
+    std::vector<int64_t> offsets(gen->slots.size(), 0);
+    if (echo) {
+      for (size_t i = 0; i < gen->slots.size(); ++i) {
+        const auto& s = gen->slots[i];
+        const PromptData& pd = gen->prompts[s.prompt_index];
+        Json lps = nullptr;
+        if (logprobs >= 0) {
+          // Prompt logprobs arrive with the first output; wait for it.
+          while (!s.out->prompt_logprobs() && !s.out->finished()) {
+            auto got = gen->poll(std::chrono::milliseconds(50));
+            (void)got;
+            if (sink.client_gone()) {
               gen->abort_all();
               return false;
             }
           }
+          CompletionLogprobs lp;
+          prompt_lps(*s.out, pd, lp);
+          offsets[i] = lp.next_offset;
+          lps = lp.to_json();
         }
-        // Outputs already consumed while waiting for prompt logprobs are sent from the
-        // accumulated state: track what was sent per slot.
-        std::vector<size_t> sent_text(gen->slots.size(), 0), sent_lps(gen->slots.size(), 0);
-        std::vector<bool> sent_finish(gen->slots.size(), false);
-        auto flush_slot = [&](size_t i) {
-          const auto& s = gen->slots[i];
-          const std::string& text = s.out->text();
-          const auto& all_lps = s.out->logprobs();
-          const bool fin = s.out->finished() && !sent_finish[i];
-          if (text.size() == sent_text[i] && all_lps.size() == sent_lps[i] && !fin) return true;
-          if (s.out->finished() && s.out->finish_reason() == "error") {
-            write(sse_error(Error{ErrorCode::kInternal, "generation failed: " + s.out->error(), ""}));
-            return false;
-          }
-          Json lps = nullptr;
-          if (logprobs >= 0) {
-            CompletionLogprobs lp;
-            lp.next_offset = offsets[i];
-            for (size_t k = sent_lps[i]; k < all_lps.size(); ++k) lp.add(all_lps[k].text, all_lps[k].logprob, all_lps[k].top);
-            offsets[i] = lp.next_offset;
-            lps = lp.to_json();
-          }
-          std::string piece = text.substr(sent_text[i]);
-          sent_text[i] = text.size();
-          sent_lps[i] = all_lps.size();
-          Json finish = nullptr;
-          if (fin) {
-            finish = s.out->finish_reason();
-            sent_finish[i] = true;
-          }
-          return chunk(s, piece, lps, finish);
-        };
-        for (;;) {
-          for (size_t i = 0; i < gen->slots.size(); ++i) {
-            if (!flush_slot(i)) {
-              gen->abort_all();
-              return false;
-            }
-          }
-          if (gen->all_finished()) break;
-          gen->poll(std::chrono::milliseconds(100));
-          if (sink.client_gone()) {
-            gen->abort_all();
-            return false;
-          }
+        if (!chunk(s, pd.text, lps, nullptr)) {
+          gen->abort_all();
+          return false;
         }
-        return env.finish(sink, usage_of(*gen));
-      };
+      }
+    }
+    // Outputs already consumed while waiting for prompt logprobs are sent from the
+    // accumulated state: track what was sent per slot.
+    std::vector<size_t> sent_text(gen->slots.size(), 0), sent_lps(gen->slots.size(), 0);
+    std::vector<bool> sent_finish(gen->slots.size(), false);
+    auto flush_slot = [&](size_t i) {
+      const auto& s = gen->slots[i];
+      const std::string& text = s.out->text();
+      const auto& all_lps = s.out->logprobs();
+      const bool fin = s.out->finished() && !sent_finish[i];
+      if (text.size() == sent_text[i] && all_lps.size() == sent_lps[i] && !fin) return true;
+      if (s.out->finished() && s.out->finish_reason() == "error") {
+        write(sse_error(Error{ErrorCode::kInternal, "generation failed: " + s.out->error(), ""}));
+        return false;
+      }
+      Json lps = nullptr;
+      if (logprobs >= 0) {
+        CompletionLogprobs lp;
+        lp.next_offset = offsets[i];
+        for (size_t k = sent_lps[i]; k < all_lps.size(); ++k)
+          lp.add(all_lps[k].text, all_lps[k].logprob, all_lps[k].top);
+        offsets[i] = lp.next_offset;
+        lps = lp.to_json();
+      }
+      std::string piece = text.substr(sent_text[i]);
+      sent_text[i] = text.size();
+      sent_lps[i] = all_lps.size();
+      Json finish = nullptr;
+      if (fin) {
+        finish = s.out->finish_reason();
+        sent_finish[i] = true;
+      }
+      return chunk(s, piece, lps, finish);
+    };
+    for (;;) {
+      for (size_t i = 0; i < gen->slots.size(); ++i) {
+        if (!flush_slot(i)) {
+          gen->abort_all();
+          return false;
+        }
+      }
+      if (gen->all_finished()) break;
+      gen->poll(std::chrono::milliseconds(100));
+      if (sink.client_gone()) {
+        gen->abort_all();
+        return false;
+      }
+    }
+    return env.finish(sink, usage_of(*gen));
+  };
 }
 
 }  // namespace m3::server

@@ -4,7 +4,8 @@
 
 namespace m3::text {
 
-const std::string_view kMiniMaxM3ChatTemplate = R"M3TPL({#- m3serve built-in MiniMax-M3 chat template (our own text; must stay byte-identical to
+const std::string_view kMiniMaxM3ChatTemplate =
+    R"M3TPL({#- m3serve built-in MiniMax-M3 chat template (our own text; must stay byte-identical to
     kMiniMaxM3ChatTemplate in src/text/builtin_templates.cpp).
     Layout: docs m3-model.md sections 6.2 and 6.3. UNVERIFIED against the shipped
     chat_template.jinja: the generic thinking paragraph, the tool-call example, the absence of a

@@ -16,13 +16,17 @@ using ojson = nlohmann::ordered_json;
 Result<std::string> read_file(const fs::path& path) {
   std::error_code ec;
   if (!fs::is_regular_file(path, ec))
-    return make_error(ErrorCode::kNotFound, "chat template file " + path.string() + " does not exist or is not a file",
+    return make_error(ErrorCode::kNotFound,
+                      "chat template file " + path.string() + " does not exist or is not a file",
                       path.string());
   std::ifstream in(path, std::ios::binary);
-  if (!in) return make_error(ErrorCode::kIo, "cannot open " + path.string() + " for reading", path.string());
+  if (!in)
+    return make_error(ErrorCode::kIo, "cannot open " + path.string() + " for reading",
+                      path.string());
   std::ostringstream ss;
   ss << in.rdbuf();
-  if (in.bad()) return make_error(ErrorCode::kIo, "error while reading " + path.string(), path.string());
+  if (in.bad())
+    return make_error(ErrorCode::kIo, "error while reading " + path.string(), path.string());
   return ss.str();
 }
 
@@ -31,7 +35,8 @@ Result<ojson> read_json(const fs::path& path) {
   try {
     return ojson::parse(text);
   } catch (const nlohmann::json::exception& e) {
-    return make_error(ErrorCode::kFormat, path.string() + " is not valid JSON: " + e.what(), path.string());
+    return make_error(ErrorCode::kFormat, path.string() + " is not valid JSON: " + e.what(),
+                      path.string());
   }
 }
 
@@ -54,9 +59,11 @@ ojson special_tokens_of(const ojson& tokenizer_config) {
 
 }  // namespace
 
-Result<ChatTemplate> ChatTemplate::from_string(std::string_view source, std::string name, ojson special_tokens) {
+Result<ChatTemplate> ChatTemplate::from_string(std::string_view source, std::string name,
+                                               ojson special_tokens) {
   if (!special_tokens.is_object())
-    return make_error(ErrorCode::kInvalidArgument, "special tokens for chat template " + name + " must be a JSON object");
+    return make_error(ErrorCode::kInvalidArgument,
+                      "special tokens for chat template " + name + " must be a JSON object");
   M3_TRY(auto tpl, jinja::Template::parse(source, std::move(name)));
   ChatTemplate out;
   out.source_ = std::string(source);
@@ -78,7 +85,8 @@ Result<ChatTemplate> ChatTemplate::from_file(const fs::path& path) {
   return from_string(source, path.string());
 }
 
-Result<ChatTemplate> ChatTemplate::from_model_dir(const fs::path& dir, const fs::path& template_file) {
+Result<ChatTemplate> ChatTemplate::from_model_dir(const fs::path& dir,
+                                                  const fs::path& template_file) {
   M3_TRY(ChatTemplate tpl, from_file(template_file));
   std::error_code ec;
   fs::path config_path = dir / "tokenizer_config.json";
@@ -92,7 +100,8 @@ Result<ChatTemplate> ChatTemplate::from_model_dir(const fs::path& dir, const fs:
 Result<ChatTemplate> ChatTemplate::from_model_dir(const fs::path& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec))
-    return make_error(ErrorCode::kNotFound, "model directory " + dir.string() + " does not exist", dir.string());
+    return make_error(ErrorCode::kNotFound, "model directory " + dir.string() + " does not exist",
+                      dir.string());
   ojson tokens = ojson::object();
   ojson config;
   fs::path config_path = dir / "tokenizer_config.json";
@@ -100,7 +109,8 @@ Result<ChatTemplate> ChatTemplate::from_model_dir(const fs::path& dir) {
   if (has_config) {
     M3_TRY(config, read_json(config_path));
     if (!config.is_object())
-      return make_error(ErrorCode::kFormat, config_path.string() + " must hold a JSON object", config_path.string());
+      return make_error(ErrorCode::kFormat, config_path.string() + " must hold a JSON object",
+                        config_path.string());
     tokens = special_tokens_of(config);
   }
 
@@ -111,7 +121,8 @@ Result<ChatTemplate> ChatTemplate::from_model_dir(const fs::path& dir) {
   if (fs::exists(dir / "chat_template.json", ec)) {
     M3_TRY(ojson j, read_json(dir / "chat_template.json"));
     if (j.is_object() && j.contains("chat_template") && j["chat_template"].is_string())
-      return from_string(j["chat_template"].get<std::string>(), (dir / "chat_template.json").string(), tokens);
+      return from_string(j["chat_template"].get<std::string>(),
+                         (dir / "chat_template.json").string(), tokens);
   }
   if (has_config && config.contains("chat_template") && !config["chat_template"].is_null()) {
     const ojson& ct = config["chat_template"];
@@ -123,10 +134,12 @@ Result<ChatTemplate> ChatTemplate::from_model_dir(const fs::path& dir) {
       for (const auto& entry : ct) {
         if (!entry.is_object() || !entry.contains("name") || !entry.contains("template") ||
             !entry["name"].is_string() || !entry["template"].is_string())
-          return make_error(ErrorCode::kFormat, name + ": each entry must be {\"name\": str, \"template\": str}",
+          return make_error(ErrorCode::kFormat,
+                            name + ": each entry must be {\"name\": str, \"template\": str}",
                             config_path.string());
         std::string entry_name = entry["name"].get<std::string>();
-        M3_TRY(auto parsed, jinja::Template::parse(entry["template"].get<std::string>(), name + "[" + entry_name + "]"));
+        M3_TRY(auto parsed, jinja::Template::parse(entry["template"].get<std::string>(),
+                                                   name + "[" + entry_name + "]"));
         if (entry_name == "default") {
           out.template_ = std::move(parsed);
           out.source_ = entry["template"].get<std::string>();
@@ -136,7 +149,8 @@ Result<ChatTemplate> ChatTemplate::from_model_dir(const fs::path& dir) {
         }
       }
       if (!has_default)
-        return make_error(ErrorCode::kFormat, name + " has no template named \"default\"; pass --chat-template FILE",
+        return make_error(ErrorCode::kFormat,
+                          name + " has no template named \"default\"; pass --chat-template FILE",
                           config_path.string());
       out.special_tokens_ = std::move(tokens);
       return out;
@@ -147,21 +161,27 @@ Result<ChatTemplate> ChatTemplate::from_model_dir(const fs::path& dir) {
   ChatTemplate out = builtin_m3();
   if (has_config) {
     // Keep the model's own token strings when it has them; the built-in ones otherwise.
-    for (auto it = tokens.begin(); it != tokens.end(); ++it) out.special_tokens_[it.key()] = it.value();
+    for (auto it = tokens.begin(); it != tokens.end(); ++it)
+      out.special_tokens_[it.key()] = it.value();
   }
   return out;
 }
 
 Result<std::string> ChatTemplate::render(const ChatRequest& request) const {
   if (!request.messages.is_array())
-    return make_error(ErrorCode::kInvalidArgument, "'messages' must be a list of message objects", "messages");
+    return make_error(ErrorCode::kInvalidArgument, "'messages' must be a list of message objects",
+                      "messages");
   if (request.messages.empty())
-    return make_error(ErrorCode::kInvalidArgument, "cannot apply the chat template to an empty conversation; "
-                      "provide at least one message", "messages");
+    return make_error(ErrorCode::kInvalidArgument,
+                      "cannot apply the chat template to an empty conversation; "
+                      "provide at least one message",
+                      "messages");
   if (!request.tools.is_null() && !request.tools.is_array())
-    return make_error(ErrorCode::kInvalidArgument, "'tools' must be a list of tool objects or null", "tools");
+    return make_error(ErrorCode::kInvalidArgument, "'tools' must be a list of tool objects or null",
+                      "tools");
   if (!request.chat_template_kwargs.is_object())
-    return make_error(ErrorCode::kInvalidArgument, "'chat_template_kwargs' must be an object", "chat_template_kwargs");
+    return make_error(ErrorCode::kInvalidArgument, "'chat_template_kwargs' must be an object",
+                      "chat_template_kwargs");
 
   // Messages as transformers sees them: top-level None-valued keys dropped
   // (_normalize_chat_messages), vLLM's parsing of assistant tool_call arguments, then reasoning
@@ -170,31 +190,38 @@ Result<std::string> ChatTemplate::render(const ChatRequest& request) const {
   for (size_t i = 0; i < request.messages.size(); ++i) {
     const ojson& in = request.messages[i];
     const std::string where = "messages[" + std::to_string(i) + "]";
-    if (!in.is_object()) return make_error(ErrorCode::kInvalidArgument, where + " must be an object", "messages");
+    if (!in.is_object())
+      return make_error(ErrorCode::kInvalidArgument, where + " must be an object", "messages");
     ojson m = ojson::object();
     for (auto it = in.begin(); it != in.end(); ++it)
       if (!it.value().is_null()) m[it.key()] = it.value();
-    if (m.value("role", "") == "assistant" && m.contains("tool_calls") && m["tool_calls"].is_array()) {
+    if (m.value("role", "") == "assistant" && m.contains("tool_calls") &&
+        m["tool_calls"].is_array()) {
       for (size_t j = 0; j < m["tool_calls"].size(); ++j) {
         ojson& call = m["tool_calls"][j];
-        if (!call.is_object() || !call.contains("function") || !call["function"].is_object()) continue;
+        if (!call.is_object() || !call.contains("function") || !call["function"].is_object())
+          continue;
         ojson& fn = call["function"];
         auto args = fn.find("arguments");
-        bool empty = args == fn.end() || args->is_null() || (args->is_string() && args->get<std::string>().empty()) ||
-                     (args->is_boolean() && !args->get<bool>()) || (args->is_number() && args->get<double>() == 0) ||
+        bool empty = args == fn.end() || args->is_null() ||
+                     (args->is_string() && args->get<std::string>().empty()) ||
+                     (args->is_boolean() && !args->get<bool>()) ||
+                     (args->is_number() && args->get<double>() == 0) ||
                      ((args->is_object() || args->is_array()) && args->empty());
         if (empty) {
           fn["arguments"] = ojson::object();
         } else if (!args->is_object() && !args->is_array()) {
           if (!args->is_string())
             return make_error(ErrorCode::kInvalidArgument,
-                              where + ".tool_calls[" + std::to_string(j) + "].function.arguments must be a JSON string or object",
+                              where + ".tool_calls[" + std::to_string(j) +
+                                  "].function.arguments must be a JSON string or object",
                               "messages");
           try {
             fn["arguments"] = ojson::parse(args->get<std::string>());
           } catch (const nlohmann::json::exception&) {
             return make_error(ErrorCode::kInvalidArgument,
-                              where + ".tool_calls[" + std::to_string(j) + "].function.arguments is not valid JSON",
+                              where + ".tool_calls[" + std::to_string(j) +
+                                  "].function.arguments is not valid JSON",
                               "messages");
           }
         }
@@ -221,12 +248,14 @@ Result<std::string> ChatTemplate::render(const ChatRequest& request) const {
   }
 
   ojson vars = special_tokens_;
-  for (auto it = request.chat_template_kwargs.begin(); it != request.chat_template_kwargs.end(); ++it) {
+  for (auto it = request.chat_template_kwargs.begin(); it != request.chat_template_kwargs.end();
+       ++it) {
     const std::string& k = it.key();
     if (k == "messages" || k == "tools" || k == "documents" || k == "add_generation_prompt")
-      return make_error(ErrorCode::kInvalidArgument,
-                        "chat_template_kwargs may not set '" + k + "'; use the request field instead",
-                        "chat_template_kwargs");
+      return make_error(
+          ErrorCode::kInvalidArgument,
+          "chat_template_kwargs may not set '" + k + "'; use the request field instead",
+          "chat_template_kwargs");
     vars[k] = it.value();
   }
   vars["messages"] = std::move(messages);

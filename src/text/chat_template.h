@@ -44,8 +44,9 @@ class ChatTemplate {
   // A template file alone (no special-token variables).
   static Result<ChatTemplate> from_file(const std::filesystem::path& path);
   // A template from memory. `special_tokens` is a JSON object of extra template variables.
-  static Result<ChatTemplate> from_string(std::string_view source, std::string name,
-                                          nlohmann::ordered_json special_tokens = nlohmann::ordered_json::object());
+  static Result<ChatTemplate> from_string(
+      std::string_view source, std::string name,
+      nlohmann::ordered_json special_tokens = nlohmann::ordered_json::object());
   // The built-in MiniMax-M3 template with the M3 special tokens.
   static ChatTemplate builtin_m3();
 

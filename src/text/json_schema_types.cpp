@@ -23,7 +23,9 @@ std::string ascii_lower(std::string_view s) {
   return out;
 }
 
-std::string_view trim(std::string_view s) { return trim_ascii_ws(s); }
+std::string_view trim(std::string_view s) {
+  return trim_ascii_ws(s);
+}
 
 bool iequals(std::string_view a, std::string_view b) {
   if (a.size() != b.size()) return false;
@@ -103,16 +105,23 @@ ParamType enum_type(const nlohmann::json& values, const nlohmann::json& schema, 
   bool has_int = false, has_float = false, has_bool = false, has_null = false, has_str = false;
   if (values.is_array()) {
     for (const auto& v : values) {
-      if (v.is_number_integer()) has_int = true;
-      else if (v.is_number_float()) has_float = true;
-      else if (v.is_boolean()) has_bool = true;
-      else if (v.is_null()) has_null = true;
-      else has_str = true;  // strings, and objects/arrays (kept as their text)
+      if (v.is_number_integer())
+        has_int = true;
+      else if (v.is_number_float())
+        has_float = true;
+      else if (v.is_boolean())
+        has_bool = true;
+      else if (v.is_null())
+        has_null = true;
+      else
+        has_str = true;  // strings, and objects/arrays (kept as their text)
     }
   }
   std::vector<ParamType> types;
-  if (has_float) types.push_back(make_type(ParamKind::kNumber, schema, depth));
-  else if (has_int) types.push_back(make_type(ParamKind::kInteger, schema, depth));
+  if (has_float)
+    types.push_back(make_type(ParamKind::kNumber, schema, depth));
+  else if (has_int)
+    types.push_back(make_type(ParamKind::kInteger, schema, depth));
   if (has_bool) types.push_back(make_type(ParamKind::kBoolean, schema, depth));
   if (has_null) types.push_back(make_type(ParamKind::kNull, schema, depth));
   if (has_str || types.empty()) types.push_back(make_type(ParamKind::kString, schema, depth));

@@ -308,7 +308,8 @@ bool StructuredOutputCompiler::available() {
 Result<std::shared_ptr<const CompiledStructure>> StructuredOutputCompiler::compile(
     const StructuredOutputSpec& spec, ReasoningPrefix prefix) const {
   M3_TRY(Json body, body_format(spec));
-  const Json tag = {{"type", "structural_tag"}, {"format", with_reasoning(std::move(body), prefix)}};
+  const Json tag = {{"type", "structural_tag"},
+                    {"format", with_reasoning(std::move(body), prefix)}};
   const std::string key = tag.dump();
   xgrammar::GrammarCompiler* c = nullptr;
   {
@@ -324,8 +325,8 @@ Result<std::shared_ptr<const CompiledStructure>> StructuredOutputCompiler::compi
     if (impl_->cache.size() >= Impl::kMaxEntries) impl_->cache.clear();
     return impl_->cache.emplace(key, compiled).first->second;
   } catch (const std::exception& e) {
-    return bad(spec.param,
-               "'" + spec.param + "' is not a valid " + what_of(spec) + ": " + clean_message(e.what()));
+    return bad(spec.param, "'" + spec.param + "' is not a valid " + what_of(spec) + ": " +
+                               clean_message(e.what()));
   }
 }
 

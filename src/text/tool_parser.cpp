@@ -19,8 +19,12 @@ constexpr std::string_view kBareInvoke = "<invoke ";
 constexpr std::string_view kBareInvokeEnd = "</invoke>";
 constexpr std::string_view kBareToolCallEnd = "</tool_call>";
 
-bool is_ws(char c) { return is_ascii_ws(c); }
-std::string_view trim(std::string_view s) { return trim_ascii_ws(s); }
+bool is_ws(char c) {
+  return is_ascii_ws(c);
+}
+std::string_view trim(std::string_view s) {
+  return trim_ascii_ws(s);
+}
 
 bool starts_with(std::string_view s, std::string_view p) {
   return s.substr(0, p.size()) == p;
@@ -31,8 +35,8 @@ enum class TagStatus { kIncomplete, kJunk, kTag };
 struct Tag {
   TagStatus status = TagStatus::kJunk;
   bool closing = false;
-  std::string name;  // raw text between `<` or `</` and `>` (a copy: buf_ is erased under it)
-  size_t length = 0;      // bytes from the start of NS through `>`
+  std::string name;   // raw text between `<` or `</` and `>` (a copy: buf_ is erased under it)
+  size_t length = 0;  // bytes from the start of NS through `>`
 };
 
 // Reads `NS<name>` / `NS</name>` at the start of `s` (prefix = NS size), or the same tag written
@@ -462,8 +466,8 @@ bool ToolCallParser::step_orphan(ToolDelta& out, bool eof) {
       return true;
     }
   }
-  const bool names_param = is_tag && tag.closing && !ends_call &&
-                           (ns || schemas_.find(call_name_, tag.name) != nullptr);
+  const bool names_param =
+      is_tag && tag.closing && !ends_call && (ns || schemas_.find(call_name_, tag.name) != nullptr);
   if (names_param) {
     std::string name(tag.name);
     buf_.erase(0, tag.length);

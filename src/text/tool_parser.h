@@ -55,8 +55,8 @@ struct ToolParserOptions {
 //   content* NS<tool_call> ws* ( NS<invoke name=NAME> ws* param* NS</invoke> ws* )* NS</tool_call>
 //   param = NS<key>VALUE NS</key>; VALUE = raw text and/or nested param elements.
 // NS-prefixed tags are structure; `<`, `&` and tags without NS are value text, except the bare
-// tags listed under Recovery (a dropped NS). NAME may be "..", '..' or unquoted; it is trimmed. Text after NS</tool_call> is content again (another block
-// may follow; call indexes continue).
+// tags listed under Recovery (a dropped NS). NAME may be "..", '..' or unquoted; it is trimmed.
+// Text after NS</tool_call> is content again (another block may follow; call indexes continue).
 //
 // Streaming granularity: the call (id, name, "") as soon as the invoke tag is complete; then for a
 // parameter whose schema type is exactly string, `{"key":"` at its open tag and its escaped

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_util.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
+#include "gpu_test_util.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/ops.h"
 
@@ -95,8 +95,14 @@ struct Paged {
     return positions.empty() ? 0 : *std::max_element(positions.begin(), positions.end()) + 1;
   }
   cpu::KvPages host_pages() {
-    return cpu::KvPages{k.empty() ? nullptr : k.data(), v.empty() ? nullptr : v.data(),
-                        ik.data(), num_pages, bs, nkv, d, di};
+    return cpu::KvPages{k.empty() ? nullptr : k.data(),
+                        v.empty() ? nullptr : v.data(),
+                        ik.data(),
+                        num_pages,
+                        bs,
+                        nkv,
+                        d,
+                        di};
   }
   cpu::TokenLayout host_layout() const {
     return cpu::TokenLayout{tokens(), positions.data(), seq_ids.data(), bt_offsets.data(),
@@ -111,8 +117,13 @@ struct DevicePaged {
   gk::KvPages pages;
   gk::TokenLayout layout;
   explicit DevicePaged(const Paged& p)
-      : k(p.k), v(p.v), ik(p.ik), positions(p.positions), seq_ids(p.seq_ids),
-        bt_offsets(p.bt_offsets), block_table(p.block_table) {
+      : k(p.k),
+        v(p.v),
+        ik(p.ik),
+        positions(p.positions),
+        seq_ids(p.seq_ids),
+        bt_offsets(p.bt_offsets),
+        block_table(p.block_table) {
     pages = gk::KvPages{k.data(), v.data(), ik.data(), p.num_pages, p.bs, p.nkv, p.d, p.di};
     layout = gk::TokenLayout{p.tokens(), positions.data(), seq_ids.data(), bt_offsets.data(),
                              block_table.data()};
@@ -147,8 +158,8 @@ void run_msa(const MsaCase& c, uint32_t seed, MsaWs ws_kind = MsaWs::kFull) {
   std::mt19937 g(seed);
   const std::string what = "msa bs=" + std::to_string(c.bs) + " ni=" + std::to_string(c.ni) +
                            " di=" + std::to_string(c.di) + " topk=" + std::to_string(c.topk) +
-                           " init=" + std::to_string(c.init) + " local=" +
-                           std::to_string(c.local) + " ws=" + std::to_string(int(ws_kind));
+                           " init=" + std::to_string(c.init) + " local=" + std::to_string(c.local) +
+                           " ws=" + std::to_string(int(ws_kind));
   Paged P(c.bs, 1, 1, c.di, c.lens, g, c.range, /*kv=*/false);
   for (size_t s = 0; s < c.lens.size(); ++s) {
     const int64_t len = c.lens[s];
@@ -170,14 +181,15 @@ void run_msa(const MsaCase& c, uint32_t seed, MsaWs ws_kind = MsaWs::kFull) {
   std::vector<float> iq(T * c.ni * c.di);
   fill_eighths(iq.data(), iq.size(), g, c.range);
   std::vector<int32_t> want(T * c.ni * c.topk);
-  cpu::msa_select_blocks(iq.data(), c.ni, P.host_pages(), P.host_layout(), c.topk, c.init,
-                         c.local, want.data());
+  cpu::msa_select_blocks(iq.data(), c.ni, P.host_pages(), P.host_layout(), c.topk, c.init, c.local,
+                         want.data());
 
   DevicePaged D(P);
   DeviceBuffer<float> diq(iq);
   const int64_t mkl = P.max_kv_len();
   size_t bytes = gk::msa_select_workspace_bytes(T, c.ni, D.pages, mkl);
-  if (ws_kind == MsaWs::kTwoTokens) bytes = gk::msa_select_workspace_bytes(2, c.ni, D.pages, mkl) + 4;
+  if (ws_kind == MsaWs::kTwoTokens)
+    bytes = gk::msa_select_workspace_bytes(2, c.ni, D.pages, mkl) + 4;
   if (ws_kind == MsaWs::kNone) bytes = 0;
   DeviceBuffer<uint8_t> ws(bytes);
   ws.fill_bytes(0xff);
@@ -194,7 +206,8 @@ void run_msa(const MsaCase& c, uint32_t seed, MsaWs ws_kind = MsaWs::kFull) {
                     want.begin() + w * c.topk) &&
         ++bad <= 5) {
       ADD_FAILURE() << what << ": token " << w / c.ni << " (position " << P.positions[w / c.ni]
-                    << ") head " << w % c.ni << "\n gpu: " << ids_str(got.data() + w * c.topk, c.topk)
+                    << ") head " << w % c.ni
+                    << "\n gpu: " << ids_str(got.data() + w * c.topk, c.topk)
                     << "\n cpu: " << ids_str(want.data() + w * c.topk, c.topk);
     }
   }
@@ -233,7 +246,7 @@ TEST(AttnCudaMsa, OddGeometriesAndForcedBlocks) {
   SKIP_WITHOUT_GPU();
   // Pages below a warp (segmented maxima), ties everywhere, init + local forced.
   run_msa(MsaCase{4, 2, 8, 3, 1, 1, {1, 12, 13, 40}, true, 1}, 131);
-  run_msa(MsaCase{8, 3, 12, 5, 2, 2, {300}, true, 8}, 132);  // di % 8 = 4: the tail sum
+  run_msa(MsaCase{8, 3, 12, 5, 2, 2, {300}, true, 8}, 132);        // di % 8 = 4: the tail sum
   run_msa(MsaCase{16, 6, 40, 4, 0, 1, {100, 700}, true, 8}, 133);  // 6 heads: padded to 8
   // Forced blocks outnumber top-k (ties at +inf go to the lower ids).
   run_msa(MsaCase{4, 1, 8, 2, 2, 2, {40}, true, 2}, 134);
@@ -261,16 +274,21 @@ enum class AttnWs { kFull, kHalf, kNone };
 
 void run_attn(const AttnCase& c, uint32_t seed, AttnWs ws_kind = AttnWs::kFull) {
   std::mt19937 g(seed);
-  const std::string what = "attention bs=" + std::to_string(c.bs) + " nkv=" +
-                           std::to_string(c.nkv) + " heads=" + std::to_string(c.heads) +
+  const std::string what = "attention bs=" + std::to_string(c.bs) +
+                           " nkv=" + std::to_string(c.nkv) + " heads=" + std::to_string(c.heads) +
                            " d=" + std::to_string(c.d) + " ws=" + std::to_string(int(ws_kind));
   Paged P(c.bs, c.nkv, c.d, 4, c.lens, g, 8);
   for (size_t s = 0; s < c.lens.size(); ++s) {
     const int64_t len = c.lens[s];
     std::vector<int64_t> ps;
     switch (c.q) {
-      case AttnCase::kLast: ps = {len - 1}; break;
-      case AttnCase::kAll: ps.resize(len); std::iota(ps.begin(), ps.end(), 0); break;
+      case AttnCase::kLast:
+        ps = {len - 1};
+        break;
+      case AttnCase::kAll:
+        ps.resize(len);
+        std::iota(ps.begin(), ps.end(), 0);
+        break;
       case AttnCase::kTail:
         for (int64_t p = std::max<int64_t>(0, len - c.tail); p < len; ++p) ps.push_back(p);
         break;
@@ -328,9 +346,8 @@ void run_attn(const AttnCase& c, uint32_t seed, AttnWs ws_kind = AttnWs::kFull) 
     DeviceBuffer<uint8_t> ws(bytes);
     ws.fill_bytes(0xff);
     auto dout = nan_buffer(want.size());
-    gk::attention_paged(dq.data(), c.heads, D.pages, D.layout, selected ? dsel.data() : nullptr,
-                        mb, scale, mkl, gk::Workspace{ws.data(), bytes}, dout.data(),
-                        stream.get());
+    gk::attention_paged(dq.data(), c.heads, D.pages, D.layout, selected ? dsel.data() : nullptr, mb,
+                        scale, mkl, gk::Workspace{ws.data(), bytes}, dout.data(), stream.get());
     stream.synchronize();
     const auto got = dout.to_host();
     // out = Σ w_j v_j / Σ w_j, so |Δout| <= max_j |Δw_j / w_j| · max|v|. Scores are fp32 dots
@@ -347,8 +364,8 @@ void run_attn(const AttnCase& c, uint32_t seed, AttnWs ws_kind = AttnWs::kFull) 
       if (!(diff <= tol) && ++bad <= 5) {
         const int64_t t = static_cast<int64_t>(i) / (c.heads * c.d);
         ADD_FAILURE() << what << (selected ? " selected" : " dense") << ": token " << t
-                      << " (position " << P.positions[t] << ") element " << i << " gpu "
-                      << got[i] << " cpu " << want[i] << " tol " << tol;
+                      << " (position " << P.positions[t] << ") element " << i << " gpu " << got[i]
+                      << " cpu " << want[i] << " tol " << tol;
       }
     }
     EXPECT_EQ(bad, 0) << what << (selected ? " selected" : " dense") << " (" << T << " tokens)";

@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_util.h"
 #include "core/dtype.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
+#include "gpu_test_util.h"
 #include "kernels/cpu/fused.h"
 #include "kernels/cuda/fused.h"
 
@@ -177,13 +177,23 @@ void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vect
     std::copy_n(ik.data() + t * G.di, G.di, r + cq + 2 * ckv + ciq);
   }
   // Where q / iq come from and go to, on either side.
-  auto ptrs = [&](float* qb, float* kb, float* vb, float* iqb, float* ikb, float* fb,
-                  float* qo, float* iqo, const void* qnb, const void* knb, const void* iqnb,
+  auto ptrs = [&](float* qb, float* kb, float* vb, float* iqb, float* ikb, float* fb, float* qo,
+                  float* iqo, const void* qnb, const void* knb, const void* iqnb,
                   const void* iknb) {
     PrepPtrs p{qb, kb, vb, iqb, ikb, qb, iqb, qnb, knb, iqnb, iknb, 0};
     if (fused) {
-      p = {fb, fb + cq, fb + cq + ckv, fb + cq + 2 * ckv, fb + cq + 2 * ckv + ciq, qo, iqo,
-           qnb, knb, iqnb, iknb, row};
+      p = {fb,
+           fb + cq,
+           fb + cq + ckv,
+           fb + cq + 2 * ckv,
+           fb + cq + 2 * ckv + ciq,
+           qo,
+           iqo,
+           qnb,
+           knb,
+           iqnb,
+           iknb,
+           row};
     }
     return p;
   };
@@ -192,10 +202,12 @@ void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vect
   auto q_c = q, iq_c = iq, ck_c = ck, cv_c = cv, cik_c = cik, fused_c = fusedrow;
   std::vector<float> qo_c(T * cq, 0.f), iqo_c(T * std::max<int64_t>(ciq, 1), 0.f);
   {
-    const PrepPtrs p = ptrs(q_c.data(), k.data(), v.data(), iq_c.data(), ik.data(), fused_c.data(),
-                            qo_c.data(), iqo_c.data(), qn.data(), kn.data(), iqn.data(), ikn.data());
-    cpu::KvPages pc{ck_c.data(), cv_c.data(), sparse ? cik_c.data() : nullptr, num_pages, G.page,
-                    G.nkv, G.d, sparse ? G.di : 0};
+    const PrepPtrs p =
+        ptrs(q_c.data(), k.data(), v.data(), iq_c.data(), ik.data(), fused_c.data(), qo_c.data(),
+             iqo_c.data(), qn.data(), kn.data(), iqn.data(), ikn.data());
+    cpu::KvPages pc{ck_c.data(), cv_c.data(),      sparse ? cik_c.data() : nullptr,
+                    num_pages,   G.page,           G.nkv,
+                    G.d,         sparse ? G.di : 0};
     cpu::TokenLayout lc{T, positions.data(), seq_ids.data(), offsets.data(), table.data()};
     cpu::attn_prep(prep_args(G, sparse, p, theta), pc, lc);
     if (fused) {
@@ -211,11 +223,12 @@ void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vect
   DeviceBuffer<float> dfused(fusedrow), dqo(std::vector<float>(T * cq, 0.f)),
       diqo(std::vector<float>(T * std::max<int64_t>(ciq, 1), 0.f));
   {
-    const PrepPtrs p = ptrs(dq.data(), dk.data(), dv.data(), diq.data(), dik.data(), dfused.data(),
-                            dqo.data(), diqo.data(), dqn.data(), dkn.data(), diqn.data(),
-                            dikn.data());
-    cpu::KvPages pg{dck.data(), dcv.data(), sparse ? dcik.data() : nullptr, num_pages, G.page,
-                    G.nkv, G.d, sparse ? G.di : 0};
+    const PrepPtrs p =
+        ptrs(dq.data(), dk.data(), dv.data(), diq.data(), dik.data(), dfused.data(), dqo.data(),
+             diqo.data(), dqn.data(), dkn.data(), diqn.data(), dikn.data());
+    cpu::KvPages pg{dck.data(), dcv.data(),       sparse ? dcik.data() : nullptr,
+                    num_pages,  G.page,           G.nkv,
+                    G.d,        sparse ? G.di : 0};
     cpu::TokenLayout lg{T, dpos.data(), dseq.data(), doff.data(), dtab.data()};
     Stream s;
     gk::attn_prep(prep_args(G, sparse, p, theta), pg, lg, s.get());
@@ -242,10 +255,10 @@ void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vect
 TEST(CudaFused, AttnPrepMatchesCpuAtM3Geometry) {
   SKIP_WITHOUT_GPU();
   const Geometry m3{64, 4, 128, 64, 4, 128, 64, 128};
-  check_prep(m3, {0}, {1}, true, 1);                       // one token
+  check_prep(m3, {0}, {1}, true, 1);                           // one token
   check_prep(m3, {5, 300, 127, 2048}, {1, 1, 1, 1}, true, 2);  // decode batch, page edges
-  check_prep(m3, {0}, {300}, true, 3);                     // prefill, partial last page
-  check_prep(m3, {100, 0}, {1, 77}, false, 4);             // full-attention layer, mixed
+  check_prep(m3, {0}, {300}, true, 3);                         // prefill, partial last page
+  check_prep(m3, {100, 0}, {1, 77}, false, 4);                 // full-attention layer, mixed
   check_prep(m3, {5, 300, 127}, {1, 1, 1}, true, 8, /*fused=*/true);
   check_prep(m3, {0}, {130}, true, 9, /*fused=*/true);
   check_prep(m3, {64}, {3}, false, 10, /*fused=*/true);
@@ -253,9 +266,9 @@ TEST(CudaFused, AttnPrepMatchesCpuAtM3Geometry) {
 
 TEST(CudaFused, AttnPrepMatchesCpuAtOddGeometries) {
   SKIP_WITHOUT_GPU();
-  check_prep({6, 3, 40, 16, 3, 24, 24, 4}, {0, 9}, {10, 1}, true, 5);   // GQA 2, full index rot
-  check_prep({8, 8, 64, 0, 8, 32, 8, 16}, {3}, {40}, true, 6);          // no rotary on heads
-  check_prep({16, 2, 256, 256, 2, 512, 64, 8}, {0}, {9}, true, 7);      // wide heads
+  check_prep({6, 3, 40, 16, 3, 24, 24, 4}, {0, 9}, {10, 1}, true, 5);  // GQA 2, full index rot
+  check_prep({8, 8, 64, 0, 8, 32, 8, 16}, {3}, {40}, true, 6);         // no rotary on heads
+  check_prep({16, 2, 256, 256, 2, 512, 64, 8}, {0}, {9}, true, 7);     // wide heads
 }
 
 }  // namespace

@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_util.h"
 #include "core/dtype.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
+#include "gpu_test_util.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/blas.h"
 #include "kernels/cuda/ops.h"
@@ -57,7 +57,9 @@ struct Rng {
     return s * 2685821657736338717ull;
   }
   // Multiple of 1/8 in [-r/8, r/8].
-  float eighth(int r) { return static_cast<float>(static_cast<int>(next() % (2 * r + 1)) - r) / 8.f; }
+  float eighth(int r) {
+    return static_cast<float>(static_cast<int>(next() % (2 * r + 1)) - r) / 8.f;
+  }
 };
 
 std::vector<float> eighths(size_t n, uint64_t seed, int r) {
@@ -125,7 +127,8 @@ int64_t check_linear(const std::vector<float>& got, const std::vector<float>& x,
   int64_t bad = 0;
   // Every output written (the buffer starts as NaN) and finite.
   for (size_t i = 0; i < got.size(); ++i)
-    if (!std::isfinite(got[i]) && ++bad <= 3) ADD_FAILURE() << what << ": y[" << i << "] = " << got[i];
+    if (!std::isfinite(got[i]) && ++bad <= 3)
+      ADD_FAILURE() << what << ": y[" << i << "] = " << got[i];
   std::vector<double> xn(n, 0.0);
   for (int64_t t = 0; t < n; ++t)
     for (int64_t i = 0; i < w.k; ++i) xn[t] += double(x[t * w.k + i]) * x[t * w.k + i];
@@ -134,7 +137,8 @@ int64_t check_linear(const std::vector<float>& got, const std::vector<float>& x,
     cpu::linear(x.data(), n, w.host().slice_rows(r0, cnt), want.data());
     for (int64_t r = 0; r < cnt; ++r) {
       double wn = 0.0;
-      for (int64_t i = 0; i < w.k; ++i) wn += double(w.f[(r0 + r) * w.k + i]) * w.f[(r0 + r) * w.k + i];
+      for (int64_t i = 0; i < w.k; ++i)
+        wn += double(w.f[(r0 + r) * w.k + i]) * w.f[(r0 + r) * w.k + i];
       for (int64_t t = 0; t < n; ++t) {
         const float g = got[t * w.m + r0 + r], c = want[t * cnt + r];
         const double tol = exact ? 0.0 : tol_rel * std::sqrt(xn[t] * wn) + 1e-30;
@@ -178,11 +182,11 @@ struct Shape {
 };
 
 const Shape kShapes[] = {
-    {8192, 6144, DType::kBF16, "q_proj"},     {6144, 8192, DType::kBF16, "o_proj"},
-    {3072, 6144, DType::kBF16, "expert w1"},  {6144, 3072, DType::kBF16, "expert w2"},
-    {128, 6144, DType::kF32, "router"},       {1000, 72, DType::kBF16, "72 cols (k tail)"},
+    {8192, 6144, DType::kBF16, "q_proj"},       {6144, 8192, DType::kBF16, "o_proj"},
+    {3072, 6144, DType::kBF16, "expert w1"},    {6144, 3072, DType::kBF16, "expert w2"},
+    {128, 6144, DType::kF32, "router"},         {1000, 72, DType::kBF16, "72 cols (k tail)"},
     {70, 100, DType::kBF16, "100 cols (SIMT)"}, {33, 17, DType::kF32, "17 cols f32 (SIMT)"},
-    {300, 1032, DType::kF32, "1032 cols f32"}, {4100, 2056, DType::kBF16, "odd rows, 2056 cols"},
+    {300, 1032, DType::kF32, "1032 cols f32"},  {4100, 2056, DType::kBF16, "odd rows, 2056 cols"},
 };
 const int64_t kTokens[] = {1, 2, 3, 7, 8, 9, 16, 17, 64, 65, 300, 1024};
 
@@ -243,14 +247,15 @@ TEST(CudaGemm, EveryPathForcedMatchesOnExactData) {
     for (int64_t n : {1, 5, 16, 40, 129}) {
       const auto x = eighths(n * w.k, 50 + n, 8);
       DeviceBuffer<float> dx(x);
-      for (auto path : {blas::LinearPath::kGemv, blas::LinearPath::kGemm, blas::LinearPath::kSimt}) {
+      for (auto path :
+           {blas::LinearPath::kGemv, blas::LinearPath::kGemm, blas::LinearPath::kSimt}) {
         auto dy = nan_buffer(n * w.m);
         blas::linear_with(path, dx.data(), n, w.device(), dy.data(), stream.get());
         stream.synchronize();
         EXPECT_EQ(0, check_linear(dy.to_host(), x, n, w, 0.0, true,
                                   std::string(m3::dtype_name(dt)) + " path " +
-                                      std::to_string(static_cast<int>(path)) + " n=" +
-                                      std::to_string(n)));
+                                      std::to_string(static_cast<int>(path)) +
+                                      " n=" + std::to_string(n)));
       }
     }
   }
@@ -294,7 +299,8 @@ struct MoeSetup {
   }
   // The same experts in host memory, for cpu::moe_experts (contiguous layout).
   cpu::MoeExpertWeights host_weights() const {
-    if (c.dt == DType::kBF16) return {b1.data(), b3.data(), b2.data(), c.dt, c.ne, c.inter, c.hidden};
+    if (c.dt == DType::kBF16)
+      return {b1.data(), b3.data(), b2.data(), c.dt, c.ne, c.inter, c.hidden};
     return {w1.data(), w3.data(), w2.data(), c.dt, c.ne, c.inter, c.hidden};
   }
   cpu::MatRef host(int which, int64_t e) const {
@@ -352,7 +358,8 @@ std::vector<double> moe_mag(const MoeSetup& s, const std::vector<float>& x, int6
     const int64_t m = static_cast<int64_t>(toks.size());
     std::vector<float> xe(m * c.hidden), g(m * c.inter), u(m * c.inter);
     for (int64_t i = 0; i < m; ++i)
-      std::copy(x.begin() + toks[i] * c.hidden, x.begin() + (toks[i] + 1) * c.hidden, xe.begin() + i * c.hidden);
+      std::copy(x.begin() + toks[i] * c.hidden, x.begin() + (toks[i] + 1) * c.hidden,
+                xe.begin() + i * c.hidden);
     cpu::linear(xe.data(), m, s.host(1, e), g.data());
     cpu::linear(xe.data(), m, s.host(3, e), u.data());
     cpu::swiglu_oai(g.data(), u.data(), m, c.inter, a.alpha, a.limit, a.beta, g.data());
@@ -360,8 +367,10 @@ std::vector<double> moe_mag(const MoeSetup& s, const std::vector<float>& x, int6
     std::vector<float> absg(g.size()), absw2(c.hidden * c.inter), yabs(m * c.hidden);
     for (size_t i = 0; i < g.size(); ++i) absg[i] = std::fabs(g[i]);
     const auto& w2 = s.w2;
-    for (int64_t i = 0; i < c.hidden * c.inter; ++i) absw2[i] = std::fabs(w2[e * c.hidden * c.inter + i]);
-    cpu::linear(absg.data(), m, cpu::MatRef{absw2.data(), DType::kF32, c.hidden, c.inter}, yabs.data());
+    for (int64_t i = 0; i < c.hidden * c.inter; ++i)
+      absw2[i] = std::fabs(w2[e * c.hidden * c.inter + i]);
+    cpu::linear(absg.data(), m, cpu::MatRef{absw2.data(), DType::kF32, c.hidden, c.inter},
+                yabs.data());
     for (int64_t i = 0; i < m; ++i)
       for (int64_t col = 0; col < c.hidden; ++col)
         mag[toks[i] * c.hidden + col] += std::fabs(tw[i]) * yabs[i * c.hidden + col];
@@ -377,8 +386,9 @@ std::vector<double> moe_mag(const MoeSetup& s, const std::vector<float>& x, int6
 void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed, int world = 1) {
   const auto& c = s.c;
   const std::string what0 = "moe ne=" + std::to_string(c.ne) + " k=" + std::to_string(c.k) +
-                            " hidden=" + std::to_string(c.hidden) + " inter=" + std::to_string(c.inter) +
-                            " " + m3::dtype_name(c.dt) + " n=" + std::to_string(n) +
+                            " hidden=" + std::to_string(c.hidden) +
+                            " inter=" + std::to_string(c.inter) + " " + m3::dtype_name(c.dt) +
+                            " n=" + std::to_string(n) +
                             (prec == gk::GemmPrecision::kExact ? " exact" : " bf16");
   PrecisionGuard guard;
   gk::set_gemm_precision(prec);
@@ -406,8 +416,9 @@ void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed
     const int64_t first = std::min<int64_t>(c.ne, r * chunk);
     const int64_t count = std::min<int64_t>(c.ne, first + chunk) - first;
     if (count == 0) continue;
-    const std::string what = what0 + (world > 1 ? " EP rank " + std::to_string(r) + "/" +
-                                                      std::to_string(world) : std::string());
+    const std::string what =
+        what0 +
+        (world > 1 ? " EP rank " + std::to_string(r) + "/" + std::to_string(world) : std::string());
     // This rank's ids, on both sides.
     std::vector<int32_t> local = ids;
     DeviceBuffer<int32_t> dlocal(ids);
@@ -473,7 +484,8 @@ TEST(CudaMoe, MatchesCpuAtDecodeAndPrefillSizes) {
   SKIP_WITHOUT_GPU();
   // M3's 128 experts top-4 with a scaled-down hidden/inter (the CPU reference bounds the size).
   const MoeSetup s = make_moe({128, 4, 1024, 384, DType::kBF16}, 11);
-  for (int64_t n : {1, 2, 8, 9, 17, 64, 65, 256, 1000}) run_moe(s, n, gk::GemmPrecision::kExact, 100 + n);
+  for (int64_t n : {1, 2, 8, 9, 17, 64, 65, 256, 1000})
+    run_moe(s, n, gk::GemmPrecision::kExact, 100 + n);
   run_moe(s, 300, gk::GemmPrecision::kBf16, 7);
 }
 
@@ -487,8 +499,9 @@ TEST(CudaMoe, RealExpertShapesFewExperts) {
 TEST(CudaMoe, OddLayoutsAndF32) {
   SKIP_WITHOUT_GPU();
   // hidden 100 is no multiple of 8: the GEMV cannot read it and the per-expert path serves.
-  for (const MoeCase& c : {MoeCase{6, 3, 100, 24, DType::kBF16}, MoeCase{16, 4, 64, 24, DType::kBF16},
-                           MoeCase{8, 2, 64, 32, DType::kF32}, MoeCase{5, 5, 48, 40, DType::kBF16}}) {
+  for (const MoeCase& c :
+       {MoeCase{6, 3, 100, 24, DType::kBF16}, MoeCase{16, 4, 64, 24, DType::kBF16},
+        MoeCase{8, 2, 64, 32, DType::kF32}, MoeCase{5, 5, 48, 40, DType::kBF16}}) {
     const MoeSetup s = make_moe(c, 13);
     for (int64_t n : {1, 3, 64, 70}) run_moe(s, n, gk::GemmPrecision::kExact, 300 + n);
   }

@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_util.h"
 #include "core/dtype.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
+#include "gpu_test_util.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/ops.h"
 
@@ -85,11 +85,11 @@ TEST(CudaLinear, MatchesCpuOverShapes) {
     DType dt;
   };
   const Case cases[] = {
-      {1, 8192, 6144, DType::kBF16},   // q_proj, one decode token
-      {37, 6144, 8192, DType::kBF16},  // o_proj, odd token count
-      {130, 3072, 6144, DType::kBF16}, // expert gate/up, > 2 token tiles
-      {5, 6144, 3072, DType::kF32},    // expert down, f32 weight
-      {3, 128, 6144, DType::kF32},     // router
+      {1, 8192, 6144, DType::kBF16},    // q_proj, one decode token
+      {37, 6144, 8192, DType::kBF16},   // o_proj, odd token count
+      {130, 3072, 6144, DType::kBF16},  // expert gate/up, > 2 token tiles
+      {5, 6144, 3072, DType::kF32},     // expert down, f32 weight
+      {3, 128, 6144, DType::kF32},      // router
       {1, 1, 1, DType::kBF16},         {7, 33, 17, DType::kF32},
       {65, 70, 100, DType::kBF16},     {2, 5, 0, DType::kF32},  // k = 0: y = 0
   };
@@ -110,7 +110,10 @@ TEST(CudaLinear, MatchesCpuOverShapes) {
     auto dx = upload(x);
     DeviceBuffer<uint16_t> dwb;
     DeviceBuffer<float> dwf;
-    if (c.dt == DType::kBF16) dwb = upload(wb); else dwf = upload(wf);
+    if (c.dt == DType::kBF16)
+      dwb = upload(wb);
+    else
+      dwf = upload(wf);
     const void* dw = c.dt == DType::kBF16 ? static_cast<const void*>(dwb.data()) : dwf.data();
     auto dy = nan_buffer(c.n * c.m);
     gk::linear(dx.data(), c.n, gk::MatRef{dw, c.dt, c.m, c.k}, dy.data(), stream.get());
@@ -128,9 +131,10 @@ TEST(CudaLinear, MatchesCpuOverShapes) {
     for (int64_t r = 0; r < c.m; ++r)
       for (int64_t i = 0; i < c.k; ++i) wn[r] += double(wf[r * c.k + i]) * wf[r * c.k + i];
     const double f = 8.0 * std::sqrt(double(std::max<int64_t>(c.k, 1))) * kU;
-    EXPECT_EQ(0, count_mismatches(got, want, [&](size_t i) {
-      return f * std::sqrt(xn[i / c.m] * wn[i % c.m]) + 1e-30;
-    }, what));
+    EXPECT_EQ(
+        0, count_mismatches(
+               got, want,
+               [&](size_t i) { return f * std::sqrt(xn[i / c.m] * wn[i % c.m]) + 1e-30; }, what));
   }
 }
 
@@ -151,14 +155,17 @@ TEST(CudaEmbedding, GathersExactRowsBf16AndF32) {
       cpu::embedding(cpu::MatRef{th, dt, vocab, dim}, ids.data(), n, want.data());
       DeviceBuffer<uint16_t> dtb;
       DeviceBuffer<float> dtf;
-      if (dt == DType::kBF16) dtb = upload(tb); else dtf = upload(tf);
+      if (dt == DType::kBF16)
+        dtb = upload(tb);
+      else
+        dtf = upload(tf);
       const void* dtab = dt == DType::kBF16 ? static_cast<const void*>(dtb.data()) : dtf.data();
       auto out = nan_buffer(n * dim);
       gk::embedding(gk::MatRef{dtab, dt, vocab, dim}, dids.data(), n, out.data(), stream.get());
       stream.synchronize();
       // A gather and an exact bf16 -> f32 widening: bit-identical.
-      EXPECT_TRUE(bits_equal(out.to_host(), want)) << "embedding n=" << n << " "
-                                                   << m3::dtype_name(dt);
+      EXPECT_TRUE(bits_equal(out.to_host(), want))
+          << "embedding n=" << n << " " << m3::dtype_name(dt);
     }
   }
 }
@@ -172,23 +179,25 @@ TEST(CudaRmsNorm, MatchesCpuIncludingInPlace) {
   struct Case {
     int64_t rows, dim;
   };
-  for (Case c : {Case{1, 6144}, Case{7, 6144}, Case{192, 128}, Case{5, 1}, Case{3, 100},
-                 Case{2, 3000}}) {
+  for (Case c :
+       {Case{1, 6144}, Case{7, 6144}, Case{192, 128}, Case{5, 1}, Case{3, 100}, Case{2, 3000}}) {
     auto x = randn(c.rows * c.dim, g, 3.f);
     auto wf = randn(c.dim, g, 0.3f);
     auto wb = to_bf16(wf);
     for (DType dt : {DType::kBF16, DType::kF32}) {
       for (bool in_place : {false, true}) {
-        const std::string what = "rmsnorm rows=" + std::to_string(c.rows) + " dim=" +
-                                 std::to_string(c.dim) + " " + m3::dtype_name(dt) +
+        const std::string what = "rmsnorm rows=" + std::to_string(c.rows) +
+                                 " dim=" + std::to_string(c.dim) + " " + m3::dtype_name(dt) +
                                  (in_place ? " in place" : "");
         const void* wh = dt == DType::kBF16 ? static_cast<const void*>(wb.data()) : wf.data();
         std::vector<float> want(x.size());
-        cpu::rmsnorm_gemma(x.data(), c.rows, c.dim, cpu::VecRef{wh, dt, c.dim}, 1e-6f,
-                           want.data());
+        cpu::rmsnorm_gemma(x.data(), c.rows, c.dim, cpu::VecRef{wh, dt, c.dim}, 1e-6f, want.data());
         DeviceBuffer<uint16_t> dwb;
         DeviceBuffer<float> dwf;
-        if (dt == DType::kBF16) dwb = upload(wb); else dwf = upload(wf);
+        if (dt == DType::kBF16)
+          dwb = upload(wb);
+        else
+          dwf = upload(wf);
         const void* dw = dt == DType::kBF16 ? static_cast<const void*>(dwb.data()) : dwf.data();
         auto dx = upload(x);
         auto dout = nan_buffer(x.size());
@@ -201,9 +210,9 @@ TEST(CudaRmsNorm, MatchesCpuIncludingInPlace) {
         // positive terms in blocked order (CPU: 8 lanes of dim/8; GPU: 256 strided lanes of
         // dim/256, then a tree) errs by at most (dim/8 + 8)·u relatively: 776·u = 4.6e-5 at
         // 6144. rsqrt halves that; the products add 3u a side. 3e-5 relative is that bound.
-        EXPECT_EQ(0, count_mismatches(got, want, [&](size_t i) {
-          return 3e-5 * std::fabs(want[i]) + 1e-37;
-        }, what));
+        EXPECT_EQ(
+            0, count_mismatches(
+                   got, want, [&](size_t i) { return 3e-5 * std::fabs(want[i]) + 1e-37; }, what));
       }
     }
   }
@@ -220,8 +229,8 @@ TEST(CudaRope, MatchesCpuAtLargePositions) {
   const std::vector<int32_t> special = {0, 1, 127, 128, 2047, 131071, 196607, 1000003};
   for (Case c : {Case{8, 64, 128, 64, 5e6}, Case{9, 4, 128, 64, 5e6}, Case{1, 64, 128, 64, 5e6},
                  Case{5, 1, 128, 128, 1e4}, Case{3, 3, 10, 6, 1e4}, Case{2, 2, 16, 0, 1e4}}) {
-    const std::string what = "rope n=" + std::to_string(c.n) + " heads=" +
-                             std::to_string(c.heads) + " rot=" + std::to_string(c.rot);
+    const std::string what = "rope n=" + std::to_string(c.n) + " heads=" + std::to_string(c.heads) +
+                             " rot=" + std::to_string(c.rot);
     std::vector<int32_t> pos(c.n);
     std::uniform_int_distribution<int32_t> pd(0, 300000);
     for (int64_t t = 0; t < c.n; ++t)
@@ -231,21 +240,24 @@ TEST(CudaRope, MatchesCpuAtLargePositions) {
     cpu::rope_neox(want.data(), c.n, c.heads, c.head_dim, c.rot, pos.data(), c.theta);
     auto dx = upload(x);
     auto dpos = upload(pos);
-    gk::rope_neox(dx.data(), c.n, c.heads, c.head_dim, c.rot, dpos.data(), c.theta,
-                  stream.get());
+    gk::rope_neox(dx.data(), c.n, c.heads, c.head_dim, c.rot, dpos.data(), c.theta, stream.get());
     stream.synchronize();
     const auto got = dx.to_host();
     // Angles are bit-identical (same inv_freq, one fp32 multiply). cosf/sinf: CUDA is within
     // 2 ulp, glibc within 1, so |Δcos|, |Δsin| <= 3·2^-24; the products and the sum add <= 3u a
     // side. |Δ| <= 9u·(|x1|+|x2|) = 5.4e-7·(|x1|+|x2|); tol 1e-6·(...). Dims past rot: exact.
     const int64_t half = c.rot / 2;
-    EXPECT_EQ(0, count_mismatches(got, want, [&](size_t i) {
-      const int64_t dpos_in_head = static_cast<int64_t>(i) % c.head_dim;
-      if (dpos_in_head >= c.rot) return 0.0;
-      const size_t head0 = i - dpos_in_head;
-      const int64_t j = dpos_in_head % std::max<int64_t>(half, 1);
-      return 1e-6 * (std::fabs(x[head0 + j]) + std::fabs(x[head0 + j + half])) + 1e-37;
-    }, what));
+    EXPECT_EQ(0, count_mismatches(
+                     got, want,
+                     [&](size_t i) {
+                       const int64_t dpos_in_head = static_cast<int64_t>(i) % c.head_dim;
+                       if (dpos_in_head >= c.rot) return 0.0;
+                       const size_t head0 = i - dpos_in_head;
+                       const int64_t j = dpos_in_head % std::max<int64_t>(half, 1);
+                       return 1e-6 * (std::fabs(x[head0 + j]) + std::fabs(x[head0 + j + half])) +
+                              1e-37;
+                     },
+                     what));
   }
 }
 
@@ -268,9 +280,10 @@ TEST(CudaSwiglu, MatchesCpuAcrossTheClamp) {
     stream.synchronize();
     // Same clamps and argument bits; exp differs by <= 3 ulp (CUDA 2, glibc 1), then 1+e, the
     // reciprocal and two products add <= 4u a side: |Δ| <= 11u·|out| = 6.6e-7·|out|; tol 2e-6.
-    EXPECT_EQ(0, count_mismatches(dout.to_host(), want, [&](size_t i) {
-      return 2e-6 * std::fabs(want[i]) + 1e-37;
-    }, "swiglu n=" + std::to_string(c.n) + " inter=" + std::to_string(c.inter)));
+    EXPECT_EQ(0,
+              count_mismatches(
+                  dout.to_host(), want, [&](size_t i) { return 2e-6 * std::fabs(want[i]) + 1e-37; },
+                  "swiglu n=" + std::to_string(c.n) + " inter=" + std::to_string(c.inter)));
   }
 }
 
@@ -280,8 +293,8 @@ TEST(CudaSwiglu, MatchesCpuAcrossTheClamp) {
 // sides compute the same bits) or at least 1e-5 apart. CUDA's expf and glibc's differ by a few
 // ulps (|Δchoice| <= 4u ≈ 2.4e-7), which may legitimately flip a nearer tie; such rows are
 // redrawn so the expert ids must match exactly.
-void router_logits(int64_t n, int64_t E, int64_t k, const std::vector<float>& bias,
-                   std::mt19937& g, bool with_ties, std::vector<float>& logits) {
+void router_logits(int64_t n, int64_t E, int64_t k, const std::vector<float>& bias, std::mt19937& g,
+                   bool with_ties, std::vector<float>& logits) {
   std::uniform_real_distribution<float> d(-4.f, 4.f);
   logits.assign(n * E, 0.f);
   std::vector<float> choice(E);
@@ -350,16 +363,16 @@ TEST(CudaRouter, ExpertIdsExactWeightsClose) {
     DeviceBuffer<int32_t> dids(c.n * c.k);
     dids.fill_bytes(0xff);
     auto dw = nan_buffer(c.n * c.k);
-    gk::router_topk(dl.data(), c.n, c.E, c.bias ? db.data() : nullptr, c.k, c.scale,
-                    dids.data(), dw.data(), stream.get());
+    gk::router_topk(dl.data(), c.n, c.E, c.bias ? db.data() : nullptr, c.k, c.scale, dids.data(),
+                    dw.data(), stream.get());
     stream.synchronize();
     EXPECT_EQ(dids.to_host(), want_ids) << what;
     // w = s/Σs·scale: s differs by <= 4u (exp ulps, add, reciprocal), Σ of k terms adds k·u,
     // the division and scale 2u: |Δ| <= (8 + 2k)·u·|w| on each side's account; tol doubles it.
     const double f = (16.0 + 4.0 * c.k) * kU;
-    EXPECT_EQ(0, count_mismatches(dw.to_host(), want_w, [&](size_t i) {
-      return f * std::fabs(want_w[i]) + 1e-37;
-    }, what));
+    EXPECT_EQ(0, count_mismatches(
+                     dw.to_host(), want_w,
+                     [&](size_t i) { return f * std::fabs(want_w[i]) + 1e-37; }, what));
   }
 }
 
@@ -396,7 +409,9 @@ struct PagedSetup {
 struct DeviceLayout {
   DeviceBuffer<int32_t> positions, seq_ids, bt_offsets, block_table;
   explicit DeviceLayout(const PagedSetup& s)
-      : positions(s.positions), seq_ids(s.seq_ids), bt_offsets(s.bt_offsets),
+      : positions(s.positions),
+        seq_ids(s.seq_ids),
+        bt_offsets(s.bt_offsets),
         block_table(s.block_table) {}
   gk::TokenLayout view(int64_t n) const {
     return gk::TokenLayout{n, positions.data(), seq_ids.data(), bt_offsets.data(),
@@ -405,8 +420,8 @@ struct DeviceLayout {
 };
 
 cpu::TokenLayout host_view(const PagedSetup& s) {
-  return cpu::TokenLayout{s.num_tokens(), s.positions.data(), s.seq_ids.data(),
-                          s.bt_offsets.data(), s.block_table.data()};
+  return cpu::TokenLayout{s.num_tokens(), s.positions.data(), s.seq_ids.data(), s.bt_offsets.data(),
+                          s.block_table.data()};
 }
 
 struct AttnCase {
@@ -418,8 +433,8 @@ struct AttnCase {
 
 void run_attention_case(const AttnCase& c, uint32_t seed) {
   std::mt19937 g(seed);
-  const std::string what = "attention bs=" + std::to_string(c.page_size) + " nkv=" +
-                           std::to_string(c.nkv) + " heads=" + std::to_string(c.heads) +
+  const std::string what = "attention bs=" + std::to_string(c.page_size) +
+                           " nkv=" + std::to_string(c.nkv) + " heads=" + std::to_string(c.heads) +
                            " d=" + std::to_string(c.d);
   Stream stream;
   // 1. kv_write of every token of every sequence, in a shuffled order.
@@ -443,13 +458,13 @@ void run_attention_case(const AttnCase& c, uint32_t seed) {
   // Unwritten slots hold NaN on both sides: reading one (a causality bug) poisons the output.
   std::vector<float> hk(slots * row), hv(slots * row), hik(slots * c.index_dim);
   for (auto* a : {&hk, &hv, &hik}) std::memset(a->data(), 0xff, a->size() * sizeof(float));
-  cpu::KvPages hc{hk.data(), hv.data(), hik.data(), w.num_pages, c.page_size, c.nkv, c.d,
-                  c.index_dim};
+  cpu::KvPages hc{hk.data(),   hv.data(), hik.data(), w.num_pages,
+                  c.page_size, c.nkv,     c.d,        c.index_dim};
   cpu::kv_write(hc, host_view(w), k.data(), v.data(), ik.data());
 
   auto dk = nan_buffer(hk.size()), dv = nan_buffer(hv.size()), dik = nan_buffer(hik.size());
-  gk::KvPages dc{dk.data(), dv.data(), dik.data(), w.num_pages, c.page_size, c.nkv, c.d,
-                 c.index_dim};
+  gk::KvPages dc{dk.data(),   dv.data(), dik.data(), w.num_pages,
+                 c.page_size, c.nkv,     c.d,        c.index_dim};
   {
     DeviceLayout dl(w);
     auto dkk = upload(k), dvv = upload(v), dikk = upload(ik);
@@ -495,8 +510,7 @@ void run_attention_case(const AttnCase& c, uint32_t seed) {
       std::shuffle(all.begin(), all.end() - 1, g);  // the past blocks; the own block is nb-1
       std::vector<int32_t> pick;
       pick.push_back(static_cast<int32_t>(nb - 1));
-      for (int64_t i = 0; i + 1 < nb && static_cast<int64_t>(pick.size()) < c.max_blocks - 1;
-           ++i)
+      for (int64_t i = 0; i + 1 < nb && static_cast<int64_t>(pick.size()) < c.max_blocks - 1; ++i)
         pick.push_back(all[i]);
       int32_t* s = sel.data() + (t * c.nkv + h) * c.max_blocks;
       std::vector<int64_t> slot_idx(c.max_blocks);
@@ -524,9 +538,9 @@ void run_attention_case(const AttnCase& c, uint32_t seed) {
     // 11·6e-8·9 ≈ 6e-6 (d = 128, unit normals), which exp turns into the same relative weight
     // error; exp ulps and the online-softmax rescales add a few u per 32-key chunk. 2e-5·max|v|
     // covers that, while one dropped key of a 2500-key softmax moves the output ~4e-4·|v|.
-    EXPECT_EQ(0, count_mismatches(dout.to_host(), want, [&](size_t) {
-      return 2e-5 * vmax;
-    }, what + (selected ? " selected" : " dense")));
+    EXPECT_EQ(0, count_mismatches(
+                     dout.to_host(), want, [&](size_t) { return 2e-5 * vmax; },
+                     what + (selected ? " selected" : " dense")));
   }
 }
 
@@ -556,9 +570,9 @@ struct MsaCase {
 
 void run_msa_case(const MsaCase& c, uint32_t seed) {
   std::mt19937 g(seed);
-  const std::string what = "msa bs=" + std::to_string(c.page_size) + " topk=" +
-                           std::to_string(c.topk) + " init=" + std::to_string(c.init_blocks) +
-                           " local=" + std::to_string(c.local_blocks);
+  const std::string what =
+      "msa bs=" + std::to_string(c.page_size) + " topk=" + std::to_string(c.topk) +
+      " init=" + std::to_string(c.init_blocks) + " local=" + std::to_string(c.local_blocks);
   Stream stream;
   PagedSetup s(c.page_size, c.lens, 2, g);
   for (size_t i = 0; i < c.lens.size(); ++i) {
@@ -638,8 +652,7 @@ TEST(CudaDevice, ProbeReportsAReason) {
     EXPECT_GT(dev->num_sms, 0);
     EXPECT_GT(dev->total_bytes, 0u);
   } else {
-    EXPECT_NE(dev.error().message.find("--device cpu"), std::string::npos)
-        << dev.error().message;
+    EXPECT_NE(dev.error().message.find("--device cpu"), std::string::npos) << dev.error().message;
   }
 }
 

@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_util.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
+#include "gpu_test_util.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/ops.h"
 
@@ -44,8 +44,8 @@ TEST(CudaRowOps, MoeLocalizeIdsMatchesCpu) {
     std::vector<int32_t> ids(n);
     for (auto& i : ids) i = pick(g);
     // [first, first + count) slices of 128 experts: whole, halves, an uneven and an empty one.
-    for (auto [first, count] : {std::pair<int64_t, int64_t>{0, 128}, {0, 64}, {64, 64},
-                                {96, 32}, {30, 7}, {128, 0}}) {
+    for (auto [first, count] :
+         {std::pair<int64_t, int64_t>{0, 128}, {0, 64}, {64, 64}, {96, 32}, {30, 7}, {128, 0}}) {
       auto want = ids;
       cpu::moe_localize_ids(want.data(), n, first, count);
       DeviceBuffer<int32_t> d(ids);
@@ -60,8 +60,10 @@ TEST(CudaRowOps, GatherRowsMatchesCpu) {
   SKIP_WITHOUT_GPU();
   std::mt19937 g(2);
   Stream s;
-  for (auto [src_rows, n, cols] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {9, 6, 5},
-                                   {300, 257, 64}, {70, 1000, 6144}}) {
+  for (auto [src_rows, n, cols] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1},
+                                   {9, 6, 5},
+                                   {300, 257, 64},
+                                   {70, 1000, 6144}}) {
     const auto src = randn(src_rows * cols, g);
     std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(src_rows - 1));
     std::vector<int32_t> rows(n);
@@ -100,7 +102,9 @@ TEST(CudaRowOps, CopyRows2dMatchesCpu) {
   // into a packed buffer, packed into a wider one, and packed to packed.
   for (auto [rows, width, ss, ds, off] :
        {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{5, 3, 7, 4, 2},
-        {300, 1024, 9216, 1024, 8192}, {17, 128, 128, 200, 0}, {64, 6144, 6144, 6144, 0}}) {
+        {300, 1024, 9216, 1024, 8192},
+        {17, 128, 128, 200, 0},
+        {64, 6144, 6144, 6144, 0}}) {
     const auto src = randn(rows * ss, g);
     std::vector<float> want(rows * ds, NAN);  // the gaps between rows stay NaN
     cpu::copy_rows_2d(want.data(), ds, src.data() + off, ss, width, rows);

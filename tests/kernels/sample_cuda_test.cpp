@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_util.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
+#include "gpu_test_util.h"
 #include "kernels/cpu/sample.h"
 #include "kernels/cuda/sample.h"
 

@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_util.h"
 #include "core/dtype.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
+#include "gpu_test_util.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/ops.h"
 
@@ -100,10 +100,10 @@ void check_split(DType dtype, int64_t vocab, int64_t hidden, int world) {
 
 TEST(ShardOpsCuda, EmbeddingVocabSliceSumsToTheFullEmbedding) {
   if (!gpu_unavailable_reason().empty()) GTEST_SKIP() << gpu_unavailable_reason();
-  check_split(DType::kBF16, 1536, 64, 2);   // even split (the goldens at TP2)
-  check_split(DType::kBF16, 1001, 48, 4);   // uneven: the last rank is shorter
-  check_split(DType::kF32, 1000, 40, 3);    // f32 table, uneven
-  check_split(DType::kBF16, 5, 16, 8);      // more ranks than rows: empty slices
+  check_split(DType::kBF16, 1536, 64, 2);  // even split (the goldens at TP2)
+  check_split(DType::kBF16, 1001, 48, 4);  // uneven: the last rank is shorter
+  check_split(DType::kF32, 1000, 40, 3);   // f32 table, uneven
+  check_split(DType::kBF16, 5, 16, 8);     // more ranks than rows: empty slices
 }
 
 }  // namespace

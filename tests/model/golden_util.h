@@ -33,7 +33,9 @@ inline size_t greedy_tokens_before_near_tie(const nlohmann::json& c) {
 // MSA block choices whose k-th vs (k+1)-th block-score margin is below this may flip.
 constexpr double kMsaMarginFloor = 3e-4;
 
-inline std::string root() { return std::string(M3_SOURCE_DIR) + "/tests/golden/model"; }
+inline std::string root() {
+  return std::string(M3_SOURCE_DIR) + "/tests/golden/model";
+}
 
 // Names of the golden model directories (those with a golden.json), sorted.
 inline std::vector<std::string> names() {

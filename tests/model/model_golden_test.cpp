@@ -25,8 +25,8 @@
 #include <set>
 
 #include "kernels/cpu/ops.h"
-#include "model/golden_util.h"
 #include "model/config.h"
+#include "model/golden_util.h"
 #include "model/m3_model.h"
 #include "runtime/sequence_runner.h"
 
@@ -42,8 +42,12 @@ using nlohmann::json;
 // margin floor 3e-4: block scores are fp32 dots of unit-scale normed vectors, |score| <~ 30,
 // error <~ 30*128*2^-24) and the golden readers are in golden_util.h, shared with the GPU test.
 using namespace golden;
-std::string golden_root() { return golden::root(); }
-std::vector<std::string> golden_names() { return golden::names(); }
+std::string golden_root() {
+  return golden::root();
+}
+std::vector<std::string> golden_names() {
+  return golden::names();
+}
 
 // One whole-prompt prefill per (model, case), shared by the tests that need it (the 2450-token
 // prompt is the slowest thing in the suite). The runner stays usable for decoding after it.
@@ -69,9 +73,11 @@ class ModelGolden : public ::testing::TestWithParam<std::string> {
     auto it = prefills().find(key);
     if (it != prefills().end() && !fresh) return it->second;
     const auto ids = c["prompt_ids"].get<std::vector<int32_t>>();
-    const int64_t extra = c.contains("greedy_ids") ? static_cast<int64_t>(c["greedy_ids"].size()) : 0;
+    const int64_t extra =
+        c.contains("greedy_ids") ? static_cast<int64_t>(c["greedy_ids"].size()) : 0;
     Prefilled p;
-    p.runner = std::make_unique<SequenceRunner>(*model_, static_cast<int64_t>(ids.size()) + extra + 1, 1);
+    p.runner =
+        std::make_unique<SequenceRunner>(*model_, static_cast<int64_t>(ids.size()) + extra + 1, 1);
     p.seq = p.runner->add_sequence();
     p.res = p.runner->step({{p.seq, ids, true}}, /*capture_msa=*/true);
     prefills()[key] = std::move(p);
@@ -207,7 +213,8 @@ TEST_P(ModelGolden, ChunkedPrefillEqualsOneShot) {
     const auto ch = prompt_logprobs(ids, chunk);
     ASSERT_EQ(ch.size(), one.size());
     double max_err = 0;
-    for (size_t i = 0; i < ch.size(); ++i) max_err = std::max<double>(max_err, std::fabs(ch[i] - one[i]));
+    for (size_t i = 0; i < ch.size(); ++i)
+      max_err = std::max<double>(max_err, std::fabs(ch[i] - one[i]));
     // Every op computes each row independently of the batch composition, in the same order,
     // so chunking should not change a single bit; allow 1e-5 for safety.
     EXPECT_LT(max_err, 1e-5) << "chunk " << chunk;
@@ -263,7 +270,8 @@ GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(ModelGolden);
 TEST(ModelLoad, MissingDirectoryIsAClearError) {
   auto m = M3Model::load("/nonexistent/model/dir");
   ASSERT_FALSE(m.has_value());
-  EXPECT_NE(m.error().message.find("/nonexistent/model/dir"), std::string::npos) << m.error().message;
+  EXPECT_NE(m.error().message.find("/nonexistent/model/dir"), std::string::npos)
+      << m.error().message;
 }
 
 TEST(ModelLoad, GoldensArePresent) {

@@ -26,9 +26,9 @@
 
 #include "core/check.h"
 #include "dist/cpu_communicator.h"
-#include "runtime/forward_backend.h"
 #include "model/golden_util.h"
 #include "model/m3_model.h"
+#include "runtime/forward_backend.h"
 #include "runtime/sequence_runner.h"
 
 namespace m3::model {

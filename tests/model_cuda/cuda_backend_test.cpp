@@ -16,9 +16,9 @@
 
 #include "engine/engine.h"
 #include "gpu/device.h"
-#include "runtime/cuda/cuda_backend.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
+#include "runtime/cuda/cuda_backend.h"
 
 namespace m3::model {
 namespace {
@@ -37,7 +37,9 @@ std::string no_gpu_reason() {
 }
 
 engine::BackendFactory cuda_factory(CudaBackendOptions opts) {
-  return [opts](std::unique_ptr<M3Model> host, int64_t) { return make_cuda_backend(std::move(host), opts); };
+  return [opts](std::unique_ptr<M3Model> host, int64_t) {
+    return make_cuda_backend(std::move(host), opts);
+  };
 }
 
 engine::EngineConfig engine_config(CudaBackendOptions opts) {

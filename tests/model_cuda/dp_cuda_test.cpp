@@ -36,12 +36,12 @@
 #include <cuda_runtime.h>
 
 #include "core/check.h"
-#include "runtime/cuda/cuda_backend.h"
 #include "model/golden_util.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
-#include "runtime/sequence_runner.h"
 #include "model_cuda/multi_gpu_test_util.h"
+#include "runtime/cuda/cuda_backend.h"
+#include "runtime/sequence_runner.h"
 #ifdef M3_TEST_ENGINE
 #include "engine/engine.h"
 #include "unit/engine/engine_test_util.h"
@@ -121,8 +121,12 @@ struct DpCase {
   std::string golden;
   bool expert_parallel = false;
 };
-std::string case_name(const DpCase& c) { return c.golden + (c.expert_parallel ? "_ep" : ""); }
-void PrintTo(const DpCase& c, std::ostream* os) { *os << case_name(c); }
+std::string case_name(const DpCase& c) {
+  return c.golden + (c.expert_parallel ? "_ep" : "");
+}
+void PrintTo(const DpCase& c, std::ostream* os) {
+  *os << case_name(c);
+}
 
 class DpGolden : public ::testing::TestWithParam<DpCase> {};
 
@@ -259,23 +263,24 @@ TEST_P(DpGolden, Dp2OneBatchMatchesTp1AndTransformers) {
   if (cfg.any_sparse()) {
     EXPECT_GT(msa_compared, 0);
   }
-  std::printf(
-      "  %s on %s: %zu sequences in one batch (owners of the prefill:",
-      case_name(tc).c_str(), p.test->device_name().c_str(), own.size());
+  std::printf("  %s on %s: %zu sequences in one batch (owners of the prefill:",
+              case_name(tc).c_str(), p.test->device_name().c_str(), own.size());
   for (int o : own) std::printf(" %d", o);
-  std::printf("), max |logprob DP2 - TP1| %.3g, max |logprob DP2 - transformers| %.3g, "
-              "%lld MSA selections and %lld device-greedy tokens compared\n",
-              max_vs_tp1, max_vs_golden, static_cast<long long>(msa_compared),
-              static_cast<long long>(greedy_compared));
+  std::printf(
+      "), max |logprob DP2 - TP1| %.3g, max |logprob DP2 - transformers| %.3g, "
+      "%lld MSA selections and %lld device-greedy tokens compared\n",
+      max_vs_tp1, max_vs_golden, static_cast<long long>(msa_compared),
+      static_cast<long long>(greedy_compared));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Dp2, DpGolden,
-    ::testing::Values(DpCase{"m3_ratio"}, DpCase{"msa_small_blocks"}, DpCase{"dense_only"},
-                      DpCase{"real_geometry"}, DpCase{"m3_ratio", true},
-                      DpCase{"msa_small_blocks", true}, DpCase{"dense_only", true},
-                      DpCase{"real_geometry", true}),
-    [](const auto& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Dp2, DpGolden,
+                         ::testing::Values(DpCase{"m3_ratio"}, DpCase{"msa_small_blocks"},
+                                           DpCase{"dense_only"}, DpCase{"real_geometry"},
+                                           DpCase{"m3_ratio", true},
+                                           DpCase{"msa_small_blocks", true},
+                                           DpCase{"dense_only", true},
+                                           DpCase{"real_geometry", true}),
+                         [](const auto& info) { return case_name(info.param); });
 
 // Steps in which one rank has no tokens at all (it still joins every MoE layer's collectives):
 // one sequence alone on one rank, single-page spacers alone on it until the next page belongs to
@@ -356,10 +361,10 @@ TEST_P(DpIdle, OneRankWithoutTokens) {
   if (!cs.empty()) mixed.push_back({cs[0], tc, false});
   check(p.step(mixed, false, true), "A, B (5 tokens), C in one step");
   EXPECT_GT(compared, 0);
-  std::printf("  idle-rank steps (%s, %s): max |logprob DP2 - TP1| %.3g, %d device samples "
-              "compared\n",
-              ep ? "expert parallel" : "sliced experts", graphs ? "graphs" : "eager", worst,
-              compared);
+  std::printf(
+      "  idle-rank steps (%s, %s): max |logprob DP2 - TP1| %.3g, %d device samples "
+      "compared\n",
+      ep ? "expert parallel" : "sliced experts", graphs ? "graphs" : "eager", worst, compared);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dp2, DpIdle,

@@ -11,12 +11,12 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_util.h"
 #include "gpu/device.h"
+#include "gpu_test_util.h"
 #include "model/cuda/m3_model_cuda.h"
+#include "model/synthetic_model.h"
 #include "runtime/cuda/cuda_backend.h"
 #include "runtime/sequence_runner.h"
-#include "model/synthetic_model.h"
 
 namespace m3::model {
 namespace {
@@ -89,9 +89,8 @@ TEST(CudaGraphs, ReplayEqualsEagerOnGoldenCheckpoint) {
   ASSERT_TRUE(e.has_value()) << e.error().message;
   const int64_t V = (*g)->config().vocab_size;
   // Three sequences of different lengths; 40 decode steps cross several small MSA blocks.
-  expect_graphs_equal_eager(**g, **e, {random_ids(37, 1, V), random_ids(70, 2, V),
-                                       random_ids(5, 3, V)},
-                            40);
+  expect_graphs_equal_eager(**g, **e,
+                            {random_ids(37, 1, V), random_ids(70, 2, V), random_ids(5, 3, V)}, 40);
 }
 
 TEST(CudaGraphs, ReplayEqualsEagerAtM3Shapes) {
@@ -104,7 +103,8 @@ TEST(CudaGraphs, ReplayEqualsEagerAtM3Shapes) {
   std::vector<std::vector<int32_t>> prompts;
   // Eight sequences; the longest starts 3 tokens before a page boundary and has more than 16
   // blocks of context, so MSA selects while the graph replays across the page boundary.
-  for (int i = 0; i < 8; ++i) prompts.push_back(random_ids(i == 0 ? 2301 : 100 + 37 * i, 10 + i, 200000));
+  for (int i = 0; i < 8; ++i)
+    prompts.push_back(random_ids(i == 0 ? 2301 : 100 + 37 * i, 10 + i, 200000));
   expect_graphs_equal_eager(**g, **e, prompts, 8);
 }
 

@@ -36,8 +36,8 @@
 #include "kernels/cpu/ops.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/golden_util.h"
-#include "runtime/cuda/cuda_backend.h"
 #include "model/m3_model.h"
+#include "runtime/cuda/cuda_backend.h"
 #include "runtime/sequence_runner.h"
 
 namespace m3::model {
@@ -52,8 +52,12 @@ using namespace golden;  // shared tolerances and readers (tests/model/golden_ut
 constexpr double kGpuCpuTol = 2e-4;
 constexpr double kStepTol = kGpuCpuTol;
 
-std::string golden_root() { return golden::root(); }
-std::vector<std::string> golden_names() { return golden::names(); }
+std::string golden_root() {
+  return golden::root();
+}
+std::vector<std::string> golden_names() {
+  return golden::names();
+}
 
 // Why no GPU can be used, or "" when one can (probed once per process).
 const std::string& no_gpu_reason() {
@@ -114,8 +118,8 @@ class ModelGoldenCuda : public ::testing::TestWithParam<std::string> {
     const int64_t extra =
         c.contains("greedy_ids") ? static_cast<int64_t>(c["greedy_ids"].size()) : 0;
     Prefilled p;
-    p.runner = std::make_unique<SequenceRunner>(borrow_cuda_backend(
-        *model_, static_cast<int64_t>(ids.size()) + extra + 1, 1));
+    p.runner = std::make_unique<SequenceRunner>(
+        borrow_cuda_backend(*model_, static_cast<int64_t>(ids.size()) + extra + 1, 1));
     p.seq = p.runner->add_sequence();
     p.res = p.runner->step({{p.seq, ids, true}}, /*capture_msa=*/true);
     prefills()[key] = std::move(p);
@@ -160,8 +164,8 @@ TEST_P(ModelGoldenCuda, PromptLogprobsMatchTransformers) {
             << c["name"] << " position " << i << " top token " << t[0];
       }
     }
-    std::printf("  %s/%s: %zu prompt tokens, max |logprob error| %.3g (GPU)\n",
-                GetParam().c_str(), c["name"].get<std::string>().c_str(), ids.size(), max_err);
+    std::printf("  %s/%s: %zu prompt tokens, max |logprob error| %.3g (GPU)\n", GetParam().c_str(),
+                c["name"].get<std::string>().c_str(), ids.size(), max_err);
   }
 }
 
@@ -177,8 +181,7 @@ TEST_P(ModelGoldenCuda, GreedyContinuationMatchesTransformers) {
       const auto& l = out.logits;
       const int32_t got = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
       const auto lp = log_softmax_rows(l, vocab());
-      EXPECT_NEAR(lp[want[step]], c["greedy_logprobs"][step]["logprob"].get<double>(),
-                  kLogprobTol)
+      EXPECT_NEAR(lp[want[step]], c["greedy_logprobs"][step]["logprob"].get<double>(), kLogprobTol)
           << c["name"] << " step " << step;
       if (margin[step] < kGreedyMarginFloor) {
         std::printf("  %s: step %zu is a near-tie (margin %.2g); stop comparing\n",
@@ -218,18 +221,20 @@ TEST_P(ModelGoldenCuda, GpuLogitsMatchCpuOnTheSameBatch) {
   const auto g = gpu.step({{gs, ids, true}}, /*capture_msa=*/true);
   ASSERT_EQ(c.logits.size(), g.logits.size());
   const double logit_err = max_abs_diff(c.logits, g.logits);
-  const double lp_err = max_abs_diff(log_softmax_rows(c.logits, vocab()),
-                                     log_softmax_rows(g.logits, vocab()));
+  const double lp_err =
+      max_abs_diff(log_softmax_rows(c.logits, vocab()), log_softmax_rows(g.logits, vocab()));
   // Differing MSA selections are reported: a flip at a near-tie would explain a larger error.
   int64_t msa_diff = 0;
   ASSERT_EQ(c.msa_blocks.size(), g.msa_blocks.size());
   for (size_t l = 0; l < c.msa_blocks.size(); ++l) {
     ASSERT_EQ(c.msa_blocks[l].size(), g.msa_blocks[l].size()) << "layer " << l;
-    for (size_t i = 0; i < c.msa_blocks[l].size(); ++i) msa_diff += c.msa_blocks[l][i] != g.msa_blocks[l][i];
+    for (size_t i = 0; i < c.msa_blocks[l].size(); ++i)
+      msa_diff += c.msa_blocks[l][i] != g.msa_blocks[l][i];
   }
-  std::printf("  %s: %lld tokens, GPU vs CPU max |logit diff| %.3g, max |logprob diff| %.3g, "
-              "%lld differing MSA block entries\n",
-              GetParam().c_str(), (long long)n, logit_err, lp_err, (long long)msa_diff);
+  std::printf(
+      "  %s: %lld tokens, GPU vs CPU max |logit diff| %.3g, max |logprob diff| %.3g, "
+      "%lld differing MSA block entries\n",
+      GetParam().c_str(), (long long)n, logit_err, lp_err, (long long)msa_diff);
   EXPECT_LT(lp_err, kGpuCpuTol);
   EXPECT_EQ(msa_diff, 0);
 }

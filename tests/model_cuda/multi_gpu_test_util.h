@@ -19,11 +19,11 @@
 #include <cuda_runtime.h>
 
 #include "core/check.h"
+#include "model/golden_util.h"
+#include "model/kv_cache.h"
+#include "model/m3_model.h"
 #include "runtime/cuda/cuda_backend.h"
 #include "runtime/forward_backend.h"
-#include "model/kv_cache.h"
-#include "model/golden_util.h"
-#include "model/m3_model.h"
 #include "runtime/sequence_runner.h"
 
 namespace m3::model::multi_gpu {
@@ -39,10 +39,10 @@ inline int gpu_count() {
   return n;
 }
 
-#define SKIP_UNLESS_TWO_GPUS()                                                      \
-  do {                                                                              \
-    const int n_ = ::m3::model::multi_gpu::gpu_count();                              \
-    if (n_ < 2) GTEST_SKIP() << "needs 2 GPUs, " << n_ << " visible";               \
+#define SKIP_UNLESS_TWO_GPUS()                                        \
+  do {                                                                \
+    const int n_ = ::m3::model::multi_gpu::gpu_count();               \
+    if (n_ < 2) GTEST_SKIP() << "needs 2 GPUs, " << n_ << " visible"; \
   } while (0)
 
 // A golden checkpoint by name, or a `synthetic:...` spec (config only: GPU ranks generate their
@@ -60,9 +60,8 @@ enum class Split { kTensor, kData };
 // ranks (expert parallel when ep). `pages` whole-head pages of KV per GPU (a TP rank's pages are
 // smaller, so it gets at least as many); DP ranks share one page-id space (the test drives pages
 // with SequencePages). Synthetic weights from seed 5. graphs: decode steps replay CUDA graphs.
-inline std::unique_ptr<ForwardBackend> make_backend(const std::string& name, int ranks,
-                                                    Split split, bool ep, int64_t pages,
-                                                    bool graphs) {
+inline std::unique_ptr<ForwardBackend> make_backend(const std::string& name, int ranks, Split split,
+                                                    bool ep, int64_t pages, bool graphs) {
   auto host = load(name);
   CudaBackendOptions opts;
   opts.kv_cache_memory_bytes = pages * KvCache::page_bytes(host->config());
@@ -70,7 +69,7 @@ inline std::unique_ptr<ForwardBackend> make_backend(const std::string& name, int
   opts.parallel_graphs = graphs;
   opts.synthetic_seed = 5;
   opts.dp_kv_partitions = false;
-  auto be = ranks == 1            ? make_cuda_backend(std::move(host), opts)
+  auto be = ranks == 1 ? make_cuda_backend(std::move(host), opts)
             : split == Split::kTensor
                 ? make_cuda_sharded_backend(std::move(host), opts, ranks, ep)
                 : make_cuda_data_parallel_backend(std::move(host), opts, ranks, ep);
@@ -147,9 +146,9 @@ inline std::vector<int32_t> lcg_prompt(size_t n, uint64_t& state) {
 // on), the reference's greedy tokens fed to both (teacher forcing). Every logprob within `tol`;
 // the sharded backend's device-greedy tokens equal the reference's wherever its top-2 margin is
 // above 2 * tol. `after_prefill` may check the prefill step (e.g. which rank ran what).
-inline void expect_synthetic_decode_matches(BackendPair& p, double tol, const std::string& label,
-                                            const std::function<void(const BackendPair::Out&)>&
-                                                after_prefill = nullptr) {
+inline void expect_synthetic_decode_matches(
+    BackendPair& p, double tol, const std::string& label,
+    const std::function<void(const BackendPair::Out&)>& after_prefill = nullptr) {
   const int64_t V = p.config().vocab_size;
   uint64_t state = 99;
   const std::vector<int32_t> pa = lcg_prompt(300, state), pb = lcg_prompt(170, state);

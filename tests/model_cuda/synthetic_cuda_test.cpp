@@ -14,12 +14,12 @@
 #include "engine/engine.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
-#include "runtime/cuda/cuda_backend.h"
-#include "runtime/sequence_runner.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/cuda/synthetic_weights.h"
 #include "model/kv_cache.h"
 #include "model/synthetic_model.h"
+#include "runtime/cuda/cuda_backend.h"
+#include "runtime/sequence_runner.h"
 
 namespace m3::model {
 namespace {
@@ -34,7 +34,9 @@ std::string no_gpu_reason() {
 #define SKIP_WITHOUT_GPU() \
   if (!no_gpu_reason().empty()) GTEST_SKIP() << "no usable GPU: " << no_gpu_reason()
 
-size_t mat_bytes(const MatRef& m) { return static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype); }
+size_t mat_bytes(const MatRef& m) {
+  return static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype);
+}
 
 // Checksums of a few whole tensors: embedding, a dense layer's q, the MoE layer's router and
 // its whole w1 block (128 experts, 4.8 GB), and the lm_head.
@@ -42,11 +44,12 @@ std::vector<uint64_t> checksums(const M3ModelCuda& m) {
   const M3Weights& w = m.device_weights();
   const LayerWeights& moe = w.layers[3];
   cudaStream_t s = nullptr;  // legacy default stream: ordered after the generation's sync
-  return {device_checksum(w.embed_tokens.data, mat_bytes(w.embed_tokens), s),
-          device_checksum(w.layers[0].q_proj.data, mat_bytes(w.layers[0].q_proj), s),
-          device_checksum(moe.router.data, mat_bytes(moe.router), s),
-          device_checksum(moe.experts[0].w1.data, mat_bytes(moe.experts[0].w1) * moe.experts.size(), s),
-          device_checksum(w.lm_head.data, mat_bytes(w.lm_head), s)};
+  return {
+      device_checksum(w.embed_tokens.data, mat_bytes(w.embed_tokens), s),
+      device_checksum(w.layers[0].q_proj.data, mat_bytes(w.layers[0].q_proj), s),
+      device_checksum(moe.router.data, mat_bytes(moe.router), s),
+      device_checksum(moe.experts[0].w1.data, mat_bytes(moe.experts[0].w1) * moe.experts.size(), s),
+      device_checksum(w.lm_head.data, mat_bytes(w.lm_head), s)};
 }
 
 TEST(SyntheticCuda, FourLayersAtRealShapesDecodeFiniteLogits) {
@@ -132,12 +135,15 @@ TEST(SyntheticCuda, SameSeedSameWeightsOtherSeedOtherWeights) {
 uint64_t block_checksum(const MatRef& m, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
   const size_t es = dtype_size(m.dtype);
   gpu::DeviceBuffer<uint8_t> tmp(static_cast<size_t>(nr * nc) * es);
-  EXPECT_EQ(cudaMemcpy2D(tmp.data(), nc * es, static_cast<const uint8_t*>(m.data) + (r0 * m.cols + c0) * es,
-                         m.cols * es, nc * es, nr, cudaMemcpyDeviceToDevice),
+  EXPECT_EQ(cudaMemcpy2D(tmp.data(), nc * es,
+                         static_cast<const uint8_t*>(m.data) + (r0 * m.cols + c0) * es, m.cols * es,
+                         nc * es, nr, cudaMemcpyDeviceToDevice),
             cudaSuccess);
   return device_checksum(tmp.data(), tmp.size(), nullptr);
 }
-uint64_t whole_checksum(const MatRef& m) { return device_checksum(m.data, mat_bytes(m), nullptr); }
+uint64_t whole_checksum(const MatRef& m) {
+  return device_checksum(m.data, mat_bytes(m), nullptr);
+}
 
 // A tensor-parallel rank's synthetic weights are exactly its slices of the unsharded model's
 // (M3ModelCuda::synthetic with a ShardPlan): what makes `synthetic:layers=N` under TP compute what
@@ -167,8 +173,8 @@ TEST(SyntheticCuda, RankShardsAreSlicesOfTheWholeModel) {
       ASSERT_TRUE(shard) << shard.error().message;
       const M3Weights& S = (*shard)->device_weights();
       EXPECT_EQ((*shard)->weight_bytes(), static_cast<size_t>(synthetic_weight_bytes(cfg, p)));
-      const std::string where = "TP" + std::to_string(sp.world) + (sp.ep ? "+EP" : "") +
-                                " rank " + std::to_string(r);
+      const std::string where =
+          "TP" + std::to_string(sp.world) + (sp.ep ? "+EP" : "") + " rank " + std::to_string(r);
       EXPECT_EQ(whole_checksum(S.embed_tokens),
                 block_checksum(W.embed_tokens, p.vocab_begin, p.vocab_count, 0, cfg.hidden_size))
           << where;
@@ -180,23 +186,21 @@ TEST(SyntheticCuda, RankShardsAreSlicesOfTheWholeModel) {
       for (int64_t li : {0, 3}) {  // a dense layer and the MoE + MSA layer
         const LayerWeights &A = S.layers[li], &B = W.layers[li];
         const std::string at = where + " layer " + std::to_string(li);
-        EXPECT_EQ(whole_checksum(A.q_proj), block_checksum(B.q_proj, p.q_head_begin * d,
-                                                           p.num_q_heads * d, 0, B.q_proj.cols))
+        EXPECT_EQ(whole_checksum(A.q_proj),
+                  block_checksum(B.q_proj, p.q_head_begin * d, p.num_q_heads * d, 0, B.q_proj.cols))
             << at;
         EXPECT_EQ(whole_checksum(A.v_proj), block_checksum(B.v_proj, p.kv_head_begin * d,
                                                            p.num_kv_heads * d, 0, B.v_proj.cols))
             << at;
-        EXPECT_EQ(whole_checksum(A.o_proj), block_checksum(B.o_proj, 0, B.o_proj.rows,
-                                                           p.q_head_begin * d, p.num_q_heads * d))
+        EXPECT_EQ(whole_checksum(A.o_proj),
+                  block_checksum(B.o_proj, 0, B.o_proj.rows, p.q_head_begin * d, p.num_q_heads * d))
             << at;
         if (li == 0) {
-          EXPECT_EQ(whole_checksum(A.down_proj),
-                    block_checksum(B.down_proj, 0, B.down_proj.rows, p.dense_inter_begin,
-                                   p.dense_inter))
+          EXPECT_EQ(whole_checksum(A.down_proj), block_checksum(B.down_proj, 0, B.down_proj.rows,
+                                                                p.dense_inter_begin, p.dense_inter))
               << at;
-          EXPECT_EQ(whole_checksum(A.up_proj),
-                    block_checksum(B.up_proj, p.dense_inter_begin, p.dense_inter, 0,
-                                   B.up_proj.cols))
+          EXPECT_EQ(whole_checksum(A.up_proj), block_checksum(B.up_proj, p.dense_inter_begin,
+                                                              p.dense_inter, 0, B.up_proj.cols))
               << at;
           continue;
         }
@@ -213,11 +217,11 @@ TEST(SyntheticCuda, RankShardsAreSlicesOfTheWholeModel) {
         ASSERT_EQ(static_cast<int64_t>(A.experts.size()), p.num_experts) << at;
         for (int64_t e : {int64_t{0}, p.num_experts - 1}) {
           const ExpertWeights &X = A.experts[e], &Y = B.experts[p.expert_begin + e];
-          EXPECT_EQ(whole_checksum(X.w1), block_checksum(Y.w1, p.expert_inter_begin,
-                                                         p.expert_inter, 0, Y.w1.cols))
+          EXPECT_EQ(whole_checksum(X.w1),
+                    block_checksum(Y.w1, p.expert_inter_begin, p.expert_inter, 0, Y.w1.cols))
               << at << " expert " << e;
-          EXPECT_EQ(whole_checksum(X.w2), block_checksum(Y.w2, 0, Y.w2.rows,
-                                                         p.expert_inter_begin, p.expert_inter))
+          EXPECT_EQ(whole_checksum(X.w2),
+                    block_checksum(Y.w2, 0, Y.w2.rows, p.expert_inter_begin, p.expert_inter))
               << at << " expert " << e;
         }
       }

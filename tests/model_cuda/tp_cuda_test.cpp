@@ -30,13 +30,13 @@
 #include <cuda_runtime.h>
 
 #include "core/check.h"
-#include "runtime/cuda/cuda_backend.h"
 #include "model/golden_util.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
-#include "runtime/sequence_runner.h"
 #include "model/synthetic_model.h"
 #include "model_cuda/multi_gpu_test_util.h"
+#include "runtime/cuda/cuda_backend.h"
+#include "runtime/sequence_runner.h"
 #ifdef M3_TEST_ENGINE
 #include "engine/engine.h"
 #include "unit/engine/engine_test_util.h"
@@ -96,7 +96,9 @@ struct TpCase {
 std::string case_name(const TpCase& c) {
   return c.golden + (c.eager ? "_eager" : "_graphs") + (c.expert_parallel ? "_ep" : "");
 }
-void PrintTo(const TpCase& c, std::ostream* os) { *os << case_name(c); }
+void PrintTo(const TpCase& c, std::ostream* os) {
+  *os << case_name(c);
+}
 
 class TpGolden : public ::testing::TestWithParam<TpCase> {};
 
@@ -184,27 +186,30 @@ TEST_P(TpGolden, Tp2MatchesTp1AndTransformers) {
 
 // Every golden whose heads, KV heads and intermediates divide by 2, run eagerly (the default for
 // TP ranks).
-INSTANTIATE_TEST_SUITE_P(
-    Tp2, TpGolden,
-    ::testing::Values(TpCase{"m3_ratio", true}, TpCase{"msa_small_blocks", true},
-                      TpCase{"dense_only", true}, TpCase{"real_geometry", true}),
-    [](const auto& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Tp2, TpGolden,
+                         ::testing::Values(TpCase{"m3_ratio", true},
+                                           TpCase{"msa_small_blocks", true},
+                                           TpCase{"dense_only", true},
+                                           TpCase{"real_geometry", true}),
+                         [](const auto& info) { return case_name(info.param); });
 // The same with CUDA-graph replay of the decode steps (CudaBackendOptions::
 // parallel_graphs). The first H200x2 run aborted: the goldens' MoE layers take the
 // per-expert path (their expert slices are not 16-byte rows), which synchronises the host, and a
 // capture hit it. Shapes whose eager run synchronises are now never captured; passes on 2 H200s.
 // Expert parallel on GPUs: each rank owns half the experts whole; picks of the other rank's
 // experts add nothing locally and arrive through the all-reduce after the block.
-INSTANTIATE_TEST_SUITE_P(
-    Tp2ExpertParallel, TpGolden,
-    ::testing::Values(TpCase{"m3_ratio", true, true}, TpCase{"dense_only", true, true},
-                      TpCase{"real_geometry", true, true}, TpCase{"m3_ratio", false, true}),
-    [](const auto& info) { return case_name(info.param); });
-INSTANTIATE_TEST_SUITE_P(
-    Tp2Graphs, TpGolden,
-    ::testing::Values(TpCase{"m3_ratio", false}, TpCase{"msa_small_blocks", false},
-                      TpCase{"dense_only", false}, TpCase{"real_geometry", false}),
-    [](const auto& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Tp2ExpertParallel, TpGolden,
+                         ::testing::Values(TpCase{"m3_ratio", true, true},
+                                           TpCase{"dense_only", true, true},
+                                           TpCase{"real_geometry", true, true},
+                                           TpCase{"m3_ratio", false, true}),
+                         [](const auto& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Tp2Graphs, TpGolden,
+                         ::testing::Values(TpCase{"m3_ratio", false},
+                                           TpCase{"msa_small_blocks", false},
+                                           TpCase{"dense_only", false},
+                                           TpCase{"real_geometry", false}),
+                         [](const auto& info) { return case_name(info.param); });
 
 // A mixed step (one sequence prefilling while another decodes) on TP2 equals the same step on
 // TP1: the sharded forward handles several sequences and block tables in one batch.
@@ -293,8 +298,8 @@ TEST(TpCuda, AnUndividedSplitIsRefusedBeforeAnyGpuWork) {
 TEST(TpCuda, EngineGreedyTp2EqualsTp1) {
   SKIP_UNLESS_TWO_GPUS();
   const std::string name = "msa_small_blocks";
-  const auto reqs = engine::testing::golden_greedy_requests(
-      read_json(root() + "/" + name + "/golden.json"));
+  const auto reqs =
+      engine::testing::golden_greedy_requests(read_json(root() + "/" + name + "/golden.json"));
   ASSERT_FALSE(reqs.empty());
   auto run = [&](int tp) {
     engine::EngineConfig ec;

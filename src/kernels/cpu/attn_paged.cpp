@@ -39,8 +39,8 @@ void kv_write(const KvPages& c, const TokenLayout& L, const float* k, const floa
     const int32_t p = L.positions[t];
     const int32_t s = L.seq_ids[t];
     const int64_t nblk = L.block_table_offsets[s + 1] - L.block_table_offsets[s];
-    M3_CHECK(p / c.page_size < nblk, "kv_write: position %d beyond the block table (%lld pages)",
-             p, (long long)nblk);
+    M3_CHECK(p / c.page_size < nblk, "kv_write: position %d beyond the block table (%lld pages)", p,
+             (long long)nblk);
     const int32_t page = page_of(L, s, p / c.page_size);
     M3_CHECK(page >= 0 && page < c.num_pages, "kv_write: page %d out of range", page);
     const int64_t slot = static_cast<int64_t>(page) * c.page_size + p % c.page_size;

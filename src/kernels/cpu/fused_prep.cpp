@@ -33,15 +33,16 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
            "attn_prep: the cache holds %lld KV heads of %lld, the step %lld of %lld",
            static_cast<long long>(cache.num_kv_heads), static_cast<long long>(cache.head_dim),
            static_cast<long long>(a.num_kv_heads), static_cast<long long>(d));
-  M3_CHECK(a.q_norm.n == d && a.k_norm.n == d, "attn_prep: q/k norm weights of %lld / %lld for "
-           "head_dim %lld", static_cast<long long>(a.q_norm.n), static_cast<long long>(a.k_norm.n),
+  M3_CHECK(a.q_norm.n == d && a.k_norm.n == d,
+           "attn_prep: q/k norm weights of %lld / %lld for "
+           "head_dim %lld",
+           static_cast<long long>(a.q_norm.n), static_cast<long long>(a.k_norm.n),
            static_cast<long long>(d));
   M3_CHECK(a.rot_dim >= 0 && a.rot_dim <= d && a.rot_dim % 2 == 0, "attn_prep: rot_dim %lld",
            static_cast<long long>(a.rot_dim));
   M3_CHECK(a.in_stride == 0 || a.q_out != a.q, "attn_prep: strided q needs a separate q_out");
-  M3_CHECK(a.num_index_heads == 0 ||
-               (cache.ik != nullptr && cache.index_dim == a.index_dim &&
-                a.index_rot_dim >= 0 && a.index_rot_dim <= a.index_dim),
+  M3_CHECK(a.num_index_heads == 0 || (cache.ik != nullptr && cache.index_dim == a.index_dim &&
+                                      a.index_rot_dim >= 0 && a.index_rot_dim <= a.index_dim),
            "attn_prep: index heads need index-K pages of dim %lld",
            static_cast<long long>(a.index_dim));
   // q: [T, nq, d] -> q_out, normed per head and rotated.

@@ -11,8 +11,8 @@ namespace m3::kernels::cpu {
 
 void moe_localize_ids(int32_t* ids, int64_t n, int64_t first, int64_t count) {
   for (int64_t i = 0; i < n; ++i)
-    ids[i] = (ids[i] >= first && ids[i] < first + count) ? static_cast<int32_t>(ids[i] - first)
-                                                         : -1;
+    ids[i] =
+        (ids[i] >= first && ids[i] < first + count) ? static_cast<int32_t>(ids[i] - first) : -1;
 }
 
 void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights, int64_t k,

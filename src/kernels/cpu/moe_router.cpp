@@ -10,8 +10,8 @@
 
 namespace m3::kernels::cpu {
 
-void router_topk(const float* logits, int64_t n, int64_t num_experts, const float* bias,
-                 int64_t k, float scale, int32_t* ids, float* weights) {
+void router_topk(const float* logits, int64_t n, int64_t num_experts, const float* bias, int64_t k,
+                 float scale, int32_t* ids, float* weights) {
   M3_CHECK(k > 0 && k <= num_experts);
   parallel_for(n, [&](int64_t t0, int64_t t1) {
     std::vector<float> s(num_experts), choice(num_experts);

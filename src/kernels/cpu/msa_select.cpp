@@ -70,9 +70,10 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
       }
       order.resize(nb);
       std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + topk, order.end(), [&](int32_t a, int32_t b) {
-        return score[a] > score[b] || (score[a] == score[b] && a < b);
-      });
+      std::partial_sort(order.begin(), order.begin() + topk, order.end(),
+                        [&](int32_t a, int32_t b) {
+                          return score[a] > score[b] || (score[a] == score[b] && a < b);
+                        });
       std::sort(order.begin(), order.begin() + topk);
       for (int64_t i = 0; i < topk; ++i) o[i] = order[i];
     }

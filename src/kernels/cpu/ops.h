@@ -55,8 +55,8 @@ void swiglu_oai(const float* gate, const float* up, int64_t n, int64_t inter, fl
 // Sigmoid router: s = sigmoid(logits); experts chosen by top-k of s + bias (bias may be null);
 // weights = s of the chosen, renormalised to sum 1, times `scale`. Ties pick the lower expert id.
 // logits [n, num_experts] f32 -> ids [n, k], weights [n, k].
-void router_topk(const float* logits, int64_t n, int64_t num_experts, const float* bias,
-                 int64_t k, float scale, int32_t* ids, float* weights);
+void router_topk(const float* logits, int64_t n, int64_t num_experts, const float* bias, int64_t k,
+                 float scale, int32_t* ids, float* weights);
 
 // ---- paged KV cache + attention ----
 // KvPages (kernels/views.h): per-layer cache storage, fp32. TokenLayout: where each token of a

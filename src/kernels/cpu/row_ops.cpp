@@ -16,11 +16,12 @@ void add_inplace(float* x, const float* y, int64_t n) {
 
 void copy_rows_2d(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
                   int64_t width, int64_t rows) {
-  for (int64_t r = 0; r < rows; ++r)
-    std::copy_n(src + r * src_stride, width, dst + r * dst_stride);
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(src + r * src_stride, width, dst + r * dst_stride);
 }
 
-void fill_zero(float* x, int64_t n) { std::fill(x, x + n, 0.f); }
+void fill_zero(float* x, int64_t n) {
+  std::fill(x, x + n, 0.f);
+}
 
 void copy(float* dst, const float* src, int64_t n) {
   if (n > 0 && dst != src) std::copy(src, src + n, dst);

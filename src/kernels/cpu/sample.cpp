@@ -73,8 +73,7 @@ int32_t sample_one(const float* l, int64_t V, const SampleRow& p) {
 }  // namespace
 
 double sample_uniform(uint64_t seed, uint64_t step, int64_t id) {
-  const uint64_t h =
-      splitmix64(splitmix64(splitmix64(seed) ^ step) ^ static_cast<uint64_t>(id));
+  const uint64_t h = splitmix64(splitmix64(splitmix64(seed) ^ step) ^ static_cast<uint64_t>(id));
   // 53 random bits, centred in their cell: strictly inside (0, 1).
   return (static_cast<double>(h >> 11) + 0.5) * (1.0 / 9007199254740992.0);
 }

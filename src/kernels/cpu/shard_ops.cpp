@@ -8,8 +8,10 @@ namespace m3::kernels::cpu {
 
 void embedding_vocab_slice(const MatRef& table, int64_t vocab_begin, int64_t vocab_size,
                            int64_t hidden, const int32_t* ids, int64_t n, float* out) {
-  M3_CHECK(table.rows == 0 || table.cols == hidden, "embedding_vocab_slice: table of %lld columns "
-           "for hidden %lld", static_cast<long long>(table.cols), static_cast<long long>(hidden));
+  M3_CHECK(table.rows == 0 || table.cols == hidden,
+           "embedding_vocab_slice: table of %lld columns "
+           "for hidden %lld",
+           static_cast<long long>(table.cols), static_cast<long long>(hidden));
   M3_CHECK(vocab_begin >= 0 && vocab_begin + table.rows <= vocab_size,
            "embedding_vocab_slice: rows [%lld, %lld) outside the vocabulary of %lld",
            static_cast<long long>(vocab_begin), static_cast<long long>(vocab_begin + table.rows),

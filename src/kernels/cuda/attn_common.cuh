@@ -78,7 +78,9 @@ __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* r
 
 // Multiprocessors of the current device (sizes split grids): blas::num_sms, read once per
 // device, so ranks on different GPUs of one process each get their own.
-inline int num_sms() { return blas::num_sms(); }
+inline int num_sms() {
+  return blas::num_sms();
+}
 
 // Raises `kernel`'s dynamic shared-memory limit to `bytes` once per device: the attribute is a
 // property of the function on one device, so a process driving several GPUs (tensor-parallel

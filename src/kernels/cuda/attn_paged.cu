@@ -3,7 +3,8 @@
 // warps per (token, kv head, split); each warp streams 32-key tiles (K via cp.async into shared
 // memory, one lane per key for the scores; V straight from global memory, one lane per 4 output
 // dims) with its own online fp32 softmax; the CTA merges its warps, and
-// attention_combine_kernel merges the splits. Other geometries use the generic kernel: one CTA per (token, kv head), 32-key chunks.
+// attention_combine_kernel merges the splits. Other geometries use the generic kernel: one CTA per
+// (token, kv head), 32-key chunks.
 #include <algorithm>
 
 #include "kernels/cuda/attn_common.cuh"
@@ -46,16 +47,15 @@ struct AttnSmem {
   int64_t group, d;
   __host__ __device__ int64_t kd() const { return d + 1; }  // K rows padded: no bank conflicts
   __host__ __device__ size_t bytes() const {
-    return kChunk * sizeof(int64_t) +
-           sizeof(float) * (group * d + kChunk * kd() + kChunk * d + group * kChunk +
-                            group * d + 3 * group);
+    return kChunk * sizeof(int64_t) + sizeof(float) * (group * d + kChunk * kd() + kChunk * d +
+                                                       group * kChunk + group * d + 3 * group);
   }
 };
 
 __global__ void __launch_bounds__(kAttnThreads)
-    attention_generic_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
-                     const int32_t* __restrict__ blocks, int64_t max_blocks, float scale,
-                     float* __restrict__ out) {
+    attention_generic_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c,
+                             TokenLayout L, const int32_t* __restrict__ blocks, int64_t max_blocks,
+                             float scale, float* __restrict__ out) {
   extern __shared__ __align__(16) unsigned char attn_smem[];
   const int64_t nkv = c.num_kv_heads, d = c.head_dim, bs = c.page_size;
   const int64_t group = num_heads / nkv;
@@ -176,11 +176,10 @@ struct SplitSmem {
 // block sel[e] (none for -1), each masked to positions <= p. Warps take every 4th tile.
 template <int G>
 __global__ void __launch_bounds__(kSplitThreads)
-    attention_split_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c,
-                           TokenLayout L, const int32_t* __restrict__ blocks, int64_t max_blocks,
-                           float scale, int64_t max_kv_len, int num_splits,
-                           float* __restrict__ part_o, float* __restrict__ part_ml,
-                           float* __restrict__ out) {
+    attention_split_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
+                           const int32_t* __restrict__ blocks, int64_t max_blocks, float scale,
+                           int64_t max_kv_len, int num_splits, float* __restrict__ part_o,
+                           float* __restrict__ part_ml, float* __restrict__ out) {
   using detail::kWarp;
   extern __shared__ __align__(16) float split_smem[];
   const int D = static_cast<int>(c.head_dim);
@@ -411,7 +410,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   const float inv = 1.0f / l;
   for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
     float o = 0.f;
-    for (int s = 0; s < num_splits; ++s) o = fmaf(wts[s], part_o[((base + s) * group + h) * d + i], o);
+    for (int s = 0; s < num_splits; ++s)
+      o = fmaf(wts[s], part_o[((base + s) * group + h) * d + i], o);
     out[(t * num_heads + hq) * d + i] = o * inv;
   }
 }
@@ -502,11 +502,26 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
       part_ml = part_o + T * num_heads * splits * cache.head_dim;
     }
     switch (pow2_group(group)) {
-      case 1: launch_split<1>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out, stream); break;
-      case 2: launch_split<2>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out, stream); break;
-      case 4: launch_split<4>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out, stream); break;
-      case 8: launch_split<8>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out, stream); break;
-      default: launch_split<16>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out, stream); break;
+      case 1:
+        launch_split<1>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
+                        part_o, part_ml, out, stream);
+        break;
+      case 2:
+        launch_split<2>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
+                        part_o, part_ml, out, stream);
+        break;
+      case 4:
+        launch_split<4>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
+                        part_o, part_ml, out, stream);
+        break;
+      case 8:
+        launch_split<8>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
+                        part_o, part_ml, out, stream);
+        break;
+      default:
+        launch_split<16>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
+                         part_o, part_ml, out, stream);
+        break;
     }
     if (splits > 1) {
       M3_CHECK(T * num_heads <= 0x7fffffff);
@@ -521,8 +536,10 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
   const int64_t grid = T * cache.num_kv_heads;
   const AttnSmem lay{group, cache.head_dim};
   const size_t smem = lay.bytes();
-  M3_CHECK(smem <= 227 * 1024, "cuda::attention: %zu bytes of shared memory (group %lld, head "
-           "dim %lld)", smem, (long long)lay.group, (long long)lay.d);
+  M3_CHECK(smem <= 227 * 1024,
+           "cuda::attention: %zu bytes of shared memory (group %lld, head "
+           "dim %lld)",
+           smem, (long long)lay.group, (long long)lay.d);
   if (smem > 48 * 1024) {
     M3_CUDA_CHECK(cudaFuncSetAttribute(attention_generic_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,

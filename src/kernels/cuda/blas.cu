@@ -25,14 +25,14 @@ namespace {
 std::atomic<GemmPrecision> g_precision{GemmPrecision::kExact};
 
 [[noreturn]] void cublas_fail(cublasStatus_t st, const char* what, const char* file, int line) {
-  std::fprintf(stderr, "m3serve: cuBLASLt call failed at %s:%d: %s: status %d\n", file, line,
-               what, static_cast<int>(st));
+  std::fprintf(stderr, "m3serve: cuBLASLt call failed at %s:%d: %s: status %d\n", file, line, what,
+               static_cast<int>(st));
   std::abort();
 }
 
-#define M3_CUBLAS_CHECK(expr)                                                      \
-  do {                                                                             \
-    cublasStatus_t m3_st_ = (expr);                                                \
+#define M3_CUBLAS_CHECK(expr)                                                            \
+  do {                                                                                   \
+    cublasStatus_t m3_st_ = (expr);                                                      \
     if (m3_st_ != CUBLAS_STATUS_SUCCESS) cublas_fail(m3_st_, #expr, __FILE__, __LINE__); \
   } while (0)
 
@@ -111,8 +111,10 @@ const Plan& plan_for(const PlanKey& key, cublasLtHandle_t lt) {
   const cudaDataType_t in_t = key.f32 ? CUDA_R_32F : CUDA_R_16BF;
   M3_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  M3_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-  M3_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  M3_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  M3_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
   M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, in_t, key.k, key.m, key.k));
   M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, in_t, key.k, key.n, key.k));
   M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, key.m, key.n, key.m));
@@ -131,8 +133,8 @@ const Plan& plan_for(const PlanKey& key, cublasLtHandle_t lt) {
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof key.align_c));
   cublasLtMatmulHeuristicResult_t res = {};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.a, p.b, p.c, p.c, pref,
-                                                           1, &res, &found);
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
   M3_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
   if (st == CUBLAS_STATUS_SUCCESS && found > 0 && res.state == CUBLAS_STATUS_SUCCESS) {
     p.ok = true;
@@ -147,7 +149,7 @@ const Plan& plan_for(const PlanKey& key, cublasLtHandle_t lt) {
 bool matmul(const void* wdata, bool f32, const void* xdata, int64_t n, int64_t m, int64_t k,
             float* y, float beta, cudaStream_t stream) {
   DeviceState& ds = device_state();
-  const PlanKey key{current_device(), m,         n,         k, f32, alignment(wdata),
+  const PlanKey key{current_device(), m,           n, k, f32, alignment(wdata),
                     alignment(xdata), alignment(y)};
   const Plan& p = plan_for(key, ds.lt);
   if (!p.ok) return false;
@@ -197,8 +199,12 @@ int read_exact_terms() {
 
 }  // namespace
 
-void set_gemm_precision(GemmPrecision p) { g_precision.store(p); }
-GemmPrecision gemm_precision() { return g_precision.load(); }
+void set_gemm_precision(GemmPrecision p) {
+  g_precision.store(p);
+}
+GemmPrecision gemm_precision() {
+  return g_precision.load();
+}
 
 namespace blas {
 
@@ -247,16 +253,17 @@ bool gemm(const float* x, int64_t n, const cpu::MatRef& w, float* y, cudaStream_
   if (terms > 1 && n <= kConcatMaxTokens) {
     // Few tokens: the GEMM is bound by reading W, so read it once for all terms: the terms
     // stacked as terms * n rows of one B matrix, then y = Σ_t y_t in term order.
-    auto* xb = static_cast<__nv_bfloat16*>(pool_alloc(count * terms * sizeof(__nv_bfloat16), stream));
+    auto* xb =
+        static_cast<__nv_bfloat16*>(pool_alloc(count * terms * sizeof(__nv_bfloat16), stream));
     auto* yt = static_cast<float*>(pool_alloc(terms * n * w.rows * sizeof(float), stream));
-    split_bf16_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(x, count, count,
-                                                                            terms, xb);
+    split_bf16_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(x, count, count, terms,
+                                                                             xb);
     M3_CUDA_CHECK_LAUNCH("split_bf16_kernel");
     const bool ok = matmul(w.data, false, xb, terms * n, w.rows, w.cols, yt, 0.f, stream);
     if (ok) {
       const int64_t out = n * w.rows;
-      sum_terms_kernel<<<static_cast<unsigned>(std::min<int64_t>((out + 255) / 256, 65536)), 256,
-                         0, stream>>>(yt, terms, out, y);
+      sum_terms_kernel<<<static_cast<unsigned>(std::min<int64_t>((out + 255) / 256, 65536)), 256, 0,
+                         stream>>>(yt, terms, out, y);
       M3_CUDA_CHECK_LAUNCH("sum_terms_kernel");
     }
     pool_free(yt, stream);
@@ -266,9 +273,10 @@ bool gemm(const float* x, int64_t n, const cpu::MatRef& w, float* y, cudaStream_
   // Many tokens: one GEMM per term, accumulated through beta = 1 (no extra output pass). Each
   // term starts 256-byte aligned, so all terms share term 0's plan and alignment.
   const int64_t stride = (count + 127) / 128 * 128;
-  auto* xb = static_cast<__nv_bfloat16*>(pool_alloc(stride * terms * sizeof(__nv_bfloat16), stream));
-  split_bf16_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(x, count, stride,
-                                                                          terms, xb);
+  auto* xb =
+      static_cast<__nv_bfloat16*>(pool_alloc(stride * terms * sizeof(__nv_bfloat16), stream));
+  split_bf16_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(x, count, stride, terms,
+                                                                           xb);
   M3_CUDA_CHECK_LAUNCH("split_bf16_kernel");
   // Term 0 has no algorithm only if none exists for this shape; then nothing else runs and the
   // caller's fallback overwrites y. Later terms use the same plan, so they cannot fail.

@@ -14,13 +14,13 @@
 
 // A broken caller contract inside a kernel (index out of range, a block in the future): print
 // it and trap, so the next CUDA check on the host ends the process (design.md §4).
-#define M3_DEVICE_CHECK(cond, fmt, ...)                                                  \
-  do {                                                                                   \
-    if (!(cond)) {                                                                       \
-      printf("m3serve: device check failed at %s:%d: %s: " fmt "\n", __FILE__, __LINE__, \
-             #cond, __VA_ARGS__);                                                        \
-      __trap();                                                                          \
-    }                                                                                    \
+#define M3_DEVICE_CHECK(cond, fmt, ...)                                                         \
+  do {                                                                                          \
+    if (!(cond)) {                                                                              \
+      printf("m3serve: device check failed at %s:%d: %s: " fmt "\n", __FILE__, __LINE__, #cond, \
+             __VA_ARGS__);                                                                      \
+      __trap();                                                                                 \
+    }                                                                                           \
   } while (0)
 
 namespace m3::kernels::cuda::detail {
@@ -112,6 +112,8 @@ __device__ __forceinline__ void block_best(float& s, int32_t& id, float* red_s, 
   __syncthreads();
 }
 
-inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+inline unsigned ceil_div(int64_t a, int64_t b) {
+  return static_cast<unsigned>((a + b - 1) / b);
+}
 
 }  // namespace m3::kernels::cuda::detail

@@ -1,7 +1,8 @@
 // Fused CUDA ops of the GPU forward (kernels/cuda/fused_prep.cu): each equals a sequence of the
 // CPU ops in kernels/cpu/ops.h run one after another, and is tested against its CPU twin in
-// kernels/cpu/fused.h, which is that sequence (tests/kernels/fused_cuda_test.cpp). They exist to cut launches and activation round trips in
-// decode steps. Invariant: device pointers only; enqueue on `stream`, no host sync.
+// kernels/cpu/fused.h, which is that sequence (tests/kernels/fused_cuda_test.cpp). They exist to
+// cut launches and activation round trips in decode steps. Invariant: device pointers only; enqueue
+// on `stream`, no host sync.
 #pragma once
 
 #include <cstdint>

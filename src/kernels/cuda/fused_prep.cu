@@ -159,8 +159,9 @@ void add_rmsnorm_gemma(float* x, const float* y, int64_t rows, int64_t dim, cons
 
 void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& layout,
                cudaStream_t stream) {
-  M3_CHECK(a.head_dim <= kMaxPrepDim && a.index_dim <= kMaxPrepDim, "attn_prep: head dims %lld/%lld",
-           static_cast<long long>(a.head_dim), static_cast<long long>(a.index_dim));
+  M3_CHECK(a.head_dim <= kMaxPrepDim && a.index_dim <= kMaxPrepDim,
+           "attn_prep: head dims %lld/%lld", static_cast<long long>(a.head_dim),
+           static_cast<long long>(a.index_dim));
   M3_CHECK(a.rot_dim % 2 == 0 && a.rot_dim <= a.head_dim && a.rot_dim / 2 <= kMaxRopeHalf);
   M3_CHECK(a.q_norm.n == a.head_dim && a.k_norm.n == a.head_dim);
   M3_CHECK(cache.num_kv_heads == a.num_kv_heads && cache.head_dim == a.head_dim);
@@ -171,7 +172,8 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
   const bool index = a.num_index_heads > 0;
   if (index) {
     M3_CHECK(a.iq != nullptr && a.iq_out != nullptr && a.ik != nullptr && cache.ik != nullptr &&
-             cache.index_dim == a.index_dim, "attn_prep: index projections without an index-K cache");
+                 cache.index_dim == a.index_dim,
+             "attn_prep: index projections without an index-K cache");
     M3_CHECK(a.index_rot_dim % 2 == 0 && a.index_rot_dim <= a.index_dim &&
              a.index_rot_dim / 2 <= kMaxRopeHalf);
     M3_CHECK(a.iq_norm.n == a.index_dim && a.ik_norm.n == a.index_dim);

@@ -22,8 +22,12 @@ inline constexpr size_t kSmemBudget = 64 * 1024;  // staged x per CTA: 3 CTAs fi
 
 // Loads in flight per row and CTAs per SM by token-group size: registers hold the loads, NT x 4
 // accumulators and the widened weights; two CTAs per SM let one compute while the other waits.
-constexpr int iters(int nt) { return nt <= 2 ? 4 : 2; }
-constexpr int min_ctas(int nt) { return nt <= 8 ? 2 : 1; }
+constexpr int iters(int nt) {
+  return nt <= 2 ? 4 : 2;
+}
+constexpr int min_ctas(int nt) {
+  return nt <= 8 ? 2 : 1;
+}
 
 template <class W>
 struct Traits;
@@ -35,7 +39,7 @@ struct Traits<uint16_t> {  // bf16 bits
     const uint32_t u[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      f[2 * i] = __uint_as_float(u[i] << 16);          // element 2i: the low half
+      f[2 * i] = __uint_as_float(u[i] << 16);  // element 2i: the low half
       f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
     }
   }
@@ -64,20 +68,20 @@ constexpr int64_t k_unit() {
 }
 
 struct Params {
-  const float* x = nullptr;          // input rows [*, k] f32
-  const int32_t* x_rows = nullptr;   // x row of position p (null: p itself)
-  const void* w = nullptr;           // [m, k] (grouped: expert 0's; expert e at + e * w_stride)
-  const void* w_up = nullptr;        // fused: the up matrix beside w (gate)
-  int64_t w_stride = 0;              // elements between experts
+  const float* x = nullptr;         // input rows [*, k] f32
+  const int32_t* x_rows = nullptr;  // x row of position p (null: p itself)
+  const void* w = nullptr;          // [m, k] (grouped: expert 0's; expert e at + e * w_stride)
+  const void* w_up = nullptr;       // fused: the up matrix beside w (gate)
+  int64_t w_stride = 0;             // elements between experts
   int64_t m = 0, k = 0;
-  float* y = nullptr;                // [positions, m] (split-K: partials, + z * y_split_stride)
+  float* y = nullptr;  // [positions, m] (split-K: partials, + z * y_split_stride)
   int64_t y_split_stride = 0;
   int64_t n = 0;                     // positions when not grouped
   const int32_t* offsets = nullptr;  // grouped: [experts + 1] position ranges (null: dense)
   const int32_t* active = nullptr;   // grouped: active expert ids, ascending
   const int32_t* num_active = nullptr;
-  int64_t k_split = 0;               // k elements per blockIdx.z
-  int64_t kc = 0;                    // k elements staged per chunk
+  int64_t k_split = 0;  // k elements per blockIdx.z
+  int64_t kc = 0;       // k elements staged per chunk
   SwigluParams act;
 };
 
@@ -225,13 +229,16 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
 }
 
 // Token-group size for up to n positions per group: 1, 2, 4, 8 or 16 (more loop).
-inline int nt_bucket(int64_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : n <= 8 ? 8 : 16; }
+inline int nt_bucket(int64_t n) {
+  return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : n <= 8 ? 8 : 16;
+}
 
 // Largest chunk of k to stage for nt tokens within the shared-memory budget, at most k_split.
 template <class W>
 int64_t chunk_k(int nt, int64_t k_split) {
   const int64_t unit = k_unit<W>();
-  const int64_t max_kc = std::max<int64_t>(unit, static_cast<int64_t>(kSmemBudget) / (nt * 4) / unit * unit);
+  const int64_t max_kc =
+      std::max<int64_t>(unit, static_cast<int64_t>(kSmemBudget) / (nt * 4) / unit * unit);
   return std::min(max_kc, (k_split + unit - 1) / unit * unit);
 }
 
@@ -252,12 +259,17 @@ void launch_nt(const Params& p, dim3 grid, int threads, cudaStream_t stream) {
 template <class W, bool kFused>
 void launch(const Params& p, int nt, dim3 grid, int threads, cudaStream_t stream) {
   switch (nt) {
-    case 1: return launch_nt<W, 1, kFused>(p, grid, threads, stream);
-    case 2: return launch_nt<W, 2, kFused>(p, grid, threads, stream);
-    case 4: return launch_nt<W, 4, kFused>(p, grid, threads, stream);
-    case 8: return launch_nt<W, 8, kFused>(p, grid, threads, stream);
-    default: M3_CHECK(nt == 16, "gemv: token group %d", nt);
-             return launch_nt<W, 16, kFused>(p, grid, threads, stream);
+    case 1:
+      return launch_nt<W, 1, kFused>(p, grid, threads, stream);
+    case 2:
+      return launch_nt<W, 2, kFused>(p, grid, threads, stream);
+    case 4:
+      return launch_nt<W, 4, kFused>(p, grid, threads, stream);
+    case 8:
+      return launch_nt<W, 8, kFused>(p, grid, threads, stream);
+    default:
+      M3_CHECK(nt == 16, "gemv: token group %d", nt);
+      return launch_nt<W, 16, kFused>(p, grid, threads, stream);
   }
 }
 

@@ -110,11 +110,13 @@ void linear_simt(const float* x, int64_t n, const MatRef& w, float* y, cudaStrea
            static_cast<long long>(n));
   const dim3 grid(ceil_div(w.rows, kTileR), ceil_div(n, kTileT));
   linear_kernel<<<grid, kLinearThreads, 0, stream>>>(x, w.data, w.dtype == DType::kBF16, y, n,
-                                                    w.rows, w.cols);
+                                                     w.rows, w.cols);
   M3_CUDA_CHECK_LAUNCH("linear_kernel");
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
 
 template <class W>
 void linear_gemv(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream) {
@@ -169,8 +171,8 @@ namespace blas {
 
 bool gemv_supports(const MatRef& w) {
   const int64_t vec = w.dtype == DType::kBF16 ? 8 : 4;
-  return (w.dtype == DType::kBF16 || w.dtype == DType::kF32) && w.cols > 0 &&
-         w.cols % vec == 0 && aligned16(w.data);
+  return (w.dtype == DType::kBF16 || w.dtype == DType::kF32) && w.cols > 0 && w.cols % vec == 0 &&
+         aligned16(w.data);
 }
 
 LinearPath auto_path(int64_t n, const MatRef& w) {

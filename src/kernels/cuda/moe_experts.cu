@@ -23,21 +23,21 @@ constexpr int64_t kMaxTopK = 16;       // the combine sorts a token's picks in r
 
 // Routing arrays at the start of the workspace; then the path's activations.
 struct Layout {
-  int32_t* offsets;      // [ne + 1] position ranges per expert
-  int32_t* active;       // [ne] active expert ids, ascending
-  int32_t* num_active;   // [1]
-  int32_t* pair_token;   // [P] token of each position (positions sorted by expert, then token)
-  float* pair_weight;    // [P] its routing weight
-  int32_t* pair_pos;     // [P] position of pick (t, j) = ids[t * k + j]
+  int32_t* offsets;     // [ne + 1] position ranges per expert
+  int32_t* active;      // [ne] active expert ids, ascending
+  int32_t* num_active;  // [1]
+  int32_t* pair_token;  // [P] token of each position (positions sorted by expert, then token)
+  float* pair_weight;   // [P] its routing weight
+  int32_t* pair_pos;    // [P] position of pick (t, j) = ids[t * k + j]
   // few tokens (grouped GEMV)
-  float* act;            // [P, inter] swiglu(gate, up) per position
-  float* ye;             // [P, hidden] expert output per position
+  float* act;  // [P, inter] swiglu(gate, up) per position
+  float* ye;   // [P, hidden] expert output per position
   // many tokens (per-expert linear)
-  float* xe;             // [n, hidden] one expert's gathered tokens
-  float* g;              // [n, inter]
-  float* u;              // [n, inter]
-  float* ye_e;           // [n, hidden]
-  float* routed;         // [n, hidden]
+  float* xe;      // [n, hidden] one expert's gathered tokens
+  float* g;       // [n, inter]
+  float* u;       // [n, inter]
+  float* ye_e;    // [n, hidden]
+  float* routed;  // [n, hidden]
   size_t bytes;
 };
 
@@ -155,7 +155,8 @@ __global__ void __launch_bounds__(kRouteThreads)
 
 // out[t] = shared[t] + Σ_j weight * ye[pos_j] over t's picks in ascending position (= ascending
 // expert id). One CTA per token.
-__global__ void moe_combine_kernel(const float* __restrict__ ye, const int32_t* __restrict__ pair_pos,
+__global__ void moe_combine_kernel(const float* __restrict__ ye,
+                                   const int32_t* __restrict__ pair_pos,
                                    const float* __restrict__ pair_weight, int k, int64_t hidden,
                                    const float* shared, float* out) {
   const int64_t t = blockIdx.x;
@@ -222,8 +223,8 @@ unsigned grid_for(int64_t count) {
 }
 
 cpu::MatRef expert_mat(const void* base, DType dt, int64_t e, int64_t rows, int64_t cols) {
-  return cpu::MatRef{static_cast<const uint8_t*>(base) + e * rows * cols * dtype_size(dt), dt,
-                     rows, cols};
+  return cpu::MatRef{static_cast<const uint8_t*>(base) + e * rows * cols * dtype_size(dt), dt, rows,
+                     cols};
 }
 
 template <class W>
@@ -293,7 +294,7 @@ __global__ void localize_ids_kernel(int32_t* ids, int64_t n, int64_t first, int6
 void moe_localize_ids(int32_t* ids, int64_t n, int64_t first, int64_t count, cudaStream_t stream) {
   if (n == 0) return;
   localize_ids_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(ids, n, first,
-                                                                                count);
+                                                                                  count);
   M3_CUDA_CHECK_LAUNCH("localize_ids_kernel");
 }
 
@@ -312,10 +313,10 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
            dtype_name(w.dtype));
   M3_CHECK(w.w1_of == nullptr && w.w3_of == nullptr && w.w2_of == nullptr,
            "moe_experts: the CUDA op takes only the contiguous expert layout");
-  M3_CHECK(w.num_experts > 0 && w.num_experts <= kMaxExperts, "moe_experts: %lld experts (max %lld)",
-           static_cast<long long>(w.num_experts), static_cast<long long>(kMaxExperts));
-  M3_CHECK(k > 0 && k <= kMaxTopK, "moe_experts: top-%lld",
-           static_cast<long long>(k));
+  M3_CHECK(w.num_experts > 0 && w.num_experts <= kMaxExperts,
+           "moe_experts: %lld experts (max %lld)", static_cast<long long>(w.num_experts),
+           static_cast<long long>(kMaxExperts));
+  M3_CHECK(k > 0 && k <= kMaxTopK, "moe_experts: top-%lld", static_cast<long long>(k));
   if (n == 0) return;
   const int64_t P = n * k;
   M3_CHECK(P <= 0x7fffffff && n <= 0x7fffffff);
@@ -323,10 +324,9 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
   const int ne = static_cast<int>(w.num_experts);
 
   const size_t smem = 2 * ne * sizeof(int32_t) + 32 * ne;
-  moe_route_kernel<<<1, kRouteThreads, smem, stream>>>(ids, weights, static_cast<int>(P),
-                                                      static_cast<int>(k), ne, l.offsets,
-                                                      l.active, l.num_active, l.pair_token,
-                                                      l.pair_weight, l.pair_pos);
+  moe_route_kernel<<<1, kRouteThreads, smem, stream>>>(
+      ids, weights, static_cast<int>(P), static_cast<int>(k), ne, l.offsets, l.active, l.num_active,
+      l.pair_token, l.pair_weight, l.pair_pos);
   M3_CUDA_CHECK_LAUNCH("moe_route_kernel");
 
   if (n <= kMoeGemvMaxTokens && gemv_layout_ok(x, w)) {

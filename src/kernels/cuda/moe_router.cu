@@ -20,7 +20,7 @@ __global__ void __launch_bounds__(kWarp)
                        const float* __restrict__ bias, int64_t k, float scale,
                        int32_t* __restrict__ ids, float* __restrict__ weights) {
   extern __shared__ float router_smem[];
-  float* s = router_smem;                  // [num_experts] sigmoid scores
+  float* s = router_smem;                     // [num_experts] sigmoid scores
   float* choice = router_smem + num_experts;  // [num_experts] scores + bias
   const int64_t t = blockIdx.x;
   const int lane = threadIdx.x;
@@ -61,8 +61,8 @@ __global__ void __launch_bounds__(kWarp)
 
 }  // namespace
 
-void router_topk(const float* logits, int64_t n, int64_t num_experts, const float* bias,
-                 int64_t k, float scale, int32_t* ids, float* weights, cudaStream_t stream) {
+void router_topk(const float* logits, int64_t n, int64_t num_experts, const float* bias, int64_t k,
+                 float scale, int32_t* ids, float* weights, cudaStream_t stream) {
   M3_CHECK(k > 0 && k <= num_experts);
   M3_CHECK(num_experts <= kMaxExperts, "cuda::router_topk: %lld experts (max %lld)",
            (long long)num_experts, (long long)kMaxExperts);
@@ -70,7 +70,7 @@ void router_topk(const float* logits, int64_t n, int64_t num_experts, const floa
   M3_CHECK(n <= 0x7fffffff);
   const size_t smem = 2 * static_cast<size_t>(num_experts) * sizeof(float);
   router_topk_kernel<<<static_cast<unsigned>(n), kWarp, smem, stream>>>(logits, num_experts, bias,
-                                                                       k, scale, ids, weights);
+                                                                        k, scale, ids, weights);
   M3_CUDA_CHECK_LAUNCH("router_topk_kernel");
 }
 

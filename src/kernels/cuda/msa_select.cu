@@ -33,7 +33,9 @@ __device__ __forceinline__ uint32_t order_key(float s) {
   const uint32_t u = __float_as_uint(s + 0.0f);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
-__device__ __forceinline__ uint32_t forced_key() { return order_key(INFINITY); }
+__device__ __forceinline__ uint32_t forced_key() {
+  return order_key(INFINITY);
+}
 
 // The CPU op's dot (kernels/cpu/msa_select.cpp): 8 interleaved accumulators, summed in pairs, plus
 // the tail; the same order gives the same fp32 scores, so near-ties break the same way.
@@ -117,8 +119,7 @@ __global__ void __launch_bounds__(kScoreThreads)
       const int r = st * kScoreRows + lane;
       const int64_t blk = rg.b0 + static_cast<int64_t>(unit) * bpu + r / bs;
       const bool valid = blk < rg.b1;
-      const float* kr =
-          valid ? c.ik + (static_cast<int64_t>(table[blk]) * bs + r % bs) * di : c.ik;
+      const float* kr = valid ? c.ik + (static_cast<int64_t>(table[blk]) * bs + r % bs) * di : c.ik;
       float acc[NIP][8];
       float tail[NIP];
 #pragma unroll
@@ -131,9 +132,8 @@ __global__ void __launch_bounds__(kScoreThreads)
         float4 kv4[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u)
-          kv4[u] = (valid && i0 + 4 * u < di8)
-                       ? __ldg(reinterpret_cast<const float4*>(kr + i0) + u)
-                       : make_float4(0.f, 0.f, 0.f, 0.f);
+          kv4[u] = (valid && i0 + 4 * u < di8) ? __ldg(reinterpret_cast<const float4*>(kr + i0) + u)
+                                               : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int u2 = 0; u2 < 4; ++u2) {
           if (i0 + 8 * u2 >= di8) break;
@@ -172,8 +172,7 @@ __global__ void __launch_bounds__(kScoreThreads)
       } else {
         for (int off = 1; off < bs; off <<= 1) {
 #pragma unroll
-          for (int h = 0; h < NIP; ++h)
-            d[h] = fmaxf(d[h], __shfl_xor_sync(0xffffffffu, d[h], off));
+          for (int h = 0; h < NIP; ++h) d[h] = fmaxf(d[h], __shfl_xor_sync(0xffffffffu, d[h], off));
         }
         if (lane % bs == 0 && valid) {
 #pragma unroll
@@ -248,7 +247,8 @@ __device__ void radix_topk(KeyFn key, int64_t nb, int64_t topk, int32_t* __restr
       const unsigned active = __ballot_sync(0xffffffffu, hit);
       if (hit) {
         const unsigned peers = __match_any_sync(active, bin);
-        if (lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], static_cast<uint32_t>(__popc(peers)));
+        if (lane == __ffs(peers) - 1)
+          atomicAdd(&sh.hist[bin], static_cast<uint32_t>(__popc(peers)));
       }
     }
     __syncthreads();
@@ -342,8 +342,8 @@ __global__ void __launch_bounds__(kFusedThreads)
   extern __shared__ __align__(16) float fused_smem[];
   __shared__ TopkShared sh;
   const int64_t bs = c.page_size, di = c.index_dim;
-  float* qv = fused_smem;       // [di]
-  float* score = qv + di;       // [max_nb]
+  float* qv = fused_smem;  // [di]
+  float* score = qv + di;  // [max_nb]
   const int64_t w = blockIdx.x, t = w / ni;
   const int32_t p = L.positions[t], s = L.seq_ids[t];
   const int64_t nb = p / bs + 1;
@@ -374,8 +374,8 @@ __global__ void __launch_bounds__(kFusedThreads)
 
 }  // namespace
 
-size_t msa_select_workspace_bytes(int64_t num_tokens, int64_t num_index_heads,
-                                  const KvPages& cache, int64_t max_kv_len) {
+size_t msa_select_workspace_bytes(int64_t num_tokens, int64_t num_index_heads, const KvPages& cache,
+                                  int64_t max_kv_len) {
   if (num_tokens <= 0 || max_kv_len <= 0 || cache.page_size <= 0) return 0;
   const int64_t nb_stride = (max_kv_len + cache.page_size - 1) / cache.page_size;
   return sizeof(float) * static_cast<size_t>(num_tokens * num_index_heads * nb_stride);
@@ -400,9 +400,8 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
     const size_t smem = sizeof(float) * (cache.index_dim + max_nb);
     M3_CHECK(smem <= 200 * 1024, "cuda::msa_select_blocks: %zu bytes of shared memory", smem);
     if (smem > 48 * 1024) {
-      M3_CUDA_CHECK(cudaFuncSetAttribute(msa_fused_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem)));
+      M3_CUDA_CHECK(cudaFuncSetAttribute(
+          msa_fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     }
     msa_fused_kernel<<<static_cast<unsigned>(T * ni), kFusedThreads, smem, stream>>>(
         iq, ni, cache, layout, topk, init_blocks, local_blocks, max_nb, out);
@@ -445,8 +444,8 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
         const size_t smem = sizeof(float) * ni * cache.index_dim;
         M3_CHECK(smem <= 48 * 1024, "cuda::msa_select_blocks: index q of %zu bytes", smem);
         msa_score_generic_kernel<<<dim3(static_cast<unsigned>(n), cu), kGenericScoreThreads, smem,
-                                   stream>>>(iq_n, ni, cache, sub, topk, init_blocks,
-                                             local_blocks, nb_stride, scores);
+                                   stream>>>(iq_n, ni, cache, sub, topk, init_blocks, local_blocks,
+                                             nb_stride, scores);
         M3_CUDA_CHECK_LAUNCH("msa_score_generic_kernel");
       }
     }

@@ -112,7 +112,7 @@ void swiglu_oai(const float* gate, const float* up, int64_t n, int64_t inter, fl
   if (total == 0) return;
   const int64_t blocks = std::min<int64_t>(ceil_div(total, 256), 132 * 32);
   swiglu_oai_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(gate, up, total, alpha,
-                                                                      limit, beta, out);
+                                                                       limit, beta, out);
   M3_CUDA_CHECK_LAUNCH("swiglu_oai_kernel");
 }
 

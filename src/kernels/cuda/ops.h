@@ -29,8 +29,7 @@ using kernels::Workspace;
 void linear(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream);
 
 // out[i, :] = table[ids[i], :] in fp32. An id out of range traps the kernel (a caller bug).
-void embedding(const MatRef& table, const int32_t* ids, int64_t n, float* out,
-               cudaStream_t stream);
+void embedding(const MatRef& table, const int32_t* ids, int64_t n, float* out, cudaStream_t stream);
 
 // Gemma RMSNorm: out = x * rsqrt(mean(x²) + eps) * (1 + w), rows x dim; out may alias x.
 void rmsnorm_gemma(const float* x, int64_t rows, int64_t dim, const VecRef& w, float eps,
@@ -48,8 +47,8 @@ void swiglu_oai(const float* gate, const float* up, int64_t n, int64_t inter, fl
 
 // Sigmoid router top-k: ids [n, k] in descending biased score (ties: lower id), weights the
 // renormalised sigmoid scores × scale. One warp per token.
-void router_topk(const float* logits, int64_t n, int64_t num_experts, const float* bias,
-                 int64_t k, float scale, int32_t* ids, float* weights, cudaStream_t stream);
+void router_topk(const float* logits, int64_t n, int64_t num_experts, const float* bias, int64_t k,
+                 float scale, int32_t* ids, float* weights, cudaStream_t stream);
 
 // Writes k, v (and ik if non-null) of each token into its cache slot.
 void kv_write(const KvPages& cache, const TokenLayout& layout, const float* k, const float* v,
@@ -96,8 +95,8 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
                        int64_t local_blocks, int64_t max_kv_len, Workspace ws, int32_t* out,
                        cudaStream_t stream);
 // Bytes of workspace msa_select_blocks uses for all tokens in one launch pair.
-size_t msa_select_workspace_bytes(int64_t num_tokens, int64_t num_index_heads,
-                                  const KvPages& cache, int64_t max_kv_len);
+size_t msa_select_workspace_bytes(int64_t num_tokens, int64_t num_index_heads, const KvPages& cache,
+                                  int64_t max_kv_len);
 // Without a workspace: the single-kernel path; a sequence may span at most kMaxMsaBlocks blocks
 // (6M tokens at 128-token pages; more traps the kernel).
 inline constexpr int64_t kMaxMsaBlocks = 49152;

@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // 2. top_k threshold: the key of the k-th largest z (radix select, 8 bits per pass), and for
   //    ties at that key the highest id kept (ties are kept in id order, as a stable sort does).
-  uint32_t tk_key = 0;            // keep z with key > tk_key, or == tk_key and id <= tie_max_id
+  uint32_t tk_key = 0;  // keep z with key > tk_key, or == tk_key and id <= tie_max_id
   int64_t tie_max_id = INT64_MAX;
   const int64_t k = (p.top_k > 0 && p.top_k < V) ? p.top_k : V;
   if (k < V) {
@@ -289,8 +289,7 @@ void sample_rows(const float* logits, int64_t vocab, int64_t num_valid, const Sa
   M3_CHECK(V >= 1, "sample_rows: no valid token (vocab %lld, num_valid %lld)",
            static_cast<long long>(vocab), static_cast<long long>(num_valid));
   if (n == 0) return;
-  sample_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(logits, vocab, V, rows,
-                                                                    out_ids);
+  sample_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(logits, vocab, V, rows, out_ids);
   M3_CUDA_CHECK_LAUNCH("sample_rows");
 }
 

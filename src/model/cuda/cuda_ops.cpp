@@ -31,9 +31,9 @@ void CudaOps::msa_select_blocks(const float* iq, int64_t ni, const KvPages& cach
   const int64_t T = layout.num_tokens;
   // The scores of all tokens, capped (the op then scores token chunk by chunk), but never less
   // than one token's.
-  const size_t bytes =
-      std::min(ops::msa_select_workspace_bytes(T, ni, cache, max_kv_len),
-               std::max(kAttnWorkspaceCap, ops::msa_select_workspace_bytes(1, ni, cache, max_kv_len)));
+  const size_t bytes = std::min(
+      ops::msa_select_workspace_bytes(T, ni, cache, max_kv_len),
+      std::max(kAttnWorkspaceCap, ops::msa_select_workspace_bytes(1, ni, cache, max_kv_len)));
   // One workspace serves the selection and the attention after it (consumed op by op).
   const size_t have = std::max(bytes, attn_ws_.size());
   const ops::Workspace ws{ensure(attn_ws_, static_cast<int64_t>(have)), have};
@@ -42,10 +42,10 @@ void CudaOps::msa_select_blocks(const float* iq, int64_t ni, const KvPages& cach
 }
 
 void CudaOps::attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
-                              const TokenLayout& layout, const int32_t* blocks,
-                              int64_t max_blocks, float scale, int64_t max_kv_len, float* out) {
-  const size_t need = ops::attention_workspace_bytes(layout.num_tokens, num_heads, cache,
-                                                     max_blocks, max_kv_len);
+                              const TokenLayout& layout, const int32_t* blocks, int64_t max_blocks,
+                              float scale, int64_t max_kv_len, float* out) {
+  const size_t need =
+      ops::attention_workspace_bytes(layout.num_tokens, num_heads, cache, max_blocks, max_kv_len);
   const size_t have = std::max(need, attn_ws_.size());
   const ops::Workspace ws{ensure(attn_ws_, static_cast<int64_t>(have)), have};
   ops::attention_paged(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, ws, out,

@@ -71,11 +71,8 @@ class CudaOps {
                          float eps, float* out) {
     kernels::cuda::add_rmsnorm_gemma(x, y, rows, dim, w, eps, out, s_);
   }
-  void add_inplace(float* x, const float* y, int64_t n) {
-    kernels::cuda::add_inplace(x, y, n, s_);
-  }
-  void attn_prep(const kernels::AttnPrepArgs& a, const KvPages& cache,
-                 const TokenLayout& layout) {
+  void add_inplace(float* x, const float* y, int64_t n) { kernels::cuda::add_inplace(x, y, n, s_); }
+  void attn_prep(const kernels::AttnPrepArgs& a, const KvPages& cache, const TokenLayout& layout) {
     kernels::cuda::attn_prep(a, cache, layout, s_);
   }
   // The MSA scores of every token in one launch pair when they fit a capped workspace, else
@@ -103,9 +100,9 @@ class CudaOps {
   }
   // The grouped path (no host sync) up to kernels::cuda::kMoeGemvMaxTokens rows; above it the
   // op reads its expert counts on the host (syncs_host() becomes true).
-  void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights,
-                   int64_t k, const kernels::MoeExpertWeights& w,
-                   const kernels::SwigluParams& act, const float* shared, float* out);
+  void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights, int64_t k,
+                   const kernels::MoeExpertWeights& w, const kernels::SwigluParams& act,
+                   const float* shared, float* out);
   void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t cols, float* dst) {
     kernels::cuda::gather_rows(src, rows, n, cols, dst, s_);
   }

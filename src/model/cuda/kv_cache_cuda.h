@@ -1,7 +1,8 @@
 // KvCacheCuda: the device storage of the paged KV cache for every layer, laid out exactly like
 // the CPU KvCache (fp32 K, V and, on sparse layers, index-K; one page = sparse_block_size tokens)
 // so the GPU forward computes the same numbers as the CPU one. Used by M3ModelCuda::forward and
-// the GPU backends (src/runtime/cuda). Invariant: every page starts zeroed; layer(i) hands out device pointers.
+// the GPU backends (src/runtime/cuda). Invariant: every page starts zeroed; layer(i) hands out
+// device pointers.
 #pragma once
 
 #include <cstdint>

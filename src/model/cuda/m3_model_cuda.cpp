@@ -12,8 +12,8 @@
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/sample.h"
 #include "model/cuda/cuda_ops.h"
-#include "model/m3_forward.h"
 #include "model/cuda/synthetic_weights.h"
+#include "model/m3_forward.h"
 #include "model/synthetic_model.h"
 #include "model/tensor_table.h"
 
@@ -417,14 +417,18 @@ void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
   fw_->run_layers(*ops_, tokens, layout, *shape.cache, shape.max_kv_len, msa_out);
 }
 
-void M3ModelCuda::set_dp_step_rows(int64_t max_rows) { fw_->set_dp_step_rows(max_rows); }
+void M3ModelCuda::set_dp_step_rows(int64_t max_rows) {
+  fw_->set_dp_step_rows(max_rows);
+}
 
 void M3ModelCuda::forward_dp_idle() {
   fw_->run_idle(*ops_);
   stream_.synchronize();
 }
 
-void M3ModelCuda::set_skip_collectives_for_timing(bool on) { ops_->set_skip_collectives(on); }
+void M3ModelCuda::set_skip_collectives_for_timing(bool on) {
+  ops_->set_skip_collectives(on);
+}
 
 template <class T>
 T* M3ModelCuda::upload_async(gpu::DeviceBuffer<T>& b, const T* host, size_t n) {
@@ -473,8 +477,8 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   std::copy(b.block_table_offsets.begin(), b.block_table_offsets.end(), stage_ + 3 * capT);
   std::copy(b.block_table.begin(), b.block_table.end(), stage_ + bt_at);
   int32_t* dstage = ops_->ensure(step_, static_cast<int64_t>(stage_n));
-  M3_CUDA_CHECK(cudaMemcpyAsync(dstage, stage_, stage_n * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                s));
+  M3_CUDA_CHECK(
+      cudaMemcpyAsync(dstage, stage_, stage_n * sizeof(int32_t), cudaMemcpyHostToDevice, s));
   const int32_t* tokens = dstage;
   ops::TokenLayout layout;
   layout.num_tokens = T;
@@ -515,8 +519,8 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
     stream_.synchronize();
     return;
   }
-  for (int32_t t : b.logits_indices) M3_CHECK(t >= 0 && t < T, "logits index %d of %lld", t,
-                                              static_cast<long long>(T));
+  for (int32_t t : b.logits_indices)
+    M3_CHECK(t >= 0 && t < T, "logits index %d of %lld", t, static_cast<long long>(T));
   const int32_t* rows = upload_async(logit_rows_, b.logits_indices.data(), R);
   float* logits = ops_->f32(Buf::kLogits, R * V);  // [R, vocab] f32
   fw_->logits(*ops_, rows, R, logits);
@@ -546,8 +550,8 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   const int64_t valid = b.num_sampleable > 0 ? std::min<int64_t>(b.num_sampleable, V) : V;
   ops::sample_rows(logits, V, valid, d_rows, ns, d_ids, s);
   out->sampled.resize(ns);
-  M3_CUDA_CHECK(cudaMemcpyAsync(out->sampled.data(), d_ids, ns * sizeof(int32_t),
-                                cudaMemcpyDeviceToHost, s));
+  M3_CUDA_CHECK(
+      cudaMemcpyAsync(out->sampled.data(), d_ids, ns * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
   out->logits_rows = b.host_logits_rows;
   out->logits.resize(b.host_logits_rows.size() * V);
   for (size_t j = 0; j < b.host_logits_rows.size(); ++j) {

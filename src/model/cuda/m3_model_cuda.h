@@ -1,10 +1,10 @@
 // M3ModelCuda: the MiniMax-M3 text model on one GPU: the one forward pass (model/m3_forward.h)
 // over the CUDA ops (model/cuda/cuda_ops.h), the same layer stack M3Model runs on the CPU ops.
 // What is the GPU's own: the weights on the device, the step's arrays staged in pinned memory,
-// CUDA graphs of the layers, and sampling next to the logits. Loading reuses M3Model::load (config, checkpoint,
-// weight checks) on the host, then uploads every weight once, bf16/f32 as stored; synthetic()
-// instead generates M3-shaped weights on the device (no host weights at all). The model keeps its
-// own M3Config. Called by the GPU backends of src/runtime/cuda (`serve`, `generate`),
+// CUDA graphs of the layers, and sampling next to the logits. Loading reuses M3Model::load (config,
+// checkpoint, weight checks) on the host, then uploads every weight once, bf16/f32 as stored;
+// synthetic() instead generates M3-shaped weights on the device (no host weights at all). The model
+// keeps its own M3Config. Called by the GPU backends of src/runtime/cuda (`serve`, `generate`),
 // runtime/cuda/cuda_backend.cpp and tests/model_cuda.
 // Tensor parallelism: from_host() of a shard (M3Model::make_shard) runs that rank's part of the
 // forward on its GPU with the same plan and collectives as the CPU shard, the collectives
@@ -21,9 +21,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <tuple>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/error.h"
@@ -152,19 +152,19 @@ class M3ModelCuda {
   M3Config cfg_;
   std::unique_ptr<M3Model> host_;  // null for synthetic models
   ShardPlan plan_;                 // host_->shard_plan(), or the unsharded plan
-  M3Weights dev_;  // the same views as host_->weights(), pointing to device memory
+  M3Weights dev_;                  // the same views as host_->weights(), pointing to device memory
   std::vector<gpu::DeviceBuffer<uint8_t>> storage_;
   std::vector<MatRef> fused_proj_;  // per layer; data null where the projections stay separate
   size_t weight_bytes_ = 0;
   gpu::Stream stream_;
-  std::unique_ptr<CudaOps> ops_;                 // on stream_: scratch, collectives
-  std::unique_ptr<M3Forward<CudaOps>> fw_;       // reads cfg_, plan_, dev_, fused_proj_
+  std::unique_ptr<CudaOps> ops_;            // on stream_: scratch, collectives
+  std::unique_ptr<M3Forward<CudaOps>> fw_;  // reads cfg_, plan_, dev_, fused_proj_
 
   struct GraphEntry {
     cudaGraphExec_t exec = nullptr;
-    uint64_t generation = 0;       // buffer generation the graph was captured at
-    bool seen = false;             // an eager step of this shape ran at seen_generation
-    bool never = false;            // its eager run synchronised the host: stays eager
+    uint64_t generation = 0;  // buffer generation the graph was captured at
+    bool seen = false;        // an eager step of this shape ran at seen_generation
+    bool never = false;       // its eager run synchronised the host: stays eager
     uint64_t seen_generation = 0;
   };
   // Keyed by (tokens, key-count bucket, cache id, data-parallel MoE rows (0 unless DP)).

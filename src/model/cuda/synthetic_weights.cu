@@ -80,7 +80,8 @@ __global__ void checksum_kernel(const uint8_t* __restrict__ p, size_t bytes,
     if (base + 8 <= bytes && (reinterpret_cast<uintptr_t>(p) % 8) == 0) {
       v = reinterpret_cast<const uint64_t*>(p)[w];
     } else {
-      for (size_t b = 0; b < 8 && base + b < bytes; ++b) v |= static_cast<uint64_t>(p[base + b]) << (8 * b);
+      for (size_t b = 0; b < 8 && base + b < bytes; ++b)
+        v |= static_cast<uint64_t>(p[base + b]) << (8 * b);
     }
     acc += splitmix64(v ^ splitmix64(w));
   }

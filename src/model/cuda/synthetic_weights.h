@@ -1,8 +1,9 @@
 // Device-side generation of synthetic weights: counter-based hash random numbers written straight
 // into GPU memory (no host copy of the ~15 GB per MoE layer), and a device checksum to compare
-// two generations (or a rank's slice with the whole). Called by M3ModelCuda::synthetic (model/cuda/m3_model_cuda.cpp) and the GPU
-// tests. Invariant: element i of a tensor depends only on (seed, tensor_id, i), so the same seed
-// gives bit-identical weights whatever the launch shape, stream or device.
+// two generations (or a rank's slice with the whole). Called by M3ModelCuda::synthetic
+// (model/cuda/m3_model_cuda.cpp) and the GPU tests. Invariant: element i of a tensor depends only
+// on (seed, tensor_id, i), so the same seed gives bit-identical weights whatever the launch shape,
+// stream or device.
 #pragma once
 
 #include <cstddef>

@@ -10,9 +10,9 @@
 #include "gpu/device.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
+#include "model/kv_cache.h"
 #include "runtime/kv_budget.h"
 #include "runtime/sequence_runner.h"
-#include "model/kv_cache.h"
 
 namespace m3::runtime {
 
@@ -95,7 +95,8 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Mode
   const std::string where = "cuda:" + std::to_string(opts.device) + " (" + info.name + ")";
   const bool explicit_bytes = opts.kv_cache_memory_bytes > 0;
   const std::string flag = explicit_bytes ? "--kv-cache-memory-bytes" : "--gpu-memory-utilization";
-  double budget = explicit_bytes ? static_cast<double>(opts.kv_cache_memory_bytes) : free_bytes * util;
+  double budget =
+      explicit_bytes ? static_cast<double>(opts.kv_cache_memory_bytes) : free_bytes * util;
   if (explicit_bytes && budget > free_bytes) {
     return make_error(ErrorCode::kInvalidArgument,
                       "--kv-cache-memory-bytes asks for " + mib(budget) + " of KV cache but " +
@@ -118,9 +119,9 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Mode
                       flag);
   }
   const int64_t tokens = num_pages * model->config().sparse_block_size;
-  const std::string source = explicit_bytes ? std::string("--kv-cache-memory-bytes")
-                                            : mib(free_bytes) + " free after the weights x " +
-                                                  fraction(util);
+  const std::string source = explicit_bytes
+                                 ? std::string("--kv-cache-memory-bytes")
+                                 : mib(free_bytes) + " free after the weights x " + fraction(util);
   KvPoolFacts facts;
   facts.num_pages = num_pages;
   facts.page_size = model->config().sparse_block_size;
@@ -143,8 +144,8 @@ std::unique_ptr<ForwardBackend> borrow_cuda_backend(M3ModelCuda& model, int64_t 
                                                     int64_t max_seqs) {
   int device = 0;
   M3_CUDA_CHECK(cudaGetDevice(&device));
-  const int64_t pages = SequencePages::pages_needed(max_total_tokens, max_seqs,
-                                                    model.config().sparse_block_size);
+  const int64_t pages =
+      SequencePages::pages_needed(max_total_tokens, max_seqs, model.config().sparse_block_size);
   return std::make_unique<CudaBackend>(nullptr, &model, pages, device,
                                        "cuda:" + std::to_string(device));
 }

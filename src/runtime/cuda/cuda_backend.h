@@ -9,8 +9,8 @@
 #include <memory>
 
 #include "core/error.h"
-#include "runtime/forward_backend.h"
 #include "model/m3_model.h"
+#include "runtime/forward_backend.h"
 
 namespace m3::model {
 class M3ModelCuda;

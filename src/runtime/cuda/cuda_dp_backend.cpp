@@ -14,12 +14,12 @@
 #include "core/check.h"
 #include "core/log.h"
 #include "gpu/cuda_check.h"
-#include "runtime/cuda/cuda_backend.h"
-#include "runtime/dp_batch_split.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
-#include "runtime/cuda/rank_group.h"
 #include "model/kv_cache.h"
+#include "runtime/cuda/cuda_backend.h"
+#include "runtime/cuda/rank_group.h"
+#include "runtime/dp_batch_split.h"
 
 namespace m3::runtime {
 
@@ -84,7 +84,7 @@ class DataParallelCudaBackend final : public ForwardBackend {
   std::vector<rank_group::CudaRank> ranks_;
   rank_group::RankPool pool_;
   bool partitioned_;
-  DpBatchSplit split_;               // the step's per-rank batches and results
+  DpBatchSplit split_;   // the step's per-rank batches and results
   RankThreads threads_;  // last: started once everything above exists
 };
 
@@ -144,27 +144,28 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
   }
   // Every rank's cache holds all KV heads and the same page ids.
   const int64_t page_bytes = KvCache::page_bytes(cfg, plan0.num_kv_heads);
-  const std::string mode = "data parallel " + std::to_string(dp) +
-                           (expert_parallel ? " + expert parallel" : "");
-  M3_TRY(rank_group::RankPool pool,
-         rank_group::size_rank_pool(cfg, page_bytes, opts, dp, mode));
+  const std::string mode =
+      "data parallel " + std::to_string(dp) + (expert_parallel ? " + expert parallel" : "");
+  M3_TRY(rank_group::RankPool pool, rank_group::size_rank_pool(cfg, page_bytes, opts, dp, mode));
   rank_group::log_rank_pool(cfg, pool);
   const double per_gpu = static_cast<double>(pool.num_pages) * static_cast<double>(page_bytes);
   const long long tokens_per_rank = static_cast<long long>(pool.num_pages * cfg.sparse_block_size);
   if (opts.dp_kv_partitions) {
-    M3_LOG_INFO("data parallel KV cache: %d partitions of %lld pages, one per rank (%s per GPU, "
-                "all KV heads); a sequence keeps its pages on its rank: %lld tokens per rank, "
-                "%lld in all",
-                dp, static_cast<long long>(pool.num_pages), rank_group::mib(per_gpu).c_str(),
-                tokens_per_rank, tokens_per_rank * dp);
+    M3_LOG_INFO(
+        "data parallel KV cache: %d partitions of %lld pages, one per rank (%s per GPU, "
+        "all KV heads); a sequence keeps its pages on its rank: %lld tokens per rank, "
+        "%lld in all",
+        dp, static_cast<long long>(pool.num_pages), rank_group::mib(per_gpu).c_str(),
+        tokens_per_rank, tokens_per_rank * dp);
   } else {
     // One page-id space: a page is used only on its sequence's owner, but every rank allocates
     // every page.
-    M3_LOG_INFO("data parallel KV cache: each of the %d ranks allocates all %lld pages (%s per "
-                "GPU, all KV heads) but uses only those of its own sequences, so the capacity is "
-                "%lld tokens in all, not %d x that",
-                dp, static_cast<long long>(pool.num_pages), rank_group::mib(per_gpu).c_str(),
-                tokens_per_rank, dp);
+    M3_LOG_INFO(
+        "data parallel KV cache: each of the %d ranks allocates all %lld pages (%s per "
+        "GPU, all KV heads) but uses only those of its own sequences, so the capacity is "
+        "%lld tokens in all, not %d x that",
+        dp, static_cast<long long>(pool.num_pages), rank_group::mib(per_gpu).c_str(),
+        tokens_per_rank, dp);
   }
   int previous = 0;
   M3_CUDA_CHECK(cudaGetDevice(&previous));

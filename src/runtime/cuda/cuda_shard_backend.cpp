@@ -12,11 +12,11 @@
 #include "core/log.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
-#include "runtime/cuda/cuda_backend.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
-#include "runtime/cuda/rank_group.h"
 #include "model/kv_cache.h"
+#include "runtime/cuda/cuda_backend.h"
+#include "runtime/cuda/rank_group.h"
 #ifdef M3_HAS_NCCL
 #include "dist/nccl_communicator.h"
 #endif

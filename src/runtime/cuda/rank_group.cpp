@@ -72,7 +72,8 @@ Result<RankPool> size_rank_pool(const M3Config& cfg, int64_t page_bytes,
       return make_error(ErrorCode::kInvalidArgument,
                         "--kv-cache-memory-bytes asks for " + mib(budget) +
                             " of KV cache per GPU but cuda:" + std::to_string(r) + " has " +
-                            mib(free_bytes) + " free after its shard of the weights; lower "
+                            mib(free_bytes) +
+                            " free after its shard of the weights; lower "
                             "--kv-cache-memory-bytes",
                         pool.flag);
     }
@@ -133,8 +134,8 @@ Status make_rank_model(const M3Model& whole, ShardSpec spec, const CudaBackendOp
   Result<std::unique_ptr<M3ModelCuda>> model = tl::unexpected(Error{});
   if (!whole.has_weights()) {
     M3_TRY(ShardPlan plan, make_shard_plan(whole.config(), spec));
-    model = M3ModelCuda::synthetic(whole.config(), opts.synthetic_seed, r, &plan,
-                                   rank.comm.get(), rank.comm->stream());
+    model = M3ModelCuda::synthetic(whole.config(), opts.synthetic_seed, r, &plan, rank.comm.get(),
+                                   rank.comm->stream());
   } else {
     M3_TRY(auto shard, whole.make_shard(spec));
     model = M3ModelCuda::from_host(std::move(shard), r, rank.comm.get(), rank.comm->stream());

@@ -17,12 +17,12 @@
 
 #include "core/error.h"
 #include "model/config.h"
-#include "runtime/cuda/cuda_backend.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/m3_model.h"
-#include "runtime/rank_threads.h"
 #include "model/shard.h"
+#include "runtime/cuda/cuda_backend.h"
+#include "runtime/rank_threads.h"
 #ifdef M3_HAS_NCCL
 #include "dist/nccl_communicator.h"
 #endif
@@ -65,8 +65,7 @@ struct RankPool {
 // pool. Errors (naming the flag): an explicit budget above a GPU's free memory, no page fitting,
 // a --max-model-len that does not fit.
 Result<RankPool> size_rank_pool(const M3Config& cfg, int64_t page_bytes,
-                                const CudaBackendOptions& opts, int world,
-                                const std::string& mode);
+                                const CudaBackendOptions& opts, int world, const std::string& mode);
 // The start-up line of the pool: pages per GPU, what sized it, tokens.
 void log_rank_pool(const M3Config& cfg, const RankPool& pool);
 

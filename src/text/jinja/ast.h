@@ -59,8 +59,8 @@ struct Node {
   std::string name;
   Value value;
   std::vector<NodePtr> args;
-  std::vector<std::string> ops;                           // kCompare operators
-  std::vector<std::pair<std::string, NodePtr>> kwargs;    // call kwargs, macro/with params
+  std::vector<std::string> ops;                         // kCompare operators
+  std::vector<std::pair<std::string, NodePtr>> kwargs;  // call kwargs, macro/with params
   std::vector<NodePtr> body;
   std::vector<NodePtr> orelse;
   bool negated = false;

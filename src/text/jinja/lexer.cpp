@@ -14,10 +14,18 @@ std::string located_message(const std::string& name, int line, int col, const st
 
 namespace {
 
-bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
-bool is_digit(char c) { return c >= '0' && c <= '9'; }
-bool is_name_start(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; }
-bool is_name_char(char c) { return is_name_start(c) || is_digit(c); }
+bool is_space(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
+bool is_digit(char c) {
+  return c >= '0' && c <= '9';
+}
+bool is_name_start(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+}
+bool is_name_char(char c) {
+  return is_name_start(c) || is_digit(c);
+}
 
 struct LexFail {
   size_t pos;
@@ -140,7 +148,8 @@ class Lexer {
   size_t lex_raw(size_t body, size_t open_pos) {
     line_starting_ = src_[body - 1] == '\n';
     for (size_t q = src_.find("{%", body); q != std::string::npos; q = src_.find("{%", q + 1)) {
-      char sign = (q + 2 < src_.size() && (src_[q + 2] == '-' || src_[q + 2] == '+')) ? src_[q + 2] : 0;
+      char sign =
+          (q + 2 < src_.size() && (src_[q + 2] == '-' || src_[q + 2] == '+')) ? src_[q + 2] : 0;
       size_t r = skip_ws(q + 2 + (sign ? 1 : 0));
       if (!starts_with(r, "endraw")) continue;
       r = skip_ws(r + 6);
@@ -233,9 +242,12 @@ class Lexer {
         size_t q = pos + 2;
         size_t last = std::string::npos;
         while (q < src_.size()) {
-          if (src_[q] == '_' && q + 1 < src_.size() && ok(src_[q + 1])) q += 2;
-          else if (ok(src_[q])) ++q;
-          else break;
+          if (src_[q] == '_' && q + 1 < src_.size() && ok(src_[q + 1]))
+            q += 2;
+          else if (ok(src_[q]))
+            ++q;
+          else
+            break;
           last = q;
         }
         if (last != std::string::npos) return last;
@@ -244,17 +256,23 @@ class Lexer {
     if (c == '0') {
       size_t q = pos + 1;
       while (q < src_.size()) {
-        if (src_[q] == '0') ++q;
-        else if (src_[q] == '_' && q + 1 < src_.size() && src_[q + 1] == '0') q += 2;
-        else break;
+        if (src_[q] == '0')
+          ++q;
+        else if (src_[q] == '_' && q + 1 < src_.size() && src_[q + 1] == '0')
+          q += 2;
+        else
+          break;
       }
       return q;
     }
     size_t q = pos + 1;
     while (q < src_.size()) {
-      if (is_digit(src_[q])) ++q;
-      else if (src_[q] == '_' && q + 1 < src_.size() && is_digit(src_[q + 1])) q += 2;
-      else break;
+      if (is_digit(src_[q]))
+        ++q;
+      else if (src_[q] == '_' && q + 1 < src_.size() && is_digit(src_[q + 1]))
+        q += 2;
+      else
+        break;
     }
     return q;
   }
@@ -272,9 +290,12 @@ class Lexer {
       auto hex = [&](size_t count) -> uint32_t {
         uint32_t v = 0;
         for (size_t k = 1; k <= count; ++k) {
-          if (i + k >= body.size()) throw LexFail{pos, "truncated escape sequence in string literal"};
+          if (i + k >= body.size())
+            throw LexFail{pos, "truncated escape sequence in string literal"};
           char h = body[i + k];
-          int d = is_digit(h) ? h - '0' : ((h | 0x20) >= 'a' && (h | 0x20) <= 'f') ? (h | 0x20) - 'a' + 10 : -1;
+          int d = is_digit(h)                                ? h - '0'
+                  : ((h | 0x20) >= 'a' && (h | 0x20) <= 'f') ? (h | 0x20) - 'a' + 10
+                                                             : -1;
           if (d < 0) throw LexFail{pos, "truncated escape sequence in string literal"};
           v = v * 16 + static_cast<uint32_t>(d);
         }
@@ -282,30 +303,57 @@ class Lexer {
         return v;
       };
       switch (e) {
-        case '\n': break;  // line continuation
-        case '\\': out += '\\'; break;
-        case '\'': out += '\''; break;
-        case '"': out += '"'; break;
-        case 'a': out += '\a'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'v': out += '\v'; break;
-        case 'x': utf8_append(out, hex(2)); break;
-        case 'u': utf8_append(out, hex(4)); break;
+        case '\n':
+          break;  // line continuation
+        case '\\':
+          out += '\\';
+          break;
+        case '\'':
+          out += '\'';
+          break;
+        case '"':
+          out += '"';
+          break;
+        case 'a':
+          out += '\a';
+          break;
+        case 'b':
+          out += '\b';
+          break;
+        case 'f':
+          out += '\f';
+          break;
+        case 'n':
+          out += '\n';
+          break;
+        case 'r':
+          out += '\r';
+          break;
+        case 't':
+          out += '\t';
+          break;
+        case 'v':
+          out += '\v';
+          break;
+        case 'x':
+          utf8_append(out, hex(2));
+          break;
+        case 'u':
+          utf8_append(out, hex(4));
+          break;
         case 'U': {
           uint32_t cp = hex(8);
           if (cp > 0x10ffff) throw LexFail{pos, "illegal Unicode character in string literal"};
           utf8_append(out, cp);
           break;
         }
-        case 'N': throw LexFail{pos, "named unicode escapes (\\N{...}) are not supported"};
+        case 'N':
+          throw LexFail{pos, "named unicode escapes (\\N{...}) are not supported"};
         default:
           if (e >= '0' && e <= '7') {
             uint32_t v = static_cast<uint32_t>(e - '0');
-            for (int k = 0; k < 2 && i + 1 < body.size() && body[i + 1] >= '0' && body[i + 1] <= '7'; ++k)
+            for (int k = 0;
+                 k < 2 && i + 1 < body.size() && body[i + 1] >= '0' && body[i + 1] <= '7'; ++k)
               v = v * 8 + static_cast<uint32_t>(body[++i] - '0');
             utf8_append(out, v);
           } else {
@@ -318,14 +366,18 @@ class Lexer {
   }
 
   size_t lex_tag(bool is_variable, size_t open_pos, size_t pos) {
-    emit(is_variable ? TokenKind::kVarBegin : TokenKind::kBlockBegin, is_variable ? "{{" : "{%", open_pos);
+    emit(is_variable ? TokenKind::kVarBegin : TokenKind::kBlockBegin, is_variable ? "{{" : "{%",
+         open_pos);
     std::vector<std::pair<char, size_t>> balance;
     const size_t n = src_.size();
     while (true) {
       pos = skip_ws(pos);
       if (pos >= n) {
-        throw LexFail{open_pos, std::string("unexpected end of template, the tag opened here was never closed (expected '") +
-                                    (is_variable ? "}}" : "%}") + "')"};
+        throw LexFail{
+            open_pos,
+            std::string(
+                "unexpected end of template, the tag opened here was never closed (expected '") +
+                (is_variable ? "}}" : "%}") + "')"};
       }
       if (balance.empty()) {
         if (is_variable) {
@@ -389,8 +441,11 @@ class Lexer {
       if (c == '\'' || c == '"') {
         end = pos + 1;
         while (end < n && src_[end] != c) end += src_[end] == '\\' ? 2 : 1;
-        if (end >= n) throw LexFail{pos, std::string("unterminated string literal (missing closing ") + c + ")"};
-        emit(TokenKind::kString, unescape(std::string_view(src_).substr(pos + 1, end - pos - 1), pos), pos);
+        if (end >= n)
+          throw LexFail{pos,
+                        std::string("unterminated string literal (missing closing ") + c + ")"};
+        emit(TokenKind::kString,
+             unescape(std::string_view(src_).substr(pos + 1, end - pos - 1), pos), pos);
         pos = end + 1;
         continue;
       }
@@ -412,13 +467,16 @@ class Lexer {
           if (balance.empty()) throw LexFail{pos, std::string("unexpected '") + c + "'"};
           char expected = balance.back().first;
           balance.pop_back();
-          if (expected != c) throw LexFail{pos, std::string("unexpected '") + c + "', expected '" + expected + "'"};
+          if (expected != c)
+            throw LexFail{pos, std::string("unexpected '") + c + "', expected '" + expected + "'"};
         }
         emit(TokenKind::kOp, std::string(1, c), pos);
         ++pos;
         continue;
       }
-      std::string shown = (static_cast<unsigned char>(c) < 0x20) ? "\\x" + std::to_string(static_cast<int>(c)) : std::string(1, c);
+      std::string shown = (static_cast<unsigned char>(c) < 0x20)
+                              ? "\\x" + std::to_string(static_cast<int>(c))
+                              : std::string(1, c);
       throw LexFail{pos, "unexpected character '" + shown + "' inside a tag"};
     }
   }

@@ -15,14 +15,22 @@ struct ParseFail {
 
 std::string describe(const Token& t) {
   switch (t.kind) {
-    case TokenKind::kData: return "template data";
-    case TokenKind::kVarBegin: return "'{{'";
-    case TokenKind::kVarEnd: return "end of print statement '}}'";
-    case TokenKind::kBlockBegin: return "'{%'";
-    case TokenKind::kBlockEnd: return "end of statement block '%}'";
-    case TokenKind::kEof: return "end of template";
-    case TokenKind::kString: return "string literal";
-    default: return "'" + t.text + "'";
+    case TokenKind::kData:
+      return "template data";
+    case TokenKind::kVarBegin:
+      return "'{{'";
+    case TokenKind::kVarEnd:
+      return "end of print statement '}}'";
+    case TokenKind::kBlockBegin:
+      return "'{%'";
+    case TokenKind::kBlockEnd:
+      return "end of statement block '%}'";
+    case TokenKind::kEof:
+      return "end of template";
+    case TokenKind::kString:
+      return "string literal";
+    default:
+      return "'" + t.text + "'";
   }
 }
 
@@ -44,7 +52,9 @@ class Parser {
   bool is_op(const char* op) const { return cur().kind == TokenKind::kOp && cur().text == op; }
   bool is_name(const char* n) const { return cur().kind == TokenKind::kName && cur().text == n; }
 
-  [[noreturn]] void fail(const Token& t, const std::string& what) { throw ParseFail{t.line, t.col, what}; }
+  [[noreturn]] void fail(const Token& t, const std::string& what) {
+    throw ParseFail{t.line, t.col, what};
+  }
   [[noreturn]] void fail_here(const std::string& what) { fail(cur(), what); }
 
   void expect_op(const char* op) {
@@ -52,7 +62,8 @@ class Parser {
     next();
   }
   void expect_block_end() {
-    if (cur().kind != TokenKind::kBlockEnd) fail_here("expected end of statement block '%}', got " + describe(cur()));
+    if (cur().kind != TokenKind::kBlockEnd)
+      fail_here("expected end of statement block '%}', got " + describe(cur()));
     next();
   }
   std::string expect_name() {
@@ -72,7 +83,9 @@ class Parser {
 
   struct DepthGuard {
     explicit DepthGuard(Parser& p) : p(p) {
-      if (++p.depth_ > kMaxParseDepth) p.fail_here("template nesting is too deep (more than " + std::to_string(kMaxParseDepth) + " levels)");
+      if (++p.depth_ > kMaxParseDepth)
+        p.fail_here("template nesting is too deep (more than " + std::to_string(kMaxParseDepth) +
+                    " levels)");
     }
     ~DepthGuard() { --p.depth_; }
     Parser& p;
@@ -98,7 +111,8 @@ class Parser {
           next();
           auto n = make(NodeKind::kOutput, t);
           n->args.push_back(parse_tuple(false, true, {}, false));
-          if (cur().kind != TokenKind::kVarEnd) fail_here("expected end of print statement '}}', got " + describe(cur()));
+          if (cur().kind != TokenKind::kVarEnd)
+            fail_here("expected end of print statement '}}', got " + describe(cur()));
           next();
           body.push_back(std::move(n));
           break;
@@ -115,19 +129,23 @@ class Parser {
         case TokenKind::kEof: {
           if (end_tags.size() != 0) {
             std::string want;
-            for (const char* e : end_tags) want += std::string(want.empty() ? "" : " or ") + "'" + e + "'";
-            fail(t, "unexpected end of template, expected " + want + " to close the block opened at line " +
-                        std::to_string(open_line_) + ", column " + std::to_string(open_col_));
+            for (const char* e : end_tags)
+              want += std::string(want.empty() ? "" : " or ") + "'" + e + "'";
+            fail(t, "unexpected end of template, expected " + want +
+                        " to close the block opened at line " + std::to_string(open_line_) +
+                        ", column " + std::to_string(open_col_));
           }
           return body;
         }
-        default: fail(t, "unexpected " + describe(t));
+        default:
+          fail(t, "unexpected " + describe(t));
       }
     }
   }
 
   // Parse a body ending in one of `end_tags`; returns the tag name found (consumed).
-  std::string parse_body(std::vector<NodePtr>& out, std::initializer_list<const char*> end_tags, const Token& opener) {
+  std::string parse_body(std::vector<NodePtr>& out, std::initializer_list<const char*> end_tags,
+                         const Token& opener) {
     int saved_line = open_line_, saved_col = open_col_;
     open_line_ = opener.line;
     open_col_ = opener.col;
@@ -167,7 +185,8 @@ class Parser {
     std::string msg = "unknown or unsupported tag '" + k + "'";
     if (enclosing.size() != 0) {
       std::string want;
-      for (const char* e : enclosing) want += std::string(want.empty() ? "" : " or ") + "'" + e + "'";
+      for (const char* e : enclosing)
+        want += std::string(want.empty() ? "" : " or ") + "'" + e + "'";
       msg += " (the innermost open block expects " + want + ")";
     }
     fail(t, msg);
@@ -335,7 +354,8 @@ class Parser {
       for (const auto& a : target->args) ok = ok && assignable(*a);
     }
     if (!ok) fail(t, "cannot assign to this expression (expected a name or a tuple of names)");
-    if (target->kind == NodeKind::kName && (target->name == "true" || target->name == "false" || target->name == "none"))
+    if (target->kind == NodeKind::kName &&
+        (target->name == "true" || target->name == "false" || target->name == "none"))
       fail(t, "cannot assign to '" + target->name + "'");
     return target;
   }
@@ -344,7 +364,8 @@ class Parser {
 
   bool tuple_end(std::initializer_list<const char*> extra_end) const {
     const Token& t = cur();
-    if (t.kind == TokenKind::kVarEnd || t.kind == TokenKind::kBlockEnd || t.kind == TokenKind::kEof) return true;
+    if (t.kind == TokenKind::kVarEnd || t.kind == TokenKind::kBlockEnd || t.kind == TokenKind::kEof)
+      return true;
     if (t.kind == TokenKind::kOp && t.text == ")") return true;
     if (t.kind == TokenKind::kName)
       for (const char* e : extra_end)
@@ -352,8 +373,8 @@ class Parser {
     return false;
   }
 
-  NodePtr parse_tuple(bool simplified, bool with_condexpr, std::initializer_list<const char*> extra_end,
-                      bool explicit_parens) {
+  NodePtr parse_tuple(bool simplified, bool with_condexpr,
+                      std::initializer_list<const char*> extra_end, bool explicit_parens) {
     const Token t = cur();
     std::vector<NodePtr> items;
     bool is_tuple = false;
@@ -361,8 +382,10 @@ class Parser {
       if (!items.empty()) expect_op(",");
       if (tuple_end(extra_end)) break;
       items.push_back(simplified ? parse_primary() : parse_expression(with_condexpr));
-      if (is_op(",")) is_tuple = true;
-      else break;
+      if (is_op(","))
+        is_tuple = true;
+      else
+        break;
     }
     if (!is_tuple) {
       if (!items.empty()) return std::move(items[0]);
@@ -613,7 +636,8 @@ class Parser {
         }
         break;
       }
-      default: break;
+      default:
+        break;
     }
     fail(t, "unexpected " + describe(t) + ", expected an expression");
   }
@@ -691,8 +715,10 @@ class Parser {
     }
     if (is_op(":")) {
       next();
-      if (!is_op("]") && !is_op(",")) parts.push_back(parse_expression(true));
-      else parts.push_back(nullptr);
+      if (!is_op("]") && !is_op(","))
+        parts.push_back(parse_expression(true));
+      else
+        parts.push_back(nullptr);
     } else {
       parts.push_back(nullptr);
     }
@@ -764,8 +790,9 @@ class Parser {
     }
     n->args.push_back(std::move(node));
     const Token& c = cur();
-    bool arg_start = c.kind == TokenKind::kName || c.kind == TokenKind::kString || c.kind == TokenKind::kInt ||
-                     c.kind == TokenKind::kFloat || (c.kind == TokenKind::kOp && (c.text == "[" || c.text == "{"));
+    bool arg_start = c.kind == TokenKind::kName || c.kind == TokenKind::kString ||
+                     c.kind == TokenKind::kInt || c.kind == TokenKind::kFloat ||
+                     (c.kind == TokenKind::kOp && (c.text == "[" || c.text == "{"));
     if (is_op("(")) {
       parse_call_args(*n);
     } else if (arg_start && !is_name("else") && !is_name("or") && !is_name("and")) {

@@ -15,9 +15,11 @@ Result<Template> Template::parse(std::string_view source, std::string name) {
   return t;
 }
 
-Result<std::string> Template::render(const nlohmann::ordered_json& vars, const RenderOptions& options) const {
+Result<std::string> Template::render(const nlohmann::ordered_json& vars,
+                                     const RenderOptions& options) const {
   if (!vars.is_object())
-    return make_error(ErrorCode::kInvalidArgument, name_ + ": template variables must be a JSON object");
+    return make_error(ErrorCode::kInvalidArgument,
+                      name_ + ": template variables must be a JSON object");
   Value v;
   try {
     v = from_json(vars);

@@ -25,8 +25,8 @@ namespace m3::text::jinja {
 // are far above what real chat templates need (a 1M-token prompt renders in well under 1e7 steps).
 struct RenderOptions {
   size_t max_output_bytes = size_t{512} << 20;  // rendered text and any single string value
-  uint64_t max_steps = 200'000'000;               // evaluated nodes + loop iterations
-  int max_depth = 400;                            // nested evaluation frames (macro recursion)
+  uint64_t max_steps = 200'000'000;             // evaluated nodes + loop iterations
+  int max_depth = 400;                          // nested evaluation frames (macro recursion)
   // strftime_now(format) global; empty -> local time via std::strftime. Tests inject a clock.
   std::function<std::string(const std::string& format)> strftime_now;
 };
@@ -38,7 +38,8 @@ class Template {
 
   // Render with top-level variables `vars` (must be a dict Value / JSON object).
   Result<std::string> render(const Value& vars, const RenderOptions& options = {}) const;
-  Result<std::string> render(const nlohmann::ordered_json& vars, const RenderOptions& options = {}) const;
+  Result<std::string> render(const nlohmann::ordered_json& vars,
+                             const RenderOptions& options = {}) const;
 
   const std::string& name() const { return name_; }
 

@@ -108,16 +108,24 @@ const Value* Args::get(size_t i, std::string_view name) const {
 bool truthy(const Value& v) {
   switch (v.kind()) {
     case Value::Kind::kUndefined:
-    case Value::Kind::kNone: return false;
-    case Value::Kind::kBool: return v.as_bool();
-    case Value::Kind::kInt: return v.as_int() != 0;
-    case Value::Kind::kFloat: return v.as_double() != 0.0;
-    case Value::Kind::kString: return !v.as_string().empty();
+    case Value::Kind::kNone:
+      return false;
+    case Value::Kind::kBool:
+      return v.as_bool();
+    case Value::Kind::kInt:
+      return v.as_int() != 0;
+    case Value::Kind::kFloat:
+      return v.as_double() != 0.0;
+    case Value::Kind::kString:
+      return !v.as_string().empty();
     case Value::Kind::kList:
-    case Value::Kind::kTuple: return v.is_generator() || !v.items().empty();
-    case Value::Kind::kDict: return !v.entries().entries.empty();
+    case Value::Kind::kTuple:
+      return v.is_generator() || !v.items().empty();
+    case Value::Kind::kDict:
+      return !v.entries().entries.empty();
     case Value::Kind::kNamespace:
-    case Value::Kind::kCallable: return true;
+    case Value::Kind::kCallable:
+      return true;
   }
   return false;
 }
@@ -133,8 +141,10 @@ bool equals(const Value& a, const Value& b) {
   }
   switch (a.kind()) {
     case Value::Kind::kUndefined:
-    case Value::Kind::kNone: return true;
-    case Value::Kind::kString: return a.as_string() == b.as_string();
+    case Value::Kind::kNone:
+      return true;
+    case Value::Kind::kString:
+      return a.as_string() == b.as_string();
     case Value::Kind::kList:
     case Value::Kind::kTuple: {
       const List& x = a.items();
@@ -154,9 +164,12 @@ bool equals(const Value& a, const Value& b) {
       }
       return true;
     }
-    case Value::Kind::kNamespace: return &a.entries() == &b.entries();
-    case Value::Kind::kCallable: return &a.fn() == &b.fn();
-    default: return false;
+    case Value::Kind::kNamespace:
+      return &a.entries() == &b.entries();
+    case Value::Kind::kCallable:
+      return &a.fn() == &b.fn();
+    default:
+      return false;
   }
 }
 
@@ -305,21 +318,30 @@ std::string repr_string(const std::string& s) {
 
 std::string to_repr(const Value& v) {
   switch (v.kind()) {
-    case Value::Kind::kString: return repr_string(v.as_string());
-    case Value::Kind::kUndefined: return "Undefined";
-    default: break;
+    case Value::Kind::kString:
+      return repr_string(v.as_string());
+    case Value::Kind::kUndefined:
+      return "Undefined";
+    default:
+      break;
   }
   return to_str(v);
 }
 
 std::string to_str(const Value& v) {
   switch (v.kind()) {
-    case Value::Kind::kUndefined: return "";
-    case Value::Kind::kNone: return "None";
-    case Value::Kind::kBool: return v.as_bool() ? "True" : "False";
-    case Value::Kind::kInt: return std::to_string(v.as_int());
-    case Value::Kind::kFloat: return format_float(v.as_double());
-    case Value::Kind::kString: return v.as_string();
+    case Value::Kind::kUndefined:
+      return "";
+    case Value::Kind::kNone:
+      return "None";
+    case Value::Kind::kBool:
+      return v.as_bool() ? "True" : "False";
+    case Value::Kind::kInt:
+      return std::to_string(v.as_int());
+    case Value::Kind::kFloat:
+      return format_float(v.as_double());
+    case Value::Kind::kString:
+      return v.as_string();
     case Value::Kind::kList:
     case Value::Kind::kTuple: {
       if (v.is_generator()) return "<" + v.as_string() + " object>";
@@ -347,24 +369,36 @@ std::string to_str(const Value& v) {
       if (v.kind() == Value::Kind::kNamespace) return "<Namespace " + out + ">";
       return out;
     }
-    case Value::Kind::kCallable: return "<function " + v.fn().name + ">";
+    case Value::Kind::kCallable:
+      return "<function " + v.fn().name + ">";
   }
   return "";
 }
 
 std::string type_name(const Value& v) {
   switch (v.kind()) {
-    case Value::Kind::kUndefined: return "Undefined";
-    case Value::Kind::kNone: return "NoneType";
-    case Value::Kind::kBool: return "bool";
-    case Value::Kind::kInt: return "int";
-    case Value::Kind::kFloat: return "float";
-    case Value::Kind::kString: return "str";
-    case Value::Kind::kList: return v.is_generator() ? v.as_string() : "list";
-    case Value::Kind::kTuple: return "tuple";
-    case Value::Kind::kDict: return "dict";
-    case Value::Kind::kNamespace: return "Namespace";
-    case Value::Kind::kCallable: return "function";
+    case Value::Kind::kUndefined:
+      return "Undefined";
+    case Value::Kind::kNone:
+      return "NoneType";
+    case Value::Kind::kBool:
+      return "bool";
+    case Value::Kind::kInt:
+      return "int";
+    case Value::Kind::kFloat:
+      return "float";
+    case Value::Kind::kString:
+      return "str";
+    case Value::Kind::kList:
+      return v.is_generator() ? v.as_string() : "list";
+    case Value::Kind::kTuple:
+      return "tuple";
+    case Value::Kind::kDict:
+      return "dict";
+    case Value::Kind::kNamespace:
+      return "Namespace";
+    case Value::Kind::kCallable:
+      return "function";
   }
   return "object";
 }
@@ -380,13 +414,27 @@ void json_string(std::string& out, const std::string& s, bool ensure_ascii) {
   };
   for (uint32_t cp : utf8_decode(s)) {
     switch (cp) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
         if (cp < 0x20) {
           esc(cp);
@@ -414,7 +462,8 @@ std::string json_float(double f) {
 
 void dump(std::string& out, const Value& v, const JsonDumpOptions& o, int level) {
   const bool pretty = o.indent >= 0 || !o.indent_str.empty();
-  const std::string unit = !o.indent_str.empty() ? o.indent_str : std::string(std::max(o.indent, 0), ' ');
+  const std::string unit =
+      !o.indent_str.empty() ? o.indent_str : std::string(std::max(o.indent, 0), ' ');
   // json.dumps: with an indent the default item separator drops its trailing space.
   const std::string item_sep = o.has_separators ? o.item_sep : (pretty ? "," : ", ");
   auto newline = [&](int lvl) {
@@ -422,14 +471,25 @@ void dump(std::string& out, const Value& v, const JsonDumpOptions& o, int level)
     for (int i = 0; i < lvl; ++i) out += unit;
   };
   switch (v.kind()) {
-    case Value::Kind::kNone: out += "null"; return;
-    case Value::Kind::kBool: out += v.as_bool() ? "true" : "false"; return;
-    case Value::Kind::kInt: out += std::to_string(v.as_int()); return;
-    case Value::Kind::kFloat: out += json_float(v.as_double()); return;
-    case Value::Kind::kString: json_string(out, v.as_string(), o.ensure_ascii); return;
+    case Value::Kind::kNone:
+      out += "null";
+      return;
+    case Value::Kind::kBool:
+      out += v.as_bool() ? "true" : "false";
+      return;
+    case Value::Kind::kInt:
+      out += std::to_string(v.as_int());
+      return;
+    case Value::Kind::kFloat:
+      out += json_float(v.as_double());
+      return;
+    case Value::Kind::kString:
+      json_string(out, v.as_string(), o.ensure_ascii);
+      return;
     case Value::Kind::kList:
     case Value::Kind::kTuple: {
-      if (v.is_generator()) throw RenderError("Object of type " + v.as_string() + " is not JSON serializable");
+      if (v.is_generator())
+        throw RenderError("Object of type " + v.as_string() + " is not JSON serializable");
       const List& items = v.items();
       if (items.empty()) {
         out += "[]";
@@ -454,19 +514,23 @@ void dump(std::string& out, const Value& v, const JsonDumpOptions& o, int level)
       }
       auto key_text = [](const Value& k) -> std::string {
         switch (k.kind()) {
-          case Value::Kind::kString: return k.as_string();
-          case Value::Kind::kInt: return std::to_string(k.as_int());
-          case Value::Kind::kFloat: return json_float(k.as_double());
-          case Value::Kind::kBool: return k.as_bool() ? "true" : "false";
-          case Value::Kind::kNone: return "null";
+          case Value::Kind::kString:
+            return k.as_string();
+          case Value::Kind::kInt:
+            return std::to_string(k.as_int());
+          case Value::Kind::kFloat:
+            return json_float(k.as_double());
+          case Value::Kind::kBool:
+            return k.as_bool() ? "true" : "false";
+          case Value::Kind::kNone:
+            return "null";
           default:
             throw RenderError("keys must be str, int, float, bool or None, not " + type_name(k));
         }
       };
       if (o.sort_keys) {
-        std::stable_sort(entries.begin(), entries.end(), [&](auto* a, auto* b) {
-          return key_text(a->first) < key_text(b->first);
-        });
+        std::stable_sort(entries.begin(), entries.end(),
+                         [&](auto* a, auto* b) { return key_text(a->first) < key_text(b->first); });
       }
       out += '{';
       for (size_t i = 0; i < entries.size(); ++i) {
@@ -497,20 +561,25 @@ namespace {
 
 Value from_json_at(const nlohmann::ordered_json& j, int depth, int max_depth) {
   if (depth > max_depth) {
-    throw RenderError("template variables nest objects/arrays more than " + std::to_string(max_depth) +
-                      " levels deep");
+    throw RenderError("template variables nest objects/arrays more than " +
+                      std::to_string(max_depth) + " levels deep");
   }
   switch (j.type()) {
-    case nlohmann::ordered_json::value_t::null: return Value::none();
-    case nlohmann::ordered_json::value_t::boolean: return Value::boolean(j.get<bool>());
-    case nlohmann::ordered_json::value_t::number_integer: return Value::integer(j.get<int64_t>());
+    case nlohmann::ordered_json::value_t::null:
+      return Value::none();
+    case nlohmann::ordered_json::value_t::boolean:
+      return Value::boolean(j.get<bool>());
+    case nlohmann::ordered_json::value_t::number_integer:
+      return Value::integer(j.get<int64_t>());
     case nlohmann::ordered_json::value_t::number_unsigned: {
       uint64_t u = j.get<uint64_t>();
       if (u > static_cast<uint64_t>(INT64_MAX)) return Value::number(static_cast<double>(u));
       return Value::integer(static_cast<int64_t>(u));
     }
-    case nlohmann::ordered_json::value_t::number_float: return Value::number(j.get<double>());
-    case nlohmann::ordered_json::value_t::string: return Value::string(j.get<std::string>());
+    case nlohmann::ordered_json::value_t::number_float:
+      return Value::number(j.get<double>());
+    case nlohmann::ordered_json::value_t::string:
+      return Value::string(j.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
       List items;
       items.reserve(j.size());
@@ -523,7 +592,8 @@ Value from_json_at(const nlohmann::ordered_json& j, int depth, int max_depth) {
       entries.reserve(j.size());
       // JSON object keys are unique, so append without the duplicate scan.
       for (auto it = j.begin(); it != j.end(); ++it)
-        entries.emplace_back(Value::string(it.key()), from_json_at(it.value(), depth + 1, max_depth));
+        entries.emplace_back(Value::string(it.key()),
+                             from_json_at(it.value(), depth + 1, max_depth));
       return d;
     }
     case nlohmann::ordered_json::value_t::binary: {
@@ -531,21 +601,29 @@ Value from_json_at(const nlohmann::ordered_json& j, int depth, int max_depth) {
       for (uint8_t b : j.get_binary()) items.push_back(Value::integer(b));
       return Value::list(std::move(items));
     }
-    default: return Value::none();
+    default:
+      return Value::none();
   }
 }
 
 }  // namespace
 
-Value from_json(const nlohmann::ordered_json& j, int max_depth) { return from_json_at(j, 0, max_depth); }
+Value from_json(const nlohmann::ordered_json& j, int max_depth) {
+  return from_json_at(j, 0, max_depth);
+}
 
 nlohmann::ordered_json to_json(const Value& v) {
   switch (v.kind()) {
-    case Value::Kind::kNone: return nullptr;
-    case Value::Kind::kBool: return v.as_bool();
-    case Value::Kind::kInt: return v.as_int();
-    case Value::Kind::kFloat: return v.as_double();
-    case Value::Kind::kString: return v.as_string();
+    case Value::Kind::kNone:
+      return nullptr;
+    case Value::Kind::kBool:
+      return v.as_bool();
+    case Value::Kind::kInt:
+      return v.as_int();
+    case Value::Kind::kFloat:
+      return v.as_double();
+    case Value::Kind::kString:
+      return v.as_string();
     case Value::Kind::kList:
     case Value::Kind::kTuple: {
       auto arr = nlohmann::ordered_json::array();
@@ -558,7 +636,8 @@ nlohmann::ordered_json to_json(const Value& v) {
       for (const auto& [k, e] : v.entries().entries) obj[to_str(k)] = to_json(e);
       return obj;
     }
-    default: throw RenderError("Object of type " + type_name(v) + " is not JSON serializable");
+    default:
+      throw RenderError("Object of type " + type_name(v) + " is not JSON serializable");
   }
 }
 

@@ -72,7 +72,9 @@ class Value {
   bool is_int() const { return kind_ == Kind::kInt; }
   bool is_float() const { return kind_ == Kind::kFloat; }
   // Python numbers: bool is an int subclass, so it counts (as in jinja's `is number`).
-  bool is_number() const { return kind_ == Kind::kInt || kind_ == Kind::kFloat || kind_ == Kind::kBool; }
+  bool is_number() const {
+    return kind_ == Kind::kInt || kind_ == Kind::kFloat || kind_ == Kind::kBool;
+  }
   bool is_sequence() const { return kind_ == Kind::kList || kind_ == Kind::kTuple; }
   bool is_mapping() const { return kind_ == Kind::kDict; }
   bool is_callable() const { return kind_ == Kind::kCallable; }
@@ -82,8 +84,8 @@ class Value {
   int64_t as_int() const { return kind_ == Kind::kBool ? (b_ ? 1 : 0) : i_; }
   double as_double() const { return kind_ == Kind::kFloat ? f_ : static_cast<double>(as_int()); }
   const std::string& as_string() const { return s_; }  // string value, or undefined's hint
-  List& items() const { return *list_; }                // list / tuple
-  Dict& entries() const { return *dict_; }              // dict / namespace
+  List& items() const { return *list_; }               // list / tuple
+  Dict& entries() const { return *dict_; }             // dict / namespace
   Callable& fn() const { return *fn_; }
 
  private:
@@ -123,8 +125,8 @@ struct Callable {
 // Python semantics.
 bool truthy(const Value& v);
 bool equals(const Value& a, const Value& b);
-std::string to_str(const Value& v);   // str(v); undefined -> ""
-std::string to_repr(const Value& v);  // repr(v)
+std::string to_str(const Value& v);     // str(v); undefined -> ""
+std::string to_repr(const Value& v);    // repr(v)
 std::string type_name(const Value& v);  // "str", "int", "dict", ... as Python's type(v).__name__
 std::string format_float(double f);     // repr(float): shortest round-trip, "1.0", "1e+20"
 

@@ -10,8 +10,8 @@
 #include <fstream>
 #include <set>
 
-#include <CLI/CLI.hpp>
 #include <gtest/gtest.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "app/vllm_flags.h"
@@ -24,23 +24,40 @@ namespace {
 // with the same names and arity, so the table can be checked without the engine. The e2e test
 // runs the real binary, which would abort at registration if a table name collided with these.
 const std::vector<std::pair<std::string, bool>> kNative = {
-    {"--model", true},          {"--tokenizer", true},
-    {"--host", true},           {"--port", true},
-    {"--served-model-name", true}, {"--max-model-len", true},
-    {"--max-num-seqs", true},   {"--max-num-batched-tokens", true},
-    {"--block-size", true},     {"--enable-prefix-caching", false},
-    {"--no-enable-prefix-caching", false}, {"--api-key", true},
-    {"--tool-call-parser", true}, {"--reasoning-parser", true},
-    {"--enable-auto-tool-choice", false}, {"--chat-template", true},
-    {"--default-chat-template-kwargs", true}, {"--generation-config", true},
-    {"--max-queue-len,--max-num-queued-reqs", true}, {"--language-model-only", false},
-    {"--kv-cache-memory-bytes", true}, {"--scheduling-policy", true},
-    {"--log-level,--uvicorn-log-level", true}, {"--http-threads", true},
-    {"--device", true},         {"--gpu-memory-utilization", true},
-    {"--tensor-parallel-size,--tp", true}, {"--enable-expert-parallel", false},
-    {"--data-parallel-size,--dp", true}, {"--nnodes", true},
-    {"--node-rank", true},      {"--master-addr", true},
-    {"--master-port", true},    {"--gemm-precision", true},
+    {"--model", true},
+    {"--tokenizer", true},
+    {"--host", true},
+    {"--port", true},
+    {"--served-model-name", true},
+    {"--max-model-len", true},
+    {"--max-num-seqs", true},
+    {"--max-num-batched-tokens", true},
+    {"--block-size", true},
+    {"--enable-prefix-caching", false},
+    {"--no-enable-prefix-caching", false},
+    {"--api-key", true},
+    {"--tool-call-parser", true},
+    {"--reasoning-parser", true},
+    {"--enable-auto-tool-choice", false},
+    {"--chat-template", true},
+    {"--default-chat-template-kwargs", true},
+    {"--generation-config", true},
+    {"--max-queue-len,--max-num-queued-reqs", true},
+    {"--language-model-only", false},
+    {"--kv-cache-memory-bytes", true},
+    {"--scheduling-policy", true},
+    {"--log-level,--uvicorn-log-level", true},
+    {"--http-threads", true},
+    {"--device", true},
+    {"--gpu-memory-utilization", true},
+    {"--tensor-parallel-size,--tp", true},
+    {"--enable-expert-parallel", false},
+    {"--data-parallel-size,--dp", true},
+    {"--nnodes", true},
+    {"--node-rank", true},
+    {"--master-addr", true},
+    {"--master-port", true},
+    {"--gemm-precision", true},
     {"--enforce-eager", false},
 };
 
@@ -119,82 +136,154 @@ struct RecipeCase {
 
 // The recipe's commands (shared/seeds: the vLLM MiniMax-M3 recipe), model argument left out.
 const std::vector<RecipeCase> kRecipe = {
-    {"tp8", "--tensor-parallel-size 8 --block-size 128 --tool-call-parser minimax_m3 "
-            "--reasoning-parser minimax_m3 --enable-auto-tool-choice", {}, "", ""},
-    {"tp8_ep", "--tensor-parallel-size 8 --enable-expert-parallel --block-size 128 "
-               "--tool-call-parser minimax_m3 --reasoning-parser minimax_m3 "
-               "--enable-auto-tool-choice", {}, "", ""},
-    {"dp8_ep", "--data-parallel-size 8 --enable-expert-parallel --block-size 128 "
-               "--tool-call-parser minimax_m3 --reasoning-parser minimax_m3 "
-               "--enable-auto-tool-choice", {}, "", ""},
-    {"amd_tp8_text", "--tensor-parallel-size 8 --block-size 128 --attention-backend TRITON_ATTN "
-                     "--tool-call-parser minimax_m3 --reasoning-parser minimax_m3 "
-                     "--enable-auto-tool-choice",
-     {"VLLM_USE_BREAKABLE_CUDAGRAPH=0"}, "", "--attention-backend TRITON_ATTN is ignored"},
-    {"amd_tp8_vision", "--tensor-parallel-size 8 --block-size 128 --attention-backend "
-                       "TRITON_ATTN --mm-encoder-tp-mode data --mm-encoder-attn-backend "
-                       "ROCM_AITER_FA --tool-call-parser minimax_m3", {}, "issue #20", ""},
-    {"amd_fp8_per_channel", "--tensor-parallel-size 8 --block-size 128 --attention-backend "
-                            "TRITON_ATTN --quantization fp8_per_channel",
-     {"VLLM_ROCM_USE_AITER=1", "VLLM_ROCM_USE_AITER_MOE=0"}, "issue #18", ""},
-    {"fp8_kv", "--tensor-parallel-size 8 --block-size 128 --kv-cache-dtype fp8", {},
-     "issue #15", ""},
-    {"max_len_128k", "--tensor-parallel-size 8 --block-size 128 --max-model-len 131072", {}, "",
+    {"tp8",
+     "--tensor-parallel-size 8 --block-size 128 --tool-call-parser minimax_m3 "
+     "--reasoning-parser minimax_m3 --enable-auto-tool-choice",
+     {},
+     "",
      ""},
-    {"yarn_1m", "--block-size 128 --tensor-parallel-size 8 --max-model-len 1048576 "
-                "--tool-call-parser minimax_m3 --enable-auto-tool-choice --reasoning-parser "
-                "minimax_m3 --hf-overrides '{\"text_config\":{\"rope_scaling\":{\"rope_type\":"
-                "\"yarn\",\"factor\":2.0,\"original_max_position_embeddings\":524288}}}'",
-     {"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"}, "", ""},
-    {"mxfp8_mi300x", "--tensor-parallel-size 8 --block-size 128 --language-model-only "
-                     "--max-model-len 65536 --attention-backend TRITON_ATTN --async-scheduling "
-                     "--max-num-batched-tokens 16384 --tool-call-parser minimax_m3",
-     {"VLLM_ENGINE_READY_TIMEOUT_S=3600", "VLLM_ROCM_USE_AITER_MHA=0"}, "",
+    {"tp8_ep",
+     "--tensor-parallel-size 8 --enable-expert-parallel --block-size 128 "
+     "--tool-call-parser minimax_m3 --reasoning-parser minimax_m3 "
+     "--enable-auto-tool-choice",
+     {},
+     "",
+     ""},
+    {"dp8_ep",
+     "--data-parallel-size 8 --enable-expert-parallel --block-size 128 "
+     "--tool-call-parser minimax_m3 --reasoning-parser minimax_m3 "
+     "--enable-auto-tool-choice",
+     {},
+     "",
+     ""},
+    {"amd_tp8_text",
+     "--tensor-parallel-size 8 --block-size 128 --attention-backend TRITON_ATTN "
+     "--tool-call-parser minimax_m3 --reasoning-parser minimax_m3 "
+     "--enable-auto-tool-choice",
+     {"VLLM_USE_BREAKABLE_CUDAGRAPH=0"},
+     "",
+     "--attention-backend TRITON_ATTN is ignored"},
+    {"amd_tp8_vision",
+     "--tensor-parallel-size 8 --block-size 128 --attention-backend "
+     "TRITON_ATTN --mm-encoder-tp-mode data --mm-encoder-attn-backend "
+     "ROCM_AITER_FA --tool-call-parser minimax_m3",
+     {},
+     "issue #20",
+     ""},
+    {"amd_fp8_per_channel",
+     "--tensor-parallel-size 8 --block-size 128 --attention-backend "
+     "TRITON_ATTN --quantization fp8_per_channel",
+     {"VLLM_ROCM_USE_AITER=1", "VLLM_ROCM_USE_AITER_MOE=0"},
+     "issue #18",
+     ""},
+    {"fp8_kv",
+     "--tensor-parallel-size 8 --block-size 128 --kv-cache-dtype fp8",
+     {},
+     "issue #15",
+     ""},
+    {"max_len_128k",
+     "--tensor-parallel-size 8 --block-size 128 --max-model-len 131072",
+     {},
+     "",
+     ""},
+    {"yarn_1m",
+     "--block-size 128 --tensor-parallel-size 8 --max-model-len 1048576 "
+     "--tool-call-parser minimax_m3 --enable-auto-tool-choice --reasoning-parser "
+     "minimax_m3 --hf-overrides '{\"text_config\":{\"rope_scaling\":{\"rope_type\":"
+     "\"yarn\",\"factor\":2.0,\"original_max_position_embeddings\":524288}}}'",
+     {"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"},
+     "",
+     ""},
+    {"mxfp8_mi300x",
+     "--tensor-parallel-size 8 --block-size 128 --language-model-only "
+     "--max-model-len 65536 --attention-backend TRITON_ATTN --async-scheduling "
+     "--max-num-batched-tokens 16384 --tool-call-parser minimax_m3",
+     {"VLLM_ENGINE_READY_TIMEOUT_S=3600", "VLLM_ROCM_USE_AITER_MHA=0"},
+     "",
      "VLLM_ENGINE_READY_TIMEOUT_S, VLLM_ROCM_USE_AITER_MHA are ignored"},
-    {"mxfp8_h200", "--tensor-parallel-size 8 --block-size 128 --attention-backend FLASH_ATTN "
-                   "--linear-backend humming --kv-cache-dtype fp8 --gpu-memory-utilization 0.95 "
-                   "--enable-prefix-caching", {"VLLM_MARLIN_USE_ATOMIC_ADD=1"}, "issue #15", ""},
-    {"mxfp8_indexer_dotted", "--tensor-parallel-size 8 --block-size 128 "
-                             "--attention_config.indexer_kv_dtype fp8", {}, "index-K", ""},
-    {"mi355x_hc", "--tensor-parallel-size 4 --block-size 128 --language-model-only "
-                  "--moe-backend aiter --max-num-batched-tokens 32768 --attention-backend "
-                  "TRITON_ATTN --linear-backend emulation --tool-call-parser minimax_m3",
-     {"VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT=1"}, "", "--moe-backend aiter is ignored"},
-    {"nvfp4", "--tensor-parallel-size 8 --trust-remote-code --block-size 128 "
-              "--tool-call-parser minimax_m3 --reasoning-parser minimax_m3 "
-              "--enable-auto-tool-choice", {"VLLM_FLOAT32_MATMUL_PRECISION=high"}, "",
+    {"mxfp8_h200",
+     "--tensor-parallel-size 8 --block-size 128 --attention-backend FLASH_ATTN "
+     "--linear-backend humming --kv-cache-dtype fp8 --gpu-memory-utilization 0.95 "
+     "--enable-prefix-caching",
+     {"VLLM_MARLIN_USE_ATOMIC_ADD=1"},
+     "issue #15",
+     ""},
+    {"mxfp8_indexer_dotted",
+     "--tensor-parallel-size 8 --block-size 128 "
+     "--attention_config.indexer_kv_dtype fp8",
+     {},
+     "index-K",
+     ""},
+    {"mi355x_hc",
+     "--tensor-parallel-size 4 --block-size 128 --language-model-only "
+     "--moe-backend aiter --max-num-batched-tokens 32768 --attention-backend "
+     "TRITON_ATTN --linear-backend emulation --tool-call-parser minimax_m3",
+     {"VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT=1"},
+     "",
+     "--moe-backend aiter is ignored"},
+    {"nvfp4",
+     "--tensor-parallel-size 8 --trust-remote-code --block-size 128 "
+     "--tool-call-parser minimax_m3 --reasoning-parser minimax_m3 "
+     "--enable-auto-tool-choice",
+     {"VLLM_FLOAT32_MATMUL_PRECISION=high"},
+     "",
      "--trust-remote-code is ignored"},
-    {"nvfp4_eagle3", "--tensor-parallel-size 8 --trust-remote-code --block-size 128 "
-                     "--language-model-only --speculative-config '{\"method\": \"eagle3\", "
-                     "\"model\": \"Inferact/MiniMax-M3-EAGLE3\", \"num_speculative_tokens\": 3}'",
-     {}, "issue #19", ""},
-    {"nvfp4_trtllm_dotted", "--tensor-parallel-size 8 --kv-cache-dtype auto "
-                            "--attention_config.backend FLASHINFER "
-                            "--attention_config.use_trtllm_attention true "
-                            "--attention_config.minimax_m3_msa_decode_backend cutlass", {}, "",
+    {"nvfp4_eagle3",
+     "--tensor-parallel-size 8 --trust-remote-code --block-size 128 "
+     "--language-model-only --speculative-config '{\"method\": \"eagle3\", "
+     "\"model\": \"Inferact/MiniMax-M3-EAGLE3\", \"num_speculative_tokens\": 3}'",
+     {},
+     "issue #19",
+     ""},
+    {"nvfp4_trtllm_dotted",
+     "--tensor-parallel-size 8 --kv-cache-dtype auto "
+     "--attention_config.backend FLASHINFER "
+     "--attention_config.use_trtllm_attention true "
+     "--attention_config.minimax_m3_msa_decode_backend cutlass",
+     {},
+     "",
      "backend, use_trtllm_attention, minimax_m3_msa_decode_backend"},
-    {"mxfp4_tp8", "--tensor-parallel-size 8 --trust-remote-code --compilation-config "
-                  "'{\"cudagraph_mode\":\"FULL_DECODE_ONLY\"}' --block-size 128", {}, "",
+    {"mxfp4_tp8",
+     "--tensor-parallel-size 8 --trust-remote-code --compilation-config "
+     "'{\"cudagraph_mode\":\"FULL_DECODE_ONLY\"}' --block-size 128",
+     {},
+     "",
      "--compilation-config is ignored"},
-    {"agentx_lane", "--port 8000 --tensor-parallel-size 4 --trust-remote-code --block-size 128 "
-                    "--gpu-memory-utilization 0.90 --enable-chunked-prefill "
-                    "--max-num-batched-tokens 32768 --language-model-only "
-                    "--enable-prefix-caching --attention-backend ROCM_AITER_UNIFIED_ATTN "
-                    "--moe-backend aiter --default-chat-template-kwargs "
-                    "'{\"thinking_mode\":\"enabled\"}' --max-num-seqs 64 --stream-interval 20",
-     {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1800"}, "", "--stream-interval 20 is ignored"},
-    {"gb200_worker", "--tensor-parallel-size 4 --pipeline-parallel-size 1 --trust-remote-code "
-                     "--block-size 128 --max-model-len 1048576 --no-enable-flashinfer-autotune "
-                     "--kv-events-config '{\"publisher\":\"zmq\"}'", {}, "issue #21", ""},
-    {"multinode_headless", "--tensor-parallel-size 8 --nnodes 2 --node-rank 1 --headless", {},
-     "issue #22", ""},
-    {"kv_offload", "--kv-transfer-config '{\"kv_connector\":\"SimpleCPUOffloadConnector\"}'",
-     {"VLLM_USE_SIMPLE_KV_OFFLOAD=1"}, "issue #21", ""},
-    {"common_set", "--dtype auto --seed 0 --max-logprobs 20 --disable-log-requests "
-                   "--disable-log-stats --override-generation-config '{\"temperature\":1.0}' "
-                   "--allowed-origins '[\"*\"]' --root-path /m3 --enable-prompt-tokens-details "
-                   "--exclude-tools-when-tool-choice-none --api-key k1 --disable-flashinfer-autotune",
-     {}, "", "--root-path /m3"},
+    {"agentx_lane",
+     "--port 8000 --tensor-parallel-size 4 --trust-remote-code --block-size 128 "
+     "--gpu-memory-utilization 0.90 --enable-chunked-prefill "
+     "--max-num-batched-tokens 32768 --language-model-only "
+     "--enable-prefix-caching --attention-backend ROCM_AITER_UNIFIED_ATTN "
+     "--moe-backend aiter --default-chat-template-kwargs "
+     "'{\"thinking_mode\":\"enabled\"}' --max-num-seqs 64 --stream-interval 20",
+     {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1800"},
+     "",
+     "--stream-interval 20 is ignored"},
+    {"gb200_worker",
+     "--tensor-parallel-size 4 --pipeline-parallel-size 1 --trust-remote-code "
+     "--block-size 128 --max-model-len 1048576 --no-enable-flashinfer-autotune "
+     "--kv-events-config '{\"publisher\":\"zmq\"}'",
+     {},
+     "issue #21",
+     ""},
+    {"multinode_headless",
+     "--tensor-parallel-size 8 --nnodes 2 --node-rank 1 --headless",
+     {},
+     "issue #22",
+     ""},
+    {"kv_offload",
+     "--kv-transfer-config '{\"kv_connector\":\"SimpleCPUOffloadConnector\"}'",
+     {"VLLM_USE_SIMPLE_KV_OFFLOAD=1"},
+     "issue #21",
+     ""},
+    {"common_set",
+     "--dtype auto --seed 0 --max-logprobs 20 --disable-log-requests "
+     "--disable-log-stats --override-generation-config '{\"temperature\":1.0}' "
+     "--allowed-origins '[\"*\"]' --root-path /m3 --enable-prompt-tokens-details "
+     "--exclude-tools-when-tool-choice-none --api-key k1 --disable-flashinfer-autotune",
+     {},
+     "",
+     "--root-path /m3"},
 };
 
 class Recipe : public ::testing::TestWithParam<RecipeCase> {};
@@ -307,8 +396,8 @@ TEST(VllmArgv, Normalisation) {
   EXPECT_EQ(normalize_vllm_argv({"serve", "m_dir", "--max_model_len", "4", "--block_size=128"}),
             (V{"serve", "m_dir", "--max-model-len", "4", "--block-size=128"}));
   EXPECT_EQ(normalize_vllm_argv({"-tp", "8", "-pp=1", "-dp", "2"}),
-            (V{"--tensor-parallel-size", "8", "--pipeline-parallel-size=1",
-               "--data-parallel-size", "2"}));
+            (V{"--tensor-parallel-size", "8", "--pipeline-parallel-size=1", "--data-parallel-size",
+               "2"}));
   const V dotted = normalize_vllm_argv({"--attention_config.backend", "FLASHINFER", "--port", "1",
                                         "--attention-config.use_trtllm_attention=true",
                                         "--compilation-config.pass_config.x", "{\"y\": 2}"});
@@ -352,8 +441,8 @@ TEST(VllmModelArgument, HubIdFromLocalCacheOrClearError) {
   ASSERT_TRUE(got.has_value());
   EXPECT_EQ(*got, (repo / "snapshots" / "abc123").string());
   EXPECT_NE(notice.find("cache"), std::string::npos);
-  auto missing = resolve_model_argument("MiniMaxAI/MiniMax-M3-MXFP8", {"HF_HOME=" + root.string()},
-                                        nullptr);
+  auto missing =
+      resolve_model_argument("MiniMaxAI/MiniMax-M3-MXFP8", {"HF_HOME=" + root.string()}, nullptr);
   ASSERT_FALSE(missing.has_value());
   EXPECT_NE(missing.error().message.find("does not download"), std::string::npos);
   EXPECT_NE(missing.error().message.find("huggingface-cli download MiniMaxAI/MiniMax-M3-MXFP8"),
@@ -368,11 +457,14 @@ TEST(ConfigOverrides, MergesObjectsAndReplacesValues) {
   const std::string cfg =
       R"({"model_type":"m","text_config":{"max_position_embeddings":524288,"rope_parameters":{"rope_theta":5000000}},"x":[1,2]})";
   auto merged = model::merge_config_json(
-      cfg, R"({"text_config":{"max_position_embeddings":1048576,"rope_parameters":{"factor":2}},"x":[3]})",
+      cfg,
+      R"({"text_config":{"max_position_embeddings":1048576,"rope_parameters":{"factor":2}},"x":[3]})",
       "config.json");
   ASSERT_TRUE(merged.has_value());
-  EXPECT_EQ(nlohmann::json::parse(*merged), nlohmann::json::parse(
-      R"({"model_type":"m","text_config":{"max_position_embeddings":1048576,"rope_parameters":{"rope_theta":5000000,"factor":2}},"x":[3]})"));
+  EXPECT_EQ(
+      nlohmann::json::parse(*merged),
+      nlohmann::json::parse(
+          R"({"model_type":"m","text_config":{"max_position_embeddings":1048576,"rope_parameters":{"rope_theta":5000000,"factor":2}},"x":[3]})"));
   // Key order of the file is kept (the parser reads keys by name, but diffs stay readable).
   EXPECT_EQ(merged->rfind("{\"model_type\"", 0), 0u);
   EXPECT_EQ(*model::merge_config_json(cfg, "", "config.json"), cfg);

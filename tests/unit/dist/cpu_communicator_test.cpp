@@ -196,7 +196,7 @@ TEST(NcclEnv, NvlsIsForcedOffUnlessTheUserAskedForIt) {
   ASSERT_NE(std::getenv("NCCL_NVLS_ENABLE"), nullptr);
   EXPECT_STREQ(std::getenv("NCCL_NVLS_ENABLE"), "0");
   EXPECT_TRUE(prepare_nccl_environment().has_value());  // an explicit 0 is fine
-  setenv("NCCL_NVLS_ENABLE", "", 1);  // empty means NCCL's default: must become 0
+  setenv("NCCL_NVLS_ENABLE", "", 1);                    // empty means NCCL's default: must become 0
   ASSERT_TRUE(prepare_nccl_environment().has_value());
   EXPECT_STREQ(std::getenv("NCCL_NVLS_ENABLE"), "0");
   setenv("NCCL_NVLS_ENABLE", "1", 1);

@@ -24,7 +24,9 @@ int gpu_count() {
   return n;
 }
 
-float value(int rank, int64_t i) { return static_cast<float>(rank * 64 + (i % 97)) * 0.5f; }
+float value(int rank, int64_t i) {
+  return static_cast<float>(rank * 64 + (i % 97)) * 0.5f;
+}
 
 template <class T>
 std::vector<T> to_host(const T* d, size_t n) {
@@ -44,7 +46,9 @@ T* to_device(const std::vector<T>& h) {
 }
 
 // Rank r sends (r + d) % 3 + 1 elements to rank d.
-int64_t a2a_count(int from, int to) { return (from + to) % 3 + 1; }
+int64_t a2a_count(int from, int to) {
+  return (from + to) % 3 + 1;
+}
 
 void run_rank(int rank, int world, const ncclUniqueId& id) {
   auto c = NcclCommunicator::create(rank, world, rank, id);
@@ -95,7 +99,8 @@ void run_rank(int rank, int world, const ncclUniqueId& id) {
   for (int dst = 0; dst < world; ++dst) {
     sc[dst] = a2a_count(rank, dst);
     rc[dst] = a2a_count(dst, rank);
-    for (int64_t j = 0; j < sc[dst]; ++j) send.push_back(rank * 100 + dst * 10 + static_cast<int>(j));
+    for (int64_t j = 0; j < sc[dst]; ++j)
+      send.push_back(rank * 100 + dst * 10 + static_cast<int>(j));
   }
   const int64_t nrecv = std::accumulate(rc.begin(), rc.end(), int64_t{0});
   int32_t* ds = to_device(send);

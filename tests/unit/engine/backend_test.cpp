@@ -11,10 +11,10 @@
 #include <random>
 
 #include "engine/engine.h"
-#include "runtime/forward_backend.h"
+#include "kernels/cpu/sample.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
-#include "kernels/cpu/sample.h"
+#include "runtime/forward_backend.h"
 #include "runtime/sequence_runner.h"
 #include "unit/engine/engine_test_util.h"
 
@@ -63,8 +63,8 @@ class RecordingBackend final : public runtime::ForwardBackend {
 
 // A factory giving the CPU backend `pages` pages (ignoring the engine's CPU sizing), recorded.
 BackendFactory recording_factory(int64_t pages, Record* rec) {
-  return [pages, rec](std::unique_ptr<model::M3Model> host, int64_t cpu_num_pages)
-             -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+  return [pages, rec](std::unique_ptr<model::M3Model> host,
+                      int64_t cpu_num_pages) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
     rec->factory_cpu_num_pages = cpu_num_pages;
     M3_TRY(auto inner, runtime::make_cpu_backend(std::move(host), pages));
     return std::unique_ptr<runtime::ForwardBackend>(new RecordingBackend(std::move(inner), rec));
@@ -167,10 +167,11 @@ std::unique_ptr<Engine> device_sampling_engine(DeviceRecord* rec) {
   cfg.block_size = 8;
   cfg.max_model_len = 96;
   cfg.max_num_seqs = 4;
-  cfg.backend_factory = [rec](std::unique_ptr<model::M3Model> host, int64_t pages)
-      -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+  cfg.backend_factory = [rec](std::unique_ptr<model::M3Model> host,
+                              int64_t pages) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
     M3_TRY(auto inner, runtime::make_cpu_backend(std::move(host), pages));
-    return std::unique_ptr<runtime::ForwardBackend>(new DeviceSamplingBackend(std::move(inner), rec));
+    return std::unique_ptr<runtime::ForwardBackend>(
+        new DeviceSamplingBackend(std::move(inner), rec));
   };
   auto e = Engine::create(cfg);
   EXPECT_TRUE(e.has_value()) << e.error().message;
@@ -215,8 +216,8 @@ TEST(EngineBackend, FactoryErrorsReachTheCaller) {
   EngineConfig cfg;
   cfg.model_dir = kModel;
   cfg.block_size = 8;
-  cfg.backend_factory = [](std::unique_ptr<model::M3Model>, int64_t)
-      -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+  cfg.backend_factory = [](std::unique_ptr<model::M3Model>,
+                           int64_t) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
     return make_error(ErrorCode::kUnavailable, "test device is unplugged; use --device cpu",
                       "--device");
   };
@@ -295,7 +296,8 @@ TEST(EngineBackend, KvPartitionsLimitMaxModelLenToOnePartition) {
   cfg.backend_factory = two_partition_factory(24, &rec);
   auto e = Engine::create(cfg);
   ASSERT_FALSE(e.has_value());
-  EXPECT_NE(e.error().message.find("96 tokens in each of its 2 data-parallel partitions"), std::string::npos)
+  EXPECT_NE(e.error().message.find("96 tokens in each of its 2 data-parallel partitions"),
+            std::string::npos)
       << e.error().message;
   cfg.max_model_len = 96;
   ASSERT_TRUE(Engine::create(cfg).has_value());

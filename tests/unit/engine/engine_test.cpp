@@ -128,7 +128,8 @@ TEST(Engine, PromptLogprobsAndSampledLogprobs) {
   for (size_t i = 1; i < prompt.size(); ++i) {
     const auto& lp = (*first.prompt_logprobs)[i];
     ASSERT_TRUE(lp.has_value()) << i;
-    auto want = Sampler::logprobs(std::span<const float>(out.logits.data() + (i - 1) * V, V), prompt[i], 3);
+    auto want =
+        Sampler::logprobs(std::span<const float>(out.logits.data() + (i - 1) * V, V), prompt[i], 3);
     EXPECT_EQ(lp->token, prompt[i]);
     EXPECT_NEAR(lp->logprob, want.logprob, 1e-5);
     ASSERT_EQ(lp->top.size(), 3u);
@@ -202,7 +203,8 @@ TEST(Engine, SeededSamplingIsTheGpuRuleAndIndependentOfTheBatch) {
   const auto got = testing::generate_all(*e, batch);
   ASSERT_EQ(got.size(), batch.size());
   for (size_t i = 0; i < seeded.size(); ++i)
-    EXPECT_EQ(got[3 + seeded.size() - 1 - i], want[i]) << "batched, seed " << *seeded[i].params.seed;
+    EXPECT_EQ(got[3 + seeded.size() - 1 - i], want[i])
+        << "batched, seed " << *seeded[i].params.seed;
 }
 
 TEST(Engine, IdsPastTheSampleableVocabularyAreNeverSampled) {
@@ -230,7 +232,8 @@ TEST(Engine, AbortFreesPagesAndFinishesTheStream) {
   const int V = static_cast<int>(e->model_info().vocab_size);
   GenerateRequest r;
   r.prompt_token_ids = random_prompt(30, 9, V);
-  r.params.max_tokens = 10000 > e->model_info().max_model_len - 40 ? e->model_info().max_model_len - 40 : 10000;
+  r.params.max_tokens =
+      10000 > e->model_info().max_model_len - 40 ? e->model_info().max_model_len - 40 : 10000;
   r.params.ignore_eos = true;
   auto s = *e->submit(r);
   auto first = s->next(std::chrono::milliseconds(60000));
@@ -280,7 +283,8 @@ TEST(Engine, BadBlockSizeAndTooSmallKvAreRefused) {
   cfg.kv_cache_memory_bytes = 1000;
   auto e2 = Engine::create(cfg);
   ASSERT_FALSE(e2.has_value());
-  EXPECT_NE(e2.error().message.find("--kv-cache-memory-bytes"), std::string::npos) << e2.error().message;
+  EXPECT_NE(e2.error().message.find("--kv-cache-memory-bytes"), std::string::npos)
+      << e2.error().message;
 }
 
 }  // namespace

@@ -11,8 +11,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <memory>
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <span>
 #include <string>
@@ -45,8 +45,8 @@ inline std::vector<int32_t> reference_greedy(const model::M3Model& m,
   auto out = r.step({{s, prompt, false}});
   std::vector<int32_t> toks;
   for (int i = 0; i < n; ++i) {
-    const int32_t t = static_cast<int32_t>(
-        std::max_element(out.logits.begin(), out.logits.end()) - out.logits.begin());
+    const int32_t t = static_cast<int32_t>(std::max_element(out.logits.begin(), out.logits.end()) -
+                                           out.logits.begin());
     toks.push_back(t);
     if (i + 1 < n) out = r.step({{s, std::span<const int32_t>(&t, 1), false}});
   }

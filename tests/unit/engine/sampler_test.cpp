@@ -51,12 +51,12 @@ std::vector<SamplingParams> settings() {
     p.min_p = min_p;
     out.push_back(p);
   };
-  add(0.f, 0, 1.f, 0.f);     // greedy
-  add(1.f, 0, 1.f, 0.f);     // the whole distribution
-  add(0.7f, 0, 1.f, 0.f);    // temperature only
-  add(1.3f, 20, 1.f, 0.f);   // top_k
-  add(1.f, 0, 0.8f, 0.f);    // top_p
-  add(1.f, 0, 1.f, 0.05f);   // min_p
+  add(0.f, 0, 1.f, 0.f);       // greedy
+  add(1.f, 0, 1.f, 0.f);       // the whole distribution
+  add(0.7f, 0, 1.f, 0.f);      // temperature only
+  add(1.3f, 20, 1.f, 0.f);     // top_k
+  add(1.f, 0, 0.8f, 0.f);      // top_p
+  add(1.f, 0, 1.f, 0.05f);     // min_p
   add(0.9f, 50, 0.9f, 0.02f);  // all three
   return out;
 }

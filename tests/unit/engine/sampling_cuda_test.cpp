@@ -12,8 +12,8 @@
 
 #include "engine/engine.h"
 #include "gpu_test_util.h"
-#include "runtime/cuda/cuda_backend.h"
 #include "model/m3_model.h"
+#include "runtime/cuda/cuda_backend.h"
 #include "unit/engine/engine_test_util.h"
 
 namespace m3::engine {
@@ -42,8 +42,8 @@ TEST(SamplingCuda, SeededRequestsGiveTheSameTokensOnCpuAndGpu) {
   ASSERT_TRUE(cpu.has_value()) << cpu.error().message;
   runtime::CudaBackendOptions opts;
   opts.gpu_memory_utilization = 0.05;  // a small slice: other tests may share the GPU
-  auto gpu = Engine::create(engine_config(
-      bs, [opts](std::unique_ptr<model::M3Model> host, int64_t) {
+  auto gpu =
+      Engine::create(engine_config(bs, [opts](std::unique_ptr<model::M3Model> host, int64_t) {
         return runtime::make_cuda_backend(std::move(host), opts);
       }));
   ASSERT_TRUE(gpu.has_value()) << gpu.error().message;

@@ -49,7 +49,9 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // Death tests re-run the binary: the process thread pool's workers do not survive a fork.
-void threadsafe_death_tests() { GTEST_FLAG_SET(death_test_style, "threadsafe"); }
+void threadsafe_death_tests() {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+}
 
 // ---------------------------------------------------------------- naive references
 
@@ -144,8 +146,7 @@ TEST(FusedCpuDeath, AddRmsnormGemmaOutAliasingXAborts) {
   std::vector<float> x(8, 1.f), y(8, 1.f);
   const std::vector<uint16_t> wb(4, 0);
   const VecRef w{wb.data(), DType::kBF16, 4};
-  EXPECT_DEATH(add_rmsnorm_gemma(x.data(), y.data(), 2, 4, w, 1e-6f, x.data()),
-               "must not alias");
+  EXPECT_DEATH(add_rmsnorm_gemma(x.data(), y.data(), 2, 4, w, 1e-6f, x.data()), "must not alias");
 }
 
 // ---------------------------------------------------------------- swiglu_oai_rows
@@ -263,8 +264,9 @@ void check_attn_prep(const Geometry& G, const PrepCase& c, uint32_t seed) {
     o.cv = cv0;
     o.cik = cik0;
     // A dense layer's cache has no index-K pages; a sparse one's must be written.
-    return KvPages{o.ck.data(), o.cv.data(), sparse ? o.cik.data() : nullptr, num_pages, G.page,
-                   G.nkv, G.d, sparse ? G.di : 0};
+    return KvPages{o.ck.data(), o.cv.data(),      sparse ? o.cik.data() : nullptr,
+                   num_pages,   G.page,           G.nkv,
+                   G.d,         sparse ? G.di : 0};
   };
 
   // 1. Packed, in place.
@@ -319,7 +321,8 @@ void check_attn_prep(const Geometry& G, const PrepCase& c, uint32_t seed) {
   plain.iq = iq;
   {
     auto kk = k, ikk = ik;
-    rmsnorm_gemma(plain.q.data(), T * G.nq, G.d, {qn.data(), DType::kBF16, G.d}, eps, plain.q.data());
+    rmsnorm_gemma(plain.q.data(), T * G.nq, G.d, {qn.data(), DType::kBF16, G.d}, eps,
+                  plain.q.data());
     rope_neox(plain.q.data(), T, G.nq, G.d, G.rot, positions.data(), theta);
     rmsnorm_gemma(kk.data(), T * G.nkv, G.d, {kn.data(), DType::kBF16, G.d}, eps, kk.data());
     rope_neox(kk.data(), T, G.nkv, G.d, G.rot, positions.data(), theta);
@@ -345,8 +348,8 @@ void check_attn_prep(const Geometry& G, const PrepCase& c, uint32_t seed) {
     written[slot] = 1;
     const std::string tw = what + " token " + std::to_string(t);
     for (int64_t h = 0; h < G.nq; ++h)
-      expect_norm_rope(q.data() + (t * G.nq + h) * G.d, packed.q.data() + (t * G.nq + h) * G.d,
-                       G.d, G.rot, qnf, eps, p, theta, tw + " q head " + std::to_string(h));
+      expect_norm_rope(q.data() + (t * G.nq + h) * G.d, packed.q.data() + (t * G.nq + h) * G.d, G.d,
+                       G.rot, qnf, eps, p, theta, tw + " q head " + std::to_string(h));
     for (int64_t h = 0; h < G.nkv; ++h) {
       expect_norm_rope(k.data() + (t * G.nkv + h) * G.d, packed.ck.data() + slot * ckv + h * G.d,
                        G.d, G.rot, knf, eps, p, theta, tw + " page K head " + std::to_string(h));
@@ -391,12 +394,12 @@ void check_attn_prep(const Geometry& G, const PrepCase& c, uint32_t seed) {
 TEST(FusedCpu, AttnPrepEqualsNormRopeKvWriteSmall) {
   // GQA 2, partial rotary, full index rotary, 4-token pages.
   const Geometry G{4, 2, 16, 8, 2, 8, 8, 4};
-  check_attn_prep(G, {{0}, {1}, true}, 1);                   // one token
-  check_attn_prep(G, {{5, 3, 12}, {1, 1, 1}, true}, 2);       // decode batch, page edges
-  check_attn_prep(G, {{0}, {11}, true}, 3);                   // prefill, partial last page
-  check_attn_prep(G, {{7, 0}, {1, 9}, false}, 4);             // full-attention layer, mixed
+  check_attn_prep(G, {{0}, {1}, true}, 1);               // one token
+  check_attn_prep(G, {{5, 3, 12}, {1, 1, 1}, true}, 2);  // decode batch, page edges
+  check_attn_prep(G, {{0}, {11}, true}, 3);              // prefill, partial last page
+  check_attn_prep(G, {{7, 0}, {1, 9}, false}, 4);        // full-attention layer, mixed
   check_attn_prep({6, 3, 40, 16, 3, 24, 24, 4}, {{0, 9}, {10, 1}, true}, 5);  // odd sizes
-  check_attn_prep({8, 8, 64, 0, 8, 32, 8, 16}, {{3}, {40}, true}, 6);          // no rotary
+  check_attn_prep({8, 8, 64, 0, 8, 32, 8, 16}, {{3}, {40}, true}, 6);         // no rotary
 }
 
 TEST(FusedCpu, AttnPrepEqualsNormRopeKvWriteAtM3Geometry) {
@@ -463,7 +466,6 @@ TEST(MoeCpu, LocalizeIdsMapsEachExpertToExactlyOneRank) {
 }
 
 // ---------------------------------------------------------------- moe_experts
-
 
 // Experts with values exact in their dtype, contiguous ([ne, rows, cols] per projection) and
 // the same values scattered (one allocation per expert and projection, bases left null).
@@ -606,7 +608,8 @@ MoeRef moe_ref(const MoeWeights& W, const std::vector<float>& x, int64_t n,
   return r;
 }
 
-int64_t count_mismatches(const std::vector<float>& got, const MoeRef& ref, const std::string& what) {
+int64_t count_mismatches(const std::vector<float>& got, const MoeRef& ref,
+                         const std::string& what) {
   int64_t bad = 0;
   for (size_t i = 0; i < got.size(); ++i)
     if (!(std::fabs(double(got[i]) - ref.out[i]) <= ref.tol[i]) && ++bad <= 5)
@@ -651,27 +654,29 @@ TEST(MoeCpu, ExpertsMatchThePerTokenNaiveMoe) {
                                    std::to_string(s.inter) + " " + dtype_name(dt) + " n " +
                                    std::to_string(n) + (with_shared ? " shared" : " no shared");
           std::vector<float> out(n * s.hidden, NAN);
-          moe_experts(x.data(), n, ids.data(), wts.data(), s.k, W.contiguous(), act, sh, out.data());
+          moe_experts(x.data(), n, ids.data(), wts.data(), s.k, W.contiguous(), act, sh,
+                      out.data());
           EXPECT_EQ(0, count_mismatches(out, moe_ref(W, x, n, ids, wts, s.k, act, sh), what));
 
           // The scattered layout computes the same bits.
           std::vector<float> scat(n * s.hidden, NAN);
-          moe_experts(x.data(), n, ids.data(), wts.data(), s.k, W.scattered(), act, sh, scat.data());
+          moe_experts(x.data(), n, ids.data(), wts.data(), s.k, W.scattered(), act, sh,
+                      scat.data());
           EXPECT_TRUE(same_bits(scat, out)) << what << ": scattered vs contiguous";
 
           // One token at a time computes the same bits (the grouping changes nothing).
           std::vector<float> one(n * s.hidden, NAN);
           for (int64_t t = 0; t < n; ++t)
-            moe_experts(x.data() + t * s.hidden, 1, ids.data() + t * s.k, wts.data() + t * s.k,
-                        s.k, W.contiguous(), act, sh ? sh + t * s.hidden : nullptr,
+            moe_experts(x.data() + t * s.hidden, 1, ids.data() + t * s.k, wts.data() + t * s.k, s.k,
+                        W.contiguous(), act, sh ? sh + t * s.hidden : nullptr,
                         one.data() + t * s.hidden);
           EXPECT_TRUE(same_bits(one, out)) << what << ": per token vs batch";
 
           // out may alias shared.
           if (with_shared) {
             auto alias = shared;
-            moe_experts(x.data(), n, ids.data(), wts.data(), s.k, W.contiguous(), act,
-                        alias.data(), alias.data());
+            moe_experts(x.data(), n, ids.data(), wts.data(), s.k, W.contiguous(), act, alias.data(),
+                        alias.data());
             EXPECT_TRUE(same_bits(alias, out)) << what << ": out aliasing shared";
           }
         }
@@ -691,7 +696,7 @@ TEST(MoeCpu, ExpertsSkipOtherRanksPicks) {
     std::vector<int32_t> ids;
     std::vector<float> wts;
     route(n, s.ne, s.k, g, ids, wts);
-    for (size_t i = 0; i < ids.size(); i += 2) ids[i] = -1;  // every other pick elsewhere
+    for (size_t i = 0; i < ids.size(); i += 2) ids[i] = -1;   // every other pick elsewhere
     for (int64_t j = 0; j < s.k; ++j) ids[3 * s.k + j] = -1;  // token 3: none here
     for (bool with_shared : {true, false}) {
       const float* sh = with_shared ? shared.data() : nullptr;
@@ -709,7 +714,8 @@ TEST(MoeCpu, ExpertsSkipOtherRanksPicks) {
     moe_experts(x.data(), n, none.data(), wts.data(), s.k, W.contiguous(), act, shared.data(),
                 out.data());
     EXPECT_EQ(out, shared);
-    moe_experts(x.data(), n, none.data(), wts.data(), s.k, W.contiguous(), act, nullptr, out.data());
+    moe_experts(x.data(), n, none.data(), wts.data(), s.k, W.contiguous(), act, nullptr,
+                out.data());
     EXPECT_EQ(out, std::vector<float>(n * s.hidden, 0.f));
   }
 }
@@ -746,8 +752,8 @@ TEST(MoeCpu, ExpertParallelRanksSumToTheWholeMoe) {
     add_inplace(sum.data(), part.data(), n * s.hidden);
     first += counts[r];
   }
-  const MoeRef ref = moe_ref(W, x, n, ids, wts, s.k, act, shared.data(),
-                             static_cast<int>(counts.size()) - 1);
+  const MoeRef ref =
+      moe_ref(W, x, n, ids, wts, s.k, act, shared.data(), static_cast<int>(counts.size()) - 1);
   EXPECT_EQ(0, count_mismatches(sum, ref, "EP sum"));
 }
 
@@ -757,13 +763,13 @@ TEST(MoeCpuDeath, ExpertsAbortOnABadIdOrDtype) {
   std::vector<float> x(2 * 8, 1.f), out(2 * 8), wts(2 * 2, 0.5f);
   const SwigluParams act;
   std::vector<int32_t> ids{0, 1, 2, 4};  // 4 of 4 experts
-  EXPECT_DEATH(moe_experts(x.data(), 2, ids.data(), wts.data(), 2, W.contiguous(), act, nullptr,
-                           out.data()),
-               "expert id 4 of 4");
+  EXPECT_DEATH(
+      moe_experts(x.data(), 2, ids.data(), wts.data(), 2, W.contiguous(), act, nullptr, out.data()),
+      "expert id 4 of 4");
   ids[3] = -2;  // only -1 means another rank's
-  EXPECT_DEATH(moe_experts(x.data(), 2, ids.data(), wts.data(), 2, W.contiguous(), act, nullptr,
-                           out.data()),
-               "expert id -2 of 4");
+  EXPECT_DEATH(
+      moe_experts(x.data(), 2, ids.data(), wts.data(), 2, W.contiguous(), act, nullptr, out.data()),
+      "expert id -2 of 4");
   ids[3] = 3;
   MoeExpertWeights f16 = W.contiguous();
   f16.dtype = DType::kF16;

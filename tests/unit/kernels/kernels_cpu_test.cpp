@@ -38,7 +38,8 @@ TEST(Linear, MatchesNaiveBf16AndF32) {
     auto x = randn(n * k, g), wf = randn(m * k, g);
     auto wb = to_bf16(wf);
     for (bool bf : {true, false}) {
-      MatRef w{bf ? (const void*)wb.data() : (const void*)wf.data(), bf ? DType::kBF16 : DType::kF32, m, k};
+      MatRef w{bf ? (const void*)wb.data() : (const void*)wf.data(),
+               bf ? DType::kBF16 : DType::kF32, m, k};
       std::vector<float> y(n * m);
       linear(x.data(), n, w, y.data());
       for (int t = 0; t < n; ++t)
@@ -202,7 +203,7 @@ TEST(Attention, DenseAndSelectedMatchNaive) {
   auto q = randn(T * nq * f.d, g);
   TokenLayout L{T, pos.data(), sid.data(), f.bt_off.data(), f.bt.data()};
   // selection: block lists per (t, kv head); -1 padded, max 2
-  std::vector<int32_t> sel = {0, -1, 0, -1,  0, -1, 0, -1,  1, -1, 0, 1,  2, 0, 1, 2,  1, 0, -1, 1};
+  std::vector<int32_t> sel = {0, -1, 0, -1, 0, -1, 0, -1, 1, -1, 0, 1, 2, 0, 1, 2, 1, 0, -1, 1};
   for (bool sparse : {false, true}) {
     std::vector<float> out(T * nq * f.d);
     attention_paged(q.data(), nq, f.pages, L, sparse ? sel.data() : nullptr, 2, 0.35f, out.data());
@@ -233,7 +234,8 @@ TEST(Attention, DenseAndSelectedMatchNaive) {
         for (auto& x : s) sum += (x = std::exp(x - mx));
         for (int64_t i = 0; i < f.d; ++i) {
           double ref = 0;
-          for (size_t a = 0; a < keys.size(); ++a) ref += s[a] / sum * V[(keys[a] * f.nkv + gidx) * f.d + i];
+          for (size_t a = 0; a < keys.size(); ++a)
+            ref += s[a] / sum * V[(keys[a] * f.nkv + gidx) * f.d + i];
           // softmax of <= 11 terms and d=8 dots in fp32: well under 1e-5 absolute for unit data.
           EXPECT_NEAR(out[(t * nq + h) * f.d + i], ref, 1e-5) << sparse << " t" << t << " h" << h;
         }
@@ -265,7 +267,8 @@ TEST(Msa, SelectionMatchesNaiveMaxPoolTopk) {
             double best = -1e300;
             for (int64_t j = b * f.page; j < std::min<int64_t>((b + 1) * f.page, pos[t] + 1); ++j) {
               double dd = 0;
-              for (int64_t i = 0; i < f.di; ++i) dd += double(iq[(t * ni + h) * f.di + i]) * f.IK[0][j * f.di + i];
+              for (int64_t i = 0; i < f.di; ++i)
+                dd += double(iq[(t * ni + h) * f.di + i]) * f.IK[0][j * f.di + i];
               best = std::max(best, dd);
             }
             if (b < init || b >= nb - local) best = 1e300;
@@ -276,7 +279,8 @@ TEST(Msa, SelectionMatchesNaiveMaxPoolTopk) {
           std::sort(expect.begin(), expect.end());
         }
         while ((int64_t)expect.size() < topk) expect.push_back(-1);
-        std::vector<int32_t> got(out.begin() + (t * ni + h) * topk, out.begin() + (t * ni + h + 1) * topk);
+        std::vector<int32_t> got(out.begin() + (t * ni + h) * topk,
+                                 out.begin() + (t * ni + h + 1) * topk);
         EXPECT_EQ(got, expect) << "t=" << t << " h=" << h << " topk=" << topk;
       }
   }

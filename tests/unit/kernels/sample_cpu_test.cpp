@@ -125,7 +125,7 @@ TEST(SampleCpu, DrawsFollowTheFilteredSoftmax) {
   struct Case {
     float t, top_p, min_p;
     int top_k;
-  } cases[] = {{1.f, 1.f, 0.f, 0}, {0.7f, 1.f, 0.f, 0}, {1.f, 1.f, 0.f, 5},
+  } cases[] = {{1.f, 1.f, 0.f, 0},  {0.7f, 1.f, 0.f, 0}, {1.f, 1.f, 0.f, 5},
                {1.f, 0.6f, 0.f, 0}, {1.f, 1.f, 0.2f, 0}, {1.3f, 0.8f, 0.05f, 12}};
   for (const auto& c : cases) {
     SampleRow p;

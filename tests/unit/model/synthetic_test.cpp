@@ -9,10 +9,10 @@
 
 #include "app/model_choice.h"
 #include "engine/engine.h"
-#include "runtime/kv_budget.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
 #include "model/synthetic_model.h"
+#include "runtime/kv_budget.h"
 #include "text/detokenizer.h"
 #include "text/tokenizer.h"
 
@@ -113,8 +113,8 @@ TEST(SyntheticConfig, ShardBytesSplitTheWholeAndReplicateTheRest) {
   const int64_t whole = model::synthetic_weight_bytes(cfg);
   // Replicated on every rank: final norm, per layer 2 norms + q/k norms, the indexer's index-K
   // projection and norms, the f32 router and bias. (W <= 4: KV and index-q heads split.)
-  const int64_t replicated = 2 * (6144 + 4 * (2 * 6144 + 2 * 128) + (128 * 6144 + 2 * 128)) +
-                             4 * (128 * 6144 + 128);
+  const int64_t replicated =
+      2 * (6144 + 4 * (2 * 6144 + 2 * 128) + (128 * 6144 + 2 * 128)) + 4 * (128 * 6144 + 128);
   for (int world : {1, 2, 4}) {
     for (bool ep : {false, true}) {
       int64_t sum = 0;
@@ -190,8 +190,7 @@ TEST(SyntheticEngine, LoadsConfigOnlyAndTheCpuBackendRefusesIt) {
   ec.kv_cache_memory_bytes = int64_t{64} << 20;
   auto e = engine::Engine::create(ec);  // no backend factory: the CPU backend
   ASSERT_FALSE(e);
-  EXPECT_NE(e.error().message.find("use --device cuda"), std::string::npos)
-      << e.error().message;
+  EXPECT_NE(e.error().message.find("use --device cuda"), std::string::npos) << e.error().message;
 }
 
 TEST(KvBudget, RefusesAMaxModelLenWhosePagesDoNotFit) {

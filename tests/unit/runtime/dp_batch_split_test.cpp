@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "core/check.h"
-#include "runtime/dp_batch_split.h"
 #include "model/golden_util.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
+#include "runtime/dp_batch_split.h"
 #include "runtime/sequence_runner.h"
 
 namespace m3::model {
@@ -115,8 +115,8 @@ struct Harness {
       if (pages_per_rank > 0) {
         // Page ids local to the rank's partition (its cache has pages_per_rank pages).
         for (int32_t page : rb.block_table)
-          ASSERT_TRUE(page >= 0 && page < pages_per_rank) << what << ": rank " << r << " page "
-                                                          << page;
+          ASSERT_TRUE(page >= 0 && page < pages_per_rank)
+              << what << ": rank " << r << " page " << page;
       }
       if (rb.token_ids.empty()) {
         split->result(r) = ForwardResult{};

@@ -19,16 +19,19 @@ ChatRequest request(const std::string& body) {
 }
 
 TEST(ChatPrompt, RendersWithDefaultsAndRequestKwargs) {
-  auto p = ChatPrompt::from_source(kTemplate, OrderedJson{{"thinking_mode", "disabled"}}, OrderedJson{{"bos_token", "<s>"}});
+  auto p = ChatPrompt::from_source(kTemplate, OrderedJson{{"thinking_mode", "disabled"}},
+                                   OrderedJson{{"bos_token", "<s>"}});
   ASSERT_TRUE(p.has_value()) << p.error().message;
   auto r = p->render(request(R"({"messages": [{"role": "user", "content": "hi"}]})"));
   ASSERT_TRUE(r.has_value()) << r.error().message;
   EXPECT_EQ(r->prompt, "<s><user>hi</user>mode=disabled<ai>");
   EXPECT_EQ(r->thinking_mode, text::ThinkingMode::kDisabled);
-  r = p->render(request(R"({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"thinking_mode": "enabled"}, "add_generation_prompt": false})"));
+  r = p->render(request(
+      R"({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"thinking_mode": "enabled"}, "add_generation_prompt": false})"));
   EXPECT_EQ(r->prompt, "<s><user>hi</user>mode=enabled");
   EXPECT_EQ(r->thinking_mode, text::ThinkingMode::kEnabled);
-  auto bad = p->render(request(R"({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"thinking_mode": "sometimes"}})"));
+  auto bad = p->render(request(
+      R"({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"thinking_mode": "sometimes"}})"));
   ASSERT_FALSE(bad.has_value());
   EXPECT_EQ(bad.error().param, "chat_template_kwargs.thinking_mode");
 }
@@ -36,19 +39,26 @@ TEST(ChatPrompt, RendersWithDefaultsAndRequestKwargs) {
 TEST(ChatPrompt, ToolChoiceShapesThePrompt) {
   auto p = ChatPrompt::from_source(kTemplate, OrderedJson::object());
   ASSERT_TRUE(p.has_value());
-  const std::string tools = R"("tools": [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "b"}}])";
+  const std::string tools =
+      R"("tools": [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "b"}}])";
   auto r = p->render(request(R"({"messages": [{"role": "user", "content": "x"}], )" + tools + "}"));
   EXPECT_EQ(r->prompt, "<user>x</user>[tools:a;b;]mode=none<ai>");
   // none: the model is not shown the tools.
-  r = p->render(request(R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "none", )" + tools + "}"));
+  r = p->render(request(
+      R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "none", )" + tools + "}"));
   EXPECT_EQ(r->prompt, "<user>x</user>mode=none<ai>");
   EXPECT_TRUE(r->tools.is_null());
   // required: an instruction is added as a system message.
-  r = p->render(request(R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", )" + tools + "}"));
-  const std::string req_instr = ChatPrompt::tool_choice_instruction({ToolChoiceKind::kRequired, ""});
+  r = p->render(
+      request(R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", )" +
+              tools + "}"));
+  const std::string req_instr =
+      ChatPrompt::tool_choice_instruction({ToolChoiceKind::kRequired, ""});
   EXPECT_EQ(r->prompt, "<system>" + req_instr + "</system><user>x</user>[tools:a;b;]mode=none<ai>");
   // named: only that tool is shown, and the instruction is appended to an existing system message.
-  r = p->render(request(R"({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "x"}], "tool_choice": {"type": "function", "function": {"name": "b"}}, )" + tools + "}"));
+  r = p->render(request(
+      R"({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "x"}], "tool_choice": {"type": "function", "function": {"name": "b"}}, )" +
+      tools + "}"));
   const std::string named = ChatPrompt::tool_choice_instruction({ToolChoiceKind::kNamed, "b"});
   EXPECT_NE(named.find("`b`"), std::string::npos);
   EXPECT_EQ(r->prompt, "<system>S\n\n" + named + "</system><user>x</user>[tools:b;]mode=none<ai>");
@@ -57,7 +67,8 @@ TEST(ChatPrompt, ToolChoiceShapesThePrompt) {
 
 TEST(ChatPrompt, ContinueFinalMessageCutsAfterIt) {
   auto p = ChatPrompt::from_source(kTemplate, OrderedJson::object());
-  auto r = p->render(request(R"({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is"}], "continue_final_message": true})"));
+  auto r = p->render(request(
+      R"({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is"}], "continue_final_message": true})"));
   ASSERT_TRUE(r.has_value());
   EXPECT_EQ(r->prompt, "<user>x</user><assistant>The answer is");
 }
@@ -69,7 +80,8 @@ TEST(ChatPrompt, BadTemplateFileNamesTheFlag) {
 }
 
 TEST(ChatPrompt, TemplateRuntimeErrorsAre400) {
-  auto p = ChatPrompt::from_source("{{ raise_exception('no system allowed') }}", OrderedJson::object());
+  auto p =
+      ChatPrompt::from_source("{{ raise_exception('no system allowed') }}", OrderedJson::object());
   ASSERT_TRUE(p.has_value());
   auto r = p->render(request(R"({"messages": [{"role": "user", "content": "x"}]})"));
   ASSERT_FALSE(r.has_value());

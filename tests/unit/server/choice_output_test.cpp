@@ -13,14 +13,17 @@ namespace {
 
 std::shared_ptr<const text::Tokenizer> tokenizer() {
   static auto tok = [] {
-    auto t = text::Tokenizer::from_file(std::string(M3_SOURCE_DIR) + "/tests/golden/text/m3_tokenizer/tokenizer.json");
+    auto t = text::Tokenizer::from_file(std::string(M3_SOURCE_DIR) +
+                                        "/tests/golden/text/m3_tokenizer/tokenizer.json");
     EXPECT_TRUE(t.has_value()) << (t ? "" : t.error().message);
     return *t;
   }();
   return tok;
 }
 
-int32_t id_of(const std::string& s) { return *tokenizer()->token_to_id(s); }
+int32_t id_of(const std::string& s) {
+  return *tokenizer()->token_to_id(s);
+}
 
 const char* kWeatherTools = R"([{"type": "function", "function": {"name": "get_weather",
   "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}])";
@@ -32,8 +35,8 @@ struct Collected {
 };
 
 // Feeds `ids` in random-sized engine outputs; the last one finishes with `reason`.
-Collected feed(ChoiceOutput& out, const std::vector<int32_t>& ids, const std::string& reason, std::mt19937& rng,
-               std::optional<int32_t> stop_token = std::nullopt) {
+Collected feed(ChoiceOutput& out, const std::vector<int32_t>& ids, const std::string& reason,
+               std::mt19937& rng, std::optional<int32_t> stop_token = std::nullopt) {
   Collected c;
   size_t i = 0;
   while (i < ids.size() && !out.finished()) {
@@ -78,10 +81,11 @@ ChoiceOptions chat_options(const char* tools) {
 
 TEST(ChoiceOutput, ReasoningContentAndToolCallsAreSeparated) {
   const std::string ns = "]<]minimax[>[";
-  const std::string model_text = "<mm:think>The user wants weather.</mm:think>Let me check.\n" + ns + "<tool_call>\n" + ns +
-                                 "<invoke name=\"get_weather\">" + ns + "<city>Paris</city>" + ns + "</city>" + ns +
-                                 "<days>2" + ns + "</days>" + ns + "</invoke>\n" + ns + "<invoke name=\"get_weather\">" + ns +
-                                 "<city>Rome" + ns + "</city>" + ns + "</invoke>\n" + ns + "</tool_call>[e~[";
+  const std::string model_text =
+      "<mm:think>The user wants weather.</mm:think>Let me check.\n" + ns + "<tool_call>\n" + ns +
+      "<invoke name=\"get_weather\">" + ns + "<city>Paris</city>" + ns + "</city>" + ns +
+      "<days>2" + ns + "</days>" + ns + "</invoke>\n" + ns + "<invoke name=\"get_weather\">" + ns +
+      "<city>Rome" + ns + "</city>" + ns + "</invoke>\n" + ns + "</tool_call>[e~[";
   std::vector<int32_t> ids = tokenizer()->encode(model_text);
   ASSERT_EQ(ids.back(), id_of("[e~["));
   std::mt19937 rng(3);
@@ -97,7 +101,8 @@ TEST(ChoiceOutput, ReasoningContentAndToolCallsAreSeparated) {
     // A string parameter keeps its text verbatim, including the un-namespaced "</city>".
     EXPECT_EQ(nlohmann::json::parse(out.tool_calls()[0].arguments_json),
               nlohmann::json::parse(R"({"city": "Paris</city>", "days": 2})"));
-    EXPECT_EQ(nlohmann::json::parse(out.tool_calls()[1].arguments_json), nlohmann::json::parse(R"({"city": "Rome"})"));
+    EXPECT_EQ(nlohmann::json::parse(out.tool_calls()[1].arguments_json),
+              nlohmann::json::parse(R"({"city": "Rome"})"));
     EXPECT_EQ(out.tool_calls()[0].id.rfind("call_test_", 0), 0u);
     EXPECT_NE(out.tool_calls()[0].id, out.tool_calls()[1].id);
     // Streamed deltas add up to the whole result.
@@ -108,7 +113,8 @@ TEST(ChoiceOutput, ReasoningContentAndToolCallsAreSeparated) {
     EXPECT_EQ(c.names[1], "get_weather");
     EXPECT_EQ(c.ids[0], out.tool_calls()[0].id);
     EXPECT_EQ(out.num_output_tokens(), static_cast<int>(ids.size()));
-    const int64_t thought = static_cast<int64_t>(tokenizer()->encode("The user wants weather.").size());
+    const int64_t thought =
+        static_cast<int64_t>(tokenizer()->encode("The user wants weather.").size());
     // The reasoning tokens are the thought's tokens plus the closing marker, which is fed while
     // reasoning is open (the opener arrives in the content channel and is not counted).
     EXPECT_EQ(out.num_reasoning_tokens(), thought + 1);
@@ -157,7 +163,8 @@ TEST(ChoiceOutput, StopStringIsTrimmedAndEndsTheChoice) {
     EXPECT_EQ(out.finish_reason(), "stop");
     EXPECT_EQ(out.text(), "hello ");
     EXPECT_EQ(c.content, "hello ");
-    EXPECT_LT(out.num_output_tokens(), static_cast<int>(tokenizer()->encode("hello world and more text").size()));
+    EXPECT_LT(out.num_output_tokens(),
+              static_cast<int>(tokenizer()->encode("hello world and more text").size()));
   }
 }
 
@@ -170,7 +177,8 @@ TEST(ChoiceOutput, StopTokenAndEosAreHiddenButCounted) {
   auto ids = tokenizer()->encode("abc");
   const int32_t stop_id = ids.back();
   feed(out, ids, "stop", rng, stop_id);
-  EXPECT_EQ(out.text(), tokenizer()->decode(std::vector<int32_t>(ids.begin(), ids.end() - 1), true));
+  EXPECT_EQ(out.text(),
+            tokenizer()->decode(std::vector<int32_t>(ids.begin(), ids.end() - 1), true));
   EXPECT_EQ(out.num_output_tokens(), static_cast<int>(ids.size()));
 
   ChoiceOutput out2(o);

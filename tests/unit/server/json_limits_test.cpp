@@ -20,8 +20,8 @@ TEST(JsonLimits, DepthCountsBracketsOutsideStringsOnly) {
   EXPECT_EQ(json_nesting_depth("{}", 100), 1);
   EXPECT_EQ(json_nesting_depth(R"({"a": [1, {"b": []}]})", 100), 4);
   EXPECT_EQ(json_nesting_depth(R"({"a": "[[[[[[\"[[[["})", 100), 1);  // brackets in a string
-  EXPECT_EQ(json_nesting_depth(nested(1000), 64), 65);                 // stops past the limit
-  EXPECT_EQ(json_nesting_depth("]]]]{", 10), 1);                       // unbalanced: never negative
+  EXPECT_EQ(json_nesting_depth(nested(1000), 64), 65);                // stops past the limit
+  EXPECT_EQ(json_nesting_depth("]]]]{", 10), 1);                      // unbalanced: never negative
 }
 
 TEST(JsonLimits, ParseRefusesDeepTextWithoutRecursing) {
@@ -38,9 +38,12 @@ TEST(JsonLimits, ParseRefusesDeepTextWithoutRecursing) {
 }
 
 TEST(JsonLimits, ObjectMembersAreCountedPerObject) {
-  EXPECT_EQ(json_max_object_members(R"({"a": 1, "b": {"c": 2}, "d": [{"e": 1, "f": 2, "g": ":"}]})", 100), 3u);
+  EXPECT_EQ(
+      json_max_object_members(R"({"a": 1, "b": {"c": 2}, "d": [{"e": 1, "f": 2, "g": ":"}]})", 100),
+      3u);
   std::string big = "{";
-  for (int i = 0; i < 20000; ++i) big += std::string(i ? "," : "") + "\"k" + std::to_string(i) + "\": 0";
+  for (int i = 0; i < 20000; ++i)
+    big += std::string(i ? "," : "") + "\"k" + std::to_string(i) + "\": 0";
   big += "}";
   EXPECT_GT(json_max_object_members(big, kMaxObjectMembers), kMaxObjectMembers);
   auto r = parse_json_bounded(big, "the request body");
@@ -56,20 +59,23 @@ TEST(JsonLimits, NodeCountStopsPastTheLimit) {
 
 TEST(JsonLimits, RequestsWithDeepValuesAre400) {
   const std::string deep = nested(50'000);
-  for (const std::string& body : {
-           R"({"messages": [{"role": "user", "content": "hi", "x": )" + deep + "}]}",
-           R"({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"k": )" + deep + "}}",
-           R"({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"p": )" +
-               deep + "}}}]}",
-       }) {
+  for (
+      const std::string& body : {
+          R"({"messages": [{"role": "user", "content": "hi", "x": )" + deep + "}]}",
+          R"({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"k": )" +
+              deep + "}}",
+          R"({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"p": )" +
+              deep + "}}}]}",
+      }) {
     auto r = parse_chat_request(body);
     ASSERT_FALSE(r);
     EXPECT_EQ(r.error().code, ErrorCode::kInvalidArgument);
   }
   // Tool-call arguments arrive as a JSON string: their nesting is checked before they are parsed.
   std::string args = std::string(50'000, '[');
-  const std::string body = R"({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": ")" +
-                           args + R"("}}]}, {"role": "user", "content": "x"}]})";
+  const std::string body =
+      R"({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": ")" +
+      args + R"("}}]}, {"role": "user", "content": "x"}]})";
   auto r = parse_chat_request(body);
   ASSERT_FALSE(r);
   EXPECT_EQ(r.error().param, "messages[0].tool_calls[0].function.arguments");
@@ -77,20 +83,25 @@ TEST(JsonLimits, RequestsWithDeepValuesAre400) {
 
 TEST(JsonLimits, CountCapsNameTheField) {
   std::string many = R"({"messages": [)";
-  for (size_t i = 0; i <= kMaxMessages; ++i) many += std::string(i ? "," : "") + R"({"role": "user", "content": "x"})";
+  for (size_t i = 0; i <= kMaxMessages; ++i)
+    many += std::string(i ? "," : "") + R"({"role": "user", "content": "x"})";
   many += "]}";
   auto r = parse_chat_request(many);
   ASSERT_FALSE(r);
   EXPECT_EQ(r.error().param, "messages");
 
   std::string props;
-  for (size_t i = 0; i <= kMaxToolSchemaNodes; ++i) props += std::string(i ? "," : "") + "\"p" + std::to_string(i) + "\": {}";
-  auto t = parse_chat_request(R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {)" +
-                              props + "}}}}]}");
+  for (size_t i = 0; i <= kMaxToolSchemaNodes; ++i)
+    props += std::string(i ? "," : "") + "\"p" + std::to_string(i) + "\": {}";
+  auto t = parse_chat_request(
+      R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {)" +
+      props + "}}}}]}");
   ASSERT_FALSE(t);
   EXPECT_EQ(t.error().code, ErrorCode::kInvalidArgument);
 
-  auto s = parse_completion_request(R"({"prompt": "x", "stop": [)" + std::string("\"a\",") + std::string(40, ' ') + R"("b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]})");
+  auto s = parse_completion_request(
+      R"({"prompt": "x", "stop": [)" + std::string("\"a\",") + std::string(40, ' ') +
+      R"("b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]})");
   ASSERT_FALSE(s);
   EXPECT_EQ(s.error().param, "stop");
   auto n = parse_completion_request(R"({"prompt": ["a", "b", "c"], "n": 100})");
@@ -103,7 +114,8 @@ TEST(JsonLimits, JinjaConversionIsBounded) {
   auto tpl = text::jinja::Template::parse("{{ x }}");
   ASSERT_TRUE(tpl);
   nlohmann::ordered_json v = nlohmann::ordered_json::array();
-  for (int i = 0; i < text::jinja::kMaxFromJsonDepth + 10; ++i) v = nlohmann::ordered_json::array({v});
+  for (int i = 0; i < text::jinja::kMaxFromJsonDepth + 10; ++i)
+    v = nlohmann::ordered_json::array({v});
   auto r = tpl->render(nlohmann::ordered_json{{"x", v}});
   ASSERT_FALSE(r);
   EXPECT_NE(r.error().message.find("levels deep"), std::string::npos);

@@ -59,7 +59,8 @@ TEST(OpenAIRequest, ParsesAFullChatRequest) {
 TEST(OpenAIRequest, ModelDefaultsFillOmittedKnobs) {
   auto r = parse_chat_request(R"({"messages": [{"role": "user", "content": "hi"}]})");
   ASSERT_TRUE(r.has_value());
-  auto d = GenerationDefaults::from_json_text(R"({"temperature": 0.7, "top_p": 0.95, "top_k": 40})", "g");
+  auto d = GenerationDefaults::from_json_text(R"({"temperature": 0.7, "top_p": 0.95, "top_k": 40})",
+                                              "g");
   ASSERT_TRUE(d.has_value());
   auto sp = make_sampling_params(r->common, *d);
   EXPECT_FLOAT_EQ(sp.temperature, 0.7f);
@@ -82,7 +83,10 @@ TEST(OpenAIRequest, RejectsMalformedJson) {
 
 TEST(OpenAIRequest, RejectsWrongTypesNamingTheParameter) {
   const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
-  struct Case { std::string field; std::string param; };
+  struct Case {
+    std::string field;
+    std::string param;
+  };
   for (const Case& c : std::vector<Case>{{R"("temperature": "hot")", "temperature"},
                                          {R"("max_tokens": 1.5)", "max_tokens"},
                                          {R"("n": true)", "n"},
@@ -106,23 +110,27 @@ TEST(OpenAIRequest, RejectsWrongTypesNamingTheParameter) {
 
 TEST(OpenAIRequest, RejectsOutOfRangeValues) {
   const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
-  struct Case { std::string field; std::string param; };
-  for (const Case& c : std::vector<Case>{{R"("temperature": -0.1)", "temperature"},
-                                         {R"("top_p": 0)", "top_p"},
-                                         {R"("top_p": 1.5)", "top_p"},
-                                         {R"("min_p": 2)", "min_p"},
-                                         {R"("top_k": -2)", "top_k"},
-                                         {R"("n": 0)", "n"},
-                                         {R"("n": 100000)", "n"},
-                                         {R"("max_tokens": 0)", "max_tokens"},
-                                         {R"("max_completion_tokens": -5)", "max_completion_tokens"},
-                                         {R"("presence_penalty": 3)", "presence_penalty"},
-                                         {R"("frequency_penalty": -2.5)", "frequency_penalty"},
-                                         {R"("repetition_penalty": 0)", "repetition_penalty"},
-                                         {R"("logprobs": true, "top_logprobs": 21)", "top_logprobs"},
-                                         {R"("top_logprobs": 2)", "top_logprobs"},
-                                         {R"("max_tokens": 5, "min_tokens": 6)", "min_tokens"},
-                                         {R"("stop_token_ids": [-1])", "stop_token_ids"}}) {
+  struct Case {
+    std::string field;
+    std::string param;
+  };
+  for (const Case& c :
+       std::vector<Case>{{R"("temperature": -0.1)", "temperature"},
+                         {R"("top_p": 0)", "top_p"},
+                         {R"("top_p": 1.5)", "top_p"},
+                         {R"("min_p": 2)", "min_p"},
+                         {R"("top_k": -2)", "top_k"},
+                         {R"("n": 0)", "n"},
+                         {R"("n": 100000)", "n"},
+                         {R"("max_tokens": 0)", "max_tokens"},
+                         {R"("max_completion_tokens": -5)", "max_completion_tokens"},
+                         {R"("presence_penalty": 3)", "presence_penalty"},
+                         {R"("frequency_penalty": -2.5)", "frequency_penalty"},
+                         {R"("repetition_penalty": 0)", "repetition_penalty"},
+                         {R"("logprobs": true, "top_logprobs": 21)", "top_logprobs"},
+                         {R"("top_logprobs": 2)", "top_logprobs"},
+                         {R"("max_tokens": 5, "min_tokens": 6)", "min_tokens"},
+                         {R"("stop_token_ids": [-1])", "stop_token_ids"}}) {
     Error e = chat_error("{" + msgs + ", " + c.field + "}");
     EXPECT_EQ(e.param, c.param) << c.field;
     EXPECT_EQ(http_status(e), 400) << c.field;
@@ -135,8 +143,10 @@ TEST(OpenAIRequest, ValidatesMessages) {
   EXPECT_EQ(chat_error(R"({"messages": "hi"})").param, "messages");
   EXPECT_EQ(chat_error(R"({"messages": [{"content": "x"}]})").param, "messages[0].role");
   EXPECT_EQ(chat_error(R"({"messages": [{"role": "user"}]})").param, "messages[0].content");
-  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": 5}]})").param, "messages[0].content");
-  Error img = chat_error(R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})");
+  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": 5}]})").param,
+            "messages[0].content");
+  Error img = chat_error(
+      R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})");
   EXPECT_EQ(img.param, "messages[0].content[0]");
   EXPECT_EQ(img.code, ErrorCode::kUnsupported);
   EXPECT_EQ(http_status(img), 400);
@@ -156,20 +166,32 @@ TEST(OpenAIRequest, AssistantHistoryIsNormalisedForTemplates) {
 }
 
 TEST(OpenAIRequest, ToolChoiceForms) {
-  const std::string base = R"("messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])";
+  const std::string base =
+      R"("messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])";
   auto r = parse_chat_request("{" + base + "}");
   ASSERT_TRUE(r.has_value());
   EXPECT_EQ(r->tool_choice.kind, ToolChoiceKind::kAuto);
   r = parse_chat_request("{" + base + R"(, "tool_choice": "required"})");
   EXPECT_EQ(r->tool_choice.kind, ToolChoiceKind::kRequired);
-  r = parse_chat_request("{" + base + R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})");
+  r = parse_chat_request(
+      "{" + base +
+      R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})");
   EXPECT_EQ(r->tool_choice.kind, ToolChoiceKind::kNamed);
   EXPECT_EQ(r->tool_choice.name, "get_weather");
-  EXPECT_EQ(chat_error("{" + base + R"(, "tool_choice": {"type": "function", "function": {"name": "nope"}}})").param, "tool_choice");
+  EXPECT_EQ(chat_error("{" + base +
+                       R"(, "tool_choice": {"type": "function", "function": {"name": "nope"}}})")
+                .param,
+            "tool_choice");
   EXPECT_EQ(chat_error("{" + base + R"(, "tool_choice": "sometimes"})").param, "tool_choice");
-  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})").param, "tool_choice");
-  EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]})").param,
-            "tools[0].function.name");
+  EXPECT_EQ(
+      chat_error(R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})")
+          .param,
+      "tool_choice");
+  EXPECT_EQ(
+      chat_error(
+          R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]})")
+          .param,
+      "tools[0].function.name");
 }
 
 TEST(OpenAIRequest, UnsupportedFeaturesAreNamed) {

@@ -73,22 +73,28 @@ TEST(Metrics, VllmNamesAndCumulativeBuckets) {
   s.time_to_first_token_s.count = 6;
   s.time_to_first_token_s.sum = 4.5;
   const std::string text = format_metrics(s, "m3");
-  for (const char* name : {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                           "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                           "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                           "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
-                           "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_sum",
-                           "vllm:num_preemptions_total", "m3:num_requests_running"}) {
+  for (const char* name :
+       {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_sum", "vllm:num_preemptions_total",
+        "m3:num_requests_running"}) {
     EXPECT_NE(text.find(name), std::string::npos) << name;
   }
   EXPECT_NE(text.find("vllm:num_requests_running{model_name=\"m3\"} 3\n"), std::string::npos);
   EXPECT_NE(text.find("vllm:kv_cache_usage_perc{model_name=\"m3\"} 0.25\n"), std::string::npos);
-  EXPECT_NE(text.find("vllm:request_success_total{model_name=\"m3\",finished_reason=\"stop\"} 7\n"), std::string::npos);
-  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_bucket{model_name=\"m3\",le=\"0.10000000000000001\"} 2\n"),
+  EXPECT_NE(text.find("vllm:request_success_total{model_name=\"m3\",finished_reason=\"stop\"} 7\n"),
             std::string::npos);
-  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_bucket{model_name=\"m3\",le=\"1\"} 5\n"), std::string::npos);
-  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_bucket{model_name=\"m3\",le=\"+Inf\"} 6\n"), std::string::npos);
-  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_count{model_name=\"m3\"} 6\n"), std::string::npos);
+  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_bucket{model_name=\"m3\",le=\"0."
+                      "10000000000000001\"} 2\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_bucket{model_name=\"m3\",le=\"1\"} 5\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_bucket{model_name=\"m3\",le=\"+Inf\"} 6\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_count{model_name=\"m3\"} 6\n"),
+            std::string::npos);
   // Every sample line is "name{labels} value" and every family has HELP and TYPE.
   std::istringstream in(text);
   std::string line;

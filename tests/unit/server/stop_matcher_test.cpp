@@ -27,7 +27,8 @@ TEST(StopMatcher, TrimsAtTheEarliestMatchForAnySplit) {
   std::mt19937 rng(1);
   for (int trial = 0; trial < 200; ++trial) {
     bool stopped = false;
-    EXPECT_EQ(run_split({"STOP", "ab"}, false, "xxaSTxSTOyySTOPzzab", rng, &stopped), "xxaSTxSTOyy");
+    EXPECT_EQ(run_split({"STOP", "ab"}, false, "xxaSTxSTOyySTOPzzab", rng, &stopped),
+              "xxaSTxSTOyy");
     EXPECT_TRUE(stopped);
     EXPECT_EQ(run_split({"STOP"}, true, "xxSTOPyy", rng, &stopped), "xxSTOP");
     EXPECT_EQ(run_split({"STOP"}, false, "no match here ST", rng, &stopped), "no match here ST");

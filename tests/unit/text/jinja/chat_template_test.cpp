@@ -34,8 +34,11 @@ void expect_matches_golden(const ChatTemplate& tpl, const ordered_json& c) {
     EXPECT_EQ(*out, c.at("expected").get<std::string>());
   } else {
     ASSERT_FALSE(out) << "rendered: " << *out;
-    EXPECT_NE(out.error().message.find(c.at("error").get<std::string>()), std::string::npos) << out.error().message;
-    EXPECT_NE(out.error().message.find("line " + std::to_string(c.at("error_line").get<int>()) + ","), std::string::npos)
+    EXPECT_NE(out.error().message.find(c.at("error").get<std::string>()), std::string::npos)
+        << out.error().message;
+    EXPECT_NE(
+        out.error().message.find("line " + std::to_string(c.at("error_line").get<int>()) + ","),
+        std::string::npos)
         << out.error().message;
   }
 }
@@ -67,11 +70,13 @@ TEST(ChatTemplate, MiniMaxGoldens) {
 }
 
 TEST(ChatTemplate, Qwen3Goldens) {
-  if (!fs::exists(test::qwen3_dir() + "/tokenizer_config.json")) GTEST_SKIP() << "Qwen3 fixture absent";
+  if (!fs::exists(test::qwen3_dir() + "/tokenizer_config.json"))
+    GTEST_SKIP() << "Qwen3 fixture absent";
   auto t = ChatTemplate::from_model_dir(test::qwen3_dir());
   ASSERT_TRUE(t) << t.error().message;
   EXPECT_FALSE(t->is_builtin());
-  EXPECT_EQ(t->special_tokens().dump(), R"({"eos_token":"<|im_end|>","pad_token":"<|endoftext|>"})");
+  EXPECT_EQ(t->special_tokens().dump(),
+            R"({"eos_token":"<|im_end|>","pad_token":"<|endoftext|>"})");
   int checked = 0;
   for (const auto& c : goldens().at("chats")) {
     if (c.at("template") != "qwen3") continue;
@@ -85,13 +90,16 @@ TEST(ChatTemplate, Qwen3Goldens) {
 class TempDir {
  public:
   TempDir() {
-    path_ = fs::temp_directory_path() / ("m3_chat_template_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
+    path_ = fs::temp_directory_path() / ("m3_chat_template_test_" + std::to_string(::getpid()) +
+                                         "_" + std::to_string(counter_++));
     fs::remove_all(path_);
     fs::create_directories(path_);
   }
   ~TempDir() { fs::remove_all(path_); }
   const fs::path& path() const { return path_; }
-  void write(const std::string& name, const std::string& text) const { std::ofstream(path_ / name, std::ios::binary) << text; }
+  void write(const std::string& name, const std::string& text) const {
+    std::ofstream(path_ / name, std::ios::binary) << text;
+  }
 
  private:
   fs::path path_;
@@ -107,7 +115,8 @@ ChatRequest hello() {
 TEST(ChatTemplate, LoadsTemplateSourcesInOrder) {
   TempDir dir;
   // tokenizer_config.json with AddedToken-style tokens and a string template.
-  dir.write("tokenizer_config.json", R"({"bos_token": {"content": "<s>", "lstrip": false}, "eos_token": "</s>",
+  dir.write("tokenizer_config.json",
+            R"({"bos_token": {"content": "<s>", "lstrip": false}, "eos_token": "</s>",
     "unk_token": null, "chat_template": "{{ bos_token }}cfg:{{ messages[0].content }}{{ eos_token }}"})");
   auto a = ChatTemplate::from_model_dir(dir.path());
   ASSERT_TRUE(a) << a.error().message;
@@ -183,11 +192,14 @@ TEST(ChatTemplate, RequestValidation) {
   clash.chat_template_kwargs = {{"messages", 1}};
   EXPECT_EQ(t.render(clash).error().param, "chat_template_kwargs");
   ChatRequest bad_args;
-  bad_args.messages = ordered_json::parse(R"([{"role": "user", "content": "q"}, {"role": "assistant",
+  bad_args.messages =
+      ordered_json::parse(R"([{"role": "user", "content": "q"}, {"role": "assistant",
     "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}])");
   auto a = t.render(bad_args);
   ASSERT_FALSE(a);
-  EXPECT_NE(a.error().message.find("messages[1].tool_calls[0].function.arguments is not valid JSON"), std::string::npos);
+  EXPECT_NE(
+      a.error().message.find("messages[1].tool_calls[0].function.arguments is not valid JSON"),
+      std::string::npos);
 }
 
 TEST(ChatTemplate, ReasoningAliasesAndNullKeys) {

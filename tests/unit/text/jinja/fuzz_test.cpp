@@ -59,14 +59,19 @@ void check_one(const std::string& src, int& rendered, int& failed) {
 }
 
 TEST(JinjaFuzz, RandomTokenSoup) {
-  static const char* kPieces[] = {"{{", "}}", "{%", "%}", "{#", "#}", "-", "+", "(", ")", "[", "]", "{", "}",
-                                  "|", ".", ",", ":", "'", "\"", "~", "=", "==", "<", ">", "!", "*", "**", "/",
-                                  "//", "%", " ", "\n", "if ", "else", "elif ", "endif", "for ", " in ", "endfor",
-                                  "set ", "endset", "macro ", "endmacro", "call", "endcall", "filter ", "endfilter",
-                                  "not ", " and ", " or ", " is ", "defined", "none", "true", "x", "ns", "loop",
-                                  "messages", "tools", "namespace(", "range(", "0", "1", "7", "1.5", "'a'",
-                                  "\"b\"", "|tojson", "|length", "|join", "break", "continue", "raw", "endraw",
-                                  "\\", "\xff", "\xc3\xa9", "\t"};
+  static const char* kPieces[] = {
+      "{{",       "}}",       "{%",       "%}",      "{#",         "#}",        "-",
+      "+",        "(",        ")",        "[",       "]",          "{",         "}",
+      "|",        ".",        ",",        ":",       "'",          "\"",        "~",
+      "=",        "==",       "<",        ">",       "!",          "*",         "**",
+      "/",        "//",       "%",        " ",       "\n",         "if ",       "else",
+      "elif ",    "endif",    "for ",     " in ",    "endfor",     "set ",      "endset",
+      "macro ",   "endmacro", "call",     "endcall", "filter ",    "endfilter", "not ",
+      " and ",    " or ",     " is ",     "defined", "none",       "true",      "x",
+      "ns",       "loop",     "messages", "tools",   "namespace(", "range(",    "0",
+      "1",        "7",        "1.5",      "'a'",     "\"b\"",      "|tojson",   "|length",
+      "|join",    "break",    "continue", "raw",     "endraw",     "\\",        "\xff",
+      "\xc3\xa9", "\t"};
   std::mt19937 rng(1234);
   int rendered = 0, failed = 0;
   auto start = std::chrono::steady_clock::now();
@@ -87,12 +92,15 @@ TEST(JinjaFuzz, RandomTokenSoup) {
 }
 
 TEST(JinjaFuzz, MutatedRealTemplates) {
-  std::vector<std::string> sources = {std::string(text::kMiniMaxM3ChatTemplate),
-                                      test::read_text(test::golden_dir() + "/minimax_m2_style.jinja")};
+  std::vector<std::string> sources = {
+      std::string(text::kMiniMaxM3ChatTemplate),
+      test::read_text(test::golden_dir() + "/minimax_m2_style.jinja")};
   std::string qwen = test::qwen3_dir() + "/tokenizer_config.json";
   if (std::filesystem::exists(qwen))
-    sources.push_back(ordered_json::parse(test::read_text(qwen)).at("chat_template").get<std::string>());
-  for (const auto& c : test::goldens().at("features")) sources.push_back(c.at("template").get<std::string>());
+    sources.push_back(
+        ordered_json::parse(test::read_text(qwen)).at("chat_template").get<std::string>());
+  for (const auto& c : test::goldens().at("features"))
+    sources.push_back(c.at("template").get<std::string>());
 
   std::mt19937 rng(42);
   int rendered = 0, failed = 0;
@@ -104,11 +112,21 @@ TEST(JinjaFuzz, MutatedRealTemplates) {
       size_t pos = rng() % src.size();
       size_t len = 1 + rng() % 24;
       switch (rng() % 5) {
-        case 0: src.erase(pos, len); break;                                  // delete a span
-        case 1: src.insert(pos, src.substr(rng() % src.size(), len)); break;  // duplicate a span
-        case 2: src[pos] = "{}%#-()[]|'\"~ \n"[rng() % 15]; break;           // flip a syntax char
-        case 3: src.insert(pos, rng() % 2 ? "{% for x in messages %}" : "{% endfor %}"); break;
-        default: src.insert(pos, rng() % 2 ? "{{ x.y.z }}" : "{% set ns.q = 1 %}"); break;
+        case 0:
+          src.erase(pos, len);
+          break;  // delete a span
+        case 1:
+          src.insert(pos, src.substr(rng() % src.size(), len));
+          break;  // duplicate a span
+        case 2:
+          src[pos] = "{}%#-()[]|'\"~ \n"[rng() % 15];
+          break;  // flip a syntax char
+        case 3:
+          src.insert(pos, rng() % 2 ? "{% for x in messages %}" : "{% endfor %}");
+          break;
+        default:
+          src.insert(pos, rng() % 2 ? "{{ x.y.z }}" : "{% set ns.q = 1 %}");
+          break;
       }
     }
     check_one(src, rendered, failed);

@@ -17,10 +17,13 @@ inline std::string read_text(const std::string& path) {
   return ss.str();
 }
 
-inline std::string golden_dir() { return std::string(M3_SOURCE_DIR) + "/tests/golden/text/templates"; }
+inline std::string golden_dir() {
+  return std::string(M3_SOURCE_DIR) + "/tests/golden/text/templates";
+}
 
 inline const nlohmann::ordered_json& goldens() {
-  static const nlohmann::ordered_json g = nlohmann::ordered_json::parse(read_text(golden_dir() + "/goldens.json"));
+  static const nlohmann::ordered_json g =
+      nlohmann::ordered_json::parse(read_text(golden_dir() + "/goldens.json"));
   return g;
 }
 

@@ -10,7 +10,8 @@ namespace {
 
 using test::goldens;
 
-Result<std::string> render(std::string_view src, const nlohmann::ordered_json& vars = nlohmann::ordered_json::object(),
+Result<std::string> render(std::string_view src,
+                           const nlohmann::ordered_json& vars = nlohmann::ordered_json::object(),
                            const RenderOptions& opts = {}) {
   M3_TRY(auto t, Template::parse(src, "t"));
   return t.render(vars, opts);
@@ -33,14 +34,17 @@ TEST(JinjaGolden, FeatureTemplatesRenderLikeJinja2) {
 
 TEST(JinjaGolden, ErrorCasesFailOnJinja2sLine) {
   for (const auto& c : goldens().at("errors")) {
-    SCOPED_TRACE(c.at("name").get<std::string>() + ": jinja2 says " + c.at("message").get<std::string>());
+    SCOPED_TRACE(c.at("name").get<std::string>() + ": jinja2 says " +
+                 c.at("message").get<std::string>());
     auto out = render(c.at("template").get<std::string>(), c.at("vars"));
     ASSERT_FALSE(out) << "rendered: " << *out;
     const std::string& msg = out.error().message;
     EXPECT_EQ(msg.rfind("t: line ", 0), 0u) << msg;
     EXPECT_NE(msg.find(", column "), std::string::npos) << msg;
     if (!c.at("line").is_null()) {
-      EXPECT_NE(msg.find("line " + std::to_string(c.at("line").get<int>()) + ","), std::string::npos) << msg;
+      EXPECT_NE(msg.find("line " + std::to_string(c.at("line").get<int>()) + ","),
+                std::string::npos)
+          << msg;
     }
   }
 }
@@ -48,10 +52,13 @@ TEST(JinjaGolden, ErrorCasesFailOnJinja2sLine) {
 TEST(Jinja, SyntaxErrorNamesLineAndColumn) {
   auto out = render("ok\n  {{ 1 + }}");
   ASSERT_FALSE(out);
-  EXPECT_EQ(out.error().message, "t: line 2, column 10: unexpected end of print statement '}}', expected an expression");
+  EXPECT_EQ(out.error().message,
+            "t: line 2, column 10: unexpected end of print statement '}}', expected an expression");
   auto unknown = render("a\n\n   {% frob %}");
   ASSERT_FALSE(unknown);
-  EXPECT_EQ(unknown.error().message.rfind("t: line 3, column 7: unknown or unsupported tag 'frob'", 0), 0u)
+  EXPECT_EQ(
+      unknown.error().message.rfind("t: line 3, column 7: unknown or unsupported tag 'frob'", 0),
+      0u)
       << unknown.error().message;
 }
 
@@ -67,7 +74,8 @@ TEST(Jinja, RuntimeErrorNamesLineAndColumn) {
 TEST(Jinja, StrftimeNowUsesInjectedClock) {
   RenderOptions opts;
   opts.strftime_now = [](const std::string& fmt) { return "[" + fmt + "]"; };
-  auto out = render("Today is {{ strftime_now('%d %b %Y') }}.", nlohmann::ordered_json::object(), opts);
+  auto out =
+      render("Today is {{ strftime_now('%d %b %Y') }}.", nlohmann::ordered_json::object(), opts);
   ASSERT_TRUE(out) << out.error().message;
   EXPECT_EQ(*out, "Today is [%d %b %Y].");
   auto real = render("{{ strftime_now('%Y') | length }}");
@@ -79,29 +87,37 @@ TEST(Jinja, LimitsStopRunawayTemplates) {
   RenderOptions opts;
   opts.max_steps = 100000;
   opts.max_output_bytes = 1 << 20;
-  auto loop = render("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
-                     nlohmann::ordered_json::object(), opts);
+  auto loop =
+      render("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+             nlohmann::ordered_json::object(), opts);
   ASSERT_FALSE(loop);
-  EXPECT_NE(loop.error().message.find("evaluation budget"), std::string::npos) << loop.error().message;
+  EXPECT_NE(loop.error().message.find("evaluation budget"), std::string::npos)
+      << loop.error().message;
   auto big = render("{{ 'abc' * 100000000 }}", nlohmann::ordered_json::object(), opts);
   ASSERT_FALSE(big);
-  EXPECT_NE(big.error().message.find("exceeds the limit"), std::string::npos) << big.error().message;
+  EXPECT_NE(big.error().message.find("exceeds the limit"), std::string::npos)
+      << big.error().message;
   // Default options: unbounded recursion must end in an error, not a stack overflow.
   auto rec = render("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}");
   ASSERT_FALSE(rec);
-  EXPECT_NE(rec.error().message.find("recursion is too deep"), std::string::npos) << rec.error().message;
+  EXPECT_NE(rec.error().message.find("recursion is too deep"), std::string::npos)
+      << rec.error().message;
   auto nested = render("{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}");
   ASSERT_FALSE(nested);
-  EXPECT_NE(nested.error().message.find("nesting is too deep"), std::string::npos) << nested.error().message;
+  EXPECT_NE(nested.error().message.find("nesting is too deep"), std::string::npos)
+      << nested.error().message;
   std::string blocks;
   for (int i = 0; i < 3000; ++i) blocks += "{% if true %}";
   auto deep_blocks = render(blocks);
   ASSERT_FALSE(deep_blocks);
-  EXPECT_NE(deep_blocks.error().message.find("nesting is too deep"), std::string::npos) << deep_blocks.error().message;
+  EXPECT_NE(deep_blocks.error().message.find("nesting is too deep"), std::string::npos)
+      << deep_blocks.error().message;
 }
 
 TEST(Jinja, TemplateIsReusableAndVariablesAreNotMutated) {
-  auto t = Template::parse("{% set ns = namespace(n=0) %}{% for x in xs %}{% set ns.n = ns.n + x %}{% endfor %}{{ ns.n }}");
+  auto t = Template::parse(
+      "{% set ns = namespace(n=0) %}{% for x in xs %}{% set ns.n = ns.n + x %}{% endfor %}{{ ns.n "
+      "}}");
   ASSERT_TRUE(t) << t.error().message;
   Value vars = from_json({{"xs", {1, 2, 3}}});
   for (int i = 0; i < 3; ++i) {

@@ -62,7 +62,6 @@ TEST(ReasoningParser, FinishFlushesPartialMarkerAsText) {
 }  // namespace
 }  // namespace m3::text
 
-
 namespace m3::text {
 namespace {
 
