@@ -10,26 +10,12 @@
 #include "core/check.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/paged_common.h"
 
 namespace m3::kernels::cpu {
 
-namespace {
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
-  float tail = 0.f;
-  for (; i < n; ++i) tail += a[i] * b[i];
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
-}
-
-inline int32_t page_of(const TokenLayout& L, int32_t seq, int64_t block) {
-  return L.block_table[L.block_table_offsets[seq] + block];
-}
-
-}  // namespace
+using detail::dot;
+using detail::page_of;
 
 void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& c,
                        const TokenLayout& L, int64_t topk, int64_t init_blocks,

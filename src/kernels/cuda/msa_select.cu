@@ -37,7 +37,7 @@ __device__ __forceinline__ uint32_t forced_key() {
   return order_key(INFINITY);
 }
 
-// The CPU op's dot (kernels/cpu/msa_select.cpp): 8 interleaved accumulators, summed in pairs, plus
+// The CPU op's dot (kernels/cpu/paged_common.h): 8 interleaved accumulators, summed in pairs, plus
 // the tail; the same order gives the same fp32 scores, so near-ties break the same way.
 __device__ __forceinline__ float cpu_order_dot(const float* a, const float* b, int64_t n) {
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
