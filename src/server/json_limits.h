@@ -36,6 +36,15 @@ inline constexpr size_t kMaxKwargsNodes = 4096;  // chat_template_kwargs values
 // before it, so parsing an object costs members^2 (100,000 keys took seconds).
 inline constexpr size_t kMaxObjectMembers = 8192;
 
+// The nesting depth and the most members any object has (counted by its top-level colons) of
+// JSON text, in one iterative pass that stops as soon as either passes its limit. Strings (with
+// escapes) are skipped, so brackets and colons inside them do not count.
+struct JsonShape {
+  int depth = 0;
+  size_t max_members = 0;
+};
+JsonShape json_shape(std::string_view text, int depth_limit, size_t member_limit);
+
 // Nesting depth of JSON text, stopping as soon as it passes `limit` (returns limit + 1 then).
 // Strings (with escapes) are skipped, so brackets inside them do not count.
 int json_nesting_depth(std::string_view text, int limit);

@@ -636,11 +636,12 @@ Result<OrderedJson> parse_messages(const OrderedJson& j) {
           // string nested too deep is refused rather than parsed.
           const std::string ap = tp + ".function.arguments";
           const std::string& text = fn["arguments"].get_ref<const std::string&>();
-          if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth) {
+          const JsonShape shape = json_shape(text, kMaxJsonDepth, kMaxObjectMembers);
+          if (shape.depth > kMaxJsonDepth) {
             return bad(ap, "'" + ap + "' nests objects/arrays more than " +
                                std::to_string(kMaxJsonDepth) + " levels deep; flatten it");
           }
-          if (json_max_object_members(text, kMaxObjectMembers) > kMaxObjectMembers) {
+          if (shape.max_members > kMaxObjectMembers) {
             return bad(ap, "'" + ap + "' has an object with more than " +
                                std::to_string(kMaxObjectMembers) + " members");
           }
