@@ -75,7 +75,8 @@ int main(int argc, char** argv) {
   fill_random(v.data(), v.size(), seed, s);
   fill_random(ik.data(), ik.size(), seed, s);
   stream.synchronize();
-  const gk::KvPages cache{k.data(), v.data(), ik.data(), pages, kPage, kKvHeads, kDim, kIndexDim};
+  const gk::KvPages cache =
+      gk::KvPages::fp32(k.data(), v.data(), ik.data(), pages, kPage, kKvHeads, kDim, kIndexDim);
 
   // The copy ceiling: a 2 GiB device-to-device copy (GB/s counts the bytes read and written).
   {

@@ -95,14 +95,8 @@ struct Paged {
     return positions.empty() ? 0 : *std::max_element(positions.begin(), positions.end()) + 1;
   }
   cpu::KvPages host_pages() {
-    return cpu::KvPages{k.empty() ? nullptr : k.data(),
-                        v.empty() ? nullptr : v.data(),
-                        ik.data(),
-                        num_pages,
-                        bs,
-                        nkv,
-                        d,
-                        di};
+    return cpu::KvPages::fp32(k.empty() ? nullptr : k.data(), v.empty() ? nullptr : v.data(),
+                              ik.data(), num_pages, bs, nkv, d, di);
   }
   cpu::TokenLayout host_layout() const {
     return cpu::TokenLayout{tokens(), positions.data(), seq_ids.data(), bt_offsets.data(),
@@ -124,7 +118,7 @@ struct DevicePaged {
         seq_ids(p.seq_ids),
         bt_offsets(p.bt_offsets),
         block_table(p.block_table) {
-    pages = gk::KvPages{k.data(), v.data(), ik.data(), p.num_pages, p.bs, p.nkv, p.d, p.di};
+    pages = gk::KvPages::fp32(k.data(), v.data(), ik.data(), p.num_pages, p.bs, p.nkv, p.d, p.di);
     layout = gk::TokenLayout{p.tokens(), positions.data(), seq_ids.data(), bt_offsets.data(),
                              block_table.data()};
   }

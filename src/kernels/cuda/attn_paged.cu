@@ -33,12 +33,12 @@ __global__ void __launch_bounds__(kKvThreads)
   const int64_t slot = static_cast<int64_t>(page) * c.page_size + p % c.page_size;
   const int64_t row = c.num_kv_heads * c.head_dim;
   for (int64_t i = threadIdx.x; i < row; i += blockDim.x) {
-    c.k[slot * row + i] = k[t * row + i];
-    c.v[slot * row + i] = v[t * row + i];
+    c.k_as<float>()[slot * row + i] = k[t * row + i];
+    c.v_as<float>()[slot * row + i] = v[t * row + i];
   }
   if (ik != nullptr) {
     for (int64_t i = threadIdx.x; i < c.index_dim; i += blockDim.x)
-      c.ik[slot * c.index_dim + i] = ik[t * c.index_dim + i];
+      c.ik_as<float>()[slot * c.index_dim + i] = ik[t * c.index_dim + i];
   }
 }
 
@@ -102,8 +102,8 @@ __global__ void __launch_bounds__(kAttnThreads)
       for (int64_t e = threadIdx.x; e < cnt * d; e += blockDim.x) {
         const int64_t j = e / d, i = e % d;
         const int64_t src = (slots[j] * nkv + g) * d + i;
-        ks[j * kd + i] = c.k[src];
-        vs[j * d + i] = c.v[src];
+        ks[j * kd + i] = c.k_as<float>()[src];
+        vs[j * d + i] = c.v_as<float>()[src];
       }
       __syncthreads();
       for (int64_t e = threadIdx.x; e < group * cnt; e += blockDim.x) {
@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(kSplitThreads)
       const int64_t rr = __shfl_sync(0xffffffffu, row, r);
       if (rr < 0) continue;
       for (int cix = lane; cix < D / 4; cix += kWarp)
-        detail::cp_async16(Ks + r * (D + 4) + cix * 4, c.k + rr * D + cix * 4);
+        detail::cp_async16(Ks + r * (D + 4) + cix * 4, c.k_as<float>() + rr * D + cix * 4);
     }
     detail::cp_async_commit();
     detail::cp_async_wait<0>();
@@ -315,8 +315,9 @@ __global__ void __launch_bounds__(kSplitThreads)
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
         const int64_t rr = __shfl_sync(0xffffffffu, row, j0 + u);
-        v4[u] = (rr >= 0 && has_d) ? __ldg(reinterpret_cast<const float4*>(c.v + rr * D) + lane)
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+        v4[u] = (rr >= 0 && has_d)
+                    ? __ldg(reinterpret_cast<const float4*>(c.v_as<float>() + rr * D) + lane)
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
@@ -463,6 +464,9 @@ void launch_split(const float* q, int64_t num_heads, const KvPages& c, const Tok
 
 void kv_write(const KvPages& cache, const TokenLayout& layout, const float* k, const float* v,
               const float* ik, cudaStream_t stream) {
+  M3_CHECK(cache.kv_dtype == KvDtype::kF32 && cache.ik_dtype == KvDtype::kF32,
+           "cuda::kv_write: the CUDA kernels read an fp32 cache only so far (kv %s, index-K %s)",
+           kv_dtype_name(cache.kv_dtype), kv_dtype_name(cache.ik_dtype));
   M3_CHECK(ik == nullptr || cache.ik != nullptr, "cuda::kv_write: layer has no index-K cache");
   if (layout.num_tokens == 0) return;
   M3_CHECK(layout.num_tokens <= 0x7fffffff);
@@ -483,6 +487,10 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
                      const TokenLayout& layout, const int32_t* blocks, int64_t max_blocks,
                      float scale, int64_t max_kv_len, Workspace ws, float* out,
                      cudaStream_t stream) {
+  M3_CHECK(
+      cache.kv_dtype == KvDtype::kF32 && cache.ik_dtype == KvDtype::kF32,
+      "cuda::attention_paged: the CUDA kernels read an fp32 cache only so far (kv %s, index-K %s)",
+      kv_dtype_name(cache.kv_dtype), kv_dtype_name(cache.ik_dtype));
   M3_CHECK(cache.num_kv_heads > 0 && num_heads % cache.num_kv_heads == 0);
   if (layout.num_tokens == 0) return;
   const int64_t T = layout.num_tokens, group = num_heads / cache.num_kv_heads;

@@ -110,13 +110,13 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int64_t h = slot_kind - nq - ni;
   if (h < nkv) {
     const int64_t row = nkv * d;
-    norm_rope(a.k + t * ks + h * d, c.k + slot * row + h * d, d, a.k_norm.data,
+    norm_rope(a.k + t * ks + h * d, c.k_as<float>() + slot * row + h * d, d, a.k_norm.data,
               a.k_norm.dtype == DType::kBF16, a.eps, a.rot_dim, f.head, p, buf, red);
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x)
-      c.v[slot * row + h * d + i] = a.v[t * ks + h * d + i];
+      c.v_as<float>()[slot * row + h * d + i] = a.v[t * ks + h * d + i];
     return;
   }
-  norm_rope(a.ik + t * iks, c.ik + slot * c.index_dim, di, a.ik_norm.data,
+  norm_rope(a.ik + t * iks, c.ik_as<float>() + slot * c.index_dim, di, a.ik_norm.data,
             a.ik_norm.dtype == DType::kBF16, a.eps, a.index_rot_dim, f.index, p, buf, red);
 }
 
@@ -159,6 +159,9 @@ void add_rmsnorm_gemma(float* x, const float* y, int64_t rows, int64_t dim, cons
 
 void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& layout,
                cudaStream_t stream) {
+  M3_CHECK(cache.kv_dtype == KvDtype::kF32 && cache.ik_dtype == KvDtype::kF32,
+           "cuda::attn_prep: the CUDA kernels read an fp32 cache only so far (kv %s, index-K %s)",
+           kv_dtype_name(cache.kv_dtype), kv_dtype_name(cache.ik_dtype));
   M3_CHECK(a.head_dim <= kMaxPrepDim && a.index_dim <= kMaxPrepDim,
            "attn_prep: head dims %lld/%lld", static_cast<long long>(a.head_dim),
            static_cast<long long>(a.index_dim));

@@ -119,7 +119,9 @@ __global__ void __launch_bounds__(kScoreThreads)
       const int r = st * kScoreRows + lane;
       const int64_t blk = rg.b0 + static_cast<int64_t>(unit) * bpu + r / bs;
       const bool valid = blk < rg.b1;
-      const float* kr = valid ? c.ik + (static_cast<int64_t>(table[blk]) * bs + r % bs) * di : c.ik;
+      const float* kr =
+          valid ? c.ik_as<float>() + (static_cast<int64_t>(table[blk]) * bs + r % bs) * di
+                : c.ik_as<float>();
       float acc[NIP][8];
       float tail[NIP];
 #pragma unroll
@@ -209,7 +211,7 @@ __global__ void __launch_bounds__(kGenericScoreThreads)
   __syncthreads();
   const int32_t* table = L.block_table + L.block_table_offsets[s];
   for (int64_t b = rg.b0 + warp; b < rg.b1; b += kGenericScoreWarps) {
-    const float* kb = c.ik + static_cast<int64_t>(table[b]) * bs * di;
+    const float* kb = c.ik_as<float>() + static_cast<int64_t>(table[b]) * bs * di;
     for (int64_t h = 0; h < ni; ++h) {
       float mx = -INFINITY;
       for (int64_t j = lane; j < bs; j += kWarp)
@@ -358,7 +360,7 @@ __global__ void __launch_bounds__(kFusedThreads)
   const int num_warps = blockDim.x / kWarp;
   const int64_t hi_forced = nb - local_blocks;
   for (int64_t b = init_blocks + warp; b < hi_forced; b += num_warps) {
-    const float* kb = c.ik + static_cast<int64_t>(table[b]) * bs * di;
+    const float* kb = c.ik_as<float>() + static_cast<int64_t>(table[b]) * bs * di;
     float mx = -INFINITY;
     for (int64_t j = lane; j < bs; j += kWarp) mx = fmaxf(mx, cpu_order_dot(qv, kb + j * di, di));
     mx = detail::warp_max(mx);
@@ -385,6 +387,10 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
                        const TokenLayout& layout, int64_t topk, int64_t init_blocks,
                        int64_t local_blocks, int64_t max_kv_len, Workspace ws, int32_t* out,
                        cudaStream_t stream) {
+  M3_CHECK(cache.kv_dtype == KvDtype::kF32 && cache.ik_dtype == KvDtype::kF32,
+           "cuda::msa_select_blocks: the CUDA kernels read an fp32 cache only so far (kv %s, "
+           "index-K %s)",
+           kv_dtype_name(cache.kv_dtype), kv_dtype_name(cache.ik_dtype));
   M3_CHECK(cache.ik != nullptr, "cuda::msa_select_blocks: layer has no index-K cache");
   M3_CHECK(topk > 0 && init_blocks >= 0);
   M3_CHECK(local_blocks >= 1, "cuda::msa_select_blocks: local_blocks must be >= 1");
