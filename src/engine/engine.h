@@ -18,6 +18,7 @@
 
 #include "core/error.h"
 #include "engine/sampling_params.h"
+#include "kernels/views.h"
 
 namespace m3::model {
 class M3Model;
@@ -52,6 +53,10 @@ struct EngineConfig {
   int64_t num_sampleable_tokens = 0;
   // Where the forward runs. Empty: the CPU backend (runtime::make_cpu_backend).
   BackendFactory backend_factory;
+  // The KV cache's element formats (docs/KV_CACHE.md), set on the model right after it loads,
+  // before the pool is sized (app/device_backend.h resolve_kv_format picks them per device).
+  kernels::KvDtype kv_cache_dtype = kernels::KvDtype::kF32;
+  kernels::KvDtype index_cache_dtype = kernels::KvDtype::kF32;
 };
 
 // Histogram with fixed upper bounds (Prometheus style: counts are per bucket, not cumulative).
@@ -69,6 +74,10 @@ struct EngineStats {
   int num_waiting = 0;
   double kv_cache_usage = 0.0;  // 0..1 of the KV pages in use
   int64_t num_kv_blocks = 0;
+  int64_t block_size = 0;
+  std::string kv_cache_dtype;     // the KV cache's format (kernels::kv_dtype_name)
+  std::string index_cache_dtype;  // the MSA index-K's ("" without sparse layers)
+  int64_t kv_bytes_per_token = 0;
   int64_t prefix_cache_queries = 0;  // tokens
   int64_t prefix_cache_hits = 0;     // tokens
   int64_t num_preemptions = 0;
@@ -92,8 +101,11 @@ struct ModelInfo {
   int max_model_len = 0;
   int block_size = 0;
   int64_t num_kv_blocks = 0;
-  int64_t kv_tokens = 0;  // num_kv_blocks * block_size
-  std::string device;     // ForwardBackend::device_name(), e.g. "cpu"
+  int64_t kv_tokens = 0;          // num_kv_blocks * block_size
+  std::string kv_cache_dtype;     // kernels::kv_dtype_name: "bfloat16", ...
+  std::string index_cache_dtype;  // "" when the model has no sparse layers
+  int64_t kv_bytes_per_token = 0;
+  std::string device;  // ForwardBackend::device_name(), e.g. "cpu"
   std::vector<int32_t> eos_token_ids;
 };
 
