@@ -83,9 +83,9 @@ TEST(KvDtype, IndexRowScaleIsTheSmallestPowerOfTwoThatFits) {
 struct FormattedCache {
   int64_t page = 8, nkv = 2, d = 16, di = 16, len;
   KvDtype kvd, ikd;
-  std::vector<float> k, v, ik, ik_scale;    // the formatted storage (float-aligned bytes)
-  std::vector<float> k32, v32, ik32;        // fp32 cache of the read-back values
-  std::vector<float> K, V, IK;              // what was written, contiguous
+  std::vector<float> k, v, ik, ik_scale;  // the formatted storage (float-aligned bytes)
+  std::vector<float> k32, v32, ik32;      // fp32 cache of the read-back values
+  std::vector<float> K, V, IK;            // what was written, contiguous
   std::vector<int32_t> bt_off{0}, bt, pos, sid;
   KvPages c, c32;
   TokenLayout L;
@@ -124,11 +124,14 @@ struct FormattedCache {
     ik32.assign(slots * di, 0.f);
     for (int64_t s = 0; s < slots; ++s) {
       for (int64_t i = 0; i < nkv * d; ++i) {
-        k32[s * nkv * d + i] = read(k.data(), kvd, s * nkv * d + i) * (kvd == KvDtype::kFp8 ? kscale : 1.f);
-        v32[s * nkv * d + i] = read(v.data(), kvd, s * nkv * d + i) * (kvd == KvDtype::kFp8 ? vscale : 1.f);
+        k32[s * nkv * d + i] =
+            read(k.data(), kvd, s * nkv * d + i) * (kvd == KvDtype::kFp8 ? kscale : 1.f);
+        v32[s * nkv * d + i] =
+            read(v.data(), kvd, s * nkv * d + i) * (kvd == KvDtype::kFp8 ? vscale : 1.f);
       }
       for (int64_t i = 0; i < di; ++i)
-        ik32[s * di + i] = read(ik.data(), ikd, s * di + i) * (ikd == KvDtype::kFp8 ? ik_scale[s] : 1.f);
+        ik32[s * di + i] =
+            read(ik.data(), ikd, s * di + i) * (ikd == KvDtype::kFp8 ? ik_scale[s] : 1.f);
     }
     c32 = KvPages::fp32(k32.data(), v32.data(), ik32.data(), np, page, nkv, d, di);
   }
@@ -153,8 +156,10 @@ TEST(KvDtype, KvWriteStoresEachFormatsBytes) {
           ASSERT_EQ(reinterpret_cast<uint16_t*>(f.v.data())[s * f.nkv * f.d + i], f32_to_bf16(vx));
         } else {
           // stored = fp8(x * (1 / scale))
-          ASSERT_EQ(reinterpret_cast<uint8_t*>(f.k.data())[s * f.nkv * f.d + i], fp8_reference(kx * 2.f));
-          ASSERT_EQ(reinterpret_cast<uint8_t*>(f.v.data())[s * f.nkv * f.d + i], fp8_reference(vx * 0.5f));
+          ASSERT_EQ(reinterpret_cast<uint8_t*>(f.k.data())[s * f.nkv * f.d + i],
+                    fp8_reference(kx * 2.f));
+          ASSERT_EQ(reinterpret_cast<uint8_t*>(f.v.data())[s * f.nkv * f.d + i],
+                    fp8_reference(vx * 0.5f));
         }
       }
       const float* x = f.IK.data() + t * f.di;
@@ -168,7 +173,8 @@ TEST(KvDtype, KvWriteStoresEachFormatsBytes) {
         if (dt == KvDtype::kBf16) {
           ASSERT_EQ(reinterpret_cast<uint16_t*>(f.ik.data())[s * f.di + i], f32_to_bf16(x[i]));
         } else {
-          ASSERT_EQ(reinterpret_cast<uint8_t*>(f.ik.data())[s * f.di + i], fp8_reference(x[i] / sc));
+          ASSERT_EQ(reinterpret_cast<uint8_t*>(f.ik.data())[s * f.di + i],
+                    fp8_reference(x[i] / sc));
         }
       }
     }
@@ -192,11 +198,13 @@ TEST(KvDtype, AttentionOverAFormattedCacheEqualsFp32OverItsValues) {
         sel[(t * f.nkv + h) * 2] = 0;
         sel[(t * f.nkv + h) * 2 + 1] = pos[t] / f.page;
       }
-    for (const int32_t* blocks : {static_cast<const int32_t*>(nullptr), static_cast<const int32_t*>(sel.data())}) {
+    for (const int32_t* blocks :
+         {static_cast<const int32_t*>(nullptr), static_cast<const int32_t*>(sel.data())}) {
       std::vector<float> got(q.size()), want(q.size());
       attention_paged(q.data(), nq, f.c, L, blocks, 2, 0.25f, got.data());
       attention_paged(qb.data(), nq, f.c32, L, blocks, 2, 0.25f, want.data());
-      for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << kv_dtype_name(dt) << " " << i;
+      for (size_t i = 0; i < got.size(); ++i)
+        ASSERT_EQ(got[i], want[i]) << kv_dtype_name(dt) << " " << i;
     }
   }
 }
@@ -237,7 +245,8 @@ TEST(KvDtype, Bf16IndexChoicesDifferFromFp32OnlyAtNearTies) {
   std::vector<float> ikf(f.ik32.size(), 0.f);
   for (int64_t t = 0; t < f.len; ++t)
     std::copy_n(f.IK.data() + t * f.di, f.di, ikf.data() + f.slot(t) * f.di);
-  KvPages c_ref = KvPages::fp32(f.k32.data(), f.v32.data(), ikf.data(), f.c.num_pages, f.page, f.nkv, f.d, f.di);
+  KvPages c_ref = KvPages::fp32(f.k32.data(), f.v32.data(), ikf.data(), f.c.num_pages, f.page,
+                                f.nkv, f.d, f.di);
   const int64_t ni = 1;
   std::vector<int32_t> qpos;
   for (int32_t p = 100; p < 400; p += 3) qpos.push_back(p);
