@@ -9,6 +9,7 @@
 
 #include "kernels/cuda/attn_common.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kv_format.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace m3::kernels::cuda {
@@ -19,9 +20,16 @@ constexpr int kKvThreads = 256;
 constexpr int kAttnThreads = 256;
 constexpr int kChunk = 32;  // keys per shared-memory pass
 
+// One CTA per token. inv_k / inv_v: 1 / k_scale, 1 / v_scale (host fp32). An fp8 index-K row
+// gets its per-token power-of-two scale (docs/KV_CACHE.md).
+template <class T, class TI>
 __global__ void __launch_bounds__(kKvThreads)
     kv_write_kernel(KvPages c, TokenLayout L, const float* __restrict__ k,
-                    const float* __restrict__ v, const float* __restrict__ ik) {
+                    const float* __restrict__ v, const float* __restrict__ ik, float inv_k,
+                    float inv_v) {
+  using E = detail::KvElem<T>;
+  using EI = detail::KvElem<TI>;
+  __shared__ float red[32];
   const int64_t t = blockIdx.x;
   const int32_t p = L.positions[t], s = L.seq_ids[t];
   const int64_t nblk = L.block_table_offsets[s + 1] - L.block_table_offsets[s];
@@ -33,12 +41,23 @@ __global__ void __launch_bounds__(kKvThreads)
   const int64_t slot = static_cast<int64_t>(page) * c.page_size + p % c.page_size;
   const int64_t row = c.num_kv_heads * c.head_dim;
   for (int64_t i = threadIdx.x; i < row; i += blockDim.x) {
-    c.k_as<float>()[slot * row + i] = k[t * row + i];
-    c.v_as<float>()[slot * row + i] = v[t * row + i];
+    E::store(c.k_as<T>(), slot * row + i, k[t * row + i], inv_k);
+    E::store(c.v_as<T>(), slot * row + i, v[t * row + i], inv_v);
   }
   if (ik != nullptr) {
+    const float* x = ik + t * c.index_dim;
+    float inv = 1.f;
+    if constexpr (EI::kDtype == KvDtype::kFp8) {
+      float amax = 0.f;
+      for (int64_t i = threadIdx.x; i < c.index_dim; i += blockDim.x)
+        amax = fmaxf(amax, fabsf(x[i]));
+      amax = detail::block_max(amax, red);
+      const float sc = fp8_row_scale(amax);
+      if (threadIdx.x == 0) c.ik_scale[slot] = sc;
+      inv = 1.0f / sc;  // a power of two: exact
+    }
     for (int64_t i = threadIdx.x; i < c.index_dim; i += blockDim.x)
-      c.ik_as<float>()[slot * c.index_dim + i] = ik[t * c.index_dim + i];
+      EI::store(c.ik_as<TI>(), slot * c.index_dim + i, x[i], inv);
   }
 }
 
@@ -52,10 +71,14 @@ struct AttnSmem {
   }
 };
 
+// T: the cache's storage type (kv_format.cuh); a bf16 / fp8 cache takes the query rounded to
+// bf16 (docs/KV_CACHE.md), as the CPU op does.
+template <class T>
 __global__ void __launch_bounds__(kAttnThreads)
     attention_generic_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c,
                              TokenLayout L, const int32_t* __restrict__ blocks, int64_t max_blocks,
                              float scale, float* __restrict__ out) {
+  using E = detail::KvElem<T>;
   extern __shared__ __align__(16) unsigned char attn_smem[];
   const int64_t nkv = c.num_kv_heads, d = c.head_dim, bs = c.page_size;
   const int64_t group = num_heads / nkv;
@@ -77,7 +100,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int32_t* table = L.block_table + L.block_table_offsets[s];
   const float* qg = q + (t * num_heads + g * group) * d;
   for (int64_t e = threadIdx.x; e < group * d; e += blockDim.x) {
-    qs[e] = qg[e] * scale;
+    qs[e] = (E::kDtype == KvDtype::kF32 ? qg[e] : detail::round_bf16(qg[e])) * scale;
     acc[e] = 0.f;
   }
   for (int64_t h = threadIdx.x; h < group; h += blockDim.x) {
@@ -102,8 +125,8 @@ __global__ void __launch_bounds__(kAttnThreads)
       for (int64_t e = threadIdx.x; e < cnt * d; e += blockDim.x) {
         const int64_t j = e / d, i = e % d;
         const int64_t src = (slots[j] * nkv + g) * d + i;
-        ks[j * kd + i] = c.k_as<float>()[src];
-        vs[j * d + i] = c.v_as<float>()[src];
+        ks[j * kd + i] = E::load(c.k_as<T>(), src, c.k_scale);
+        vs[j * d + i] = E::load(c.v_as<T>(), src, c.v_scale);
       }
       __syncthreads();
       for (int64_t e = threadIdx.x; e < group * cnt; e += blockDim.x) {
@@ -417,8 +440,246 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
+// ---- tensor-core path: a bf16 or fp8 cache, head_dim 128, GQA group <= 16 ----
+// The same split-KV grid and partial format as attention_split_kernel (the combine kernel merges
+// either). Each warp takes 16-key tiles: S[16 heads x 16 keys] = Q·K^T on m16n8k16 MMAs (the
+// group's heads as rows, zero-padded to 16; q rounded to bf16, fp32 accumulation), an online
+// fp32 softmax per head, then O[16 x 128] += P·V with P rounded to the MMA type (bf16; f16 for
+// fp8). K and V come straight from global memory in 16-byte loads laid out so that they are the
+// B fragments themselves: K rows through kv_k_base's permutation of the dot's terms; V as four
+// keys x 16 consecutive dims per lane, paired into fragments with byte permutes, which makes the
+// output column of lane row r in n-tile n the dim 16 r + n.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = kMmaWarps * detail::kWarp;
+constexpr int kMmaTile = 16;  // keys per warp step
+constexpr int kMmaDim = 128;
+constexpr int kMmaRows = 16;  // heads per CTA (the MMA's M)
+
+template <class T>
+__global__ void __launch_bounds__(kMmaThreads)
+    attention_mma_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
+                         const int32_t* __restrict__ blocks, int64_t max_blocks, float scale,
+                         int64_t max_kv_len, int num_splits, float* __restrict__ part_o,
+                         float* __restrict__ part_ml, float* __restrict__ out) {
+  using M = detail::MmaOf<T>;
+  using detail::kWarp;
+  constexpr int D = kMmaDim;
+  constexpr int E = M::kElemsPer16B;                     // row elements per 16-byte load
+  constexpr int KPieces = D / (4 * E);                   // 16-byte K loads per lane and key
+  constexpr int KSteps = D / 16;                         // MMA k-steps of a Q·K^T dot
+  constexpr int VLoads = (D / 8) * int(sizeof(T)) / 16;  // 16-byte V loads per lane and key
+  constexpr int NT = D / 8;                              // output n-tiles
+  constexpr bool kFp8 = sizeof(T) == 1;
+  __shared__ __align__(16) float Ow[kMmaWarps][kMmaRows * D];
+  __shared__ float Wm[kMmaWarps][kMmaRows], Wl[kMmaWarps][kMmaRows], Wt[kMmaWarps][kMmaRows];
+  __shared__ float Ms[kMmaRows], Ls[kMmaRows];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int r = lane / 4, cq = lane % 4;
+  const int64_t nkv = c.num_kv_heads, bs = c.page_size;
+  const int group = static_cast<int>(num_heads / nkv);
+  const int64_t t = blockIdx.x / nkv, g = blockIdx.x % nkv;
+  const int split = blockIdx.y;
+  const int32_t p = L.positions[t], s = L.seq_ids[t];
+  M3_DEVICE_CHECK(max_kv_len <= 0 || p < max_kv_len,
+                  "attention: position %d beyond max_kv_len %lld", p,
+                  static_cast<long long>(max_kv_len));
+  const int64_t nb = p / bs + 1;
+  const int32_t* table = L.block_table + L.block_table_offsets[s];
+  const int32_t* sel = blocks ? blocks + (t * nkv + g) * max_blocks : nullptr;
+  const int64_t nvirt = sel ? max_blocks * bs : static_cast<int64_t>(p) + 1;
+  const int64_t ntiles = (nvirt + kMmaTile - 1) / kMmaTile;
+  const int64_t per = (ntiles + num_splits - 1) / num_splits;
+  const int64_t tile0 = split * per, tile1 = min(ntiles, tile0 + per);
+
+  // Q fragments of the 8 k-steps: rows r and r + 8 (heads of the group; 0 past it).
+  const float* qg = q + (t * num_heads + g * group) * D;
+  uint32_t qa[KSteps][4];
+  auto qv = [&](int h, int i) { return h < group ? detail::round_bf16(qg[h * D + i]) : 0.f; };
+#pragma unroll
+  for (int ks = 0; ks < KSteps; ++ks) {
+    const int b = detail::kv_k_base<E>(ks, cq);
+    qa[ks][0] = M::pack(qv(r, b), qv(r, b + 1));
+    qa[ks][1] = M::pack(qv(r + 8, b), qv(r + 8, b + 1));
+    qa[ks][2] = M::pack(qv(r, b + 2), qv(r, b + 3));
+    qa[ks][3] = M::pack(qv(r + 8, b + 2), qv(r + 8, b + 3));
+  }
+  const float smul = kFp8 ? scale * c.k_scale : scale;
+
+  // The cache row (in units of D elements) of virtual key vk, or -1 when masked.
+  auto key_row = [&](int64_t vk) -> int64_t {
+    if (vk >= nvirt) return -1;
+    const int64_t o = vk % bs;
+    int64_t b = vk / bs;
+    if (sel) {
+      b = sel[b];
+      M3_DEVICE_CHECK(b < nb, "attention: selected block %lld is in the future (token at %d)",
+                      static_cast<long long>(b), p);
+    }
+    if (b < 0 || b * bs + o > p) return -1;
+    return (static_cast<int64_t>(table[b]) * bs + o) * nkv + g;
+  };
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows r, r + 8
+  float o[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+  const T* kbase = c.k_as<T>();
+  const T* vbase = c.v_as<T>();
+  int64_t tt = tile0 + warp;
+  int64_t myrow = tt < tile1 ? key_row(tt * kMmaTile + lane % kMmaTile) : -1;
+  for (; tt < tile1; tt += kMmaWarps) {
+    const int64_t row = myrow;  // lane l (and l + 16): key l of the tile
+    const unsigned vm = __ballot_sync(0xffffffffu, row >= 0) & 0xffffu;
+    const int64_t nxt = tt + kMmaWarps;
+    if (vm == 0) {
+      myrow = nxt < tile1 ? key_row(nxt * kMmaTile + lane % kMmaTile) : -1;
+      continue;
+    }
+    uint4 kraw[2][KPieces], vraw[4][VLoads];
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int64_t kr = __shfl_sync(0xffffffffu, row, nt * 8 + r);
+      const uint4* src = reinterpret_cast<const uint4*>(kbase + kr * D);
+#pragma unroll
+      for (int j = 0; j < KPieces; ++j) kraw[nt][j] = kr >= 0 ? __ldg(src + j * 4 + cq) : zero;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int key = 2 * cq + (u & 1) + (u >> 1) * 8;
+      const int64_t vr = __shfl_sync(0xffffffffu, row, key);
+      const uint4* src = reinterpret_cast<const uint4*>(vbase + vr * D + 16 * r);
+#pragma unroll
+      for (int j = 0; j < VLoads; ++j) vraw[u][j] = vr >= 0 ? __ldg(src + j) : zero;
+    }
+    myrow = nxt < tile1 ? key_row(nxt * kMmaTile + lane % kMmaTile) : -1;
+
+    float x[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      uint32_t kb[2 * KSteps];
+#pragma unroll
+      for (int j = 0; j < KPieces; ++j) M::unpack(kraw[nt][j], kb + j * (E / 2));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[nt][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KSteps; ++ks) M::mma(x[nt], qa[ks], kb[2 * ks], kb[2 * ks + 1]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = nt * 8 + 2 * cq + (e & 1);
+        x[nt][e] = (vm >> key) & 1u ? x[nt][e] * smul : -INFINITY;
+      }
+    }
+    // Online softmax of rows r (e = 0, 1) and r + 8 (e = 2, 3); the quad holds a row's 16 keys.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx =
+          fmaxf(fmaxf(x[0][2 * hh], x[0][2 * hh + 1]), fmaxf(x[1][2 * hh], x[1][2 * hh + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float nm = fmaxf(m[hh], mx);
+      const float corr = m[hh] == -INFINITY ? 0.f : expf(m[hh] - nm);
+      m[hh] = nm;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+          const float pr = x[nt][e] == -INFINITY ? 0.f : expf(x[nt][e] - nm);
+          x[nt][e] = pr;
+          sum += pr;
+        }
+      l[hh] = l[hh] * corr + sum;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        o[n][2 * hh] *= corr;
+        o[n][2 * hh + 1] *= corr;
+      }
+    }
+    // O += P·V: P's A fragment is the S accumulator repacked; V's B fragments pair two keys' dims.
+    const uint32_t pa[4] = {M::pack(x[0][0], x[0][1]), M::pack(x[0][2], x[0][3]),
+                            M::pack(x[1][0], x[1][1]), M::pack(x[1][2], x[1][3])};
+    uint32_t vv[4][8];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int j = 0; j < VLoads; ++j) M::unpack(vraw[u][j], vv[u] + j * (E / 2));
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const unsigned selb = (n & 1) ? 0x7632u : 0x5410u;
+      const uint32_t b0 = __byte_perm(vv[0][n / 2], vv[1][n / 2], selb);
+      const uint32_t b1 = __byte_perm(vv[2][n / 2], vv[3][n / 2], selb);
+      M::mma(o[n], pa, b0, b1);
+    }
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
+  }
+  // Merge the warps (as attention_split_kernel): each parks its rows in Ow.
+  float* ow = Ow[warp];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    ow[r * D + (2 * cq) * 16 + n] = o[n][0];
+    ow[r * D + (2 * cq + 1) * 16 + n] = o[n][1];
+    ow[(r + 8) * D + (2 * cq) * 16 + n] = o[n][2];
+    ow[(r + 8) * D + (2 * cq + 1) * 16 + n] = o[n][3];
+  }
+  if (cq == 0) {
+    Wm[warp][r] = m[0];
+    Wm[warp][r + 8] = m[1];
+    Wl[warp][r] = l[0];
+    Wl[warp][r + 8] = l[1];
+  }
+  __syncthreads();
+  if (threadIdx.x < kMmaRows) {
+    const int h = threadIdx.x;
+    float mx = -INFINITY;
+    for (int w = 0; w < kMmaWarps; ++w) mx = fmaxf(mx, Wm[w][h]);
+    float lt = 0.f;
+    for (int w = 0; w < kMmaWarps; ++w) {
+      const float wt = Wm[w][h] == -INFINITY ? 0.f : expf(Wm[w][h] - mx);
+      Wt[w][h] = wt;
+      lt += wt * Wl[w][h];
+    }
+    Ms[h] = mx;
+    Ls[h] = lt;
+  }
+  __syncthreads();
+  const float vmul = kFp8 ? c.v_scale : 1.f;
+  const int64_t idx = (t * nkv + g) * num_splits + split;
+  for (int e = threadIdx.x; e < group * D; e += blockDim.x) {
+    const int h = e / D, i = e % D;
+    float acc = 0.f;
+    for (int w = 0; w < kMmaWarps; ++w) acc = fmaf(Wt[w][h], Ow[w][h * D + i], acc);
+    acc *= vmul;
+    if (num_splits == 1) {
+      out[(t * num_heads + g * group + h) * D + i] = acc * (1.0f / Ls[h]);
+    } else {
+      part_o[(idx * group + h) * D + i] = acc;
+    }
+  }
+  if (num_splits > 1 && threadIdx.x < group) {
+    part_ml[(idx * group + threadIdx.x) * 2] = Ms[threadIdx.x];
+    part_ml[(idx * group + threadIdx.x) * 2 + 1] = Ls[threadIdx.x];
+  }
+}
+
+bool mma_path_supported(const KvPages& c, int64_t group) {
+  return c.kv_dtype != KvDtype::kF32 && group >= 1 && group <= kMmaRows && c.head_dim == kMmaDim;
+}
+
 bool split_path_supported(int64_t group, int64_t d) {
   return group >= 1 && group <= kFastMaxGroup && d >= 4 && d <= kFastMaxDim && d % 4 == 0;
+}
+
+// The split-KV kernels: the fp32 one, or the tensor-core one for a bf16 / fp8 cache.
+bool split_grid_supported(const KvPages& c, int64_t group) {
+  return c.kv_dtype == KvDtype::kF32 ? split_path_supported(group, c.head_dim)
+                                     : mma_path_supported(c, group);
 }
 
 int pow2_group(int64_t group) {
@@ -464,21 +725,25 @@ void launch_split(const float* q, int64_t num_heads, const KvPages& c, const Tok
 
 void kv_write(const KvPages& cache, const TokenLayout& layout, const float* k, const float* v,
               const float* ik, cudaStream_t stream) {
-  M3_CHECK(cache.kv_dtype == KvDtype::kF32 && cache.ik_dtype == KvDtype::kF32,
-           "cuda::kv_write: the CUDA kernels read an fp32 cache only so far (kv %s, index-K %s)",
-           kv_dtype_name(cache.kv_dtype), kv_dtype_name(cache.ik_dtype));
   M3_CHECK(ik == nullptr || cache.ik != nullptr, "cuda::kv_write: layer has no index-K cache");
+  M3_CHECK(ik == nullptr || cache.ik_dtype != KvDtype::kFp8 || cache.ik_scale != nullptr,
+           "cuda::kv_write: an fp8 index-K needs its scale array");
   if (layout.num_tokens == 0) return;
   M3_CHECK(layout.num_tokens <= 0x7fffffff);
-  kv_write_kernel<<<static_cast<unsigned>(layout.num_tokens), kKvThreads, 0, stream>>>(
-      cache, layout, k, v, ik);
-  M3_CUDA_CHECK_LAUNCH("kv_write_kernel");
+  const float inv_k = 1.0f / cache.k_scale, inv_v = 1.0f / cache.v_scale;
+  detail::dispatch_kv(cache.kv_dtype, [&]<class T>() {
+    detail::dispatch_kv(cache.ik_dtype, [&]<class TI>() {
+      kv_write_kernel<T, TI><<<static_cast<unsigned>(layout.num_tokens), kKvThreads, 0, stream>>>(
+          cache, layout, k, v, ik, inv_k, inv_v);
+      M3_CUDA_CHECK_LAUNCH("kv_write_kernel");
+    });
+  });
 }
 
 size_t attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, const KvPages& cache,
                                  int64_t max_blocks, int64_t max_kv_len) {
   if (num_tokens <= 0 || cache.num_kv_heads <= 0) return 0;
-  if (!split_path_supported(num_heads / cache.num_kv_heads, cache.head_dim)) return 0;
+  if (!split_grid_supported(cache, num_heads / cache.num_kv_heads)) return 0;
   return split_bytes(num_tokens, num_heads, cache.head_dim,
                      choose_splits(num_tokens, cache, max_blocks, max_kv_len));
 }
@@ -487,15 +752,11 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
                      const TokenLayout& layout, const int32_t* blocks, int64_t max_blocks,
                      float scale, int64_t max_kv_len, Workspace ws, float* out,
                      cudaStream_t stream) {
-  M3_CHECK(
-      cache.kv_dtype == KvDtype::kF32 && cache.ik_dtype == KvDtype::kF32,
-      "cuda::attention_paged: the CUDA kernels read an fp32 cache only so far (kv %s, index-K %s)",
-      kv_dtype_name(cache.kv_dtype), kv_dtype_name(cache.ik_dtype));
   M3_CHECK(cache.num_kv_heads > 0 && num_heads % cache.num_kv_heads == 0);
   if (layout.num_tokens == 0) return;
   const int64_t T = layout.num_tokens, group = num_heads / cache.num_kv_heads;
   M3_CHECK(T * cache.num_kv_heads <= 0x7fffffff);
-  if (split_path_supported(group, cache.head_dim)) {
+  if (split_grid_supported(cache, group)) {
     int splits = choose_splits(T, cache, blocks ? max_blocks : 0, max_kv_len);
     const size_t per_split = split_bytes(T, num_heads, cache.head_dim, 2) / 2;
     if (splits > 1 && ws.bytes < per_split * splits) {
@@ -509,27 +770,39 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
       part_o = static_cast<float*>(ws.data);
       part_ml = part_o + T * num_heads * splits * cache.head_dim;
     }
-    switch (pow2_group(group)) {
-      case 1:
-        launch_split<1>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
-                        part_o, part_ml, out, stream);
-        break;
-      case 2:
-        launch_split<2>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
-                        part_o, part_ml, out, stream);
-        break;
-      case 4:
-        launch_split<4>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
-                        part_o, part_ml, out, stream);
-        break;
-      case 8:
-        launch_split<8>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
-                        part_o, part_ml, out, stream);
-        break;
-      default:
-        launch_split<16>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
-                         part_o, part_ml, out, stream);
-        break;
+    if (cache.kv_dtype != KvDtype::kF32) {
+      const dim3 grid(static_cast<unsigned>(T * cache.num_kv_heads), static_cast<unsigned>(splits));
+      detail::dispatch_kv(cache.kv_dtype, [&]<class TT>() {
+        if constexpr (sizeof(TT) < 4) {
+          attention_mma_kernel<TT>
+              <<<grid, kMmaThreads, 0, stream>>>(q, num_heads, cache, layout, blocks, max_blocks,
+                                                 scale, max_kv_len, splits, part_o, part_ml, out);
+          M3_CUDA_CHECK_LAUNCH("attention_mma_kernel");
+        }
+      });
+    } else {
+      switch (pow2_group(group)) {
+        case 1:
+          launch_split<1>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len,
+                          splits, part_o, part_ml, out, stream);
+          break;
+        case 2:
+          launch_split<2>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len,
+                          splits, part_o, part_ml, out, stream);
+          break;
+        case 4:
+          launch_split<4>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len,
+                          splits, part_o, part_ml, out, stream);
+          break;
+        case 8:
+          launch_split<8>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len,
+                          splits, part_o, part_ml, out, stream);
+          break;
+        default:
+          launch_split<16>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len,
+                           splits, part_o, part_ml, out, stream);
+          break;
+      }
     }
     if (splits > 1) {
       M3_CHECK(T * num_heads <= 0x7fffffff);
@@ -548,14 +821,16 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
            "cuda::attention: %zu bytes of shared memory (group %lld, head "
            "dim %lld)",
            smem, (long long)lay.group, (long long)lay.d);
-  if (smem > 48 * 1024) {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(attention_generic_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
-  }
-  attention_generic_kernel<<<static_cast<unsigned>(grid), kAttnThreads, smem, stream>>>(
-      q, num_heads, cache, layout, blocks, max_blocks, scale, out);
-  M3_CUDA_CHECK_LAUNCH("attention_generic_kernel");
+  detail::dispatch_kv(cache.kv_dtype, [&]<class T>() {
+    if (smem > 48 * 1024) {
+      M3_CUDA_CHECK(cudaFuncSetAttribute(attention_generic_kernel<T>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+    }
+    attention_generic_kernel<T><<<static_cast<unsigned>(grid), kAttnThreads, smem, stream>>>(
+        q, num_heads, cache, layout, blocks, max_blocks, scale, out);
+    M3_CUDA_CHECK_LAUNCH("attention_generic_kernel");
+  });
 }
 
 }  // namespace m3::kernels::cuda
