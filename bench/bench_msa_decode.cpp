@@ -10,7 +10,10 @@
 // with bench/sdpa_reference.py (PyTorch SDPA, bf16) and vLLM's Triton kernels
 // (../shared/anchors/vllm_msa) run in the same GPU session. Timings are warm loops (at 8K a
 // layer's index-K fits the 60 MB L2, as it does for the others).
-// Usage: bench_msa_decode [iters=20] [max_context=1048576]. Exits 1 where no GPU is usable.
+// Pages: each sequence's pages are one contiguous run of the pool, as vLLM's anchor lays them out
+// (and as a fresh pool hands them out); `shuffled` scatters them over the whole pool instead.
+// Usage: bench_msa_decode [iters=20] [max_context=1048576] [shuffled]. Exits 1 where no GPU is
+// usable.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +21,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "bench_util.h"
@@ -88,6 +92,7 @@ double graph_ms(cudaStream_t s, int iters, F fn) {
 int main(int argc, char** argv) {
   const int iters = argc > 1 ? std::atoi(argv[1]) : 20;
   const int64_t max_ctx = argc > 2 ? std::atoll(argv[2]) : (int64_t{1} << 20);
+  const bool shuffled = argc > 3 && std::string(argv[3]) == "shuffled";
   auto dev = m3::gpu::probe_device(0);
   if (!dev) {
     std::fprintf(stderr, "bench_msa_decode: %s\n", dev.error().message.c_str());
@@ -167,7 +172,7 @@ int main(int argc, char** argv) {
     const int64_t nbps = ctx / kPage;
     std::vector<int32_t> perm(batch * nbps);
     std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), g);
+    if (shuffled) std::shuffle(perm.begin(), perm.end(), g);
     std::vector<int32_t> offsets(batch + 1), positions(batch), seq_ids(batch);
     for (int64_t b = 0; b <= batch; ++b) offsets[b] = static_cast<int32_t>(b * nbps);
     for (int64_t b = 0; b < batch; ++b) {
@@ -193,7 +198,8 @@ int main(int argc, char** argv) {
   for (int64_t ctx : {int64_t{8192}, int64_t{131072}, int64_t{524288}, int64_t{1048576}})
     if (ctx <= max_ctx) contexts.push_back(ctx);
 
-  std::printf("\nMSA decode, one layer (us; ceiling = bytes at the copy bandwidth)\n");
+  std::printf("\nMSA decode, one layer (us; ceiling = bytes at the copy bandwidth); pages %s\n",
+              shuffled ? "shuffled over the pool" : "contiguous per sequence");
   std::printf("%-14s %5s %8s | %9s %9s %9s %9s | %9s %9s %8s\n", "kv/index-K", "batch", "context",
               "select", "attn", "MSA eager", "MSA graph", "MB read", "ceiling", "GB/s");
   struct Dense {

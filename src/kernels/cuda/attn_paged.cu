@@ -7,6 +7,8 @@
 // (token, kv head), 32-key chunks.
 #include <algorithm>
 
+#include <cooperative_groups.h>
+
 #include "kernels/cuda/attn_common.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kv_format.cuh"
@@ -442,37 +444,68 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 // ---- tensor-core path: a bf16 or fp8 cache, head_dim 128, GQA group <= 16 ----
 // The same split-KV grid and partial format as attention_split_kernel (the combine kernel merges
-// either). Each warp takes 16-key tiles: S[16 heads x 16 keys] = Q·K^T on m16n8k16 MMAs (the
-// group's heads as rows, zero-padded to 16; q rounded to bf16, fp32 accumulation), an online
-// fp32 softmax per head, then O[16 x 128] += P·V with P rounded to the MMA type (bf16; f16 for
-// fp8). K and V come straight from global memory in 16-byte loads laid out so that they are the
-// B fragments themselves: K rows through kv_k_base's permutation of the dot's terms; V as four
-// keys x 16 consecutive dims per lane, paired into fragments with byte permutes, which makes the
-// output column of lane row r in n-tile n the dim 16 r + n.
+// either). Each warp takes 16-key tiles through its own ring of kStages shared-memory stages
+// filled by cp.async (lanes 0-15 copy key l's K row, lanes 16-31 its V row; masked keys are
+// zero-filled), so several tiles are in flight while it computes one: S[16 heads x 16 keys] =
+// Q·K^T on m16n8k16 MMAs (the group's heads as rows, zero-padded to 16; q rounded to bf16, fp32
+// accumulation), an online fp32 softmax per head, then O[16 x 128] += P·V with P rounded to the
+// MMA type (bf16; f16 for fp8). Fragments are read from the stage as 16-byte pieces: K rows
+// through kv_k_base's permutation of the dot's terms; V as four keys x 16 consecutive dims per
+// lane, paired into B fragments with byte permutes, which makes the output column of lane row r
+// in n-tile n the dim 16 r + n.
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = kMmaWarps * detail::kWarp;
 constexpr int kMmaTile = 16;  // keys per warp step
 constexpr int kMmaDim = 128;
-constexpr int kMmaRows = 16;  // heads per CTA (the MMA's M)
+constexpr int kMmaRows = 16;          // heads per CTA (the MMA's M)
+constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 
 template <class T>
+struct MmaAttnSmem {
+  static constexpr int kRowBytes = kMmaDim * int(sizeof(T)) + 16;  // padded: fewer bank conflicts
+  static constexpr int kStageBytes = 2 * kMmaTile * kRowBytes;     // K rows, then V rows
+  static constexpr int kStages = sizeof(T) == 1 ? 6 : 3;
+  static constexpr int kWarpBytes = kStages * kStageBytes;
+  // After the loop: the warps' outputs, then (cluster merge) the CTA's output.
+  static constexpr int kMergeBytes = kMmaWarps * kMmaRows * kMmaDim * 4;
+  static constexpr int kAfterBytes = kMergeBytes + kMmaRows * kMmaDim * 4;
+  static constexpr int kBytes =
+      kMmaWarps * kWarpBytes > kAfterBytes ? kMmaWarps* kWarpBytes : kAfterBytes;
+};
+
+// 16 bytes global -> shared, or 16 zero bytes when !valid (cp.async's source size 0).
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "r"(n)
+               : "memory");
+}
+
+// kCluster: the splits of a (token, kv head) are one thread-block cluster (gridDim.y <= 8 CTAs);
+// they merge through distributed shared memory and CTA 0 writes the output (no combine kernel,
+// no workspace).
+template <class T, bool kCluster>
 __global__ void __launch_bounds__(kMmaThreads)
     attention_mma_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
                          const int32_t* __restrict__ blocks, int64_t max_blocks, float scale,
                          int64_t max_kv_len, int num_splits, float* __restrict__ part_o,
                          float* __restrict__ part_ml, float* __restrict__ out) {
   using M = detail::MmaOf<T>;
+  using Sm = MmaAttnSmem<T>;
   using detail::kWarp;
   constexpr int D = kMmaDim;
-  constexpr int E = M::kElemsPer16B;                     // row elements per 16-byte load
-  constexpr int KPieces = D / (4 * E);                   // 16-byte K loads per lane and key
-  constexpr int KSteps = D / 16;                         // MMA k-steps of a Q·K^T dot
-  constexpr int VLoads = (D / 8) * int(sizeof(T)) / 16;  // 16-byte V loads per lane and key
-  constexpr int NT = D / 8;                              // output n-tiles
+  constexpr int E = M::kElemsPer16B;                      // row elements per 16-byte piece
+  constexpr int KPieces = D / (4 * E);                    // K pieces per lane and key
+  constexpr int KSteps = D / 16;                          // MMA k-steps of a Q·K^T dot
+  constexpr int VPieces = (D / 8) * int(sizeof(T)) / 16;  // V pieces per lane and key
+  constexpr int RowChunks = D * int(sizeof(T)) / 16;      // 16-byte chunks of a row
+  constexpr int NT = D / 8;                               // output n-tiles
+  constexpr int S = Sm::kStages;
   constexpr bool kFp8 = sizeof(T) == 1;
-  __shared__ __align__(16) float Ow[kMmaWarps][kMmaRows * D];
+  extern __shared__ __align__(16) unsigned char mma_smem[];
   __shared__ float Wm[kMmaWarps][kMmaRows], Wl[kMmaWarps][kMmaRows], Wt[kMmaWarps][kMmaRows];
   __shared__ float Ms[kMmaRows], Ls[kMmaRows];
+  __shared__ unsigned tile_mask[kMmaWarps][S];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int r = lane / 4, cq = lane % 4;
   const int64_t nkv = c.num_kv_heads, bs = c.page_size;
@@ -490,6 +523,57 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int64_t ntiles = (nvirt + kMmaTile - 1) / kMmaTile;
   const int64_t per = (ntiles + num_splits - 1) / num_splits;
   const int64_t tile0 = split * per, tile1 = min(ntiles, tile0 + per);
+  // This warp's tiles: tile0 + warp + i * kMmaWarps, i < my_tiles.
+  const int64_t first = tile0 + warp;
+  const int my_tiles =
+      first < tile1 ? static_cast<int>((tile1 - first + kMmaWarps - 1) / kMmaWarps) : 0;
+
+  // The cache row (in units of D elements) of virtual key vk, or -1 when masked.
+  auto key_row = [&](int64_t vk) -> int64_t {
+    if (vk >= nvirt) return -1;
+    const int64_t o = vk % bs;
+    int64_t b = vk / bs;
+    if (sel) {
+      b = sel[b];
+      M3_DEVICE_CHECK(b < nb, "attention: selected block %lld is in the future (token at %d)",
+                      static_cast<long long>(b), p);
+    }
+    if (b < 0 || b * bs + o > p) return -1;
+    return (static_cast<int64_t>(table[b]) * bs + o) * nkv + g;
+  };
+  auto tile_row = [&](int i) -> int64_t {
+    return i < my_tiles
+               ? key_row((first + static_cast<int64_t>(i) * kMmaWarps) * kMmaTile + lane % kMmaTile)
+               : -1;
+  };
+  unsigned char* ring = mma_smem + warp * Sm::kWarpBytes;
+  const T* kbase = c.k_as<T>();
+  const T* vbase = c.v_as<T>();
+  // Tile i into stage i % S: lane l < 16 copies key l's K row, lane l + 16 its V row.
+  auto issue = [&](int i, int64_t row) {
+    const unsigned vm = __ballot_sync(0xffffffffu, row >= 0) & 0xffffu;
+    unsigned char* st = ring + (i % S) * Sm::kStageBytes;
+    if (lane == 0) tile_mask[warp][i % S] = vm;
+    if (vm != 0) {
+      const bool is_v = lane >= kMmaTile;
+      unsigned char* dst =
+          st + (is_v ? kMmaTile : 0) * Sm::kRowBytes + (lane % kMmaTile) * Sm::kRowBytes;
+      const T* src = (is_v ? vbase : kbase) + (row >= 0 ? row : 0) * D;
+#pragma unroll
+      for (int ch = 0; ch < RowChunks; ++ch)
+        cp_async16_zfill(dst + ch * 16, reinterpret_cast<const uint4*>(src) + ch, row >= 0);
+    }
+    detail::cp_async_commit();
+  };
+
+  // Start the ring: rows of tiles 0..S-2 issued, tile S-1's row read ahead.
+  int64_t ahead = tile_row(0);
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) {
+    const int64_t row = ahead;
+    ahead = tile_row(i + 1);
+    issue(i, row);
+  }
 
   // Q fragments of the 8 k-steps: rows r and r + 8 (heads of the group; 0 past it).
   const float* qg = q + (t * num_heads + g * group) * D;
@@ -505,122 +589,102 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
   const float smul = kFp8 ? scale * c.k_scale : scale;
 
-  // The cache row (in units of D elements) of virtual key vk, or -1 when masked.
-  auto key_row = [&](int64_t vk) -> int64_t {
-    if (vk >= nvirt) return -1;
-    const int64_t o = vk % bs;
-    int64_t b = vk / bs;
-    if (sel) {
-      b = sel[b];
-      M3_DEVICE_CHECK(b < nb, "attention: selected block %lld is in the future (token at %d)",
-                      static_cast<long long>(b), p);
-    }
-    if (b < 0 || b * bs + o > p) return -1;
-    return (static_cast<int64_t>(table[b]) * bs + o) * nkv + g;
-  };
-
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows r, r + 8
   float o[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
-  const T* kbase = c.k_as<T>();
-  const T* vbase = c.v_as<T>();
-  int64_t tt = tile0 + warp;
-  int64_t myrow = tt < tile1 ? key_row(tt * kMmaTile + lane % kMmaTile) : -1;
-  for (; tt < tile1; tt += kMmaWarps) {
-    const int64_t row = myrow;  // lane l (and l + 16): key l of the tile
-    const unsigned vm = __ballot_sync(0xffffffffu, row >= 0) & 0xffffu;
-    const int64_t nxt = tt + kMmaWarps;
-    if (vm == 0) {
-      myrow = nxt < tile1 ? key_row(nxt * kMmaTile + lane % kMmaTile) : -1;
-      continue;
+  for (int i = 0; i < my_tiles; ++i) {
+    // Refill the stage freed by tile i - 1 with tile i + S - 1, then wait for tile i.
+    {
+      const int64_t row = ahead;
+      ahead = tile_row(i + S);
+      issue(i + S - 1, row);
     }
-    uint4 kraw[2][KPieces], vraw[4][VLoads];
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    detail::cp_async_wait<S - 1>();
+    __syncwarp();
+    const unsigned vm = tile_mask[warp][i % S];
+    if (vm != 0) {
+      const unsigned char* st = ring + (i % S) * Sm::kStageBytes;
+      float x[2][4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int64_t kr = __shfl_sync(0xffffffffu, row, nt * 8 + r);
-      const uint4* src = reinterpret_cast<const uint4*>(kbase + kr * D);
+      for (int nt = 0; nt < 2; ++nt) {
+        uint32_t kb[2 * KSteps];
+        const unsigned char* kr = st + (nt * 8 + r) * Sm::kRowBytes;
 #pragma unroll
-      for (int j = 0; j < KPieces; ++j) kraw[nt][j] = kr >= 0 ? __ldg(src + j * 4 + cq) : zero;
-    }
+        for (int j = 0; j < KPieces; ++j)
+          M::unpack(*reinterpret_cast<const uint4*>(kr + (j * 4 + cq) * 16), kb + j * (E / 2));
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int key = 2 * cq + (u & 1) + (u >> 1) * 8;
-      const int64_t vr = __shfl_sync(0xffffffffu, row, key);
-      const uint4* src = reinterpret_cast<const uint4*>(vbase + vr * D + 16 * r);
+        for (int e = 0; e < 4; ++e) x[nt][e] = 0.f;
 #pragma unroll
-      for (int j = 0; j < VLoads; ++j) vraw[u][j] = vr >= 0 ? __ldg(src + j) : zero;
-    }
-    myrow = nxt < tile1 ? key_row(nxt * kMmaTile + lane % kMmaTile) : -1;
-
-    float x[2][4];
+        for (int ks = 0; ks < KSteps; ++ks) M::mma(x[nt], qa[ks], kb[2 * ks], kb[2 * ks + 1]);
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      uint32_t kb[2 * KSteps];
-#pragma unroll
-      for (int j = 0; j < KPieces; ++j) M::unpack(kraw[nt][j], kb + j * (E / 2));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) x[nt][e] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < KSteps; ++ks) M::mma(x[nt], qa[ks], kb[2 * ks], kb[2 * ks + 1]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = nt * 8 + 2 * cq + (e & 1);
-        x[nt][e] = (vm >> key) & 1u ? x[nt][e] * smul : -INFINITY;
-      }
-    }
-    // Online softmax of rows r (e = 0, 1) and r + 8 (e = 2, 3); the quad holds a row's 16 keys.
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float mx =
-          fmaxf(fmaxf(x[0][2 * hh], x[0][2 * hh + 1]), fmaxf(x[1][2 * hh], x[1][2 * hh + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float nm = fmaxf(m[hh], mx);
-      const float corr = m[hh] == -INFINITY ? 0.f : expf(m[hh] - nm);
-      m[hh] = nm;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
-          const float pr = x[nt][e] == -INFINITY ? 0.f : expf(x[nt][e] - nm);
-          x[nt][e] = pr;
-          sum += pr;
+        for (int e = 0; e < 4; ++e) {
+          const int key = nt * 8 + 2 * cq + (e & 1);
+          x[nt][e] = (vm >> key) & 1u ? x[nt][e] * smul : -INFINITY;
         }
-      l[hh] = l[hh] * corr + sum;
+      }
+      // Online softmax of rows r (e = 0, 1) and r + 8 (e = 2, 3); a quad holds a row's keys.
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx =
+            fmaxf(fmaxf(x[0][2 * hh], x[0][2 * hh + 1]), fmaxf(x[1][2 * hh], x[1][2 * hh + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float nm = fmaxf(m[hh], mx);
+        const float corr = m[hh] == -INFINITY ? 0.f : expf(m[hh] - nm);
+        m[hh] = nm;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+            const float pr = x[nt][e] == -INFINITY ? 0.f : expf(x[nt][e] - nm);
+            x[nt][e] = pr;
+            sum += pr;
+          }
+        l[hh] = l[hh] * corr + sum;
+        if (corr != 1.f) {
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            o[n][2 * hh] *= corr;
+            o[n][2 * hh + 1] *= corr;
+          }
+        }
+      }
+      // O += P·V: P's A fragment is the S accumulator repacked; V's B fragments pair two keys.
+      const uint32_t pa[4] = {M::pack(x[0][0], x[0][1]), M::pack(x[0][2], x[0][3]),
+                              M::pack(x[1][0], x[1][1]), M::pack(x[1][2], x[1][3])};
+      uint32_t vv[4][8];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int key = 2 * cq + (u & 1) + (u >> 1) * 8;
+        const unsigned char* vr = st + (kMmaTile + key) * Sm::kRowBytes + 16 * r * int(sizeof(T));
+#pragma unroll
+        for (int j = 0; j < VPieces; ++j)
+          M::unpack(*reinterpret_cast<const uint4*>(vr + 16 * j), vv[u] + j * (E / 2));
+      }
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        o[n][2 * hh] *= corr;
-        o[n][2 * hh + 1] *= corr;
+        const unsigned selb = (n & 1) ? 0x7632u : 0x5410u;
+        const uint32_t b0 = __byte_perm(vv[0][n / 2], vv[1][n / 2], selb);
+        const uint32_t b1 = __byte_perm(vv[2][n / 2], vv[3][n / 2], selb);
+        M::mma(o[n], pa, b0, b1);
       }
     }
-    // O += P·V: P's A fragment is the S accumulator repacked; V's B fragments pair two keys' dims.
-    const uint32_t pa[4] = {M::pack(x[0][0], x[0][1]), M::pack(x[0][2], x[0][3]),
-                            M::pack(x[1][0], x[1][1]), M::pack(x[1][2], x[1][3])};
-    uint32_t vv[4][8];
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-#pragma unroll
-      for (int j = 0; j < VLoads; ++j) M::unpack(vraw[u][j], vv[u] + j * (E / 2));
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const unsigned selb = (n & 1) ? 0x7632u : 0x5410u;
-      const uint32_t b0 = __byte_perm(vv[0][n / 2], vv[1][n / 2], selb);
-      const uint32_t b1 = __byte_perm(vv[2][n / 2], vv[3][n / 2], selb);
-      M::mma(o[n], pa, b0, b1);
-    }
+    __syncwarp();  // the stage is refilled by the next iteration
   }
+  detail::cp_async_wait<0>();
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
   }
+  __syncthreads();  // every warp is done with its ring: the merge reuses the memory
   // Merge the warps (as attention_split_kernel): each parks its rows in Ow.
-  float* ow = Ow[warp];
+  float* Ow = reinterpret_cast<float*>(mma_smem);
+  float* ow = Ow + warp * kMmaRows * D;
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     ow[r * D + (2 * cq) * 16 + n] = o[n][0];
@@ -650,11 +714,49 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
   __syncthreads();
   const float vmul = kFp8 ? c.v_scale : 1.f;
+  if constexpr (kCluster) {
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();
+    float* Oc = reinterpret_cast<float*>(mma_smem + Sm::kMergeBytes);  // [group][D]
+    for (int e = threadIdx.x; e < group * D; e += blockDim.x) {
+      const int h = e / D, i = e % D;
+      float acc = 0.f;
+      for (int w = 0; w < kMmaWarps; ++w) acc = fmaf(Wt[w][h], Ow[(w * kMmaRows + h) * D + i], acc);
+      Oc[e] = acc * vmul;
+    }
+    cl.sync();
+    if (cl.block_rank() == 0) {
+      __shared__ float Wc[kMaxClusterSplits][kMmaRows], Lt[kMmaRows];
+      const int ns = static_cast<int>(cl.num_blocks());
+      if (threadIdx.x < group) {
+        const int h = threadIdx.x;
+        float mx = -INFINITY;
+        for (int rk = 0; rk < ns; ++rk) mx = fmaxf(mx, cl.map_shared_rank(Ms, rk)[h]);
+        float lt = 0.f;
+        for (int rk = 0; rk < ns; ++rk) {
+          const float mr = cl.map_shared_rank(Ms, rk)[h];
+          const float w = mr == -INFINITY ? 0.f : expf(mr - mx);
+          Wc[rk][h] = w;
+          lt += w * cl.map_shared_rank(Ls, rk)[h];
+        }
+        Lt[h] = lt;
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < group * D; e += blockDim.x) {
+        const int h = e / D;
+        float acc = 0.f;
+        for (int rk = 0; rk < ns; ++rk) acc = fmaf(Wc[rk][h], cl.map_shared_rank(Oc, rk)[e], acc);
+        out[(t * num_heads + g * group) * D + e] = acc * (1.0f / Lt[h]);
+      }
+    }
+    cl.sync();  // the other CTAs keep their shared memory until CTA 0 has read it
+    return;
+  }
   const int64_t idx = (t * nkv + g) * num_splits + split;
   for (int e = threadIdx.x; e < group * D; e += blockDim.x) {
     const int h = e / D, i = e % D;
     float acc = 0.f;
-    for (int w = 0; w < kMmaWarps; ++w) acc = fmaf(Wt[w][h], Ow[w][h * D + i], acc);
+    for (int w = 0; w < kMmaWarps; ++w) acc = fmaf(Wt[w][h], Ow[(w * kMmaRows + h) * D + i], acc);
     acc *= vmul;
     if (num_splits == 1) {
       out[(t * num_heads + g * group + h) * D + i] = acc * (1.0f / Ls[h]);
@@ -758,14 +860,23 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
   M3_CHECK(T * cache.num_kv_heads <= 0x7fffffff);
   if (split_grid_supported(cache, group)) {
     int splits = choose_splits(T, cache, blocks ? max_blocks : 0, max_kv_len);
+    // The tensor-core path merges up to 8 splits inside a cluster: always for the selected
+    // blocks (few keys: a second kernel would cost more than the keys), and for short dense
+    // rows; the others go through the workspace and the combine kernel.
+    bool cluster = false;
+    if (cache.kv_dtype != KvDtype::kF32 && splits > 1 &&
+        (blocks != nullptr || splits <= kMaxClusterSplits)) {
+      splits = std::min(splits, kMaxClusterSplits);
+      cluster = true;
+    }
     const size_t per_split = split_bytes(T, num_heads, cache.head_dim, 2) / 2;
-    if (splits > 1 && ws.bytes < per_split * splits) {
+    if (!cluster && splits > 1 && ws.bytes < per_split * splits) {
       splits = static_cast<int>(std::min<size_t>(ws.bytes / per_split, kMaxSplits));
       if (splits < 2) splits = 1;
     }
     float* part_o = nullptr;
     float* part_ml = nullptr;
-    if (splits > 1) {
+    if (splits > 1 && !cluster) {
       M3_CHECK(ws.data != nullptr);
       part_o = static_cast<float*>(ws.data);
       part_ml = part_o + T * num_heads * splits * cache.head_dim;
@@ -774,9 +885,32 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
       const dim3 grid(static_cast<unsigned>(T * cache.num_kv_heads), static_cast<unsigned>(splits));
       detail::dispatch_kv(cache.kv_dtype, [&]<class TT>() {
         if constexpr (sizeof(TT) < 4) {
-          attention_mma_kernel<TT>
-              <<<grid, kMmaThreads, 0, stream>>>(q, num_heads, cache, layout, blocks, max_blocks,
-                                                 scale, max_kv_len, splits, part_o, part_ml, out);
+          constexpr int smem = MmaAttnSmem<TT>::kBytes;
+          if (cluster) {
+            static std::atomic<uint64_t> attr_set{0};
+            detail::raise_smem_limit_once(attr_set, attention_mma_kernel<TT, true>, smem);
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = grid;
+            cfg.blockDim = dim3(kMmaThreads);
+            cfg.dynamicSmemBytes = smem;
+            cfg.stream = stream;
+            cudaLaunchAttribute attr[1];
+            attr[0].id = cudaLaunchAttributeClusterDimension;
+            attr[0].val.clusterDim.x = 1;
+            attr[0].val.clusterDim.y = static_cast<unsigned>(splits);
+            attr[0].val.clusterDim.z = 1;
+            cfg.attrs = attr;
+            cfg.numAttrs = 1;
+            M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention_mma_kernel<TT, true>, q, num_heads,
+                                             cache, layout, blocks, max_blocks, scale, max_kv_len,
+                                             splits, part_o, part_ml, out));
+          } else {
+            static std::atomic<uint64_t> attr_set{0};
+            detail::raise_smem_limit_once(attr_set, attention_mma_kernel<TT, false>, smem);
+            attention_mma_kernel<TT, false><<<grid, kMmaThreads, smem, stream>>>(
+                q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o,
+                part_ml, out);
+          }
           M3_CUDA_CHECK_LAUNCH("attention_mma_kernel");
         }
       });
@@ -804,7 +938,7 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
           break;
       }
     }
-    if (splits > 1) {
+    if (splits > 1 && !cluster) {
       M3_CHECK(T * num_heads <= 0x7fffffff);
       attention_combine_kernel<<<static_cast<unsigned>(T * num_heads), kCombineThreads, 0,
                                  stream>>>(part_o, part_ml, num_heads, cache.num_kv_heads,

@@ -106,9 +106,19 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 }
 // Two E4M3 codes (the low 16 bits of `v`, lo first) -> f16x2, exact.
 __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t v) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu),
-                                                   __NV_E4M3);
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+// A 16-byte read-only global load that stays in program order with the other asm statements
+// (the MMAs): a batch of these is in flight before the first product needs one.
+__device__ __forceinline__ uint4 ldg_nc16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
 }
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,

@@ -24,7 +24,7 @@ constexpr int kGenericScoreWarps = 4;
 constexpr int kGenericScoreThreads = kGenericScoreWarps * kWarp;
 constexpr int kScoreRows = 32;  // index-K rows per warp row group: one per lane
 constexpr int kFastMaxIndexDim = 128;
-constexpr int kTopkThreads = 512;
+constexpr int kTopkThreads = 1024;
 constexpr size_t kTopkSmemKeys = 40960;  // keys of up to 5M tokens (128-token pages) in smem
 constexpr int kFusedThreads = 256;
 
@@ -329,9 +329,11 @@ __global__ void __launch_bounds__(kMmaScoreThreads)
     for (int e = threadIdx.x; e < nblk * 8; e += blockDim.x) pool[e] = 0u;  // below every key
     __syncthreads();
     const int nunits = nblk * upb;
+    // The page of this warp's next unit is read one unit ahead.
+    int64_t next_page = warp < nunits ? table[sb0 + warp / upb] : 0;
     for (int u = warp; u < nunits; u += nwarps) {
       const int bl = u / upb;
-      const int64_t page = table[sb0 + bl];
+      const int64_t page = next_page;
       const int64_t slot0 = page * bs + (u % upb) * S::kUnitKeys;
       uint4 raw[S::kUnitTiles][2][S::KPieces];
 #pragma unroll
@@ -341,8 +343,9 @@ __global__ void __launch_bounds__(kMmaScoreThreads)
           const uint4* src =
               reinterpret_cast<const uint4*>(ikb + (slot0 + mt * 16 + hi * 8 + r) * kMmaIndexDim);
 #pragma unroll
-          for (int j = 0; j < S::KPieces; ++j) raw[mt][hi][j] = __ldg(src + j * 4 + cq);
+          for (int j = 0; j < S::KPieces; ++j) raw[mt][hi][j] = detail::ldg_nc16(src + j * 4 + cq);
         }
+      if (u + nwarps < nunits) next_page = table[sb0 + (u + nwarps) / upb];
       float sc[S::kUnitTiles][2];
       if constexpr (sizeof(T) == 1) {
 #pragma unroll
