@@ -549,19 +549,23 @@ __global__ void __launch_bounds__(kMmaThreads)
   unsigned char* ring = mma_smem + warp * Sm::kWarpBytes;
   const T* kbase = c.k_as<T>();
   const T* vbase = c.v_as<T>();
-  // Tile i into stage i % S: lane l < 16 copies key l's K row, lane l + 16 its V row.
+  // Tile i into stage i % S: its 16 K rows then its 16 V rows, each row copied by consecutive
+  // lanes (16-byte chunks: whole 32-byte sectors per request); masked keys zero-filled.
   auto issue = [&](int i, int64_t row) {
     const unsigned vm = __ballot_sync(0xffffffffu, row >= 0) & 0xffffu;
     unsigned char* st = ring + (i % S) * Sm::kStageBytes;
     if (lane == 0) tile_mask[warp][i % S] = vm;
     if (vm != 0) {
-      const bool is_v = lane >= kMmaTile;
-      unsigned char* dst =
-          st + (is_v ? kMmaTile : 0) * Sm::kRowBytes + (lane % kMmaTile) * Sm::kRowBytes;
-      const T* src = (is_v ? vbase : kbase) + (row >= 0 ? row : 0) * D;
+      constexpr int RowsPerCopy = kWarp / RowChunks;
+      const int sub = lane / RowChunks, ch = lane % RowChunks;
 #pragma unroll
-      for (int ch = 0; ch < RowChunks; ++ch)
-        cp_async16_zfill(dst + ch * 16, reinterpret_cast<const uint4*>(src) + ch, row >= 0);
+      for (int it = 0; it < 2 * kMmaTile / RowsPerCopy; ++it) {
+        const int rr = it * RowsPerCopy + sub;  // K rows 0..15, V rows 16..31
+        const int64_t kr = __shfl_sync(0xffffffffu, row, rr % kMmaTile);
+        const T* src = (rr >= kMmaTile ? vbase : kbase) + (kr >= 0 ? kr : 0) * D;
+        cp_async16_zfill(st + rr * Sm::kRowBytes + ch * 16,
+                         reinterpret_cast<const uint4*>(src) + ch, kr >= 0);
+      }
     }
     detail::cp_async_commit();
   };
@@ -725,31 +729,48 @@ __global__ void __launch_bounds__(kMmaThreads)
       Oc[e] = acc * vmul;
     }
     cl.sync();
-    if (cl.block_rank() == 0) {
+    // Every CTA merges one slice of the group's outputs, reading all the splits' rows of it
+    // through distributed shared memory (all loads of an element in flight at once).
+    {
       __shared__ float Wc[kMaxClusterSplits][kMmaRows], Lt[kMmaRows];
       const int ns = static_cast<int>(cl.num_blocks());
+      const int rank = static_cast<int>(cl.block_rank());
       if (threadIdx.x < group) {
         const int h = threadIdx.x;
+        float mr[kMaxClusterSplits], lr[kMaxClusterSplits];
+#pragma unroll
+        for (int rk = 0; rk < kMaxClusterSplits; ++rk) {
+          mr[rk] = rk < ns ? cl.map_shared_rank(Ms, rk)[h] : -INFINITY;
+          lr[rk] = rk < ns ? cl.map_shared_rank(Ls, rk)[h] : 0.f;
+        }
         float mx = -INFINITY;
-        for (int rk = 0; rk < ns; ++rk) mx = fmaxf(mx, cl.map_shared_rank(Ms, rk)[h]);
+#pragma unroll
+        for (int rk = 0; rk < kMaxClusterSplits; ++rk) mx = fmaxf(mx, mr[rk]);
         float lt = 0.f;
-        for (int rk = 0; rk < ns; ++rk) {
-          const float mr = cl.map_shared_rank(Ms, rk)[h];
-          const float w = mr == -INFINITY ? 0.f : expf(mr - mx);
+#pragma unroll
+        for (int rk = 0; rk < kMaxClusterSplits; ++rk) {
+          const float w = mr[rk] == -INFINITY ? 0.f : expf(mr[rk] - mx);
           Wc[rk][h] = w;
-          lt += w * cl.map_shared_rank(Ls, rk)[h];
+          lt += w * lr[rk];
         }
         Lt[h] = lt;
       }
       __syncthreads();
-      for (int e = threadIdx.x; e < group * D; e += blockDim.x) {
+      const int total = group * D, per_rank = (total + ns - 1) / ns;
+      const int e1 = min(total, (rank + 1) * per_rank);
+      for (int e = rank * per_rank + threadIdx.x; e < e1; e += blockDim.x) {
         const int h = e / D;
+        float v[kMaxClusterSplits];
+#pragma unroll
+        for (int rk = 0; rk < kMaxClusterSplits; ++rk)
+          v[rk] = rk < ns ? cl.map_shared_rank(Oc, rk)[e] : 0.f;
         float acc = 0.f;
-        for (int rk = 0; rk < ns; ++rk) acc = fmaf(Wc[rk][h], cl.map_shared_rank(Oc, rk)[e], acc);
+#pragma unroll
+        for (int rk = 0; rk < kMaxClusterSplits; ++rk) acc = fmaf(Wc[rk][h], v[rk], acc);
         out[(t * num_heads + g * group) * D + e] = acc * (1.0f / Lt[h]);
       }
     }
-    cl.sync();  // the other CTAs keep their shared memory until CTA 0 has read it
+    cl.sync();  // every CTA keeps its shared memory until the others have read it
     return;
   }
   const int64_t idx = (t * nkv + g) * num_splits + split;
