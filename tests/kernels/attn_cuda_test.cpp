@@ -743,9 +743,11 @@ TEST(AttnCudaKvDtype, MsaNearTiesAndFp8Agreement) {
     const Agreement ab = compare(bf16, ref, e_bf16, true, "bf16 index-K vs fp32 reference");
     compare(fp8, ref, e_fp8, true, "fp8 index-K vs fp32 reference");
     const Agreement af = compare(fp8, bf16, 0, false, "fp8 index-K vs bf16 index-K");
-    // Measured on the H200 (docs/PERFORMANCE.md); the floors leave room for other seeds.
-    EXPECT_GE(ab.frac_ids(), structured ? 0.95 : 0.9);
-    EXPECT_GE(af.frac_ids(), structured ? 0.8 : 0.5);
+    // Measured on the H200 (docs/PERFORMANCE.md): bf16 vs fp32 0.996 of ids equal on both data
+    // sets, fp8 vs bf16 0.963 (random) and 0.959 (structured); the floors leave room for
+    // other seeds.
+    EXPECT_GE(ab.frac_ids(), 0.98);
+    EXPECT_GE(af.frac_ids(), 0.9);
   }
 }
 

@@ -459,12 +459,13 @@ constexpr int kMmaTile = 16;  // keys per warp step
 constexpr int kMmaDim = 128;
 constexpr int kMmaRows = 16;          // heads per CTA (the MMA's M)
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
+constexpr int kMmaMaxPages = 1024;    // a split's page list staged in shared memory
 
 template <class T>
 struct MmaAttnSmem {
   static constexpr int kRowBytes = kMmaDim * int(sizeof(T)) + 16;  // padded: fewer bank conflicts
   static constexpr int kStageBytes = 2 * kMmaTile * kRowBytes;     // K rows, then V rows
-  static constexpr int kStages = sizeof(T) == 1 ? 6 : 3;
+  static constexpr int kStages = sizeof(T) == 1 ? 5 : 3;           // 2 CTAs per SM
   static constexpr int kWarpBytes = kStages * kStageBytes;
   // After the loop: the warps' outputs, then (cluster merge) the CTA's output.
   static constexpr int kMergeBytes = kMmaWarps * kMmaRows * kMmaDim * 4;
@@ -528,11 +529,38 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int my_tiles =
       first < tile1 ? static_cast<int>((tile1 - first + kMmaWarps - 1) / kMmaWarps) : 0;
 
+  // The pages of the split's virtual blocks, looked up once into shared memory (where they fit):
+  // the loop then finds a key's row without a dependent global load. vpage = physical page
+  // (-1: no block), vstart = the logical block's first position.
+  __shared__ int32_t vpage[kMmaMaxPages], vstart[kMmaMaxPages];
+  const int64_t vlim = sel ? max_blocks : nb;  // virtual blocks
+  const int64_t vb0 = tile0 * kMmaTile / bs;
+  const int64_t vb1 = tile1 > tile0 ? min(vlim, (tile1 * kMmaTile - 1) / bs + 1) : vb0;
+  const bool staged = vb1 - vb0 <= kMmaMaxPages;
+  if (staged) {
+    for (int64_t i = threadIdx.x; i < vb1 - vb0; i += blockDim.x) {
+      int64_t b = vb0 + i;
+      if (sel) {
+        b = sel[b];
+        M3_DEVICE_CHECK(b < nb, "attention: selected block %lld is in the future (token at %d)",
+                        static_cast<long long>(b), p);
+      }
+      vpage[i] = b >= 0 ? table[b] : -1;
+      vstart[i] = static_cast<int32_t>(b * bs);
+    }
+  }
+  __syncthreads();
   // The cache row (in units of D elements) of virtual key vk, or -1 when masked.
   auto key_row = [&](int64_t vk) -> int64_t {
     if (vk >= nvirt) return -1;
-    const int64_t o = vk % bs;
-    int64_t b = vk / bs;
+    const int32_t v32 = static_cast<int32_t>(vk), bs32 = static_cast<int32_t>(bs);
+    const int32_t o = v32 % bs32, vb = v32 / bs32;
+    if (staged) {
+      const int32_t page = vpage[vb - vb0];
+      if (page < 0 || vstart[vb - vb0] + o > p) return -1;
+      return (static_cast<int64_t>(page) * bs + o) * nkv + g;
+    }
+    int64_t b = vb;
     if (sel) {
       b = sel[b];
       M3_DEVICE_CHECK(b < nb, "attention: selected block %lld is in the future (token at %d)",
@@ -811,13 +839,16 @@ int pow2_group(int64_t group) {
   return g;
 }
 
-// Splits per (token, kv head): enough CTAs for ~2 per SM, at least one tile per warp per split.
+// Splits per (token, kv head): up to 2 CTAs per SM in one wave, at least one tile per warp per
+// split.
 int choose_splits(int64_t num_tokens, const KvPages& c, int64_t max_blocks, int64_t max_kv_len) {
   if (max_kv_len <= 0) return 1;
   const int64_t nvirt = max_blocks > 0 ? max_blocks * c.page_size : max_kv_len;
   const int64_t ntiles = (nvirt + kTile - 1) / kTile;
   const int64_t units = num_tokens * c.num_kv_heads;
-  int64_t s = (2 * detail::num_sms() + units - 1) / units;
+  // As many splits as fill the two CTAs per SM once: rounding up would start a second, mostly
+  // empty wave that doubles the time.
+  int64_t s = 2 * static_cast<int64_t>(detail::num_sms()) / units;
   s = std::min<int64_t>(s, (ntiles + kSplitWarps - 1) / kSplitWarps);
   s = std::min<int64_t>(s, kMaxSplits);
   return static_cast<int>(std::max<int64_t>(s, 1));
@@ -881,12 +912,11 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
   M3_CHECK(T * cache.num_kv_heads <= 0x7fffffff);
   if (split_grid_supported(cache, group)) {
     int splits = choose_splits(T, cache, blocks ? max_blocks : 0, max_kv_len);
-    // The tensor-core path merges up to 8 splits inside a cluster: always for the selected
-    // blocks (few keys: a second kernel would cost more than the keys), and for short dense
-    // rows; the others go through the workspace and the combine kernel.
+    // The tensor-core path merges the splits of the selected blocks (few keys: a second kernel
+    // would cost more than they do) inside a cluster of up to 8; dense rows go through the
+    // workspace and the combine kernel.
     bool cluster = false;
-    if (cache.kv_dtype != KvDtype::kF32 && splits > 1 &&
-        (blocks != nullptr || splits <= kMaxClusterSplits)) {
+    if (cache.kv_dtype != KvDtype::kF32 && splits > 1 && blocks != nullptr) {
       splits = std::min(splits, kMaxClusterSplits);
       cluster = true;
     }
