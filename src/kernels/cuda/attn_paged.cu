@@ -633,6 +633,13 @@ __global__ void __launch_bounds__(kMmaThreads)
       const int64_t row = ahead;
       ahead = tile_row(i + S);
       issue(i + S - 1, row);
+      // Tile i + S's rows into L2 now; its copy is issued next iteration.
+      if (ahead >= 0) {
+        const unsigned char* pr =
+            reinterpret_cast<const unsigned char*>((lane < kMmaTile ? kbase : vbase) + ahead * D);
+#pragma unroll
+        for (int ln = 0; ln < D * int(sizeof(T)) / 128; ++ln) detail::prefetch_l2(pr + ln * 128);
+      }
     }
     detail::cp_async_wait<S - 1>();
     __syncwarp();

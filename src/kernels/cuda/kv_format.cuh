@@ -121,6 +121,12 @@ __device__ __forceinline__ uint4 ldg_nc16(const void* p) {
   return v;
 }
 
+// A hint to bring the 128-byte line at p into L2 (no register, no wait): streams a warp's next
+// piece of work while it computes the current one.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
   asm volatile(

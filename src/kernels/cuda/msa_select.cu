@@ -330,10 +330,13 @@ __global__ void __launch_bounds__(kMmaScoreThreads)
     __syncthreads();
     const int nunits = nblk * upb;
     // The page of this warp's next unit is read one unit ahead.
-    int64_t next_page = warp < nunits ? table[sb0 + warp / upb] : 0;
+    // The pages of this warp's next two units are read ahead; the next unit is prefetched into
+    // L2 (8 KB: two lines per lane) while this one is loaded, two units in flight per warp.
+    int64_t page_cur = warp < nunits ? table[sb0 + warp / upb] : 0;
+    int64_t page_nxt = warp + nwarps < nunits ? table[sb0 + (warp + nwarps) / upb] : 0;
     for (int u = warp; u < nunits; u += nwarps) {
       const int bl = u / upb;
-      const int64_t page = next_page;
+      const int64_t page = page_cur;
       const int64_t slot0 = page * bs + (u % upb) * S::kUnitKeys;
       uint4 raw[S::kUnitTiles][2][S::KPieces];
 #pragma unroll
@@ -345,7 +348,15 @@ __global__ void __launch_bounds__(kMmaScoreThreads)
 #pragma unroll
           for (int j = 0; j < S::KPieces; ++j) raw[mt][hi][j] = detail::ldg_nc16(src + j * 4 + cq);
         }
-      if (u + nwarps < nunits) next_page = table[sb0 + (u + nwarps) / upb];
+      static_assert(S::kUnitKeys * kMmaIndexDim * sizeof(T) == 64 * 128, "a unit is 64 lines");
+      if (u + nwarps < nunits) {
+        const unsigned char* nb_base = reinterpret_cast<const unsigned char*>(
+            ikb + (page_nxt * bs + ((u + nwarps) % upb) * S::kUnitKeys) * kMmaIndexDim);
+        detail::prefetch_l2(nb_base + lane * 256);
+        detail::prefetch_l2(nb_base + lane * 256 + 128);
+      }
+      page_cur = page_nxt;
+      if (u + 2 * nwarps < nunits) page_nxt = table[sb0 + (u + 2 * nwarps) / upb];
       float sc[S::kUnitTiles][2];
       if constexpr (sizeof(T) == 1) {
 #pragma unroll
