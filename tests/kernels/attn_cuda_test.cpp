@@ -3,7 +3,10 @@
 // × 128, 128-token pages, top-16, local 1) and odd ones; one decode token, partial last pages,
 // contexts below and above top-k blocks, batches of sequences of different lengths, prefill
 // chunks, mixed batches, 64K-token contexts (many KV splits), small and missing workspaces.
-// Block ids must be equal; attention within tolerances derived below. Skips without a GPU.
+// Block ids must be equal; attention within tolerances derived below. The same cases run over
+// bf16 and fp8 caches (AttnCudaKvDtype: the tensor-core kernels and the templated generic ones),
+// and a bf16 / fp8 index-K's ids are checked against the fp32 reference's on inexact data (only
+// near-ties may differ; the agreement is measured and printed). Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>

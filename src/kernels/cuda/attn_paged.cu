@@ -4,7 +4,10 @@
 // memory, one lane per key for the scores; V straight from global memory, one lane per 4 output
 // dims) with its own online fp32 softmax; the CTA merges its warps, and
 // attention_combine_kernel merges the splits. Other geometries use the generic kernel: one CTA per
-// (token, kv head), 32-key chunks.
+// (token, kv head), 32-key chunks. Those two read an fp32 cache; a bf16 / fp8 cache (every format
+// of docs/KV_CACHE.md) takes attention_mma_kernel at head_dim 128 and groups <= 16 (tensor
+// cores, q and P rounded as the doc allows) and the generic kernel, templated on the element
+// type, elsewhere. kv_write stores every format with the CPU twin's bytes.
 #include <algorithm>
 
 #include <cooperative_groups.h>
