@@ -22,9 +22,9 @@ KvCacheCuda::KvCacheCuda(const M3Config& cfg, int64_t num_pages, int64_t num_kv_
       num_kv_heads_(num_kv_heads),
       head_dim_(cfg.head_dim),
       index_dim_(cfg.index_head_dim),
-      id_(next_cache_id()),
-      kv_dtype_(cfg.kv_cache_dtype),
-      ik_dtype_(cfg.index_cache_dtype) {
+      id_(next_cache_id()) {
+  kv_dtype_ = cfg.kv_cache_dtype;
+  ik_dtype_ = cfg.index_cache_dtype;
   M3_CHECK(num_pages > 0, "KvCacheCuda: %lld pages", static_cast<long long>(num_pages));
   M3_CHECK(num_kv_heads > 0 && num_kv_heads <= cfg.num_key_value_heads,
            "KvCacheCuda: %lld KV heads of %lld", static_cast<long long>(num_kv_heads),
