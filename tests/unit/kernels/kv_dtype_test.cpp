@@ -318,5 +318,38 @@ TEST(KvDtype, TiesGoToTheLowerBlockId) {
   EXPECT_EQ(std::vector<int32_t>(out.begin(), out.begin() + 2), (std::vector<int32_t>{1, 5}));
 }
 
+TEST(KvDtype, TheIndexQueryEntersAsBf16) {
+  // Block 3 holds e0, block 1 holds e1 (both exact in bf16); the query is (1 + 2^-10, 1, 0...).
+  // In fp32 block 3 scores higher; rounded to bf16 the query is (1, 1, ...) and the two tie, so
+  // the lower id, block 1, wins (docs/KV_CACHE.md: the query is rounded before the scan).
+  std::mt19937 g(12);
+  FormattedCache f(48, KvDtype::kBf16, KvDtype::kBf16, g);  // 6 blocks of 8
+  uint16_t* ik = reinterpret_cast<uint16_t*>(f.ik.data());
+  for (int64_t t = 0; t < 48; ++t)
+    for (int64_t i = 0; i < f.di; ++i) ik[f.slot(t) * f.di + i] = f32_to_bf16(0.f);
+  for (int64_t j = 0; j < f.page; ++j) {
+    ik[f.slot(24 + j) * f.di + 0] = f32_to_bf16(1.f);
+    ik[f.slot(8 + j) * f.di + 1] = f32_to_bf16(1.f);
+  }
+  std::vector<float> iq(f.di, 0.f);
+  iq[0] = 1.f + std::ldexp(1.f, -10);
+  iq[1] = 1.f;
+  std::vector<int32_t> qpos = {44}, sid = {0}, out(2);
+  TokenLayout L{1, qpos.data(), sid.data(), f.bt_off.data(), f.bt.data()};
+  msa_select_blocks(iq.data(), 1, f.c, L, 2, 0, 1, out.data());
+  EXPECT_EQ(out, (std::vector<int32_t>{1, 5}));
+  // The same rows in an fp32 index-K: the unrounded query picks block 3.
+  FormattedCache h(48, KvDtype::kF32, KvDtype::kF32, g);
+  for (int64_t t = 0; t < 48; ++t)
+    for (int64_t i = 0; i < h.di; ++i) h.ik[h.slot(t) * h.di + i] = 0.f;
+  for (int64_t j = 0; j < h.page; ++j) {
+    h.ik[h.slot(24 + j) * h.di + 0] = 1.f;
+    h.ik[h.slot(8 + j) * h.di + 1] = 1.f;
+  }
+  TokenLayout Lh{1, qpos.data(), sid.data(), h.bt_off.data(), h.bt.data()};
+  msa_select_blocks(iq.data(), 1, h.c, Lh, 2, 0, 1, out.data());
+  EXPECT_EQ(out, (std::vector<int32_t>{3, 5}));
+}
+
 }  // namespace
 }  // namespace m3::kernels::cpu
