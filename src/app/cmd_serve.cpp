@@ -390,6 +390,7 @@ int run_serve(ServeArgs a) {
   ec.backend_factory = std::move(*backend_factory);
   ec.kv_cache_dtype = kv_format->kv;
   ec.index_cache_dtype = kv_format->index;
+  if (plan->kv_events) ec.kv_events = *plan->kv_events;
   std::unique_ptr<engine::Engine> eng;
   {
     LoadProgress progress(a.model_dir);
@@ -437,6 +438,15 @@ int run_serve(ServeArgs a) {
       static_cast<long long>(info.kv_bytes_per_token), info.max_model_len,
       ec.enable_prefix_caching ? "on" : "off", a.host.c_str(), http->bound_port());
   std::fflush(stdout);
+  for (size_t r = 0; r < info.kv_events_endpoints.size(); ++r) {
+    // stderr: the first stdout line stays the one start-up line scripts read.
+    std::fprintf(stderr, "m3serve: KV events (data-parallel rank %zu) on %s%s%s\n", r,
+                 info.kv_events_endpoints[r].c_str(),
+                 r < info.kv_events_replay_endpoints.size() ? ", replay on " : "",
+                 r < info.kv_events_replay_endpoints.size()
+                     ? info.kv_events_replay_endpoints[r].c_str()
+                     : "");
+  }
 
   std::thread signals([&http, sigs] {
     int sig = 0;

@@ -200,7 +200,7 @@ const std::vector<VllmFlag> kTable = {
 
   // ---- KV offload / transfer / events ----
   {"--kv-transfer-config", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
-  {"--kv-events-config", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
+  {"--kv-events-config", true, FlagKind::kHandled, "", "", kServeOnly},
   {"--kv-offloading-backend", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
   {"--kv-offloading-size", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
 
@@ -518,6 +518,89 @@ Status review_attention_config(const std::string& value, CompatPlan& plan) {
   return {};
 }
 
+// vLLM's KVEventsConfig keys (vllm/config/kv_events.py).
+constexpr std::string_view kKvEventsKeys[] = {"enable_kv_cache_events", "publisher",    "endpoint",
+                                              "replay_endpoint",        "buffer_steps", "hwm",
+                                              "max_queue_size",         "topic"};
+
+Status review_kv_events_config(const std::string& value, CompatPlan& plan) {
+  const std::string flag = "--kv-events-config";
+  M3_TRY(json j, parse_json_object(flag, value,
+                                   "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                                   "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}"));
+  engine::KvEventsConfig c;
+  bool enable = false;
+  std::string publisher;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& k = it.key();
+    const json& v = it.value();
+    if (std::find(std::begin(kKvEventsKeys), std::end(kKvEventsKeys), k) ==
+        std::end(kKvEventsKeys)) {
+      std::string names;
+      for (std::string_view n : kKvEventsKeys)
+        names += (names.empty() ? "" : ", ") + std::string(n);
+      return bad(flag, flag + " key '" + k + "' is unknown; the keys are " + names);
+    }
+    auto want = [&](const char* what) {
+      return bad(flag, flag + " " + k + " must be " + what + "; got " + v.dump());
+    };
+    if (k == "enable_kv_cache_events") {
+      if (!v.is_boolean()) return want("true or false");
+      enable = v.get<bool>();
+    } else if (k == "publisher") {
+      if (!v.is_string()) return want("a string (\"zmq\" or \"null\")");
+      publisher = v.get<std::string>();
+      if (publisher != "zmq" && publisher != "null") {
+        return make_error(ErrorCode::kUnsupported,
+                          flag + " publisher '" + publisher +
+                              "' is unknown; m3serve publishes over ZeroMQ: use \"zmq\" (or "
+                              "\"null\" for no events)",
+                          flag);
+      }
+    } else if (k == "endpoint" || k == "topic") {
+      if (!v.is_string()) return want("a string");
+      (k == "endpoint" ? c.endpoint : c.topic) = v.get<std::string>();
+      if (k == "endpoint" && c.endpoint.empty())
+        return want("a ZeroMQ address such as \"tcp://*:5557\"");
+    } else if (k == "replay_endpoint") {
+      if (v.is_null()) continue;
+      if (!v.is_string()) return want("a string or null");
+      c.replay_endpoint = v.get<std::string>();
+    } else {  // buffer_steps, hwm, max_queue_size
+      if (!v.is_number_integer()) return want("an integer");
+      const int64_t n = v.get<int64_t>();
+      const int64_t lo = k == "hwm" ? 0 : 1;
+      if (n < lo || n > (int64_t{1} << 30)) {
+        return want(lo == 0 ? "an integer from 0 (no limit) to 2^30" : "an integer from 1 to 2^30");
+      }
+      (k == "buffer_steps" ? c.buffer_steps
+       : k == "hwm"        ? c.hwm
+                           : c.max_queue_size) = static_cast<int>(n);
+    }
+  }
+  for (const std::string* ep : {&c.endpoint, &c.replay_endpoint}) {
+    if (ep->empty()) continue;
+    if (ep->rfind("tcp://", 0) != 0 && ep->rfind("ipc://", 0) != 0 &&
+        ep->rfind("inproc://", 0) != 0) {
+      return bad(flag, flag + " " + (ep == &c.endpoint ? "endpoint" : "replay_endpoint") + " '" +
+                           *ep +
+                           "' is not a ZeroMQ address; give tcp://*:PORT (bound), "
+                           "tcp://HOST:PORT (connected to a proxy) or ipc:///PATH");
+    }
+  }
+  if (publisher.empty()) publisher = enable ? "zmq" : "null";
+  if (!enable || publisher == "null") {
+    plan.notices.push_back(flag + ": " +
+                           (!enable ? std::string("enable_kv_cache_events is false")
+                                    : std::string("publisher is \"null\"")) +
+                           ", so no KV events are published");
+    return {};
+  }
+  c.enabled = true;
+  plan.kv_events = c;
+  return {};
+}
+
 }  // namespace
 
 const std::vector<VllmFlag>& vllm_flag_table() {
@@ -573,6 +656,12 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
           "auto = bfloat16 on the GPU (float32 with --dtype float32), float32 on the CPU";
     } else if (ln == "--max-logprobs") {
       help = "Most top logprobs a request may ask for (m3serve's limit is 20)";
+    } else if (ln == "--kv-events-config") {
+      help =
+          "vLLM's KV event stream over ZeroMQ, e.g. '{\"enable_kv_cache_events\": true, "
+          "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+          "\"tcp://*:5558\", \"topic\": \"kv-events\"}' (keys: buffer_steps, hwm, "
+          "max_queue_size too); needs prefix caching";
     } else if (ln == "--override-generation-config") {
       help =
           "JSON object of sampling defaults over generation_config.json, e.g. "
@@ -644,6 +733,8 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       M3_TRY_STATUS(review_attention_config(value, plan));
     } else if (ln == "--kv-cache-dtype") {
       M3_TRY(plan.kv_cache_dtype, kv_dtype_value("--kv-cache-dtype", value));
+    } else if (ln == "--kv-events-config") {
+      M3_TRY_STATUS(review_kv_events_config(value, plan));
     } else if (ln == "--max-logprobs") {
       const std::string t = trim(value);
       char* end = nullptr;

@@ -130,6 +130,7 @@ class EngineImpl {
   };
   std::unordered_map<uint64_t, Live> live;
   std::unordered_map<uint64_t, RunnerRequestState> states;
+  std::vector<std::unique_ptr<KvEventPublisher>> kv_publishers;  // one per KV partition
   std::thread thread;
 
   void loop();
@@ -137,7 +138,21 @@ class EngineImpl {
   void finish_abort(uint64_t id);
   void publish(const std::vector<sched::RequestUpdate>& updates);
   void refresh_stats();
+  void publish_kv_events();
 };
+
+void EngineImpl::publish_kv_events() {
+  if (kv_publishers.empty()) return;
+  std::vector<sched::KvCacheEvent> events = scheduler->take_kv_events();
+  if (events.empty()) return;
+  if (kv_publishers.size() == 1) {
+    kv_publishers[0]->publish(std::move(events));
+    return;
+  }
+  std::vector<std::vector<sched::KvCacheEvent>> per(kv_publishers.size());
+  for (auto& e : events) per[e.partition].push_back(std::move(e));
+  for (size_t p = 0; p < per.size(); ++p) kv_publishers[p]->publish(std::move(per[p]));
+}
 
 void EngineImpl::admit(Pending& p) {
   sched::StopCriteria stop;
@@ -326,6 +341,7 @@ void EngineImpl::loop() {
     sched::RunnerOutput ro;
     if (!so.empty()) ro = runner->execute(so, states);
     publish(scheduler->update_from_output(so, ro));
+    publish_kv_events();
     refresh_stats();
     if (so.empty()) {
       // Nothing could run (all waiting for pages that running requests hold cannot happen, but
@@ -435,6 +451,22 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
                                  : bc.vocab_size;
   impl->runner = std::make_unique<ModelRunner>(std::move(backend), sampleable);
   impl->scheduler = std::make_unique<sched::Scheduler>(sc);
+  if (config.kv_events.enabled) {
+    if (!config.enable_prefix_caching) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "--kv-events-config publishes the prefix cache's blocks, but prefix "
+                        "caching is off: drop --no-enable-prefix-caching (or the KV events)",
+                        "--kv-events-config");
+    }
+    for (int p = 0; p < num_kv_partitions; ++p) {
+      M3_TRY(auto pub, KvEventPublisher::create(config.kv_events, p, static_cast<int>(bs)));
+      info.kv_events_endpoints.push_back(pub->endpoint());
+      if (!pub->replay_endpoint().empty())
+        info.kv_events_replay_endpoints.push_back(pub->replay_endpoint());
+      impl->kv_publishers.push_back(std::move(pub));
+    }
+    impl->scheduler->set_kv_events_enabled(true);
+  }
   auto& st = impl->stats;
   const std::vector<double> lat = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25, 0.5,
                                    0.75,  1.0,   2.5,  5.0,  7.5,  10.0, 20.0, 40.0, 80.0};
@@ -544,8 +576,17 @@ const ModelInfo& Engine::model_info() const {
 }
 
 EngineStats Engine::stats() const {
-  std::lock_guard<std::mutex> lock(impl_->stats_mu);
-  return impl_->stats;
+  EngineStats s;
+  {
+    std::lock_guard<std::mutex> lock(impl_->stats_mu);
+    s = impl_->stats;
+  }
+  // Counted by the publisher threads as they send (the list is fixed after create()).
+  for (const auto& pub : impl_->kv_publishers) {
+    s.kv_event_batches_published += pub->num_batches_published();
+    s.kv_event_batches_dropped += pub->num_batches_dropped();
+  }
+  return s;
 }
 
 bool Engine::healthy() const {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "sched/block_hash.h"
+#include "sched/kv_event.h"
 
 namespace m3::sched {
 
@@ -65,7 +66,17 @@ class BlockPool {
   bool cache_block(int32_t block_id, BlockHash hash);
 
   // Drops every cached hash; only possible when no page is in use. Returns whether it was done.
+  // Records one AllBlocksCleared event per partition when events are on.
   bool reset_prefix_cache();
+
+  // KV cache events (sched/kv_event.h). Off by default. When on, evictions of hashed pages
+  // (get_new_blocks) record one BlockRemoved per call and partition, and reset_prefix_cache an
+  // AllBlocksCleared per partition; record_event adds the stores KVCacheManager builds.
+  void set_events_enabled(bool on) { events_enabled_ = on; }
+  bool events_enabled() const { return events_enabled_; }
+  void record_event(KvCacheEvent event);
+  // The events recorded since the last call, oldest first.
+  std::vector<KvCacheEvent> take_events();
 
   // Introspection for tests and metrics.
   int ref_count(int32_t block_id) const;
@@ -98,7 +109,8 @@ class BlockPool {
   void queue_remove(int32_t id);
   void queue_push_back(int32_t id);
   int32_t queue_pop_front(int partition);
-  void drop_hash(int32_t id);
+  // Unregisters the block's hash; returns whether it had one (the hash field keeps the value).
+  bool drop_hash(int32_t id);
 
   int num_blocks_;
   int block_size_;
@@ -107,6 +119,8 @@ class BlockPool {
   std::vector<Block> blocks_;
   std::vector<Partition> parts_;
   int num_free_ = 0;
+  bool events_enabled_ = false;
+  std::vector<KvCacheEvent> events_;
 };
 
 }  // namespace m3::sched

@@ -139,8 +139,33 @@ void KVCacheManager::cache_blocks(Request& request, int num_computed_tokens) {
            "request %llu: %d full blocks, %zu pages",
            static_cast<unsigned long long>(request.request_id), num_full, it->second.size());
   update_block_hashes(request, num_full);
-  for (int b = num_cached; b < num_full; ++b)
-    pool_.cache_block(it->second[b], request.block_hashes[b]);
+  // With events on, each run of consecutive newly registered blocks is one BlockStored (a block
+  // another request registered first stays unhashed here and is not reported again).
+  const bool events = pool_.events_enabled();
+  const int bs = pool_.block_size();
+  KvCacheEvent stored;
+  auto flush = [&] {
+    if (stored.block_hashes.empty()) return;
+    pool_.record_event(std::move(stored));
+    stored = KvCacheEvent{};
+  };
+  for (int b = num_cached; b < num_full; ++b) {
+    const int32_t block = it->second[b];
+    const bool registered = pool_.cache_block(block, request.block_hashes[b]);
+    if (!events) continue;
+    if (!registered) {
+      flush();
+      continue;
+    }
+    if (stored.block_hashes.empty()) {
+      stored.kind = KvCacheEvent::Kind::kStored;
+      stored.partition = pool_.partition_of(block);
+      if (b > 0) stored.parent_block_hash = request.block_hashes[b - 1];
+    }
+    stored.block_hashes.push_back(request.block_hashes[b]);
+    for (int i = 0; i < bs; ++i) stored.token_ids.push_back(request.token_at(b * bs + i));
+  }
+  flush();
   num_cached = num_full;
 }
 

@@ -85,6 +85,9 @@ class Scheduler {
   const KVCacheManager& kv_cache_manager() const { return kv_; }
   // Drops all cached prefixes; only when no request holds pages. Returns whether it was done.
   bool reset_prefix_cache() { return kv_.block_pool().reset_prefix_cache(); }
+  // KV cache events (sched/kv_event.h): off unless turned on; take_kv_events drains them.
+  void set_kv_events_enabled(bool on) { kv_.block_pool().set_events_enabled(on); }
+  std::vector<KvCacheEvent> take_kv_events() { return kv_.block_pool().take_events(); }
 
  private:
   // True when a goes before b in the waiting order / is kept over b when preempting.

@@ -162,6 +162,13 @@ std::string format_metrics(const engine::EngineStats& s, const std::string& mode
   w.scalar("http_bad_requests_total", "counter",
            "Malformed or over-limit HTTP requests refused by the front.",
            static_cast<double>(g.bad_http_requests));
+  // ---- KV events and the host KV tier (issue #21) ----
+  w.scalar("kv_event_batches_published_total", "counter",
+           "KV event batches sent on the --kv-events-config stream (all data-parallel ranks).",
+           static_cast<double>(s.kv_event_batches_published));
+  w.scalar("kv_event_batches_dropped_total", "counter",
+           "KV event batches dropped because max_queue_size batches were waiting.",
+           static_cast<double>(s.kv_event_batches_dropped));
   return w.str();
 }
 

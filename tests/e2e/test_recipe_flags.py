@@ -122,8 +122,11 @@ REFUSALS = [
     ("eagle3", "--tensor-parallel-size 8 --trust-remote-code --block-size 128 --language-model-only "
      "--speculative-config '{\"method\": \"eagle3\", \"model\": \"Inferact/MiniMax-M3-EAGLE3\", "
      "\"num_speculative_tokens\": 3}'", {}, ["--speculative-config", "issue #19"]),
-    ("kv_events", "--tensor-parallel-size 4 --kv-events-config '{\"publisher\":\"zmq\"}'", {},
-     ["--kv-events-config", "issue #21"]),
+    ("kv_events_publisher", "--tensor-parallel-size 4 --kv-events-config "
+     "'{\"enable_kv_cache_events\": true, \"publisher\": \"kafka\"}'", {},
+     ["--kv-events-config publisher 'kafka' is unknown", "\"zmq\""]),
+    ("kv_events_key", "--kv-events-config '{\"enable_kv_cache_events\": true, \"port\": 5557}'", {},
+     ["--kv-events-config key 'port' is unknown", "endpoint"]),
     ("pipeline_2", "--pipeline-parallel-size 2", {}, ["--pipeline-parallel-size 2", "--tensor-parallel-size"]),
     ("block_16", "--block-size 16", {}, ["--block-size 16", "use --block-size 128"]),
     ("unknown_flag", "--no-such-flag 3", {}, ["--no-such-flag", "m3serve serve --help"]),
