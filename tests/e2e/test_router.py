@@ -1,0 +1,156 @@
+"""Behind a real router (issue #21 item 3): two m3serve workers on loopback behind vLLM's own
+router (`vllm-router` from PyPI, a Rust binary wheel; tools/setup.sh installs it), with its
+prefix-aware policies. Requests that share a long prefix must land on the worker that holds the
+prefix: each repeat reports cached tokens in `usage`, and the worker's own counters show it
+served them.
+
+- kv_aware: the router subscribes to each worker's KV event stream (--kv-events-config), asks the
+  worker's /tokenize for the request's token ids, and scores workers by the cached blocks the
+  events announced.
+- cache_aware: the router's own approximate radix tree over request text (no events).
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from conftest import MODEL_NAME, Server
+
+ROUTER = shutil.which("vllm-router")
+pytestmark = pytest.mark.skipif(ROUTER is None,
+                                reason="vllm-router is not installed (tools/setup.sh pip-installs it)")
+BS = 128
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def post(base, path, body):
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def prompt_tokens_served(worker):
+    """The worker's vllm:prompt_tokens_total: what it prefilled, i.e. which requests it ran."""
+    with urllib.request.urlopen(worker.base + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:prompt_tokens_total{"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:prompt_tokens_total")
+
+
+class Router:
+    def __init__(self, workers, policy, events):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        args = [ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
+                "--worker-urls", *[w.base for w in workers], "--health-check-interval-secs", "1",
+                "--log-level", "debug", "--disable-retries"]
+        if policy == "cache_aware":
+            # Route by prefix whenever any of it matches (the default needs 30% of the text).
+            args += ["--cache-threshold", "0.1"]
+        for w, (port, _) in zip(workers, events):
+            if port:
+                args += ["--kv-event-source", f"{w.base}=tcp://127.0.0.1:{port}",
+                         "--kv-event-block-size", str(BS), "--kv-event-model", MODEL_NAME]
+        self.log_path = f"/tmp/vllm-router-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited: {self.tail()}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except Exception:
+                time.sleep(0.2)
+        raise RuntimeError(f"vllm-router never became healthy: {self.tail()}")
+
+    def tail(self):
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-4000:]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        os.unlink(self.log_path)
+
+
+@pytest.fixture(scope="module")
+def workers(binary, model_dir):
+    out = []
+    events = []
+    try:
+        for _ in range(2):
+            port, replay = free_port(), free_port()
+            cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+                   "replay_endpoint": f"tcp://*:{replay}"}
+            out.append(Server(binary, model_dir, ["--max-model-len", "4096", "--kv-cache-memory-bytes",
+                                                  "64MiB", "--kv-events-config", json.dumps(cfg)]))
+            events.append((port, replay))
+        yield out, events
+    finally:
+        for w in out:
+            w.stop()
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "cache_aware"])
+def test_shared_prefix_lands_on_the_worker_that_holds_it(workers, policy):
+    ws, events = workers
+    router = Router(ws, policy, events if policy == "kv_aware" else [(None, None)] * 2)
+    try:
+        # Two long prefixes (about 1,900 tokens each) with distinct words; a tag per policy keeps
+        # the two runs from sharing cache entries.
+        prefixes = [" ".join(f"{policy} doc{d} w{(i * (d + 3)) % 41} v{i % 13}" for i in range(160))
+                    for d in range(2)]
+        home = {}
+        # An order no load-only policy follows by chance (round robin alternates workers).
+        order = [0, 1, 0, 0, 1, 1, 0, 1, 1, 0, 0]
+        for n, d in enumerate(order):
+            prefix = prefixes[d]
+            before = [prompt_tokens_served(w) for w in ws]
+            u = post(router.base, "/v1/completions",
+                     {"model": MODEL_NAME, "prompt": f"{prefix} question {n}", "max_tokens": 2,
+                      "temperature": 0})["usage"]
+            after = [prompt_tokens_served(w) for w in ws]
+            served = [i for i in range(2) if after[i] > before[i]]
+            assert len(served) == 1, (before, after)
+            cached = u["prompt_tokens_details"]["cached_tokens"]
+            if d not in home:
+                home[d] = served[0]
+                assert cached == 0, u  # a new prefix: nothing cached anywhere yet
+                if policy == "kv_aware":
+                    time.sleep(0.5)  # the stored-block events reach the router's index
+                continue
+            assert served[0] == home[d], (policy, n, d, home, router.tail())
+            # Every full block of the shared prefix is reused (only the question differs).
+            assert cached >= (u["prompt_tokens"] - 16) // BS * BS - BS, u
+            assert cached > 0 and cached % BS == 0, u
+        if policy == "kv_aware":
+            log = router.tail()
+            assert "credited_prefix_tokens" in log, log  # the router scored our cached blocks
+    finally:
+        router.stop()
