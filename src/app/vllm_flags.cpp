@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <span>
 
 extern char** environ;
 
@@ -34,9 +35,6 @@ constexpr std::string_view kWhyQuant =
 constexpr std::string_view kWhySpec =
     "EAGLE3 speculative decoding is coming (issue #19); today decoding runs the target model "
     "alone: drop --speculative-config";
-constexpr std::string_view kWhyKvTransfer =
-    "KV offload, KV events and KV transfer are coming (issue #21); today the KV cache lives on "
-    "the serving device only: drop the flag";
 constexpr std::string_view kWhyMultiNode =
     "multi-node and multi-process serving are coming (issue #22); today one m3serve process "
     "serves all its GPUs: run it on one node with --tensor-parallel-size or "
@@ -199,10 +197,10 @@ const std::vector<VllmFlag> kTable = {
   {"--allowed-media-domains", true, FlagKind::kComing, "", kWhyMm, kServeOnly},
 
   // ---- KV offload / transfer / events ----
-  {"--kv-transfer-config", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
+  {"--kv-transfer-config", true, FlagKind::kHandled, "", "", kServeOnly},
   {"--kv-events-config", true, FlagKind::kHandled, "", "", kServeOnly},
-  {"--kv-offloading-backend", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
-  {"--kv-offloading-size", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
+  {"--kv-offloading-backend", true, FlagKind::kHandled, "", "", kServeOnly},
+  {"--kv-offloading-size", true, FlagKind::kHandled, "", "", kServeOnly},
 
   // ---- parallelism beyond one process ----
   {"--pipeline-parallel-size", true, FlagKind::kComing, "1",
@@ -601,6 +599,142 @@ Status review_kv_events_config(const std::string& value, CompatPlan& plan) {
   return {};
 }
 
+// vLLM's KV connectors by what they are for; m3serve runs the host-memory offloading ones.
+constexpr std::string_view kOffloadConnectors[] = {"OffloadingConnector",
+                                                   "SimpleCPUOffloadConnector"};
+constexpr std::string_view kTransferConnectors[] = {
+    "NixlConnector",      "MooncakeConnector",    "MooncakeConnectorV1", "P2pNcclConnector",
+    "LMCacheConnectorV1", "LMCacheMPConnector",   "MultiConnector",      "SharedStorageConnector",
+    "MoRIIOConnector",    "DecodeBenchConnector", "ExampleConnector"};
+constexpr std::string_view kKvRoles[] = {"kv_producer", "kv_consumer", "kv_both"};
+
+std::string joined(std::span<const std::string_view> names) {
+  std::string out;
+  for (std::string_view n : names) out += (out.empty() ? "" : ", ") + std::string(n);
+  return out;
+}
+
+template <size_t N>
+bool one_of(const std::string& v, const std::string_view (&names)[N]) {
+  return std::find(std::begin(names), std::end(names), v) != std::end(names);
+}
+
+// A byte count given as a JSON number (vLLM takes int(...) of it).
+Result<int64_t> byte_count(const std::string& what, const json& v) {
+  if (!v.is_number() || !(v.get<double>() >= 0) || v.get<double>() > 9.0e18)
+    return bad("--kv-transfer-config", "--kv-transfer-config " + what +
+                                           " must be a number of bytes, e.g. 68719476736 (64 "
+                                           "GiB); got " +
+                                           v.dump());
+  return static_cast<int64_t>(v.get<double>());
+}
+
+Status review_kv_transfer_config(const std::string& value, CompatPlan& plan) {
+  const std::string flag = "--kv-transfer-config";
+  M3_TRY(json j,
+         parse_json_object(flag, value,
+                           "{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+                           "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 68719476736}}"));
+  if (!j.contains("kv_connector") || j["kv_connector"].is_null()) {
+    plan.notices.push_back(flag + " has no kv_connector, so nothing is offloaded or transferred");
+    return {};
+  }
+  if (!j["kv_connector"].is_string())
+    return bad(flag, flag + " kv_connector must be a string, e.g. \"OffloadingConnector\"");
+  const std::string connector = j["kv_connector"].get<std::string>();
+  if (one_of(connector, kTransferConnectors)) {
+    return make_error(ErrorCode::kUnsupported,
+                      flag + " kv_connector '" + connector +
+                          "' is not available yet: prefill/decode disaggregation and external KV "
+                          "stores are coming (issue #21); today m3serve offers the host-memory "
+                          "tier: kv_connector \"OffloadingConnector\" with kv_role \"kv_both\"",
+                      flag);
+  }
+  if (!one_of(connector, kOffloadConnectors)) {
+    return make_error(ErrorCode::kUnsupported,
+                      flag + " kv_connector '" + connector + "' is unknown; m3serve runs " +
+                          joined(kOffloadConnectors) +
+                          " (the host-memory KV tier), e.g. '{\"kv_connector\": "
+                          "\"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+                          "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 68719476736}}'",
+                      flag);
+  }
+  if (!j.contains("kv_role") || !j["kv_role"].is_string()) {
+    return bad(flag, flag + " needs kv_role with kv_connector '" + connector +
+                         "' (as vLLM does): give \"kv_role\": \"kv_both\"");
+  }
+  const std::string role = j["kv_role"].get<std::string>();
+  if (!one_of(role, kKvRoles)) {
+    return bad(flag, flag + " kv_role '" + role + "' is unknown; vLLM's roles are " +
+                         joined(kKvRoles) + " (the offloading connector takes kv_both)");
+  }
+  if (role != "kv_both") {
+    return make_error(ErrorCode::kUnsupported,
+                      flag + " kv_role '" + role +
+                          "' is a prefill/decode disaggregation role, "
+                          "which m3serve does not do yet (issue #21); " +
+                          connector + " takes \"kv_role\": \"kv_both\"",
+                      flag);
+  }
+  std::vector<std::string> ignored;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.key() != "kv_connector" && it.key() != "kv_role" &&
+        it.key() != "kv_connector_extra_config")
+      ignored.push_back(it.key());
+  }
+  json extra = j.value("kv_connector_extra_config", json::object());
+  if (!extra.is_object())
+    return bad(flag, flag + " kv_connector_extra_config must be a JSON object");
+  std::optional<int64_t> bytes;
+  for (auto it = extra.begin(); it != extra.end(); ++it) {
+    const std::string& k = it.key();
+    if (k == "cpu_bytes_to_use") {
+      M3_TRY(int64_t b, byte_count("kv_connector_extra_config.cpu_bytes_to_use", it.value()));
+      if (!bytes) bytes = b;
+    } else if (k == "cpu_bytes_to_use_per_rank") {
+      // Per rank wins over the server-wide value (the host tier runs on one rank here).
+      M3_TRY(bytes, byte_count("kv_connector_extra_config.cpu_bytes_to_use_per_rank", it.value()));
+    } else if (k == "lazy_offload") {
+      if (!it.value().is_boolean())
+        return bad(flag, flag + " kv_connector_extra_config.lazy_offload must be true or false");
+      if (!it.value().get<bool>()) {
+        plan.notices.push_back(flag +
+                               " lazy_offload false: m3serve copies a page to the host tier when "
+                               "the device pool evicts it (as lazy_offload true), not after "
+                               "every step");
+      }
+    } else {
+      ignored.push_back("kv_connector_extra_config." + k);
+    }
+  }
+  if (!bytes) {
+    if (connector == "OffloadingConnector") {
+      return bad(flag, flag +
+                           " OffloadingConnector needs kv_connector_extra_config."
+                           "cpu_bytes_to_use (the host tier's size in bytes, as vLLM "
+                           "requires), e.g. 68719476736 for 64 GiB");
+    }
+    bytes = int64_t{8} << 30;  // SimpleCPUOffloadConnector's default capacity
+    plan.notices.push_back(flag +
+                           " SimpleCPUOffloadConnector without cpu_bytes_to_use: the "
+                           "host KV tier gets vLLM's default of 8 GiB");
+  }
+  if (*bytes < 1) {
+    return bad(flag, flag +
+                         " cpu_bytes_to_use is 0: the host KV tier needs room for at least "
+                         "one KV page");
+  }
+  if (!ignored.empty()) {
+    std::string keys;
+    for (const auto& k : ignored) keys += (keys.empty() ? "" : ", ") + k;
+    plan.notices.push_back(flag + " keys " + keys +
+                           " are ignored: they tune vLLM's transfer machinery, which m3serve's "
+                           "host tier does not have");
+  }
+  plan.host_kv_cache_bytes = *bytes;
+  return {};
+}
+
 }  // namespace
 
 const std::vector<VllmFlag>& vllm_flag_table() {
@@ -656,6 +790,18 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
           "auto = bfloat16 on the GPU (float32 with --dtype float32), float32 on the CPU";
     } else if (ln == "--max-logprobs") {
       help = "Most top logprobs a request may ask for (m3serve's limit is 20)";
+    } else if (ln == "--kv-transfer-config") {
+      help =
+          "vLLM's KV connector config. m3serve runs the host-memory KV tier: "
+          "'{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+          "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": BYTES}}' keeps evicted "
+          "prefix-cache pages in host memory and restores them on a prefix hit (CPU backend)";
+    } else if (ln == "--kv-offloading-size") {
+      help =
+          "Host KV tier size in GiB (vLLM's native CPU offloading; same as the "
+          "OffloadingConnector config with cpu_bytes_to_use)";
+    } else if (ln == "--kv-offloading-backend") {
+      help = "native (the only one here); used with --kv-offloading-size";
     } else if (ln == "--kv-events-config") {
       help =
           "vLLM's KV event stream over ZeroMQ, e.g. '{\"enable_kv_cache_events\": true, "
@@ -688,6 +834,8 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
                                      const EnvList& env) {
   CompatPlan plan;
   bool enable_log_requests = false, disable_log_requests = false;
+  bool transfer_given = false, offloading_size_given = false;
+  std::string offloading_backend;
   for (size_t i = 0; i < kTable.size() && i < v.options.size(); ++i) {
     const CLI::Option* opt = v.options[i];
     if (opt == nullptr || opt->count() == 0) continue;
@@ -735,6 +883,33 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       M3_TRY(plan.kv_cache_dtype, kv_dtype_value("--kv-cache-dtype", value));
     } else if (ln == "--kv-events-config") {
       M3_TRY_STATUS(review_kv_events_config(value, plan));
+    } else if (ln == "--kv-transfer-config") {
+      if (offloading_size_given)
+        return bad(ln, "--kv-transfer-config and --kv-offloading-size are both given; give one");
+      transfer_given = true;
+      M3_TRY_STATUS(review_kv_transfer_config(value, plan));
+    } else if (ln == "--kv-offloading-size") {
+      if (transfer_given)
+        return bad(ln, "--kv-transfer-config and --kv-offloading-size are both given; give one");
+      offloading_size_given = true;
+      char* end = nullptr;
+      const std::string t = trim(value);
+      const double gib = std::strtod(t.c_str(), &end);
+      if (t.empty() || *end != '\0' || !(gib > 0) || gib > 1e6) {
+        return bad(ln, "--kv-offloading-size '" + value +
+                           "' is not a size in GiB; e.g. --kv-offloading-size 64 (vLLM's "
+                           "native CPU offloading of 64 GiB)");
+      }
+      plan.host_kv_cache_bytes = static_cast<int64_t>(gib * 1073741824.0);
+    } else if (ln == "--kv-offloading-backend") {
+      offloading_backend = lower(trim(value));
+      if (offloading_backend != "native") {
+        return make_error(ErrorCode::kUnsupported,
+                          "--kv-offloading-backend '" + value +
+                              "' is not supported; m3serve's host KV tier is the native one: "
+                              "use --kv-offloading-backend native (or leave it out)",
+                          ln);
+      }
     } else if (ln == "--max-logprobs") {
       const std::string t = trim(value);
       char* end = nullptr;
@@ -780,6 +955,10 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
                              ": routes stay at /v1/...; the proxy in front must strip the "
                              "prefix (as with vLLM behind a path-stripping proxy)");
     }
+  }
+  if (!offloading_backend.empty() && !offloading_size_given) {
+    plan.notices.push_back("--kv-offloading-backend " + offloading_backend +
+                           " has no effect without --kv-offloading-size (as in vLLM)");
   }
   if (enable_log_requests && disable_log_requests) {
     return bad("--enable-log-requests",

@@ -283,6 +283,9 @@ void EngineImpl::refresh_stats() {
   stats.prefix_cache_queries = s.prefix_cache_queries;
   stats.prefix_cache_hits = s.prefix_cache_hits;
   stats.num_preemptions = s.num_preemptions;
+  stats.num_host_kv_cached = s.num_host_kv_cached;
+  stats.kv_offloaded_pages_total = s.num_kv_offloaded_pages;
+  stats.kv_restored_pages_total = s.num_kv_restored_pages;
   num_waiting_total = s.num_waiting;
   num_running_total = s.num_running;
 }
@@ -446,11 +449,43 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   info.device = backend->device_name();
   for (int64_t e : bc.eos_token_ids) info.eos_token_ids.push_back(static_cast<int32_t>(e));
 
+  int64_t host_slots = 0;
+  if (config.host_kv_cache_bytes > 0) {
+    const std::string flag = "--kv-transfer-config";
+    if (!config.enable_prefix_caching) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "the host KV tier keeps evicted prefix-cache pages, but prefix caching is "
+                        "off: drop --no-enable-prefix-caching (or the offloading config)",
+                        flag);
+    }
+    if (num_kv_partitions != 1) {
+      return make_error(ErrorCode::kUnsupported,
+                        "the host KV tier works with one KV partition so far; with "
+                        "--data-parallel-size " +
+                            std::to_string(num_kv_partitions) + " drop the offloading config",
+                        flag);
+    }
+    const int64_t pb = model::KvCache::page_bytes(bc);
+    host_slots = config.host_kv_cache_bytes / pb;
+    if (host_slots < 1) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "the host KV tier of " + std::to_string(config.host_kv_cache_bytes) +
+                            " bytes is smaller than one KV page (" + std::to_string(pb) +
+                            " bytes with this model and KV format); give cpu_bytes_to_use of at "
+                            "least " +
+                            std::to_string(pb),
+                        flag);
+    }
+    host_slots = std::min<int64_t>(host_slots, INT32_MAX);
+    M3_TRY_STATUS(backend->enable_host_kv_tier(host_slots));
+    info.num_host_kv_pages = host_slots;
+  }
   const int64_t sampleable = config.num_sampleable_tokens > 0
                                  ? std::min<int64_t>(config.num_sampleable_tokens, bc.vocab_size)
                                  : bc.vocab_size;
   impl->runner = std::make_unique<ModelRunner>(std::move(backend), sampleable);
   impl->scheduler = std::make_unique<sched::Scheduler>(sc);
+  if (host_slots > 0) impl->scheduler->enable_host_kv_tier(static_cast<int>(host_slots));
   if (config.kv_events.enabled) {
     if (!config.enable_prefix_caching) {
       return make_error(ErrorCode::kInvalidArgument,
@@ -481,6 +516,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   st.kv_cache_dtype = info.kv_cache_dtype;
   st.index_cache_dtype = info.index_cache_dtype;
   st.kv_bytes_per_token = info.kv_bytes_per_token;
+  st.num_host_kv_pages = host_slots;
   EngineImpl* raw = impl.get();
   impl->thread = std::thread([raw] { raw->loop(); });
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));

@@ -61,6 +61,9 @@ struct EngineConfig {
   // vLLM's KV event stream (--kv-events-config): needs prefix caching. One publisher per KV
   // partition (data-parallel rank r on the endpoint's port + r).
   KvEventsConfig kv_events;
+  // The host KV tier's size in bytes (vLLM's cpu_bytes_to_use): evicted prefix-cache pages are
+  // kept there and restored on a prefix hit. 0: off. Needs prefix caching and one KV partition.
+  int64_t host_kv_cache_bytes = 0;
 };
 
 // Histogram with fixed upper bounds (Prometheus style: counts are per bucket, not cumulative).
@@ -87,6 +90,10 @@ struct EngineStats {
   int64_t num_preemptions = 0;
   int64_t kv_event_batches_published = 0;  // --kv-events-config, all publishers
   int64_t kv_event_batches_dropped = 0;
+  int64_t num_host_kv_pages = 0;         // host KV tier capacity (0: off)
+  int64_t num_host_kv_cached = 0;        // pages held there now
+  int64_t kv_offloaded_pages_total = 0;  // device -> host copies
+  int64_t kv_restored_pages_total = 0;   // host -> device copies (prefix hits)
   int64_t prompt_tokens_total = 0;
   int64_t generation_tokens_total = 0;
   int64_t requests_finished_stop = 0;
@@ -116,6 +123,7 @@ struct ModelInfo {
   // The KV event sockets as bound, one per data-parallel rank (empty without --kv-events-config).
   std::vector<std::string> kv_events_endpoints;
   std::vector<std::string> kv_events_replay_endpoints;
+  int64_t num_host_kv_pages = 0;  // the host KV tier (0: off)
 };
 
 struct TokenLogprobOut {

@@ -60,7 +60,7 @@ std::string offset_endpoint_port(const std::string& endpoint, int data_parallel_
 }
 
 std::string encode_kv_event_batch(double ts, const std::vector<sched::KvCacheEvent>& events,
-                                  int data_parallel_rank, int block_size) {
+                                  int data_parallel_rank) {
   msgpack::sbuffer buf;
   Packer pk(&buf);
   pk.pack_array(3);
@@ -83,7 +83,7 @@ std::string encode_kv_event_batch(double ts, const std::vector<sched::KvCacheEve
         pk.pack_array(static_cast<uint32_t>(e.token_ids.size()));
         for (int32_t t : e.token_ids) pk.pack_int32(t);
         pack_str(pk, "block_size");
-        pk.pack_int32(block_size);
+        pk.pack_int32(e.block_size);
         pack_str(pk, "lora_id");
         pk.pack_nil();
         pack_str(pk, "medium");
@@ -148,7 +148,7 @@ struct KvEventPublisher::Impl {
 };
 
 void KvEventPublisher::Impl::send_batch(Pending p) {
-  std::string payload = encode_kv_event_batch(p.ts, p.events, rank, block_size);
+  std::string payload = encode_kv_event_batch(p.ts, p.events, rank);
   const int64_t seq = p.seq;
   try {
     pub.send(zmq::buffer(cfg.topic), zmq::send_flags::sndmore);
@@ -176,9 +176,10 @@ void KvEventPublisher::Impl::service_replay() {
   if (frames.empty()) return;
   // [identity, "", start_seq]: what a REQ (or a DEALER sending an empty delimiter) asks.
   if (frames.size() != 3 || frames[2].size() != 8) {
-    M3_LOG_WARN("kv events: ignored a replay request of %zu frames (expected [identity, '', "
-             "8-byte start seq])",
-             frames.size());
+    M3_LOG_WARN(
+        "kv events: ignored a replay request of %zu frames (expected [identity, '', "
+        "8-byte start seq])",
+        frames.size());
     return;
   }
   uint64_t start = 0;
@@ -199,7 +200,7 @@ void KvEventPublisher::Impl::service_replay() {
     send_reply("", seq_bytes(-1), "");
   } catch (const zmq::error_t& e) {
     M3_LOG_WARN("kv events: replay from %lld failed: %s", static_cast<long long>(start_seq),
-             e.what());
+                e.what());
   }
 }
 
@@ -240,8 +241,7 @@ Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::create(const KvEvent
   const std::string endpoint = offset_endpoint_port(config.endpoint, data_parallel_rank);
   const std::string replay_endpoint =
       offset_endpoint_port(config.replay_endpoint, data_parallel_rank);
-  auto fail = [&](const std::string& key, const std::string& ep, const zmq::error_t& e,
-                  bool bind) {
+  auto fail = [&](const std::string& key, const std::string& ep, const zmq::error_t& e, bool bind) {
     std::string fix = e.num() == EADDRINUSE
                           ? "another process holds it: give a free port (e.g. \"" + key +
                                 "\": \"tcp://*:0\" lets the system pick one) or stop that process"
@@ -310,9 +310,10 @@ void KvEventPublisher::publish(std::vector<sched::KvCacheEvent> events) {
     const int64_t seq = impl_->next_seq++;
     if (static_cast<int>(impl_->queue.size()) >= impl_->cfg.max_queue_size) {
       if (impl_->dropped++ == 0)
-        M3_LOG_WARN("kv events: %d batches are waiting to be sent (max_queue_size); dropping new "
-                 "ones: subscribers will see a gap in the sequence numbers",
-                 impl_->cfg.max_queue_size);
+        M3_LOG_WARN(
+            "kv events: %d batches are waiting to be sent (max_queue_size); dropping new "
+            "ones: subscribers will see a gap in the sequence numbers",
+            impl_->cfg.max_queue_size);
       return;
     }
     impl_->queue.push_back({seq, ts, std::move(events)});

@@ -42,7 +42,7 @@ std::string offset_endpoint_port(const std::string& endpoint, int data_parallel_
 // lora_name, group_idx and BlockRemoved's block_hashes, medium, group_idx. Hashes are unsigned
 // 64-bit integers (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES default).
 std::string encode_kv_event_batch(double ts, const std::vector<sched::KvCacheEvent>& events,
-                                  int data_parallel_rank, int block_size);
+                                  int data_parallel_rank);
 
 class KvEventPublisher {
  public:

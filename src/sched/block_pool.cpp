@@ -73,7 +73,10 @@ std::vector<int32_t> BlockPool::get_new_blocks(int n, int partition) {
     const int32_t id = queue_pop_front(partition);
     Block& b = blocks_[id];
     M3_CHECK(b.ref_cnt == 0, "block %d in the free queue has ref count %d", id, b.ref_cnt);
-    if (drop_hash(id) && events_enabled_) removed.block_hashes.push_back(b.hash);
+    if (drop_hash(id)) {
+      if (events_enabled_) removed.block_hashes.push_back(b.hash);
+      if (track_evictions_) evictions_.emplace_back(id, b.hash);
+    }
     b.ref_cnt = 1;
     ids.push_back(id);
   }
@@ -137,6 +140,12 @@ bool BlockPool::reset_prefix_cache() {
 
 void BlockPool::record_event(KvCacheEvent event) {
   if (events_enabled_) events_.push_back(std::move(event));
+}
+
+std::vector<std::pair<int32_t, BlockHash>> BlockPool::take_evictions() {
+  std::vector<std::pair<int32_t, BlockHash>> out;
+  out.swap(evictions_);
+  return out;
 }
 
 std::vector<KvCacheEvent> BlockPool::take_events() {

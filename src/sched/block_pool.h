@@ -14,6 +14,7 @@
 #include <optional>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "sched/block_hash.h"
@@ -75,6 +76,10 @@ class BlockPool {
   void set_events_enabled(bool on) { events_enabled_ = on; }
   bool events_enabled() const { return events_enabled_; }
   void record_event(KvCacheEvent event);
+  // Hashed pages evicted by get_new_blocks since the last call, as (page id, hash), when tracking
+  // is on (the host KV tier copies them out before the step writes the pages).
+  void set_track_evictions(bool on) { track_evictions_ = on; }
+  std::vector<std::pair<int32_t, BlockHash>> take_evictions();
   // The events recorded since the last call, oldest first.
   std::vector<KvCacheEvent> take_events();
 
@@ -120,6 +125,8 @@ class BlockPool {
   std::vector<Partition> parts_;
   int num_free_ = 0;
   bool events_enabled_ = false;
+  bool track_evictions_ = false;
+  std::vector<std::pair<int32_t, BlockHash>> evictions_;
   std::vector<KvCacheEvent> events_;
 };
 

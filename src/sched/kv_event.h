@@ -30,8 +30,10 @@ struct KvCacheEvent {
   std::vector<BlockHash> block_hashes;
   // Stored only: the hash of the block before the first one; none for a sequence's first block.
   std::optional<BlockHash> parent_block_hash;
-  // Stored only: the blocks' tokens, block_hashes.size() * block_size of them.
+  // Stored only: the blocks' tokens, block_hashes.size() * block_size of them. A host-tier store
+  // carries no tokens, no parent and block_size 0 (vLLM's offloading events do the same).
   std::vector<int32_t> token_ids;
+  int block_size = 0;
 };
 
 }  // namespace m3::sched

@@ -270,7 +270,7 @@ const std::vector<RecipeCase> kRecipe = {
     {"kv_offload",
      "--kv-transfer-config '{\"kv_connector\":\"SimpleCPUOffloadConnector\"}'",
      {"VLLM_USE_SIMPLE_KV_OFFLOAD=1"},
-     "issue #21",
+     "needs kv_role",
      ""},
     {"common_set",
      "--dtype auto --seed 0 --max-logprobs 20 --disable-log-requests "

@@ -25,6 +25,7 @@ sched::KvCacheEvent stored(std::vector<sched::BlockHash> hashes,
   e.kind = sched::KvCacheEvent::Kind::kStored;
   e.block_hashes = std::move(hashes);
   e.parent_block_hash = parent;
+  e.block_size = block_size;
   for (size_t i = 0; i < e.block_hashes.size() * static_cast<size_t>(block_size); ++i)
     e.token_ids.push_back(static_cast<int32_t>(100 + i));
   return e;
@@ -53,7 +54,7 @@ TEST(KvEventPublisher, BatchIsVllmsShape) {
   sched::KvCacheEvent cleared;
   cleared.kind = sched::KvCacheEvent::Kind::kAllCleared;
   const std::string payload = encode_kv_event_batch(
-      1234.5, {stored({11, 12}, std::nullopt, 2), stored({13}, 12, 2), removed, cleared}, 3, 2);
+      1234.5, {stored({11, 12}, std::nullopt, 2), stored({13}, 12, 2), removed, cleared}, 3);
   msgpack::object_handle oh = msgpack::unpack(payload.data(), payload.size());
   const msgpack::object& batch = oh.get();
   ASSERT_EQ(batch.type, msgpack::type::ARRAY);

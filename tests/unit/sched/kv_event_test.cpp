@@ -49,8 +49,8 @@ TEST(KvEvents, StoredCarriesParentAndTokensRemovedOnEviction) {
   EXPECT_EQ(ev[0].block_hashes[0], a.block_hashes[0]);
   EXPECT_EQ(ev[0].block_hashes[1], a.block_hashes[1]);
   EXPECT_FALSE(ev[0].parent_block_hash.has_value());  // the sequence's first block
-  EXPECT_EQ(ev[0].token_ids, (std::vector<int32_t>(a.prompt_token_ids.begin(),
-                                                   a.prompt_token_ids.begin() + 8)));
+  EXPECT_EQ(ev[0].token_ids,
+            (std::vector<int32_t>(a.prompt_token_ids.begin(), a.prompt_token_ids.begin() + 8)));
   // Two more tokens complete block 2: one store whose parent is block 1.
   a.output_token_ids = {5000, 5001};
   ASSERT_TRUE(kv.allocate_slots(a, 2));
@@ -72,8 +72,8 @@ TEST(KvEvents, StoredCarriesParentAndTokensRemovedOnEviction) {
   ASSERT_EQ(ev.size(), 1u);
   EXPECT_EQ(ev[0].kind, KvCacheEvent::Kind::kRemoved);
   std::set<BlockHash> removed(ev[0].block_hashes.begin(), ev[0].block_hashes.end());
-  EXPECT_EQ(removed, (std::set<BlockHash>{a.block_hashes[0], a.block_hashes[1],
-                                          a.block_hashes[2]}));
+  EXPECT_EQ(removed,
+            (std::set<BlockHash>{a.block_hashes[0], a.block_hashes[1], a.block_hashes[2]}));
 }
 
 TEST(KvEvents, SharedPrefixIsStoredOnceAndResetClearsEveryPartition) {
