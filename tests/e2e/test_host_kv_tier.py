@@ -92,3 +92,43 @@ def test_short_spelling_and_bad_input(binary, model_dir):
     with pytest.raises(RuntimeError) as e:
         Server(binary, model_dir, ["--kv-transfer-config", json.dumps(tiny)])
     assert "smaller than one KV page" in str(e.value) and "cpu_bytes_to_use" in str(e.value)
+
+
+def test_host_tier_kv_events(binary, model_dir):
+    """With KV events on, the host tier publishes its own stores and removals with medium "CPU"
+    (vLLM's offloading events: no tokens, no parent, block_size 0), decoded by vLLM's schema."""
+    zmq = pytest.importorskip("zmq", reason="pyzmq is installed by tools/setup.sh")
+    from test_kv_events import BlockRemoved, BlockStored, Subscriber, free_port
+    port, replay = free_port(), free_port()
+    ev = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
+          "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}
+    # A 2-page host tier: the third offloaded page pushes the first one out (a CPU removal).
+    s = Server(binary, model_dir, ["--max-model-len", "512", "--max-num-seqs", "2",
+                                   "--kv-cache-memory-bytes", pool_bytes(model_dir, 6),
+                                   "--kv-offloading-size", str(int(pool_bytes(model_dir, 2)) / (1 << 30)),
+                                   "--kv-events-config", json.dumps(ev)])
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")
+    try:
+        a, flood = prompts()
+        for p in [a] + flood:
+            generate(s, p, n=1)
+        sub.settle(s)
+        sub.batches.update(sub.replay(0))
+        device, host, host_removed = set(), [], []
+        for seq in sorted(sub.batches):
+            for e in sub.batches[seq].events:
+                if isinstance(e, BlockStored) and e.medium == "GPU":
+                    device.update(e.block_hashes)
+                elif isinstance(e, BlockStored):
+                    assert e.medium == "CPU" and e.token_ids == [] and e.block_size == 0
+                    assert e.parent_block_hash is None
+                    host.extend(e.block_hashes)
+                elif isinstance(e, BlockRemoved) and e.medium == "CPU":
+                    host_removed.extend(e.block_hashes)
+        assert host and set(host) <= device, "the host tier holds pages the device computed"
+        assert metric(s, "vllm:kv_offloaded_pages_total") == len(host)
+        assert host_removed and set(host_removed) <= set(host)
+        assert len(host) - len(host_removed) <= 2  # the tier's 2 pages
+    finally:
+        sub.close()
+        s.stop()
