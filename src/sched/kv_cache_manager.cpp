@@ -73,7 +73,10 @@ ComputedBlocks KVCacheManager::get_computed_blocks(Request& request, int partiti
   if (host_) {
     // One partition (enable_host_tier): the chain continues from the device hit into the host.
     hit.partition = 0;
+    // It stops at a block the device holds after all (a later block than the device chain's
+    // miss), so every restored hash is new to the device map and registers.
     for (int b = static_cast<int>(hit.block_ids.size()); b < max_hit_blocks; ++b) {
+      if (pool_.get_cached_block(request.block_hashes[b], 0)) break;
       auto slot = host_->find(request.block_hashes[b]);
       if (!slot) break;
       hit.host_slots.push_back(*slot);
@@ -146,7 +149,9 @@ bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens,
     for (int i = 0; i < num_host_blocks; ++i) {
       restores_.push_back({fresh[i], computed->host_slots[i]});
       ++num_restored_;
-      pool_.cache_block(fresh[i], request.block_hashes[num_hit_blocks + i]);
+      const bool registered = pool_.cache_block(fresh[i], request.block_hashes[num_hit_blocks + i]);
+      M3_CHECK(registered, "restored block %d of request %llu was already cached",
+               num_hit_blocks + i, static_cast<unsigned long long>(request.request_id));
     }
     record_stored(request, num_hit_blocks, num_hit_blocks + num_host_blocks, partition);
     num_cached_blocks_[request.request_id] = num_hit_blocks + num_host_blocks;

@@ -6,6 +6,7 @@ first, fully computed run did; /metrics counts the offloaded and restored pages.
 """
 
 import json
+import time
 
 import pytest
 
@@ -126,6 +127,10 @@ def test_host_tier_kv_events(binary, model_dir):
                 elif isinstance(e, BlockRemoved) and e.medium == "CPU":
                     host_removed.extend(e.block_hashes)
         assert host and set(host) <= device, "the host tier holds pages the device computed"
+        # /metrics' engine counters refresh after the step that published the batch: wait.
+        deadline = time.time() + 10
+        while metric(s, "vllm:kv_offloaded_pages_total") != len(host) and time.time() < deadline:
+            time.sleep(0.05)
         assert metric(s, "vllm:kv_offloaded_pages_total") == len(host)
         assert host_removed and set(host_removed) <= set(host)
         assert len(host) - len(host_removed) <= 2  # the tier's 2 pages

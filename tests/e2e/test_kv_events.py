@@ -239,6 +239,10 @@ def test_kv_events_match_the_requests(events_server):
     # Request 0 runs before anyone subscribes: its batches come back only through the replay.
     prompts[0] = [100 + (i * 7) % 150 for i in range(300)]
     assert complete(server, prompts[0]) == 0
+    # The response can come back before its step's batch is sent: wait until it was.
+    deadline = time.time() + 10
+    while metric(server, "vllm:kv_event_batches_published_total") < 1 and time.time() < deadline:
+        time.sleep(0.02)
     sub = Subscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}")
     model = CacheModel(prompts)
     try:
