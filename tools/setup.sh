@@ -20,9 +20,9 @@ fi
 # committed, made by tools/goldens/make_model_goldens.py on the GPU machine).
 python3 -m pip install -q --disable-pip-version-check tokenizers jinja2 openai pytest numpy \
   safetensors jsonschema langchain-openai pyzmq msgspec 2>&1 | grep -v -i "warning: running pip as" || true
-# vLLM's router (a Rust binary wheel, manylinux_2_28): tests/e2e/test_router.py runs two workers
-# behind it with its kv_aware (our KV events) and cache_aware policies.
-python3 -m pip install -q --disable-pip-version-check "vllm-router==0.1.17" 2>&1 \
+# The routers users run in front of vLLM and SGLang (Rust binary wheels): tests/e2e/test_router.py
+# runs two workers behind vllm-router (kv_aware on our KV events, cache_aware) and sglang-router.
+python3 -m pip install -q --disable-pip-version-check "vllm-router==0.1.17" "sglang-router==0.3.2" 2>&1 \
   | grep -v -i "warning: running pip as" || true
 # xgrammar (structured outputs): its PyPI sdist carries the C++ library, which cmake/deps.cmake
 # builds with the Python bindings off. Only xgrammar itself is taken as source (pip builds the

@@ -1,13 +1,14 @@
-"""Behind a real router (issue #21 item 3): two m3serve workers on loopback behind vLLM's own
-router (`vllm-router` from PyPI, a Rust binary wheel; tools/setup.sh installs it), with its
-prefix-aware policies. Requests that share a long prefix must land on the worker that holds the
+"""Behind a real router (issue #21 item 3): two m3serve workers on loopback behind the routers
+users run in front of vLLM and SGLang (`vllm-router` and `sglang-router` from PyPI, Rust binary
+wheels; tools/setup.sh installs them), with their prefix-aware policies. Requests that share a long prefix must land on the worker that holds the
 prefix: each repeat reports cached tokens in `usage`, and the worker's own counters show it
 served them.
 
 - kv_aware: the router subscribes to each worker's KV event stream (--kv-events-config), asks the
   worker's /tokenize for the request's token ids, and scores workers by the cached blocks the
   events announced.
-- cache_aware: the router's own approximate radix tree over request text (no events).
+- cache_aware (both routers): the router's own approximate radix tree over request text (no
+  events).
 """
 
 import json
@@ -16,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -23,10 +25,19 @@ import pytest
 
 from conftest import MODEL_NAME, Server
 
-ROUTER = shutil.which("vllm-router")
-pytestmark = pytest.mark.skipif(ROUTER is None,
-                                reason="vllm-router is not installed (tools/setup.sh pip-installs it)")
 BS = 128
+
+
+def router_command(name):
+    """The router's launch command, or None when its package is not installed."""
+    if name == "vllm-router":
+        exe = shutil.which("vllm-router")
+        return [exe] if exe else None
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        return None
+    return [sys.executable, "-m", "sglang_router.launch_router"]
 
 
 def free_port():
@@ -54,10 +65,10 @@ def prompt_tokens_served(worker):
 
 
 class Router:
-    def __init__(self, workers, policy, events):
+    def __init__(self, command, workers, policy, events):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        args = [ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
+        args = command + ["--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
                 "--worker-urls", *[w.base for w in workers], "--health-check-interval-secs", "1",
                 "--log-level", "debug", "--disable-retries"]
         if policy == "cache_aware":
@@ -67,7 +78,7 @@ class Router:
             if port:
                 args += ["--kv-event-source", f"{w.base}=tcp://127.0.0.1:{port}",
                          "--kv-event-block-size", str(BS), "--kv-event-model", MODEL_NAME]
-        self.log_path = f"/tmp/vllm-router-{self.port}.log"
+        self.log_path = f"/tmp/m3-e2e-router-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 60
@@ -117,14 +128,20 @@ def workers(binary, model_dir):
             w.stop()
 
 
-@pytest.mark.parametrize("policy", ["kv_aware", "cache_aware"])
-def test_shared_prefix_lands_on_the_worker_that_holds_it(workers, policy):
+@pytest.mark.parametrize("router_name,policy", [("vllm-router", "kv_aware"),
+                                                ("vllm-router", "cache_aware"),
+                                                ("sglang-router", "cache_aware")])
+def test_shared_prefix_lands_on_the_worker_that_holds_it(workers, router_name, policy):
+    command = router_command(router_name)
+    if command is None:
+        pytest.skip(f"{router_name} is not installed (tools/setup.sh pip-installs it)")
     ws, events = workers
-    router = Router(ws, policy, events if policy == "kv_aware" else [(None, None)] * 2)
+    router = Router(command, ws, policy, events if policy == "kv_aware" else [(None, None)] * 2)
     try:
         # Two long prefixes (about 1,900 tokens each) with distinct words; a tag per policy keeps
         # the two runs from sharing cache entries.
-        prefixes = [" ".join(f"{policy} doc{d} w{(i * (d + 3)) % 41} v{i % 13}" for i in range(160))
+        prefixes = [" ".join(f"{router_name} {policy} doc{d} w{(i * (d + 3)) % 41} v{i % 13}"
+                             for i in range(140))
                     for d in range(2)]
         home = {}
         # An order no load-only policy follows by chance (round robin alternates workers).
