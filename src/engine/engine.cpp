@@ -343,9 +343,12 @@ void EngineImpl::loop() {
     sched::SchedulerOutput so = scheduler->schedule();
     sched::RunnerOutput ro;
     if (!so.empty()) ro = runner->execute(so, states);
-    publish(scheduler->update_from_output(so, ro));
+    std::vector<sched::RequestUpdate> updates = scheduler->update_from_output(so, ro);
+    // Events and counters first: a client (or a router reading /metrics and the event stream)
+    // that sees a response sees the cache state of the step that produced it.
     publish_kv_events();
     refresh_stats();
+    publish(updates);
     if (so.empty()) {
       // Nothing could run (all waiting for pages that running requests hold cannot happen, but
       // never spin): wait for new work or an abort.

@@ -70,13 +70,15 @@ class Router:
         self.base = f"http://127.0.0.1:{self.port}"
         args = command + ["--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
                 "--worker-urls", *[w.base for w in workers], "--health-check-interval-secs", "1",
+                "--prometheus-port", str(free_port()),
                 "--log-level", "debug", "--disable-retries"]
         if policy == "cache_aware":
             # Route by prefix whenever any of it matches (the default needs 30% of the text).
             args += ["--cache-threshold", "0.1"]
-        for w, (port, _) in zip(workers, events):
+        for w, (port, replay) in zip(workers, events):
             if port:
                 args += ["--kv-event-source", f"{w.base}=tcp://127.0.0.1:{port}",
+                         "--kv-event-replay-source", f"{w.base}=tcp://127.0.0.1:{replay}",
                          "--kv-event-block-size", str(BS), "--kv-event-model", MODEL_NAME]
         self.log_path = f"/tmp/m3-e2e-router-{self.port}.log"
         self.log = open(self.log_path, "w")
@@ -169,5 +171,36 @@ def test_shared_prefix_lands_on_the_worker_that_holds_it(workers, router_name, p
         if policy == "kv_aware":
             log = router.tail()
             assert "credited_prefix_tokens" in log, log  # the router scored our cached blocks
+    finally:
+        router.stop()
+
+
+def test_router_replays_kv_events_it_missed(workers):
+    """A prefix a worker cached before the router started: the router learns it from the
+    worker's replay endpoint once it sees a gap in the sequence numbers, and routes the prefix
+    there (vllm-router's kv_aware with --kv-event-replay-source)."""
+    command = router_command("vllm-router")
+    if command is None:
+        pytest.skip("vllm-router is not installed (tools/setup.sh pip-installs it)")
+    ws, events = workers
+    prefix = " ".join(f"replay w{(i * 7) % 43} v{i % 17}" for i in range(140))
+    body = {"model": MODEL_NAME, "max_tokens": 1, "temperature": 0}
+    assert post(ws[1].base, "/v1/completions", dict(body, prompt=prefix + " first"))["usage"][
+        "prompt_tokens_details"]["cached_tokens"] == 0
+    router = Router(command, ws, "kv_aware", events)
+    try:
+        time.sleep(1)  # the router's subscriptions reach the workers
+        # A later batch from worker 1 (a prompt of full blocks) shows the router the gap.
+        post(ws[1].base, "/v1/completions",
+             dict(body, prompt=" ".join(f"other u{i % 23}" for i in range(200))))
+        deadline = time.time() + 20
+        while "replay sequence advanced" not in router.tail() and time.time() < deadline:
+            time.sleep(0.2)
+        assert "replay sequence advanced" in router.tail(), router.tail()
+        before = [prompt_tokens_served(w) for w in ws]
+        u = post(router.base, "/v1/completions", dict(body, prompt=prefix + " second"))["usage"]
+        after = [prompt_tokens_served(w) for w in ws]
+        assert after[1] > before[1] and after[0] == before[0], (before, after)
+        assert u["prompt_tokens_details"]["cached_tokens"] > 0, u
     finally:
         router.stop()
