@@ -61,6 +61,22 @@ endif()
 m3_lib_fallback(PkgConfig::PCRE2 STATIC libpcre2-8.a)
 m3_lib_fallback(PkgConfig::UTF8PROC STATIC libutf8proc.a)
 m3_lib_fallback(PkgConfig::XXHASH STATIC libxxhash.a)
+# KV events (engine/kv_event_publisher.cpp): ZeroMQ (libzmq3-dev) with its C++ header cppzmq
+# (cppzmq-dev), and msgpack-cxx's header-only packer (libmsgpack-cxx-dev) with its Boost
+# adaptors off. On the GPU machine libzmq comes as the shared library and the .so files it
+# needs that Ubuntu lacks, from .gpu_deps/lib (tools/gpu_deps.sh).
+if(PKG_CONFIG_FOUND)
+  pkg_check_modules(ZMQ QUIET IMPORTED_TARGET libzmq)
+endif()
+if(NOT TARGET PkgConfig::ZMQ)
+  m3_lib_fallback(PkgConfig::ZMQ SHARED libzmq.so.5)
+  # libzmq's own dependencies (libsodium, libpgm, libnorm) sit next to it: an RPATH (not a
+  # RUNPATH) is inherited by them, so the loader finds them there too.
+  set_target_properties(PkgConfig::ZMQ PROPERTIES INTERFACE_LINK_OPTIONS "-Wl,--disable-new-dtags")
+endif()
+m3_header_fallback(m3::cppzmq zmq.hpp)
+m3_header_fallback(m3::msgpack msgpack.hpp)
+set_target_properties(m3::msgpack PROPERTIES INTERFACE_COMPILE_DEFINITIONS MSGPACK_NO_BOOST)
 # xgrammar (structured outputs) from its PyPI sdist: tools/setup.sh unpacks it into .deps/, and
 # tools/gpu_deps.sh copies the parts the build needs into .gpu_deps/ for the GPU machine. Built
 # as a static library with its own flags, its Python bindings off. Without it, m3serve builds

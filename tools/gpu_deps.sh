@@ -37,6 +37,11 @@ copy_lib libgtest.a libgtest_main.a
 # PCRE2 (8-bit), utf8proc, xxhash: headers + static archives.
 copy_inc pcre2.h utf8proc.h xxhash.h xxh3.h
 copy_lib libpcre2-8.a libutf8proc.a libxxhash.a
+# KV events: cppzmq and msgpack-cxx headers, libzmq as the shared library (its static archive
+# needs Kerberos and ICU archives Debian does not ship) with the libraries it needs that Ubuntu
+# 24.04 does not have by default; cmake/deps.cmake links them with an inherited RPATH.
+copy_inc zmq.h zmq.hpp zmq_addon.hpp msgpack.hpp msgpack
+copy_lib libzmq.so.5 libsodium.so.23 libpgm-5.3.so.0 libnorm.so.1
 # xgrammar's sources (structured outputs), from the sdist tools/setup.sh unpacked into .deps/:
 # only what its static library's build reads (about 2 MB).
 xg=xgrammar-0.2.8
@@ -50,7 +55,8 @@ cp -r "$repo/.deps/$xg/3rdparty/picojson" "$repo/.deps/$xg/3rdparty/dlpack" "$de
 {
   echo "# Filled by tools/gpu_deps.sh on $(date -u +%Y-%m-%dT%H:%M:%SZ) from these Debian packages:"
   dpkg-query -W -f '${Package} ${Version}\n' libtl-expected-dev nlohmann-json3-dev libcli11-dev \
-    libgtest-dev libpcre2-dev libutf8proc-dev libxxhash-dev 2>/dev/null || true
+    libgtest-dev libpcre2-dev libutf8proc-dev libxxhash-dev libzmq3-dev cppzmq-dev \
+    libmsgpack-cxx-dev 2>/dev/null || true
   echo "$xg (PyPI sdist)"
 } > "$dest/VERSIONS"
 echo "gpu_deps.sh: $(du -sh "$dest" | cut -f1) in $dest"

@@ -6,7 +6,7 @@ if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
 need_apt=0
 for p in cmake ninja-build g++ pkg-config python3 python3-pip nlohmann-json3-dev \
          libcli11-dev libexpected-dev libpcre2-dev libutf8proc-dev libxxhash-dev libgtest-dev \
-         libgmock-dev ccache curl clang-format; do
+         libgmock-dev ccache curl clang-format libzmq3-dev cppzmq-dev libmsgpack-cxx-dev; do
   dpkg -s "$p" >/dev/null 2>&1 || need_apt=1
 done
 if [ "$need_apt" = 1 ]; then
@@ -14,12 +14,16 @@ if [ "$need_apt" = 1 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
     cmake ninja-build g++ pkg-config python3 python3-pip nlohmann-json3-dev \
     libcli11-dev libexpected-dev libpcre2-dev libutf8proc-dev libxxhash-dev libgtest-dev \
-    libgmock-dev ccache curl clang-format >/dev/null
+    libgmock-dev ccache curl clang-format libzmq3-dev cppzmq-dev libmsgpack-cxx-dev >/dev/null
 fi
 # Python oracles and the real OpenAI client for the tests (no torch: the model goldens are
 # committed, made by tools/goldens/make_model_goldens.py on the GPU machine).
 python3 -m pip install -q --disable-pip-version-check tokenizers jinja2 openai pytest numpy \
-  safetensors jsonschema langchain-openai 2>&1 | grep -v -i "warning: running pip as" || true
+  safetensors jsonschema langchain-openai pyzmq msgspec 2>&1 | grep -v -i "warning: running pip as" || true
+# The routers users run in front of vLLM and SGLang (Rust binary wheels): tests/e2e/test_router.py
+# runs two workers behind vllm-router (kv_aware on our KV events, cache_aware) and sglang-router.
+python3 -m pip install -q --disable-pip-version-check "vllm-router==0.1.17" "sglang-router==0.3.2" 2>&1 \
+  | grep -v -i "warning: running pip as" || true
 # xgrammar (structured outputs): its PyPI sdist carries the C++ library, which cmake/deps.cmake
 # builds with the Python bindings off. Only xgrammar itself is taken as source (pip builds the
 # sdist's metadata with its build backend from wheels); the sources stay in the ignored .deps/.

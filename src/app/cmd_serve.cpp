@@ -389,6 +389,8 @@ int run_serve(ServeArgs a) {
   ec.backend_factory = std::move(*backend_factory);
   ec.kv_cache_dtype = kv_format->kv;
   ec.index_cache_dtype = kv_format->index;
+  if (plan->kv_events) ec.kv_events = *plan->kv_events;
+  ec.host_kv_cache_bytes = plan->host_kv_cache_bytes;
   std::unique_ptr<engine::Engine> eng;
   {
     LoadProgress progress(a.model_dir);
@@ -436,6 +438,20 @@ int run_serve(ServeArgs a) {
       static_cast<long long>(info.kv_bytes_per_token), info.max_model_len,
       ec.enable_prefix_caching ? "on" : "off", a.host.c_str(), http->bound_port());
   std::fflush(stdout);
+  if (info.num_host_kv_pages > 0) {
+    std::fprintf(stderr, "m3serve: host KV tier: %lld pages (%lld tokens) in host memory\n",
+                 static_cast<long long>(info.num_host_kv_pages),
+                 static_cast<long long>(info.num_host_kv_pages * info.block_size));
+  }
+  for (size_t r = 0; r < info.kv_events_endpoints.size(); ++r) {
+    // stderr: the first stdout line stays the one start-up line scripts read.
+    std::fprintf(stderr, "m3serve: KV events (data-parallel rank %zu) on %s%s%s\n", r,
+                 info.kv_events_endpoints[r].c_str(),
+                 r < info.kv_events_replay_endpoints.size() ? ", replay on " : "",
+                 r < info.kv_events_replay_endpoints.size()
+                     ? info.kv_events_replay_endpoints[r].c_str()
+                     : "");
+  }
 
   std::thread signals([&http, sigs] {
     int sig = 0;

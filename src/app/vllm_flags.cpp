@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <span>
 
 extern char** environ;
 
@@ -34,9 +35,6 @@ constexpr std::string_view kWhyQuant =
 constexpr std::string_view kWhySpec =
     "EAGLE3 speculative decoding is coming (issue #19); today decoding runs the target model "
     "alone: drop --speculative-config";
-constexpr std::string_view kWhyKvTransfer =
-    "KV offload, KV events and KV transfer are coming (issue #21); today the KV cache lives on "
-    "the serving device only: drop the flag";
 constexpr std::string_view kWhyMultiNode =
     "multi-node and multi-process serving are coming (issue #22); today one m3serve process "
     "serves all its GPUs: run it on one node with --tensor-parallel-size or "
@@ -199,10 +197,10 @@ const std::vector<VllmFlag> kTable = {
   {"--allowed-media-domains", true, FlagKind::kComing, "", kWhyMm, kServeOnly},
 
   // ---- KV offload / transfer / events ----
-  {"--kv-transfer-config", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
-  {"--kv-events-config", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
-  {"--kv-offloading-backend", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
-  {"--kv-offloading-size", true, FlagKind::kComing, "", kWhyKvTransfer, kBoth},
+  {"--kv-transfer-config", true, FlagKind::kHandled, "", "", kServeOnly},
+  {"--kv-events-config", true, FlagKind::kHandled, "", "", kServeOnly},
+  {"--kv-offloading-backend", true, FlagKind::kHandled, "", "", kServeOnly},
+  {"--kv-offloading-size", true, FlagKind::kHandled, "", "", kServeOnly},
 
   // ---- parallelism beyond one process ----
   {"--pipeline-parallel-size", true, FlagKind::kComing, "1",
@@ -518,6 +516,225 @@ Status review_attention_config(const std::string& value, CompatPlan& plan) {
   return {};
 }
 
+// vLLM's KVEventsConfig keys (vllm/config/kv_events.py).
+constexpr std::string_view kKvEventsKeys[] = {"enable_kv_cache_events", "publisher",    "endpoint",
+                                              "replay_endpoint",        "buffer_steps", "hwm",
+                                              "max_queue_size",         "topic"};
+
+Status review_kv_events_config(const std::string& value, CompatPlan& plan) {
+  const std::string flag = "--kv-events-config";
+  M3_TRY(json j, parse_json_object(flag, value,
+                                   "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                                   "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}"));
+  engine::KvEventsConfig c;
+  bool enable = false;
+  std::string publisher;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& k = it.key();
+    const json& v = it.value();
+    if (std::find(std::begin(kKvEventsKeys), std::end(kKvEventsKeys), k) ==
+        std::end(kKvEventsKeys)) {
+      std::string names;
+      for (std::string_view n : kKvEventsKeys)
+        names += (names.empty() ? "" : ", ") + std::string(n);
+      return bad(flag, flag + " key '" + k + "' is unknown; the keys are " + names);
+    }
+    auto want = [&](const char* what) {
+      return bad(flag, flag + " " + k + " must be " + what + "; got " + v.dump());
+    };
+    if (k == "enable_kv_cache_events") {
+      if (!v.is_boolean()) return want("true or false");
+      enable = v.get<bool>();
+    } else if (k == "publisher") {
+      if (!v.is_string()) return want("a string (\"zmq\" or \"null\")");
+      publisher = v.get<std::string>();
+      if (publisher != "zmq" && publisher != "null") {
+        return make_error(ErrorCode::kUnsupported,
+                          flag + " publisher '" + publisher +
+                              "' is unknown; m3serve publishes over ZeroMQ: use \"zmq\" (or "
+                              "\"null\" for no events)",
+                          flag);
+      }
+    } else if (k == "endpoint" || k == "topic") {
+      if (!v.is_string()) return want("a string");
+      (k == "endpoint" ? c.endpoint : c.topic) = v.get<std::string>();
+      if (k == "endpoint" && c.endpoint.empty())
+        return want("a ZeroMQ address such as \"tcp://*:5557\"");
+    } else if (k == "replay_endpoint") {
+      if (v.is_null()) continue;
+      if (!v.is_string()) return want("a string or null");
+      c.replay_endpoint = v.get<std::string>();
+    } else {  // buffer_steps, hwm, max_queue_size
+      if (!v.is_number_integer()) return want("an integer");
+      const int64_t n = v.get<int64_t>();
+      const int64_t lo = k == "hwm" ? 0 : 1;
+      if (n < lo || n > (int64_t{1} << 30)) {
+        return want(lo == 0 ? "an integer from 0 (no limit) to 2^30" : "an integer from 1 to 2^30");
+      }
+      (k == "buffer_steps" ? c.buffer_steps
+       : k == "hwm"        ? c.hwm
+                           : c.max_queue_size) = static_cast<int>(n);
+    }
+  }
+  for (const std::string* ep : {&c.endpoint, &c.replay_endpoint}) {
+    if (ep->empty()) continue;
+    if (ep->rfind("tcp://", 0) != 0 && ep->rfind("ipc://", 0) != 0 &&
+        ep->rfind("inproc://", 0) != 0) {
+      return bad(flag, flag + " " + (ep == &c.endpoint ? "endpoint" : "replay_endpoint") + " '" +
+                           *ep +
+                           "' is not a ZeroMQ address; give tcp://*:PORT (bound), "
+                           "tcp://HOST:PORT (connected to a proxy) or ipc:///PATH");
+    }
+  }
+  if (publisher.empty()) publisher = enable ? "zmq" : "null";
+  if (!enable || publisher == "null") {
+    plan.notices.push_back(flag + ": " +
+                           (!enable ? std::string("enable_kv_cache_events is false")
+                                    : std::string("publisher is \"null\"")) +
+                           ", so no KV events are published");
+    return {};
+  }
+  c.enabled = true;
+  plan.kv_events = c;
+  return {};
+}
+
+// vLLM's KV connectors by what they are for; m3serve runs the host-memory offloading ones.
+constexpr std::string_view kOffloadConnectors[] = {"OffloadingConnector",
+                                                   "SimpleCPUOffloadConnector"};
+constexpr std::string_view kTransferConnectors[] = {
+    "NixlConnector",      "MooncakeConnector",    "MooncakeConnectorV1", "P2pNcclConnector",
+    "LMCacheConnectorV1", "LMCacheMPConnector",   "MultiConnector",      "SharedStorageConnector",
+    "MoRIIOConnector",    "DecodeBenchConnector", "ExampleConnector"};
+constexpr std::string_view kKvRoles[] = {"kv_producer", "kv_consumer", "kv_both"};
+
+std::string joined(std::span<const std::string_view> names) {
+  std::string out;
+  for (std::string_view n : names) out += (out.empty() ? "" : ", ") + std::string(n);
+  return out;
+}
+
+template <size_t N>
+bool one_of(const std::string& v, const std::string_view (&names)[N]) {
+  return std::find(std::begin(names), std::end(names), v) != std::end(names);
+}
+
+// A byte count given as a JSON number (vLLM takes int(...) of it).
+Result<int64_t> byte_count(const std::string& what, const json& v) {
+  if (!v.is_number() || !(v.get<double>() >= 0) || v.get<double>() > 9.0e18)
+    return bad("--kv-transfer-config", "--kv-transfer-config " + what +
+                                           " must be a number of bytes, e.g. 68719476736 (64 "
+                                           "GiB); got " +
+                                           v.dump());
+  return static_cast<int64_t>(v.get<double>());
+}
+
+Status review_kv_transfer_config(const std::string& value, CompatPlan& plan) {
+  const std::string flag = "--kv-transfer-config";
+  M3_TRY(json j,
+         parse_json_object(flag, value,
+                           "{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+                           "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 68719476736}}"));
+  if (!j.contains("kv_connector") || j["kv_connector"].is_null()) {
+    plan.notices.push_back(flag + " has no kv_connector, so nothing is offloaded or transferred");
+    return {};
+  }
+  if (!j["kv_connector"].is_string())
+    return bad(flag, flag + " kv_connector must be a string, e.g. \"OffloadingConnector\"");
+  const std::string connector = j["kv_connector"].get<std::string>();
+  if (one_of(connector, kTransferConnectors)) {
+    return make_error(ErrorCode::kUnsupported,
+                      flag + " kv_connector '" + connector +
+                          "' is not available yet: prefill/decode disaggregation and external KV "
+                          "stores are coming (issue #21); today m3serve offers the host-memory "
+                          "tier: kv_connector \"OffloadingConnector\" with kv_role \"kv_both\"",
+                      flag);
+  }
+  if (!one_of(connector, kOffloadConnectors)) {
+    return make_error(ErrorCode::kUnsupported,
+                      flag + " kv_connector '" + connector + "' is unknown; m3serve runs " +
+                          joined(kOffloadConnectors) +
+                          " (the host-memory KV tier), e.g. '{\"kv_connector\": "
+                          "\"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+                          "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 68719476736}}'",
+                      flag);
+  }
+  if (!j.contains("kv_role") || !j["kv_role"].is_string()) {
+    return bad(flag, flag + " needs kv_role with kv_connector '" + connector +
+                         "' (as vLLM does): give \"kv_role\": \"kv_both\"");
+  }
+  const std::string role = j["kv_role"].get<std::string>();
+  if (!one_of(role, kKvRoles)) {
+    return bad(flag, flag + " kv_role '" + role + "' is unknown; vLLM's roles are " +
+                         joined(kKvRoles) + " (the offloading connector takes kv_both)");
+  }
+  if (role != "kv_both") {
+    return make_error(ErrorCode::kUnsupported,
+                      flag + " kv_role '" + role +
+                          "' is a prefill/decode disaggregation role, "
+                          "which m3serve does not do yet (issue #21); " +
+                          connector + " takes \"kv_role\": \"kv_both\"",
+                      flag);
+  }
+  std::vector<std::string> ignored;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.key() != "kv_connector" && it.key() != "kv_role" &&
+        it.key() != "kv_connector_extra_config")
+      ignored.push_back(it.key());
+  }
+  json extra = j.value("kv_connector_extra_config", json::object());
+  if (!extra.is_object())
+    return bad(flag, flag + " kv_connector_extra_config must be a JSON object");
+  std::optional<int64_t> bytes;
+  for (auto it = extra.begin(); it != extra.end(); ++it) {
+    const std::string& k = it.key();
+    if (k == "cpu_bytes_to_use") {
+      M3_TRY(int64_t b, byte_count("kv_connector_extra_config.cpu_bytes_to_use", it.value()));
+      if (!bytes) bytes = b;
+    } else if (k == "cpu_bytes_to_use_per_rank") {
+      // Per rank wins over the server-wide value (the host tier runs on one rank here).
+      M3_TRY(bytes, byte_count("kv_connector_extra_config.cpu_bytes_to_use_per_rank", it.value()));
+    } else if (k == "lazy_offload") {
+      if (!it.value().is_boolean())
+        return bad(flag, flag + " kv_connector_extra_config.lazy_offload must be true or false");
+      if (!it.value().get<bool>()) {
+        plan.notices.push_back(flag +
+                               " lazy_offload false: m3serve copies a page to the host tier when "
+                               "the device pool evicts it (as lazy_offload true), not after "
+                               "every step");
+      }
+    } else {
+      ignored.push_back("kv_connector_extra_config." + k);
+    }
+  }
+  if (!bytes) {
+    if (connector == "OffloadingConnector") {
+      return bad(flag, flag +
+                           " OffloadingConnector needs kv_connector_extra_config."
+                           "cpu_bytes_to_use (the host tier's size in bytes, as vLLM "
+                           "requires), e.g. 68719476736 for 64 GiB");
+    }
+    bytes = int64_t{8} << 30;  // SimpleCPUOffloadConnector's default capacity
+    plan.notices.push_back(flag +
+                           " SimpleCPUOffloadConnector without cpu_bytes_to_use: the "
+                           "host KV tier gets vLLM's default of 8 GiB");
+  }
+  if (*bytes < 1) {
+    return bad(flag, flag +
+                         " cpu_bytes_to_use is 0: the host KV tier needs room for at least "
+                         "one KV page");
+  }
+  if (!ignored.empty()) {
+    std::string keys;
+    for (const auto& k : ignored) keys += (keys.empty() ? "" : ", ") + k;
+    plan.notices.push_back(flag + " keys " + keys +
+                           " are ignored: they tune vLLM's transfer machinery, which m3serve's "
+                           "host tier does not have");
+  }
+  plan.host_kv_cache_bytes = *bytes;
+  return {};
+}
+
 }  // namespace
 
 const std::vector<VllmFlag>& vllm_flag_table() {
@@ -573,6 +790,24 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
           "auto = bfloat16 on the GPU (float32 with --dtype float32), float32 on the CPU";
     } else if (ln == "--max-logprobs") {
       help = "Most top logprobs a request may ask for (m3serve's limit is 20)";
+    } else if (ln == "--kv-transfer-config") {
+      help =
+          "vLLM's KV connector config. m3serve runs the host-memory KV tier: "
+          "'{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+          "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": BYTES}}' keeps evicted "
+          "prefix-cache pages in host memory and restores them on a prefix hit (CPU backend)";
+    } else if (ln == "--kv-offloading-size") {
+      help =
+          "Host KV tier size in GiB (vLLM's native CPU offloading; same as the "
+          "OffloadingConnector config with cpu_bytes_to_use)";
+    } else if (ln == "--kv-offloading-backend") {
+      help = "native (the only one here); used with --kv-offloading-size";
+    } else if (ln == "--kv-events-config") {
+      help =
+          "vLLM's KV event stream over ZeroMQ, e.g. '{\"enable_kv_cache_events\": true, "
+          "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+          "\"tcp://*:5558\", \"topic\": \"kv-events\"}' (keys: buffer_steps, hwm, "
+          "max_queue_size too); needs prefix caching";
     } else if (ln == "--override-generation-config") {
       help =
           "JSON object of sampling defaults over generation_config.json, e.g. "
@@ -599,6 +834,8 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
                                      const EnvList& env) {
   CompatPlan plan;
   bool enable_log_requests = false, disable_log_requests = false;
+  bool transfer_given = false, offloading_size_given = false;
+  std::string offloading_backend;
   for (size_t i = 0; i < kTable.size() && i < v.options.size(); ++i) {
     const CLI::Option* opt = v.options[i];
     if (opt == nullptr || opt->count() == 0) continue;
@@ -644,6 +881,35 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       M3_TRY_STATUS(review_attention_config(value, plan));
     } else if (ln == "--kv-cache-dtype") {
       M3_TRY(plan.kv_cache_dtype, kv_dtype_value("--kv-cache-dtype", value));
+    } else if (ln == "--kv-events-config") {
+      M3_TRY_STATUS(review_kv_events_config(value, plan));
+    } else if (ln == "--kv-transfer-config") {
+      if (offloading_size_given)
+        return bad(ln, "--kv-transfer-config and --kv-offloading-size are both given; give one");
+      transfer_given = true;
+      M3_TRY_STATUS(review_kv_transfer_config(value, plan));
+    } else if (ln == "--kv-offloading-size") {
+      if (transfer_given)
+        return bad(ln, "--kv-transfer-config and --kv-offloading-size are both given; give one");
+      offloading_size_given = true;
+      char* end = nullptr;
+      const std::string t = trim(value);
+      const double gib = std::strtod(t.c_str(), &end);
+      if (t.empty() || *end != '\0' || !(gib > 0) || gib > 1e6) {
+        return bad(ln, "--kv-offloading-size '" + value +
+                           "' is not a size in GiB; e.g. --kv-offloading-size 64 (vLLM's "
+                           "native CPU offloading of 64 GiB)");
+      }
+      plan.host_kv_cache_bytes = static_cast<int64_t>(gib * 1073741824.0);
+    } else if (ln == "--kv-offloading-backend") {
+      offloading_backend = lower(trim(value));
+      if (offloading_backend != "native") {
+        return make_error(ErrorCode::kUnsupported,
+                          "--kv-offloading-backend '" + value +
+                              "' is not supported; m3serve's host KV tier is the native one: "
+                              "use --kv-offloading-backend native (or leave it out)",
+                          ln);
+      }
     } else if (ln == "--max-logprobs") {
       const std::string t = trim(value);
       char* end = nullptr;
@@ -689,6 +955,10 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
                              ": routes stay at /v1/...; the proxy in front must strip the "
                              "prefix (as with vLLM behind a path-stripping proxy)");
     }
+  }
+  if (!offloading_backend.empty() && !offloading_size_given) {
+    plan.notices.push_back("--kv-offloading-backend " + offloading_backend +
+                           " has no effect without --kv-offloading-size (as in vLLM)");
   }
   if (enable_log_requests && disable_log_requests) {
     return bad("--enable-log-requests",

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "engine/kv_event_publisher.h"
 
 namespace CLI {
 class App;
@@ -65,6 +66,10 @@ struct CompatPlan {
   // or "float32" (app/device_backend.h resolves auto per device).
   std::optional<std::string> kv_cache_dtype;
   std::optional<std::string> index_kv_dtype;
+  // --kv-events-config with enable_kv_cache_events and publisher "zmq" (else unset).
+  std::optional<engine::KvEventsConfig> kv_events;
+  // The host KV tier in bytes (--kv-transfer-config offloading, --kv-offloading-size); 0 off.
+  int64_t host_kv_cache_bytes = 0;
   bool enforce_eager = false;             // --compilation-config cudagraph_mode NONE
   std::string hf_overrides;               // JSON object text ("" none)
   std::string generation_overrides;       // --override-generation-config JSON ("" none)

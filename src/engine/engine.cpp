@@ -130,6 +130,7 @@ class EngineImpl {
   };
   std::unordered_map<uint64_t, Live> live;
   std::unordered_map<uint64_t, RunnerRequestState> states;
+  std::vector<std::unique_ptr<KvEventPublisher>> kv_publishers;  // one per KV partition
   std::thread thread;
 
   void loop();
@@ -137,7 +138,21 @@ class EngineImpl {
   void finish_abort(uint64_t id);
   void publish(const std::vector<sched::RequestUpdate>& updates);
   void refresh_stats();
+  void publish_kv_events();
 };
+
+void EngineImpl::publish_kv_events() {
+  if (kv_publishers.empty()) return;
+  std::vector<sched::KvCacheEvent> events = scheduler->take_kv_events();
+  if (events.empty()) return;
+  if (kv_publishers.size() == 1) {
+    kv_publishers[0]->publish(std::move(events));
+    return;
+  }
+  std::vector<std::vector<sched::KvCacheEvent>> per(kv_publishers.size());
+  for (auto& e : events) per[e.partition].push_back(std::move(e));
+  for (size_t p = 0; p < per.size(); ++p) kv_publishers[p]->publish(std::move(per[p]));
+}
 
 void EngineImpl::admit(Pending& p) {
   sched::StopCriteria stop;
@@ -268,6 +283,9 @@ void EngineImpl::refresh_stats() {
   stats.prefix_cache_queries = s.prefix_cache_queries;
   stats.prefix_cache_hits = s.prefix_cache_hits;
   stats.num_preemptions = s.num_preemptions;
+  stats.num_host_kv_cached = s.num_host_kv_cached;
+  stats.kv_offloaded_pages_total = s.num_kv_offloaded_pages;
+  stats.kv_restored_pages_total = s.num_kv_restored_pages;
   num_waiting_total = s.num_waiting;
   num_running_total = s.num_running;
 }
@@ -325,8 +343,12 @@ void EngineImpl::loop() {
     sched::SchedulerOutput so = scheduler->schedule();
     sched::RunnerOutput ro;
     if (!so.empty()) ro = runner->execute(so, states);
-    publish(scheduler->update_from_output(so, ro));
+    std::vector<sched::RequestUpdate> updates = scheduler->update_from_output(so, ro);
+    // Events and counters first: a client (or a router reading /metrics and the event stream)
+    // that sees a response sees the cache state of the step that produced it.
+    publish_kv_events();
     refresh_stats();
+    publish(updates);
     if (so.empty()) {
       // Nothing could run (all waiting for pages that running requests hold cannot happen, but
       // never spin): wait for new work or an abort.
@@ -430,11 +452,59 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   info.device = backend->device_name();
   for (int64_t e : bc.eos_token_ids) info.eos_token_ids.push_back(static_cast<int32_t>(e));
 
+  int64_t host_slots = 0;
+  if (config.host_kv_cache_bytes > 0) {
+    const std::string flag = "--kv-transfer-config";
+    if (!config.enable_prefix_caching) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "the host KV tier keeps evicted prefix-cache pages, but prefix caching is "
+                        "off: drop --no-enable-prefix-caching (or the offloading config)",
+                        flag);
+    }
+    if (num_kv_partitions != 1) {
+      return make_error(ErrorCode::kUnsupported,
+                        "the host KV tier works with one KV partition so far; with "
+                        "--data-parallel-size " +
+                            std::to_string(num_kv_partitions) + " drop the offloading config",
+                        flag);
+    }
+    const int64_t pb = model::KvCache::page_bytes(bc);
+    host_slots = config.host_kv_cache_bytes / pb;
+    if (host_slots < 1) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "the host KV tier of " + std::to_string(config.host_kv_cache_bytes) +
+                            " bytes is smaller than one KV page (" + std::to_string(pb) +
+                            " bytes with this model and KV format); give cpu_bytes_to_use of at "
+                            "least " +
+                            std::to_string(pb),
+                        flag);
+    }
+    host_slots = std::min<int64_t>(host_slots, INT32_MAX);
+    M3_TRY_STATUS(backend->enable_host_kv_tier(host_slots));
+    info.num_host_kv_pages = host_slots;
+  }
   const int64_t sampleable = config.num_sampleable_tokens > 0
                                  ? std::min<int64_t>(config.num_sampleable_tokens, bc.vocab_size)
                                  : bc.vocab_size;
   impl->runner = std::make_unique<ModelRunner>(std::move(backend), sampleable);
   impl->scheduler = std::make_unique<sched::Scheduler>(sc);
+  if (host_slots > 0) impl->scheduler->enable_host_kv_tier(static_cast<int>(host_slots));
+  if (config.kv_events.enabled) {
+    if (!config.enable_prefix_caching) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "--kv-events-config publishes the prefix cache's blocks, but prefix "
+                        "caching is off: drop --no-enable-prefix-caching (or the KV events)",
+                        "--kv-events-config");
+    }
+    for (int p = 0; p < num_kv_partitions; ++p) {
+      M3_TRY(auto pub, KvEventPublisher::create(config.kv_events, p, static_cast<int>(bs)));
+      info.kv_events_endpoints.push_back(pub->endpoint());
+      if (!pub->replay_endpoint().empty())
+        info.kv_events_replay_endpoints.push_back(pub->replay_endpoint());
+      impl->kv_publishers.push_back(std::move(pub));
+    }
+    impl->scheduler->set_kv_events_enabled(true);
+  }
   auto& st = impl->stats;
   const std::vector<double> lat = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25, 0.5,
                                    0.75,  1.0,   2.5,  5.0,  7.5,  10.0, 20.0, 40.0, 80.0};
@@ -449,6 +519,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   st.kv_cache_dtype = info.kv_cache_dtype;
   st.index_cache_dtype = info.index_cache_dtype;
   st.kv_bytes_per_token = info.kv_bytes_per_token;
+  st.num_host_kv_pages = host_slots;
   EngineImpl* raw = impl.get();
   impl->thread = std::thread([raw] { raw->loop(); });
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
@@ -544,8 +615,17 @@ const ModelInfo& Engine::model_info() const {
 }
 
 EngineStats Engine::stats() const {
-  std::lock_guard<std::mutex> lock(impl_->stats_mu);
-  return impl_->stats;
+  EngineStats s;
+  {
+    std::lock_guard<std::mutex> lock(impl_->stats_mu);
+    s = impl_->stats;
+  }
+  // Counted by the publisher threads as they send (the list is fixed after create()).
+  for (const auto& pub : impl_->kv_publishers) {
+    s.kv_event_batches_published += pub->num_batches_published();
+    s.kv_event_batches_dropped += pub->num_batches_dropped();
+  }
+  return s;
 }
 
 bool Engine::healthy() const {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "engine/kv_event_publisher.h"
 #include "engine/sampling_params.h"
 #include "kernels/views.h"
 
@@ -57,6 +58,12 @@ struct EngineConfig {
   // before the pool is sized (app/device_backend.h resolve_kv_format picks them per device).
   kernels::KvDtype kv_cache_dtype = kernels::KvDtype::kF32;
   kernels::KvDtype index_cache_dtype = kernels::KvDtype::kF32;
+  // vLLM's KV event stream (--kv-events-config): needs prefix caching. One publisher per KV
+  // partition (data-parallel rank r on the endpoint's port + r).
+  KvEventsConfig kv_events;
+  // The host KV tier's size in bytes (vLLM's cpu_bytes_to_use): evicted prefix-cache pages are
+  // kept there and restored on a prefix hit. 0: off. Needs prefix caching and one KV partition.
+  int64_t host_kv_cache_bytes = 0;
 };
 
 // Histogram with fixed upper bounds (Prometheus style: counts are per bucket, not cumulative).
@@ -81,6 +88,12 @@ struct EngineStats {
   int64_t prefix_cache_queries = 0;  // tokens
   int64_t prefix_cache_hits = 0;     // tokens
   int64_t num_preemptions = 0;
+  int64_t kv_event_batches_published = 0;  // --kv-events-config, all publishers
+  int64_t kv_event_batches_dropped = 0;
+  int64_t num_host_kv_pages = 0;         // host KV tier capacity (0: off)
+  int64_t num_host_kv_cached = 0;        // pages held there now
+  int64_t kv_offloaded_pages_total = 0;  // device -> host copies
+  int64_t kv_restored_pages_total = 0;   // host -> device copies (prefix hits)
   int64_t prompt_tokens_total = 0;
   int64_t generation_tokens_total = 0;
   int64_t requests_finished_stop = 0;
@@ -107,6 +120,10 @@ struct ModelInfo {
   int64_t kv_bytes_per_token = 0;
   std::string device;  // ForwardBackend::device_name(), e.g. "cpu"
   std::vector<int32_t> eos_token_ids;
+  // The KV event sockets as bound, one per data-parallel rank (empty without --kv-events-config).
+  std::vector<std::string> kv_events_endpoints;
+  std::vector<std::string> kv_events_replay_endpoints;
+  int64_t num_host_kv_pages = 0;  // the host KV tier (0: off)
 };
 
 struct TokenLogprobOut {

@@ -23,6 +23,20 @@ ModelRunner::ModelRunner(std::unique_ptr<runtime::ForwardBackend> backend, int64
 
 sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
                                          std::unordered_map<uint64_t, RunnerRequestState>& states) {
+  if (!out.kv_offloads.empty() || !out.kv_restores.empty()) {
+    // The host tier's copies come first: offloaded pages are rewritten by this step's forward,
+    // restored ones are read by it.
+    auto convert = [](const std::vector<sched::KvPageCopy>& in) {
+      std::vector<runtime::HostPageCopy> c;
+      c.reserve(in.size());
+      for (const auto& x : in) c.push_back({x.device_page, x.host_slot});
+      return c;
+    };
+    const auto offloads = convert(out.kv_offloads);
+    const auto restores = convert(out.kv_restores);
+    backend_->copy_host_kv_pages(offloads, restores);
+  }
+  if (out.requests.empty()) return {};
   model::ForwardBatch b;
   // Logits rows wanted per scheduled request: prompt-logprob rows (position -> row), and the
   // sampling row (-1 when the request does not sample this step).

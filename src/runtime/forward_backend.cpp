@@ -1,5 +1,8 @@
 #include "runtime/forward_backend.h"
 
+#include <cstring>
+#include <optional>
+
 #include "core/check.h"
 #include "model/kv_cache.h"
 
@@ -7,7 +10,46 @@ namespace m3::runtime {
 
 using namespace m3::model;  // the model this runtime runs
 
+Status ForwardBackend::enable_host_kv_tier(int64_t /*num_slots*/) {
+  return make_error(ErrorCode::kUnsupported,
+                    "the host KV tier (--kv-transfer-config offloading, --kv-offloading-size) is "
+                    "implemented for the single-rank CPU backend only so far; the " +
+                        device_name() +
+                        " backend keeps its KV cache on the device: drop the offloading flag",
+                    "--kv-transfer-config");
+}
+
+void ForwardBackend::copy_host_kv_pages(std::span<const HostPageCopy> offloads,
+                                        std::span<const HostPageCopy> restores) {
+  M3_CHECK(offloads.empty() && restores.empty(), "%s backend: host KV copies without a tier",
+           device_name().c_str());
+}
+
 namespace {
+
+// Copies page `src_page` of `src` into page `dst_page` of `dst` for every layer (same config
+// and heads: the byte strides per page match).
+void copy_page(KvCache& src, int64_t src_page, KvCache& dst, int64_t dst_page, int64_t layers) {
+  for (int64_t i = 0; i < layers; ++i) {
+    const auto s = src.layer(i);
+    const auto d = dst.layer(i);
+    M3_CHECK(src_page >= 0 && src_page < s.num_pages && dst_page >= 0 && dst_page < d.num_pages,
+             "KV page copy %lld -> %lld out of range", static_cast<long long>(src_page),
+             static_cast<long long>(dst_page));
+    auto chunk = [&](void* to, const void* from, int64_t page_bytes) {
+      std::memcpy(static_cast<char*>(to) + dst_page * page_bytes,
+                  static_cast<const char*>(from) + src_page * page_bytes, page_bytes);
+    };
+    const int64_t kv =
+        s.page_size * s.num_kv_heads * s.head_dim * kernels::kv_dtype_size(s.kv_dtype);
+    chunk(d.k, s.k, kv);
+    chunk(d.v, s.v, kv);
+    if (s.ik != nullptr)
+      chunk(d.ik, s.ik, s.page_size * s.index_dim * kernels::kv_dtype_size(s.ik_dtype));
+    if (s.ik_scale != nullptr)
+      chunk(d.ik_scale, s.ik_scale, s.page_size * static_cast<int64_t>(sizeof(float)));
+  }
+}
 
 class CpuBackend final : public ForwardBackend {
  public:
@@ -26,10 +68,28 @@ class CpuBackend final : public ForwardBackend {
   std::string device_name() const override { return "cpu"; }
   std::string kv_cache_flag() const override { return "--kv-cache-memory-bytes"; }
 
+  // A second KvCache of `num_slots` pages: the host tier is ordinary host memory like the pool.
+  Status enable_host_kv_tier(int64_t num_slots) override {
+    M3_CHECK(num_slots >= 1, "host KV tier of %lld pages", static_cast<long long>(num_slots));
+    host_.emplace(model_->config(), num_slots, model_->cache_kv_heads());
+    return {};
+  }
+  void copy_host_kv_pages(std::span<const HostPageCopy> offloads,
+                          std::span<const HostPageCopy> restores) override {
+    if (offloads.empty() && restores.empty()) return;
+    M3_CHECK(host_.has_value(), "host KV copies without a tier");
+    const int64_t layers = model_->config().num_hidden_layers;
+    for (const HostPageCopy& c : offloads)
+      copy_page(cache_, c.device_page, *host_, c.host_slot, layers);
+    for (const HostPageCopy& c : restores)
+      copy_page(*host_, c.host_slot, cache_, c.device_page, layers);
+  }
+
  private:
   std::unique_ptr<M3Model> owned_;
   const M3Model* model_;
   model::KvCache cache_;
+  std::optional<model::KvCache> host_;
 };
 
 }  // namespace

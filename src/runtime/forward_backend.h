@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "core/error.h"
@@ -22,6 +23,13 @@ using model::ForwardBatch;
 using model::ForwardResult;
 using model::M3Config;
 using model::M3Model;
+
+// One KV page copied between the device pool and the host KV tier (the engine's
+// sched::KvPageCopy): K, V, index-K and index-K scales of every layer.
+struct HostPageCopy {
+  int32_t device_page = 0;
+  int32_t host_slot = 0;
+};
 
 class ForwardBackend {
  public:
@@ -42,6 +50,14 @@ class ForwardBackend {
   // [p * num_pages() / N, (p + 1) * num_pages() / N) live on rank p; the scheduler keeps each
   // sequence's pages in one partition. num_pages() % N == 0.
   virtual int num_kv_partitions() const { return 1; }
+
+  // The host KV tier (`--kv-transfer-config` offloading, `--kv-offloading-size`): a second pool
+  // of `num_slots` pages in host memory. Default: unsupported (the message names the backend).
+  virtual Status enable_host_kv_tier(int64_t num_slots);
+  // Runs one step's tier copies before its forward: every offload (device page -> host slot),
+  // then every restore (host slot -> device page). Only after enable_host_kv_tier succeeded.
+  virtual void copy_host_kv_pages(std::span<const HostPageCopy> offloads,
+                                  std::span<const HostPageCopy> restores);
 };
 
 // The CPU backend: `model` and a zeroed KvCache of `num_pages` pages. Errors: num_pages < 1.

@@ -4,6 +4,10 @@
 
 namespace m3::sched {
 
+const char* kv_medium_name(KvMedium medium) {
+  return medium == KvMedium::kHost ? "CPU" : "GPU";
+}
+
 BlockPool::BlockPool(int num_blocks, int block_size, bool enable_prefix_caching, int num_partitions)
     : num_blocks_(num_blocks),
       block_size_(block_size),
@@ -62,14 +66,21 @@ std::vector<int32_t> BlockPool::get_new_blocks(int n, int partition) {
            partition);
   std::vector<int32_t> ids;
   ids.reserve(n);
+  KvCacheEvent removed;
+  removed.kind = KvCacheEvent::Kind::kRemoved;
+  removed.partition = partition;
   for (int i = 0; i < n; ++i) {
     const int32_t id = queue_pop_front(partition);
     Block& b = blocks_[id];
     M3_CHECK(b.ref_cnt == 0, "block %d in the free queue has ref count %d", id, b.ref_cnt);
-    drop_hash(id);
+    if (drop_hash(id)) {
+      if (events_enabled_) removed.block_hashes.push_back(b.hash);
+      if (track_evictions_) evictions_.emplace_back(id, b.hash);
+    }
     b.ref_cnt = 1;
     ids.push_back(id);
   }
+  if (!removed.block_hashes.empty()) events_.push_back(std::move(removed));
   return ids;
 }
 
@@ -116,7 +127,31 @@ bool BlockPool::reset_prefix_cache() {
     for (auto& [hash, id] : p.cached) blocks_[id].has_hash = false;
     p.cached.clear();
   }
+  if (events_enabled_) {
+    for (int p = 0; p < num_partitions(); ++p) {
+      KvCacheEvent cleared;
+      cleared.kind = KvCacheEvent::Kind::kAllCleared;
+      cleared.partition = p;
+      events_.push_back(std::move(cleared));
+    }
+  }
   return true;
+}
+
+void BlockPool::record_event(KvCacheEvent event) {
+  if (events_enabled_) events_.push_back(std::move(event));
+}
+
+std::vector<std::pair<int32_t, BlockHash>> BlockPool::take_evictions() {
+  std::vector<std::pair<int32_t, BlockHash>> out;
+  out.swap(evictions_);
+  return out;
+}
+
+std::vector<KvCacheEvent> BlockPool::take_events() {
+  std::vector<KvCacheEvent> out;
+  out.swap(events_);
+  return out;
 }
 
 int BlockPool::ref_count(int32_t block_id) const {
@@ -245,13 +280,14 @@ int32_t BlockPool::queue_pop_front(int partition) {
   return id;
 }
 
-void BlockPool::drop_hash(int32_t id) {
+bool BlockPool::drop_hash(int32_t id) {
   Block& b = blocks_[id];
-  if (!b.has_hash) return;
+  if (!b.has_hash) return false;
   auto& cached = parts_[partition_of(id)].cached;
   auto it = cached.find(b.hash);
   if (it != cached.end() && it->second == id) cached.erase(it);
   b.has_hash = false;
+  return true;
 }
 
 }  // namespace m3::sched

@@ -14,9 +14,11 @@
 #include <optional>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "sched/block_hash.h"
+#include "sched/kv_event.h"
 
 namespace m3::sched {
 
@@ -65,7 +67,21 @@ class BlockPool {
   bool cache_block(int32_t block_id, BlockHash hash);
 
   // Drops every cached hash; only possible when no page is in use. Returns whether it was done.
+  // Records one AllBlocksCleared event per partition when events are on.
   bool reset_prefix_cache();
+
+  // KV cache events (sched/kv_event.h). Off by default. When on, evictions of hashed pages
+  // (get_new_blocks) record one BlockRemoved per call and partition, and reset_prefix_cache an
+  // AllBlocksCleared per partition; record_event adds the stores KVCacheManager builds.
+  void set_events_enabled(bool on) { events_enabled_ = on; }
+  bool events_enabled() const { return events_enabled_; }
+  void record_event(KvCacheEvent event);
+  // Hashed pages evicted by get_new_blocks since the last call, as (page id, hash), when tracking
+  // is on (the host KV tier copies them out before the step writes the pages).
+  void set_track_evictions(bool on) { track_evictions_ = on; }
+  std::vector<std::pair<int32_t, BlockHash>> take_evictions();
+  // The events recorded since the last call, oldest first.
+  std::vector<KvCacheEvent> take_events();
 
   // Introspection for tests and metrics.
   int ref_count(int32_t block_id) const;
@@ -98,7 +114,8 @@ class BlockPool {
   void queue_remove(int32_t id);
   void queue_push_back(int32_t id);
   int32_t queue_pop_front(int partition);
-  void drop_hash(int32_t id);
+  // Unregisters the block's hash; returns whether it had one (the hash field keeps the value).
+  bool drop_hash(int32_t id);
 
   int num_blocks_;
   int block_size_;
@@ -107,6 +124,10 @@ class BlockPool {
   std::vector<Block> blocks_;
   std::vector<Partition> parts_;
   int num_free_ = 0;
+  bool events_enabled_ = false;
+  bool track_evictions_ = false;
+  std::vector<std::pair<int32_t, BlockHash>> evictions_;
+  std::vector<KvCacheEvent> events_;
 };
 
 }  // namespace m3::sched

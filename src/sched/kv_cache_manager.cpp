@@ -70,7 +70,21 @@ ComputedBlocks KVCacheManager::get_computed_blocks(Request& request, int partiti
       hit.partition = p;
     }
   }
-  hit.num_computed_tokens = static_cast<int>(hit.block_ids.size()) * pool_.block_size();
+  if (host_) {
+    // One partition (enable_host_tier): the chain continues from the device hit into the host.
+    hit.partition = 0;
+    // It stops at a block the device holds after all (a later block than the device chain's
+    // miss), so every restored hash is new to the device map and registers.
+    for (int b = static_cast<int>(hit.block_ids.size()); b < max_hit_blocks; ++b) {
+      if (pool_.get_cached_block(request.block_hashes[b], 0)) break;
+      auto slot = host_->find(request.block_hashes[b]);
+      if (!slot) break;
+      hit.host_slots.push_back(*slot);
+    }
+    if (hit.block_ids.empty() && hit.host_slots.empty()) hit.partition = -1;
+  }
+  hit.num_computed_tokens =
+      static_cast<int>(hit.block_ids.size() + hit.host_slots.size()) * pool_.block_size();
   return hit;
 }
 
@@ -81,8 +95,10 @@ bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens,
   auto it = req_blocks_.find(request.request_id);
   const int num_held = it == req_blocks_.end() ? 0 : static_cast<int>(it->second.size());
   const int num_hit_blocks = computed ? static_cast<int>(computed->block_ids.size()) : 0;
+  const int num_host_blocks = computed ? static_cast<int>(computed->host_slots.size()) : 0;
   const int num_hit_tokens = computed ? computed->num_computed_tokens : 0;
-  M3_CHECK(num_hit_blocks == 0 || num_held == 0, "request %llu: prefix hit while holding pages",
+  M3_CHECK(num_hit_blocks + num_host_blocks == 0 || num_held == 0,
+           "request %llu: prefix hit while holding pages",
            static_cast<unsigned long long>(request.request_id));
   const int total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens;
   M3_CHECK(total_tokens <= request.num_tokens(), "request %llu: %d slots for %d tokens",
@@ -93,7 +109,7 @@ bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens,
   int partition = 0;
   if (num_held > 0) {
     partition = pool_.partition_of(it->second.front());
-  } else if (num_hit_blocks > 0) {
+  } else if (num_hit_blocks + num_host_blocks > 0) {
     partition = computed->partition;
   } else {
     partition = most_free_partition();
@@ -119,8 +135,27 @@ bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens,
     // Hit pages already carry their hashes.
     num_cached_blocks_[request.request_id] = num_hit_blocks;
   }
+  // Host hits are pinned before any page is taken, so this step's offloads cannot reuse the
+  // slots its restores read.
+  for (int i = 0; i < num_host_blocks; ++i) host_->use(computed->host_slots[i]);
   std::vector<int32_t> fresh = pool_.get_new_blocks(num_new_blocks, partition);
+  if (host_) offload_evicted();
   blocks.insert(blocks.end(), fresh.begin(), fresh.end());
+  if (num_host_blocks > 0) {
+    // The first fresh pages take the host blocks: restored before the forward, then cached on
+    // the device under their hashes like any computed block.
+    M3_CHECK(static_cast<int>(fresh.size()) >= num_host_blocks,
+             "%zu fresh pages for %d host blocks", fresh.size(), num_host_blocks);
+    for (int i = 0; i < num_host_blocks; ++i) {
+      restores_.push_back({fresh[i], computed->host_slots[i]});
+      ++num_restored_;
+      const bool registered = pool_.cache_block(fresh[i], request.block_hashes[num_hit_blocks + i]);
+      M3_CHECK(registered, "restored block %d of request %llu was already cached",
+               num_hit_blocks + i, static_cast<unsigned long long>(request.request_id));
+    }
+    record_stored(request, num_hit_blocks, num_hit_blocks + num_host_blocks, partition);
+    num_cached_blocks_[request.request_id] = num_hit_blocks + num_host_blocks;
+  }
   if (computed && pool_.prefix_caching_enabled()) {
     prefix_cache_queries_ += request.num_tokens();
     prefix_cache_hits_ += num_hit_tokens;
@@ -139,9 +174,101 @@ void KVCacheManager::cache_blocks(Request& request, int num_computed_tokens) {
            "request %llu: %d full blocks, %zu pages",
            static_cast<unsigned long long>(request.request_id), num_full, it->second.size());
   update_block_hashes(request, num_full);
-  for (int b = num_cached; b < num_full; ++b)
-    pool_.cache_block(it->second[b], request.block_hashes[b]);
+  // With events on, each run of consecutive newly registered blocks is one BlockStored (a block
+  // another request registered first stays unhashed here and is not reported again).
+  const bool events = pool_.events_enabled();
+  const int bs = pool_.block_size();
+  KvCacheEvent stored;
+  auto flush = [&] {
+    if (stored.block_hashes.empty()) return;
+    pool_.record_event(std::move(stored));
+    stored = KvCacheEvent{};
+  };
+  for (int b = num_cached; b < num_full; ++b) {
+    const int32_t block = it->second[b];
+    const bool registered = pool_.cache_block(block, request.block_hashes[b]);
+    if (!events) continue;
+    if (!registered) {
+      flush();
+      continue;
+    }
+    if (stored.block_hashes.empty()) {
+      stored.kind = KvCacheEvent::Kind::kStored;
+      stored.block_size = bs;
+      stored.partition = pool_.partition_of(block);
+      if (b > 0) stored.parent_block_hash = request.block_hashes[b - 1];
+    }
+    stored.block_hashes.push_back(request.block_hashes[b]);
+    for (int i = 0; i < bs; ++i) stored.token_ids.push_back(request.token_at(b * bs + i));
+  }
+  flush();
   num_cached = num_full;
+}
+
+void KVCacheManager::record_stored(const Request& request, int first, int last, int partition) {
+  if (!pool_.events_enabled() || first >= last) return;
+  const int bs = pool_.block_size();
+  KvCacheEvent stored;
+  stored.kind = KvCacheEvent::Kind::kStored;
+  stored.block_size = bs;
+  stored.partition = partition;
+  if (first > 0) stored.parent_block_hash = request.block_hashes[first - 1];
+  for (int b = first; b < last; ++b) {
+    stored.block_hashes.push_back(request.block_hashes[b]);
+    for (int i = 0; i < bs; ++i) stored.token_ids.push_back(request.token_at(b * bs + i));
+  }
+  pool_.record_event(std::move(stored));
+}
+
+void KVCacheManager::enable_host_tier(int num_slots) {
+  M3_CHECK(pool_.num_partitions() == 1, "the host KV tier needs one KV partition, not %d",
+           pool_.num_partitions());
+  M3_CHECK(pool_.prefix_caching_enabled(), "the host KV tier needs prefix caching");
+  host_ = std::make_unique<HostBlockPool>(num_slots);
+  pool_.set_track_evictions(true);
+}
+
+void KVCacheManager::offload_evicted() {
+  for (const auto& [page, hash] : pool_.take_evictions()) {
+    if (auto slot = host_->find(hash)) {
+      host_->use(*slot);  // already there (restored earlier): no copy
+      continue;
+    }
+    std::optional<BlockHash> dropped;
+    auto slot = host_->store(hash, &dropped);
+    if (!slot) continue;  // every slot is a restore source this step: the page is lost
+    offloads_.push_back({page, *slot});
+    ++num_offloaded_;
+    if (pool_.events_enabled()) {
+      if (dropped) {
+        KvCacheEvent removed;
+        removed.kind = KvCacheEvent::Kind::kRemoved;
+        removed.medium = KvMedium::kHost;
+        removed.block_hashes = {*dropped};
+        pool_.record_event(std::move(removed));
+      }
+      KvCacheEvent stored;
+      stored.kind = KvCacheEvent::Kind::kStored;
+      stored.medium = KvMedium::kHost;
+      stored.block_hashes = {hash};
+      pool_.record_event(std::move(stored));
+    }
+  }
+}
+
+void KVCacheManager::take_copies(std::vector<KvPageCopy>* offloads,
+                                 std::vector<KvPageCopy>* restores) {
+  offloads->swap(offloads_);
+  restores->swap(restores_);
+  offloads_.clear();
+  restores_.clear();
+  if (host_) host_->end_step();
+}
+
+bool KVCacheManager::reset_prefix_cache() {
+  if (!pool_.reset_prefix_cache()) return false;
+  if (host_) host_->clear();
+  return true;
 }
 
 void KVCacheManager::free(const Request& request) {

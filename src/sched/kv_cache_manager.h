@@ -8,19 +8,24 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <unordered_map>
 #include <vector>
 
 #include "sched/block_pool.h"
+#include "sched/host_block_pool.h"
 #include "sched/request.h"
+#include "sched/scheduler_output.h"
 
 namespace m3::sched {
 
 // A prefix-cache hit: pages to share, in position order, and the tokens they cover.
 struct ComputedBlocks {
   std::vector<int32_t> block_ids;
-  int num_computed_tokens = 0;
-  int partition = -1;  // partition of block_ids; -1 when there is no hit
+  int num_computed_tokens = 0;  // device and host hits together
+  int partition = -1;           // partition of block_ids; -1 when there is no hit
+  // The host tier's slots of the blocks right after block_ids (restored into fresh pages).
+  std::vector<int32_t> host_slots;
 };
 
 class KVCacheManager {
@@ -73,14 +78,35 @@ class KVCacheManager {
   int64_t prefix_cache_queries() const { return prefix_cache_queries_; }
   int64_t prefix_cache_hits() const { return prefix_cache_hits_; }
 
+  // The host KV tier (sched/host_block_pool.h): evicted hashed pages are copied to it and prefix
+  // hits continue into it. One partition only (M3_CHECK). Off unless enabled.
+  void enable_host_tier(int num_slots);
+  bool host_tier_enabled() const { return host_ != nullptr; }
+  const HostBlockPool* host_tier() const { return host_.get(); }
+  // The copies this step needs, in SchedulerOutput's order; also ends the step's host pins.
+  void take_copies(std::vector<KvPageCopy>* offloads, std::vector<KvPageCopy>* restores);
+  int64_t num_offloaded_pages() const { return num_offloaded_; }
+  int64_t num_restored_pages() const { return num_restored_; }
+  // Drops the device cache's hashes (BlockPool::reset_prefix_cache) and the host tier's.
+  bool reset_prefix_cache();
+
  private:
   void update_block_hashes(Request& request, int num_full_blocks) const;
+  // After get_new_blocks: copies the evicted hashed pages to the host tier.
+  void offload_evicted();
+  // Records a BlockStored of consecutive blocks [first, last) of the request (device medium).
+  void record_stored(const Request& request, int first, int last, int partition);
 
   BlockPool pool_;
   std::unordered_map<uint64_t, std::vector<int32_t>> req_blocks_;
   std::unordered_map<uint64_t, int> num_cached_blocks_;
   int64_t prefix_cache_queries_ = 0;
   int64_t prefix_cache_hits_ = 0;
+  std::unique_ptr<HostBlockPool> host_;
+  std::vector<KvPageCopy> offloads_;
+  std::vector<KvPageCopy> restores_;
+  int64_t num_offloaded_ = 0;
+  int64_t num_restored_ = 0;
 };
 
 }  // namespace m3::sched

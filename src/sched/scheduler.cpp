@@ -280,6 +280,7 @@ SchedulerOutput Scheduler::schedule() {
   }
   M3_CHECK(out.total_num_tokens <= config_.max_num_batched_tokens, "scheduled %d tokens",
            out.total_num_tokens);
+  kv_.take_copies(&out.kv_offloads, &out.kv_restores);
   return out;
 }
 
@@ -367,6 +368,12 @@ SchedulerStats Scheduler::stats() const {
   s.prefix_cache_queries = kv_.prefix_cache_queries();
   s.prefix_cache_hits = kv_.prefix_cache_hits();
   s.num_preemptions = num_preemptions_;
+  s.num_kv_offloaded_pages = kv_.num_offloaded_pages();
+  s.num_kv_restored_pages = kv_.num_restored_pages();
+  if (const HostBlockPool* host = kv_.host_tier()) {
+    s.num_host_kv_slots = host->num_slots();
+    s.num_host_kv_cached = host->num_cached();
+  }
   s.num_steps = num_steps_;
   return s;
 }

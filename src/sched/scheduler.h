@@ -48,11 +48,15 @@ struct SchedulerStats {
   int num_running = 0;
   int num_waiting = 0;
   int num_free_blocks = 0;
-  double kv_cache_usage = 0.0;       // 0..1
-  int64_t prefix_cache_queries = 0;  // tokens looked up at admission
-  int64_t prefix_cache_hits = 0;     // tokens found
-  int64_t num_preemptions = 0;       // total since start
-  int64_t num_steps = 0;             // schedule() calls
+  double kv_cache_usage = 0.0;         // 0..1
+  int64_t prefix_cache_queries = 0;    // tokens looked up at admission
+  int64_t prefix_cache_hits = 0;       // tokens found
+  int64_t num_preemptions = 0;         // total since start
+  int64_t num_steps = 0;               // schedule() calls
+  int64_t num_kv_offloaded_pages = 0;  // host KV tier: pages copied out, in
+  int64_t num_kv_restored_pages = 0;
+  int num_host_kv_slots = 0;
+  int num_host_kv_cached = 0;
 };
 
 class Scheduler {
@@ -84,7 +88,12 @@ class Scheduler {
   std::vector<uint64_t> waiting_ids() const;  // in the order they will be admitted
   const KVCacheManager& kv_cache_manager() const { return kv_; }
   // Drops all cached prefixes; only when no request holds pages. Returns whether it was done.
-  bool reset_prefix_cache() { return kv_.block_pool().reset_prefix_cache(); }
+  bool reset_prefix_cache() { return kv_.reset_prefix_cache(); }
+  // The host KV tier (KVCacheManager::enable_host_tier): one KV partition, prefix caching on.
+  void enable_host_kv_tier(int num_slots) { kv_.enable_host_tier(num_slots); }
+  // KV cache events (sched/kv_event.h): off unless turned on; take_kv_events drains them.
+  void set_kv_events_enabled(bool on) { kv_.block_pool().set_events_enabled(on); }
+  std::vector<KvCacheEvent> take_kv_events() { return kv_.block_pool().take_events(); }
 
  private:
   // True when a goes before b in the waiting order / is kept over b when preempting.

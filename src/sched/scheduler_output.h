@@ -24,12 +24,23 @@ struct ScheduledRequest {
   int num_new_tokens() const { return static_cast<int>(token_ids.size()); }
 };
 
+// One page copy between the device KV pool and the host tier (sched/host_block_pool.h).
+struct KvPageCopy {
+  int32_t device_page = 0;
+  int32_t host_slot = 0;
+};
+
 struct SchedulerOutput {
   std::vector<ScheduledRequest> requests;  // running requests first, then admitted ones
-  int total_num_tokens = 0;                // sum of num_new_tokens, <= max_num_batched_tokens
-  std::vector<uint64_t> preempted_ids;     // preempted this step: pages freed, state to drop
-  std::vector<uint64_t> finished_ids;      // finished (any reason) since the previous schedule()
-  bool empty() const { return requests.empty(); }
+  // Host KV tier copies, run before the step's forward in this order: every offload (device page
+  // -> host slot: evicted pages whose new owners write them this step), then every restore (host
+  // slot -> device page: prefix hits found in the host tier).
+  std::vector<KvPageCopy> kv_offloads;
+  std::vector<KvPageCopy> kv_restores;
+  int total_num_tokens = 0;             // sum of num_new_tokens, <= max_num_batched_tokens
+  std::vector<uint64_t> preempted_ids;  // preempted this step: pages freed, state to drop
+  std::vector<uint64_t> finished_ids;   // finished (any reason) since the previous schedule()
+  bool empty() const { return requests.empty() && kv_offloads.empty() && kv_restores.empty(); }
 };
 
 struct SampledTokens {

@@ -162,6 +162,24 @@ std::string format_metrics(const engine::EngineStats& s, const std::string& mode
   w.scalar("http_bad_requests_total", "counter",
            "Malformed or over-limit HTTP requests refused by the front.",
            static_cast<double>(g.bad_http_requests));
+  // ---- KV events and the host KV tier (issue #21) ----
+  w.scalar("kv_event_batches_published_total", "counter",
+           "KV event batches sent on the --kv-events-config stream (all data-parallel ranks).",
+           static_cast<double>(s.kv_event_batches_published));
+  w.scalar("kv_event_batches_dropped_total", "counter",
+           "KV event batches dropped because max_queue_size batches were waiting.",
+           static_cast<double>(s.kv_event_batches_dropped));
+  w.scalar("host_kv_cache_pages", "gauge",
+           "Pages the host KV tier holds at most (--kv-transfer-config, --kv-offloading-size).",
+           static_cast<double>(s.num_host_kv_pages));
+  w.scalar("host_kv_cache_cached_pages", "gauge", "Prefix-cache pages held in the host KV tier.",
+           static_cast<double>(s.num_host_kv_cached));
+  w.scalar("kv_offloaded_pages_total", "counter",
+           "Evicted prefix-cache pages copied from the device pool to the host KV tier.",
+           static_cast<double>(s.kv_offloaded_pages_total));
+  w.scalar("kv_restored_pages_total", "counter",
+           "Prefix-cache pages restored from the host KV tier on a prefix hit.",
+           static_cast<double>(s.kv_restored_pages_total));
   return w.str();
 }
 

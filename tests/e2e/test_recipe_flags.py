@@ -118,8 +118,26 @@ REFUSALS = [
     ("eagle3", "--tensor-parallel-size 8 --trust-remote-code --block-size 128 --language-model-only "
      "--speculative-config '{\"method\": \"eagle3\", \"model\": \"Inferact/MiniMax-M3-EAGLE3\", "
      "\"num_speculative_tokens\": 3}'", {}, ["--speculative-config", "issue #19"]),
-    ("kv_events", "--tensor-parallel-size 4 --kv-events-config '{\"publisher\":\"zmq\"}'", {},
-     ["--kv-events-config", "issue #21"]),
+    ("kv_events_publisher", "--tensor-parallel-size 4 --kv-events-config "
+     "'{\"enable_kv_cache_events\": true, \"publisher\": \"kafka\"}'", {},
+     ["--kv-events-config publisher 'kafka' is unknown", "\"zmq\""]),
+    ("kv_transfer_nixl", "--kv-transfer-config '{\"kv_connector\": \"NixlConnector\", "
+     "\"kv_role\": \"kv_producer\"}'", {},
+     ["--kv-transfer-config kv_connector 'NixlConnector' is not available yet", "OffloadingConnector"]),
+    ("kv_transfer_unknown", "--kv-transfer-config '{\"kv_connector\": \"FooConnector\", "
+     "\"kv_role\": \"kv_both\"}'", {},
+     ["--kv-transfer-config kv_connector 'FooConnector' is unknown", "OffloadingConnector"]),
+    ("kv_transfer_role", "--kv-transfer-config '{\"kv_connector\": \"OffloadingConnector\", "
+     "\"kv_role\": \"kv_consumer\", \"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 1e9}}'", {},
+     ["kv_role 'kv_consumer' is a prefill/decode disaggregation role", "kv_both"]),
+    ("kv_transfer_role_unknown", "--kv-transfer-config '{\"kv_connector\": \"OffloadingConnector\", "
+     "\"kv_role\": \"both\"}'", {}, ["kv_role 'both' is unknown", "kv_both"]),
+    ("kv_transfer_no_bytes", "--kv-transfer-config '{\"kv_connector\": \"OffloadingConnector\", "
+     "\"kv_role\": \"kv_both\"}'", {}, ["needs kv_connector_extra_config.cpu_bytes_to_use"]),
+    ("kv_offloading_lmcache", "--kv-offloading-size 8 --kv-offloading-backend lmcache", {},
+     ["--kv-offloading-backend 'lmcache' is not supported", "native"]),
+    ("kv_events_key", "--kv-events-config '{\"enable_kv_cache_events\": true, \"port\": 5557}'", {},
+     ["--kv-events-config key 'port' is unknown", "endpoint"]),
     ("pipeline_2", "--pipeline-parallel-size 2", {}, ["--pipeline-parallel-size 2", "--tensor-parallel-size"]),
     ("block_16", "--block-size 16", {}, ["--block-size 16", "use --block-size 128"]),
     ("unknown_flag", "--no-such-flag 3", {}, ["--no-such-flag", "m3serve serve --help"]),
@@ -138,7 +156,7 @@ def test_recipe_command_refused_with_reason(binary, name, args, env, words):
     for w in words:
         assert w in errors[0], (w, errors[0])
     assert "not expected" not in err
-    assert "loading" not in err, "refused before the weights are read"
+    assert "m3serve: loading" not in err, "refused before the weights are read"
 
 
 def test_repeated_flag_last_wins(binary):

@@ -260,8 +260,8 @@ const std::vector<RecipeCase> kRecipe = {
      "--block-size 128 --max-model-len 1048576 --no-enable-flashinfer-autotune "
      "--kv-events-config '{\"publisher\":\"zmq\"}'",
      {},
-     "issue #21",
-     ""},
+     "",
+     "enable_kv_cache_events is false, so no KV events are published"},
     {"multinode_headless",
      "--tensor-parallel-size 8 --nnodes 2 --node-rank 1 --headless",
      {},
@@ -270,7 +270,7 @@ const std::vector<RecipeCase> kRecipe = {
     {"kv_offload",
      "--kv-transfer-config '{\"kv_connector\":\"SimpleCPUOffloadConnector\"}'",
      {"VLLM_USE_SIMPLE_KV_OFFLOAD=1"},
-     "issue #21",
+     "needs kv_role",
      ""},
     {"common_set",
      "--dtype auto --seed 0 --max-logprobs 20 --disable-log-requests "
