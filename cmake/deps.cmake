@@ -61,6 +61,27 @@ endif()
 m3_lib_fallback(PkgConfig::PCRE2 STATIC libpcre2-8.a)
 m3_lib_fallback(PkgConfig::UTF8PROC STATIC libutf8proc.a)
 m3_lib_fallback(PkgConfig::XXHASH STATIC libxxhash.a)
+# Image decoders of the vision input (src/vision): Debian's libjpeg-turbo, libpng, libwebp;
+# static archives from .gpu_deps/ on the GPU machine (libpng there links the copied zlib).
+if(PKG_CONFIG_FOUND)
+  pkg_check_modules(LIBJPEG QUIET IMPORTED_TARGET libjpeg)
+  pkg_check_modules(LIBPNG QUIET IMPORTED_TARGET libpng16)
+  pkg_check_modules(LIBWEBP QUIET IMPORTED_TARGET libwebp)
+endif()
+foreach(img jpeg png webp)
+  string(TOUPPER ${img} IMG)
+  if(TARGET PkgConfig::LIB${IMG})
+    add_library(M3::${img} INTERFACE IMPORTED)
+    set_target_properties(M3::${img} PROPERTIES INTERFACE_LINK_LIBRARIES PkgConfig::LIB${IMG})
+  endif()
+endforeach()
+m3_lib_fallback(M3::jpeg STATIC libjpeg.a)
+m3_lib_fallback(M3::webp STATIC libwebp.a)
+if(NOT TARGET M3::png)
+  m3_lib_fallback(M3::zlib STATIC libz.a)
+  m3_lib_fallback(M3::png STATIC libpng16.a)
+  set_target_properties(M3::png PROPERTIES INTERFACE_LINK_LIBRARIES "M3::zlib;m")
+endif()
 # xgrammar (structured outputs) from its PyPI sdist: tools/setup.sh unpacks it into .deps/, and
 # tools/gpu_deps.sh copies the parts the build needs into .gpu_deps/ for the GPU machine. Built
 # as a static library with its own flags, its Python bindings off. Without it, m3serve builds
