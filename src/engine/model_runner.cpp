@@ -1,5 +1,6 @@
 #include "engine/model_runner.h"
 
+#include <algorithm>
 #include <thread>
 
 #include "core/check.h"
@@ -57,6 +58,19 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
       b.token_ids.push_back(r.token_ids[j]);
       b.positions.push_back(pos);
       b.seq_ids.push_back(static_cast<int32_t>(i));
+    }
+    // Image placeholder positions of this chunk take their embeddings from the tower.
+    const int64_t H = backend_->config().hidden_size;
+    int32_t emb_row = 0;
+    for (const auto& [start, count] : st.image_spans) {
+      const int lo = std::max(start, r.start_idx), hi = std::min(start + count, r.start_idx + n);
+      for (int pos = lo; pos < hi; ++pos) {
+        const int32_t t = static_cast<int32_t>(b.token_ids.size()) - n + (pos - r.start_idx);
+        b.embed_rows.push_back(t);
+        const float* src = st.image_embeds.data() + (emb_row + pos - start) * H;
+        b.embed_values.insert(b.embed_values.end(), src, src + H);
+      }
+      emb_row += count;
     }
   }
   // Rows the device can sample (no penalties or logprobs need the raw row on the host); the

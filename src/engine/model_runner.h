@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -37,6 +38,10 @@ struct RunnerRequestState {
   // params.constraint->make(), made at admission; null without structured outputs. It has seen
   // every sampled token (preemption recomputes the KV, not the tokens, so it stays valid).
   std::unique_ptr<TokenConstraint> constraint;
+  // Image input: prompt spans {first position, tokens} of the images, in order, and their
+  // embeddings [sum of tokens, hidden] f32 (computed at admission by encode_images).
+  std::vector<std::pair<int32_t, int32_t>> image_spans;
+  std::vector<float> image_embeds;
 };
 
 class ModelRunner {
@@ -46,6 +51,10 @@ class ModelRunner {
 
   const runtime::ForwardBackend& backend() const { return *backend_; }
   int64_t num_pages() const { return backend_->num_pages(); }
+  // The vision tower over one request's images (the backend's; supports_image_input() only).
+  void encode_images(std::span<const model::VisionImage> images, std::vector<float>* embeds) {
+    backend_->encode_images(images, embeds);
+  }
 
   // Runs the step; returns the sampled tokens for requests with will_sample.
   sched::RunnerOutput execute(const sched::SchedulerOutput& out,

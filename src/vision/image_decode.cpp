@@ -14,7 +14,9 @@
 namespace m3::vision {
 namespace {
 
-Error bad(std::string msg) { return Error{ErrorCode::kInvalidArgument, std::move(msg), {}}; }
+Error bad(std::string msg) {
+  return Error{ErrorCode::kInvalidArgument, std::move(msg), {}};
+}
 
 Result<void> check_size(int64_t w, int64_t h, int64_t max_pixels, const char* fmt) {
   if (w < 1 || h < 1) return tl::unexpected(bad(std::string(fmt) + " image has no pixels"));
@@ -191,18 +193,25 @@ ImageFormat sniff_image_format(std::span<const uint8_t> b) {
 
 const char* image_format_name(ImageFormat f) {
   switch (f) {
-    case ImageFormat::kJpeg: return "JPEG";
-    case ImageFormat::kPng: return "PNG";
-    case ImageFormat::kWebp: return "WebP";
-    default: return "unknown";
+    case ImageFormat::kJpeg:
+      return "JPEG";
+    case ImageFormat::kPng:
+      return "PNG";
+    case ImageFormat::kWebp:
+      return "WebP";
+    default:
+      return "unknown";
   }
 }
 
 Result<RgbImage> decode_image(std::span<const uint8_t> bytes, int64_t max_pixels) {
   switch (sniff_image_format(bytes)) {
-    case ImageFormat::kJpeg: return decode_jpeg(bytes, max_pixels);
-    case ImageFormat::kPng: return decode_png(bytes, max_pixels);
-    case ImageFormat::kWebp: return decode_webp(bytes, max_pixels);
+    case ImageFormat::kJpeg:
+      return decode_jpeg(bytes, max_pixels);
+    case ImageFormat::kPng:
+      return decode_png(bytes, max_pixels);
+    case ImageFormat::kWebp:
+      return decode_webp(bytes, max_pixels);
     default:
       return make_error(ErrorCode::kInvalidArgument,
                         bytes.empty() ? "the image is empty"

@@ -12,10 +12,10 @@ Result<std::pair<int64_t, int64_t>> smart_resize(int64_t height, int64_t width, 
   const double h = static_cast<double>(height), w = static_cast<double>(width);
   const double ratio = std::max(h, w) / std::min(h, w);
   if (ratio > 200.0) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "image aspect ratio " + std::to_string(ratio) +
-                          " is over 200 (" + std::to_string(width) + "x" +
-                          std::to_string(height) + "); crop or pad the image");
+    return make_error(ErrorCode::kInvalidArgument, "image aspect ratio " + std::to_string(ratio) +
+                                                       " is over 200 (" + std::to_string(width) +
+                                                       "x" + std::to_string(height) +
+                                                       "); crop or pad the image");
   }
   const double f = static_cast<double>(factor);
   // Python's round(): half to even, which is nearbyint under the default rounding mode.
@@ -42,7 +42,8 @@ Result<ProcessedImage> preprocess_image(const RgbImage& img, const ProcessorConf
                       "image of " + std::to_string(img.width) + "x" + std::to_string(img.height) +
                           " resizes to no patches; send a larger image");
   }
-  const std::vector<uint8_t> px = resize_bicubic_aa(img.rgb.data(), img.height, img.width, 3, rh, rw);
+  const std::vector<uint8_t> px =
+      resize_bicubic_aa(img.rgb.data(), img.height, img.width, 3, rh, rw);
   // The processor's fused rescale + normalise: fp32 mean*255 and std*255, then (x - m) / s.
   static constexpr float kMean[3] = {0.48145466f, 0.4578275f, 0.40821073f};
   static constexpr float kStd[3] = {0.26862954f, 0.26130258f, 0.27577711f};

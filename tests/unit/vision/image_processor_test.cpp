@@ -9,8 +9,8 @@
 #include <iterator>
 #include <string>
 
-#include <nlohmann/json.hpp>
 #include <xxhash.h>
+#include <nlohmann/json.hpp>
 
 #include "vision/image_decode.h"
 #include "vision/image_processor.h"
