@@ -43,9 +43,8 @@ class VisionCpuOps {
                     const float* s) {
     kernels::cpu::rope_cos_sin(x, n, heads, d, rot, c, s);
   }
-  void attention_segments(const float* q, const float* k, const float* v, int64_t n,
-                          int64_t heads, int64_t d, const std::vector<int64_t>& seg, float scale,
-                          float* out) {
+  void attention_segments(const float* q, const float* k, const float* v, int64_t n, int64_t heads,
+                          int64_t d, const std::vector<int64_t>& seg, float scale, float* out) {
     kernels::cpu::attention_segments(q, k, v, n, heads, d, seg.data(),
                                      static_cast<int64_t>(seg.size()) - 1, scale, out);
   }
@@ -95,9 +94,9 @@ Result<std::unique_ptr<VisionWeights>> load_vision_weights(std::shared_ptr<Check
   const std::string root = "vision_tower.vision_model.";
   const int64_t Hv = v.hidden_size, I = v.intermediate_size, P = v.projector_hidden_size,
                 H = cfg.hidden_size, m2 = v.spatial_merge_size * v.spatial_merge_size;
-  M3_TRY(w->patch_embed, ld.mat(root + "embeddings.patch_embedding.weight",
-                                {Hv, v.num_channels, v.temporal_patch_size, v.patch_size,
-                                 v.patch_size}));
+  M3_TRY(w->patch_embed,
+         ld.mat(root + "embeddings.patch_embedding.weight",
+                {Hv, v.num_channels, v.temporal_patch_size, v.patch_size, v.patch_size}));
   M3_TRY(w->pre_ln_w, ld.vec(root + "pre_layrnorm.weight", Hv));
   M3_TRY(w->pre_ln_b, ld.vec(root + "pre_layrnorm.bias", Hv));
   w->layers.resize(static_cast<size_t>(v.num_hidden_layers));

@@ -38,7 +38,7 @@ struct VisionWeights {
   kernels::MatRef patch_embed;  // [hidden, patch_row_size] (the Conv3d kernel, flattened)
   kernels::VecRef pre_ln_w, pre_ln_b;
   std::vector<VisionLayerWeights> layers;
-  kernels::MatRef proj1, proj2, merge1, merge2;  // projector 1280->P->H, merge 4H->P->H
+  kernels::MatRef proj1, proj2, merge1, merge2;          // projector 1280->P->H, merge 4H->P->H
   kernels::VecRef proj1_b, proj2_b, merge1_b, merge2_b;  // n == 0 without projector bias
   std::shared_ptr<Checkpoint> checkpoint;                // keeps the mappings alive
 };

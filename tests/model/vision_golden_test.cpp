@@ -30,7 +30,9 @@ const std::string kRoot = std::string(M3_SOURCE_DIR) + "/tests/golden/vision";
 const std::string kModelDir = kRoot + "/model";
 constexpr double kTowerTol = 1e-4;
 
-nlohmann::json golden() { return model::golden::read_json(kModelDir + "/golden.json"); }
+nlohmann::json golden() {
+  return model::golden::read_json(kModelDir + "/golden.json");
+}
 
 vision::ProcessedImage load_image(const std::string& name) {
   std::ifstream f(kRoot + "/images/" + name, std::ios::binary);
@@ -187,7 +189,8 @@ TEST(VisionGolden, WholeModelThroughEngine) {
         double worst = 0;
         for (size_t i = 0; i < want.size(); ++i) {
           ASSERT_TRUE((*plp)[i + 1].has_value());
-          worst = std::max(worst, std::fabs((*plp)[i + 1]->logprob - want[i]["logprob"].get<double>()));
+          worst =
+              std::max(worst, std::fabs((*plp)[i + 1]->logprob - want[i]["logprob"].get<double>()));
         }
         EXPECT_LE(worst, model::golden::kLogprobTol);
       }
