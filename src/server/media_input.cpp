@@ -92,7 +92,9 @@ Result<std::vector<uint8_t>> fetch_media_bytes(const MediaPart& part, const Medi
   if (starts("http://") || starts("https://")) {
     return bad(where, where + ": remote " + part.kind +
                           " URLs are not fetched (this server makes no network requests); send "
-                          "the " + part.kind + " inline as a data: URL, e.g. "
+                          "the " +
+                          part.kind +
+                          " inline as a data: URL, e.g. "
                           "data:image/png;base64,...");
   }
   if (starts("data:")) {
@@ -112,8 +114,9 @@ Result<std::vector<uint8_t>> fetch_media_bytes(const MediaPart& part, const Medi
   if (starts("file://")) {
     namespace fs = std::filesystem;
     if (cfg.allowed_local_media_path.empty()) {
-      return bad(where, where + ": local files are refused; start the server with "
-                                "--allowed-local-media-path DIR to allow files under DIR");
+      return bad(where, where +
+                            ": local files are refused; start the server with "
+                            "--allowed-local-media-path DIR to allow files under DIR");
     }
     std::error_code ec;
     const fs::path file = fs::canonical(fs::path(url.substr(7)), ec);
@@ -123,8 +126,8 @@ Result<std::vector<uint8_t>> fetch_media_bytes(const MediaPart& part, const Medi
     const std::string fr = file.string(), rr = root.string();
     if (fr.size() <= rr.size() || fr.compare(0, rr.size(), rr) != 0 ||
         (rr.back() != '/' && fr[rr.size()] != '/')) {
-      return bad(where, where + ": " + url.substr(7) +
-                            " is outside --allowed-local-media-path (" + rr + ")");
+      return bad(where, where + ": " + url.substr(7) + " is outside --allowed-local-media-path (" +
+                            rr + ")");
     }
     if (!fs::is_regular_file(file, ec)) return bad(where, where + ": " + fr + " is not a file");
     const auto size = fs::file_size(file, ec);

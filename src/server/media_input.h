@@ -25,9 +25,9 @@
 namespace m3::server {
 
 struct MediaConfig {
-  std::string allowed_local_media_path;  // "" : file:// URLs are refused
-  int max_images_per_prompt = 16;        // --limit-mm-per-prompt '{"image": N}'
-  int max_videos_per_prompt = 0;         // video input is not implemented: 0 or refused
+  std::string allowed_local_media_path;              // "" : file:// URLs are refused
+  int max_images_per_prompt = 16;                    // --limit-mm-per-prompt '{"image": N}'
+  int max_videos_per_prompt = 0;                     // video input is not implemented: 0 or refused
   int64_t processor_cache_bytes = int64_t{4} << 30;  // --mm-processor-cache-gb (0: off)
   int64_t max_image_pixels = int64_t{64} << 20;      // decoder limit (width * height)
 };
