@@ -20,6 +20,7 @@
 #include "model/golden_util.h"
 #include "model/m3_model.h"
 #include "model/vision_tower.h"
+#include "runtime/forward_backend.h"
 #include "vision/image_decode.h"
 #include "vision/image_processor.h"
 
@@ -195,6 +196,95 @@ TEST(VisionGolden, WholeModelThroughEngine) {
         EXPECT_LE(worst, model::golden::kLogprobTol);
       }
     }
+  }
+}
+
+// Tensor parallel on CPU ranks: the same greedy tokens as transformers; data parallel refuses.
+TEST(VisionGolden, TensorParallelRanksTakeImages) {
+  const auto g = golden();
+  const auto& c = g["cases"][1];  // two images
+  for (int dp : {1, 2}) {
+    engine::EngineConfig ec;
+    ec.model_dir = kModelDir;
+    ec.block_size = 8;
+    ec.backend_factory = [dp](std::unique_ptr<model::M3Model> m, int64_t pages) {
+      return runtime::make_cpu_sharded_backend(std::move(m), pages, dp == 1 ? 2 : 1, false, dp);
+    };
+    auto eng = engine::Engine::create(ec);
+    ASSERT_TRUE(eng.has_value()) << eng.error().message;
+    if (dp == 2) {
+      EXPECT_FALSE((*eng)->model_info().image_input);
+      EXPECT_NE((*eng)->model_info().image_refusal.find("--data-parallel-size"), std::string::npos);
+      continue;
+    }
+    ASSERT_TRUE((*eng)->model_info().image_input);
+    engine::GenerateRequest req;
+    req.prompt_token_ids = c["prompt_ids"].get<std::vector<int32_t>>();
+    int32_t pos = 0;
+    for (const auto& n : c["images"]) {
+      vision::ProcessedImage p = load_image(n.get<std::string>());
+      engine::ImageInput im;
+      im.grid_t = p.grid_t;
+      im.grid_h = p.grid_h;
+      im.grid_w = p.grid_w;
+      im.num_tokens = static_cast<int32_t>(vision::num_image_tokens(p, 2));
+      while (req.prompt_token_ids[pos] != g["image_token_index"].get<int32_t>()) ++pos;
+      im.token_offset = pos;
+      pos += im.num_tokens;
+      im.patches = std::move(p.pixel_values);
+      req.images.push_back(std::move(im));
+    }
+    req.params.temperature = 0.f;
+    req.params.max_tokens = 4;
+    req.params.ignore_eos = true;
+    auto s = (*eng)->submit(std::move(req));
+    ASSERT_TRUE(s.has_value()) << s.error().message;
+    std::vector<int32_t> toks;
+    for (;;) {
+      auto o = (*s)->next(std::chrono::seconds(60));
+      ASSERT_TRUE(o.has_value());
+      toks.insert(toks.end(), o->new_token_ids.begin(), o->new_token_ids.end());
+      if (o->finished) break;
+    }
+    for (size_t i = 0; i < toks.size(); ++i) {
+      const auto& gr = c["greedy"][i];
+      if (gr["top"][0][1].get<double>() - gr["top"][1][1].get<double>() <
+          model::golden::kGreedyMarginFloor)
+        break;
+      EXPECT_EQ(toks[i], gr["token"].get<int32_t>()) << i;
+    }
+  }
+}
+
+// Bad image inputs at the engine's door (the server builds them right; this is the contract).
+TEST(VisionGolden, EngineRefusesMismatchedImages) {
+  engine::EngineConfig ec;
+  ec.model_dir = kModelDir;
+  ec.block_size = 8;
+  auto eng = engine::Engine::create(ec);
+  ASSERT_TRUE(eng.has_value());
+  vision::ProcessedImage p = load_image("exact.png");  // 12 tokens
+  auto make = [&](int32_t offset, int32_t n_tokens, int32_t n_placeholders) {
+    engine::GenerateRequest req;
+    req.prompt_token_ids.assign(4, 5);
+    req.prompt_token_ids.insert(req.prompt_token_ids.end(), n_placeholders, 2641);
+    req.prompt_token_ids.push_back(6);
+    engine::ImageInput im;
+    im.grid_h = p.grid_h;
+    im.grid_w = p.grid_w;
+    im.patches = p.pixel_values;
+    im.token_offset = offset;
+    im.num_tokens = n_tokens;
+    req.images.push_back(std::move(im));
+    req.params.max_tokens = 1;
+    return req;
+  };
+  EXPECT_TRUE((*eng)->submit(make(4, 12, 12)).has_value());
+  for (auto req : {make(4, 11, 12), make(3, 12, 12), make(4, 12, 11), make(10, 12, 12)}) {
+    auto r = (*eng)->submit(std::move(req));
+    ASSERT_FALSE(r.has_value());
+    EXPECT_EQ(r.error().code, ErrorCode::kInvalidArgument);
+    EXPECT_NE(r.error().message.find("image 0"), std::string::npos) << r.error().message;
   }
 }
 
