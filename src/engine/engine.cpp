@@ -203,21 +203,17 @@ void EngineImpl::admit(Pending& p) {
   if (sp.prompt_logprobs >= 0) st.prompt_logprobs.assign(st.num_prompt_tokens, std::nullopt);
   if (sp.constraint) st.constraint = sp.constraint->make();
   if (!p.req.images.empty()) {
-    // The tower runs here, once per request (a preempted request keeps its embeddings).
-    std::vector<model::VisionImage> imgs;
+    // The tower runs when a step first computes one of the image positions (ModelRunner), so an
+    // image whose pages all come from the prefix cache is never encoded.
     uint64_t all_hash = 0x7669736e00000000ULL;
-    for (const ImageInput& im : p.req.images) {
-      imgs.push_back({im.grid_t, im.grid_h, im.grid_w, im.patches.data()});
+    for (const ImageInput& im : p.req.images)
       all_hash = (all_hash ^ im.content_hash) * 0x9e3779b97f4a7c15ULL + 1;
-      st.image_spans.push_back({im.token_offset, im.num_tokens});
-    }
-    runner->encode_images(imgs, &st.image_embeds);
     for (const ImageInput& im : p.req.images) {
+      st.image_spans.push_back({im.token_offset, im.num_tokens});
       r->content_spans.push_back(
           {im.token_offset, im.num_tokens, images_attend_across ? all_hash : im.content_hash});
     }
-    p.req.images.clear();  // the pixels are not needed any more
-    p.req.images.shrink_to_fit();
+    st.images = std::move(p.req.images);
   }
   auto added = scheduler->add_request(std::move(r));
   if (!added) {
@@ -607,7 +603,9 @@ const ModelInfo& Engine::model_info() const {
 
 EngineStats Engine::stats() const {
   std::lock_guard<std::mutex> lock(impl_->stats_mu);
-  return impl_->stats;
+  EngineStats s = impl_->stats;
+  s.image_encodes = impl_->runner->num_image_encodes();  // atomic, bumped before the outputs
+  return s;
 }
 
 bool Engine::healthy() const {

@@ -80,6 +80,7 @@ struct EngineStats {
   int64_t requests_finished_length = 0;
   int64_t requests_finished_abort = 0;
   int64_t requests_finished_error = 0;
+  int64_t image_encodes = 0;  // vision tower runs (one per request whose images were computed)
   Histogram time_to_first_token_s;
   Histogram inter_token_latency_s;
   Histogram e2e_request_latency_s;

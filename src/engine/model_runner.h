@@ -7,6 +7,7 @@
 // Invariant: page ids in the block tables index the backend's KV cache.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -38,9 +39,12 @@ struct RunnerRequestState {
   // params.constraint->make(), made at admission; null without structured outputs. It has seen
   // every sampled token (preemption recomputes the KV, not the tokens, so it stays valid).
   std::unique_ptr<TokenConstraint> constraint;
-  // Image input: prompt spans {first position, tokens} of the images, in order, and their
-  // embeddings [sum of tokens, hidden] f32 (computed at admission by encode_images).
+  // Image input: prompt spans {first position, tokens} of the images, in order; their pixels
+  // until the first step that computes an image position runs the tower over all of them
+  // (then freed), and from then on their embeddings [sum of tokens, hidden] f32 (kept through
+  // preemption, which recomputes the KV).
   std::vector<std::pair<int32_t, int32_t>> image_spans;
+  std::vector<ImageInput> images;
   std::vector<float> image_embeds;
 };
 
@@ -51,6 +55,7 @@ class ModelRunner {
 
   const runtime::ForwardBackend& backend() const { return *backend_; }
   int64_t num_pages() const { return backend_->num_pages(); }
+  int64_t num_image_encodes() const { return num_image_encodes_; }
   // The vision tower over one request's images (the backend's; supports_image_input() only).
   void encode_images(std::span<const model::VisionImage> images, std::vector<float>* embeds) {
     backend_->encode_images(images, embeds);
@@ -63,6 +68,7 @@ class ModelRunner {
  private:
   std::unique_ptr<runtime::ForwardBackend> backend_;
   int64_t num_sampleable_;
+  std::atomic<int64_t> num_image_encodes_{0};  // read by Engine::stats on other threads
 };
 
 }  // namespace m3::engine

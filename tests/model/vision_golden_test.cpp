@@ -151,6 +151,8 @@ TEST(VisionGolden, WholeModelThroughEngine) {
       req.params.logprobs = 0;
       if (pass == 0) req.params.prompt_logprobs = 0;
       const int32_t first_image = req.images.front().token_offset;
+      const int32_t images_end = req.images.back().token_offset + req.images.back().num_tokens;
+      const int64_t encodes_before = (*eng)->stats().image_encodes;
       auto s = (*eng)->submit(std::move(req));
       ASSERT_TRUE(s.has_value()) << s.error().message;
       std::vector<int32_t> toks;
@@ -169,6 +171,9 @@ TEST(VisionGolden, WholeModelThroughEngine) {
           if (pass == 2) {
             EXPECT_GT(o->num_cached_tokens, first_image + 8);
           }
+          // The tower runs unless every image position came from the prefix cache.
+          const int64_t encodes = (*eng)->stats().image_encodes - encodes_before;
+          EXPECT_EQ(encodes, o->num_cached_tokens >= images_end ? 0 : 1);
           if (pass == 3) {
             EXPECT_LE(o->num_cached_tokens, first_image);
           }
