@@ -161,7 +161,46 @@ def make_images(img_dir):
         print(f"image {name}: {img.mode} {img.size} {os.path.getsize(path)} bytes", flush=True)
 
 
-def processor_goldens(img_dir):
+def make_fuzz_images(img_dir, n, seed):
+    """n random images (sizes 1..1400 px a side, aspect up to ~60, every format and mode) for a
+    wider processor check than the committed set: `--fuzz N --out DIR`, then
+    M3_VISION_GOLDEN_DIR=DIR build/release/tests/unit/vision/vision_processor_test."""
+    from PIL import Image
+
+    os.makedirs(img_dir, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    names = []
+    for i in range(n):
+        w = int(rng.integers(1, 1400))
+        h = int(max(1, min(1400, round(w * float(np.exp(rng.uniform(-3.5, 3.5)))))))
+        if max(w, h) / min(w, h) > 190:
+            h = max(1, w // 100)
+        arr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        if rng.random() < 0.5:  # smooth content too, not only noise
+            yy, xx = np.mgrid[0:h, 0:w]
+            arr = ((np.stack([xx * 7, yy * 5, xx + yy], -1) + arr // 4) % 256).astype(np.uint8)
+        img = Image.fromarray(arr, "RGB")
+        kind = ["png", "jpg", "webp", "png_rgba", "png_l", "jpg_l", "png_p", "webp_lossless"][i % 8]
+        if kind in ("png_l", "jpg_l"):
+            img = img.convert("L")
+        elif kind == "png_rgba":
+            img = img.convert("RGBA")
+        elif kind == "png_p":
+            img = img.convert("P", palette=Image.ADAPTIVE, colors=32)
+        ext = kind.split("_")[0]
+        name = f"fuzz{i:04d}.{ext}"
+        path = os.path.join(img_dir, name)
+        if ext == "jpg":
+            img.save(path, quality=int(rng.integers(50, 98)))
+        elif ext == "webp":
+            img.save(path, lossless=kind == "webp_lossless", quality=80)
+        else:
+            img.save(path)
+        names.append((name, img.mode, (w, h)))
+    return names
+
+
+def processor_goldens(img_dir, images=None):
     import torch
     from PIL import Image
     from torchvision.transforms.v2 import functional as tvF
@@ -173,7 +212,7 @@ def processor_goldens(img_dir):
     proc = MiniMaxM3VLImageProcessor()
     out = {}
     pixels = {}
-    for name, _, _ in IMAGES:
+    for name, _, _ in images or IMAGES:
         pil = Image.open(os.path.join(img_dir, name))
         rgb = pil.convert("RGB")
         arr = np.asarray(rgb)  # [h, w, 3]
@@ -380,6 +419,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--make-images", action="store_true")
+    ap.add_argument("--fuzz", type=int, default=0,
+                    help="only the processor, on this many random images (not committed)")
     args = ap.parse_args()
     import PIL
     import safetensors
@@ -395,6 +436,12 @@ def main():
                     device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
     print("versions:", json.dumps(versions), flush=True)
     img_dir = os.path.join(args.out, "images")
+    if args.fuzz:
+        names = make_fuzz_images(img_dir, args.fuzz, SEED)
+        proc, _ = processor_goldens(img_dir, names)
+        with open(os.path.join(args.out, "processor.json"), "w") as f:
+            json.dump(dict(generator=GENERATOR, versions=versions, images=proc), f, indent=1)
+        return
     if args.make_images:
         make_images(img_dir)
     proc, pixels = processor_goldens(img_dir)
