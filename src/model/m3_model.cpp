@@ -28,8 +28,15 @@ Result<std::unique_ptr<M3Model>> M3Model::load(const std::string& model_dir,
   M3_TRY(auto w, load_weights(ckpt, cfg));
   std::shared_ptr<const VisionTower> tower;
   if (!opts.language_model_only && cfg.vision.present) {
-    M3_TRY(auto t, VisionTower::load(ckpt, cfg));
-    tower = std::move(t);
+    auto t = VisionTower::load(ckpt, cfg);
+    if (!t) {
+      Error e = t.error();
+      e.message +=
+          " (the vision tower; to serve the text model alone, start with "
+          "--language-model-only)";
+      return tl::unexpected(std::move(e));
+    }
+    tower = std::move(*t);
   }
   auto m = std::make_unique<M3Model>(std::move(cfg), std::move(w));
   m->vision_ = std::move(tower);

@@ -12,7 +12,10 @@
 // use the model goldens' kLogprobTol (tests/model/model_golden_test.cpp derives it).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
@@ -202,6 +205,31 @@ TEST(VisionGolden, WholeModelThroughEngine) {
       }
     }
   }
+}
+
+// A vision_config the checkpoint does not hold (a third encoder layer) fails the load by name and
+// points at --language-model-only, which loads the text model alone.
+TEST(VisionGolden, MissingTowerTensorsNameTheFix) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("m3_vision_missing_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  fs::copy_file(kModelDir + "/model.safetensors", dir / "model.safetensors",
+                fs::copy_options::overwrite_existing);
+  auto cfg = model::golden::read_json(kModelDir + "/config.json");
+  cfg["vision_config"]["num_hidden_layers"] = 3;
+  std::ofstream(dir / "config.json") << cfg.dump();
+  model::LoadOptions lo;
+  lo.language_model_only = false;
+  auto m = model::M3Model::load(dir.string(), lo);
+  ASSERT_FALSE(m.has_value());
+  EXPECT_NE(m.error().message.find("encoder.layers.2"), std::string::npos) << m.error().message;
+  EXPECT_NE(m.error().message.find("--language-model-only"), std::string::npos);
+  lo.language_model_only = true;
+  auto t = model::M3Model::load(dir.string(), lo);
+  ASSERT_TRUE(t.has_value()) << t.error().message;
+  EXPECT_EQ((*t)->vision(), nullptr);
+  fs::remove_all(dir);
 }
 
 // Tensor parallel on CPU ranks: the same greedy tokens as transformers; data parallel refuses.
