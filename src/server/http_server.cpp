@@ -59,8 +59,12 @@ HttpServerImpl::HttpServerImpl(engine::Engine& engine, ServerAssets assets, Serv
   structured_->warm_up();  // at start, so the first structured request does not pay for it
   if (cfg_.media.processor_cache_bytes > 0)
     media_cache_ = std::make_unique<MediaCache>(cfg_.media.processor_cache_bytes);
-  image_start_id_ = assets_.tokenizer->token_to_id("]<]start of image[>[");
-  image_end_id_ = assets_.tokenizer->token_to_id("]<]end of image[>[");
+  auto marker_ids = [&](const char* text) {
+    if (auto id = assets_.tokenizer->token_to_id(text)) return std::vector<int32_t>{*id};
+    return assets_.tokenizer->encode(text);
+  };
+  image_start_ids_ = marker_ids("]<]start of image[>[");
+  image_end_ids_ = marker_ids("]<]end of image[>[");
   HttpLimits lim;
   int threads = cfg_.num_http_threads;
   if (threads <= 0) threads = std::clamp(cfg_.max_num_seqs * 4, 256, 1024);

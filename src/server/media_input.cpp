@@ -206,8 +206,8 @@ Result<std::vector<engine::ImageInput>> prepare_images(const std::vector<MediaPa
 }
 
 Status expand_image_placeholders(std::vector<int32_t>& ids, std::vector<engine::ImageInput>& images,
-                                 int32_t image_id, std::optional<int32_t> start_id,
-                                 std::optional<int32_t> end_id) {
+                                 int32_t image_id, const std::vector<int32_t>& start_ids,
+                                 const std::vector<int32_t>& end_ids) {
   size_t found = 0;
   for (int32_t t : ids) found += t == image_id ? 1 : 0;
   if (found != images.size()) {
@@ -224,10 +224,10 @@ Status expand_image_placeholders(std::vector<int32_t>& ids, std::vector<engine::
       out.push_back(t);
       continue;
     }
-    if (start_id) out.push_back(*start_id);
+    out.insert(out.end(), start_ids.begin(), start_ids.end());
     images[k].token_offset = static_cast<int32_t>(out.size());
     out.insert(out.end(), static_cast<size_t>(images[k].num_tokens), image_id);
-    if (end_id) out.push_back(*end_id);
+    out.insert(out.end(), end_ids.begin(), end_ids.end());
     ++k;
   }
   ids = std::move(out);

@@ -76,12 +76,14 @@ Result<std::vector<engine::ImageInput>> prepare_images(const std::vector<MediaPa
                                                        const engine::ModelInfo& info,
                                                        MediaCache* cache);
 
-// Replaces the k-th `image_id` of `ids` by [start] + images[k].num_tokens x image_id + [end]
-// (start/end when the tokenizer has them) and sets each image's token_offset. Errors: the prompt
-// holds a different number of image placeholders than there are images (e.g. a chat template
-// that ignores image parts, or the placeholder typed as text).
+// Replaces the k-th `image_id` of `ids` by start + images[k].num_tokens x image_id + end (the
+// ids of "]<]start of image[>[" / "]<]end of image[>[": one added token each in M3's tokenizer,
+// else the tokens the text encodes to, as the HF processor's text expansion gives) and sets each
+// image's token_offset. Errors: the prompt holds a different number of image placeholders than
+// there are images (e.g. a chat template that ignores image parts, or the placeholder typed as
+// text).
 Status expand_image_placeholders(std::vector<int32_t>& ids, std::vector<engine::ImageInput>& images,
-                                 int32_t image_id, std::optional<int32_t> start_id,
-                                 std::optional<int32_t> end_id);
+                                 int32_t image_id, const std::vector<int32_t>& start_ids,
+                                 const std::vector<int32_t>& end_ids);
 
 }  // namespace m3::server

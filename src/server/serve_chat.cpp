@@ -86,7 +86,7 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
     auto images = prepare_images(r.media, cfg_.media, engine_.model_info(), media_cache_.get());
     if (!images) return send_error(res, images.error());
     if (auto st = expand_image_placeholders(pd.ids, *images, engine_.model_info().image_token_id,
-                                            image_start_id_, image_end_id_);
+                                            image_start_ids_, image_end_ids_);
         !st)
       return send_error(res, st.error());
     pd.images = std::move(*images);

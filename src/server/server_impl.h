@@ -52,8 +52,8 @@ class HttpServerImpl {
   std::unique_ptr<text::StructuredOutputCompiler> structured_;
   // Processed images by content hash (--mm-processor-cache-gb); null when the size is 0.
   std::unique_ptr<MediaCache> media_cache_;
-  // "]<]start of image[>[" / "]<]end of image[>[" when the tokenizer has them.
-  std::optional<int32_t> image_start_id_, image_end_id_;
+  // The ids of "]<]start of image[>[" / "]<]end of image[>[" (media_input.h).
+  std::vector<int32_t> image_start_ids_, image_end_ids_;
 
   const std::string& model_name() const { return cfg_.served_model_names[0]; }
 

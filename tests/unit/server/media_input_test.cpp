@@ -98,19 +98,20 @@ TEST(MediaInput, ExpandsPlaceholders) {
   imgs[0].num_tokens = 3;
   imgs[1].num_tokens = 1;
   std::vector<int32_t> ids = {5, 9, 6, 9, 7};
-  ASSERT_TRUE(expand_image_placeholders(ids, imgs, 9, 100, 101).has_value());
+  ASSERT_TRUE(expand_image_placeholders(ids, imgs, 9, {100}, {101}).has_value());
   EXPECT_EQ(ids, (std::vector<int32_t>{5, 100, 9, 9, 9, 101, 6, 100, 9, 101, 7}));
   EXPECT_EQ(imgs[0].token_offset, 2);
   EXPECT_EQ(imgs[1].token_offset, 8);
   std::vector<int32_t> ids2 = {9, 9};
   std::vector<engine::ImageInput> one(1);
   one[0].num_tokens = 2;
-  auto r = expand_image_placeholders(ids2, one, 9, std::nullopt, std::nullopt);
+  auto r = expand_image_placeholders(ids2, one, 9, {}, {});
   ASSERT_FALSE(r.has_value());  // two placeholders for one image
   EXPECT_NE(r.error().message.find("2 image placeholders for 1"), std::string::npos);
   std::vector<int32_t> ids3 = {1, 9, 2};
-  ASSERT_TRUE(expand_image_placeholders(ids3, one, 9, std::nullopt, std::nullopt).has_value());
-  EXPECT_EQ(ids3, (std::vector<int32_t>{1, 9, 9, 2}));
+  ASSERT_TRUE(expand_image_placeholders(ids3, one, 9, {40, 41}, {}).has_value());
+  EXPECT_EQ(ids3, (std::vector<int32_t>{1, 40, 41, 9, 9, 2}));
+  EXPECT_EQ(one[0].token_offset, 3);
 }
 
 TEST(MediaInput, PreparesImagesThroughTheCache) {
