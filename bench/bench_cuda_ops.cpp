@@ -134,7 +134,8 @@ int main(int argc, char** argv) {
   std::iota(hseq.begin(), hseq.end(), 0);
   DeviceBuffer<int32_t> doffs(offs), dtable(table), dpos(hpos), dseq(hseq);
   const gk::TokenLayout layout{batch, dpos.data(), dseq.data(), doffs.data(), dtable.data()};
-  const gk::KvPages cache{kc.data(), vc.data(), ikc.data(), pages, bs, nkv, d, di};
+  const gk::KvPages cache =
+      gk::KvPages::fp32(kc.data(), vc.data(), ikc.data(), pages, bs, nkv, d, di);
   auto q = filled<float>(batch * 64 * d, -1.f, 1.f, 13);
   auto iq = filled<float>(batch * 4 * di, -1.f, 1.f, 14);
   DeviceBuffer<float> out(batch * 64 * d);

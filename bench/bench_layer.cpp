@@ -4,8 +4,9 @@
 // Prints, per decode batch, the bytes of weights and KV the step must read and the achieved rate
 // as a fraction of the device copy bandwidth measured in the same run; per prefill, the FLOPs of
 // the GEMM and MoE parts over the layer time (a lower bound on their rate: attention, norms and
-// routing share the time). Usage: bench_layer [ctx=8192] [iters=20] [exact|bf16] (the GEMM
-// precision, `--gemm-precision` of serve).
+// routing share the time). Usage: bench_layer [ctx=8192] [iters=20] [bf16|exact] [kv] [index]
+// (the GEMM precision, `--gemm-precision` of serve, default bf16; the KV and index-K formats,
+// float32|bfloat16|fp8, default bfloat16 and the KV's, as `serve --device cuda` defaults).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -56,7 +57,17 @@ ForwardBatch make_batch(int num_seqs, int64_t ctx, int new_tokens, int64_t pages
 int main(int argc, char** argv) {
   const int64_t ctx = argc > 1 ? std::atoll(argv[1]) : 8192;
   const int iters = argc > 2 ? std::atoi(argv[2]) : 20;
-  const std::string precision = argc > 3 ? argv[3] : "exact";
+  const std::string precision = argc > 3 ? argv[3] : "bf16";
+  auto format = [](const std::string& v) {
+    return v == "float32" ? m3::kernels::KvDtype::kF32
+           : v == "fp8"   ? m3::kernels::KvDtype::kFp8
+                          : m3::kernels::KvDtype::kBf16;
+  };
+  const m3::kernels::KvDtype kv_dtype = format(argc > 4 ? argv[4] : "bfloat16");
+  const m3::kernels::KvDtype ik_dtype = argc > 5 ? format(argv[5])
+                                        : kv_dtype == m3::kernels::KvDtype::kFp8
+                                            ? m3::kernels::KvDtype::kBf16
+                                            : kv_dtype;
   m3::kernels::cuda::set_gemm_precision(precision == "bf16"
                                             ? m3::kernels::cuda::GemmPrecision::kBf16
                                             : m3::kernels::cuda::GemmPrecision::kExact);
@@ -69,6 +80,8 @@ int main(int argc, char** argv) {
   M3Config cfg = m3::model::synthetic_m3_config(1);
   cfg.layer_is_moe.assign(1, true);
   cfg.layer_is_sparse.assign(1, true);
+  cfg.kv_cache_dtype = kv_dtype;
+  cfg.index_cache_dtype = ik_dtype;
   auto model = M3ModelCuda::synthetic(cfg, 1);
   if (!model) {
     std::fprintf(stderr, "bench_layer: %s\n", model.error().message.c_str());
@@ -76,8 +89,11 @@ int main(int argc, char** argv) {
   }
   M3ModelCuda& m = **model;
   const double bw = copy_bandwidth();
-  std::printf("device: %s; copy bandwidth (read+write) %.0f GB/s; GEMM precision %s\n",
-              dev->name.c_str(), bw / 1e9, precision.c_str());
+  std::printf(
+      "device: %s; copy bandwidth (read+write) %.0f GB/s; GEMM precision %s; KV %s, index-K "
+      "%s\n",
+      dev->name.c_str(), bw / 1e9, precision.c_str(), m3::kernels::kv_dtype_name(kv_dtype),
+      m3::kernels::kv_dtype_name(ik_dtype));
 
   const double H = cfg.hidden_size, Ie = cfg.intermediate_size, E = cfg.num_local_experts,
                K = cfg.num_experts_per_tok;
@@ -88,7 +104,10 @@ int main(int argc, char** argv) {
   const double expert_params = 3.0 * Ie * H;
   const double bytes_fixed = attn_params * 2 + E * H * 4 /*router f32*/ + expert_params * 2;
   const int64_t page = cfg.sparse_block_size;
-  const int64_t kv_token_bytes = (2 * cfg.kv_size() + cfg.index_head_dim) * 4;  // fp32 cache
+  const double kvb = static_cast<double>(m3::kernels::kv_dtype_size(kv_dtype));
+  const double ikb = static_cast<double>(m3::kernels::kv_dtype_size(ik_dtype)) +
+                     (ik_dtype == m3::kernels::KvDtype::kFp8 ? 4.0 / cfg.index_head_dim : 0.0);
+  const double kv_token_bytes = 2.0 * cfg.kv_size() * kvb + cfg.index_head_dim * ikb;
 
   std::printf("\n# decode: one MoE+MSA layer, context %lld tokens per sequence\n",
               static_cast<long long>(ctx));
@@ -108,7 +127,7 @@ int main(int argc, char** argv) {
     const double wbytes = bytes_fixed + experts * expert_params * 2;
     const double blocks = std::min<double>(cfg.sparse_topk_blocks, (ctx + 1.0 + page - 1) / page);
     const double kv_bytes =
-        B * (blocks * page * 2.0 * cfg.kv_size() * 4 + (ctx + 1.0) * cfg.index_head_dim * 4 +
+        B * (blocks * page * 2.0 * cfg.kv_size() * kvb + (ctx + 1.0) * cfg.index_head_dim * ikb +
              kv_token_bytes /*the new token's write*/);
     std::printf("%6d %10.3f %12.1f %12.1f %10.0f %7.1f%%\n", B, dt * 1e3, wbytes / 1e6,
                 kv_bytes / 1e6, (wbytes + kv_bytes) / dt / 1e9,

@@ -100,7 +100,8 @@ int main(int argc, char** argv) {
   img.width = w;
   img.height = h;
   img.rgb.resize(static_cast<size_t>(w * h * 3));
-  for (size_t i = 0; i < img.rgb.size(); ++i) img.rgb[i] = static_cast<uint8_t>((i * 2654435761u) >> 24);
+  for (size_t i = 0; i < img.rgb.size(); ++i)
+    img.rgb[i] = static_cast<uint8_t>((i * 2654435761u) >> 24);
   double t0 = now_s();
   auto p = vision::preprocess_image(img, vision::ProcessorConfig{});
   const double t_proc = now_s() - t0;
@@ -109,10 +110,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int64_t n = p->num_patches(), nt = n / 4;
-  const double flops =
-      2.0 * n * Hv * v.patch_row_size() +
-      layers * (2.0 * n * (4.0 * Hv * Hv + 2.0 * Hv * I) + 4.0 * n * n * Hv) +
-      2.0 * n * (Hv * P + P * H) + 2.0 * nt * (4 * H * P + P * H);
+  const double flops = 2.0 * n * Hv * v.patch_row_size() +
+                       layers * (2.0 * n * (4.0 * Hv * Hv + 2.0 * Hv * I) + 4.0 * n * n * Hv) +
+                       2.0 * n * (Hv * P + P * H) + 2.0 * nt * (4 * H * P + P * H);
   model::VisionImage vi{p->grid_t, p->grid_h, p->grid_w, p->pixel_values.data()};
   std::vector<float> emb;
   double best = 1e30;
@@ -124,7 +124,7 @@ int main(int argc, char** argv) {
   std::printf(
       "image %ldx%ld -> %ldx%ld px, %ld patches, %ld tokens; processor %.1f ms; tower (%ld "
       "layers) + projector + merge %.3f s = %.3f images/s, %.1f GFLOP at %.1f GFLOP/s\n",
-      w, h, p->resized_w, p->resized_h, n, nt, t_proc * 1e3, layers, best, 1.0 / best,
-      flops / 1e9, flops / best / 1e9);
+      w, h, p->resized_w, p->resized_h, n, nt, t_proc * 1e3, layers, best, 1.0 / best, flops / 1e9,
+      flops / best / 1e9);
   return 0;
 }

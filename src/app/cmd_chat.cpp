@@ -50,6 +50,8 @@ int run_chat(const ChatArgs& args) {
   if (!plan) return fail(plan.error().message);
   for (const auto& n : plan->notices) std::fprintf(stderr, "m3serve: note: %s\n", n.c_str());
   if (plan->gemm_precision) a.device.gemm_precision = *plan->gemm_precision;
+  if (plan->kv_cache_dtype) a.device.kv_cache_dtype = *plan->kv_cache_dtype;
+  if (plan->index_kv_dtype) a.device.index_kv_dtype = *plan->index_kv_dtype;
   if (plan->enforce_eager) a.device.enforce_eager = true;
   if (auto st = model::set_config_overrides(plan->hf_overrides); !st)
     return fail(st.error().message);
@@ -70,6 +72,8 @@ int run_chat(const ChatArgs& args) {
   auto backend_factory =  // probes the GPU for cuda
       make_backend_factory(a.device, 0, 0, choice->spec.seed);
   if (!backend_factory) return fail(backend_factory.error().message);
+  auto kv_format = resolve_kv_format(a.device);
+  if (!kv_format) return fail(kv_format.error().message);
   auto tok = text::Tokenizer::from_file(
       (std::filesystem::path(choice->tokenizer_dir) / "tokenizer.json").string());
   if (!tok) return fail(tok.error().message);
@@ -80,6 +84,8 @@ int run_chat(const ChatArgs& args) {
   ec.max_num_seqs = 1;
   ec.num_sampleable_tokens = (*tok)->vocab_size();
   ec.backend_factory = std::move(*backend_factory);
+  ec.kv_cache_dtype = kv_format->kv;
+  ec.index_cache_dtype = kv_format->index;
   auto eng = engine::Engine::create(ec);
   if (!eng) return fail(eng.error().message);
   const auto& info = (*eng)->model_info();

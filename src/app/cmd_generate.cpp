@@ -53,7 +53,9 @@ struct GenerateArgs {
   int prefill_chunk = 0;
   std::string device = "cpu";
   ParallelArgs parallel;
-  std::string gemm_precision = "exact";
+  std::string gemm_precision = "bf16";
+  std::string kv_cache_dtype = "auto";
+  std::string index_kv_dtype = "auto";
 };
 
 Result<std::vector<int32_t>> parse_ids(const std::string& s) {
@@ -103,8 +105,18 @@ int run_generate(const GenerateArgs& a) {
   // one SequenceRunner over it (runtime/sequence_runner.h).
   if (model::is_synthetic_model(a.model_dir) && a.device != "cuda")
     return fail(model::synthetic_needs_cuda_message(a.model_dir));
+  DeviceArgs dev;
+  dev.device = a.device;
+  dev.parallel = a.parallel;
+  dev.gemm_precision = a.gemm_precision;
+  dev.kv_cache_dtype = a.kv_cache_dtype;
+  dev.index_kv_dtype = a.index_kv_dtype;
+  dev.dp_kv_partitions = false;  // the runner hands out one page-id space
+  auto kv_format = resolve_kv_format(dev);
+  if (!kv_format) return fail(kv_format.error().message);
   auto host = model::M3Model::load(a.model_dir);
   if (!host) return fail(host.error().message);
+  (*host)->set_kv_cache_format(kv_format->kv, kv_format->index);
   const model::M3Config cfg = (*host)->config();
   if (auto st = (*host)->validate_prompt(*ids); !st) return fail(st.error().message);
   if (auto st = engine::check_context_length(static_cast<int64_t>(ids->size()), a.max_tokens,
@@ -115,11 +127,6 @@ int run_generate(const GenerateArgs& a) {
   const int64_t total = static_cast<int64_t>(ids->size()) + a.max_tokens;
   // One sequence: pages for the prompt, the output and the token scored after the last.
   const int64_t pages = runtime::SequencePages::pages_needed(total + 1, 1, cfg.sparse_block_size);
-  DeviceArgs dev;
-  dev.device = a.device;
-  dev.parallel = a.parallel;
-  dev.gemm_precision = a.gemm_precision;
-  dev.dp_kv_partitions = false;  // the runner hands out one page-id space
   auto factory = make_backend_factory(
       dev, pages * model::KvCache::page_bytes(cfg), 0,
       model::is_synthetic_model(a.model_dir) ? model::parse_synthetic_spec(a.model_dir)->seed : 0);
@@ -225,6 +232,7 @@ RunFn register_generate(CLI::App& app) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   add_parallel_options(sub, a->parallel);
   add_gemm_precision_option(sub, a->gemm_precision);
+  add_kv_dtype_options(sub, a->kv_cache_dtype, a->index_kv_dtype);
   return [a] { return run_generate(*a); };
 }
 

@@ -196,6 +196,8 @@ int run_serve(ServeArgs a) {
   if (!plan) return fail(plan.error().message);
   for (const auto& n : plan->notices) std::fprintf(stderr, "m3serve: note: %s\n", n.c_str());
   if (plan->gemm_precision) a.device.gemm_precision = *plan->gemm_precision;
+  if (plan->kv_cache_dtype) a.device.kv_cache_dtype = *plan->kv_cache_dtype;
+  if (plan->index_kv_dtype) a.device.index_kv_dtype = *plan->index_kv_dtype;
   if (plan->enforce_eager) a.device.enforce_eager = true;
   if (plan->log_level && !a.log_level_given) a.log_level = *plan->log_level;
   auto max_model_len = parse_max_model_len(a.max_model_len.empty() ? "0" : a.max_model_len);
@@ -302,6 +304,8 @@ int run_serve(ServeArgs a) {
   auto backend_factory =  // probes the GPU for cuda
       make_backend_factory(a.device, *kv_bytes, *max_model_len, choice->spec.seed);
   if (!backend_factory) return fail(backend_factory.error().message);
+  auto kv_format = resolve_kv_format(a.device);
+  if (!kv_format) return fail(kv_format.error().message);
   server::OrderedJson default_kwargs = server::OrderedJson::object();
   if (!a.default_chat_template_kwargs.empty()) {
     default_kwargs = server::OrderedJson::parse(a.default_chat_template_kwargs, nullptr, false);
@@ -385,6 +389,8 @@ int run_serve(ServeArgs a) {
   ec.num_sampleable_tokens = assets->tokenizer->vocab_size();  // never sample padding rows
   ec.backend_factory = std::move(*backend_factory);
   ec.language_model_only = a.language_model_only;
+  ec.kv_cache_dtype = kv_format->kv;
+  ec.index_cache_dtype = kv_format->index;
   std::unique_ptr<engine::Engine> eng;
   {
     LoadProgress progress(a.model_dir);
@@ -426,11 +432,14 @@ int run_serve(ServeArgs a) {
   }
   const auto& info = eng->model_info();
   std::printf(
-      "m3serve %s: serving %s as '%s' (%s) on %s | KV cache: %lld tokens (%lld pages of %d) | "
-      "max-model-len %d | prefix caching %s | listening on http://%s:%d\n",
+      "m3serve %s: serving %s as '%s' (%s) on %s | KV cache: %lld tokens (%lld pages of %d, "
+      "%s%s%s, %lld B/token) | max-model-len %d | prefix caching %s | listening on "
+      "http://%s:%d\n",
       M3_VERSION, a.model_dir.c_str(), a.served_model_names[0].c_str(), info.summary.c_str(),
       info.device.c_str(), static_cast<long long>(info.kv_tokens),
-      static_cast<long long>(info.num_kv_blocks), info.block_size, info.max_model_len,
+      static_cast<long long>(info.num_kv_blocks), info.block_size, info.kv_cache_dtype.c_str(),
+      info.index_cache_dtype.empty() ? "" : ", index-K ", info.index_cache_dtype.c_str(),
+      static_cast<long long>(info.kv_bytes_per_token), info.max_model_len,
       ec.enable_prefix_caching ? "on" : "off", a.host.c_str(), http->bound_port());
   std::fflush(stdout);
 

@@ -2,6 +2,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cctype>
 #include <cstdio>
 #include <memory>
 
@@ -31,11 +32,76 @@ void add_device_options(CLI::App* sub, DeviceArgs& a) {
       "With --device cuda: run every step eagerly (no CUDA graph replay of decode steps)");
 }
 
+namespace {
+Result<kernels::KvDtype> kv_dtype_named(const std::string& flag, const std::string& v) {
+  if (v == "float32") return kernels::KvDtype::kF32;
+  if (v == "bfloat16") return kernels::KvDtype::kBf16;
+  if (v == "fp8_e4m3") return kernels::KvDtype::kFp8;
+  return make_error(ErrorCode::kInvalidArgument,
+                    flag + " '" + v + "' is unknown; accepted: auto, bfloat16, fp8, float32", flag);
+}
+}  // namespace
+
+Result<KvFormatChoice> resolve_kv_format(const DeviceArgs& a) {
+  const bool gpu = a.device == "cuda";
+  const kernels::KvDtype automatic =
+      gpu && a.gemm_precision != "exact" ? kernels::KvDtype::kBf16 : kernels::KvDtype::kF32;
+  KvFormatChoice c;
+  if (a.kv_cache_dtype == "auto") {
+    c.kv = automatic;
+  } else {
+    M3_TRY(c.kv, kv_dtype_named("--kv-cache-dtype", a.kv_cache_dtype));
+  }
+  if (a.index_kv_dtype == "auto") {
+    c.index = c.kv == kernels::KvDtype::kFp8 ? kernels::KvDtype::kBf16 : c.kv;
+  } else {
+    M3_TRY(c.index, kv_dtype_named("--attention-config indexer_kv_dtype", a.index_kv_dtype));
+  }
+#ifdef M3_HAS_CUDA
+  if (gpu && (c.kv == kernels::KvDtype::kFp8 || c.index == kernels::KvDtype::kFp8)) {
+    auto info = gpu::probe_device(0);
+    if (info && (info->cc_major * 10 + info->cc_minor) < 89) {
+      return make_error(ErrorCode::kUnsupported,
+                        "an fp8 KV cache needs FP8 support (compute capability 8.9 or newer: "
+                        "Ada, Hopper, Blackwell); " +
+                            info->name + " is " + std::to_string(info->cc_major) + "." +
+                            std::to_string(info->cc_minor) + ": use --kv-cache-dtype bfloat16",
+                        "--kv-cache-dtype");
+    }
+  }
+#endif
+  return c;
+}
+
+void add_kv_dtype_options(CLI::App* sub, std::string& kv, std::string& index) {
+  const auto canonical = [](std::string v) -> std::string {
+    for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (v == "bf16") return "bfloat16";
+    if (v == "fp8") return "fp8_e4m3";
+    if (v == "fp32") return "float32";
+    return v;
+  };
+  const auto check = CLI::IsMember({"auto", "bfloat16", "fp8_e4m3", "float32"});
+  sub->add_option("--kv-cache-dtype", kv,
+                  "KV cache format: auto (bfloat16 on the GPU, float32 under --gemm-precision "
+                  "exact and on the CPU), bfloat16, fp8 (fp8_e4m3), float32 (docs/KV_CACHE.md)")
+      ->transform(canonical)
+      ->check(check)
+      ->capture_default_str();
+  sub->add_option("--indexer-kv-dtype", index,
+                  "MSA index-K cache format: auto (the KV format; bfloat16 under an fp8 KV), "
+                  "bfloat16, fp8, float32")
+      ->transform(canonical)
+      ->check(check)
+      ->capture_default_str();
+}
+
 void add_gemm_precision_option(CLI::App* sub, std::string& value) {
   sub->add_option("--gemm-precision", value,
-                  "With --device cuda: exact (fp32 activations through a 3-term bf16 split: the "
-                  "CPU reference's numbers) or bf16 (activations rounded to bf16 once: ~3x the "
-                  "prefill GEMM rate, ~1e-2 logprob drift)")
+                  "With --device cuda: bf16 (the default, as --dtype auto / bfloat16: "
+                  "activations rounded to bf16 once at each GEMM, as other engines do) or exact "
+                  "(--dtype float32, the oracle mode: fp32 activations through a 3-term bf16 "
+                  "split, the CPU reference's numbers, ~1/3 of the prefill GEMM rate)")
       ->check(CLI::IsMember({"exact", "bf16"}))
       ->capture_default_str();
 }

@@ -12,6 +12,7 @@
 #include "app/parallel_args.h"
 #include "core/error.h"
 #include "engine/engine.h"
+#include "kernels/views.h"
 
 namespace CLI {
 class App;
@@ -22,9 +23,13 @@ namespace m3::app {
 struct DeviceArgs {
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;
-  ParallelArgs parallel;                 // --tensor-parallel-size and friends (app/parallel_args.h)
-  std::string gemm_precision = "exact";  // --gemm-precision exact|bf16 (GPU GEMMs)
-  bool enforce_eager = false;            // --enforce-eager: no CUDA graphs
+  ParallelArgs parallel;                // --tensor-parallel-size and friends (app/parallel_args.h)
+  std::string gemm_precision = "bf16";  // --gemm-precision exact|bf16 (GPU GEMMs; --dtype)
+  // --kv-cache-dtype and the index-K format (--attention-config indexer_kv_dtype): auto,
+  // bfloat16, fp8_e4m3 or float32 (resolve_kv_format picks auto's meaning per device).
+  std::string kv_cache_dtype = "auto";
+  std::string index_kv_dtype = "auto";
+  bool enforce_eager = false;  // --enforce-eager: no CUDA graphs
   // Attention DP: one page-id partition per rank (the engine's scheduler keeps a sequence in
   // one); off for drivers that hand out one page-id space themselves (`generate`).
   bool dp_kv_partitions = true;
@@ -36,6 +41,19 @@ void add_gemm_precision_option(CLI::App* sub, std::string& value);
 // activations exact to ~2^-24 through a 3-term bf16 split (the CPU ops' numbers, ~1/3 of the
 // tensor-core rate at prefill); "bf16" rounds activations to bf16 once, as other engines do.
 void apply_gemm_precision(const std::string& value);
+
+// The KV cache's formats for these args (docs/KV_CACHE.md). auto: float32 on the CPU (the
+// reference) and under --gemm-precision exact (--dtype float32), else bfloat16; the index-K's
+// auto follows the KV format, except bfloat16 under an fp8 KV (vLLM keeps its indexer bf16 unless
+// asked). Errors: an unknown value; fp8 on a GPU without FP8 support (compute capability < 8.9).
+struct KvFormatChoice {
+  kernels::KvDtype kv = kernels::KvDtype::kF32;
+  kernels::KvDtype index = kernels::KvDtype::kF32;
+};
+Result<KvFormatChoice> resolve_kv_format(const DeviceArgs& a);
+// `generate`'s own --kv-cache-dtype and --indexer-kv-dtype (serve and chat take vLLM's
+// --kv-cache-dtype and --attention-config through app/vllm_flags.h).
+void add_kv_dtype_options(CLI::App* sub, std::string& kv, std::string& index);
 
 // Also registers the parallelism flags (add_parallel_options).
 void add_device_options(CLI::App* sub, DeviceArgs& a);

@@ -27,9 +27,6 @@ constexpr bool kBoth = false;
 constexpr std::string_view kWhyMm =
     "m3serve's image processor runs the MiniMax-M3 defaults (transformers' MiniMaxM3VL "
     "processor) and its decoders take no options: drop the flag";
-constexpr std::string_view kWhyKvDtype =
-    "an fp8 / bf16 KV cache is coming (issue #15); today the KV cache is fp32: fit long contexts "
-    "with --max-model-len, --kv-cache-memory-bytes, --gpu-memory-utilization or more GPUs";
 constexpr std::string_view kWhyQuant =
     "quantized serving (fp8_per_channel, MXFP8 kept in FP8, NVFP4, MXFP4) is coming (issue #18); "
     "today m3serve runs bf16 weights and reads MXFP8 checkpoints (dequantised to bf16 at load) "
@@ -179,9 +176,10 @@ const std::vector<VllmFlag> kTable = {
    "raw_logprobs", kBoth},
 
   // ---- precision, quantization, KV dtype (other issues) ----
-  {"--kv-cache-dtype", true, FlagKind::kComing, "auto", kWhyKvDtype, kBoth},
+  {"--kv-cache-dtype", true, FlagKind::kHandled, "", "", kBoth},
   {"--calculate-kv-scales", false, FlagKind::kNoop, "",
-   "it only matters with an fp8 KV cache, which is coming (issue #15)", kBoth},
+   "fp8 K/V scales are the checkpoint's (self_attn.k_scale / v_scale) or 1.0, as vLLM's "
+   "default; m3serve does not measure them from the first batches", kBoth},
   {"--quantization,-q", true, FlagKind::kComing, "none", kWhyQuant, kBoth},
 
   // ---- speculative decoding ----
@@ -416,9 +414,10 @@ Status review_dtype(const std::string& value, const std::string& device, bool pr
   if (device == "cpu") {
     if (v == "bfloat16" || v == "bf16") {
       plan.notices.push_back("--dtype " + value +
-                             ": on --device cpu activations and the KV cache are fp32 (the "
-                             "reference path), weights are read as stored (bf16); it sets the "
-                             "GEMM precision with --device cuda");
+                             ": on --device cpu activations are fp32 (the reference path) and "
+                             "weights are read as stored (bf16); it sets the GEMM precision "
+                             "with --device cuda. The CPU KV cache is float32 unless "
+                             "--kv-cache-dtype asks for bfloat16 or fp8");
     }
     return {};
   }
@@ -451,25 +450,74 @@ Status review_compilation(const std::string& value, CompatPlan& plan) {
   return {};
 }
 
+// --kv-cache-dtype / indexer_kv_dtype values: "auto" (kept as is), or the KvDtype name the
+// engine uses ("bfloat16", "fp8_e4m3", "float32"); anything else is refused with the choices.
+Result<std::string> kv_dtype_value(const std::string& flag, const std::string& value) {
+  const std::string v = lower(trim(value));
+  if (v == "auto") return std::string("auto");
+  if (v == "bfloat16" || v == "bf16") return std::string("bfloat16");
+  if (v == "fp8" || v == "fp8_e4m3" || v == "fp8-e4m3") return std::string("fp8_e4m3");
+  if (v == "float32" || v == "fp32" || v == "float") return std::string("float32");
+  std::string why;
+  if (v == "fp8_e5m2") {
+    why = ": E5M2 keeps too few mantissa bits for MiniMax-M3's keys; use fp8 (E4M3)";
+  } else if (v == "fp16" || v == "half" || v == "float16") {
+    why = ": MiniMax-M3 runs in bf16 (fp16 overflows its activations)";
+  } else if (v == "int8" || v == "fp8_inc" || v == "fp8_ds_mla" || v == "nvfp4" || v == "int4") {
+    why = ": m3serve has no such KV format";
+  } else {
+    why = " is unknown";
+  }
+  return make_error(
+      ErrorCode::kInvalidArgument,
+      flag + " '" + value + "'" + why + "; accepted: auto, bfloat16, fp8 (= fp8_e4m3), float32",
+      flag);
+}
+
+// vLLM's AttentionConfig keys. indexer_kv_dtype is applied; the others pick among vLLM's
+// attention backends, which m3serve does not have (a notice says so).
+constexpr std::string_view kAttentionConfigKeys[] = {
+    "indexer_kv_dtype",
+    "backend",
+    "flash_attn_version",
+    "use_prefill_decode_attention",
+    "flash_attn_max_num_splits_for_cuda_graph",
+    "use_cudnn_prefill",
+    "use_trtllm_ragged_deepseek_prefill",
+    "use_trtllm_attention",
+    "disable_flashinfer_prefill",
+    "disable_flashinfer_q_quantization",
+    "use_prefill_query_quantization",
+    "minimax_m3_msa_decode_backend",
+};
+
 Status review_attention_config(const std::string& value, CompatPlan& plan) {
-  M3_TRY(json j, parse_json_object("--attention-config", value, "{\"backend\": \"FLASH_ATTN\"}"));
+  M3_TRY(json j, parse_json_object("--attention-config", value, "{\"indexer_kv_dtype\": \"fp8\"}"));
   std::vector<std::string> ignored;
   for (auto it = j.begin(); it != j.end(); ++it) {
+    const bool known = std::find(std::begin(kAttentionConfigKeys), std::end(kAttentionConfigKeys),
+                                 it.key()) != std::end(kAttentionConfigKeys);
+    if (!known) {
+      std::string names;
+      for (std::string_view k : kAttentionConfigKeys)
+        names += (names.empty() ? "" : ", ") + std::string(k);
+      return bad("--attention-config", "--attention-config key '" + it.key() +
+                                           "' is unknown; the known keys are " + names);
+    }
     if (it.key() == "indexer_kv_dtype") {
-      const std::string d = it.value().is_string() ? lower(it.value().get<std::string>()) : "";
-      if (d != "auto" && d != "bf16" && d != "bfloat16") {
-        return bad("--attention-config",
-                   "--attention-config indexer_kv_dtype " + it.value().dump() +
-                       ": an fp8 MSA index-K cache is coming (issue #15); today index-K is "
-                       "kept at full precision: drop indexer_kv_dtype");
-      }
+      const std::string d =
+          it.value().is_string() ? it.value().get<std::string>() : it.value().dump();
+      M3_TRY(plan.index_kv_dtype, kv_dtype_value("--attention-config indexer_kv_dtype", d));
+      continue;
     }
     ignored.push_back(it.key());
   }
-  std::string keys;
-  for (const auto& k : ignored) keys += (keys.empty() ? "" : ", ") + k;
-  plan.notices.push_back("--attention-config (" + keys +
-                         ") is ignored: " + std::string(kWhyKernels));
+  if (!ignored.empty()) {
+    std::string keys;
+    for (const auto& k : ignored) keys += (keys.empty() ? "" : ", ") + k;
+    plan.notices.push_back("--attention-config (" + keys +
+                           ") is ignored: " + std::string(kWhyKernels));
+  }
   return {};
 }
 
@@ -505,8 +553,8 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
     if (ln == "--dtype") {
       help =
           "auto | bfloat16 | float32. With --device cuda it sets the GEMM precision: float32 "
-          "= --gemm-precision exact, bfloat16 = --gemm-precision bf16, auto = the default "
-          "(exact). On the CPU activations are always fp32";
+          "= --gemm-precision exact (the oracle mode), bfloat16 and auto = --gemm-precision "
+          "bf16 (the default). On the CPU activations are always fp32";
     } else if (ln == "--seed") {
       help = "Seed for requests that give none (chat); serve: see the start-up note";
     } else if (ln == "--hf-overrides") {
@@ -529,8 +577,13 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
           "--enforce-eager); the rest has no effect here";
     } else if (ln == "--attention-config") {
       help =
-          "vLLM attention config (also --attention-config.KEY VALUE): backends have no effect "
-          "here; indexer_kv_dtype fp8 is refused until issue #15";
+          "vLLM attention config (also --attention-config.KEY VALUE): indexer_kv_dtype "
+          "auto|bfloat16|fp8|float32 is the MSA index-K cache format (docs/KV_CACHE.md); "
+          "backend keys have no effect here";
+    } else if (ln == "--kv-cache-dtype") {
+      help =
+          "auto | bfloat16 | fp8 (fp8_e4m3) | float32: the KV cache format (docs/KV_CACHE.md). "
+          "auto = bfloat16 on the GPU (float32 with --dtype float32), float32 on the CPU";
     } else if (ln == "--max-logprobs") {
       help = "Most top logprobs a request may ask for (m3serve's limit is 20)";
     } else if (ln == "--override-generation-config") {
@@ -653,6 +706,8 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       M3_TRY_STATUS(review_compilation(value, plan));
     } else if (ln == "--attention-config") {
       M3_TRY_STATUS(review_attention_config(value, plan));
+    } else if (ln == "--kv-cache-dtype") {
+      M3_TRY(plan.kv_cache_dtype, kv_dtype_value("--kv-cache-dtype", value));
     } else if (ln == "--max-logprobs") {
       const std::string t = trim(value);
       char* end = nullptr;

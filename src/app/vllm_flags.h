@@ -61,12 +61,16 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd);
 struct CompatPlan {
   std::vector<std::string> notices;           // printed once at start-up, "m3serve: note: ..." each
   std::optional<std::string> gemm_precision;  // --dtype on the GPU: "exact" / "bf16"
-  bool enforce_eager = false;                 // --compilation-config cudagraph_mode NONE
-  std::string hf_overrides;                   // JSON object text ("" none)
-  std::string generation_overrides;           // --override-generation-config JSON ("" none)
-  std::optional<uint64_t> seed;               // --seed
-  bool allow_long_max_model_len = false;      // VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
-  std::optional<std::string> log_level;       // VLLM_LOGGING_LEVEL when --log-level is absent
+  // --kv-cache-dtype and --attention-config indexer_kv_dtype: "auto", "bfloat16", "fp8_e4m3"
+  // or "float32" (app/device_backend.h resolves auto per device).
+  std::optional<std::string> kv_cache_dtype;
+  std::optional<std::string> index_kv_dtype;
+  bool enforce_eager = false;             // --compilation-config cudagraph_mode NONE
+  std::string hf_overrides;               // JSON object text ("" none)
+  std::string generation_overrides;       // --override-generation-config JSON ("" none)
+  std::optional<uint64_t> seed;           // --seed
+  bool allow_long_max_model_len = false;  // VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
+  std::optional<std::string> log_level;   // VLLM_LOGGING_LEVEL when --log-level is absent
   // For the server's request log / stats / CORS / root path work (item 5 and the server
   // owners): what the user asked for, kept so nothing is lost when the server grows them.
   bool log_requests = false;

@@ -1,5 +1,8 @@
 #include "core/dtype.h"
 
+#include <algorithm>
+#include <array>
+
 #include <cmath>
 #include <limits>
 
@@ -110,6 +113,27 @@ float fp8_e4m3_to_f32(uint8_t v) {
     r = std::ldexp(static_cast<float>(8 + man), exp - 10);  // (1+man/8) * 2^(exp-7)
   }
   return sign ? -r : r;
+}
+
+uint8_t f32_to_fp8_e4m3(float f) {
+  // The 127 finite non-negative codes in increasing order of value (code c has value
+  // fp8_e4m3_to_f32(c)); a binary search finds the two neighbours of |f|.
+  static const auto table = [] {
+    std::array<float, 127> t{};
+    for (int c = 0; c < 127; ++c) t[c] = fp8_e4m3_to_f32(static_cast<uint8_t>(c));
+    return t;
+  }();
+  if (std::isnan(f)) return 0x7f;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  const float a = std::fabs(f);
+  if (a >= table[126]) return sign | 126;  // saturate to 448
+  // c = the largest code with table[c] <= a.
+  const int c =
+      static_cast<int>(std::upper_bound(table.begin(), table.end(), a) - table.begin()) - 1;
+  if (table[c] == a) return sign | static_cast<uint8_t>(c);
+  const float below = a - table[c], above = table[c + 1] - a;
+  int pick = below < above ? c : above < below ? c + 1 : (c % 2 == 0 ? c : c + 1);
+  return sign | static_cast<uint8_t>(pick);
 }
 
 float e8m0_to_f32(uint8_t v) {

@@ -44,6 +44,12 @@ uint16_t f32_to_f16(float f);
 
 // OCP FP8 E4M3 ("fn": no infinities, S.1111.111 is NaN), bias 7.
 float fp8_e4m3_to_f32(uint8_t v);
+// f32 -> E4M3 as the GPU's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3) does it: round to
+// nearest even, magnitudes above 448 (and infinities) saturate to +-448, NaN stays NaN (0x7f).
+uint8_t f32_to_fp8_e4m3(float f);
+inline float round_to_fp8_e4m3(float f) {
+  return fp8_e4m3_to_f32(f32_to_fp8_e4m3(f));
+}
 // OCP E8M0 scale: 2^(v-127); 255 is NaN.
 float e8m0_to_f32(uint8_t v);
 

@@ -406,6 +406,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   model::LoadOptions lo;
   lo.language_model_only = config.language_model_only;
   M3_TRY(auto model, model::M3Model::load(config.model_dir, lo));
+  model->set_kv_cache_format(config.kv_cache_dtype, config.index_cache_dtype);
   const model::M3Config& mc = model->config();
   M3_TRY_STATUS(model::check_kv_block_size(mc, config.block_size));
   const int64_t bs = mc.sparse_block_size;
@@ -481,6 +482,9 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   info.block_size = static_cast<int>(bs);
   info.num_kv_blocks = num_pages;
   info.kv_tokens = num_pages * bs;
+  info.kv_cache_dtype = kernels::kv_dtype_name(bc.kv_cache_dtype);
+  info.index_cache_dtype = bc.any_sparse() ? kernels::kv_dtype_name(bc.index_cache_dtype) : "";
+  info.kv_bytes_per_token = model::KvCache::page_bytes(bc) / bs;
   info.device = backend->device_name();
   for (int64_t e : bc.eos_token_ids) info.eos_token_ids.push_back(static_cast<int32_t>(e));
   info.image_input = backend->supports_image_input();
@@ -506,6 +510,10 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   st.prompt_tokens_per_request = Histogram::with_bounds(toks);
   st.generation_tokens_per_request = Histogram::with_bounds(toks);
   st.num_kv_blocks = num_pages;
+  st.block_size = bs;
+  st.kv_cache_dtype = info.kv_cache_dtype;
+  st.index_cache_dtype = info.index_cache_dtype;
+  st.kv_bytes_per_token = info.kv_bytes_per_token;
   EngineImpl* raw = impl.get();
   impl->thread = std::thread([raw] { raw->loop(); });
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));

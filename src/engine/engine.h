@@ -18,6 +18,7 @@
 
 #include "core/error.h"
 #include "engine/sampling_params.h"
+#include "kernels/views.h"
 
 namespace m3::model {
 class M3Model;
@@ -54,6 +55,10 @@ struct EngineConfig {
   bool language_model_only = false;
   // Where the forward runs. Empty: the CPU backend (runtime::make_cpu_backend).
   BackendFactory backend_factory;
+  // The KV cache's element formats (docs/KV_CACHE.md), set on the model right after it loads,
+  // before the pool is sized (app/device_backend.h resolve_kv_format picks them per device).
+  kernels::KvDtype kv_cache_dtype = kernels::KvDtype::kF32;
+  kernels::KvDtype index_cache_dtype = kernels::KvDtype::kF32;
 };
 
 // Histogram with fixed upper bounds (Prometheus style: counts are per bucket, not cumulative).
@@ -71,6 +76,10 @@ struct EngineStats {
   int num_waiting = 0;
   double kv_cache_usage = 0.0;  // 0..1 of the KV pages in use
   int64_t num_kv_blocks = 0;
+  int64_t block_size = 0;
+  std::string kv_cache_dtype;     // the KV cache's format (kernels::kv_dtype_name)
+  std::string index_cache_dtype;  // the MSA index-K's ("" without sparse layers)
+  int64_t kv_bytes_per_token = 0;
   int64_t prefix_cache_queries = 0;  // tokens
   int64_t prefix_cache_hits = 0;     // tokens
   int64_t num_preemptions = 0;
@@ -95,8 +104,11 @@ struct ModelInfo {
   int max_model_len = 0;
   int block_size = 0;
   int64_t num_kv_blocks = 0;
-  int64_t kv_tokens = 0;  // num_kv_blocks * block_size
-  std::string device;     // ForwardBackend::device_name(), e.g. "cpu"
+  int64_t kv_tokens = 0;          // num_kv_blocks * block_size
+  std::string kv_cache_dtype;     // kernels::kv_dtype_name: "bfloat16", ...
+  std::string index_cache_dtype;  // "" when the model has no sparse layers
+  int64_t kv_bytes_per_token = 0;
+  std::string device;  // ForwardBackend::device_name(), e.g. "cpu"
   std::vector<int32_t> eos_token_ids;
   // Image input (issue #20): image_input says whether requests may carry images; when not,
   // image_refusal says why (no vision tower, --language-model-only, a backend without it).

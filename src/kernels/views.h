@@ -6,6 +6,7 @@
 // Invariant: plain data; copying a view never copies what it points at.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -44,16 +45,88 @@ struct VecRef {
   }
 };
 
-// Per-layer paged KV storage, fp32. A page holds `page_size` tokens.
+// The element formats of the paged KV cache (docs/KV_CACHE.md is the layout, written down):
+//   kF32   fp32, the oracle mode (--dtype float32 --kv-cache-dtype float32).
+//   kBf16  bf16, rounded to nearest even (the GPU default).
+//   kFp8   OCP FP8 E4M3 ("fn"), saturating, rounded to nearest even, with a scale:
+//          K/V: one per-tensor scale per layer (k_scale, v_scale; the checkpoint's or 1.0):
+//               stored = fp8(x * (1 / scale)), read = fp8_value * scale;
+//          index-K: one scale per token, a power of two (ik_scale[slot] = 2^ceil(log2(amax/448)),
+//               1 when the row is zero), so x / scale is exact and only the fp8 rounding remains.
+enum class KvDtype : uint8_t { kF32, kBf16, kFp8 };
+
+inline int64_t kv_dtype_size(KvDtype d) {
+  return d == KvDtype::kF32 ? 4 : d == KvDtype::kBf16 ? 2 : 1;
+}
+inline const char* kv_dtype_name(KvDtype d) {
+  return d == KvDtype::kF32 ? "float32" : d == KvDtype::kBf16 ? "bfloat16" : "fp8_e4m3";
+}
+
+#if defined(__CUDACC__)
+#define M3_HD __host__ __device__
+#else
+#define M3_HD
+#endif
+
+// The per-token scale of an fp8 index-K row whose largest magnitude is `amax`: the smallest
+// power of two s with amax / s <= 448 (E4M3's largest finite value); 1 for a zero (or NaN) row.
+// Exact on host and device alike (frexp/ldexp and a comparison, no division).
+M3_HD inline float fp8_row_scale(float amax) {
+  if (!(amax > 0.f)) return 1.f;
+  if (amax > 3.0e38f) amax = 3.0e38f;
+  int e = 0;
+  const float m = frexpf(amax, &e);  // amax = m * 2^e, m in [0.5, 1)
+  return ldexpf(1.f, m * 512.f <= 448.f ? e - 9 : e - 8);
+}
+
+// Per-layer paged KV storage. A page holds `page_size` tokens; a slot is page * page_size +
+// offset. Elements are `kv_dtype` (K, V) and `ik_dtype` (index-K), addressed through the
+// typed accessors below (the pointers are untyped because the format is a run-time choice).
 struct KvPages {
-  float* k = nullptr;   // [num_pages, page_size, num_kv_heads, head_dim]
-  float* v = nullptr;   // [num_pages, page_size, num_kv_heads, head_dim]
-  float* ik = nullptr;  // [num_pages, page_size, index_dim] (sparse layers only, else null)
+  void* k = nullptr;          // [num_pages, page_size, num_kv_heads, head_dim] kv_dtype
+  void* v = nullptr;          // [num_pages, page_size, num_kv_heads, head_dim] kv_dtype
+  void* ik = nullptr;         // [num_pages, page_size, index_dim] ik_dtype (sparse layers only)
+  float* ik_scale = nullptr;  // [num_pages, page_size] per-token scales (ik_dtype kFp8 only)
+  KvDtype kv_dtype = KvDtype::kF32;
+  KvDtype ik_dtype = KvDtype::kF32;
+  float k_scale = 1.f;  // per-tensor scales of an fp8 K/V (1 otherwise)
+  float v_scale = 1.f;
   int64_t num_pages = 0;
   int64_t page_size = 0;
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   int64_t index_dim = 0;
+
+  // An fp32 cache over caller-owned arrays (tests, benches).
+  static KvPages fp32(float* k, float* v, float* ik, int64_t num_pages, int64_t page_size,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t index_dim) {
+    KvPages c;
+    c.k = k;
+    c.v = v;
+    c.ik = ik;
+    c.num_pages = num_pages;
+    c.page_size = page_size;
+    c.num_kv_heads = num_kv_heads;
+    c.head_dim = head_dim;
+    c.index_dim = index_dim;
+    return c;
+  }
+
+  template <typename T>
+  M3_HD T* k_as() const {
+    return static_cast<T*>(k);
+  }
+  template <typename T>
+  M3_HD T* v_as() const {
+    return static_cast<T*>(v);
+  }
+  template <typename T>
+  M3_HD T* ik_as() const {
+    return static_cast<T*>(ik);
+  }
+  // Bytes of one token's K (or V) row of all KV heads, and of one index-K row.
+  int64_t kv_row_bytes() const { return num_kv_heads * head_dim * kv_dtype_size(kv_dtype); }
+  int64_t ik_row_bytes() const { return index_dim * kv_dtype_size(ik_dtype); }
 };
 
 // Where each token of a step lives: sequence, absolute position, and the sequences' block tables

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/views.h"
 
 namespace m3::model {
 
@@ -96,11 +97,22 @@ struct M3Config {
   bool has_vision_config = false;
   M3VisionConfig vision;  // vision.present == has_vision_config
 
+  // The paged KV cache's element formats (docs/KV_CACHE.md). A serving choice, not read from
+  // config.json: set by M3Model::set_kv_cache_format before any cache is sized or made, so every
+  // copy of the config (shards, the GPU model) carries it. kv_k_scale / kv_v_scale: the
+  // per-layer scales of an fp8 K / V, from the checkpoint (self_attn.k_scale / v_scale) where
+  // it has them; empty means 1.0 for every layer.
+  kernels::KvDtype kv_cache_dtype = kernels::KvDtype::kF32;
+  kernels::KvDtype index_cache_dtype = kernels::KvDtype::kF32;
+  std::vector<float> kv_k_scale, kv_v_scale;
+
   int64_t q_size() const { return num_attention_heads * head_dim; }
   int64_t kv_size() const { return num_key_value_heads * head_dim; }
   int64_t num_sparse_layers() const;
   bool any_sparse() const { return num_sparse_layers() > 0; }
   std::string summary() const;  // one line: layers, hidden, heads, experts, MSA geometry
+  float k_scale(int64_t layer) const { return kv_k_scale.empty() ? 1.f : kv_k_scale[layer]; }
+  float v_scale(int64_t layer) const { return kv_v_scale.empty() ? 1.f : kv_v_scale[layer]; }
 };
 
 // Parses config.json text. `source` names the file in error messages.

@@ -3,6 +3,8 @@
 // so a selected MSA block is exactly one page and K/V/index-K pages move as one unit.
 // Who allocates pages is not decided here (sched/ in the server, a bump allocator in tests).
 // A tensor-parallel rank's cache holds only its KV heads (M3Model::cache_kv_heads()).
+// Element formats: cfg.kv_cache_dtype / cfg.index_cache_dtype, the fp8 K/V scales cfg.k_scale(i) /
+// v_scale(i) (docs/KV_CACHE.md has the layout).
 #pragma once
 
 #include <cstdint>
@@ -22,14 +24,15 @@ class KvCache {
   int64_t num_pages() const { return num_pages_; }
   int64_t page_size() const { return page_size_; }
   kernels::cpu::KvPages layer(int64_t i);
-  // Bytes of one page across all layers (K + V + index-K).
+  // Bytes of one page across all layers (K + V + index-K + fp8 index-K scales), in the config's
+  // formats.
   static int64_t page_bytes(const M3Config& cfg);
   static int64_t page_bytes(const M3Config& cfg, int64_t num_kv_heads);
   int64_t total_bytes() const { return num_pages_ * bytes_per_page_; }
 
  private:
   struct LayerStore {
-    std::vector<float> k, v, ik;
+    std::vector<float> k, v, ik, ik_scale;  // float storage only for alignment; see layer()
   };
   const M3Config* cfg_;
   int64_t num_pages_;

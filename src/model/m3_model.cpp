@@ -2,14 +2,85 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/check.h"
 #include "model/cpu_ops.h"
 #include "model/m3_forward.h"
 #include "model/synthetic_model.h"
+#include "model/tensor_table.h"
 #include "model/vision_tower.h"
 
 namespace m3::model {
+
+namespace {
+// One scalar of a checkpoint tensor (f32, bf16, f16), by dtype.
+float scalar_value(const TensorInfo& t) {
+  switch (t.dtype) {
+    case DType::kBF16: {
+      uint16_t b;
+      std::memcpy(&b, t.data, 2);
+      return bf16_to_f32(b);
+    }
+    case DType::kF16: {
+      uint16_t b;
+      std::memcpy(&b, t.data, 2);
+      return f16_to_f32(b);
+    }
+    default: {
+      float f;
+      std::memcpy(&f, t.data, 4);
+      return f;
+    }
+  }
+}
+}  // namespace
+
+Status load_kv_scales(const Checkpoint& ck, M3Config& cfg) {
+  std::vector<float> ks(cfg.num_hidden_layers, 1.f), vs(cfg.num_hidden_layers, 1.f);
+  bool any = false;
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const std::string leaf = kv == 0 ? "k_scale" : "v_scale";
+      const std::string proj = kv == 0 ? "k_proj." : "v_proj.";
+      for (std::string_view root : kCheckpointRoots) {
+        const std::string base =
+            std::string(root) + "model.layers." + std::to_string(i) + ".self_attn.";
+        const TensorInfo* t = ck.find(base + leaf);
+        if (t == nullptr) t = ck.find(base + proj + leaf);
+        if (t == nullptr) continue;
+        if (t->numel() != 1 ||
+            (t->dtype != DType::kF32 && t->dtype != DType::kBF16 && t->dtype != DType::kF16)) {
+          return make_error(ErrorCode::kInvalidArgument,
+                            "KV cache scale " + t->name + " in " + t->file + " has shape " +
+                                t->shape_str() + " and dtype " + dtype_name(t->dtype) +
+                                "; a per-tensor fp8 KV scale is one f32/bf16/f16 value",
+                            t->name);
+        }
+        const float v = scalar_value(*t);
+        if (!(v > 0.f) || !std::isfinite(v)) {
+          return make_error(ErrorCode::kInvalidArgument,
+                            "KV cache scale " + t->name + " is " + std::to_string(v) +
+                                "; a scale must be a positive finite number",
+                            t->name);
+        }
+        (kv == 0 ? ks : vs)[i] = v;
+        any = true;
+        break;
+      }
+    }
+  }
+  if (any) {
+    cfg.kv_k_scale = std::move(ks);
+    cfg.kv_v_scale = std::move(vs);
+  }
+  return {};
+}
+
+void M3Model::set_kv_cache_format(kernels::KvDtype kv, kernels::KvDtype index) {
+  cfg_.kv_cache_dtype = kv;
+  cfg_.index_cache_dtype = index;
+}
 
 Result<std::unique_ptr<M3Model>> M3Model::load(const std::string& model_dir,
                                                const LoadOptions& opts) {
@@ -24,6 +95,7 @@ Result<std::unique_ptr<M3Model>> M3Model::load(const std::string& model_dir,
             "model.multi_modal_projector."};
   }
   M3_TRY(Checkpoint ck, Checkpoint::open(model_dir, skip));
+  M3_TRY_STATUS(load_kv_scales(ck, cfg));
   auto ckpt = std::make_shared<Checkpoint>(std::move(ck));
   M3_TRY(auto w, load_weights(ckpt, cfg));
   std::shared_ptr<const VisionTower> tower;

@@ -24,6 +24,7 @@
 #include "kernels/cpu/sample.h"
 #include "model/config.h"
 #include "model/kv_cache.h"
+#include "model/safetensors.h"
 #include "model/shard.h"
 #include "model/weights.h"
 
@@ -69,6 +70,11 @@ struct LoadOptions {
   bool language_model_only = true;  // vision tensors are not read (no tower: no image input)
 };
 
+// Reads the per-layer fp8 K/V scales (model.layers.N.self_attn.k_scale / v_scale, or under
+// k_proj. / v_proj.) into cfg.kv_k_scale / kv_v_scale when the checkpoint has any (missing ones
+// are 1.0). Errors name the tensor: a scale that is not one value, or not positive and finite.
+Status load_kv_scales(const Checkpoint& ck, M3Config& cfg);
+
 // Checks user-supplied ids against a config: non-empty and inside [0, vocab_size).
 Status validate_prompt_ids(const M3Config& cfg, std::span<const int32_t> ids);
 
@@ -97,6 +103,9 @@ class M3Model {
   Result<std::unique_ptr<M3Model>> make_shard(const ShardSpec& spec) const;
 
   const M3Config& config() const { return cfg_; }
+  // The KV cache's element formats (docs/KV_CACHE.md), before any cache is sized or made and
+  // before the model is sharded or uploaded (those copy the config).
+  void set_kv_cache_format(kernels::KvDtype kv, kernels::KvDtype index);
   // The views forward() reads: the whole model, or this rank's slices when sharded.
   const M3Weights& weights() const { return *w_; }
   const ShardPlan& shard_plan() const { return plan_; }

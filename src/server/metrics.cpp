@@ -94,6 +94,26 @@ std::string format_metrics(const engine::EngineStats& s, const std::string& mode
            s.kv_cache_usage);
   w.scalar("num_kv_blocks", "gauge", "Number of KV-cache blocks (128-token pages).",
            static_cast<double>(s.num_kv_blocks));
+  {
+    // The pool's capacity in its element format (docs/KV_CACHE.md): the same memory holds 2x
+    // the tokens in bf16 and about 4x in fp8 of an fp32 cache. cache_config_info is vLLM's
+    // info gauge (value 1, the configuration in labels).
+    std::string fmt = ",kv_cache_dtype=\"" + escape_label(s.kv_cache_dtype) + "\"";
+    if (!s.index_cache_dtype.empty())
+      fmt += ",index_cache_dtype=\"" + escape_label(s.index_cache_dtype) + "\"";
+    w.scalar("kv_cache_capacity_tokens", "gauge", "Tokens the KV cache holds in its format.",
+             static_cast<double>(s.num_kv_blocks * s.block_size), fmt);
+    w.scalar("kv_cache_bytes_per_token", "gauge",
+             "Bytes of KV cache one token takes, in the cache's format.",
+             static_cast<double>(s.kv_bytes_per_token), fmt);
+    w.scalar("cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.", 1.0,
+             ",block_size=\"" + std::to_string(s.block_size) + "\",cache_dtype=\"" +
+                 escape_label(s.kv_cache_dtype) + "\",num_gpu_blocks=\"" +
+                 std::to_string(s.num_kv_blocks) + "\"" +
+                 (s.index_cache_dtype.empty()
+                      ? std::string()
+                      : ",indexer_kv_dtype=\"" + escape_label(s.index_cache_dtype) + "\""));
+  }
   w.scalar("prefix_cache_queries_total", "counter",
            "Prefix cache queries, in number of queried tokens.",
            static_cast<double>(s.prefix_cache_queries));

@@ -52,6 +52,9 @@ def models(port):
 
 
 STARTS = [
+    ("fp8_kv", "--tensor-parallel-size 8 --block-size 128 --kv-cache-dtype fp8", {}, []),
+    ("mxfp8_indexer_fp8", "--tensor-parallel-size 8 --block-size 128 --attention_config.indexer_kv_dtype fp8",
+     {}, []),
     ("tp8", f"--tensor-parallel-size 8 --block-size 128 {PARSERS}", {}, []),
     ("tp8_ep", f"--tensor-parallel-size 8 --enable-expert-parallel --block-size 128 {PARSERS}", {}, []),
     ("dp8_ep", f"--data-parallel-size 8 --enable-expert-parallel --block-size 128 {PARSERS}", {}, []),
@@ -111,10 +114,10 @@ REFUSALS = [
      ["--hf-overrides", "YaRN"]),
     ("long_without_env", "--tensor-parallel-size 8 --block-size 128 --max-model-len 131072", {},
      ["--max-model-len 131072", "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"]),
-    ("fp8_kv", "--tensor-parallel-size 8 --block-size 128 --kv-cache-dtype fp8", {},
-     ["--kv-cache-dtype fp8", "issue #15", "today"]),
-    ("mxfp8_indexer_fp8", "--tensor-parallel-size 8 --block-size 128 --attention_config.indexer_kv_dtype fp8",
-     {}, ["--attention-config", "issue #15"]),
+    ("kv_fp16", "--tensor-parallel-size 8 --block-size 128 --kv-cache-dtype fp16", {},
+     ["--kv-cache-dtype 'fp16'", "accepted: auto, bfloat16, fp8"]),
+    ("indexer_unknown_key", "--block-size 128 --attention_config.indexer_kv_type fp8",
+     {}, ["--attention-config key 'indexer_kv_type' is unknown", "indexer_kv_dtype"]),
     ("fp8_per_channel", "--tensor-parallel-size 8 --block-size 128 --quantization fp8_per_channel", {},
      ["--quantization fp8_per_channel", "issue #18"]),
     ("eagle3", "--tensor-parallel-size 8 --trust-remote-code --block-size 128 --language-model-only "

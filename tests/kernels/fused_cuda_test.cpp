@@ -205,9 +205,8 @@ void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vect
     const PrepPtrs p =
         ptrs(q_c.data(), k.data(), v.data(), iq_c.data(), ik.data(), fused_c.data(), qo_c.data(),
              iqo_c.data(), qn.data(), kn.data(), iqn.data(), ikn.data());
-    cpu::KvPages pc{ck_c.data(), cv_c.data(),      sparse ? cik_c.data() : nullptr,
-                    num_pages,   G.page,           G.nkv,
-                    G.d,         sparse ? G.di : 0};
+    cpu::KvPages pc = cpu::KvPages::fp32(ck_c.data(), cv_c.data(), sparse ? cik_c.data() : nullptr,
+                                         num_pages, G.page, G.nkv, G.d, sparse ? G.di : 0);
     cpu::TokenLayout lc{T, positions.data(), seq_ids.data(), offsets.data(), table.data()};
     cpu::attn_prep(prep_args(G, sparse, p, theta), pc, lc);
     if (fused) {
@@ -226,9 +225,8 @@ void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vect
     const PrepPtrs p =
         ptrs(dq.data(), dk.data(), dv.data(), diq.data(), dik.data(), dfused.data(), dqo.data(),
              diqo.data(), dqn.data(), dkn.data(), diqn.data(), dikn.data());
-    cpu::KvPages pg{dck.data(), dcv.data(),       sparse ? dcik.data() : nullptr,
-                    num_pages,  G.page,           G.nkv,
-                    G.d,        sparse ? G.di : 0};
+    cpu::KvPages pg = cpu::KvPages::fp32(dck.data(), dcv.data(), sparse ? dcik.data() : nullptr,
+                                         num_pages, G.page, G.nkv, G.d, sparse ? G.di : 0);
     cpu::TokenLayout lg{T, dpos.data(), dseq.data(), doff.data(), dtab.data()};
     Stream s;
     gk::attn_prep(prep_args(G, sparse, p, theta), pg, lg, s.get());

@@ -458,13 +458,13 @@ void run_attention_case(const AttnCase& c, uint32_t seed) {
   // Unwritten slots hold NaN on both sides: reading one (a causality bug) poisons the output.
   std::vector<float> hk(slots * row), hv(slots * row), hik(slots * c.index_dim);
   for (auto* a : {&hk, &hv, &hik}) std::memset(a->data(), 0xff, a->size() * sizeof(float));
-  cpu::KvPages hc{hk.data(),   hv.data(), hik.data(), w.num_pages,
-                  c.page_size, c.nkv,     c.d,        c.index_dim};
+  cpu::KvPages hc = cpu::KvPages::fp32(hk.data(), hv.data(), hik.data(), w.num_pages, c.page_size,
+                                       c.nkv, c.d, c.index_dim);
   cpu::kv_write(hc, host_view(w), k.data(), v.data(), ik.data());
 
   auto dk = nan_buffer(hk.size()), dv = nan_buffer(hv.size()), dik = nan_buffer(hik.size());
-  gk::KvPages dc{dk.data(),   dv.data(), dik.data(), w.num_pages,
-                 c.page_size, c.nkv,     c.d,        c.index_dim};
+  gk::KvPages dc = gk::KvPages::fp32(dk.data(), dv.data(), dik.data(), w.num_pages, c.page_size,
+                                     c.nkv, c.d, c.index_dim);
   {
     DeviceLayout dl(w);
     auto dkk = upload(k), dvv = upload(v), dikk = upload(ik);
@@ -594,13 +594,15 @@ void run_msa_case(const MsaCase& c, uint32_t seed) {
   // Index keys fill every slot of every page (the selection reads whole past blocks only).
   auto ik = rand_eighths(s.num_pages * c.page_size * c.index_dim, g, c.value_range);
   auto iq = rand_eighths(T * c.index_heads * c.index_dim, g, c.value_range);
-  cpu::KvPages hc{nullptr, nullptr, ik.data(), s.num_pages, c.page_size, 1, 1, c.index_dim};
+  cpu::KvPages hc =
+      cpu::KvPages::fp32(nullptr, nullptr, ik.data(), s.num_pages, c.page_size, 1, 1, c.index_dim);
   std::vector<int32_t> want(T * c.index_heads * c.topk);
   cpu::msa_select_blocks(iq.data(), c.index_heads, hc, host_view(s), c.topk, c.init_blocks,
                          c.local_blocks, want.data());
 
   auto dik = upload(ik), diq = upload(iq);
-  gk::KvPages dc{nullptr, nullptr, dik.data(), s.num_pages, c.page_size, 1, 1, c.index_dim};
+  gk::KvPages dc =
+      gk::KvPages::fp32(nullptr, nullptr, dik.data(), s.num_pages, c.page_size, 1, 1, c.index_dim);
   DeviceLayout dl(s);
   DeviceBuffer<int32_t> dout(want.size());
   dout.fill_bytes(0x7f);  // garbage ids, so an unwritten entry fails

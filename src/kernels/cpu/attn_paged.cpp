@@ -16,7 +16,9 @@
 namespace m3::kernels::cpu {
 
 using detail::dot;
+using detail::load_row;
 using detail::page_of;
+using detail::store_row;
 
 void kv_write(const KvPages& c, const TokenLayout& L, const float* k, const float* v,
               const float* ik) {
@@ -30,11 +32,22 @@ void kv_write(const KvPages& c, const TokenLayout& L, const float* k, const floa
     const int32_t page = page_of(L, s, p / c.page_size);
     M3_CHECK(page >= 0 && page < c.num_pages, "kv_write: page %d out of range", page);
     const int64_t slot = static_cast<int64_t>(page) * c.page_size + p % c.page_size;
-    std::memcpy(c.k + slot * row, k + t * row, row * sizeof(float));
-    std::memcpy(c.v + slot * row, v + t * row, row * sizeof(float));
+    store_row(c.k, c.kv_dtype, slot * row, row, 1.0f / c.k_scale, k + t * row);
+    store_row(c.v, c.kv_dtype, slot * row, row, 1.0f / c.v_scale, v + t * row);
     if (ik) {
       M3_CHECK(c.ik != nullptr, "kv_write: layer has no index-K cache");
-      std::memcpy(c.ik + slot * c.index_dim, ik + t * c.index_dim, c.index_dim * sizeof(float));
+      const float* x = ik + t * c.index_dim;
+      float inv = 1.f;
+      if (c.ik_dtype == KvDtype::kFp8) {
+        // One power-of-two scale per token (docs/KV_CACHE.md): x / s is exact.
+        M3_CHECK(c.ik_scale != nullptr, "kv_write: an fp8 index-K needs its scale array");
+        float amax = 0.f;
+        for (int64_t i = 0; i < c.index_dim; ++i) amax = std::max(amax, std::fabs(x[i]));
+        const float sc = fp8_row_scale(amax);
+        c.ik_scale[slot] = sc;
+        inv = 1.0f / sc;
+      }
+      store_row(c.ik, c.ik_dtype, slot * c.index_dim, c.index_dim, inv, x);
     }
   }
 }
@@ -44,10 +57,13 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& c, const 
   const int64_t nkv = c.num_kv_heads, d = c.head_dim, bs = c.page_size;
   M3_CHECK(num_heads % nkv == 0);
   const int64_t group = num_heads / nkv;
+  // A bf16 / fp8 cache is read back to fp32 rows first, and the query enters as bf16, as in
+  // the GPU kernels (docs/KV_CACHE.md); an fp32 cache is read in place.
+  const bool f32 = c.kv_dtype == KvDtype::kF32;
   parallel_for(L.num_tokens * nkv, [&](int64_t w0, int64_t w1) {
     std::vector<int64_t> slots;  // cache slots of the visible keys, ascending position
     std::vector<float> scores;
-    std::vector<float> qt, mx, sum;
+    std::vector<float> qt, mx, sum, kbuf, vbuf;
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t t = w / nkv, g = w % nkv;
       const int32_t p = L.positions[t], s = L.seq_ids[t];
@@ -76,9 +92,21 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& c, const 
       qt.resize(d * group);
       const float* qg = q + (t * num_heads + g * group) * d;
       for (int64_t h = 0; h < group; ++h)
-        for (int64_t i = 0; i < d; ++i) qt[i * group + h] = qg[h * d + i] * scale;
+        for (int64_t i = 0; i < d; ++i)
+          qt[i * group + h] = (f32 ? qg[h * d + i] : round_to_bf16(qg[h * d + i])) * scale;
+      if (!f32) {
+        kbuf.resize(nk * d);
+        vbuf.resize(nk * d);
+        for (int64_t j = 0; j < nk; ++j) {
+          const int64_t at = (slots[j] * nkv + g) * d;
+          load_row(c.k, c.kv_dtype, at, d, c.k_scale, kbuf.data() + j * d);
+          load_row(c.v, c.kv_dtype, at, d, c.v_scale, vbuf.data() + j * d);
+        }
+      }
+      const float* kf = static_cast<const float*>(c.k);
+      const float* vf = static_cast<const float*>(c.v);
       for (int64_t j = 0; j < nk; ++j) {
-        const float* kj = c.k + (slots[j] * nkv + g) * d;
+        const float* kj = f32 ? kf + (slots[j] * nkv + g) * d : kbuf.data() + j * d;
         float* sj = scores.data() + j * group;
         for (int64_t h = 0; h < group; ++h) sj[h] = 0.f;
         for (int64_t i = 0; i < d; ++i) {
@@ -103,7 +131,7 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& c, const 
       float* og = out + (t * num_heads + g * group) * d;
       std::fill(og, og + group * d, 0.f);
       for (int64_t j = 0; j < nk; ++j) {
-        const float* vj = c.v + (slots[j] * nkv + g) * d;
+        const float* vj = f32 ? vf + (slots[j] * nkv + g) * d : vbuf.data() + j * d;
         const float* sj = scores.data() + j * group;
         for (int64_t h = 0; h < group; ++h) {
           const float wj = sj[h];

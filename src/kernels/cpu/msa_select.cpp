@@ -15,6 +15,7 @@
 namespace m3::kernels::cpu {
 
 using detail::dot;
+using detail::load_row;
 using detail::page_of;
 
 void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& c,
@@ -25,8 +26,13 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
   // The query's own (partial) block is always forced, so every scored block lies wholly before
   // the query; the config loader refuses sparse_local_block < 1.
   M3_CHECK(local_blocks >= 1, "msa_select_blocks: local_blocks must be >= 1");
+  // A bf16 / fp8 index-K: the query enters as bf16 (exact products), an fp8 row's score is its
+  // per-token scale times the dot with its codes (docs/KV_CACHE.md).
+  const bool f32 = c.ik_dtype == KvDtype::kF32;
+  M3_CHECK(c.ik_dtype != KvDtype::kFp8 || c.ik_scale != nullptr,
+           "msa_select_blocks: an fp8 index-K needs its scale array");
   parallel_for(L.num_tokens * num_index_heads, [&](int64_t w0, int64_t w1) {
-    std::vector<float> score;
+    std::vector<float> score, qbuf(di), kbuf;
     std::vector<int32_t> order;
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t t = w / num_index_heads;  // index head = w % num_index_heads
@@ -39,6 +45,11 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
         continue;
       }
       const float* qv = iq + w * di;
+      if (!f32) {
+        for (int64_t i = 0; i < di; ++i) qbuf[i] = round_to_bf16(qv[i]);
+        qv = qbuf.data();
+        kbuf.resize(bs * di);
+      }
       const float inf = std::numeric_limits<float>::infinity();
       score.assign(nb, -inf);
       for (int64_t b = 0; b < nb; ++b) {
@@ -49,9 +60,18 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
         }
         // Block b < nb - local_blocks lies wholly before p: every token in it is visible.
         const int64_t page = page_of(L, s, b);
-        const float* kb = c.ik + page * bs * di;
         float mx = -inf;
-        for (int64_t j = 0; j < bs; ++j) mx = std::max(mx, dot(qv, kb + j * di, di));
+        if (f32) {
+          const float* kb = static_cast<const float*>(c.ik) + page * bs * di;
+          for (int64_t j = 0; j < bs; ++j) mx = std::max(mx, dot(qv, kb + j * di, di));
+        } else {
+          load_row(c.ik, c.ik_dtype, page * bs * di, bs * di, 1.f, kbuf.data());
+          const bool fp8 = c.ik_dtype == KvDtype::kFp8;
+          for (int64_t j = 0; j < bs; ++j) {
+            const float sc = fp8 ? c.ik_scale[page * bs + j] : 1.f;
+            mx = std::max(mx, sc * dot(qv, kbuf.data() + j * di, di));
+          }
+        }
         score[b] = mx;
       }
       order.resize(nb);

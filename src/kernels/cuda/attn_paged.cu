@@ -4,11 +4,17 @@
 // memory, one lane per key for the scores; V straight from global memory, one lane per 4 output
 // dims) with its own online fp32 softmax; the CTA merges its warps, and
 // attention_combine_kernel merges the splits. Other geometries use the generic kernel: one CTA per
-// (token, kv head), 32-key chunks.
+// (token, kv head), 32-key chunks. Those two read an fp32 cache; a bf16 / fp8 cache (every format
+// of docs/KV_CACHE.md) takes attention_mma_kernel at head_dim 128 and groups <= 16 (tensor
+// cores, q and P rounded as the doc allows) and the generic kernel, templated on the element
+// type, elsewhere. kv_write stores every format with the CPU twin's bytes.
 #include <algorithm>
+
+#include <cooperative_groups.h>
 
 #include "kernels/cuda/attn_common.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kv_format.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace m3::kernels::cuda {
@@ -19,9 +25,16 @@ constexpr int kKvThreads = 256;
 constexpr int kAttnThreads = 256;
 constexpr int kChunk = 32;  // keys per shared-memory pass
 
+// One CTA per token. inv_k / inv_v: 1 / k_scale, 1 / v_scale (host fp32). An fp8 index-K row
+// gets its per-token power-of-two scale (docs/KV_CACHE.md).
+template <class T, class TI>
 __global__ void __launch_bounds__(kKvThreads)
     kv_write_kernel(KvPages c, TokenLayout L, const float* __restrict__ k,
-                    const float* __restrict__ v, const float* __restrict__ ik) {
+                    const float* __restrict__ v, const float* __restrict__ ik, float inv_k,
+                    float inv_v) {
+  using E = detail::KvElem<T>;
+  using EI = detail::KvElem<TI>;
+  __shared__ float red[32];
   const int64_t t = blockIdx.x;
   const int32_t p = L.positions[t], s = L.seq_ids[t];
   const int64_t nblk = L.block_table_offsets[s + 1] - L.block_table_offsets[s];
@@ -33,12 +46,23 @@ __global__ void __launch_bounds__(kKvThreads)
   const int64_t slot = static_cast<int64_t>(page) * c.page_size + p % c.page_size;
   const int64_t row = c.num_kv_heads * c.head_dim;
   for (int64_t i = threadIdx.x; i < row; i += blockDim.x) {
-    c.k[slot * row + i] = k[t * row + i];
-    c.v[slot * row + i] = v[t * row + i];
+    E::store(c.k_as<T>(), slot * row + i, k[t * row + i], inv_k);
+    E::store(c.v_as<T>(), slot * row + i, v[t * row + i], inv_v);
   }
   if (ik != nullptr) {
+    const float* x = ik + t * c.index_dim;
+    float inv = 1.f;
+    if constexpr (EI::kDtype == KvDtype::kFp8) {
+      float amax = 0.f;
+      for (int64_t i = threadIdx.x; i < c.index_dim; i += blockDim.x)
+        amax = fmaxf(amax, fabsf(x[i]));
+      amax = detail::block_max(amax, red);
+      const float sc = fp8_row_scale(amax);
+      if (threadIdx.x == 0) c.ik_scale[slot] = sc;
+      inv = 1.0f / sc;  // a power of two: exact
+    }
     for (int64_t i = threadIdx.x; i < c.index_dim; i += blockDim.x)
-      c.ik[slot * c.index_dim + i] = ik[t * c.index_dim + i];
+      EI::store(c.ik_as<TI>(), slot * c.index_dim + i, x[i], inv);
   }
 }
 
@@ -52,10 +76,14 @@ struct AttnSmem {
   }
 };
 
+// T: the cache's storage type (kv_format.cuh); a bf16 / fp8 cache takes the query rounded to
+// bf16 (docs/KV_CACHE.md), as the CPU op does.
+template <class T>
 __global__ void __launch_bounds__(kAttnThreads)
     attention_generic_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c,
                              TokenLayout L, const int32_t* __restrict__ blocks, int64_t max_blocks,
                              float scale, float* __restrict__ out) {
+  using E = detail::KvElem<T>;
   extern __shared__ __align__(16) unsigned char attn_smem[];
   const int64_t nkv = c.num_kv_heads, d = c.head_dim, bs = c.page_size;
   const int64_t group = num_heads / nkv;
@@ -77,7 +105,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int32_t* table = L.block_table + L.block_table_offsets[s];
   const float* qg = q + (t * num_heads + g * group) * d;
   for (int64_t e = threadIdx.x; e < group * d; e += blockDim.x) {
-    qs[e] = qg[e] * scale;
+    qs[e] = (E::kDtype == KvDtype::kF32 ? qg[e] : detail::round_bf16(qg[e])) * scale;
     acc[e] = 0.f;
   }
   for (int64_t h = threadIdx.x; h < group; h += blockDim.x) {
@@ -102,8 +130,8 @@ __global__ void __launch_bounds__(kAttnThreads)
       for (int64_t e = threadIdx.x; e < cnt * d; e += blockDim.x) {
         const int64_t j = e / d, i = e % d;
         const int64_t src = (slots[j] * nkv + g) * d + i;
-        ks[j * kd + i] = c.k[src];
-        vs[j * d + i] = c.v[src];
+        ks[j * kd + i] = E::load(c.k_as<T>(), src, c.k_scale);
+        vs[j * d + i] = E::load(c.v_as<T>(), src, c.v_scale);
       }
       __syncthreads();
       for (int64_t e = threadIdx.x; e < group * cnt; e += blockDim.x) {
@@ -261,7 +289,7 @@ __global__ void __launch_bounds__(kSplitThreads)
       const int64_t rr = __shfl_sync(0xffffffffu, row, r);
       if (rr < 0) continue;
       for (int cix = lane; cix < D / 4; cix += kWarp)
-        detail::cp_async16(Ks + r * (D + 4) + cix * 4, c.k + rr * D + cix * 4);
+        detail::cp_async16(Ks + r * (D + 4) + cix * 4, c.k_as<float>() + rr * D + cix * 4);
     }
     detail::cp_async_commit();
     detail::cp_async_wait<0>();
@@ -315,8 +343,9 @@ __global__ void __launch_bounds__(kSplitThreads)
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
         const int64_t rr = __shfl_sync(0xffffffffu, row, j0 + u);
-        v4[u] = (rr >= 0 && has_d) ? __ldg(reinterpret_cast<const float4*>(c.v + rr * D) + lane)
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+        v4[u] = (rr >= 0 && has_d)
+                    ? __ldg(reinterpret_cast<const float4*>(c.v_as<float>() + rr * D) + lane)
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
@@ -416,8 +445,402 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
+// ---- tensor-core path: a bf16 or fp8 cache, head_dim 128, GQA group <= 16 ----
+// The same split-KV grid and partial format as attention_split_kernel (the combine kernel merges
+// either). Each warp takes 16-key tiles through its own ring of kStages shared-memory stages
+// filled by cp.async (lanes 0-15 copy key l's K row, lanes 16-31 its V row; masked keys are
+// zero-filled), so several tiles are in flight while it computes one: S[16 heads x 16 keys] =
+// Q·K^T on m16n8k16 MMAs (the group's heads as rows, zero-padded to 16; q rounded to bf16, fp32
+// accumulation), an online fp32 softmax per head, then O[16 x 128] += P·V with P rounded to the
+// MMA type (bf16; f16 for fp8). Fragments are read from the stage as 16-byte pieces: K rows
+// through kv_k_base's permutation of the dot's terms; V as four keys x 16 consecutive dims per
+// lane, paired into B fragments with byte permutes, which makes the output column of lane row r
+// in n-tile n the dim 16 r + n.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = kMmaWarps * detail::kWarp;
+constexpr int kMmaTile = 16;  // keys per warp step
+constexpr int kMmaDim = 128;
+constexpr int kMmaRows = 16;          // heads per CTA (the MMA's M)
+constexpr int kMaxClusterSplits = 8;  // the portable cluster size
+constexpr int kMmaMaxPages = 1024;    // a split's page list staged in shared memory
+
+template <class T>
+struct MmaAttnSmem {
+  static constexpr int kRowBytes = kMmaDim * int(sizeof(T)) + 16;  // padded: fewer bank conflicts
+  static constexpr int kStageBytes = 2 * kMmaTile * kRowBytes;     // K rows, then V rows
+  static constexpr int kStages = sizeof(T) == 1 ? 5 : 3;           // 2 CTAs per SM
+  static constexpr int kWarpBytes = kStages * kStageBytes;
+  // After the loop: the warps' outputs, then (cluster merge) the CTA's output.
+  static constexpr int kMergeBytes = kMmaWarps * kMmaRows * kMmaDim * 4;
+  static constexpr int kAfterBytes = kMergeBytes + kMmaRows * kMmaDim * 4;
+  static constexpr int kBytes =
+      kMmaWarps * kWarpBytes > kAfterBytes ? kMmaWarps* kWarpBytes : kAfterBytes;
+};
+
+// 16 bytes global -> shared, or 16 zero bytes when !valid (cp.async's source size 0).
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "r"(n)
+               : "memory");
+}
+
+// kCluster: the splits of a (token, kv head) are one thread-block cluster (gridDim.y <= 8 CTAs);
+// they merge through distributed shared memory and CTA 0 writes the output (no combine kernel,
+// no workspace).
+template <class T, bool kCluster>
+__global__ void __launch_bounds__(kMmaThreads)
+    attention_mma_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
+                         const int32_t* __restrict__ blocks, int64_t max_blocks, float scale,
+                         int64_t max_kv_len, int num_splits, float* __restrict__ part_o,
+                         float* __restrict__ part_ml, float* __restrict__ out) {
+  using M = detail::MmaOf<T>;
+  using Sm = MmaAttnSmem<T>;
+  using detail::kWarp;
+  constexpr int D = kMmaDim;
+  constexpr int E = M::kElemsPer16B;                      // row elements per 16-byte piece
+  constexpr int KPieces = D / (4 * E);                    // K pieces per lane and key
+  constexpr int KSteps = D / 16;                          // MMA k-steps of a Q·K^T dot
+  constexpr int VPieces = (D / 8) * int(sizeof(T)) / 16;  // V pieces per lane and key
+  constexpr int RowChunks = D * int(sizeof(T)) / 16;      // 16-byte chunks of a row
+  constexpr int NT = D / 8;                               // output n-tiles
+  constexpr int S = Sm::kStages;
+  constexpr bool kFp8 = sizeof(T) == 1;
+  extern __shared__ __align__(16) unsigned char mma_smem[];
+  __shared__ float Wm[kMmaWarps][kMmaRows], Wl[kMmaWarps][kMmaRows], Wt[kMmaWarps][kMmaRows];
+  __shared__ float Ms[kMmaRows], Ls[kMmaRows];
+  __shared__ unsigned tile_mask[kMmaWarps][S];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int r = lane / 4, cq = lane % 4;
+  const int64_t nkv = c.num_kv_heads, bs = c.page_size;
+  const int group = static_cast<int>(num_heads / nkv);
+  const int64_t t = blockIdx.x / nkv, g = blockIdx.x % nkv;
+  const int split = blockIdx.y;
+  const int32_t p = L.positions[t], s = L.seq_ids[t];
+  M3_DEVICE_CHECK(max_kv_len <= 0 || p < max_kv_len,
+                  "attention: position %d beyond max_kv_len %lld", p,
+                  static_cast<long long>(max_kv_len));
+  const int64_t nb = p / bs + 1;
+  const int32_t* table = L.block_table + L.block_table_offsets[s];
+  const int32_t* sel = blocks ? blocks + (t * nkv + g) * max_blocks : nullptr;
+  const int64_t nvirt = sel ? max_blocks * bs : static_cast<int64_t>(p) + 1;
+  const int64_t ntiles = (nvirt + kMmaTile - 1) / kMmaTile;
+  const int64_t per = (ntiles + num_splits - 1) / num_splits;
+  const int64_t tile0 = split * per, tile1 = min(ntiles, tile0 + per);
+  // This warp's tiles: tile0 + warp + i * kMmaWarps, i < my_tiles.
+  const int64_t first = tile0 + warp;
+  const int my_tiles =
+      first < tile1 ? static_cast<int>((tile1 - first + kMmaWarps - 1) / kMmaWarps) : 0;
+
+  // The pages of the split's virtual blocks, looked up once into shared memory (where they fit):
+  // the loop then finds a key's row without a dependent global load. vpage = physical page
+  // (-1: no block), vstart = the logical block's first position.
+  __shared__ int32_t vpage[kMmaMaxPages], vstart[kMmaMaxPages];
+  const int64_t vlim = sel ? max_blocks : nb;  // virtual blocks
+  const int64_t vb0 = tile0 * kMmaTile / bs;
+  const int64_t vb1 = tile1 > tile0 ? min(vlim, (tile1 * kMmaTile - 1) / bs + 1) : vb0;
+  const bool staged = vb1 - vb0 <= kMmaMaxPages;
+  if (staged) {
+    for (int64_t i = threadIdx.x; i < vb1 - vb0; i += blockDim.x) {
+      int64_t b = vb0 + i;
+      if (sel) {
+        b = sel[b];
+        M3_DEVICE_CHECK(b < nb, "attention: selected block %lld is in the future (token at %d)",
+                        static_cast<long long>(b), p);
+      }
+      vpage[i] = b >= 0 ? table[b] : -1;
+      vstart[i] = static_cast<int32_t>(b * bs);
+    }
+  }
+  __syncthreads();
+  // The cache row (in units of D elements) of virtual key vk, or -1 when masked.
+  auto key_row = [&](int64_t vk) -> int64_t {
+    if (vk >= nvirt) return -1;
+    const int32_t v32 = static_cast<int32_t>(vk), bs32 = static_cast<int32_t>(bs);
+    const int32_t o = v32 % bs32, vb = v32 / bs32;
+    if (staged) {
+      const int32_t page = vpage[vb - vb0];
+      if (page < 0 || vstart[vb - vb0] + o > p) return -1;
+      return (static_cast<int64_t>(page) * bs + o) * nkv + g;
+    }
+    int64_t b = vb;
+    if (sel) {
+      b = sel[b];
+      M3_DEVICE_CHECK(b < nb, "attention: selected block %lld is in the future (token at %d)",
+                      static_cast<long long>(b), p);
+    }
+    if (b < 0 || b * bs + o > p) return -1;
+    return (static_cast<int64_t>(table[b]) * bs + o) * nkv + g;
+  };
+  auto tile_row = [&](int i) -> int64_t {
+    return i < my_tiles
+               ? key_row((first + static_cast<int64_t>(i) * kMmaWarps) * kMmaTile + lane % kMmaTile)
+               : -1;
+  };
+  unsigned char* ring = mma_smem + warp * Sm::kWarpBytes;
+  const T* kbase = c.k_as<T>();
+  const T* vbase = c.v_as<T>();
+  // Tile i into stage i % S: its 16 K rows then its 16 V rows, each row copied by consecutive
+  // lanes (16-byte chunks: whole 32-byte sectors per request); masked keys zero-filled.
+  auto issue = [&](int i, int64_t row) {
+    const unsigned vm = __ballot_sync(0xffffffffu, row >= 0) & 0xffffu;
+    unsigned char* st = ring + (i % S) * Sm::kStageBytes;
+    if (lane == 0) tile_mask[warp][i % S] = vm;
+    if (vm != 0) {
+      constexpr int RowsPerCopy = kWarp / RowChunks;
+      const int sub = lane / RowChunks, ch = lane % RowChunks;
+#pragma unroll
+      for (int it = 0; it < 2 * kMmaTile / RowsPerCopy; ++it) {
+        const int rr = it * RowsPerCopy + sub;  // K rows 0..15, V rows 16..31
+        const int64_t kr = __shfl_sync(0xffffffffu, row, rr % kMmaTile);
+        const T* src = (rr >= kMmaTile ? vbase : kbase) + (kr >= 0 ? kr : 0) * D;
+        cp_async16_zfill(st + rr * Sm::kRowBytes + ch * 16,
+                         reinterpret_cast<const uint4*>(src) + ch, kr >= 0);
+      }
+    }
+    detail::cp_async_commit();
+  };
+
+  // Start the ring: rows of tiles 0..S-2 issued, tile S-1's row read ahead.
+  int64_t ahead = tile_row(0);
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) {
+    const int64_t row = ahead;
+    ahead = tile_row(i + 1);
+    issue(i, row);
+  }
+
+  // Q fragments of the 8 k-steps: rows r and r + 8 (heads of the group; 0 past it).
+  const float* qg = q + (t * num_heads + g * group) * D;
+  uint32_t qa[KSteps][4];
+  auto qv = [&](int h, int i) { return h < group ? detail::round_bf16(qg[h * D + i]) : 0.f; };
+#pragma unroll
+  for (int ks = 0; ks < KSteps; ++ks) {
+    const int b = detail::kv_k_base<E>(ks, cq);
+    qa[ks][0] = M::pack(qv(r, b), qv(r, b + 1));
+    qa[ks][1] = M::pack(qv(r + 8, b), qv(r + 8, b + 1));
+    qa[ks][2] = M::pack(qv(r, b + 2), qv(r, b + 3));
+    qa[ks][3] = M::pack(qv(r + 8, b + 2), qv(r + 8, b + 3));
+  }
+  const float smul = kFp8 ? scale * c.k_scale : scale;
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows r, r + 8
+  float o[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+  for (int i = 0; i < my_tiles; ++i) {
+    // Refill the stage freed by tile i - 1 with tile i + S - 1, then wait for tile i.
+    {
+      const int64_t row = ahead;
+      ahead = tile_row(i + S);
+      issue(i + S - 1, row);
+      // Tile i + S's rows into L2 now; its copy is issued next iteration.
+      if (ahead >= 0) {
+        const unsigned char* pr =
+            reinterpret_cast<const unsigned char*>((lane < kMmaTile ? kbase : vbase) + ahead * D);
+#pragma unroll
+        for (int ln = 0; ln < D * int(sizeof(T)) / 128; ++ln) detail::prefetch_l2(pr + ln * 128);
+      }
+    }
+    detail::cp_async_wait<S - 1>();
+    __syncwarp();
+    const unsigned vm = tile_mask[warp][i % S];
+    if (vm != 0) {
+      const unsigned char* st = ring + (i % S) * Sm::kStageBytes;
+      float x[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        uint32_t kb[2 * KSteps];
+        const unsigned char* kr = st + (nt * 8 + r) * Sm::kRowBytes;
+#pragma unroll
+        for (int j = 0; j < KPieces; ++j)
+          M::unpack(*reinterpret_cast<const uint4*>(kr + (j * 4 + cq) * 16), kb + j * (E / 2));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KSteps; ++ks) M::mma(x[nt], qa[ks], kb[2 * ks], kb[2 * ks + 1]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = nt * 8 + 2 * cq + (e & 1);
+          x[nt][e] = (vm >> key) & 1u ? x[nt][e] * smul : -INFINITY;
+        }
+      }
+      // Online softmax of rows r (e = 0, 1) and r + 8 (e = 2, 3); a quad holds a row's keys.
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx =
+            fmaxf(fmaxf(x[0][2 * hh], x[0][2 * hh + 1]), fmaxf(x[1][2 * hh], x[1][2 * hh + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float nm = fmaxf(m[hh], mx);
+        const float corr = m[hh] == -INFINITY ? 0.f : expf(m[hh] - nm);
+        m[hh] = nm;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+            const float pr = x[nt][e] == -INFINITY ? 0.f : expf(x[nt][e] - nm);
+            x[nt][e] = pr;
+            sum += pr;
+          }
+        l[hh] = l[hh] * corr + sum;
+        if (corr != 1.f) {
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            o[n][2 * hh] *= corr;
+            o[n][2 * hh + 1] *= corr;
+          }
+        }
+      }
+      // O += P·V: P's A fragment is the S accumulator repacked; V's B fragments pair two keys.
+      const uint32_t pa[4] = {M::pack(x[0][0], x[0][1]), M::pack(x[0][2], x[0][3]),
+                              M::pack(x[1][0], x[1][1]), M::pack(x[1][2], x[1][3])};
+      uint32_t vv[4][8];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int key = 2 * cq + (u & 1) + (u >> 1) * 8;
+        const unsigned char* vr = st + (kMmaTile + key) * Sm::kRowBytes + 16 * r * int(sizeof(T));
+#pragma unroll
+        for (int j = 0; j < VPieces; ++j)
+          M::unpack(*reinterpret_cast<const uint4*>(vr + 16 * j), vv[u] + j * (E / 2));
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const unsigned selb = (n & 1) ? 0x7632u : 0x5410u;
+        const uint32_t b0 = __byte_perm(vv[0][n / 2], vv[1][n / 2], selb);
+        const uint32_t b1 = __byte_perm(vv[2][n / 2], vv[3][n / 2], selb);
+        M::mma(o[n], pa, b0, b1);
+      }
+    }
+    __syncwarp();  // the stage is refilled by the next iteration
+  }
+  detail::cp_async_wait<0>();
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
+  }
+  __syncthreads();  // every warp is done with its ring: the merge reuses the memory
+  // Merge the warps (as attention_split_kernel): each parks its rows in Ow.
+  float* Ow = reinterpret_cast<float*>(mma_smem);
+  float* ow = Ow + warp * kMmaRows * D;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    ow[r * D + (2 * cq) * 16 + n] = o[n][0];
+    ow[r * D + (2 * cq + 1) * 16 + n] = o[n][1];
+    ow[(r + 8) * D + (2 * cq) * 16 + n] = o[n][2];
+    ow[(r + 8) * D + (2 * cq + 1) * 16 + n] = o[n][3];
+  }
+  if (cq == 0) {
+    Wm[warp][r] = m[0];
+    Wm[warp][r + 8] = m[1];
+    Wl[warp][r] = l[0];
+    Wl[warp][r + 8] = l[1];
+  }
+  __syncthreads();
+  if (threadIdx.x < kMmaRows) {
+    const int h = threadIdx.x;
+    float mx = -INFINITY;
+    for (int w = 0; w < kMmaWarps; ++w) mx = fmaxf(mx, Wm[w][h]);
+    float lt = 0.f;
+    for (int w = 0; w < kMmaWarps; ++w) {
+      const float wt = Wm[w][h] == -INFINITY ? 0.f : expf(Wm[w][h] - mx);
+      Wt[w][h] = wt;
+      lt += wt * Wl[w][h];
+    }
+    Ms[h] = mx;
+    Ls[h] = lt;
+  }
+  __syncthreads();
+  const float vmul = kFp8 ? c.v_scale : 1.f;
+  if constexpr (kCluster) {
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();
+    float* Oc = reinterpret_cast<float*>(mma_smem + Sm::kMergeBytes);  // [group][D]
+    for (int e = threadIdx.x; e < group * D; e += blockDim.x) {
+      const int h = e / D, i = e % D;
+      float acc = 0.f;
+      for (int w = 0; w < kMmaWarps; ++w) acc = fmaf(Wt[w][h], Ow[(w * kMmaRows + h) * D + i], acc);
+      Oc[e] = acc * vmul;
+    }
+    cl.sync();
+    // Every CTA merges one slice of the group's outputs, reading all the splits' rows of it
+    // through distributed shared memory (all loads of an element in flight at once).
+    {
+      __shared__ float Wc[kMaxClusterSplits][kMmaRows], Lt[kMmaRows];
+      const int ns = static_cast<int>(cl.num_blocks());
+      const int rank = static_cast<int>(cl.block_rank());
+      if (threadIdx.x < group) {
+        const int h = threadIdx.x;
+        float mr[kMaxClusterSplits], lr[kMaxClusterSplits];
+#pragma unroll
+        for (int rk = 0; rk < kMaxClusterSplits; ++rk) {
+          mr[rk] = rk < ns ? cl.map_shared_rank(Ms, rk)[h] : -INFINITY;
+          lr[rk] = rk < ns ? cl.map_shared_rank(Ls, rk)[h] : 0.f;
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int rk = 0; rk < kMaxClusterSplits; ++rk) mx = fmaxf(mx, mr[rk]);
+        float lt = 0.f;
+#pragma unroll
+        for (int rk = 0; rk < kMaxClusterSplits; ++rk) {
+          const float w = mr[rk] == -INFINITY ? 0.f : expf(mr[rk] - mx);
+          Wc[rk][h] = w;
+          lt += w * lr[rk];
+        }
+        Lt[h] = lt;
+      }
+      __syncthreads();
+      const int total = group * D, per_rank = (total + ns - 1) / ns;
+      const int e1 = min(total, (rank + 1) * per_rank);
+      for (int e = rank * per_rank + threadIdx.x; e < e1; e += blockDim.x) {
+        const int h = e / D;
+        float v[kMaxClusterSplits];
+#pragma unroll
+        for (int rk = 0; rk < kMaxClusterSplits; ++rk)
+          v[rk] = rk < ns ? cl.map_shared_rank(Oc, rk)[e] : 0.f;
+        float acc = 0.f;
+#pragma unroll
+        for (int rk = 0; rk < kMaxClusterSplits; ++rk) acc = fmaf(Wc[rk][h], v[rk], acc);
+        out[(t * num_heads + g * group) * D + e] = acc * (1.0f / Lt[h]);
+      }
+    }
+    cl.sync();  // every CTA keeps its shared memory until the others have read it
+    return;
+  }
+  const int64_t idx = (t * nkv + g) * num_splits + split;
+  for (int e = threadIdx.x; e < group * D; e += blockDim.x) {
+    const int h = e / D, i = e % D;
+    float acc = 0.f;
+    for (int w = 0; w < kMmaWarps; ++w) acc = fmaf(Wt[w][h], Ow[(w * kMmaRows + h) * D + i], acc);
+    acc *= vmul;
+    if (num_splits == 1) {
+      out[(t * num_heads + g * group + h) * D + i] = acc * (1.0f / Ls[h]);
+    } else {
+      part_o[(idx * group + h) * D + i] = acc;
+    }
+  }
+  if (num_splits > 1 && threadIdx.x < group) {
+    part_ml[(idx * group + threadIdx.x) * 2] = Ms[threadIdx.x];
+    part_ml[(idx * group + threadIdx.x) * 2 + 1] = Ls[threadIdx.x];
+  }
+}
+
+bool mma_path_supported(const KvPages& c, int64_t group) {
+  return c.kv_dtype != KvDtype::kF32 && group >= 1 && group <= kMmaRows && c.head_dim == kMmaDim;
+}
+
 bool split_path_supported(int64_t group, int64_t d) {
   return group >= 1 && group <= kFastMaxGroup && d >= 4 && d <= kFastMaxDim && d % 4 == 0;
+}
+
+// The split-KV kernels: the fp32 one, or the tensor-core one for a bf16 / fp8 cache.
+bool split_grid_supported(const KvPages& c, int64_t group) {
+  return c.kv_dtype == KvDtype::kF32 ? split_path_supported(group, c.head_dim)
+                                     : mma_path_supported(c, group);
 }
 
 int pow2_group(int64_t group) {
@@ -426,13 +849,16 @@ int pow2_group(int64_t group) {
   return g;
 }
 
-// Splits per (token, kv head): enough CTAs for ~2 per SM, at least one tile per warp per split.
+// Splits per (token, kv head): up to 2 CTAs per SM in one wave, at least one tile per warp per
+// split.
 int choose_splits(int64_t num_tokens, const KvPages& c, int64_t max_blocks, int64_t max_kv_len) {
   if (max_kv_len <= 0) return 1;
   const int64_t nvirt = max_blocks > 0 ? max_blocks * c.page_size : max_kv_len;
   const int64_t ntiles = (nvirt + kTile - 1) / kTile;
   const int64_t units = num_tokens * c.num_kv_heads;
-  int64_t s = (2 * detail::num_sms() + units - 1) / units;
+  // As many splits as fill the two CTAs per SM once: rounding up would start a second, mostly
+  // empty wave that doubles the time.
+  int64_t s = 2 * static_cast<int64_t>(detail::num_sms()) / units;
   s = std::min<int64_t>(s, (ntiles + kSplitWarps - 1) / kSplitWarps);
   s = std::min<int64_t>(s, kMaxSplits);
   return static_cast<int>(std::max<int64_t>(s, 1));
@@ -464,17 +890,24 @@ void launch_split(const float* q, int64_t num_heads, const KvPages& c, const Tok
 void kv_write(const KvPages& cache, const TokenLayout& layout, const float* k, const float* v,
               const float* ik, cudaStream_t stream) {
   M3_CHECK(ik == nullptr || cache.ik != nullptr, "cuda::kv_write: layer has no index-K cache");
+  M3_CHECK(ik == nullptr || cache.ik_dtype != KvDtype::kFp8 || cache.ik_scale != nullptr,
+           "cuda::kv_write: an fp8 index-K needs its scale array");
   if (layout.num_tokens == 0) return;
   M3_CHECK(layout.num_tokens <= 0x7fffffff);
-  kv_write_kernel<<<static_cast<unsigned>(layout.num_tokens), kKvThreads, 0, stream>>>(
-      cache, layout, k, v, ik);
-  M3_CUDA_CHECK_LAUNCH("kv_write_kernel");
+  const float inv_k = 1.0f / cache.k_scale, inv_v = 1.0f / cache.v_scale;
+  detail::dispatch_kv(cache.kv_dtype, [&]<class T>() {
+    detail::dispatch_kv(cache.ik_dtype, [&]<class TI>() {
+      kv_write_kernel<T, TI><<<static_cast<unsigned>(layout.num_tokens), kKvThreads, 0, stream>>>(
+          cache, layout, k, v, ik, inv_k, inv_v);
+      M3_CUDA_CHECK_LAUNCH("kv_write_kernel");
+    });
+  });
 }
 
 size_t attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, const KvPages& cache,
                                  int64_t max_blocks, int64_t max_kv_len) {
   if (num_tokens <= 0 || cache.num_kv_heads <= 0) return 0;
-  if (!split_path_supported(num_heads / cache.num_kv_heads, cache.head_dim)) return 0;
+  if (!split_grid_supported(cache, num_heads / cache.num_kv_heads)) return 0;
   return split_bytes(num_tokens, num_heads, cache.head_dim,
                      choose_splits(num_tokens, cache, max_blocks, max_kv_len));
 }
@@ -487,43 +920,86 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
   if (layout.num_tokens == 0) return;
   const int64_t T = layout.num_tokens, group = num_heads / cache.num_kv_heads;
   M3_CHECK(T * cache.num_kv_heads <= 0x7fffffff);
-  if (split_path_supported(group, cache.head_dim)) {
+  if (split_grid_supported(cache, group)) {
     int splits = choose_splits(T, cache, blocks ? max_blocks : 0, max_kv_len);
+    // The tensor-core path merges the splits of the selected blocks (few keys: a second kernel
+    // would cost more than they do) inside a cluster of up to 8; dense rows go through the
+    // workspace and the combine kernel.
+    bool cluster = false;
+    if (cache.kv_dtype != KvDtype::kF32 && splits > 1 && blocks != nullptr) {
+      splits = std::min(splits, kMaxClusterSplits);
+      cluster = true;
+    }
     const size_t per_split = split_bytes(T, num_heads, cache.head_dim, 2) / 2;
-    if (splits > 1 && ws.bytes < per_split * splits) {
+    if (!cluster && splits > 1 && ws.bytes < per_split * splits) {
       splits = static_cast<int>(std::min<size_t>(ws.bytes / per_split, kMaxSplits));
       if (splits < 2) splits = 1;
     }
     float* part_o = nullptr;
     float* part_ml = nullptr;
-    if (splits > 1) {
+    if (splits > 1 && !cluster) {
       M3_CHECK(ws.data != nullptr);
       part_o = static_cast<float*>(ws.data);
       part_ml = part_o + T * num_heads * splits * cache.head_dim;
     }
-    switch (pow2_group(group)) {
-      case 1:
-        launch_split<1>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
-                        part_o, part_ml, out, stream);
-        break;
-      case 2:
-        launch_split<2>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
-                        part_o, part_ml, out, stream);
-        break;
-      case 4:
-        launch_split<4>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
-                        part_o, part_ml, out, stream);
-        break;
-      case 8:
-        launch_split<8>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
-                        part_o, part_ml, out, stream);
-        break;
-      default:
-        launch_split<16>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
-                         part_o, part_ml, out, stream);
-        break;
+    if (cache.kv_dtype != KvDtype::kF32) {
+      const dim3 grid(static_cast<unsigned>(T * cache.num_kv_heads), static_cast<unsigned>(splits));
+      detail::dispatch_kv(cache.kv_dtype, [&]<class TT>() {
+        if constexpr (sizeof(TT) < 4) {
+          constexpr int smem = MmaAttnSmem<TT>::kBytes;
+          if (cluster) {
+            static std::atomic<uint64_t> attr_set{0};
+            detail::raise_smem_limit_once(attr_set, attention_mma_kernel<TT, true>, smem);
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = grid;
+            cfg.blockDim = dim3(kMmaThreads);
+            cfg.dynamicSmemBytes = smem;
+            cfg.stream = stream;
+            cudaLaunchAttribute attr[1];
+            attr[0].id = cudaLaunchAttributeClusterDimension;
+            attr[0].val.clusterDim.x = 1;
+            attr[0].val.clusterDim.y = static_cast<unsigned>(splits);
+            attr[0].val.clusterDim.z = 1;
+            cfg.attrs = attr;
+            cfg.numAttrs = 1;
+            M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention_mma_kernel<TT, true>, q, num_heads,
+                                             cache, layout, blocks, max_blocks, scale, max_kv_len,
+                                             splits, part_o, part_ml, out));
+          } else {
+            static std::atomic<uint64_t> attr_set{0};
+            detail::raise_smem_limit_once(attr_set, attention_mma_kernel<TT, false>, smem);
+            attention_mma_kernel<TT, false><<<grid, kMmaThreads, smem, stream>>>(
+                q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o,
+                part_ml, out);
+          }
+          M3_CUDA_CHECK_LAUNCH("attention_mma_kernel");
+        }
+      });
+    } else {
+      switch (pow2_group(group)) {
+        case 1:
+          launch_split<1>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len,
+                          splits, part_o, part_ml, out, stream);
+          break;
+        case 2:
+          launch_split<2>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len,
+                          splits, part_o, part_ml, out, stream);
+          break;
+        case 4:
+          launch_split<4>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len,
+                          splits, part_o, part_ml, out, stream);
+          break;
+        case 8:
+          launch_split<8>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len,
+                          splits, part_o, part_ml, out, stream);
+          break;
+        default:
+          launch_split<16>(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len,
+                           splits, part_o, part_ml, out, stream);
+          break;
+      }
     }
-    if (splits > 1) {
+    if (splits > 1 && !cluster) {
       M3_CHECK(T * num_heads <= 0x7fffffff);
       attention_combine_kernel<<<static_cast<unsigned>(T * num_heads), kCombineThreads, 0,
                                  stream>>>(part_o, part_ml, num_heads, cache.num_kv_heads,
@@ -540,14 +1016,16 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
            "cuda::attention: %zu bytes of shared memory (group %lld, head "
            "dim %lld)",
            smem, (long long)lay.group, (long long)lay.d);
-  if (smem > 48 * 1024) {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(attention_generic_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
-  }
-  attention_generic_kernel<<<static_cast<unsigned>(grid), kAttnThreads, smem, stream>>>(
-      q, num_heads, cache, layout, blocks, max_blocks, scale, out);
-  M3_CUDA_CHECK_LAUNCH("attention_generic_kernel");
+  detail::dispatch_kv(cache.kv_dtype, [&]<class T>() {
+    if (smem > 48 * 1024) {
+      M3_CUDA_CHECK(cudaFuncSetAttribute(attention_generic_kernel<T>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+    }
+    attention_generic_kernel<T><<<static_cast<unsigned>(grid), kAttnThreads, smem, stream>>>(
+        q, num_heads, cache, layout, blocks, max_blocks, scale, out);
+    M3_CUDA_CHECK_LAUNCH("attention_generic_kernel");
+  });
 }
 
 }  // namespace m3::kernels::cuda

@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cuda/attn_common.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fused.h"
+#include "kernels/cuda/kv_format.cuh"
 
 namespace m3::kernels::cuda {
 
@@ -45,10 +47,11 @@ struct Freqs {
 };
 
 // One vector of `dim` floats: Gemma RMSNorm with `w`, then RoPE over its first `rot` dims at
-// position p, written to dst (may alias src).
-__device__ void norm_rope(const float* src, float* dst, int64_t dim, const void* w, bool w_bf16,
-                          float eps, int64_t rot, const float* inv_freq, float p, float* buf,
-                          float* red) {
+// position p; element i of the result goes to emit(i, value) (dst may alias src).
+template <class Emit>
+__device__ void norm_rope(const float* src, int64_t dim, const void* w, bool w_bf16, float eps,
+                          int64_t rot, const float* inv_freq, float p, float* buf, float* red,
+                          Emit emit) {
   float ss = 0.f;
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
     const float v = src[i];
@@ -69,15 +72,33 @@ __device__ void norm_rope(const float* src, float* dst, int64_t dim, const void*
       const float a = p * inv_freq[i - half];
       r = buf[i] * cosf(a) + buf[i - half] * sinf(a);
     }
-    dst[i] = r;
+    emit(i, r);
   }
   __syncthreads();  // buf is reused by the caller's next vector
 }
 
+// Element i of a cache array of format `dt`: x stored as kv_write stores it (docs/KV_CACHE.md).
+__device__ __forceinline__ void store_elem(void* base, KvDtype dt, int64_t i, float x, float inv) {
+  switch (dt) {
+    case KvDtype::kF32:
+      static_cast<float*>(base)[i] = x;
+      return;
+    case KvDtype::kBf16:
+      static_cast<uint16_t*>(base)[i] = detail::f32_to_bf16_bits(x);
+      return;
+    case KvDtype::kFp8:
+      static_cast<uint8_t*>(base)[i] = detail::f32_to_fp8(x * inv);
+      return;
+  }
+}
+
+// inv_k / inv_v: 1 / k_scale, 1 / v_scale (host fp32) for an fp8 cache.
 __global__ void __launch_bounds__(kPrepThreads)
-    attn_prep_kernel(AttnPrepArgs a, KvPages c, TokenLayout L, const Freqs f) {
+    attn_prep_kernel(AttnPrepArgs a, KvPages c, TokenLayout L, const Freqs f, float inv_k,
+                     float inv_v) {
   __shared__ float red[32];
   __shared__ float buf[kMaxPrepDim];
+  __shared__ float row[kMaxPrepDim];
   const int64_t t = blockIdx.x;
   const int64_t slot_kind = blockIdx.y;
   const float p = static_cast<float>(L.positions[t]);
@@ -88,14 +109,16 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int64_t qs = a.in_stride ? a.in_stride : nq * d, ks = a.in_stride ? a.in_stride : nkv * d,
                 iqs = a.in_stride ? a.in_stride : ni * di, iks = a.in_stride ? a.in_stride : di;
   if (slot_kind < nq) {  // a query head
-    norm_rope(a.q + t * qs + slot_kind * d, a.q_out + (t * nq + slot_kind) * d, d, a.q_norm.data,
-              a.q_norm.dtype == DType::kBF16, a.eps, a.rot_dim, f.head, p, buf, red);
+    float* dst = a.q_out + (t * nq + slot_kind) * d;
+    norm_rope(a.q + t * qs + slot_kind * d, d, a.q_norm.data, a.q_norm.dtype == DType::kBF16, a.eps,
+              a.rot_dim, f.head, p, buf, red, [&](int64_t i, float r) { dst[i] = r; });
     return;
   }
   if (slot_kind < nq + ni) {  // an index query head
     const int64_t h = slot_kind - nq;
-    norm_rope(a.iq + t * iqs + h * di, a.iq_out + (t * ni + h) * di, di, a.iq_norm.data,
-              a.iq_norm.dtype == DType::kBF16, a.eps, a.index_rot_dim, f.index, p, buf, red);
+    float* dst = a.iq_out + (t * ni + h) * di;
+    norm_rope(a.iq + t * iqs + h * di, di, a.iq_norm.data, a.iq_norm.dtype == DType::kBF16, a.eps,
+              a.index_rot_dim, f.index, p, buf, red, [&](int64_t i, float r) { dst[i] = r; });
     return;
   }
   // K head h (and V head h), or the index-K row: into the token's page slot (kv_write's math).
@@ -109,15 +132,28 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int64_t slot = static_cast<int64_t>(page) * c.page_size + pos % c.page_size;
   const int64_t h = slot_kind - nq - ni;
   if (h < nkv) {
-    const int64_t row = nkv * d;
-    norm_rope(a.k + t * ks + h * d, c.k + slot * row + h * d, d, a.k_norm.data,
-              a.k_norm.dtype == DType::kBF16, a.eps, a.rot_dim, f.head, p, buf, red);
+    const int64_t at = slot * nkv * d + h * d;
+    norm_rope(a.k + t * ks + h * d, d, a.k_norm.data, a.k_norm.dtype == DType::kBF16, a.eps,
+              a.rot_dim, f.head, p, buf, red,
+              [&](int64_t i, float r) { store_elem(c.k, c.kv_dtype, at + i, r, inv_k); });
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x)
-      c.v[slot * row + h * d + i] = a.v[t * ks + h * d + i];
+      store_elem(c.v, c.kv_dtype, at + i, a.v[t * ks + h * d + i], inv_v);
     return;
   }
-  norm_rope(a.ik + t * iks, c.ik + slot * c.index_dim, di, a.ik_norm.data,
-            a.ik_norm.dtype == DType::kBF16, a.eps, a.index_rot_dim, f.index, p, buf, red);
+  // The index-K row: an fp8 row first gets its per-token power-of-two scale (kv_write's rule).
+  norm_rope(a.ik + t * iks, di, a.ik_norm.data, a.ik_norm.dtype == DType::kBF16, a.eps,
+            a.index_rot_dim, f.index, p, buf, red, [&](int64_t i, float r) { row[i] = r; });
+  float inv = 1.f;
+  if (c.ik_dtype == KvDtype::kFp8) {
+    float amax = 0.f;
+    for (int64_t i = threadIdx.x; i < di; i += blockDim.x) amax = fmaxf(amax, fabsf(row[i]));
+    amax = detail::block_max(amax, red);
+    const float sc = fp8_row_scale(amax);
+    if (threadIdx.x == 0) c.ik_scale[slot] = sc;
+    inv = 1.0f / sc;  // a power of two: exact
+  }
+  for (int64_t i = threadIdx.x; i < di; i += blockDim.x)
+    store_elem(c.ik, c.ik_dtype, slot * di + i, row[i], inv);
 }
 
 __global__ void swiglu_rows_kernel(const float* __restrict__ gu, int64_t n, int64_t inter,
@@ -174,6 +210,8 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
     M3_CHECK(a.iq != nullptr && a.iq_out != nullptr && a.ik != nullptr && cache.ik != nullptr &&
                  cache.index_dim == a.index_dim,
              "attn_prep: index projections without an index-K cache");
+    M3_CHECK(cache.ik_dtype != KvDtype::kFp8 || cache.ik_scale != nullptr,
+             "attn_prep: an fp8 index-K needs its scale array");
     M3_CHECK(a.index_rot_dim % 2 == 0 && a.index_rot_dim <= a.index_dim &&
              a.index_rot_dim / 2 <= kMaxRopeHalf);
     M3_CHECK(a.iq_norm.n == a.index_dim && a.ik_norm.n == a.index_dim);
@@ -187,7 +225,8 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
   AttnPrepArgs args = a;
   if (!index) args.num_index_heads = 0;
   attn_prep_kernel<<<dim3(static_cast<unsigned>(layout.num_tokens), static_cast<unsigned>(slots)),
-                     kPrepThreads, 0, stream>>>(args, cache, layout, f);
+                     kPrepThreads, 0, stream>>>(args, cache, layout, f, 1.0f / cache.k_scale,
+                                                1.0f / cache.v_scale);
   M3_CUDA_CHECK_LAUNCH("attn_prep_kernel");
 }
 

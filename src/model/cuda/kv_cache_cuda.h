@@ -1,8 +1,8 @@
 // KvCacheCuda: the device storage of the paged KV cache for every layer, laid out exactly like
-// the CPU KvCache (fp32 K, V and, on sparse layers, index-K; one page = sparse_block_size tokens)
-// so the GPU forward computes the same numbers as the CPU one. Used by M3ModelCuda::forward and
-// the GPU backends (src/runtime/cuda). Invariant: every page starts zeroed; layer(i) hands out
-// device pointers.
+// the CPU KvCache (K, V and, on sparse layers, index-K in the config's formats, docs/KV_CACHE.md;
+// one page = sparse_block_size tokens) so the GPU forward computes the same numbers as the CPU one.
+// Used by M3ModelCuda::forward and the GPU backends (src/runtime/cuda). Invariant: every page
+// starts zeroed; layer(i) hands out device pointers.
 #pragma once
 
 #include <cstdint>
@@ -33,8 +33,11 @@ class KvCacheCuda {
 
  private:
   struct LayerStore {
-    gpu::DeviceBuffer<float> k, v, ik;
+    gpu::DeviceBuffer<uint8_t> k, v, ik;
+    gpu::DeviceBuffer<float> ik_scale;  // fp8 index-K only
   };
+  kernels::KvDtype kv_dtype_, ik_dtype_;
+  std::vector<float> k_scale_, v_scale_;
   int64_t num_pages_;
   int64_t page_size_;
   int64_t num_kv_heads_;

@@ -184,11 +184,7 @@ const std::vector<RecipeCase> kRecipe = {
      {"VLLM_ROCM_USE_AITER=1", "VLLM_ROCM_USE_AITER_MOE=0"},
      "issue #18",
      ""},
-    {"fp8_kv",
-     "--tensor-parallel-size 8 --block-size 128 --kv-cache-dtype fp8",
-     {},
-     "issue #15",
-     ""},
+    {"fp8_kv", "--tensor-parallel-size 8 --block-size 128 --kv-cache-dtype fp8", {}, "", ""},
     {"max_len_128k",
      "--tensor-parallel-size 8 --block-size 128 --max-model-len 131072",
      {},
@@ -214,13 +210,13 @@ const std::vector<RecipeCase> kRecipe = {
      "--linear-backend humming --kv-cache-dtype fp8 --gpu-memory-utilization 0.95 "
      "--enable-prefix-caching",
      {"VLLM_MARLIN_USE_ATOMIC_ADD=1"},
-     "issue #15",
-     ""},
+     "",
+     "--linear-backend humming is ignored"},
     {"mxfp8_indexer_dotted",
      "--tensor-parallel-size 8 --block-size 128 "
      "--attention_config.indexer_kv_dtype fp8",
      {},
-     "index-K",
+     "",
      ""},
     {"mi355x_hc",
      "--tensor-parallel-size 4 --block-size 128 --language-model-only "
@@ -350,8 +346,39 @@ TEST(VllmFlagTable, EveryNoopPrintsANoticeAndEveryRefusalNamesItsFlag) {
 }
 
 TEST(VllmFlags, RepeatedFlagLastWins) {
-  EXPECT_TRUE(run({"--kv-cache-dtype", "fp8", "--kv-cache-dtype", "auto"}).plan.has_value());
-  EXPECT_FALSE(run({"--kv-cache-dtype", "auto", "--kv-cache-dtype", "fp8"}).plan.has_value());
+  EXPECT_TRUE(run({"--kv-cache-dtype", "int8", "--kv-cache-dtype", "auto"}).plan.has_value());
+  EXPECT_FALSE(run({"--kv-cache-dtype", "auto", "--kv-cache-dtype", "int8"}).plan.has_value());
+}
+
+TEST(VllmFlags, KvCacheDtypes) {
+  // vLLM's spellings map to one name each; the engine's own float32 is accepted too.
+  const std::pair<const char*, const char*> ok[] = {
+      {"auto", "auto"},     {"fp8", "fp8_e4m3"},      {"FP8_E4M3", "fp8_e4m3"},
+      {"bf16", "bfloat16"}, {"bfloat16", "bfloat16"}, {"float32", "float32"}};
+  for (const auto& [given, want] : ok) {
+    auto p = run({"--kv-cache-dtype", given});
+    ASSERT_TRUE(p.plan.has_value()) << given << ": " << p.plan.error().message;
+    EXPECT_EQ(p.plan->kv_cache_dtype.value_or(""), want) << given;
+  }
+  for (const char* bad : {"fp16", "int8", "fp8_e5m2", "bfloat", ""}) {
+    auto p = run({"--kv-cache-dtype", bad});
+    ASSERT_FALSE(p.plan.has_value()) << bad;
+    EXPECT_NE(p.plan.error().message.find("accepted: auto, bfloat16, fp8"), std::string::npos)
+        << p.plan.error().message;
+  }
+  // The index-K format through --attention-config, JSON or the recipe's dotted form.
+  auto j = run({"--attention-config", "{\"indexer_kv_dtype\": \"fp8\"}"});
+  ASSERT_TRUE(j.plan.has_value()) << j.plan.error().message;
+  EXPECT_EQ(j.plan->index_kv_dtype.value_or(""), "fp8_e4m3");
+  EXPECT_EQ(all_notices(*j.plan).find("--attention-config"), std::string::npos);
+  auto dotted = run(normalize_vllm_argv({"--attention_config.indexer_kv_dtype", "bf16"}));
+  ASSERT_TRUE(dotted.plan.has_value()) << dotted.plan.error().message;
+  EXPECT_EQ(dotted.plan->index_kv_dtype.value_or(""), "bfloat16");
+  auto unknown = run({"--attention-config", "{\"indexer_kv_dtyp\": \"fp8\"}"});
+  ASSERT_FALSE(unknown.plan.has_value());
+  EXPECT_NE(unknown.plan.error().message.find("indexer_kv_dtyp' is unknown"), std::string::npos);
+  EXPECT_NE(unknown.plan.error().message.find("indexer_kv_dtype, backend"), std::string::npos);
+  EXPECT_FALSE(run({"--attention-config", "{\"indexer_kv_dtype\": \"int8\"}"}).plan.has_value());
 }
 
 TEST(VllmFlags, DtypeMapsToGemmPrecisionOnTheGpu) {

@@ -264,9 +264,8 @@ void check_attn_prep(const Geometry& G, const PrepCase& c, uint32_t seed) {
     o.cv = cv0;
     o.cik = cik0;
     // A dense layer's cache has no index-K pages; a sparse one's must be written.
-    return KvPages{o.ck.data(), o.cv.data(),      sparse ? o.cik.data() : nullptr,
-                   num_pages,   G.page,           G.nkv,
-                   G.d,         sparse ? G.di : 0};
+    return KvPages::fp32(o.ck.data(), o.cv.data(), sparse ? o.cik.data() : nullptr, num_pages,
+                         G.page, G.nkv, G.d, sparse ? G.di : 0);
   };
 
   // 1. Packed, in place.
@@ -415,7 +414,7 @@ TEST(FusedCpuDeath, AttnPrepChecksItsArguments) {
   std::vector<float> q(4 * 8, 1.f), k(2 * 8, 1.f), v(2 * 8, 1.f), ck(4 * 2 * 8), cv(4 * 2 * 8);
   const std::vector<uint16_t> w(8, 0);
   std::vector<int32_t> pos{9}, seq{0}, off{0, 2}, tab{0, 1};  // position 9 in a 2-page table
-  const KvPages pages{ck.data(), cv.data(), nullptr, 2, 2, 2, 8, 0};
+  const KvPages pages = KvPages::fp32(ck.data(), cv.data(), nullptr, 2, 2, 2, 8, 0);
   const TokenLayout L{1, pos.data(), seq.data(), off.data(), tab.data()};
   AttnPrepArgs a;
   a.q = q.data();

@@ -173,7 +173,7 @@ struct PagedFixture {
     k.assign(total_pages * page * nkv * d, NAN);
     v = k;
     ik.assign(total_pages * page * di, NAN);
-    pages = KvPages{k.data(), v.data(), ik.data(), total_pages, page, nkv, d, di};
+    pages = KvPages::fp32(k.data(), v.data(), ik.data(), total_pages, page, nkv, d, di);
     bt_off.push_back(0);
     int64_t next = 0;
     for (size_t s = 0; s < lens.size(); ++s) {

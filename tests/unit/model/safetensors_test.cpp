@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
+#include "model/m3_model.h"
 #include "model/safetensors.h"
 
 namespace m3::model {
@@ -561,6 +562,50 @@ TEST(SafetensorsPython, CheckpointOverFixtureDir) {
   EXPECT_EQ(r->num_tensors(), 12u);
   EXPECT_TRUE(r->get("layers.0.bf16", {3, 4}, {DType::kBF16}).has_value());
   EXPECT_TRUE(r->get("layers.1.f8", {16, 16}, {DType::kF8E4M3}).has_value());
+}
+
+// The fp8 K/V scales (docs/KV_CACHE.md): read per layer where the checkpoint has them (vLLM's
+// names, either spelling), 1.0 elsewhere; a scale of the wrong shape or value names its tensor.
+TEST_F(SafetensorsTest, KvScalesLoadPerLayerOrFailNamingTheTensor) {
+  M3Config cfg;
+  cfg.num_hidden_layers = 3;
+  auto scalar = [](const std::string& name, float v) {
+    return Spec{name, "F32", {}, to_bytes(std::vector<float>{v})};
+  };
+  write_st(p("model.safetensors"),
+           {scalar("language_model.model.layers.0.self_attn.k_scale", 0.5f),
+            scalar("language_model.model.layers.2.self_attn.v_proj.v_scale", 4.f)});
+  {
+    auto ck = Checkpoint::open(dir_);
+    ASSERT_TRUE(ck.has_value()) << ck.error().message;
+    ASSERT_TRUE(load_kv_scales(*ck, cfg).has_value());
+    EXPECT_EQ(cfg.k_scale(0), 0.5f);
+    EXPECT_EQ(cfg.k_scale(1), 1.f);
+    EXPECT_EQ(cfg.v_scale(2), 4.f);
+    EXPECT_EQ(cfg.v_scale(0), 1.f);
+  }
+  M3Config none;
+  none.num_hidden_layers = 3;
+  write_st(p("model.safetensors"), {f32_spec("model.norm.weight", {4})});
+  {
+    auto ck = Checkpoint::open(dir_);
+    ASSERT_TRUE(ck.has_value());
+    ASSERT_TRUE(load_kv_scales(*ck, none).has_value());
+    EXPECT_TRUE(none.kv_k_scale.empty());
+    EXPECT_EQ(none.k_scale(2), 1.f);
+  }
+  for (const Spec& bad : {f32_spec("model.layers.1.self_attn.k_scale", {4}),
+                          scalar("model.layers.1.self_attn.k_scale", -1.f)}) {
+    write_st(p("model.safetensors"), {bad});
+    auto ck = Checkpoint::open(dir_);
+    ASSERT_TRUE(ck.has_value());
+    M3Config c;
+    c.num_hidden_layers = 3;
+    auto st = load_kv_scales(*ck, c);
+    ASSERT_FALSE(st.has_value());
+    EXPECT_NE(st.error().message.find("model.layers.1.self_attn.k_scale"), std::string::npos)
+        << st.error().message;
+  }
 }
 
 }  // namespace
