@@ -133,30 +133,47 @@ Result<RgbImage> decode_png(std::span<const uint8_t> bytes, int64_t max_pixels) 
     return tl::unexpected(ok.error());
   }
   const int color = png_get_color_type(png, info);
-  // To 8-bit RGB: 16-bit samples keep their high byte, palettes and grey expand, alpha and the
-  // tRNS chunk are dropped (PIL's convert("RGB") does not composite either).
-  png_set_strip_16(png);
+  // 16-bit grey without alpha is PIL's mode "I;16", whose convert("RGB") clips each sample to
+  // 255 (it does not scale): read it at 16 bits and clip below.
+  const bool gray16 = color == PNG_COLOR_TYPE_GRAY && png_get_bit_depth(png, info) == 16;
+  // To 8-bit RGB otherwise: 16-bit samples keep their high byte, palettes and grey expand, alpha
+  // and the tRNS chunk are dropped (PIL's convert("RGB") does not composite either).
+  if (!gray16) png_set_strip_16(png);
   png_set_packing(png);
   if (color == PNG_COLOR_TYPE_PALETTE) png_set_palette_to_rgb(png);
   if (color == PNG_COLOR_TYPE_GRAY || color == PNG_COLOR_TYPE_GRAY_ALPHA) {
     png_set_expand_gray_1_2_4_to_8(png);
-    png_set_gray_to_rgb(png);
+    if (!gray16) png_set_gray_to_rgb(png);
   }
   if (color & PNG_COLOR_MASK_ALPHA) png_set_strip_alpha(png);
   png_set_interlace_handling(png);
   png_read_update_info(png, info);
-  if (png_get_rowbytes(png, info) != static_cast<size_t>(w) * 3) {
+  const size_t row_bytes = static_cast<size_t>(w) * (gray16 ? 2 : 3);
+  if (png_get_rowbytes(png, info) != row_bytes) {
     png_destroy_read_struct(&png, &info, nullptr);
     return tl::unexpected(bad("PNG: unsupported pixel layout"));
   }
   img->width = w;
   img->height = h;
   img->rgb.resize(static_cast<size_t>(w * h * 3));
+  auto raw = std::make_unique<std::vector<uint8_t>>();
+  uint8_t* base = img->rgb.data();
+  if (gray16) {
+    raw->resize(row_bytes * static_cast<size_t>(h));
+    base = raw->data();
+  }
   rows->resize(static_cast<size_t>(h));
-  for (int64_t y = 0; y < h; ++y) (*rows)[y] = img->rgb.data() + y * w * 3;
+  for (int64_t y = 0; y < h; ++y) (*rows)[y] = base + y * row_bytes;
   png_read_image(png, rows->data());
   png_read_end(png, nullptr);
   png_destroy_read_struct(&png, &info, nullptr);
+  if (gray16) {
+    for (int64_t i = 0; i < w * h; ++i) {
+      const unsigned v = (static_cast<unsigned>((*raw)[2 * i]) << 8) | (*raw)[2 * i + 1];
+      const uint8_t c = static_cast<uint8_t>(v > 255 ? 255 : v);
+      img->rgb[3 * i] = img->rgb[3 * i + 1] = img->rgb[3 * i + 2] = c;
+    }
+  }
   return std::move(*img);
 }
 

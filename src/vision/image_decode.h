@@ -1,10 +1,11 @@
 // Image decoding for the vision input (issue #20): JPEG (libjpeg-turbo), PNG (libpng) and WebP
 // (libwebp) bytes -> 8-bit RGB, as PIL's Image.open(...).convert("RGB") gives them to the HF
 // processor: grey is replicated, alpha is dropped (not composited), palettes are expanded, 16-bit
-// samples keep their high byte. No EXIF rotation (PIL's open does not apply it either).
-// Called by the server on an HTTP thread per image part; thread-safe, no global state.
-// Invariant: a returned image has width, height >= 1 and rgb.size() == width * height * 3; any
-// malformed, truncated or unsupported input is an Error (never an abort).
+// samples keep their high byte (16-bit grey: clipped to 255, PIL's "I;16" conversion). No EXIF
+// rotation (PIL's open does not apply it either). Called by the server on an HTTP thread per image
+// part; thread-safe, no global state. Invariant: a returned image has width, height >= 1 and
+// rgb.size() == width * height * 3; any malformed, truncated or unsupported input is an Error
+// (never an abort).
 #pragma once
 
 #include <cstdint>

@@ -109,6 +109,16 @@ IMAGES = [
     ("exact.png", "RGB", (112, 84)),
 ]
 
+# 16-bit PNGs (written by write_png16, deterministic, when missing): PIL opens grey as "I;16"
+# (convert("RGB") clips to 255) and RGB/RGBA/grey+alpha keeping the high byte.
+IMAGES16 = [
+    ("gray16.png", 0, (57, 83), 65536),
+    ("gray16_low.png", 0, (60, 40), 256),
+    ("graya16.png", 4, (45, 70, 2), 65536),
+    ("rgb16.png", 2, (50, 64, 3), 65536),
+    ("rgba16.png", 6, (77, 33, 4), 65536),
+]
+
 CASES = [
     dict(name="one_image", images=["grad_small.png"], text="What is in this picture?"),
     dict(name="two_images", images=["grad_small.png", "lossless.webp"],
@@ -122,6 +132,30 @@ def xxh64(b):
     import xxhash
 
     return xxhash.xxh64(b, seed=0).hexdigest()
+
+
+def write_png16(path, arr, color_type):
+    import struct
+    import zlib
+
+    h, w = arr.shape[:2]
+    raw = b"".join(b"\x00" + arr[y].astype(">u2").tobytes() for y in range(h))
+
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", w, h, 16, color_type, 0, 0, 0)
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw, 9))
+                + chunk(b"IEND", b""))
+
+
+def make_png16(img_dir):
+    rng = np.random.default_rng(SEED + 16)
+    for name, color_type, shape, hi in IMAGES16:
+        path = os.path.join(img_dir, name)
+        if not os.path.exists(path):
+            write_png16(path, rng.integers(0, hi, shape, dtype=np.uint32).astype(np.uint16), color_type)
 
 
 def make_images(img_dir):
@@ -212,7 +246,7 @@ def processor_goldens(img_dir, images=None):
     proc = MiniMaxM3VLImageProcessor()
     out = {}
     pixels = {}
-    for name, _, _ in images or IMAGES:
+    for name, *_ in images or IMAGES + IMAGES16:
         pil = Image.open(os.path.join(img_dir, name))
         rgb = pil.convert("RGB")
         arr = np.asarray(rgb)  # [h, w, 3]
@@ -444,6 +478,7 @@ def main():
         return
     if args.make_images:
         make_images(img_dir)
+    make_png16(img_dir)
     proc, pixels = processor_goldens(img_dir)
     with open(os.path.join(args.out, "processor.json"), "w") as f:
         json.dump(dict(generator=GENERATOR, versions=versions, images=proc), f, indent=1)
