@@ -156,3 +156,35 @@ def test_language_model_only_refuses_images(binary):
         assert r.usage.completion_tokens == 2
     finally:
         s.stop()
+
+
+def test_concurrent_image_requests_with_bad_ones_among_them(vclient):
+    # Good and bad image requests at once: every good one gets the answer it gets alone, every
+    # bad one its 400, and nothing else is disturbed.
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = golden()["cases"]
+    alone = {}
+    for c in cases:
+        r = chat(vclient, image_messages([data_url(n) for n in c["images"]], c["text"]), max_tokens=4)
+        alone[c["name"]] = [t.token for t in r.choices[0].logprobs.content]
+    png = open(os.path.join(IMAGES, "exact.png"), "rb").read()
+
+    def good(c):
+        r = chat(vclient, image_messages([data_url(n) for n in c["images"]], c["text"]), max_tokens=4)
+        return c["name"], [t.token for t in r.choices[0].logprobs.content]
+
+    def bad(i):
+        try:
+            chat(vclient, image_messages([data_url("exact.png", png[: 100 + i])], "x"), max_tokens=2)
+        except openai.BadRequestError as e:
+            return e.response.status_code
+        return 200
+
+    with ThreadPoolExecutor(12) as pool:
+        goods = [pool.submit(good, cases[i % len(cases)]) for i in range(9)]
+        bads = [pool.submit(bad, i) for i in range(9)]
+        for f in goods:
+            name, toks = f.result()
+            assert toks == alone[name], name
+        assert [f.result() for f in bads] == [400] * 9
