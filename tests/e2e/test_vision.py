@@ -188,3 +188,23 @@ def test_concurrent_image_requests_with_bad_ones_among_them(vclient):
             name, toks = f.result()
             assert toks == alone[name], name
         assert [f.result() for f in bads] == [400] * 9
+
+
+def test_process_image_cli_matches_the_hf_processor(binary, tmp_path):
+    import subprocess
+
+    want = json.load(open(os.path.join(VISION, "processor.json")))["images"]
+    files = [os.path.join(IMAGES, n) for n in sorted(want)]
+    out = subprocess.run([binary, "process-image", *files, "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(l) for l in out.stdout.splitlines()]
+    assert len(rows) == len(files)
+    for r in rows:
+        w = want[os.path.basename(r["file"])]
+        assert r["grid_thw"] == w["grid_thw"] and r["num_tokens"] == w["num_tokens"]
+        assert r["pixel_values_xxh64"] == w["pixel_values_xxh64"], r["file"]
+        assert os.path.getsize(r["pixel_values_file"]) == r["grid_thw"][1] * r["grid_thw"][2] * 1176 * 4
+    bad = subprocess.run([binary, "process-image", os.path.join(VISION, "processor.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "unsupported image format" in bad.stdout
