@@ -6,9 +6,9 @@
 // float32 little-endian pixel values [patches, 1176]); with --out, also writes them raw to
 // DIR/<file name>.f32 ("pixel_values_file"). A file that cannot be processed prints
 // {"file", "error"} and makes the exit code 1; the other files are still processed.
+#include <xxhash.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
-#include <xxhash.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -49,10 +49,12 @@ int run_image(const ImageArgs& a) {
     j["file"] = file;
     std::ifstream f(file, std::ios::binary);
     std::vector<uint8_t> bytes{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-    auto img = f ? vision::decode_image(bytes, int64_t{1} << 28)
-                 : Result<vision::RgbImage>(make_error(ErrorCode::kNotFound, "cannot read " + file));
+    auto img =
+        f ? vision::decode_image(bytes, int64_t{1} << 28)
+          : Result<vision::RgbImage>(make_error(ErrorCode::kNotFound, "cannot read " + file));
     Result<vision::ProcessedImage> p =
-        img ? vision::preprocess_image(*img, pc) : Result<vision::ProcessedImage>(tl::unexpected(img.error()));
+        img ? vision::preprocess_image(*img, pc)
+            : Result<vision::ProcessedImage>(tl::unexpected(img.error()));
     if (!p) {
       j["error"] = p.error().message;
       std::printf("%s\n", j.dump().c_str());
@@ -67,8 +69,8 @@ int run_image(const ImageArgs& a) {
     j["num_tokens"] = vision::num_image_tokens(*p, pc.merge_size);
     char hex[17];
     std::snprintf(hex, sizeof(hex), "%016llx",
-                  static_cast<unsigned long long>(XXH64(
-                      p->pixel_values.data(), p->pixel_values.size() * sizeof(float), 0)));
+                  static_cast<unsigned long long>(
+                      XXH64(p->pixel_values.data(), p->pixel_values.size() * sizeof(float), 0)));
     j["pixel_values_xxh64"] = hex;
     if (!a.out_dir.empty()) {
       const fs::path out = fs::path(a.out_dir) / (fs::path(file).filename().string() + ".f32");
@@ -92,9 +94,12 @@ RunFn register_image(CLI::App& app) {
       "Run the MiniMax-M3 image processor (as transformers' MiniMaxM3VLImageProcessor) on "
       "image files and print the grid and a hash of the pixel values");
   sub->add_option("files", args->files, "JPEG, PNG or WebP files")->required()->take_all();
-  sub->add_option("--out", args->out_dir, "Write each image's float32 pixel values to DIR/<name>.f32");
-  sub->add_option("--min-pixels", args->min_pixels, "smart_resize's min_pixels")->capture_default_str();
-  sub->add_option("--max-pixels", args->max_pixels, "smart_resize's max_pixels")->capture_default_str();
+  sub->add_option("--out", args->out_dir,
+                  "Write each image's float32 pixel values to DIR/<name>.f32");
+  sub->add_option("--min-pixels", args->min_pixels, "smart_resize's min_pixels")
+      ->capture_default_str();
+  sub->add_option("--max-pixels", args->max_pixels, "smart_resize's max_pixels")
+      ->capture_default_str();
   return [sub, args] { return sub->parsed() ? run_image(*args) : 0; };
 }
 

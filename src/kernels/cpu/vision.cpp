@@ -98,8 +98,14 @@ void attention_segments(const float* q, const float* k, const float* v, int64_t 
       float mx = -INFINITY;
       for (int64_t j = j0; j < j1; ++j) {
         const float* kj = k + j * stride + h * head_dim;
-        float acc = 0.f;
-        for (int64_t d = 0; d < head_dim; ++d) acc += qt[d] * kj[d];
+        // 8 independent lanes (the compiler vectorises them), then a fixed-order sum.
+        float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t d = 0;
+        for (; d + 8 <= head_dim; d += 8)
+          for (int l = 0; l < 8; ++l) lane[l] += qt[d + l] * kj[d + l];
+        float acc = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
+                    ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+        for (; d < head_dim; ++d) acc += qt[d] * kj[d];
         p[j - j0] = acc * scale;
         mx = std::max(mx, p[j - j0]);
       }
