@@ -242,9 +242,8 @@ int run_serve(ServeArgs a) {
       std::string msg = cfg.error().message;
       if (touches_rope(nlohmann::json::parse(plan->hf_overrides, nullptr, false))) {
         msg +=
-            " (set by --hf-overrides: YaRN context extension is not implemented yet; leave "
-            "rope_scaling out to serve the native window of max_position_embeddings, and set "
-            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to let --max-model-len go past it)";
+            " (set by --hf-overrides: m3serve extends the context with rope_type \"yarn\"; "
+            "leave rope_scaling out to serve the native window of max_position_embeddings)";
       }
       return fail(msg);
     }

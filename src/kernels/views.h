@@ -6,6 +6,7 @@
 // Invariant: plain data; copying a view never copies what it points at.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -139,6 +140,57 @@ struct TokenLayout {
   const int32_t* block_table = nullptr;          // [block_table_offsets[num_seqs]]
 };
 
+// RoPE context extension (YaRN, as transformers' and vLLM's "yarn" rope type computes it), over
+// the rotated dims only. factor <= 1 means none: plain RoPE, inv_freq = theta^(-2i / rot).
+// With a factor each frequency blends the plain one (extrapolation) with it divided by factor
+// (interpolation) along a linear ramp between the correction dims of beta_fast and beta_slow
+// rotations over original_max_position_embeddings; cos and sin are then scaled by
+// attention_factor (0.1 ln(factor) + 1 unless the config gives it).
+struct RopeScaling {
+  float factor = 0.f;
+  double original_max_position = 0;
+  float beta_fast = 32.f, beta_slow = 1.f;
+  float attention_factor = 1.f;
+  bool truncate = true;  // the correction range rounded to whole dims (floor / ceil)
+  bool active() const { return factor > 1.f; }
+};
+
+// The rope's inverse frequencies of `rot` rotated dims into out[rot / 2], in fp32 as the
+// reference computes them; shared by the CPU op and the CUDA op's host-side table, so both use
+// the same numbers.
+inline void rope_inv_freq(double theta, const RopeScaling& sc, int64_t rot, float* out) {
+  const int64_t half = rot / 2;
+  if (!sc.active()) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float e = static_cast<float>(2 * i) / static_cast<float>(rot);
+      out[i] = 1.0f / std::pow(static_cast<float>(theta), e);
+    }
+    return;
+  }
+  const double two_pi = 6.283185307179586;
+  auto correction_dim = [&](double rotations) {
+    return static_cast<double>(rot) * std::log(sc.original_max_position / (rotations * two_pi)) /
+           (2.0 * std::log(theta));
+  };
+  double low = correction_dim(sc.beta_fast), high = correction_dim(sc.beta_slow);
+  if (sc.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(rot - 1));
+  if (low == high) high += 0.001;
+  for (int64_t i = 0; i < half; ++i) {
+    const float e = static_cast<float>(2 * i) / static_cast<float>(rot);
+    const float pos = std::pow(static_cast<float>(theta), e);
+    const float extrapolation = 1.0f / pos, interpolation = 1.0f / (sc.factor * pos);
+    float ramp = static_cast<float>((static_cast<double>(i) - low) / (high - low));
+    ramp = std::min(std::max(ramp, 0.f), 1.f);
+    const float extra = 1.0f - ramp;  // share of the extrapolated (plain) frequency
+    out[i] = interpolation * (1.0f - extra) + extrapolation * extra;
+  }
+}
+
 // Arguments of attn_prep, one attention layer's preparation after its projections:
 //   q_out  = rope(rmsnorm_gemma(q, q_norm), rot_dim)        per query head
 //   iq_out = rope(rmsnorm_gemma(iq, iq_norm), index_rot_dim) per index head (if any)
@@ -166,6 +218,7 @@ struct AttnPrepArgs {
   int64_t in_stride = 0;  // floats between token rows of q, k, v, iq, ik (0: packed)
   float eps = 1e-6f;
   double theta = 10000.0;
+  RopeScaling scaling;  // YaRN context extension (none by default)
 };
 
 // The routed experts of one MoE layer (w1/w3: [inter, hidden], w2: [hidden, inter], all of one

@@ -419,24 +419,79 @@ Status check_attention_options(const Sections& in) {
 
 // RoPE theta and the rotated width (the rule is in the comment at the top of this file). Needs
 // head_dim.
+// YaRN's keys in a rope_scaling / rope_parameters object of rope_type "yarn" (transformers'
+// and vLLM's names). factor > 1 is required; original_max_position_embeddings defaults to
+// max_position_embeddings / factor, as transformers does without it.
+Status parse_yarn(const Fields& r, const std::string& key, const std::string& source, M3Config& c) {
+  M3_TRY(std::optional<double> factor, r.get_double("factor"));
+  if (!factor || !(*factor > 1.0)) {
+    return invalid(source, key,
+                   key + " has rope_type \"yarn\" with factor " +
+                       (factor ? std::to_string(*factor) : std::string("missing")) +
+                       "; YaRN needs a factor above 1 (e.g. 2.0 for 1M tokens over a 512K window)");
+  }
+  kernels::RopeScaling& y = c.rope_scaling;
+  y.factor = static_cast<float>(*factor);
+  M3_TRY(std::optional<double> orig, r.get_double("original_max_position_embeddings"));
+  y.original_max_position = orig ? *orig : static_cast<double>(c.max_position_embeddings) / *factor;
+  if (!(y.original_max_position > 0)) {
+    return invalid(source, key, key + " original_max_position_embeddings must be positive");
+  }
+  M3_TRY(std::optional<double> bf, r.get_double("beta_fast"));
+  M3_TRY(std::optional<double> bs, r.get_double("beta_slow"));
+  y.beta_fast = static_cast<float>(bf.value_or(32.0));
+  y.beta_slow = static_cast<float>(bs.value_or(1.0));
+  if (!(y.beta_fast > y.beta_slow && y.beta_slow > 0)) {
+    return invalid(source, key, key + " needs beta_fast > beta_slow > 0");
+  }
+  auto mscale = [&](double scale, double m) {
+    return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+  };
+  M3_TRY(std::optional<double> af, r.get_double("attention_factor"));
+  M3_TRY(std::optional<double> ms, r.get_double("mscale"));
+  M3_TRY(std::optional<double> ms_all, r.get_double("mscale_all_dim"));
+  if (af) {
+    y.attention_factor = static_cast<float>(*af);
+  } else if (ms && ms_all) {
+    y.attention_factor = static_cast<float>(mscale(*factor, *ms) / mscale(*factor, *ms_all));
+  } else {
+    y.attention_factor = static_cast<float>(mscale(*factor, 1.0));
+  }
+  M3_TRY(std::optional<bool> truncate, r.get_bool("truncate"));
+  y.truncate = truncate.value_or(true);
+  // The extended window, as vLLM derives its max length: original x factor.
+  c.max_position_embeddings = std::max<int64_t>(
+      c.max_position_embeddings, static_cast<int64_t>(y.original_max_position * *factor));
+  return {};
+}
+
 Status parse_rope(const Sections& in, M3Config& c) {
   const Fields& t = in.t;
   const std::string& source = in.source;
-  // rope_scaling non-null replaces rope_parameters, as in transformers.
-  const char* rope_field = t.has("rope_scaling") ? "rope_scaling" : "rope_parameters";
-  const json* rope = t.raw(rope_field);
-  const std::string rope_key = t.name(rope_field);
+  // rope_scaling non-null replaces rope_parameters, as in transformers; a YaRN rope_scaling
+  // (the recipe's 1M override) extends the base RoPE: theta and the rotated width stay those of
+  // rope_parameters / the flat keys unless the scaling object gives them.
+  const bool has_scaling = t.has("rope_scaling");
+  const json* scaling = has_scaling ? t.raw("rope_scaling") : nullptr;
+  const json* params = t.raw("rope_parameters");
   M3_TRY(std::optional<double> theta_flat, t.get_double("rope_theta"));
   M3_TRY(std::optional<int64_t> rotary_dim_key, t.get_int("rotary_dim"));
   M3_TRY(std::optional<double> prf_flat, t.get_double("partial_rotary_factor"));
   double rotary_factor = 0.0;
   bool have_factor = false;
-  if (rope != nullptr) {
-    if (!rope->is_object()) return t.type_error(rope_field, "an object");
-    Fields r(rope, rope_key + ".", source);
+  std::optional<double> theta;
+  std::optional<double> prf;
+  bool saw_object = false;
+  // Base parameters first (rope_parameters), then the scaling object on top.
+  for (const json* obj : {params, scaling}) {
+    if (obj == nullptr) continue;
+    const char* field = obj == scaling ? "rope_scaling" : "rope_parameters";
+    const std::string key = t.name(field);
+    if (!obj->is_object()) return t.type_error(field, "an object");
+    Fields r(obj, key + ".", source);
     if (r.has(kSparseLayerType) || r.has(kFullLayerType)) {
-      return unsupported(source, rope_key,
-                         rope_key +
+      return unsupported(source, key,
+                         key +
                              " is given per layer type; M3 uses one RoPE for all layers, "
                              "write a single {rope_type, rope_theta, partial_rotary_factor}");
     }
@@ -444,14 +499,26 @@ Status parse_rope(const Sections& in, M3Config& c) {
     if (!type) {
       M3_TRY(type, r.get_string("type"));
     }
-    if (type && *type != "default") {
-      return unsupported(source, rope_key,
-                         rope_key + " has rope_type \"" + *type +
-                             "\"; only plain RoPE (\"default\", no scaling) is supported");
+    if (type && *type == "yarn") {
+      M3_TRY_STATUS(parse_yarn(r, key, source, c));
+    } else if (type && *type != "default") {
+      return unsupported(source, key,
+                         key + " has rope_type \"" + *type +
+                             "\"; supported: \"default\" (plain RoPE) and \"yarn\"");
     }
-    M3_TRY(std::optional<double> theta, r.get_double("rope_theta"));
+    M3_TRY(std::optional<double> th, r.get_double("rope_theta"));
+    if (th) theta = th;
+    M3_TRY(std::optional<double> p, r.get_double("partial_rotary_factor"));
+    if (p) prf = p;
+    // A plain rope_scaling replaces rope_parameters as transformers does; a YaRN one extends it.
+    if (obj == scaling && !(type && *type == "yarn") && params != nullptr) {
+      theta = th;
+      prf = p;
+    }
+    saw_object = true;
+  }
+  if (saw_object) {
     c.rope_theta = theta ? *theta : theta_flat.value_or(5000000.0);
-    M3_TRY(std::optional<double> prf, r.get_double("partial_rotary_factor"));
     // transformers' default RoPE rotates int(head_dim * factor) dims with factor 1.0 when absent.
     rotary_factor = prf ? *prf : (prf_flat ? *prf_flat : 1.0);
     have_factor = true;
@@ -462,6 +529,7 @@ Status parse_rope(const Sections& in, M3Config& c) {
       have_factor = true;
     }
   }
+  const std::string rope_key = t.name(has_scaling ? "rope_scaling" : "rope_parameters");
   if (have_factor) {
     if (!(rotary_factor > 0.0 && rotary_factor <= 1.0)) {
       std::ostringstream os;

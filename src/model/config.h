@@ -74,6 +74,11 @@ struct M3Config {
   double rms_norm_eps = 1e-6;
   double rope_theta = 5000000.0;
   int64_t rotary_dim = 0;  // rotated dims per head (NeoX halves), <= head_dim
+  // YaRN context extension (rope_type "yarn" in rope_scaling / rope_parameters; none when
+  // factor <= 1). Applies to the attention and the MSA index RoPE alike. With it,
+  // max_position_embeddings is at least original_max_position_embeddings x factor (vLLM's
+  // derived max length).
+  kernels::RopeScaling rope_scaling;
   double swiglu_alpha = 1.702;
   double swiglu_limit = 7.0;
   double swiglu_beta = 1.0;  // the "+1" on up; absent in the file means 1.0

@@ -162,6 +162,7 @@ class M3Forward {
       pa.k_norm = L.k_norm;
       pa.eps = eps;
       pa.theta = cfg_.rope_theta;
+      pa.scaling = cfg_.rope_scaling;
       if (sparse) {
         pa.iq_out = iq;
         pa.num_index_heads = ni;

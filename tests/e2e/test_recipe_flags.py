@@ -108,10 +108,6 @@ def test_recipe_command_starts(binary, name, args, env, notices):
 
 
 REFUSALS = [
-    ("yarn_1m", "--block-size 128 --kv-cache-dtype auto --tensor-parallel-size 8 --max-model-len 1048576 "
-     f"{PARSERS} --hf-overrides '{{\"text_config\":{{\"rope_scaling\":{{\"rope_type\":\"yarn\",\"factor\":2.0,"
-     "\"original_max_position_embeddings\":524288}}}'", {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
-     ["--hf-overrides", "YaRN"]),
     ("long_without_env", "--tensor-parallel-size 8 --block-size 128 --max-model-len 131072", {},
      ["--max-model-len 131072", "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"]),
     ("kv_fp16", "--tensor-parallel-size 8 --block-size 128 --kv-cache-dtype fp16", {},
@@ -193,3 +189,26 @@ def test_override_generation_config_and_yarn_free_long_context(binary):
     finally:
         err = stop(p)
     assert "were not trained" in err
+
+
+def test_yarn_1m_recipe_command_serves_a_million_tokens(binary):
+    """The recipe's 1M command (YaRN factor 2 over a 512K window through --hf-overrides): the
+    context extends to original x factor as in vLLM, with no VLLM_ALLOW_LONG_MAX_MODEL_LEN needed;
+    one process here with an fp8 KV cache sized for one 1M-token sequence."""
+    yarn = {"text_config": {"rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                                             "original_max_position_embeddings": 524288}}}
+    args = ("--block-size 128 --kv-cache-dtype fp8 --max-model-len 1048576 --kv-cache-memory-bytes 1300MiB "
+            f"{PARSERS} --hf-overrides {shlex.quote(json.dumps(yarn))}")
+    p, port, err = launch(binary, DEMO, args)
+    assert p is not None, err
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as r:
+            assert json.load(r)["data"][0]["max_model_len"] == 1048576
+        body = json.dumps({"model": DEMO, "prompt": "The capital of", "max_tokens": 4, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.load(r)["usage"]["completion_tokens"] == 4
+    finally:
+        err = stop(p)
+    assert "were not trained" not in err

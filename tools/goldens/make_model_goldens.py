@@ -192,6 +192,42 @@ CONFIGS = [
         greedy_tokens=12,
         hidden_dump_cases=[1],
     ),
+    dict(
+        name="yarn_ratio",
+        about="m3_ratio with YaRN (rope_type yarn, factor 4 over an original 64-token window, "
+        "beta_fast 32 / beta_slow 1, attention factor 0.1 ln 4 + 1): prompts run past the original "
+        "window, so the blended frequencies and the cos/sin scale are exercised. M3 head ratios: 64 query heads, 4 KV heads, 4 index heads (16 q heads per KV head); "
+        "head_dim 16 with rotary 8 (partial_rotary_factor 0.5), index_head_dim 16; 16-token blocks, "
+        "top-4; 2 dense layers then MoE (16 experts, top-4); rope_theta 5e6.",
+        vocab_size=1536,
+        hidden_size=64,
+        num_layers=4,
+        first_dense=2,
+        num_heads=64,
+        num_kv_heads=4,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        index_heads=4,
+        index_head_dim=16,
+        block_size=16,
+        topk_blocks=4,
+        local_blocks=1,
+        use_sparse=True,
+        num_experts=16,
+        experts_per_tok=4,
+        intermediate_size=24,
+        shared_intermediate_size=24,
+        dense_intermediate_size=96,
+        routed_scaling_factor=2.0,
+        rope_theta=5.0e6,
+        yarn=dict(factor=4.0, original_max_position_embeddings=64),
+        swiglu_alpha=1.702,
+        swiglu_limit=7.0,
+        projector_hidden_size=32,
+        prompts=[1, 48, 97, 190],
+        greedy_tokens=16,
+        hidden_dump_cases=[0, 2],
+    ),
 ]
 
 
@@ -212,6 +248,19 @@ def rotary_dim(cfg):
     return int(cfg["head_dim"] * cfg["partial_rotary_factor"])
 
 
+def max_positions(cfg):
+    """A YaRN model's window is original x factor (what transformers and vLLM derive)."""
+    y = cfg.get("yarn")
+    return int(y["factor"] * y["original_max_position_embeddings"]) if y else 65536
+
+
+def rope_parameters(cfg):
+    p = dict(rope_type="default", rope_theta=cfg["rope_theta"], partial_rotary_factor=cfg["partial_rotary_factor"])
+    if cfg.get("yarn"):
+        p.update(rope_type="yarn", **cfg["yarn"])
+    return p
+
+
 def hf_config_dict(cfg):
     """kwargs for transformers' MiniMaxM3VLConfig (flat index_* keys, explicit layer types)."""
     text = dict(
@@ -224,7 +273,7 @@ def hf_config_dict(cfg):
         num_attention_heads=cfg["num_heads"],
         num_key_value_heads=cfg["num_kv_heads"],
         head_dim=cfg["head_dim"],
-        max_position_embeddings=65536,
+        max_position_embeddings=max_positions(cfg),
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         num_experts_per_tok=cfg["experts_per_tok"],
@@ -233,11 +282,7 @@ def hf_config_dict(cfg):
         rotary_dim=rotary_dim(cfg),
         swiglu_alpha=cfg["swiglu_alpha"],
         swiglu_limit=cfg["swiglu_limit"],
-        rope_parameters=dict(
-            rope_type="default",
-            rope_theta=cfg["rope_theta"],
-            partial_rotary_factor=cfg["partial_rotary_factor"],
-        ),
+        rope_parameters=rope_parameters(cfg),
         mlp_layer_types=["sparse" if f else "dense" for f in moe_freq(cfg)],
         layer_types=["minimax_m3_sparse" if f else "full_attention" for f in sparse_freq(cfg)],
         index_n_heads=cfg["index_heads"],
@@ -272,7 +317,7 @@ def shipped_config_dict(cfg):
         dense_intermediate_size=cfg["dense_intermediate_size"],
         shared_intermediate_size=cfg["shared_intermediate_size"],
         vocab_size=cfg["vocab_size"],
-        max_position_embeddings=65536,
+        max_position_embeddings=max_positions(cfg),
         rms_norm_eps=1e-6,
         use_gemma_norm=True,
         use_qk_norm=True,
@@ -281,6 +326,9 @@ def shipped_config_dict(cfg):
         rope_theta=cfg["rope_theta"],
         rotary_dim=rotary_dim(cfg),
         partial_rotary_factor=cfg["partial_rotary_factor"],
+        **({"rope_scaling": dict(rope_type="yarn", rope_theta=cfg["rope_theta"],
+                                 partial_rotary_factor=cfg["partial_rotary_factor"], **cfg["yarn"])}
+           if cfg.get("yarn") else {}),
         hidden_act="swigluoai",
         swiglu_alpha=cfg["swiglu_alpha"],
         swiglu_limit=cfg["swiglu_limit"],

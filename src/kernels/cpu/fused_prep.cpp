@@ -48,23 +48,23 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
   // q: [T, nq, d] -> q_out, normed per head and rotated.
   pack_rows(a.q, a.in_stride, T, a.num_q_heads * d, a.q_out);
   rmsnorm_gemma(a.q_out, T * a.num_q_heads, d, a.q_norm, a.eps, a.q_out);
-  rope_neox(a.q_out, T, a.num_q_heads, d, a.rot_dim, layout.positions, a.theta);
+  rope_neox(a.q_out, T, a.num_q_heads, d, a.rot_dim, layout.positions, a.theta, a.scaling);
   // k: [T, nkv, d] normed and rotated; v: [T, nkv, d] as is; both into the pages.
   std::vector<float> k(T * a.num_kv_heads * d), v(T * a.num_kv_heads * d), ik;
   pack_rows(a.k, a.in_stride, T, a.num_kv_heads * d, k.data());
   pack_rows(a.v, a.in_stride, T, a.num_kv_heads * d, v.data());
   rmsnorm_gemma(k.data(), T * a.num_kv_heads, d, a.k_norm, a.eps, k.data());
-  rope_neox(k.data(), T, a.num_kv_heads, d, a.rot_dim, layout.positions, a.theta);
+  rope_neox(k.data(), T, a.num_kv_heads, d, a.rot_dim, layout.positions, a.theta, a.scaling);
   if (a.num_index_heads > 0) {
     const int64_t ni = a.num_index_heads, di = a.index_dim;
     M3_CHECK(a.iq != nullptr && a.iq_out != nullptr && a.ik != nullptr);
     pack_rows(a.iq, a.in_stride, T, ni * di, a.iq_out);
     rmsnorm_gemma(a.iq_out, T * ni, di, a.iq_norm, a.eps, a.iq_out);
-    rope_neox(a.iq_out, T, ni, di, a.index_rot_dim, layout.positions, a.theta);
+    rope_neox(a.iq_out, T, ni, di, a.index_rot_dim, layout.positions, a.theta, a.scaling);
     ik.resize(T * di);  // one shared index-K head
     pack_rows(a.ik, a.in_stride, T, di, ik.data());
     rmsnorm_gemma(ik.data(), T, di, a.ik_norm, a.eps, ik.data());
-    rope_neox(ik.data(), T, 1, di, a.index_rot_dim, layout.positions, a.theta);
+    rope_neox(ik.data(), T, 1, di, a.index_rot_dim, layout.positions, a.theta, a.scaling);
   }
   kv_write(cache, layout, k.data(), v.data(), ik.empty() ? nullptr : ik.data());
 }

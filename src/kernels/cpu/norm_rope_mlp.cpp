@@ -38,15 +38,18 @@ void rmsnorm_gemma(const float* x, int64_t rows, int64_t dim, const VecRef& w, f
 
 void rope_neox(float* x, int64_t n, int64_t num_heads, int64_t head_dim, int64_t rot_dim,
                const int32_t* positions, double theta) {
+  rope_neox(x, n, num_heads, head_dim, rot_dim, positions, theta, RopeScaling{});
+}
+
+void rope_neox(float* x, int64_t n, int64_t num_heads, int64_t head_dim, int64_t rot_dim,
+               const int32_t* positions, double theta, const RopeScaling& scaling) {
   M3_CHECK(rot_dim % 2 == 0 && rot_dim <= head_dim);
   if (rot_dim == 0) return;
   const int64_t half = rot_dim / 2;
-  // inv_freq exactly as the reference computes it in fp32: 1 / theta^(2i / rot_dim).
+  // inv_freq exactly as the reference computes it in fp32: 1 / theta^(2i / rot_dim), or YaRN's.
   std::vector<float> inv_freq(half);
-  for (int64_t i = 0; i < half; ++i) {
-    const float e = static_cast<float>(2 * i) / static_cast<float>(rot_dim);
-    inv_freq[i] = 1.0f / std::pow(static_cast<float>(theta), e);
-  }
+  rope_inv_freq(theta, scaling, rot_dim, inv_freq.data());
+  const float af = scaling.active() ? scaling.attention_factor : 1.0f;
   parallel_for(
       n,
       [&](int64_t t0, int64_t t1) {
@@ -55,8 +58,8 @@ void rope_neox(float* x, int64_t n, int64_t num_heads, int64_t head_dim, int64_t
           const float p = static_cast<float>(positions[t]);
           for (int64_t i = 0; i < half; ++i) {
             const float a = p * inv_freq[i];
-            c[i] = std::cos(a);
-            s[i] = std::sin(a);
+            c[i] = std::cos(a) * af;
+            s[i] = std::sin(a) * af;
           }
           for (int64_t h = 0; h < num_heads; ++h) {
             float* v = x + (t * num_heads + h) * head_dim;

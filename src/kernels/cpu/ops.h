@@ -44,6 +44,10 @@ void rmsnorm_gemma(const float* x, int64_t rows, int64_t dim, const VecRef& w, f
 // inv_freq[i] = 1 / theta^(2i/rot_dim) and angles are computed in fp32 (m3-model.md §3.5).
 void rope_neox(float* x, int64_t n, int64_t num_heads, int64_t head_dim, int64_t rot_dim,
                const int32_t* positions, double theta);
+// The same with a context extension (kernels::RopeScaling: YaRN frequencies, cos and sin scaled
+// by its attention_factor).
+void rope_neox(float* x, int64_t n, int64_t num_heads, int64_t head_dim, int64_t rot_dim,
+               const int32_t* positions, double theta, const RopeScaling& scaling);
 
 // ---- MLP ----
 // SwiGLU-OAI: out = min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, ±limit) + beta)

@@ -44,14 +44,15 @@ __global__ void __launch_bounds__(kAddNormThreads)
 struct Freqs {
   float head[kMaxRopeHalf];
   float index[kMaxRopeHalf];
+  float af = 1.f;  // YaRN's attention factor on cos and sin (1 without scaling)
 };
 
 // One vector of `dim` floats: Gemma RMSNorm with `w`, then RoPE over its first `rot` dims at
 // position p; element i of the result goes to emit(i, value) (dst may alias src).
 template <class Emit>
 __device__ void norm_rope(const float* src, int64_t dim, const void* w, bool w_bf16, float eps,
-                          int64_t rot, const float* inv_freq, float p, float* buf, float* red,
-                          Emit emit) {
+                          int64_t rot, const float* inv_freq, float af, float p, float* buf,
+                          float* red, Emit emit) {
   float ss = 0.f;
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
     const float v = src[i];
@@ -67,10 +68,10 @@ __device__ void norm_rope(const float* src, int64_t dim, const void* w, bool w_b
     float r = buf[i];
     if (i < half) {
       const float a = p * inv_freq[i];
-      r = buf[i] * cosf(a) - buf[i + half] * sinf(a);
+      r = buf[i] * (cosf(a) * af) - buf[i + half] * (sinf(a) * af);
     } else if (i < rot) {
       const float a = p * inv_freq[i - half];
-      r = buf[i] * cosf(a) + buf[i - half] * sinf(a);
+      r = buf[i] * (cosf(a) * af) + buf[i - half] * (sinf(a) * af);
     }
     emit(i, r);
   }
@@ -111,14 +112,14 @@ __global__ void __launch_bounds__(kPrepThreads)
   if (slot_kind < nq) {  // a query head
     float* dst = a.q_out + (t * nq + slot_kind) * d;
     norm_rope(a.q + t * qs + slot_kind * d, d, a.q_norm.data, a.q_norm.dtype == DType::kBF16, a.eps,
-              a.rot_dim, f.head, p, buf, red, [&](int64_t i, float r) { dst[i] = r; });
+              a.rot_dim, f.head, f.af, p, buf, red, [&](int64_t i, float r) { dst[i] = r; });
     return;
   }
   if (slot_kind < nq + ni) {  // an index query head
     const int64_t h = slot_kind - nq;
     float* dst = a.iq_out + (t * ni + h) * di;
     norm_rope(a.iq + t * iqs + h * di, di, a.iq_norm.data, a.iq_norm.dtype == DType::kBF16, a.eps,
-              a.index_rot_dim, f.index, p, buf, red, [&](int64_t i, float r) { dst[i] = r; });
+              a.index_rot_dim, f.index, f.af, p, buf, red, [&](int64_t i, float r) { dst[i] = r; });
     return;
   }
   // K head h (and V head h), or the index-K row: into the token's page slot (kv_write's math).
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(kPrepThreads)
   if (h < nkv) {
     const int64_t at = slot * nkv * d + h * d;
     norm_rope(a.k + t * ks + h * d, d, a.k_norm.data, a.k_norm.dtype == DType::kBF16, a.eps,
-              a.rot_dim, f.head, p, buf, red,
+              a.rot_dim, f.head, f.af, p, buf, red,
               [&](int64_t i, float r) { store_elem(c.k, c.kv_dtype, at + i, r, inv_k); });
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x)
       store_elem(c.v, c.kv_dtype, at + i, a.v[t * ks + h * d + i], inv_v);
@@ -142,7 +143,7 @@ __global__ void __launch_bounds__(kPrepThreads)
   }
   // The index-K row: an fp8 row first gets its per-token power-of-two scale (kv_write's rule).
   norm_rope(a.ik + t * iks, di, a.ik_norm.data, a.ik_norm.dtype == DType::kBF16, a.eps,
-            a.index_rot_dim, f.index, p, buf, red, [&](int64_t i, float r) { row[i] = r; });
+            a.index_rot_dim, f.index, f.af, p, buf, red, [&](int64_t i, float r) { row[i] = r; });
   float inv = 1.f;
   if (c.ik_dtype == KvDtype::kFp8) {
     float amax = 0.f;
@@ -172,12 +173,10 @@ __global__ void swiglu_rows_kernel(const float* __restrict__ gu, int64_t n, int6
   }
 }
 
-void fill_freqs(float* out, int64_t rot, double theta) {
-  // Exactly the CPU op's fp32 formula (same host libm), so angles match bit for bit.
-  for (int64_t i = 0; i < rot / 2; ++i) {
-    const float e = static_cast<float>(2 * i) / static_cast<float>(rot);
-    out[i] = 1.0f / std::pow(static_cast<float>(theta), e);
-  }
+void fill_freqs(float* out, int64_t rot, double theta, const RopeScaling& scaling) {
+  // Exactly the CPU op's fp32 formula (the same host function and libm), so angles match bit for
+  // bit.
+  rope_inv_freq(theta, scaling, rot, out);
 }
 
 }  // namespace
@@ -219,8 +218,9 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
   if (layout.num_tokens == 0) return;
   M3_CHECK(layout.num_tokens <= 0x7fffffff);
   Freqs f{};
-  fill_freqs(f.head, a.rot_dim, a.theta);
-  if (index) fill_freqs(f.index, a.index_rot_dim, a.theta);
+  fill_freqs(f.head, a.rot_dim, a.theta, a.scaling);
+  if (index) fill_freqs(f.index, a.index_rot_dim, a.theta, a.scaling);
+  f.af = a.scaling.active() ? a.scaling.attention_factor : 1.0f;
   const int64_t slots = a.num_q_heads + a.num_kv_heads + (index ? a.num_index_heads + 1 : 0);
   AttnPrepArgs args = a;
   if (!index) args.num_index_heads = 0;

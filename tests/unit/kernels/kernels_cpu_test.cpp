@@ -299,4 +299,49 @@ TEST(LogSoftmax, NormalisesRows) {
 }
 
 }  // namespace
+// YaRN (transformers' / vLLM's "yarn" rope type) at M3's shapes and the recipe's 1M override:
+// dims below the fast correction dim keep the plain frequency, dims past the slow one are divided
+// by the factor, the ramp between is linear; cos and sin are scaled by the attention factor.
+TEST(Rope, YarnFrequenciesAndScale) {
+  const double theta = 5e6;
+  const int64_t rot = 64;
+  RopeScaling y;
+  y.factor = 2.f;
+  y.original_max_position = 524288;
+  y.attention_factor = static_cast<float>(0.1 * std::log(2.0) + 1.0);
+  std::vector<float> plain(rot / 2), yarn(rot / 2);
+  rope_inv_freq(theta, RopeScaling{}, rot, plain.data());
+  rope_inv_freq(theta, y, rot, yarn.data());
+  // The correction range, in double: d * ln(L / (beta * 2 pi)) / (2 ln theta), floor / ceil.
+  const double pi2 = 2 * std::acos(-1.0);
+  const double low =
+      std::max(0.0, std::floor(rot * std::log(524288 / (32 * pi2)) / (2 * std::log(theta))));
+  const double high = std::min<double>(
+      rot - 1, std::ceil(rot * std::log(524288 / (1 * pi2)) / (2 * std::log(theta))));
+  ASSERT_LT(low, high);
+  for (int64_t i = 0; i < rot / 2; ++i) {
+    EXPECT_FLOAT_EQ(plain[i], 1.0f / std::pow(5e6f, static_cast<float>(2 * i) / rot));
+    const double ramp = std::clamp((i - low) / (high - low), 0.0, 1.0);
+    const double want = plain[i] * (1.0 - ramp) + plain[i] / 2.0 * ramp;
+    EXPECT_NEAR(yarn[i], want, 2e-7 * plain[i] + 1e-30) << i;
+    if (i <= low) {
+      EXPECT_EQ(yarn[i], plain[i]) << i;
+    }
+  }
+  // The rotated pair keeps its norm times the attention factor; unrotated dims are untouched.
+  const int64_t d = 128;
+  std::vector<float> x(d), xr;
+  std::mt19937 g(3);
+  std::normal_distribution<float> nd;
+  for (auto& v : x) v = nd(g);
+  xr = x;
+  const int32_t pos = 700000;
+  rope_neox(xr.data(), 1, 1, d, rot, &pos, theta, y);
+  for (int64_t i = 0; i < rot / 2; ++i) {
+    const double n0 = std::hypot(x[i], x[i + rot / 2]), n1 = std::hypot(xr[i], xr[i + rot / 2]);
+    EXPECT_NEAR(n1, n0 * y.attention_factor, 1e-5 * (1 + n0)) << i;
+  }
+  for (int64_t i = rot; i < d; ++i) EXPECT_EQ(xr[i], x[i]);
+}
+
 }  // namespace m3::kernels::cpu

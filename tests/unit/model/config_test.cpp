@@ -4,6 +4,8 @@
 // tools/goldens/make_config_fixtures.py (the flat ones by transformers itself).
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <unistd.h>
 
 #include <filesystem>
@@ -405,10 +407,42 @@ TEST(ConfigRefuses, RotaryWiderThanIndexHeads) {
   parse_fails(j, {"rotary_dim 32", "index_head_dim 16"});
 }
 
+TEST(Config, YarnRopeScaling) {
+  // The recipe's 1M override on the shipped form: YaRN over the base RoPE's rotated dims.
+  json j = tiny_shipped();
+  const M3Config base = parse_ok(j.dump());
+  j["text_config"]["rope_scaling"] = {
+      {"rope_type", "yarn"}, {"factor", 2.0}, {"original_max_position_embeddings", 524288}};
+  M3Config c = parse_ok(j.dump());
+  EXPECT_EQ(c.rotary_dim, base.rotary_dim);
+  EXPECT_EQ(c.rope_theta, base.rope_theta);
+  EXPECT_TRUE(c.rope_scaling.active());
+  EXPECT_EQ(c.rope_scaling.factor, 2.f);
+  EXPECT_EQ(c.rope_scaling.original_max_position, 524288.0);
+  EXPECT_EQ(c.rope_scaling.beta_fast, 32.f);
+  EXPECT_EQ(c.rope_scaling.beta_slow, 1.f);
+  EXPECT_FLOAT_EQ(c.rope_scaling.attention_factor, static_cast<float>(0.1 * std::log(2.0) + 1.0));
+  EXPECT_EQ(c.max_position_embeddings, 1048576) << "original x factor, as vLLM derives it";
+  // transformers' keys in rope_parameters (flat form), with explicit factors.
+  j = tiny_flat();
+  j["text_config"]["rope_parameters"]["rope_type"] = "yarn";
+  j["text_config"]["rope_parameters"]["factor"] = 4.0;
+  j["text_config"]["rope_parameters"]["attention_factor"] = 1.25;
+  j["text_config"]["rope_parameters"]["beta_fast"] = 16.0;
+  c = parse_ok(j.dump());
+  EXPECT_EQ(c.rope_scaling.attention_factor, 1.25f);
+  EXPECT_EQ(c.rope_scaling.beta_fast, 16.f);
+  EXPECT_EQ(c.rope_scaling.original_max_position, c.max_position_embeddings / 4.0);
+  // No scaling: inactive.
+  EXPECT_FALSE(base.rope_scaling.active());
+}
+
 TEST(ConfigRefuses, RopeScaling) {
   json j = tiny_shipped();
-  j["text_config"]["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 2.0}};
-  Error e = parse_fails(j, {"rope_scaling", "\"yarn\"", "default"});
+  j["text_config"]["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 1.0}};
+  parse_fails(j, {"rope_scaling", "factor", "above 1"});
+  j["text_config"]["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", 2.0}};
+  Error e = parse_fails(j, {"rope_scaling", "\"dynamic\"", "\"yarn\""});
   EXPECT_EQ(e.code, ErrorCode::kUnsupported);
   j = tiny_flat();
   j["text_config"]["rope_parameters"]["rope_type"] = "linear";
