@@ -77,6 +77,35 @@ endif()
 m3_header_fallback(m3::cppzmq zmq.hpp)
 m3_header_fallback(m3::msgpack msgpack.hpp)
 set_target_properties(m3::msgpack PROPERTIES INTERFACE_COMPILE_DEFINITIONS MSGPACK_NO_BOOST)
+# Image decoders of the vision input (src/vision): Debian's libjpeg-turbo, libpng, libwebp.
+# Decoded pixels must be byte-identical to the tested build (tests/unit/vision), so when
+# .gpu_deps/ holds the development machine's static archives (the GPU machine) those are used
+# even if the system has other versions (libpng there links the copied zlib).
+if(PKG_CONFIG_FOUND AND NOT EXISTS ${M3_GPU_DEPS}/lib/libjpeg.a)
+  pkg_check_modules(LIBJPEG QUIET IMPORTED_TARGET libjpeg)
+  pkg_check_modules(LIBPNG QUIET IMPORTED_TARGET libpng16)
+  pkg_check_modules(LIBWEBP QUIET IMPORTED_TARGET libwebp)
+endif()
+foreach(img jpeg png webp)
+  string(TOUPPER ${img} IMG)
+  if(TARGET PkgConfig::LIB${IMG})
+    add_library(M3::${img} INTERFACE IMPORTED)
+    set_target_properties(M3::${img} PROPERTIES INTERFACE_LINK_LIBRARIES PkgConfig::LIB${IMG})
+  endif()
+endforeach()
+m3_lib_fallback(M3::jpeg STATIC libjpeg.a)
+m3_lib_fallback(M3::webp STATIC libwebp.a)
+if(NOT TARGET M3::png)
+  m3_lib_fallback(M3::zlib STATIC libz.a)
+  m3_lib_fallback(M3::png STATIC libpng16.a)
+  set_target_properties(M3::png PROPERTIES INTERFACE_LINK_LIBRARIES "M3::zlib;m")
+endif()
+if(TARGET PkgConfig::LIBJPEG)
+  message(STATUS "image decoders: system libjpeg ${LIBJPEG_VERSION}, libpng ${LIBPNG_VERSION}, "
+                 "libwebp ${LIBWEBP_VERSION}")
+else()
+  message(STATUS "image decoders: static libjpeg, libpng, libwebp from ${M3_GPU_DEPS}")
+endif()
 # xgrammar (structured outputs) from its PyPI sdist: tools/setup.sh unpacks it into .deps/, and
 # tools/gpu_deps.sh copies the parts the build needs into .gpu_deps/ for the GPU machine. Built
 # as a static library with its own flags, its Python bindings off. Without it, m3serve builds

@@ -19,8 +19,9 @@ ALLOWED = {
     "sched": {"core"},
     "engine": {"sched", "runtime", "model", "kernels", "dist", "gpu", "core"},
     "text": {"core"},
-    "server": {"text", "engine", "core"},
-    "app": {"server", "text", "engine", "sched", "runtime", "model", "kernels", "dist", "gpu",
+    "vision": {"core"},
+    "server": {"text", "vision", "engine", "core"},
+    "app": {"server", "text", "vision", "engine", "sched", "runtime", "model", "kernels", "dist", "gpu",
             "core"},
 }
 # server talks to the engine only through engine/engine.h (and the plain types it includes)

@@ -42,6 +42,11 @@ copy_lib libpcre2-8.a libutf8proc.a libxxhash.a
 # 24.04 does not have by default; cmake/deps.cmake links them with an inherited RPATH.
 copy_inc zmq.h zmq.hpp zmq_addon.hpp msgpack.hpp msgpack
 copy_lib libzmq.so.5 libsodium.so.23 libpgm-5.3.so.0 libnorm.so.1
+# Image decoders (src/vision): libjpeg-turbo, libpng (+ zlib), libwebp headers + static archives.
+copy_inc jpeglib.h jmorecfg.h jerror.h png.h pngconf.h pnglibconf.h zlib.h zconf.h webp
+copy_lib libjpeg.a libpng16.a libz.a libwebp.a
+need "$inc/x86_64-linux-gnu/jconfig.h"  # multiarch header: into the include root
+cp -L "$inc/x86_64-linux-gnu/jconfig.h" "$dest/include/jconfig.h"
 # xgrammar's sources (structured outputs), from the sdist tools/setup.sh unpacked into .deps/:
 # only what its static library's build reads (about 2 MB).
 xg=xgrammar-0.2.8
@@ -56,7 +61,7 @@ cp -r "$repo/.deps/$xg/3rdparty/picojson" "$repo/.deps/$xg/3rdparty/dlpack" "$de
   echo "# Filled by tools/gpu_deps.sh on $(date -u +%Y-%m-%dT%H:%M:%SZ) from these Debian packages:"
   dpkg-query -W -f '${Package} ${Version}\n' libtl-expected-dev nlohmann-json3-dev libcli11-dev \
     libgtest-dev libpcre2-dev libutf8proc-dev libxxhash-dev libzmq3-dev cppzmq-dev \
-    libmsgpack-cxx-dev 2>/dev/null || true
+    libmsgpack-cxx-dev libjpeg62-turbo-dev libpng-dev zlib1g-dev libwebp-dev 2>/dev/null || true
   echo "$xg (PyPI sdist)"
 } > "$dest/VERSIONS"
 echo "gpu_deps.sh: $(du -sh "$dest" | cut -f1) in $dest"

@@ -6,7 +6,7 @@ if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
 need_apt=0
 for p in cmake ninja-build g++ pkg-config python3 python3-pip nlohmann-json3-dev \
          libcli11-dev libexpected-dev libpcre2-dev libutf8proc-dev libxxhash-dev libgtest-dev \
-         libgmock-dev ccache curl clang-format libzmq3-dev cppzmq-dev libmsgpack-cxx-dev; do
+         libgmock-dev ccache curl clang-format libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libjpeg62-turbo-dev libpng-dev zlib1g-dev libwebp-dev; do
   dpkg -s "$p" >/dev/null 2>&1 || need_apt=1
 done
 if [ "$need_apt" = 1 ]; then
@@ -14,7 +14,8 @@ if [ "$need_apt" = 1 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
     cmake ninja-build g++ pkg-config python3 python3-pip nlohmann-json3-dev \
     libcli11-dev libexpected-dev libpcre2-dev libutf8proc-dev libxxhash-dev libgtest-dev \
-    libgmock-dev ccache curl clang-format libzmq3-dev cppzmq-dev libmsgpack-cxx-dev >/dev/null
+    libgmock-dev ccache curl clang-format libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libjpeg62-turbo-dev \
+    libpng-dev zlib1g-dev libwebp-dev >/dev/null
 fi
 # Python oracles and the real OpenAI client for the tests (no torch: the model goldens are
 # committed, made by tools/goldens/make_model_goldens.py on the GPU machine).

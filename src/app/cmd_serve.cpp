@@ -387,6 +387,7 @@ int run_serve(ServeArgs a) {
   ec.max_queue_len = a.max_queue_len;
   ec.num_sampleable_tokens = assets->tokenizer->vocab_size();  // never sample padding rows
   ec.backend_factory = std::move(*backend_factory);
+  ec.language_model_only = a.language_model_only;
   ec.kv_cache_dtype = kv_format->kv;
   ec.index_cache_dtype = kv_format->index;
   if (plan->kv_events) ec.kv_events = *plan->kv_events;
@@ -406,6 +407,10 @@ int run_serve(ServeArgs a) {
   sc.served_model_names = a.served_model_names;
   sc.api_keys = a.api_keys;
   sc.allowed_origins = plan->allowed_origins;
+  if (plan->mm_limit_images) sc.media.max_images_per_prompt = *plan->mm_limit_images;
+  if (plan->mm_cache_gb)
+    sc.media.processor_cache_bytes = static_cast<int64_t>(*plan->mm_cache_gb * (1 << 30));
+  sc.media.allowed_local_media_path = plan->allowed_local_media_path;
   sc.access_log = plan->access_log;
   sc.stats_interval_s = plan->log_stats ? plan->stats_interval_s : 0.0;
   sc.allow_credentials = plan->allow_credentials;
@@ -538,7 +543,7 @@ RunFn register_serve(CLI::App& app) {
                   "Waiting requests beyond this get HTTP 429")
       ->capture_default_str();
   sub->add_flag("--language-model-only", a->language_model_only,
-                "Accepted: this server runs the text model only");
+                "Skip loading the vision tower; requests with images get a 400");
   sub->add_option("--kv-cache-memory-bytes", a->kv_cache_memory_bytes,
                   "KV cache size (bytes, or with KiB/MiB/GiB)");
   sub->add_option("--scheduling-policy", a->scheduling_policy, "fcfs or priority")

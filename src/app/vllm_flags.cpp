@@ -26,8 +26,8 @@ constexpr bool kBoth = false;
 
 // Shared reasons, so the same feature is described the same way under every flag.
 constexpr std::string_view kWhyMm =
-    "image and video input are coming (issue #20); today m3serve serves the text model only (as "
-    "with --language-model-only): drop the multimodal flags";
+    "m3serve's image processor runs the MiniMax-M3 defaults (transformers' MiniMaxM3VL "
+    "processor) and its decoders take no options: drop the flag";
 constexpr std::string_view kWhyQuant =
     "quantized serving (fp8_per_channel, MXFP8 kept in FP8, NVFP4, MXFP4) is coming (issue #18); "
     "today m3serve runs bf16 weights and reads MXFP8 checkpoints (dequantised to bf16 at load) "
@@ -186,15 +186,18 @@ const std::vector<VllmFlag> kTable = {
   {"--speculative-model", true, FlagKind::kComing, "", kWhySpec, kBoth},
 
   // ---- multimodal ----
-  {"--mm-encoder-tp-mode", true, FlagKind::kComing, "", kWhyMm, kBoth},
-  {"--mm-encoder-attn-backend", true, FlagKind::kComing, "", kWhyMm, kBoth},
-  {"--mm-processor-cache-type", true, FlagKind::kComing, "", kWhyMm, kBoth},
-  {"--mm-processor-cache-gb", true, FlagKind::kComing, "", kWhyMm, kBoth},
-  {"--mm-processor-kwargs", true, FlagKind::kComing, "", kWhyMm, kBoth},
-  {"--limit-mm-per-prompt", true, FlagKind::kComing, "", kWhyMm, kBoth},
-  {"--media-io-kwargs", true, FlagKind::kComing, "", kWhyMm, kBoth},
-  {"--allowed-local-media-path", true, FlagKind::kComing, "", kWhyMm, kServeOnly},
-  {"--allowed-media-domains", true, FlagKind::kComing, "", kWhyMm, kServeOnly},
+  {"--mm-encoder-tp-mode", true, FlagKind::kHandled, "", "", kBoth},
+  {"--mm-encoder-attn-backend", true, FlagKind::kNoop, "",
+   "the vision tower runs m3serve's own attention kernel (no attention backends to pick)", kBoth},
+  {"--mm-processor-cache-type", true, FlagKind::kHandled, "", "", kBoth},
+  {"--mm-processor-cache-gb", true, FlagKind::kHandled, "", "", kBoth},
+  {"--mm-processor-kwargs", true, FlagKind::kRefused, "", kWhyMm, kBoth},
+  {"--limit-mm-per-prompt", true, FlagKind::kHandled, "", "", kBoth},
+  {"--media-io-kwargs", true, FlagKind::kRefused, "", kWhyMm, kBoth},
+  {"--allowed-local-media-path", true, FlagKind::kHandled, "", "", kServeOnly},
+  {"--allowed-media-domains", true, FlagKind::kNoop, "",
+   "m3serve fetches no remote media: http(s) image URLs get a 400; send data: URLs",
+   kServeOnly},
 
   // ---- KV offload / transfer / events ----
   {"--kv-transfer-config", true, FlagKind::kHandled, "", "", kServeOnly},
@@ -775,6 +778,16 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
       help =
           "JSON object merged into config.json before it is read, e.g. "
           "'{\"text_config\": {\"max_position_embeddings\": 262144}}'";
+    } else if (ln == "--limit-mm-per-prompt") {
+      help = "JSON object of per-prompt limits, e.g. '{\"image\": 4}' (video: not supported yet)";
+    } else if (ln == "--mm-processor-cache-gb") {
+      help = "GiB of processed images cached by content hash (default 4; 0: off)";
+    } else if (ln == "--mm-processor-cache-type") {
+      help = "lru (shm is treated as lru: one server process)";
+    } else if (ln == "--mm-encoder-tp-mode") {
+      help = "weights | data (accepted; the vision tower runs unsharded)";
+    } else if (ln == "--allowed-local-media-path") {
+      help = "Directory whose files image parts may name as file:// URLs";
     } else if (ln == "--compilation-config") {
       help =
           "vLLM compilation config: cudagraph_mode NONE turns CUDA graphs off (as "
@@ -875,6 +888,57 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       M3_TRY(json j, parse_json_object(ln, value,
                                        "{\"text_config\": {\"max_position_embeddings\": 262144}}"));
       plan.hf_overrides = j.dump();
+    } else if (ln == "--limit-mm-per-prompt") {
+      M3_TRY(json j, parse_json_object(ln, value, "{\"image\": 4, \"video\": 0}"));
+      for (auto it = j.begin(); it != j.end(); ++it) {
+        if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0) {
+          return bad(ln, "--limit-mm-per-prompt: \"" + it.key() +
+                             "\" must be a non-negative integer, e.g. '{\"image\": 4}'");
+        }
+        const int n = static_cast<int>(std::min<int64_t>(it.value().get<int64_t>(), 1 << 20));
+        if (it.key() == "image") {
+          plan.mm_limit_images = n;
+        } else if (it.key() == "video") {
+          if (n > 0) {
+            plan.notices.push_back("--limit-mm-per-prompt video " + std::to_string(n) +
+                                   ": video input is not supported yet; video parts get a 400");
+          }
+        } else {
+          return bad(ln, "--limit-mm-per-prompt: \"" + it.key() +
+                             "\" is not a modality of MiniMax-M3 (image, video)");
+        }
+      }
+    } else if (ln == "--mm-processor-cache-gb") {
+      const std::string t = trim(value);
+      char* end = nullptr;
+      const double gb = std::strtod(t.c_str(), &end);
+      if (t.empty() || *end != '\0' || !(gb >= 0) || gb > 1e6) {
+        return bad(ln, "--mm-processor-cache-gb '" + value +
+                           "' is not a size in GiB >= 0, e.g. --mm-processor-cache-gb 4 (0: off)");
+      }
+      plan.mm_cache_gb = gb;
+    } else if (ln == "--mm-processor-cache-type") {
+      if (value != "lru" && value != "shm") {
+        return bad(ln, "--mm-processor-cache-type '" + value + "': use lru or shm");
+      }
+      if (value == "shm") {
+        plan.notices.push_back(
+            "--mm-processor-cache-type shm: the server is one process, so its processed-image "
+            "cache is the in-process LRU (lru)");
+      }
+    } else if (ln == "--mm-encoder-tp-mode") {
+      if (value != "weights" && value != "data") {
+        return bad(ln, "--mm-encoder-tp-mode '" + value + "': use weights or data");
+      }
+      plan.notices.push_back("--mm-encoder-tp-mode " + value +
+                             ": the vision tower runs whole (unsharded) once per request on the "
+                             "CPU backend; a tensor- or data-parallel tower is not implemented");
+    } else if (ln == "--allowed-local-media-path") {
+      std::error_code ec;
+      if (!std::filesystem::is_directory(value, ec)) {
+        return bad(ln, "--allowed-local-media-path " + value + " is not a directory");
+      }
+      plan.allowed_local_media_path = value;
     } else if (ln == "--compilation-config") {
       M3_TRY_STATUS(review_compilation(value, plan));
     } else if (ln == "--attention-config") {

@@ -85,6 +85,10 @@ struct CompatPlan {
   std::vector<std::string> allowed_origins;  // CORS, applied (ServerConfig::allowed_origins)
   bool allow_credentials = false;
   std::string root_path;
+  // Image input (issue #20), applied to the server's MediaConfig.
+  std::optional<int> mm_limit_images;    // --limit-mm-per-prompt '{"image": N}'
+  std::optional<double> mm_cache_gb;     // --mm-processor-cache-gb
+  std::string allowed_local_media_path;  // --allowed-local-media-path ("" none)
 };
 
 // Environment variables as `NAME=value` strings (environ, or a test's list).

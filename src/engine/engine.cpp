@@ -132,8 +132,12 @@ class EngineImpl {
   std::unordered_map<uint64_t, RunnerRequestState> states;
   std::vector<std::unique_ptr<KvEventPublisher>> kv_publishers;  // one per KV partition
   std::thread thread;
+  // The transformers vision layout attends across a request's images (model/config.h): each
+  // image's embeddings then depend on all of them, so its cache key is the hash of them all.
+  bool images_attend_across = false;
 
   void loop();
+  Status check_images(const GenerateRequest& req) const;
   void admit(Pending& p);
   void finish_abort(uint64_t id);
   void publish(const std::vector<sched::RequestUpdate>& updates);
@@ -152,6 +156,45 @@ void EngineImpl::publish_kv_events() {
   std::vector<std::vector<sched::KvCacheEvent>> per(kv_publishers.size());
   for (auto& e : events) per[e.partition].push_back(std::move(e));
   for (size_t p = 0; p < per.size(); ++p) kv_publishers[p]->publish(std::move(per[p]));
+}
+
+Status EngineImpl::check_images(const GenerateRequest& req) const {
+  if (req.images.empty()) return {};
+  if (!info.image_input) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "image input is not available: " + info.image_refusal, "messages");
+  }
+  const int64_t m2 = info.vision_merge_size * info.vision_merge_size;
+  const int64_t row =
+      3 * info.vision_temporal_patch_size * info.vision_patch_size * info.vision_patch_size;
+  int64_t end_prev = 0;
+  const int64_t n_prompt = static_cast<int64_t>(req.prompt_token_ids.size());
+  for (size_t i = 0; i < req.images.size(); ++i) {
+    const ImageInput& im = req.images[i];
+    const int64_t np = im.grid_t * im.grid_h * im.grid_w;
+    const std::string which = "image " + std::to_string(i);
+    if (im.grid_t < 1 || im.grid_h < 1 || im.grid_w < 1 || im.grid_h % info.vision_merge_size ||
+        im.grid_w % info.vision_merge_size || np / m2 != im.num_tokens ||
+        static_cast<int64_t>(im.patches.size()) != np * row) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        which + ": its patch grid does not match its token count", "messages");
+    }
+    if (im.token_offset < end_prev || im.token_offset + im.num_tokens > n_prompt) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        which + ": its placeholder tokens lie outside the prompt", "messages");
+    }
+    for (int32_t j = 0; j < im.num_tokens; ++j) {
+      if (req.prompt_token_ids[im.token_offset + j] != info.image_token_id) {
+        return make_error(ErrorCode::kInvalidArgument,
+                          which + ": prompt token " + std::to_string(im.token_offset + j) +
+                              " is not the image placeholder " +
+                              std::to_string(info.image_token_id),
+                          "messages");
+      }
+    }
+    end_prev = im.token_offset + im.num_tokens;
+  }
+  return {};
 }
 
 void EngineImpl::admit(Pending& p) {
@@ -174,6 +217,19 @@ void EngineImpl::admit(Pending& p) {
   st.num_prompt_tokens = static_cast<int>(p.req.prompt_token_ids.size());
   if (sp.prompt_logprobs >= 0) st.prompt_logprobs.assign(st.num_prompt_tokens, std::nullopt);
   if (sp.constraint) st.constraint = sp.constraint->make();
+  if (!p.req.images.empty()) {
+    // The tower runs when a step first computes one of the image positions (ModelRunner), so an
+    // image whose pages all come from the prefix cache is never encoded.
+    uint64_t all_hash = 0x7669736e00000000ULL;
+    for (const ImageInput& im : p.req.images)
+      all_hash = (all_hash ^ im.content_hash) * 0x9e3779b97f4a7c15ULL + 1;
+    for (const ImageInput& im : p.req.images) {
+      st.image_spans.push_back({im.token_offset, im.num_tokens});
+      r->content_spans.push_back(
+          {im.token_offset, im.num_tokens, images_attend_across ? all_hash : im.content_hash});
+    }
+    st.images = std::move(p.req.images);
+  }
   auto added = scheduler->add_request(std::move(r));
   if (!added) {
     RequestOutput o;
@@ -369,7 +425,9 @@ Engine::~Engine() {
 Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   auto impl = std::make_unique<EngineImpl>();
   impl->cfg = config;
-  M3_TRY(auto model, model::M3Model::load(config.model_dir));
+  model::LoadOptions lo;
+  lo.language_model_only = config.language_model_only;
+  M3_TRY(auto model, model::M3Model::load(config.model_dir, lo));
   model->set_kv_cache_format(config.kv_cache_dtype, config.index_cache_dtype);
   const model::M3Config& mc = model->config();
   M3_TRY_STATUS(model::check_kv_block_size(mc, config.block_size));
@@ -451,6 +509,13 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   info.kv_bytes_per_token = model::KvCache::page_bytes(bc) / bs;
   info.device = backend->device_name();
   for (int64_t e : bc.eos_token_ids) info.eos_token_ids.push_back(static_cast<int32_t>(e));
+  info.image_input = backend->supports_image_input();
+  if (!info.image_input) info.image_refusal = backend->image_refusal();
+  info.image_token_id = static_cast<int32_t>(bc.vision.image_token_index);
+  info.vision_patch_size = bc.vision.patch_size;
+  info.vision_temporal_patch_size = bc.vision.temporal_patch_size;
+  info.vision_merge_size = bc.vision.spatial_merge_size;
+  impl->images_attend_across = bc.vision.rope_layout == model::VisionRopeLayout::kTransformers;
 
   int64_t host_slots = 0;
   if (config.host_kv_cache_bytes > 0) {
@@ -569,6 +634,7 @@ Result<std::shared_ptr<RequestStream>> Engine::submit(GenerateRequest req) {
   }
   M3_TRY_STATUS(check_context_length(static_cast<int64_t>(req.prompt_token_ids.size()),
                                      p.max_tokens, e.info.max_model_len, "messages"));
+  M3_TRY_STATUS(e.check_images(req));
 
   const uint64_t id = e.next_id++;
   auto stream = std::make_shared<RequestStream>(id, req.waker);
@@ -620,6 +686,7 @@ EngineStats Engine::stats() const {
     std::lock_guard<std::mutex> lock(impl_->stats_mu);
     s = impl_->stats;
   }
+  s.image_encodes = impl_->runner->num_image_encodes();  // atomic, bumped before the outputs
   // Counted by the publisher threads as they send (the list is fixed after create()).
   for (const auto& pub : impl_->kv_publishers) {
     s.kv_event_batches_published += pub->num_batches_published();

@@ -52,6 +52,8 @@ struct EngineConfig {
   // Ids at or above this are never sampled (embedding rows past the tokenizer's vocabulary, e.g.
   // M3's padding rows 200061-200063). 0: the model's vocab_size.
   int64_t num_sampleable_tokens = 0;
+  // Skip the vision tower (--language-model-only): image input is then refused.
+  bool language_model_only = false;
   // Where the forward runs. Empty: the CPU backend (runtime::make_cpu_backend).
   BackendFactory backend_factory;
   // The KV cache's element formats (docs/KV_CACHE.md), set on the model right after it loads,
@@ -100,6 +102,7 @@ struct EngineStats {
   int64_t requests_finished_length = 0;
   int64_t requests_finished_abort = 0;
   int64_t requests_finished_error = 0;
+  int64_t image_encodes = 0;  // vision tower runs (one per request whose images were computed)
   Histogram time_to_first_token_s;
   Histogram inter_token_latency_s;
   Histogram e2e_request_latency_s;
@@ -124,6 +127,23 @@ struct ModelInfo {
   std::vector<std::string> kv_events_endpoints;
   std::vector<std::string> kv_events_replay_endpoints;
   int64_t num_host_kv_pages = 0;  // the host KV tier (0: off)
+  // Image input (issue #20): image_input says whether requests may carry images; when not,
+  // image_refusal says why (no vision tower, --language-model-only, a backend without it).
+  bool image_input = false;
+  std::string image_refusal;
+  int32_t image_token_id = -1;  // the placeholder token the images' embeddings replace
+  int64_t vision_patch_size = 14, vision_temporal_patch_size = 2, vision_merge_size = 2;
+};
+
+// One image of a request: the processor's patch rows (vision/image_processor.h) and the prompt
+// tokens its embeddings replace. The prompt holds num_tokens image_token_id tokens from
+// token_offset on; num_tokens == grid_t*grid_h*grid_w / merge^2.
+struct ImageInput {
+  int64_t grid_t = 1, grid_h = 0, grid_w = 0;
+  std::vector<float> patches;  // [grid_t*grid_h*grid_w, channels*temporal*patch*patch] f32
+  int32_t token_offset = 0;
+  int32_t num_tokens = 0;
+  uint64_t content_hash = 0;  // of the image's bytes: the prefix-cache key of its tokens
 };
 
 struct TokenLogprobOut {
@@ -190,6 +210,7 @@ struct GenerateRequest {
   SamplingParams params;
   int priority = 0;                    // lower first, with EngineConfig::priority_scheduling
   std::shared_ptr<StreamWaker> waker;  // optional: notified on every output of this request
+  std::vector<ImageInput> images;      // in prompt order (ModelInfo::image_input must be true)
 };
 
 class EngineImpl;
@@ -202,9 +223,10 @@ class Engine {
   static Result<std::unique_ptr<Engine>> create(const EngineConfig& config);
   ~Engine();
 
-  // Validates and queues a request. Errors: empty prompt / ids outside the vocabulary
-  // (kInvalidArgument), prompt + max_tokens over max_model_len (kContextLength, with the numbers),
-  // queue full (kQueueFull), shutting down (kUnavailable).
+  // Validates and queues a request. Errors: empty prompt / ids outside the vocabulary, images
+  // the model cannot take or whose placeholders do not match (kInvalidArgument), prompt +
+  // max_tokens over max_model_len (kContextLength, with the numbers), queue full (kQueueFull),
+  // shutting down (kUnavailable).
   Result<std::shared_ptr<RequestStream>> submit(GenerateRequest request);
   // Aborts a request (no-op when it already finished). Its stream gets a finished "abort" output.
   void abort(uint64_t request_id);

@@ -1,5 +1,6 @@
 #include "engine/model_runner.h"
 
+#include <algorithm>
 #include <thread>
 
 #include "core/check.h"
@@ -51,7 +52,7 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
     auto it = states.find(r.request_id);
     M3_CHECK(it != states.end(), "runner: no state for request %llu",
              (unsigned long long)r.request_id);
-    const RunnerRequestState& st = it->second;
+    RunnerRequestState& st = it->second;
     b.block_table.insert(b.block_table.end(), r.block_ids.begin(), r.block_ids.end());
     b.block_table_offsets.push_back(static_cast<int32_t>(b.block_table.size()));
     const int n = r.num_new_tokens();
@@ -71,6 +72,35 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
       b.token_ids.push_back(r.token_ids[j]);
       b.positions.push_back(pos);
       b.seq_ids.push_back(static_cast<int32_t>(i));
+    }
+    // Image placeholder positions of this chunk take their embeddings from the tower, run over
+    // the request's images the first time a chunk reaches one of them.
+    const int64_t H = backend_->config().hidden_size;
+    if (!st.images.empty()) {
+      bool touches = false;
+      for (const auto& [start, count] : st.image_spans)
+        touches |= start < r.start_idx + n && start + count > r.start_idx;
+      if (touches) {
+        std::vector<model::VisionImage> imgs;
+        for (const ImageInput& im : st.images)
+          imgs.push_back({im.grid_t, im.grid_h, im.grid_w, im.patches.data()});
+        backend_->encode_images(imgs, &st.image_embeds);
+        ++num_image_encodes_;
+        st.images.clear();
+        st.images.shrink_to_fit();
+      }
+    }
+    int32_t emb_row = 0;
+    for (const auto& [start, count] : st.image_spans) {
+      const int lo = std::max(start, r.start_idx), hi = std::min(start + count, r.start_idx + n);
+      M3_CHECK(lo >= hi || !st.image_embeds.empty(), "image positions without embeddings");
+      for (int pos = lo; pos < hi; ++pos) {
+        const int32_t t = static_cast<int32_t>(b.token_ids.size()) - n + (pos - r.start_idx);
+        b.embed_rows.push_back(t);
+        const float* src = st.image_embeds.data() + (emb_row + pos - start) * H;
+        b.embed_values.insert(b.embed_values.end(), src, src + H);
+      }
+      emb_row += count;
     }
   }
   // Rows the device can sample (no penalties or logprobs need the raw row on the host); the

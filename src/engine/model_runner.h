@@ -7,9 +7,11 @@
 // Invariant: page ids in the block tables index the backend's KV cache.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -37,6 +39,13 @@ struct RunnerRequestState {
   // params.constraint->make(), made at admission; null without structured outputs. It has seen
   // every sampled token (preemption recomputes the KV, not the tokens, so it stays valid).
   std::unique_ptr<TokenConstraint> constraint;
+  // Image input: prompt spans {first position, tokens} of the images, in order; their pixels
+  // until the first step that computes an image position runs the tower over all of them
+  // (then freed), and from then on their embeddings [sum of tokens, hidden] f32 (kept through
+  // preemption, which recomputes the KV).
+  std::vector<std::pair<int32_t, int32_t>> image_spans;
+  std::vector<ImageInput> images;
+  std::vector<float> image_embeds;
 };
 
 class ModelRunner {
@@ -46,6 +55,11 @@ class ModelRunner {
 
   const runtime::ForwardBackend& backend() const { return *backend_; }
   int64_t num_pages() const { return backend_->num_pages(); }
+  int64_t num_image_encodes() const { return num_image_encodes_; }
+  // The vision tower over one request's images (the backend's; supports_image_input() only).
+  void encode_images(std::span<const model::VisionImage> images, std::vector<float>* embeds) {
+    backend_->encode_images(images, embeds);
+  }
 
   // Runs the step; returns the sampled tokens for requests with will_sample.
   sched::RunnerOutput execute(const sched::SchedulerOutput& out,
@@ -54,6 +68,7 @@ class ModelRunner {
  private:
   std::unique_ptr<runtime::ForwardBackend> backend_;
   int64_t num_sampleable_;
+  std::atomic<int64_t> num_image_encodes_{0};  // read by Engine::stats on other threads
 };
 
 }  // namespace m3::engine

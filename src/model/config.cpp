@@ -779,6 +779,85 @@ Status check_msa(const Sections& in, const M3Config& c) {
   return {};
 }
 
+// vision_config and the top-level projector keys (m3-model.md §1.1, §1.4); only when present.
+Status parse_vision(const Sections& in, M3Config& c) {
+  M3VisionConfig& v = c.vision;
+  M3_TRY(std::optional<int64_t> img, in.top.get_int("image_token_index"));
+  if (!img) {
+    M3_TRY(img, in.top.get_int("image_token_id"));
+  }
+  if (img) v.image_token_index = *img;
+  M3_TRY(std::optional<int64_t> vid, in.top.get_int("video_token_index"));
+  if (!vid) {
+    M3_TRY(vid, in.top.get_int("video_token_id"));
+  }
+  if (vid) v.video_token_index = *vid;
+  v.present = c.has_vision_config;
+  if (!v.present) return {};
+  const json* vobj = in.top.raw("vision_config");
+  Fields f(vobj, "vision_config.", in.source);
+  auto int_key = [&](const char* key, int64_t& out) -> Status {
+    M3_TRY(std::optional<int64_t> x, f.get_int(key));
+    if (x) {
+      if (*x < 1) return invalid(in.source, f.name(key), f.name(key) + " must be >= 1");
+      out = *x;
+    }
+    return {};
+  };
+  M3_TRY_STATUS(int_key("hidden_size", v.hidden_size));
+  M3_TRY_STATUS(int_key("intermediate_size", v.intermediate_size));
+  M3_TRY_STATUS(int_key("num_hidden_layers", v.num_hidden_layers));
+  M3_TRY_STATUS(int_key("num_attention_heads", v.num_attention_heads));
+  M3_TRY_STATUS(int_key("num_channels", v.num_channels));
+  M3_TRY_STATUS(int_key("patch_size", v.patch_size));
+  M3_TRY_STATUS(int_key("temporal_patch_size", v.temporal_patch_size));
+  M3_TRY_STATUS(int_key("spatial_merge_size", v.spatial_merge_size));
+  // The shipped config spells the merge geometry in img_token_compression_config.
+  if (const json* comp = in.top.raw("img_token_compression_config"); comp && comp->is_object()) {
+    Fields cf(comp, "img_token_compression_config.", in.source);
+    M3_TRY(std::optional<int64_t> sm, cf.get_int("spatial_merge_size"));
+    if (sm && !f.has("spatial_merge_size")) v.spatial_merge_size = *sm;
+    M3_TRY(std::optional<int64_t> tp, cf.get_int("temporal_patch_size"));
+    if (tp && !f.has("temporal_patch_size")) v.temporal_patch_size = *tp;
+  }
+  M3_TRY(std::optional<double> eps, f.get_double("layer_norm_eps"));
+  if (eps) v.layer_norm_eps = *eps;
+  M3_TRY(std::optional<double> theta, f.get_double("rope_theta"));
+  if (const json* rp = f.raw("rope_parameters"); rp && rp->is_object()) {
+    Fields r(rp, "vision_config.rope_parameters.", in.source);
+    M3_TRY(std::optional<double> t2, r.get_double("rope_theta"));
+    if (t2) theta = t2;
+  }
+  if (theta) v.rope_theta = *theta;
+  M3_TRY(std::optional<std::string> act, f.get_string("hidden_act"));
+  if (act && *act != "gelu") {
+    return unsupported(in.source, f.name("hidden_act"),
+                       "vision_config.hidden_act \"" + *act +
+                           "\" is not supported; the M3 vision tower uses \"gelu\" (erf)");
+  }
+  M3_TRY(std::optional<std::string> vtype, f.get_string("model_type"));
+  v.rope_layout = vtype && *vtype == "minimax_m3_vl_vision" ? VisionRopeLayout::kTransformers
+                                                            : VisionRopeLayout::kReference;
+  M3_TRY(std::optional<int64_t> proj, in.top.get_int("projector_hidden_size"));
+  if (proj) v.projector_hidden_size = *proj;
+  M3_TRY(std::optional<bool> pbias, in.top.get_bool("multimodal_projector_bias"));
+  if (pbias) v.projector_bias = *pbias;
+  M3_TRY(std::optional<std::string> pact, in.top.get_string("projector_hidden_act"));
+  if (pact && *pact != "gelu") {
+    return unsupported(in.source, "projector_hidden_act",
+                       "projector_hidden_act \"" + *pact + "\" is not supported (gelu only)");
+  }
+  if (v.hidden_size % v.num_attention_heads != 0 || v.head_dim() % 2 != 0) {
+    return invalid(in.source, "vision_config.num_attention_heads",
+                   "vision_config.hidden_size must split into an even head_dim per head");
+  }
+  if (v.rope_layout == VisionRopeLayout::kTransformers && v.head_dim() % 4 != 0) {
+    return invalid(in.source, "vision_config.hidden_size",
+                   "the transformers vision RoPE needs head_dim divisible by 4");
+  }
+  return {};
+}
+
 Result<M3Config> parse_config_json(const json& root, const std::string& source) {
   if (!root.is_object()) {
     return invalid(source, "",
@@ -796,6 +875,7 @@ Result<M3Config> parse_config_json(const json& root, const std::string& source) 
   M3_TRY_STATUS(parse_layer_types(in, c));
   M3_TRY_STATUS(check_moe_sizes(in, c));
   M3_TRY_STATUS(check_msa(in, c));
+  M3_TRY_STATUS(parse_vision(in, c));
   return c;
 }
 

@@ -16,6 +16,45 @@
 
 namespace m3::model {
 
+// How the vision tower places its 3-D RoPE and which patches attend to each other.
+//   kReference: the trained model as Automodel and SGLang run it (m3-model.md §7): per axis
+//     (t, h, w) 2*floor(floor(head_dim/2)/3 / 2) rotary dims of frequencies theta^(-2i/axis),
+//     concatenated t|h|w and duplicated NeoX-style over the first 3*axis dims; one attention
+//     block per image.
+//   kTransformers: transformers 5.17's MiniMaxM3VLVisionModel: head_dim/4 frequencies
+//     theta^(-2i/(head_dim/2)) for the positions t and h (its axial RoPE reads only the first two
+//     of the three position columns), duplicated over the whole head; every patch of one forward
+//     attends to every other, across images.
+// A config.json written by transformers (vision_config.model_type "minimax_m3_vl_vision") gets
+// kTransformers, so its checkpoint runs as transformers runs it; the shipped config
+// ("clip_vision_model") gets kReference.
+enum class VisionRopeLayout { kReference, kTransformers };
+
+// vision_config and the projector keys of the top level (m3-model.md §1.1, §1.4).
+struct M3VisionConfig {
+  bool present = false;  // config.json has a vision_config
+  int64_t hidden_size = 1280;
+  int64_t intermediate_size = 5120;
+  int64_t num_hidden_layers = 32;
+  int64_t num_attention_heads = 16;
+  int64_t num_channels = 3;
+  int64_t patch_size = 14;
+  int64_t temporal_patch_size = 2;
+  int64_t spatial_merge_size = 2;
+  double layer_norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  VisionRopeLayout rope_layout = VisionRopeLayout::kReference;
+  int64_t projector_hidden_size = 6144;
+  bool projector_bias = true;  // multimodal_projector_bias
+  int64_t image_token_index = 200025;
+  int64_t video_token_index = 200026;
+
+  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  int64_t patch_row_size() const {
+    return num_channels * temporal_patch_size * patch_size * patch_size;
+  }
+};
+
 struct M3Config {
   std::string model_type;  // top-level model_type as written ("minimax_m3_vl", ...)
 
@@ -61,6 +100,7 @@ struct M3Config {
   int64_t bos_token_id = 200034;
   std::vector<int64_t> eos_token_ids = {200020};
   bool has_vision_config = false;
+  M3VisionConfig vision;  // vision.present == has_vision_config
 
   // The paged KV cache's element formats (docs/KV_CACHE.md). A serving choice, not read from
   // config.json: set by M3Model::set_kv_cache_format before any cache is sized or made, so every

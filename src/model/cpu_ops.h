@@ -92,6 +92,11 @@ class CpuOps {
     kernels::cpu::copy_rows_2d(dst, dst_stride, src, src_stride, width, rows);
   }
   void fill_zero(float* x, int64_t n) { kernels::cpu::fill_zero(x, n); }
+  // x[rows[i], :] = values[i, :] (image embeddings over their placeholder rows).
+  void scatter_rows(float* x, const int32_t* rows, int64_t n, int64_t cols, const float* values) {
+    for (int64_t i = 0; i < n; ++i)
+      std::copy(values + i * cols, values + (i + 1) * cols, x + rows[i] * cols);
+  }
   void copy(float* dst, const float* src, int64_t n) { kernels::cpu::copy(dst, src, n); }
   // Ops memory is host memory: a plain copy.
   void download(int32_t* host, const int32_t* src, int64_t n) { std::copy(src, src + n, host); }

@@ -60,6 +60,13 @@ enum class Buf {
 };
 enum class IBuf { kSel, kRouteIds, kSelAll, kCount };
 
+// Input embeddings given for some rows of a step (image tokens): x[rows[i]] = values[i, :].
+struct EmbedOverride {
+  const int32_t* rows = nullptr;  // [n] ascending row indices of the step
+  const float* values = nullptr;  // [n, hidden] f32
+  int64_t n = 0;
+};
+
 template <class Ops>
 class M3Forward {
  public:
@@ -101,9 +108,12 @@ class M3Forward {
   // position + 1 over the tokens (sizes the MSA scores and KV splits on the GPU). msa_out (may
   // be null): per layer the selected blocks [T, num_kv_heads, topk] (host; a shard gathers every
   // rank's heads).
+  // emb (may be null): rows whose input embedding replaces the table lookup (image placeholder
+  // tokens), in the Ops' memory; applied after the embedding (and its TP all-reduce).
   template <class Cache>
   void run_layers(Ops& ops, const int32_t* tokens, const TokenLayout& layout, Cache& cache,
-                  int64_t max_kv_len, ForwardResult* msa_out) const {
+                  int64_t max_kv_len, ForwardResult* msa_out,
+                  const EmbedOverride* emb = nullptr) const {
     const int64_t T = layout.num_tokens;
     const int64_t H = cfg_.hidden_size, nq = plan_.num_q_heads, nkv = plan_.num_kv_heads,
                   d = cfg_.head_dim;
@@ -122,6 +132,13 @@ class M3Forward {
       ops.all_reduce_sum(x, T * H);
     } else {
       ops.embedding(w_.embed_tokens, tokens, T, x);
+    }
+    if (emb != nullptr && emb->n > 0) {
+      if constexpr (requires { ops.scatter_rows(x, emb->rows, emb->n, H, emb->values); }) {
+        ops.scatter_rows(x, emb->rows, emb->n, H, emb->values);
+      } else {
+        M3_CHECK(false, "embedding overrides (image input) are not implemented on this backend");
+      }
     }
 
     for (int64_t li = 0; li < cfg_.num_hidden_layers; ++li) {

@@ -9,6 +9,7 @@
 #include "model/m3_forward.h"
 #include "model/synthetic_model.h"
 #include "model/tensor_table.h"
+#include "model/vision_tower.h"
 
 namespace m3::model {
 
@@ -97,7 +98,26 @@ Result<std::unique_ptr<M3Model>> M3Model::load(const std::string& model_dir,
   M3_TRY_STATUS(load_kv_scales(ck, cfg));
   auto ckpt = std::make_shared<Checkpoint>(std::move(ck));
   M3_TRY(auto w, load_weights(ckpt, cfg));
-  return std::make_unique<M3Model>(std::move(cfg), std::move(w));
+  std::shared_ptr<const VisionTower> tower;
+  if (!opts.language_model_only && cfg.vision.present) {
+    auto t = VisionTower::load(ckpt, cfg);
+    if (!t) {
+      Error e = t.error();
+      e.message +=
+          " (the vision tower; to serve the text model alone, start with "
+          "--language-model-only)";
+      return tl::unexpected(std::move(e));
+    }
+    tower = std::move(*t);
+  }
+  auto m = std::make_unique<M3Model>(std::move(cfg), std::move(w));
+  m->vision_ = std::move(tower);
+  return m;
+}
+
+void M3Model::encode_images(std::span<const VisionImage> images, std::vector<float>* embeds) const {
+  M3_CHECK(vision_ != nullptr, "encode_images on a model loaded without its vision tower");
+  vision_->encode(images, embeds);
 }
 
 namespace {
@@ -129,8 +149,10 @@ Result<std::unique_ptr<M3Model>> M3Model::make_shard(const ShardSpec& spec) cons
   M3_CHECK(spec.world == 1 || spec.comm != nullptr, "a sharded model needs a communicator");
   M3_TRY(ShardPlan plan, make_shard_plan(cfg_, spec));
   auto views = shard_weights(*base_, cfg_, plan);
-  return std::unique_ptr<M3Model>(
+  auto shard = std::unique_ptr<M3Model>(
       new M3Model(cfg_, base_, std::move(views), plan, plan.sharded() ? spec.comm : nullptr));
+  shard->vision_ = vision_;
+  return shard;
 }
 
 std::unique_ptr<M3Model> M3Model::config_only(M3Config cfg) {
@@ -193,8 +215,13 @@ void M3Model::forward(const ForwardBatch& b, KvCache& cache, ForwardResult* out,
     if (capture_msa) out->msa_blocks.resize(cfg_.num_hidden_layers);
   }
   const int64_t max_pos = *std::max_element(b.positions.begin(), b.positions.end());
+  M3_CHECK(b.embed_values.size() == b.embed_rows.size() * static_cast<size_t>(cfg_.hidden_size),
+           "embed_values holds %zu floats for %zu rows", b.embed_values.size(),
+           b.embed_rows.size());
+  const EmbedOverride emb{b.embed_rows.data(), b.embed_values.data(),
+                          static_cast<int64_t>(b.embed_rows.size())};
   fw_->run_layers(*ops_, b.token_ids.data(), layout, cache, max_pos + 1,
-                  out && capture_msa ? out : nullptr);
+                  out && capture_msa ? out : nullptr, &emb);
   if (!out) return;
   const int64_t R = static_cast<int64_t>(b.logits_indices.size());
   out->vocab_size = cfg_.vocab_size;

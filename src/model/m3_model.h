@@ -47,6 +47,11 @@ struct ForwardBatch {
   std::vector<kernels::cpu::SampleRow> device_samples;
   std::vector<int32_t> host_logits_rows;
   int64_t num_sampleable = 0;  // ids >= this are never sampled on the device (0: vocab size)
+  // Rows of token_ids whose input embedding is given here instead of looked up (the image
+  // placeholder tokens, model/vision_tower.h): ascending indices, and embed_values
+  // [embed_rows.size(), hidden] f32. Only backends whose supports_image_input() is true read it.
+  std::vector<int32_t> embed_rows;
+  std::vector<float> embed_values;
 };
 
 struct ForwardResult {
@@ -62,7 +67,7 @@ struct ForwardResult {
 };
 
 struct LoadOptions {
-  bool language_model_only = true;  // vision tensors are not read
+  bool language_model_only = true;  // vision tensors are not read (no tower: no image input)
 };
 
 // Reads the per-layer fp8 K/V scales (model.layers.N.self_attn.k_scale / v_scale, or under
@@ -76,6 +81,8 @@ Status validate_prompt_ids(const M3Config& cfg, std::span<const int32_t> ids);
 class CpuOps;
 template <class Ops>
 class M3Forward;
+class VisionTower;
+struct VisionImage;
 
 class M3Model {
  public:
@@ -120,6 +127,13 @@ class M3Model {
   // Attention data parallel: the step of a rank with no tokens (joins the MoE collectives).
   void forward_dp_idle() const;
 
+  // The vision tower, loaded unless LoadOptions::language_model_only (null: no image input).
+  // A shard shares its base model's tower.
+  const VisionTower* vision() const { return vision_.get(); }
+  // Image embeddings [sum of tokens, hidden] for one request's images (VisionTower::encode).
+  // Not reentrant with forward() (one engine thread calls both).
+  void encode_images(std::span<const VisionImage> images, std::vector<float>* embeds) const;
+
  private:
   M3Model(M3Config cfg, std::shared_ptr<const M3Weights> base, std::unique_ptr<M3Weights> views,
           ShardPlan plan, dist::Communicator* comm);
@@ -134,6 +148,7 @@ class M3Model {
   // callers (weights and config do not change) while the scratch behind these pointers does.
   std::unique_ptr<CpuOps> ops_;
   std::unique_ptr<M3Forward<CpuOps>> fw_;
+  std::shared_ptr<const VisionTower> vision_;
 };
 
 }  // namespace m3::model

@@ -67,6 +67,24 @@ class ShardedCpuBackend final : public ForwardBackend {
            (p.expert_parallel ? ", expert parallel" : "") + ", threads)";
   }
   std::string kv_cache_flag() const override { return "--kv-cache-memory-bytes"; }
+  // Tensor parallel: every rank gets the whole batch, embedding rows included, and writes them
+  // after its embedding all-reduce; the tower (shared by the shards, not split) runs once. The
+  // data-parallel split does not carry embedding rows yet.
+  bool supports_image_input() const override {
+    return shards_[0]->vision() != nullptr && !shards_[0]->shard_plan().data_sharded();
+  }
+  std::string image_refusal() const override {
+    if (shards_[0]->vision() == nullptr) {
+      return shards_[0]->config().vision.present
+                 ? "the vision tower is not loaded (the server runs with --language-model-only)"
+                 : "this model has no vision tower (config.json has no vision_config)";
+    }
+    return "image input is not implemented with --data-parallel-size yet; use "
+           "--tensor-parallel-size or one rank";
+  }
+  void encode_images(std::span<const VisionImage> images, std::vector<float>* embeds) override {
+    shards_[0]->encode_images(images, embeds);
+  }
 
  private:
   std::shared_ptr<dist::CpuGroup> group_;

@@ -67,6 +67,16 @@ class CpuBackend final : public ForwardBackend {
   }
   std::string device_name() const override { return "cpu"; }
   std::string kv_cache_flag() const override { return "--kv-cache-memory-bytes"; }
+  bool supports_image_input() const override { return model_->vision() != nullptr; }
+  std::string image_refusal() const override {
+    if (!model_->config().vision.present)
+      return "this model has no vision tower (config.json has no vision_config)";
+    return "the vision tower is not loaded (the server runs with --language-model-only)";
+  }
+  void encode_images(std::span<const model::VisionImage> images,
+                     std::vector<float>* embeds) override {
+    model_->encode_images(images, embeds);
+  }
 
   // A second KvCache of `num_slots` pages: the host tier is ordinary host memory like the pool.
   Status enable_host_kv_tier(int64_t num_slots) override {

@@ -12,9 +12,11 @@
 #include <span>
 #include <string>
 
+#include "core/check.h"
 #include "core/error.h"
 #include "model/config.h"
 #include "model/m3_model.h"
+#include "model/vision_tower.h"
 
 namespace m3::runtime {
 
@@ -58,6 +60,18 @@ class ForwardBackend {
   // then every restore (host slot -> device page). Only after enable_host_kv_tier succeeded.
   virtual void copy_host_kv_pages(std::span<const HostPageCopy> offloads,
                                   std::span<const HostPageCopy> restores);
+  // Image input: whether forward() honours ForwardBatch::embed_rows and encode_images() runs the
+  // model's vision tower; when false, image_refusal() says why (for the 400 the server sends).
+  virtual bool supports_image_input() const { return false; }
+  virtual std::string image_refusal() const {
+    return "image input is not implemented on the " + device_name() +
+           " backend yet; serve on the CPU backend (--device cpu) for images";
+  }
+  // Embeddings [sum of tokens, hidden] of one request's images (model/vision_tower.h).
+  virtual void encode_images(std::span<const model::VisionImage> images,
+                             std::vector<float>* embeds) {
+    M3_CHECK(false, "encode_images on a backend without image input");
+  }
 };
 
 // The CPU backend: `model` and a zeroed KvCache of `num_pages` pages. Errors: num_pages < 1.

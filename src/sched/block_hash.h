@@ -2,8 +2,8 @@
 // block"). Called by KVCacheManager when it looks up or registers full blocks of a request's
 // tokens. Invariant: hash(block i) = XXH3-64(parent = hash(block i-1) or kRootBlockHash, extra key,
 // the block's token ids), so equal hashes mean equal whole prefixes (up to a 2^-64 collision
-// chance). `extra` is per request (cache salt today; LoRA / multimodal keys later) and mixed into
-// every block.
+// chance). `extra` is the request's cache salt, mixed with the content hash of every image span
+// (Request::content_spans) the block touches; LoRA keys would go there too.
 #pragma once
 
 #include <cstdint>

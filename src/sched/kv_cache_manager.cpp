@@ -39,7 +39,13 @@ void KVCacheManager::update_block_hashes(Request& request, int num_full_blocks) 
   for (int b = static_cast<int>(request.block_hashes.size()); b < num_full_blocks; ++b) {
     for (int i = 0; i < bs; ++i) tokens[i] = request.token_at(b * bs + i);
     const BlockHash parent = b == 0 ? kRootBlockHash : request.block_hashes[b - 1];
-    request.block_hashes.push_back(hash_block(parent, request.cache_salt, tokens));
+    // Content spans (images) overlapping this block key it by their content hash too.
+    uint64_t extra = request.cache_salt;
+    for (const ContentSpan& sp : request.content_spans) {
+      if (sp.start < (b + 1) * bs && sp.start + sp.length > b * bs)
+        extra = (extra ^ sp.hash) * 0x9e3779b97f4a7c15ULL + 0x632be59bd9b4e019ULL;
+    }
+    request.block_hashes.push_back(hash_block(parent, extra, tokens));
   }
 }
 

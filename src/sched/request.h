@@ -37,6 +37,16 @@ struct StopCriteria {
   bool ignore_eos = false;
 };
 
+// Prompt positions [start, start + length) whose KV depends on content other than their token ids
+// (an image's placeholder tokens): `hash` (of the image content) is mixed into the key of every
+// block the span touches, and through the hash chain into every later block, so the same image
+// reuses its pages and a different image behind the same placeholder ids never does.
+struct ContentSpan {
+  int start = 0;
+  int length = 0;
+  uint64_t hash = 0;
+};
+
 struct Request {
   Request(uint64_t id, std::vector<int32_t> prompt, StopCriteria stop_criteria,
           int priority_value = 0, uint64_t cache_salt_value = 0);
@@ -60,8 +70,9 @@ struct Request {
   int num_computed_tokens = 0;  // tokens whose KV is in this request's pages
   int num_cached_tokens = -1;   // prefix-cache hit at first scheduling; -1 until then
   int num_preemptions = 0;
-  std::optional<int32_t> stop_token_id;  // the stop_token_ids entry that finished it (not eos)
-  std::vector<BlockHash> block_hashes;   // hash chain of full blocks, grown by KVCacheManager
+  std::optional<int32_t> stop_token_id;    // the stop_token_ids entry that finished it (not eos)
+  std::vector<BlockHash> block_hashes;     // hash chain of full blocks, grown by KVCacheManager
+  std::vector<ContentSpan> content_spans;  // ascending, non-overlapping (image placeholders)
 };
 
 }  // namespace m3::sched

@@ -32,7 +32,8 @@ struct ChoiceSlot {
 
 struct PromptData {
   std::vector<int32_t> ids;
-  std::string text;  // for echo
+  std::string text;                        // for echo
+  std::vector<engine::ImageInput> images;  // the prompt's images (chat image parts)
 };
 
 class Generation {

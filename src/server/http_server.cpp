@@ -57,6 +57,14 @@ HttpServerImpl::HttpServerImpl(engine::Engine& engine, ServerAssets assets, Serv
   structured_ = std::make_unique<text::StructuredOutputCompiler>(
       assets_.tokenizer, engine_.model_info().vocab_size, engine_.model_info().eos_token_ids);
   structured_->warm_up();  // at start, so the first structured request does not pay for it
+  if (cfg_.media.processor_cache_bytes > 0)
+    media_cache_ = std::make_unique<MediaCache>(cfg_.media.processor_cache_bytes);
+  auto marker_ids = [&](const char* text) {
+    if (auto id = assets_.tokenizer->token_to_id(text)) return std::vector<int32_t>{*id};
+    return assets_.tokenizer->encode(text);
+  };
+  image_start_ids_ = marker_ids("]<]start of image[>[");
+  image_end_ids_ = marker_ids("]<]end of image[>[");
   HttpLimits lim;
   int threads = cfg_.num_http_threads;
   if (threads <= 0) threads = std::clamp(cfg_.max_num_seqs * 4, 256, 1024);
@@ -145,6 +153,7 @@ Status HttpServerImpl::submit_all(Generation& gen, const engine::SamplingParams&
     for (int i = 0; i < p.n; ++i) {
       engine::GenerateRequest gr;
       gr.prompt_token_ids = gen.prompts[pi].ids;
+      gr.images = gen.prompts[pi].images;
       gr.params = sp0;
       // Distinct but reproducible streams for the n choices of a seeded request.
       if (sp0.seed && i > 0) gr.params.seed = *sp0.seed + static_cast<uint64_t>(i);

@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "engine/engine.h"
 #include "server/chat_prompt.h"
+#include "server/media_input.h"
 #include "server/openai_request.h"
 #include "text/tokenizer.h"
 
@@ -51,6 +52,9 @@ struct ServerConfig {
   // Every this many seconds with work, a line of throughput, queue and KV usage (vLLM's stats
   // line; VLLM_LOG_STATS_INTERVAL); 0 (--disable-log-stats): none.
   double stats_interval_s = 10.0;
+  // Image input (server/media_input.h): --allowed-local-media-path, --limit-mm-per-prompt,
+  // --mm-processor-cache-gb.
+  MediaConfig media;
 };
 
 // What the server reads from the model directory besides the weights.

@@ -514,9 +514,23 @@ Result<std::vector<int32_t>> token_array(const OrderedJson& arr, const std::stri
   return ids;
 }
 
+// An image or video part's URL: {"image_url": {"url": U}} or {"image_url": U} (also "video_url",
+// and the Responses-style {"type": "input_image", "image_url": U}).
+Result<std::string> media_url(const OrderedJson& part, const char* key, const std::string& pp) {
+  if (!part.contains(key)) return bad(pp + "." + key, "'" + pp + "." + key + "' is required");
+  const auto& u = part[key];
+  if (u.is_string()) return u.get<std::string>();
+  if (u.is_object() && u.contains("url") && u["url"].is_string())
+    return u["url"].get<std::string>();
+  return bad(pp + "." + key, "'" + pp + "." + key + "' must be a URL string or {\"url\": ...}");
+}
+
 // Message content: a string, null, or an array of {"type": "text", "text": ...} parts
-// (joined with "\n", as vLLM does for string-content templates).
-Result<OrderedJson> normalise_content(const OrderedJson& content, const std::string& param) {
+// (joined with "\n", as vLLM does for string-content templates). With image or video parts the
+// content stays a list of text and {"type": "image"} / {"type": "video"} parts, in order, so the
+// chat template writes a placeholder per part; `media` gets the parts' URLs in that order.
+Result<OrderedJson> normalise_content(const OrderedJson& content, const std::string& param,
+                                      std::vector<MediaPart>* media = nullptr) {
   if (content.is_null() || content.is_string()) return content;
   if (!content.is_array()) {
     return bad(param, "'" + param + "' must be a string, null or an array of content parts, got " +
@@ -528,12 +542,15 @@ Result<OrderedJson> normalise_content(const OrderedJson& content, const std::str
   }
   std::string text;
   bool first = true;
+  OrderedJson parts = OrderedJson::array();  // the list form, used when there is media
+  bool has_media = false;
   for (size_t i = 0; i < content.size(); ++i) {
     const auto& part = content[i];
     const std::string pp = param + "[" + std::to_string(i) + "]";
     if (part.is_string()) {
       text += (first ? "" : "\n") + part.get<std::string>();
       first = false;
+      parts.push_back({{"type", "text"}, {"text", part.get<std::string>()}});
       continue;
     }
     if (!part.is_object() || !part.contains("type") || !part["type"].is_string()) {
@@ -546,18 +563,26 @@ Result<OrderedJson> normalise_content(const OrderedJson& content, const std::str
       }
       text += (first ? "" : "\n") + part["text"].get<std::string>();
       first = false;
+      parts.push_back({{"type", "text"}, {"text", part["text"].get<std::string>()}});
     } else if (type == "refusal") {
       continue;
+    } else if (media != nullptr &&
+               (type == "image_url" || type == "input_image" || type == "video_url")) {
+      const bool video = type == "video_url";
+      M3_TRY(std::string url, media_url(part, video ? "video_url" : "image_url", pp));
+      media->push_back(MediaPart{video ? "video" : "image", std::move(url), pp});
+      parts.push_back({{"type", video ? "video" : "image"}});
+      has_media = true;
     } else {
-      return unsupported(
-          pp, "content part type '" + type +
-                  "' is not supported: this server serves the text model only; send text parts");
+      return unsupported(pp, "content part type '" + type +
+                                 "' is not supported; send text, image_url or video_url parts");
     }
   }
+  if (has_media) return parts;
   return OrderedJson(text);
 }
 
-Result<OrderedJson> parse_messages(const OrderedJson& j) {
+Result<OrderedJson> parse_messages(const OrderedJson& j, std::vector<MediaPart>* media) {
   const OrderedJson* msgs = field(j, "messages");
   if (!msgs) return bad("messages", "'messages' is required: a non-empty array of {role, content}");
   if (!msgs->is_array())
@@ -586,7 +611,7 @@ Result<OrderedJson> parse_messages(const OrderedJson& j) {
                                    "'; use one of system, developer, user, assistant, tool, root");
     }
     if (m.contains("content")) {
-      M3_TRY(auto c, normalise_content(m["content"], mp + ".content"));
+      M3_TRY(auto c, normalise_content(m["content"], mp + ".content", media));
       msg["content"] = std::move(c);
     } else if (role != "assistant") {
       return bad(mp + ".content", "'" + mp + ".content' is required for role '" + role + "'");
@@ -862,7 +887,7 @@ Result<ChatRequest> parse_chat_request(std::string_view body) {
   M3_TRY(OrderedJson j, parse_body(body));
   ChatRequest r;
   M3_TRY_STATUS(parse_common(j, r.common, true));
-  M3_TRY(r.messages, parse_messages(j));
+  M3_TRY(r.messages, parse_messages(j, &r.media));
   M3_TRY_STATUS(parse_tools(j, r));
   if (const OrderedJson* kw = field(j, "chat_template_kwargs")) {
     if (!kw->is_object())

@@ -90,6 +90,13 @@ struct ToolChoice {
   std::string name;  // kNamed
 };
 
+// An image or video content part of a chat message (vision input, server/media_input.h).
+struct MediaPart {
+  std::string kind;   // "image" or "video"
+  std::string url;    // data: URL, file:// URL or path, or a remote URL (refused)
+  std::string param;  // where it was, e.g. "messages[0].content[1]"
+};
+
 struct ChatRequest {
   CommonParams common;
   OrderedJson messages;  // validated array of {role, content, ...}; content normalised to string
@@ -101,6 +108,7 @@ struct ChatRequest {
   bool continue_final_message = false;
   bool logprobs = false;
   int32_t top_logprobs = 0;
+  std::vector<MediaPart> media;  // image / video parts of every message, in order
 };
 
 // Maximum logprobs / top_logprobs the server returns (OpenAI's limit).

@@ -69,6 +69,10 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
                    "\"auto\" tool choice needs the server started with --enable-auto-tool-choice",
                    "tool_choice"});
   }
+  if (!r.media.empty()) {
+    if (auto st = check_media_parts(r.media, cfg_.media, engine_.model_info()); !st)
+      return send_error(res, st.error());
+  }
   auto rendered = assets_.chat->render(r);
   if (!rendered) return send_error(res, rendered.error());
 
@@ -77,6 +81,16 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
   if (auto st = check_text_fits(rendered->prompt.size(), "messages"); !st)
     return send_error(res, st.error());
   pd.ids = assets_.tokenizer->encode(rendered->prompt);
+  if (!r.media.empty()) {
+    // Decode and process the images, then one placeholder token per merged patch.
+    auto images = prepare_images(r.media, cfg_.media, engine_.model_info(), media_cache_.get());
+    if (!images) return send_error(res, images.error());
+    if (auto st = expand_image_placeholders(pd.ids, *images, engine_.model_info().image_token_id,
+                                            image_start_ids_, image_end_ids_);
+        !st)
+      return send_error(res, st.error());
+    pd.images = std::move(*images);
+  }
   gen->prompts.push_back(std::move(pd));
   engine::SamplingParams sp = make_sampling_params(r.common, assets_.defaults);
   if (auto st = fit_context(sp, r.common, gen->prompts[0].ids.size(), "messages"); !st) {

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -49,6 +50,10 @@ class HttpServerImpl {
   size_t max_token_bytes_ = 1;
   // Compiles structured outputs with the tokenizer's vocabulary (output_constraints.cpp); caches.
   std::unique_ptr<text::StructuredOutputCompiler> structured_;
+  // Processed images by content hash (--mm-processor-cache-gb); null when the size is 0.
+  std::unique_ptr<MediaCache> media_cache_;
+  // The ids of "]<]start of image[>[" / "]<]end of image[>[" (media_input.h).
+  std::vector<int32_t> image_start_ids_, image_end_ids_;
 
   const std::string& model_name() const { return cfg_.served_model_names[0]; }
 

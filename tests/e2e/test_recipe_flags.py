@@ -83,6 +83,9 @@ STARTS = [
      "--attention_config.use_trtllm_attention true --no-enable-flashinfer-autotune --kv-cache-dtype auto",
      {}, ["--attention-config (backend, use_trtllm_attention) is ignored",
           "--pipeline-parallel-size 1 is what m3serve does anyway"]),
+    ("vision_encoder", "--tensor-parallel-size 8 --block-size 128 --mm-encoder-tp-mode data "
+     "--mm-encoder-attn-backend ROCM_AITER_FA --limit-mm-per-prompt '{\"image\": 2}'", {},
+     ["--mm-encoder-tp-mode data", "--mm-encoder-attn-backend ROCM_AITER_FA is ignored"]),
     ("common_vllm_set", "--dtype auto --seed 0 --max-logprobs 20 --disable-log-requests --disable-log-stats "
      "--override-generation-config '{\"temperature\": 1.0, \"top_p\": 0.95, \"top_k\": 40}' "
      "--enable-prompt-tokens-details --exclude-tools-when-tool-choice-none --root-path /m3 "
@@ -111,8 +114,6 @@ REFUSALS = [
      ["--kv-cache-dtype 'fp16'", "accepted: auto, bfloat16, fp8"]),
     ("indexer_unknown_key", "--block-size 128 --attention_config.indexer_kv_type fp8",
      {}, ["--attention-config key 'indexer_kv_type' is unknown", "indexer_kv_dtype"]),
-    ("vision_encoder", "--tensor-parallel-size 8 --block-size 128 --mm-encoder-tp-mode data "
-     "--mm-encoder-attn-backend ROCM_AITER_FA", {}, ["--mm-encoder-tp-mode data", "issue #20", "text model"]),
     ("fp8_per_channel", "--tensor-parallel-size 8 --block-size 128 --quantization fp8_per_channel", {},
      ["--quantization fp8_per_channel", "issue #18"]),
     ("eagle3", "--tensor-parallel-size 8 --trust-remote-code --block-size 128 --language-model-only "

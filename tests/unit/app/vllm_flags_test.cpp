@@ -168,8 +168,16 @@ const std::vector<RecipeCase> kRecipe = {
      "TRITON_ATTN --mm-encoder-tp-mode data --mm-encoder-attn-backend "
      "ROCM_AITER_FA --tool-call-parser minimax_m3",
      {},
-     "issue #20",
-     ""},
+     "",
+     "--mm-encoder-tp-mode data: the vision tower runs whole"},
+    {"vision_limits",
+     "--limit-mm-per-prompt '{\"image\": 2, \"video\": 1}' --mm-processor-cache-gb 1 "
+     "--mm-processor-cache-type shm",
+     {},
+     "",
+     "--mm-processor-cache-type shm"},
+    {"vision_limit_bad_key", "--limit-mm-per-prompt '{\"audio\": 1}'", {}, "not a modality", ""},
+    {"vision_cache_bad", "--mm-processor-cache-gb lots", {}, "--mm-processor-cache-gb", ""},
     {"amd_fp8_per_channel",
      "--tensor-parallel-size 8 --block-size 128 --attention-backend "
      "TRITON_ATTN --quantization fp8_per_channel",

@@ -663,3 +663,49 @@ TEST(KvBlockSize, AlsoWithoutSparseLayers) {
 
 }  // namespace
 }  // namespace m3::model
+
+namespace m3::model {
+namespace {
+
+// The vision keys (m3-model.md §1.4): the shipped config (clip_vision_model, merge geometry in
+// img_token_compression_config) runs the reference RoPE layout; a config transformers wrote
+// (minimax_m3_vl_vision, rope_parameters) runs transformers' layout.
+TEST(Config, VisionConfigBothForms) {
+  const M3Config s = parse_fixture("config_shipped.json");
+  ASSERT_TRUE(s.vision.present);
+  EXPECT_EQ(s.vision.hidden_size, 1280);
+  EXPECT_EQ(s.vision.num_hidden_layers, 32);
+  EXPECT_EQ(s.vision.num_attention_heads, 16);
+  EXPECT_EQ(s.vision.head_dim(), 80);
+  EXPECT_EQ(s.vision.intermediate_size, 5120);
+  EXPECT_EQ(s.vision.spatial_merge_size, 2);
+  EXPECT_EQ(s.vision.temporal_patch_size, 2);
+  EXPECT_EQ(s.vision.patch_row_size(), 1176);
+  EXPECT_EQ(s.vision.image_token_index, 200025);
+  EXPECT_EQ(s.vision.projector_hidden_size, 6144);
+  EXPECT_EQ(s.vision.rope_layout, VisionRopeLayout::kReference);
+
+  const M3Config h =
+      parse_ok(read_file(std::string(M3_SOURCE_DIR) + "/tests/golden/vision/model/config.json"));
+  ASSERT_TRUE(h.vision.present);
+  EXPECT_EQ(h.vision.rope_layout, VisionRopeLayout::kTransformers);
+  EXPECT_EQ(h.vision.hidden_size, 32);
+  EXPECT_EQ(h.vision.num_hidden_layers, 2);
+  EXPECT_EQ(h.vision.projector_hidden_size, 48);
+  EXPECT_EQ(h.vision.image_token_index, 2641);
+  EXPECT_EQ(h.vision.rope_theta, 10000.0);
+}
+
+TEST(Config, VisionConfigRefusesWhatTheTowerCannotRun) {
+  json j = json::parse(read_file(fixture_path("config_shipped.json")));
+  j["vision_config"]["hidden_act"] = "quick_gelu";
+  auto r = parse_config(j.dump());
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("vision_config.hidden_act"), std::string::npos);
+  j = json::parse(read_file(fixture_path("config_shipped.json")));
+  j["vision_config"]["num_attention_heads"] = 7;
+  EXPECT_FALSE(parse_config(j.dump()).has_value());
+}
+
+}  // namespace
+}  // namespace m3::model

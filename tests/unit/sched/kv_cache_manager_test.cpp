@@ -62,6 +62,22 @@ TEST(KVCacheManager, PrefixHitIsFullBlocksAndNeverTheWholePrompt) {
   EXPECT_EQ(kv.get_computed_blocks(f).num_computed_tokens, 0);
 }
 
+// Content spans (images): blocks a span touches are keyed by its hash, and so is every later one.
+TEST(KVCacheManager, ContentSpansKeyTheirBlocks) {
+  KVCacheManager kv(16, 128, true);
+  Request a = make(1, iota_tokens(500));
+  a.content_spans.push_back({200, 100, 0xAAAA});  // inside block 1 (and reaching block 2)
+  admit_and_compute(kv, a);
+  Request same = make(2, iota_tokens(500));
+  same.content_spans.push_back({200, 100, 0xAAAA});
+  EXPECT_EQ(kv.get_computed_blocks(same).num_computed_tokens, 384);  // all 3 full blocks
+  Request other = make(3, iota_tokens(500));
+  other.content_spans.push_back({200, 100, 0xBBBB});  // another image, same placeholder ids
+  EXPECT_EQ(kv.get_computed_blocks(other).num_computed_tokens, 128);  // block 0 only
+  Request none = make(4, iota_tokens(500));  // the same ids without the image
+  EXPECT_EQ(kv.get_computed_blocks(none).num_computed_tokens, 128);
+}
+
 TEST(KVCacheManager, SharedPagesAreReferenceCountedAndCountersTrackHits) {
   KVCacheManager kv(16, 128, true);
   Request a = make(1, iota_tokens(300));

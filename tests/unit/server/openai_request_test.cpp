@@ -145,11 +145,44 @@ TEST(OpenAIRequest, ValidatesMessages) {
   EXPECT_EQ(chat_error(R"({"messages": [{"role": "user"}]})").param, "messages[0].content");
   EXPECT_EQ(chat_error(R"({"messages": [{"role": "user", "content": 5}]})").param,
             "messages[0].content");
-  Error img = chat_error(
-      R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})");
-  EXPECT_EQ(img.param, "messages[0].content[0]");
-  EXPECT_EQ(img.code, ErrorCode::kUnsupported);
-  EXPECT_EQ(http_status(img), 400);
+  Error audio = chat_error(
+      R"({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]})");
+  EXPECT_EQ(audio.param, "messages[0].content[0]");
+  EXPECT_EQ(audio.code, ErrorCode::kUnsupported);
+  EXPECT_EQ(http_status(audio), 400);
+  EXPECT_EQ(
+      chat_error(R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})").param,
+      "messages[0].content[0].image_url");
+  EXPECT_EQ(
+      chat_error(
+          R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 3}]}]})")
+          .param,
+      "messages[0].content[0].image_url");
+}
+
+// Image and video parts: their URLs are collected in order and the content stays a list of
+// parts, so the chat template writes a placeholder for each.
+TEST(OpenAIRequest, CollectsMediaParts) {
+  auto r = parse_chat_request(R"({"messages": [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": [{"type": "text", "text": "a"},
+      {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+      {"type": "image_url", "image_url": "file:///x.png"},
+      {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]})");
+  ASSERT_TRUE(r.has_value()) << r.error().message;
+  ASSERT_EQ(r->media.size(), 3u);
+  EXPECT_EQ(r->media[0].kind, "image");
+  EXPECT_EQ(r->media[0].url, "data:image/png;base64,AAAA");
+  EXPECT_EQ(r->media[0].param, "messages[1].content[1]");
+  EXPECT_EQ(r->media[1].url, "file:///x.png");
+  EXPECT_EQ(r->media[2].kind, "video");
+  const auto& c = r->messages[1]["content"];
+  ASSERT_TRUE(c.is_array());
+  ASSERT_EQ(c.size(), 4u);
+  EXPECT_EQ(c[0]["text"], "a");
+  EXPECT_EQ(c[1]["type"], "image");
+  EXPECT_EQ(c[3]["type"], "video");
+  EXPECT_TRUE(r->messages[0]["content"].is_string());
 }
 
 TEST(OpenAIRequest, AssistantHistoryIsNormalisedForTemplates) {

@@ -1,0 +1,239 @@
+#include "vision/image_decode.h"
+
+#include <csetjmp>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+
+#include <jpeglib.h>
+// jerror.h after jpeglib.h: the message codes (JWRN_JPEG_EOF)
+#include <jerror.h>
+#include <png.h>
+#include <webp/decode.h>
+
+namespace m3::vision {
+namespace {
+
+Error bad(std::string msg) {
+  return Error{ErrorCode::kInvalidArgument, std::move(msg), {}};
+}
+
+Result<void> check_size(int64_t w, int64_t h, int64_t max_pixels, const char* fmt) {
+  if (w < 1 || h < 1) return tl::unexpected(bad(std::string(fmt) + " image has no pixels"));
+  if (w * h > max_pixels) {
+    return tl::unexpected(bad(std::string(fmt) + " image of " + std::to_string(w) + "x" +
+                              std::to_string(h) + " = " + std::to_string(w * h) +
+                              " pixels is over the decoder's limit of " +
+                              std::to_string(max_pixels) + " pixels; send a smaller image"));
+  }
+  return {};
+}
+
+// ---- JPEG: libjpeg's error handler longjmps back here instead of exit()ing ----
+struct JpegErr {
+  jpeg_error_mgr mgr;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX];
+  bool truncated;
+};
+
+void jpeg_fail(j_common_ptr cinfo) {
+  auto* e = reinterpret_cast<JpegErr*>(cinfo->err);
+  (*cinfo->err->format_message)(cinfo, e->message);
+  std::longjmp(e->jump, 1);
+}
+// Warnings: libjpeg pads a truncated file with grey and only warns; PIL refuses such a file
+// ("image file is truncated"), so that warning is remembered. Other warnings (extraneous bytes)
+// are decoded through, as PIL does.
+void jpeg_warning(j_common_ptr cinfo, int level) {
+  auto* e = reinterpret_cast<JpegErr*>(cinfo->err);
+  if (level < 0 && cinfo->err->msg_code == JWRN_JPEG_EOF) e->truncated = true;
+}
+
+Result<RgbImage> decode_jpeg(std::span<const uint8_t> bytes, int64_t max_pixels) {
+  jpeg_decompress_struct cinfo;
+  JpegErr err;
+  std::memset(&cinfo, 0, sizeof(cinfo));
+  cinfo.err = jpeg_std_error(&err.mgr);
+  err.mgr.error_exit = jpeg_fail;
+  err.mgr.emit_message = jpeg_warning;
+  err.message[0] = 0;
+  err.truncated = false;
+  // What must survive a longjmp is on the heap (no locals are modified after setjmp).
+  auto img = std::make_unique<RgbImage>();
+  if (setjmp(err.jump)) {
+    jpeg_destroy_decompress(&cinfo);
+    return tl::unexpected(bad(std::string("corrupt JPEG: ") + err.message));
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, bytes.data(), static_cast<unsigned long>(bytes.size()));
+  jpeg_read_header(&cinfo, TRUE);
+  if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
+    jpeg_destroy_decompress(&cinfo);
+    return tl::unexpected(bad("CMYK JPEG images are not supported; convert the image to RGB"));
+  }
+  auto ok = check_size(cinfo.image_width, cinfo.image_height, max_pixels, "JPEG");
+  if (!ok) {
+    jpeg_destroy_decompress(&cinfo);
+    return tl::unexpected(ok.error());
+  }
+  cinfo.out_color_space = JCS_RGB;  // grey is replicated, as PIL's convert("RGB")
+  jpeg_start_decompress(&cinfo);
+  img->width = cinfo.output_width;
+  img->height = cinfo.output_height;
+  img->rgb.resize(static_cast<size_t>(img->width * img->height * 3));
+  while (cinfo.output_scanline < cinfo.output_height) {
+    JSAMPROW row = img->rgb.data() + static_cast<size_t>(cinfo.output_scanline) * img->width * 3;
+    jpeg_read_scanlines(&cinfo, &row, 1);
+  }
+  const bool truncated = err.truncated;
+  jpeg_finish_decompress(&cinfo);
+  jpeg_destroy_decompress(&cinfo);
+  if (truncated) return tl::unexpected(bad("corrupt or truncated JPEG data"));
+  return std::move(*img);
+}
+
+// ---- PNG: libpng's error handler longjmps through png_jmpbuf ----
+struct PngReader {
+  std::span<const uint8_t> bytes;
+  size_t pos = 0;
+  char message[256] = {0};
+};
+
+void png_read_mem(png_structp png, png_bytep out, png_size_t n) {
+  auto* r = static_cast<PngReader*>(png_get_io_ptr(png));
+  if (r->pos + n > r->bytes.size()) png_error(png, "truncated PNG data");
+  std::memcpy(out, r->bytes.data() + r->pos, n);
+  r->pos += n;
+}
+void png_fail(png_structp png, png_const_charp msg) {
+  auto* r = static_cast<PngReader*>(png_get_error_ptr(png));
+  std::snprintf(r->message, sizeof(r->message), "%s", msg);
+  png_longjmp(png, 1);
+}
+void png_warn(png_structp, png_const_charp) {}
+
+Result<RgbImage> decode_png(std::span<const uint8_t> bytes, int64_t max_pixels) {
+  PngReader reader;
+  reader.bytes = bytes;
+  png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &reader, png_fail, png_warn);
+  if (png == nullptr) return tl::unexpected(bad("PNG decoder could not start"));
+  png_infop info = png_create_info_struct(png);
+  auto img = std::make_unique<RgbImage>();
+  auto rows = std::make_unique<std::vector<png_bytep>>();
+  if (setjmp(png_jmpbuf(png))) {
+    png_destroy_read_struct(&png, &info, nullptr);
+    return tl::unexpected(bad(std::string("corrupt PNG: ") + reader.message));
+  }
+  png_set_read_fn(png, &reader, png_read_mem);
+  png_read_info(png, info);
+  const int64_t w = png_get_image_width(png, info), h = png_get_image_height(png, info);
+  if (auto ok = check_size(w, h, max_pixels, "PNG"); !ok) {
+    png_destroy_read_struct(&png, &info, nullptr);
+    return tl::unexpected(ok.error());
+  }
+  const int color = png_get_color_type(png, info);
+  // 16-bit grey without alpha is PIL's mode "I;16", whose convert("RGB") clips each sample to
+  // 255 (it does not scale): read it at 16 bits and clip below.
+  const bool gray16 = color == PNG_COLOR_TYPE_GRAY && png_get_bit_depth(png, info) == 16;
+  // To 8-bit RGB otherwise: 16-bit samples keep their high byte, palettes and grey expand, alpha
+  // and the tRNS chunk are dropped (PIL's convert("RGB") does not composite either).
+  if (!gray16) png_set_strip_16(png);
+  png_set_packing(png);
+  if (color == PNG_COLOR_TYPE_PALETTE) png_set_palette_to_rgb(png);
+  if (color == PNG_COLOR_TYPE_GRAY || color == PNG_COLOR_TYPE_GRAY_ALPHA) {
+    png_set_expand_gray_1_2_4_to_8(png);
+    if (!gray16) png_set_gray_to_rgb(png);
+  }
+  if (color & PNG_COLOR_MASK_ALPHA) png_set_strip_alpha(png);
+  png_set_interlace_handling(png);
+  png_read_update_info(png, info);
+  const size_t row_bytes = static_cast<size_t>(w) * (gray16 ? 2 : 3);
+  if (png_get_rowbytes(png, info) != row_bytes) {
+    png_destroy_read_struct(&png, &info, nullptr);
+    return tl::unexpected(bad("PNG: unsupported pixel layout"));
+  }
+  img->width = w;
+  img->height = h;
+  img->rgb.resize(static_cast<size_t>(w * h * 3));
+  auto raw = std::make_unique<std::vector<uint8_t>>();
+  uint8_t* base = img->rgb.data();
+  if (gray16) {
+    raw->resize(row_bytes * static_cast<size_t>(h));
+    base = raw->data();
+  }
+  rows->resize(static_cast<size_t>(h));
+  for (int64_t y = 0; y < h; ++y) (*rows)[y] = base + y * row_bytes;
+  png_read_image(png, rows->data());
+  png_read_end(png, nullptr);
+  png_destroy_read_struct(&png, &info, nullptr);
+  if (gray16) {
+    for (int64_t i = 0; i < w * h; ++i) {
+      const unsigned v = (static_cast<unsigned>((*raw)[2 * i]) << 8) | (*raw)[2 * i + 1];
+      const uint8_t c = static_cast<uint8_t>(v > 255 ? 255 : v);
+      img->rgb[3 * i] = img->rgb[3 * i + 1] = img->rgb[3 * i + 2] = c;
+    }
+  }
+  return std::move(*img);
+}
+
+Result<RgbImage> decode_webp(std::span<const uint8_t> bytes, int64_t max_pixels) {
+  WebPBitstreamFeatures features;
+  if (WebPGetFeatures(bytes.data(), bytes.size(), &features) != VP8_STATUS_OK)
+    return tl::unexpected(bad("corrupt or truncated WebP data"));
+  if (features.has_animation)
+    return tl::unexpected(bad("animated WebP images are not supported; send one frame"));
+  M3_TRY_STATUS(check_size(features.width, features.height, max_pixels, "WebP"));
+  RgbImage img;
+  img.width = features.width;
+  img.height = features.height;
+  img.rgb.resize(static_cast<size_t>(img.width * img.height * 3));
+  // RGB output drops alpha without compositing, as PIL's convert("RGB").
+  if (WebPDecodeRGBInto(bytes.data(), bytes.size(), img.rgb.data(), img.rgb.size(),
+                        static_cast<int>(img.width * 3)) == nullptr) {
+    return tl::unexpected(bad("corrupt or truncated WebP data"));
+  }
+  return img;
+}
+
+}  // namespace
+
+ImageFormat sniff_image_format(std::span<const uint8_t> b) {
+  if (b.size() >= 3 && b[0] == 0xFF && b[1] == 0xD8 && b[2] == 0xFF) return ImageFormat::kJpeg;
+  static const uint8_t kPng[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
+  if (b.size() >= 8 && std::memcmp(b.data(), kPng, 8) == 0) return ImageFormat::kPng;
+  if (b.size() >= 12 && std::memcmp(b.data(), "RIFF", 4) == 0 &&
+      std::memcmp(b.data() + 8, "WEBP", 4) == 0)
+    return ImageFormat::kWebp;
+  return ImageFormat::kUnknown;
+}
+
+const char* image_format_name(ImageFormat f) {
+  switch (f) {
+    case ImageFormat::kJpeg:
+      return "JPEG";
+    case ImageFormat::kPng:
+      return "PNG";
+    case ImageFormat::kWebp:
+      return "WebP";
+    default:
+      return "unknown";
+  }
+}
+
+Result<RgbImage> decode_image(std::span<const uint8_t> bytes, int64_t max_pixels) {
+  switch (sniff_image_format(bytes)) {
+    case ImageFormat::kJpeg:
+      return decode_jpeg(bytes, max_pixels);
+    case ImageFormat::kPng:
+      return decode_png(bytes, max_pixels);
+    case ImageFormat::kWebp:
+      return decode_webp(bytes, max_pixels);
+    default:
+      return make_error(ErrorCode::kInvalidArgument,
+                        bytes.empty() ? "the image is empty"
+                                      : "unsupported image format (supported: JPEG, PNG, WebP)");
+  }
+}
+
+}  // namespace m3::vision

@@ -1,0 +1,38 @@
+// Image decoding for the vision input (issue #20): JPEG (libjpeg-turbo), PNG (libpng) and WebP
+// (libwebp) bytes -> 8-bit RGB, as PIL's Image.open(...).convert("RGB") gives them to the HF
+// processor: grey is replicated, alpha is dropped (not composited), palettes are expanded, 16-bit
+// samples keep their high byte (16-bit grey: clipped to 255, PIL's "I;16" conversion). No EXIF
+// rotation (PIL's open does not apply it either). Called by the server on an HTTP thread per image
+// part; thread-safe, no global state. Invariant: a returned image has width, height >= 1 and
+// rgb.size() == width * height * 3; any malformed, truncated or unsupported input is an Error
+// (never an abort).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+
+namespace m3::vision {
+
+struct RgbImage {
+  int64_t width = 0;
+  int64_t height = 0;
+  std::vector<uint8_t> rgb;  // [height, width, 3] row-major
+};
+
+enum class ImageFormat { kUnknown, kJpeg, kPng, kWebp };
+
+// The format from the file's magic bytes (kUnknown when none matches).
+ImageFormat sniff_image_format(std::span<const uint8_t> bytes);
+const char* image_format_name(ImageFormat f);
+
+// Decodes `bytes`. max_pixels bounds width * height before any pixel is decoded (a decompression
+// bomb is refused from its header). Errors (kInvalidArgument): an unknown format (names the
+// supported ones), a corrupt or truncated file (the decoder's message), CMYK JPEGs, an image over
+// max_pixels (both numbers).
+Result<RgbImage> decode_image(std::span<const uint8_t> bytes, int64_t max_pixels);
+
+}  // namespace m3::vision
