@@ -113,6 +113,7 @@ struct TokenLogprobOut {
   int32_t token = 0;
   float logprob = 0.f;
   std::vector<std::pair<int32_t, float>> top;  // best first
+  int64_t rank = 1;  // 1 + the number of tokens ranked above `token` (ties: lower id first)
 };
 
 // One increment of a request's output.

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,14 @@ struct ServerConfig {
   // Every this many seconds with work, a line of throughput, queue and KV usage (vLLM's stats
   // line; VLLM_LOG_STATS_INTERVAL); 0 (--disable-log-stats): none.
   double stats_interval_s = 10.0;
+  // --max-logprobs: the most logprobs / top_logprobs / prompt_logprobs a request may ask for.
+  int32_t max_logprobs = 20;
+  // --seed: requests without a 'seed' get one drawn from this seed and the request's arrival
+  // number, so a server restarted with the same --seed answers the same sequence of unseeded
+  // requests the same way (vLLM seeds its global generator with it). nullopt: fresh randomness.
+  std::optional<uint64_t> seed;
+  // --enable-log-requests: one line per generation request (id, sampling params, prompt length).
+  bool log_requests = false;
 };
 
 // What the server reads from the model directory besides the weights.

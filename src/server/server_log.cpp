@@ -1,9 +1,12 @@
 // What the server logs besides errors: one access-log line per answered request (vLLM's
 // uvicorn line: `ADDR - "METHOD PATH HTTP/1.1" STATUS`) and, every stats_interval_s while there
 // is work, vLLM's stats line (throughput of the interval, running / waiting requests, KV usage,
-// prefix-cache hit rate). Part of HttpServerImpl; lines go to the process log (stderr).
+// prefix-cache hit rate), and with --enable-log-requests one line per generation request (its
+// id, sampling params and prompt length; never the prompt's text). Part of HttpServerImpl; lines
+// go to the process log (stderr).
 #include <chrono>
 #include <cstdio>
+#include <sstream>
 
 #include "core/log.h"
 #include "server/server_impl.h"
@@ -14,6 +17,31 @@ void HttpServerImpl::access_log(const HttpRequest& req, const HttpResponse& res)
   if (!cfg_.access_log) return;
   M3_LOG_INFO("%s - \"%s %s HTTP/1.1\" %d", req.remote_addr.c_str(), req.method.c_str(),
               req.path.c_str(), res.status);
+}
+
+void HttpServerImpl::log_request(const std::string& request_id, const Generation& gen,
+                                 const engine::SamplingParams& sp, const CommonParams& p) const {
+  std::ostringstream os;
+  os << "Received request " << request_id << ": prompt_tokens: [";
+  for (size_t i = 0; i < gen.prompts.size(); ++i)
+    os << (i ? ", " : "") << gen.prompts[i].ids.size();
+  os << "], params: SamplingParams(n=" << p.n << ", temperature=" << sp.temperature
+     << ", top_p=" << sp.top_p << ", top_k=" << sp.top_k << ", min_p=" << sp.min_p
+     << ", presence_penalty=" << sp.presence_penalty
+     << ", frequency_penalty=" << sp.frequency_penalty
+     << ", repetition_penalty=" << sp.repetition_penalty << ", seed=";
+  if (sp.seed)
+    os << *sp.seed;
+  else
+    os << "None";
+  os << ", max_tokens=" << sp.max_tokens << ", min_tokens=" << sp.min_tokens
+     << ", stop=" << p.stop.size() << " strings, stop_token_ids=" << sp.stop_token_ids.size()
+     << ", ignore_eos=" << (sp.ignore_eos ? "True" : "False") << ", logprobs=" << sp.logprobs
+     << ", prompt_logprobs=" << sp.prompt_logprobs << ", logit_bias=" << sp.logit_bias.size()
+     << ", allowed_token_ids=" << sp.allowed_token_ids.size()
+     << ", bad_words=" << sp.bad_words.size()
+     << ", constrained=" << (sp.constraint ? "True" : "False") << ")";
+  M3_LOG_INFO("%s", os.str().c_str());
 }
 
 void HttpServerImpl::start_stats() {
