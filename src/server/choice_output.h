@@ -45,7 +45,8 @@ struct ChoiceDelta {
   std::vector<TokenLogprob> logprobs;
   std::vector<int32_t> token_ids;  // the output tokens this delta consumed (return_token_ids)
   bool empty() const {
-    return text.empty() && reasoning.empty() && tool_calls.empty() && logprobs.empty();
+    return text.empty() && reasoning.empty() && tool_calls.empty() && logprobs.empty() &&
+           token_ids.empty();
   }
 };
 
