@@ -16,10 +16,11 @@ if [ "$need_apt" = 1 ]; then
     libcli11-dev libexpected-dev libpcre2-dev libutf8proc-dev libxxhash-dev libgtest-dev \
     libgmock-dev ccache curl clang-format >/dev/null
 fi
-# Python oracles and the real OpenAI client for the tests (no torch: the model goldens are
-# committed, made by tools/goldens/make_model_goldens.py on the GPU machine).
+# Python oracles and the real OpenAI / Anthropic clients and openai-agents for the tests (no
+# torch: the model goldens are committed, made by tools/goldens/make_model_goldens.py on the GPU
+# machine).
 python3 -m pip install -q --disable-pip-version-check tokenizers jinja2 openai pytest numpy \
-  safetensors jsonschema langchain-openai 2>&1 | grep -v -i "warning: running pip as" || true
+  safetensors jsonschema langchain-openai anthropic openai-agents 2>&1 | grep -v -i "warning: running pip as" || true
 # xgrammar (structured outputs): its PyPI sdist carries the C++ library, which cmake/deps.cmake
 # builds with the Python bindings off. Only xgrammar itself is taken as source (pip builds the
 # sdist's metadata with its build backend from wheels); the sources stay in the ignored .deps/.

@@ -1,7 +1,7 @@
 // Routing (404 / 405 with Allow), API-key checks, and the routes that are not generation:
 // /v1/models, /health, /ping (GET and POST), /load, /version, /metrics (answered on the front's
-// loop thread, so they stay prompt under any load) and /tokenize, /detokenize (on workers). Part of
-// HttpServerImpl.
+// loop thread, so they stay prompt under any load) and /tokenize, /detokenize (on workers); the
+// generation routes are dispatched to serve_*.cpp. Part of HttpServerImpl.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -21,9 +21,12 @@ struct Route {
   bool on_worker;  // generation and tokenization: may take long, runs on a worker
 };
 
-constexpr std::array<Route, 11> kRoutes = {{
+constexpr std::array<Route, 14> kRoutes = {{
     {"/v1/completions", "POST", true},
     {"/v1/chat/completions", "POST", true},
+    {"/v1/messages", "POST", true},
+    {"/v1/messages/count_tokens", "POST", true},
+    {"/v1/responses", "POST", true},
     {"/tokenize", "POST", true},
     {"/detokenize", "POST", true},
     {"/v1/models", "GET", false},
@@ -191,6 +194,9 @@ void HttpServerImpl::route(const HttpRequest& req, HttpResponse& res) {
   if (cors(req, res) || !authorized(req, res) || !check_method(req, res)) return;
   if (req.path == "/v1/completions") return handle_completions(req, res);
   if (req.path == "/v1/chat/completions") return handle_chat(req, res);
+  if (req.path == "/v1/messages") return handle_messages(req, res);
+  if (req.path == "/v1/messages/count_tokens") return handle_count_tokens(req, res);
+  if (req.path == "/v1/responses") return handle_responses(req, res);
   if (req.path == "/tokenize") return handle_tokenize(req, res);
   if (req.path == "/detokenize") return handle_detokenize(req, res);
 }

@@ -35,6 +35,8 @@ void send_json(HttpResponse& res, const Json& j, int status = 200);
 // The `a == b` of secrets: time depends on the lengths only, not on where they differ.
 bool constant_time_equal(std::string_view a, std::string_view b);
 
+struct ResponseStore;  // serve_responses.cpp: stored Responses conversations
+
 // A chat request submitted to the engine (start_chat): its generation and what the output
 // formatting of each chat-shaped API needs.
 struct ChatJob {
@@ -113,6 +115,8 @@ class HttpServerImpl {
   void handle_messages(const HttpRequest& req, HttpResponse& res);
   void handle_count_tokens(const HttpRequest& req, HttpResponse& res);
   void handle_responses(const HttpRequest& req, HttpResponse& res);
+  std::mutex responses_mu_;                   // guards the creation of responses_
+  std::shared_ptr<ResponseStore> responses_;  // previous_response_id's conversations
 
   // http_server.cpp
   Status check_model(const std::string& model) const;
