@@ -73,6 +73,7 @@ HttpServerImpl::HttpServerImpl(engine::Engine& engine, ServerAssets assets, Serv
       [this](const HttpRequest& q, HttpResponse& s) {
         route(q, s);
         access_log(q, s);
+        count_request(q, s);
         // A large request leaves large free blocks behind; hand them back to the system.
         if (q.body.size() > (size_t{1} << 20)) malloc_trim(0);
       },
@@ -80,6 +81,7 @@ HttpServerImpl::HttpServerImpl(engine::Engine& engine, ServerAssets assets, Serv
       [this](const HttpRequest& q, HttpResponse& s) {
         route_inline(q, s);
         access_log(q, s);
+        count_request(q, s);
       });
 }
 

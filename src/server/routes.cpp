@@ -115,6 +115,26 @@ bool HttpServerImpl::cors(const HttpRequest& req, HttpResponse& res) const {
   return true;
 }
 
+void HttpServerImpl::count_request(const HttpRequest& req, const HttpResponse& res) const {
+  const Route* r = find_route(req.path);
+  const int cls = std::clamp(res.status / 100, 1, 5);
+  std::lock_guard<std::mutex> lock(http_counts_mu_);
+  // Labels from a fixed set only: a client cannot grow the series with odd methods or paths.
+  static constexpr std::array<std::string_view, 7> kMethods = {"GET",   "POST", "PUT",    "DELETE",
+                                                               "PATCH", "HEAD", "OPTIONS"};
+  const bool known = std::find(kMethods.begin(), kMethods.end(), req.method) != kMethods.end();
+  ++http_counts_[{known ? req.method : std::string("other"), std::to_string(cls) + "xx",
+                  r ? r->path : "none"}];
+}
+
+std::vector<HttpRequestCount> HttpServerImpl::http_request_counts() const {
+  std::lock_guard<std::mutex> lock(http_counts_mu_);
+  std::vector<HttpRequestCount> out;
+  for (const auto& [k, n] : http_counts_)
+    out.push_back({std::get<0>(k), std::get<1>(k), std::get<2>(k), n});
+  return out;
+}
+
 bool HttpServerImpl::is_inline(const HttpRequest& req) const {
   const Route* r = find_route(req.path, req.method);
   return !(r && r->on_worker && req.method == r->method);
@@ -184,7 +204,8 @@ void HttpServerImpl::route_inline(const HttpRequest& req, HttpResponse& res) {
       g.connection_timeouts = fs.timeouts_total;
       g.bad_http_requests = fs.bad_requests_total;
     }
-    res.set_content(format_metrics(engine_.stats(), model_name(), g),
+    g.http_requests = http_request_counts();
+    res.set_content(format_metrics(engine_.stats(), model_name(), g, &engine_.model_info()),
                     "text/plain; version=0.0.4; charset=utf-8");
     return;
   }

@@ -179,8 +179,8 @@ Result<OrderedJson> messages_to_chat(std::string_view body, bool count_only) {
   if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty())
     return bad("messages", "'messages' must be a non-empty array of {role, content}");
   if (j["messages"].size() > kMaxMessages) {
-    return bad("messages", "'messages' holds more than " + std::to_string(kMaxMessages) +
-                               " messages");
+    return bad("messages",
+               "'messages' holds more than " + std::to_string(kMaxMessages) + " messages");
   }
   for (size_t i = 0; i < j["messages"].size(); ++i)
     M3_TRY_STATUS(translate_message(j["messages"][i], "messages[" + std::to_string(i) + "]", msgs));
@@ -322,12 +322,18 @@ void HttpServerImpl::handle_messages(const HttpRequest& req, HttpResponse& res) 
     if (!text.empty() || out.tool_calls().empty())
       content.push_back({{"type", "text"}, {"text", text}});
     for (const auto& c : out.tool_calls()) {
-      content.push_back(
-          {{"type", "tool_use"}, {"id", c.id}, {"name", c.name}, {"input", tool_input(c.arguments_json)}});
+      content.push_back({{"type", "tool_use"},
+                         {"id", c.id},
+                         {"name", c.name},
+                         {"input", tool_input(c.arguments_json)}});
     }
     const auto [stop_reason, stop_sequence] = stop_of(out);
-    Json msg = {{"id", id},         {"type", "message"}, {"role", "assistant"},
-                {"model", model},   {"content", content}, {"stop_reason", stop_reason},
+    Json msg = {{"id", id},
+                {"type", "message"},
+                {"role", "assistant"},
+                {"model", model},
+                {"content", content},
+                {"stop_reason", stop_reason},
                 {"stop_sequence", stop_sequence}};
     msg["usage"] = usage_of(job->usage());
     return send_json(res, msg);
@@ -437,8 +443,9 @@ void HttpServerImpl::handle_messages(const HttpRequest& req, HttpResponse& res) 
     if (!emit(blocks.finish())) return false;
     const auto [stop_reason, stop_sequence] = stop_of(out);
     const UsageCounts u = job->usage();
-    return ev("message_delta", {{"delta", {{"stop_reason", stop_reason}, {"stop_sequence", stop_sequence}}},
-                                {"usage", {{"output_tokens", u.completion_tokens}}}}) &&
+    return ev("message_delta",
+              {{"delta", {{"stop_reason", stop_reason}, {"stop_sequence", stop_sequence}}},
+               {"usage", {{"output_tokens", u.completion_tokens}}}}) &&
            ev("message_stop", Json::object());
   };
 }

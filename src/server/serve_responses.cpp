@@ -133,9 +133,9 @@ Status translate_input(const OrderedJson& input, OrderedJson& msgs) {
         if (!it.contains(k) || !it[k].is_string())
           return bad(ip + "." + k, "'" + ip + "." + k + "' must be a string");
       }
-      const std::string args =
-          it.contains("arguments") && it["arguments"].is_string() ? it["arguments"].get<std::string>()
-                                                                  : "{}";
+      const std::string args = it.contains("arguments") && it["arguments"].is_string()
+                                   ? it["arguments"].get<std::string>()
+                                   : "{}";
       OrderedJson call = {{"id", it["call_id"]},
                           {"type", "function"},
                           {"function", {{"name", it["name"]}, {"arguments", args}}}};
@@ -236,8 +236,8 @@ Result<Translated> responses_to_chat(const OrderedJson& j, const OrderedJson* hi
   }
   // reasoning.effort: none / minimal turn thinking off, low / medium / high on; absent: the
   // template's default (adaptive).
-  if (j.contains("reasoning") && j["reasoning"].is_object() &&
-      j["reasoning"].contains("effort") && j["reasoning"]["effort"].is_string()) {
+  if (j.contains("reasoning") && j["reasoning"].is_object() && j["reasoning"].contains("effort") &&
+      j["reasoning"]["effort"].is_string()) {
     const std::string e = j["reasoning"]["effort"].get<std::string>();
     if (!c.contains("chat_template_kwargs")) c["chat_template_kwargs"] = OrderedJson::object();
     if (!c["chat_template_kwargs"].contains("thinking_mode")) {
@@ -301,8 +301,8 @@ Json output_item(BlockKind kind, const std::string& id, const std::string& text,
               {"content", content}};
     }
     case BlockKind::kToolCall:
-      return {{"id", id},          {"type", "function_call"}, {"call_id", call_id},
-              {"name", name},      {"arguments", text},       {"status", status}};
+      return {{"id", id},     {"type", "function_call"}, {"call_id", call_id},
+              {"name", name}, {"arguments", text},       {"status", status}};
   }
   return nullptr;
 }
@@ -327,8 +327,8 @@ struct ResponseEcho {
       reasoning, parallel_tool_calls, store;
 };
 
-Json response_json(const ResponseEcho& e, const std::string& status, Json output,
-                   const Json& usage, const Json& incomplete) {
+Json response_json(const ResponseEcho& e, const std::string& status, Json output, const Json& usage,
+                   const Json& incomplete) {
   return {{"id", e.id},
           {"object", "response"},
           {"created_at", e.created},
@@ -384,7 +384,8 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
   if (!parsed_body) return send_error(res, parsed_body.error());
   const OrderedJson& j = *parsed_body;
   if (!j.is_object())
-    return send_error(res, Error{ErrorCode::kInvalidArgument, "request body must be a JSON object", ""});
+    return send_error(res,
+                      Error{ErrorCode::kInvalidArgument, "request body must be a JSON object", ""});
   {
     std::lock_guard<std::mutex> lock(responses_mu_);
     if (!responses_) responses_ = std::make_shared<ResponseStore>();
@@ -393,8 +394,9 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
   std::shared_ptr<const OrderedJson> history;
   if (j.contains("previous_response_id") && !j["previous_response_id"].is_null()) {
     if (!j["previous_response_id"].is_string()) {
-      return send_error(res, Error{ErrorCode::kInvalidArgument,
-                                   "'previous_response_id' must be a string", "previous_response_id"});
+      return send_error(
+          res, Error{ErrorCode::kInvalidArgument, "'previous_response_id' must be a string",
+                     "previous_response_id"});
     }
     echo.previous_response_id = j["previous_response_id"].get<std::string>();
     history = responses_->get(echo.previous_response_id);
@@ -472,8 +474,8 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
     }
     const auto [status, incomplete] = finish_state(out);
     remember(echo.id);
-    return send_json(res, response_json(echo, status, std::move(output), usage_of(job->usage()),
-                                        incomplete));
+    return send_json(
+        res, response_json(echo, status, std::move(output), usage_of(job->usage()), incomplete));
   }
 
   res.set_header("Cache-Control", "no-cache");
@@ -486,13 +488,13 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
       return sink.write(sse_named_event(name, j));
     };
     auto fail = [&](const Error& e) {
-      ev("error", {{"code", error_body(e)["error"]["code"]}, {"message", e.message},
+      ev("error", {{"code", error_body(e)["error"]["code"]},
+                   {"message", e.message},
                    {"param", e.param.empty() ? Json(nullptr) : Json(e.param)}});
       gen->abort_all();
       return false;
     };
-    const Json pending =
-        response_json(echo, "in_progress", Json::array(), nullptr, nullptr);
+    const Json pending = response_json(echo, "in_progress", Json::array(), nullptr, nullptr);
     if (!ev("response.created", {{"response", pending}}) ||
         !ev("response.in_progress", {{"response", pending}})) {
       gen->abort_all();
@@ -515,7 +517,8 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
                     {{"item_id", id},
                      {"output_index", e.block},
                      {"content_index", 0},
-                     {"part", {{"type", "output_text"}, {"text", ""}, {"annotations", Json::array()}}}});
+                     {"part",
+                      {{"type", "output_text"}, {"text", ""}, {"annotations", Json::array()}}}});
           }
           continue;
         }
@@ -554,12 +557,13 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
                                                     {"content_index", 0},
                                                     {"text", e.text},
                                                     {"logprobs", Json::array()}}) &&
-                   ev("response.content_part.done",
-                      {{"item_id", id},
-                       {"output_index", e.block},
-                       {"content_index", 0},
-                       {"part",
-                        {{"type", "output_text"}, {"text", e.text}, {"annotations", Json::array()}}}});
+                   ev("response.content_part.done", {{"item_id", id},
+                                                     {"output_index", e.block},
+                                                     {"content_index", 0},
+                                                     {"part",
+                                                      {{"type", "output_text"},
+                                                       {"text", e.text},
+                                                       {"annotations", Json::array()}}}});
               break;
             case BlockKind::kToolCall:
               ok = ev("response.function_call_arguments.done", {{"item_id", id},
@@ -607,7 +611,8 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
       const std::string id = item_id(BlockKind::kText);
       Json item = output_item(BlockKind::kText, id, "", "", "", true);
       if (!ev("response.output_item.added",
-              {{"output_index", 0}, {"item", output_item(BlockKind::kText, id, "", "", "", false)}}) ||
+              {{"output_index", 0},
+               {"item", output_item(BlockKind::kText, id, "", "", "", false)}}) ||
           !ev("response.output_item.done", {{"output_index", 0}, {"item", item}}))
         return false;
       done_items.push_back(std::move(item));
@@ -615,8 +620,8 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
     const auto [status, incomplete] = finish_state(out);
     remember(echo.id);
     return ev(status == "completed" ? "response.completed" : "response.incomplete",
-              {{"response", response_json(echo, status, done_items, usage_of(job->usage()),
-                                          incomplete)}});
+              {{"response",
+                response_json(echo, status, done_items, usage_of(job->usage()), incomplete)}});
   };
 }
 

@@ -10,11 +10,14 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -23,6 +26,7 @@
 #include "server/generation_stream.h"
 #include "server/http_front.h"
 #include "server/http_server.h"
+#include "server/metrics.h"
 #include "server/response_json.h"
 #include "text/structured_output.h"
 
@@ -102,6 +106,12 @@ class HttpServerImpl {
   std::condition_variable stats_cv_;
   bool stats_stop_ = false;
   bool authorized(const HttpRequest& req, HttpResponse& res) const;
+  // routes.cpp: counts an answered request for /metrics' http_requests_total (by method, status
+  // class and route, "none" for a path that is not one).
+  void count_request(const HttpRequest& req, const HttpResponse& res) const;
+  std::vector<HttpRequestCount> http_request_counts() const;
+  mutable std::mutex http_counts_mu_;
+  mutable std::map<std::tuple<std::string, std::string, std::string>, int64_t> http_counts_;
   void handle_tokenize(const HttpRequest& req, HttpResponse& res);
   void handle_detokenize(const HttpRequest& req, HttpResponse& res);
   // serve_completions.cpp / serve_chat.cpp

@@ -135,10 +135,19 @@ def metrics(server):
     return out
 
 
+def parse_labels(text):
+    """'a="x",b="y"' -> {"a": "x", "b": "y"} (values without escaped quotes, as in these tests)."""
+    return dict(re.findall(r'(\w+)="([^"]*)"', text))
+
+
 def metric(server, name, labels=""):
-    m = metrics(server)
-    key = f'{name}{{model_name="{MODEL_NAME}"{"," + labels if labels else ""}}}'
-    return m[key]
+    """The value of series `name` with the model's labels (model_name, engine) plus `labels`."""
+    want = {"model_name": MODEL_NAME, "engine": "0", **parse_labels(labels)}
+    for key, value in metrics(server).items():
+        n, _, rest = key.partition("{")
+        if n == name and parse_labels(rest) == want:
+            return value
+    raise KeyError(f"{name} {want}")
 
 
 def wait_idle(server, timeout=30):
