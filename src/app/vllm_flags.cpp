@@ -48,8 +48,9 @@ constexpr std::string_view kWhyGraphs =
     "m3serve captures a CUDA graph per decode step size by itself (up to 256 tokens); "
     "--enforce-eager turns that off";
 constexpr std::string_view kWhyNoLog =
-    "m3serve logs one access line per request (--disable-uvicorn-access-log turns it off), "
-    "not the requests' prompts or outputs";
+    "m3serve logs one access line per request (--disable-uvicorn-access-log turns it off) and, "
+    "with --enable-log-requests, each request's parameters and prompt length; never the "
+    "requests' prompts or outputs";
 constexpr std::string_view kWhyHub =
     "m3serve does not download from the Hugging Face Hub: download the checkpoint first "
     "(huggingface-cli download REPO --revision REV --local-dir DIR) and pass DIR";

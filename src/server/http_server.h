@@ -1,11 +1,12 @@
 // HttpServer: the OpenAI-compatible HTTP server over one Engine: /v1/chat/completions,
-// /v1/completions (JSON and SSE), /v1/models, /tokenize, /detokenize, /health, /version,
-// /metrics. Called by `m3serve serve` (app/cmd_serve.cpp). HTTP itself is HttpFront
-// (http_front.h): an event loop that enforces deadlines and caps before a worker sees a request.
-// Threads (design.md §1): each HTTP worker parses, renders, tokenizes, submits, then reads its
-// RequestStreams and writes the response; the engine thread never waits on a socket.
-// Invariant: every request submitted to the engine is finished or aborted before its handler
-// returns, including when the client disconnects (streamed or not) or a drain times out.
+// /v1/completions, /v1/responses, Anthropic's /v1/messages (JSON and SSE), /v1/models,
+// /tokenize, /detokenize, /health, /ping, /load, /version, /metrics. Called by `m3serve serve`
+// (app/cmd_serve.cpp). HTTP itself is HttpFront (http_front.h): an event loop that enforces
+// deadlines and caps before a worker sees a request. Threads (design.md §1): each HTTP worker
+// parses, renders, tokenizes, submits, then reads its RequestStreams and writes the response; the
+// engine thread never waits on a socket. Invariant: every request submitted to the engine is
+// finished or aborted before its handler returns, including when the client disconnects (streamed
+// or not) or a drain times out.
 #pragma once
 
 #include <memory>

@@ -60,6 +60,11 @@ std::string allowed_methods(const std::string& path) {
 
 }  // namespace
 
+void send_error_for(const HttpRequest& req, HttpResponse& res, const Error& e) {
+  if (req.path.rfind("/v1/messages", 0) == 0) return send_anthropic_error(res, e);
+  send_error(res, e);
+}
+
 bool constant_time_equal(std::string_view a, std::string_view b) {
   // Every byte of the longer string is visited and differences are OR-ed together, so the
   // time does not reveal the length of the matching prefix.
@@ -84,10 +89,12 @@ bool HttpServerImpl::authorized(const HttpRequest& req, HttpResponse& res) const
   bool ok = false;
   for (const std::string& k : cfg_.api_keys) ok = constant_time_equal(key, k) | ok;
   if (ok) return true;
-  send_error(res, Error{ErrorCode::kUnauthorized,
-                        key.empty() ? "missing API key: send 'Authorization: Bearer <key>'"
-                                    : "invalid API key",
-                        ""});
+  send_error_for(req, res,
+                 Error{ErrorCode::kUnauthorized,
+                       key.empty() ? "missing API key: send 'Authorization: Bearer <key>' or "
+                                     "'x-api-key: <key>'"
+                                   : "invalid API key",
+                       ""});
   return false;
 }
 

@@ -49,11 +49,15 @@ Json anthropic_error_body(const Error& e) {
           {"error", {{"type", anthropic_error_type(http_status(e))}, {"message", msg}}}};
 }
 
+}  // namespace
+
 void send_anthropic_error(HttpResponse& res, const Error& e) {
   res.status = http_status(e);
   res.set_content(dump_json(anthropic_error_body(e)), "application/json");
   if (res.status == 429 || res.status == 503) res.set_header("Retry-After", "1");
 }
+
+namespace {
 
 // Text of a content that is a string or an array of text blocks (system, tool_result content).
 Result<std::string> block_text(const OrderedJson& v, const std::string& param) {

@@ -35,6 +35,10 @@ namespace m3::server {
 std::string random_id(size_t len);
 int64_t unix_now();
 void send_error(HttpResponse& res, const Error& e);
+// Anthropic's error shape {"type": "error", "error": {type, message}} (serve_messages.cpp).
+void send_anthropic_error(HttpResponse& res, const Error& e);
+// The error in the shape the route's clients read: Anthropic's under /v1/messages, else OpenAI's.
+void send_error_for(const HttpRequest& req, HttpResponse& res, const Error& e);
 void send_json(HttpResponse& res, const Json& j, int status = 200);
 // The `a == b` of secrets: time depends on the lengths only, not on where they differ.
 bool constant_time_equal(std::string_view a, std::string_view b);

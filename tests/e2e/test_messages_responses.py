@@ -15,7 +15,7 @@ import anthropic
 import openai
 import pytest
 
-from conftest import REPO, Server, http
+from conftest import API_KEY, REPO, Server, http
 
 sys.path.insert(0, os.path.join(REPO, "tools", "demo_model"))
 import tasks  # noqa: E402
@@ -164,6 +164,16 @@ def test_messages_errors_have_anthropics_shape(ac, demo):
     status, body = http(demo, "POST", "/v1/messages", {"model": "m3-e2e", "max_tokens": 5,
                                                        "messages": [{"role": "system", "content": "x"}]})
     assert status == 400 and "system" in json.loads(body)["error"]["message"]
+
+
+def test_messages_api_key_via_x_api_key(server):
+    ok = anthropic.Anthropic(base_url=server.base, api_key=API_KEY, max_retries=0, timeout=120)
+    m = ok.messages.create(model="m3-e2e", max_tokens=2, messages=MATH)
+    assert m.usage.output_tokens <= 2 and m.type == "message"
+    bad = anthropic.Anthropic(base_url=server.base, api_key="wrong", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        bad.messages.create(model="m3-e2e", max_tokens=2, messages=MATH)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
 
 
 # ----------------------------------------------------------------------------- /v1/responses
