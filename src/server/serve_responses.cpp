@@ -176,10 +176,11 @@ Result<Translated> responses_to_chat(const OrderedJson& j, const OrderedJson* hi
   }
   if (j.contains("max_output_tokens") && !j["max_output_tokens"].is_null())
     c["max_tokens"] = j["max_output_tokens"];
-  if (j.contains("top_logprobs") && j["top_logprobs"].is_number_integer() &&
-      j["top_logprobs"].get<int64_t>() > 0) {
-    c["logprobs"] = true;
-    c["top_logprobs"] = j["top_logprobs"];
+  if (j.contains("top_logprobs") && j["top_logprobs"].is_number() &&
+      j["top_logprobs"].get<double>() != 0) {
+    return unsupported("top_logprobs",
+                       "'top_logprobs' is not supported on /v1/responses yet; use "
+                       "/v1/chat/completions with logprobs / top_logprobs");
   }
   for (const char* k : {"background", "conversation", "prompt"}) {
     if (j.contains(k) && !j[k].is_null() && !(j[k].is_boolean() && !j[k].get<bool>())) {

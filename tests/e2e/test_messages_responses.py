@@ -235,6 +235,13 @@ def test_responses_store_limits_and_incomplete(oc):
     with pytest.raises(openai.BadRequestError) as e:
         oc.responses.create(model="m3-e2e", input="hi", tools=[{"type": "web_search"}])
     assert e.value.body["param"] == "tools[0].type"
+    for kw, param in ((dict(input=[{"type": "item_reference", "id": "x"}]), "input[0].type"),
+                      (dict(input="hi", background=True), "background"),
+                      (dict(input="hi", top_logprobs=2), "top_logprobs"),
+                      (dict(input=[{"role": "tool", "content": "x"}]), "input[0].role")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oc.responses.create(model="m3-e2e", **kw)
+        assert e.value.body["param"] == param, kw
 
 
 def test_responses_json_schema_format(oc):
