@@ -233,6 +233,8 @@ void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
         stats.time_to_first_token_s.observe(std::chrono::duration<double>(now - l.arrival).count());
         stats.prompt_tokens_total += u.num_prompt_tokens;
         stats.prompt_tokens_cached_total += u.num_cached_tokens;
+        stats.prefill_computed_tokens_per_request.observe(u.num_prompt_tokens -
+                                                          u.num_cached_tokens);
       } else {
         stats.inter_token_latency_s.observe(
             std::chrono::duration<double>(now - l.last_token).count());
@@ -501,6 +503,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   st.prompt_tokens_per_request = Histogram::with_bounds(toks);
   st.generation_tokens_per_request = Histogram::with_bounds(toks);
   st.max_tokens_per_request = Histogram::with_bounds(toks);
+  st.prefill_computed_tokens_per_request = Histogram::with_bounds(toks);
   // vLLM: the CUDA-graph capture sizes up to max_num_batched_tokens.
   std::vector<double> steps = {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
   while (!steps.empty() && steps.back() > config.max_num_batched_tokens) steps.pop_back();

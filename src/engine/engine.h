@@ -101,8 +101,9 @@ struct EngineStats {
   Histogram request_time_per_output_token_s;  // decode time / (output tokens - 1), per request
   Histogram prompt_tokens_per_request;
   Histogram generation_tokens_per_request;
-  Histogram max_tokens_per_request;  // the request's max_tokens
-  Histogram iteration_tokens;        // tokens scheduled per engine step
+  Histogram max_tokens_per_request;               // the request's max_tokens
+  Histogram prefill_computed_tokens_per_request;  // prompt tokens computed (not cache hits)
+  Histogram iteration_tokens;                     // tokens scheduled per engine step
 };
 
 struct ModelInfo {

@@ -192,9 +192,13 @@ std::string format_metrics(const engine::EngineStats& s, const std::string& mode
             {{{"finished_reason", "length"}}, static_cast<double>(s.requests_finished_length)},
             {{{"finished_reason", "abort"}}, static_cast<double>(s.requests_finished_abort)},
             {{{"finished_reason", "error"}}, static_cast<double>(s.requests_finished_error)}});
-  w.scalar("prompt_tokens_cached_total", "counter",
-           "Number of prompt tokens served from the prefix cache.",
+  w.scalar("prompt_tokens_cached_total", "counter", "Number of cached tokens processed.",
            static_cast<double>(s.prompt_tokens_cached_total));
+  w.family("prompt_tokens_by_source_total", "counter",
+           "Number of prompt tokens by source (computed here or prefix-cache hits).",
+           {{{{"source", "local_compute"}},
+             static_cast<double>(s.prompt_tokens_total - s.prompt_tokens_cached_total)},
+            {{{"source", "local_cache_hit"}}, static_cast<double>(s.prompt_tokens_cached_total)}});
   w.histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
               s.time_to_first_token_s);
   w.histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
@@ -220,6 +224,9 @@ std::string format_metrics(const engine::EngineStats& s, const std::string& mode
               s.prompt_tokens_per_request);
   w.histogram("request_generation_tokens", "Number of generation tokens processed.",
               s.generation_tokens_per_request);
+  w.histogram("request_prefill_kv_computed_tokens",
+              "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+              s.prefill_computed_tokens_per_request);
   w.histogram("request_params_max_tokens", "Histogram of the max_tokens request parameter.",
               s.max_tokens_per_request);
   w.histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",

@@ -76,6 +76,11 @@ def test_metrics_count_phases_and_http_requests(server, client):
     assert after_http == before_http + 1
     info = [k for k in m if k.startswith("vllm:cache_config_info")]
     assert len(info) == 1 and 'block_size="128"' in info[0] and m[info[0]] == 1.0
+    assert metric(server, "vllm:prompt_tokens_by_source_total", 'source="local_compute"') + \
+        metric(server, "vllm:prompt_tokens_by_source_total", 'source="local_cache_hit"') == \
+        metric(server, "vllm:prompt_tokens_total")
+    assert metric(server, "vllm:prompt_tokens_by_source_total", 'source="local_cache_hit"') == \
+        metric(server, "vllm:prompt_tokens_cached_total")
     # The bucket bounds print as vLLM's prometheus_client prints them.
     assert any('le="0.001"' in k for k in m if k.startswith("vllm:time_to_first_token_seconds_bucket"))
     assert any('le="1.0"' in k for k in m if k.startswith("vllm:request_prompt_tokens_bucket"))

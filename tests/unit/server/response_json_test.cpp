@@ -137,7 +137,8 @@ TEST(Metrics, CacheConfigInfoAndHttpCounts) {
         "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_bucket",
         "vllm:time_per_output_token_seconds_bucket",
         "vllm:request_time_per_output_token_seconds_bucket", "vllm:iteration_tokens_total_bucket",
-        "vllm:request_params_max_tokens_bucket", "vllm:prompt_tokens_cached_total"}) {
+        "vllm:request_params_max_tokens_bucket", "vllm:prompt_tokens_cached_total",
+        "vllm:prompt_tokens_by_source_total", "vllm:request_prefill_kv_computed_tokens_bucket"}) {
     EXPECT_NE(text.find(name), std::string::npos) << name;
   }
 }
