@@ -21,12 +21,16 @@ struct Route {
   bool on_worker;  // generation and tokenization: may take long, runs on a worker
 };
 
-constexpr std::array<Route, 14> kRoutes = {{
+constexpr std::string_view kResponsesPrefix = "/v1/responses/";
+constexpr const char* kResponseById = "/v1/responses/{response_id}";
+
+constexpr std::array<Route, 15> kRoutes = {{
     {"/v1/completions", "POST", true},
     {"/v1/chat/completions", "POST", true},
     {"/v1/messages", "POST", true},
     {"/v1/messages/count_tokens", "POST", true},
     {"/v1/responses", "POST", true},
+    {kResponseById, "GET", true},  // a stored response (serve_responses.cpp)
     {"/tokenize", "POST", true},
     {"/detokenize", "POST", true},
     {"/v1/models", "GET", false},
@@ -39,7 +43,16 @@ constexpr std::array<Route, 14> kRoutes = {{
 }};
 
 // The route of `path` taking `method`, else the first route of `path` (for 405), else null.
-const Route* find_route(const std::string& path, const std::string& method = "") {
+// The route template a path belongs to: "/v1/responses/resp_x" -> "/v1/responses/{response_id}".
+std::string route_of(const std::string& path) {
+  if (path.size() > kResponsesPrefix.size() && path.rfind(kResponsesPrefix, 0) == 0 &&
+      path.find('/', kResponsesPrefix.size()) == std::string::npos)
+    return kResponseById;
+  return path;
+}
+
+const Route* find_route(const std::string& raw_path, const std::string& method = "") {
+  const std::string path = route_of(raw_path);
   const Route* any = nullptr;
   for (const auto& r : kRoutes) {
     if (path != r.path) continue;
@@ -50,7 +63,8 @@ const Route* find_route(const std::string& path, const std::string& method = "")
 }
 
 // The methods `path` takes, for 405's Allow header ("GET, POST").
-std::string allowed_methods(const std::string& path) {
+std::string allowed_methods(const std::string& raw_path) {
+  const std::string path = route_of(raw_path);
   std::string out;
   for (const auto& r : kRoutes) {
     if (path == r.path) out += (out.empty() ? "" : ", ") + std::string(r.method);
@@ -225,6 +239,7 @@ void HttpServerImpl::route(const HttpRequest& req, HttpResponse& res) {
   if (req.path == "/v1/messages") return handle_messages(req, res);
   if (req.path == "/v1/messages/count_tokens") return handle_count_tokens(req, res);
   if (req.path == "/v1/responses") return handle_responses(req, res);
+  if (route_of(req.path) == kResponseById) return handle_get_response(req, res);
   if (req.path == "/tokenize") return handle_tokenize(req, res);
   if (req.path == "/detokenize") return handle_detokenize(req, res);
 }

@@ -7,7 +7,8 @@
 // their .done, output_item.done, response.completed or response.incomplete).
 // previous_response_id: each stored response (store, the default) keeps its conversation, less
 // its instructions, in a bounded in-memory store of this process (the oldest are dropped first);
-// an id that is not there is a 404 that says so. Part of HttpServerImpl (server_impl.h).
+// an id that is not there is a 404 that says so; GET /v1/responses/{id} returns a stored
+// response. Part of HttpServerImpl (server_impl.h).
 #include <chrono>
 #include <deque>
 #include <mutex>
@@ -19,21 +20,28 @@
 
 namespace m3::server {
 
-// Conversations of stored responses, by response id. Bounded by count and by bytes.
+// Stored responses by id: the response object (GET /v1/responses/{id}) and its conversation,
+// less the instructions (what previous_response_id continues). Bounded by count and by bytes;
+// the oldest go first.
 struct ResponseStore {
   static constexpr size_t kMaxResponses = 4096;
   static constexpr size_t kMaxBytes = size_t{256} << 20;
 
+  struct Entry {
+    OrderedJson conversation;
+    OrderedJson response;
+  };
   std::mutex mu;
-  std::unordered_map<std::string, std::shared_ptr<const OrderedJson>> by_id;
+  std::unordered_map<std::string, std::shared_ptr<const Entry>> by_id;
   std::deque<std::pair<std::string, size_t>> order;  // oldest first, with its size
   size_t bytes = 0;
 
-  void put(const std::string& id, OrderedJson conversation) {
-    const size_t size = conversation.dump().size();
+  void put(const std::string& id, OrderedJson conversation, OrderedJson response) {
+    const size_t size = conversation.dump().size() + response.dump().size();
     if (size > kMaxBytes / 4) return;  // too large to keep; a later lookup says it is gone
+    auto e = std::make_shared<const Entry>(Entry{std::move(conversation), std::move(response)});
     std::lock_guard<std::mutex> lock(mu);
-    by_id[id] = std::make_shared<const OrderedJson>(std::move(conversation));
+    by_id[id] = std::move(e);
     order.emplace_back(id, size);
     bytes += size;
     while (order.size() > kMaxResponses || bytes > kMaxBytes) {
@@ -42,7 +50,7 @@ struct ResponseStore {
       order.pop_front();
     }
   }
-  std::shared_ptr<const OrderedJson> get(const std::string& id) {
+  std::shared_ptr<const Entry> get(const std::string& id) {
     std::lock_guard<std::mutex> lock(mu);
     auto it = by_id.find(id);
     return it == by_id.end() ? nullptr : it->second;
@@ -392,7 +400,7 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
     if (!responses_) responses_ = std::make_shared<ResponseStore>();
   }
   ResponseEcho echo;
-  std::shared_ptr<const OrderedJson> history;
+  std::shared_ptr<const ResponseStore::Entry> history;
   if (j.contains("previous_response_id") && !j["previous_response_id"].is_null()) {
     if (!j["previous_response_id"].is_string()) {
       return send_error(
@@ -412,7 +420,7 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
                      "previous_response_id"});
     }
   }
-  auto translated = responses_to_chat(j, history.get());
+  auto translated = responses_to_chat(j, history ? &history->conversation : nullptr);
   if (!translated) return send_error(res, translated.error());
   auto parsed = parse_chat_request(translated->chat.dump(), cfg_.max_logprobs);
   if (!parsed) return send_error(res, parsed.error());
@@ -440,12 +448,12 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
   echo.parallel_tool_calls = get("parallel_tool_calls", true);
   echo.store = get("store", true);
   const bool store = !echo.store.is_boolean() || echo.store.get<bool>();
-  auto remember = [store, store_ptr = responses_, conversation = translated->conversation,
-                   job](const std::string& id) {
+  auto remember = [store, store_ptr = responses_, conversation = translated->conversation, job](
+                      const std::string& id, const Json& response) {
     if (!store) return;
     OrderedJson conv = conversation;
     conv.push_back(assistant_message(*job->gen->slots[0].out, job->echo));
-    store_ptr->put(id, std::move(conv));
+    store_ptr->put(id, std::move(conv), response);
   };
   auto finish_state = [](const ChoiceOutput& out) -> std::pair<std::string, Json> {
     if (out.finish_reason() == "length")
@@ -474,9 +482,9 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
                                    c.arguments_json, c.id, c.name, true));
     }
     const auto [status, incomplete] = finish_state(out);
-    remember(echo.id);
-    return send_json(
-        res, response_json(echo, status, std::move(output), usage_of(job->usage()), incomplete));
+    Json body = response_json(echo, status, std::move(output), usage_of(job->usage()), incomplete);
+    remember(echo.id, body);
+    return send_json(res, body);
   }
 
   res.set_header("Cache-Control", "no-cache");
@@ -619,11 +627,30 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
       done_items.push_back(std::move(item));
     }
     const auto [status, incomplete] = finish_state(out);
-    remember(echo.id);
+    Json body = response_json(echo, status, done_items, usage_of(job->usage()), incomplete);
+    remember(echo.id, body);
     return ev(status == "completed" ? "response.completed" : "response.incomplete",
-              {{"response",
-                response_json(echo, status, done_items, usage_of(job->usage()), incomplete)}});
+              {{"response", body}});
   };
+}
+
+void HttpServerImpl::handle_get_response(const HttpRequest& req, HttpResponse& res) {
+  const std::string id = req.path.substr(std::string_view("/v1/responses/").size());
+  std::shared_ptr<const ResponseStore::Entry> e;
+  {
+    std::lock_guard<std::mutex> lock(responses_mu_);
+    if (responses_) e = responses_->get(id);
+  }
+  if (!e) {
+    return send_error(res, Error{ErrorCode::kNotFound,
+                                 "Response with id '" + id +
+                                     "' not found: this server keeps stored responses in memory "
+                                     "(the last " +
+                                     std::to_string(ResponseStore::kMaxResponses) +
+                                     ", until it restarts), never those sent with store: false",
+                                 "response_id"});
+  }
+  send_json(res, e->response);
 }
 
 }  // namespace m3::server

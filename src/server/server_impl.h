@@ -129,6 +129,7 @@ class HttpServerImpl {
   void handle_messages(const HttpRequest& req, HttpResponse& res);
   void handle_count_tokens(const HttpRequest& req, HttpResponse& res);
   void handle_responses(const HttpRequest& req, HttpResponse& res);
+  void handle_get_response(const HttpRequest& req, HttpResponse& res);  // GET /v1/responses/{id}
   std::mutex responses_mu_;                   // guards the creation of responses_
   std::shared_ptr<ResponseStore> responses_;  // previous_response_id's conversations
 

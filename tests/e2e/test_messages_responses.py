@@ -226,9 +226,14 @@ def test_responses_store_limits_and_incomplete(oc):
     with pytest.raises(openai.NotFoundError) as e:
         oc.responses.create(model="m3-e2e", previous_response_id="resp_unknown", input="hi")
     assert e.value.body["param"] == "previous_response_id"
+    kept = oc.responses.create(model="m3-e2e", input="What is 23 + 19?", reasoning={"effort": "none"})
+    got = oc.responses.retrieve(kept.id)  # GET /v1/responses/{id}
+    assert got.model_dump() == kept.model_dump()
     r = oc.responses.create(model="m3-e2e", input="What is 23 + 19?", store=False, reasoning={"effort": "none"})
     with pytest.raises(openai.NotFoundError):
         oc.responses.create(model="m3-e2e", previous_response_id=r.id, input="and 5 + 3?")
+    with pytest.raises(openai.NotFoundError):
+        oc.responses.retrieve(r.id)
     r = oc.responses.create(model="m3-e2e", input="What is 23 + 19?", max_output_tokens=3,
                             reasoning={"effort": "none"})
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
