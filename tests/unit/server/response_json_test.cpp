@@ -116,16 +116,23 @@ TEST(Metrics, VllmNamesAndCumulativeBuckets) {
 
 TEST(Metrics, CacheConfigInfoAndHttpCounts) {
   engine::ModelInfo info;
-  info.block_size = 128;
-  info.num_kv_blocks = 2048;
   info.device = "cpu";
+  engine::EngineStats s;
+  s.block_size = 128;
+  s.num_kv_blocks = 2048;
+  s.kv_cache_dtype = "bfloat16";
+  s.index_cache_dtype = "fp8_e4m3";
   ServerGauges g;
   g.http_requests.push_back({"POST", "2xx", "/v1/chat/completions", 3});
   g.http_requests.push_back({"GET", "4xx", "none", 1});
-  const std::string text = format_metrics(engine::EngineStats{}, "m3", g, &info);
-  EXPECT_NE(text.find("vllm:cache_config_info{block_size=\"128\",cache_dtype=\"float32\",device=\""
-                      "cpu\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"2048\"} "
-                      "1.0\n"),
+  const std::string text = format_metrics(s, "m3", g, &info);
+  EXPECT_NE(text.find("vllm:cache_config_info{block_size=\"128\",cache_dtype=\"bfloat16\",device=\""
+                      "cpu\",enable_prefix_caching=\"True\",engine=\"0\",indexer_kv_dtype=\"fp8_"
+                      "e4m3\",model_name=\"m3\",num_gpu_blocks=\"2048\"} 1.0\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("vllm:kv_cache_capacity_tokens{engine=\"0\",index_cache_dtype=\"fp8_e4m3\","
+                      "kv_cache_dtype=\"bfloat16\",model_name=\"m3\"} 262144.0\n"),
             std::string::npos);
   EXPECT_NE(text.find("http_requests_total{handler=\"/v1/chat/completions\",method=\"POST\","
                       "status=\"2xx\"} 3.0\n"),
