@@ -82,6 +82,12 @@ def test_thinking_token_budget_forces_the_end_of_reasoning(client, demo):
         assert len(tokenize(demo, reasoning) if reasoning else []) <= budget
         assert m.content and "</mm:think>" not in m.content
         assert r.choices[0].finish_reason == "stop"
+    # Adaptive: the model opens the block itself (<mm:think>); the count starts there.
+    r = chat(client, mode="adaptive", extra_body={"thinking_token_budget": 2,
+                                                 "chat_template_kwargs": {"thinking_mode": "adaptive"}})
+    assert chat(client, mode="adaptive").usage.completion_tokens_details.reasoning_tokens > 6
+    assert r.usage.completion_tokens_details.reasoning_tokens == 3
+    assert r.choices[0].message.content
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, extra_body={"thinking_token_budget": -5})
     assert e.value.body["param"] == "thinking_token_budget"
