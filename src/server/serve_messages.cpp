@@ -322,7 +322,7 @@ void HttpServerImpl::handle_messages(const HttpRequest& req, HttpResponse& res) 
     if (!out.reasoning().empty()) {
       content.push_back({{"type", "thinking"}, {"thinking", out.reasoning()}, {"signature", ""}});
     }
-    const std::string text = job->echo + out.text();
+    const std::string& text = out.text();
     if (!text.empty() || out.tool_calls().empty())
       content.push_back({{"type", "text"}, {"text", text}});
     for (const auto& c : out.tool_calls()) {
@@ -412,14 +412,6 @@ void HttpServerImpl::handle_messages(const HttpRequest& req, HttpResponse& res) 
       }
       return true;
     };
-    if (!job->echo.empty()) {
-      ChoiceDelta d;
-      d.text = job->echo;
-      if (!emit(blocks.feed(d))) {
-        gen->abort_all();
-        return false;
-      }
-    }
     const ChoiceOutput& out = *gen->slots[0].out;
     for (;;) {
       auto got = gen->poll(std::chrono::milliseconds(100));

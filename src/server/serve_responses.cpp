@@ -366,8 +366,8 @@ Json response_json(const ResponseEcho& e, const std::string& status, Json output
 }
 
 // The assistant chat message of an output (what a later previous_response_id turn continues).
-OrderedJson assistant_message(const ChoiceOutput& out, const std::string& echo) {
-  OrderedJson m = {{"role", "assistant"}, {"content", echo + out.text()}};
+OrderedJson assistant_message(const ChoiceOutput& out) {
+  OrderedJson m = {{"role", "assistant"}, {"content", out.text()}};
   if (!out.reasoning().empty()) m["reasoning_content"] = out.reasoning();
   if (!out.tool_calls().empty()) {
     OrderedJson calls = OrderedJson::array();
@@ -452,7 +452,7 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
                       const std::string& id, const Json& response) {
     if (!store) return;
     OrderedJson conv = conversation;
-    conv.push_back(assistant_message(*job->gen->slots[0].out, job->echo));
+    conv.push_back(assistant_message(*job->gen->slots[0].out));
     store_ptr->put(id, std::move(conv), response);
   };
   auto finish_state = [](const ChoiceOutput& out) -> std::pair<std::string, Json> {
@@ -472,7 +472,7 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
       output.push_back(output_item(BlockKind::kReasoning, item_id(BlockKind::kReasoning),
                                    out.reasoning(), "", "", true));
     }
-    const std::string text = job->echo + out.text();
+    const std::string& text = out.text();
     if (!text.empty() || out.tool_calls().empty()) {
       output.push_back(
           output_item(BlockKind::kText, item_id(BlockKind::kText), text, "", "", true));
@@ -589,14 +589,6 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
       }
       return true;
     };
-    if (!job->echo.empty()) {
-      ChoiceDelta d;
-      d.text = job->echo;
-      if (!emit(blocks.feed(d))) {
-        gen->abort_all();
-        return false;
-      }
-    }
     const ChoiceOutput& out = *gen->slots[0].out;
     for (;;) {
       auto got = gen->poll(std::chrono::milliseconds(100));

@@ -53,7 +53,8 @@ struct ChatJob {
   ToolChoice tool_choice;
   bool wants_tools = false;  // tools given and tool_choice is not "none": calls are parsed
   text::ThinkingMode thinking_mode = text::ThinkingMode::kAdaptive;
-  std::string echo;  // chat `echo`: the final message's content the reply continues
+  // Chat `echo` (/v1/chat/completions only): the final message's content the reply continues.
+  std::string echo;
   UsageCounts usage() const;
 };
 
