@@ -1,10 +1,11 @@
 """Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) with the official
-`anthropic` client, and OpenAI's Responses API (/v1/responses) with the official `openai` client
-and openai-agents (its default Responses model), through `m3serve serve` with the demo model
-(models/demo): thinking blocks / reasoning items from the reasoning parser, tool calls and their
-results, streaming (Anthropic's event sequence; the Responses events) equal to the whole answer,
-stop sequences, max_tokens, previous_response_id, and errors in each API's shape. Greedy (the
-demo model's generation_config), so each answer is fixed."""
+`anthropic` client, and OpenAI's Responses API (/v1/responses) with the official `openai` client,
+openai-agents (its default Responses model) and langchain-openai (use_responses_api), through
+`m3serve serve` with the demo model (models/demo): thinking blocks / reasoning items from the
+reasoning parser, tool calls and their results, streaming (Anthropic's event sequence; the
+Responses events) equal to the whole answer, stop sequences, max_tokens, previous_response_id,
+and errors in each API's shape. Greedy (the demo model's generation_config), so each answer is
+fixed."""
 
 import asyncio
 import json
@@ -287,3 +288,21 @@ def test_openai_agents_runs_a_turn_with_a_tool(demo):
         return whole.final_output, streamed.final_output
     whole, streamed = asyncio.run(both())
     assert "25" in whole and streamed == whole and ran == [(25, "tea")] * 2
+
+
+def test_langchain_openai_on_the_responses_api(demo):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def set_timer(minutes: int, label: str) -> str:
+        """Set a timer for some minutes with a label."""
+        return "ok"
+
+    llm = ChatOpenAI(base_url=demo.base + "/v1", api_key="none", model="m3-e2e", use_responses_api=True,
+                     max_retries=0, timeout=300)
+    assert "42" in llm.invoke("What is 23 + 19?").text
+    calls = llm.bind_tools([set_timer]).invoke(TIMER).tool_calls
+    assert [(c["name"], c["args"]) for c in calls] == [("set_timer", {"minutes": 25, "label": "tea"})]
+    streamed = "".join(ch.text for ch in llm.stream("What is 23 + 19?"))
+    assert "42" in streamed
