@@ -16,6 +16,14 @@ namespace m3::server {
 
 namespace {
 
+// obj[key] when obj is an object and that member is a string, else `dflt` (never throws on
+// a member of another type, as nlohmann's value() does).
+std::string str_of(const OrderedJson& obj, const char* key, const std::string& dflt = "") {
+  if (!obj.is_object()) return dflt;
+  auto it = obj.find(key);
+  return it != obj.end() && it->is_string() ? it->get<std::string>() : dflt;
+}
+
 tl::unexpected<Error> bad(const std::string& param, const std::string& message) {
   return make_error(ErrorCode::kInvalidArgument, message, param);
 }
@@ -128,7 +136,7 @@ Status translate_message(const OrderedJson& m, const std::string& mp, OrderedJso
           b.contains("input") && b["input"].is_object() ? b["input"] : OrderedJson::object();
       calls.push_back({{"id", b["id"]},
                        {"type", "function"},
-                       {"function", {{"name", b["name"]}, {"arguments", input.dump()}}}});
+                       {"function", {{"name", b["name"]}, {"arguments", dump_json(input)}}}});
     } else if (type == "tool_result" && role == "user") {
       if (!b.contains("tool_use_id") || !b["tool_use_id"].is_string())
         return bad(bp + ".tool_use_id", "'" + bp + ".tool_use_id' must be a string");
@@ -189,7 +197,7 @@ Result<OrderedJson> messages_to_chat(std::string_view body, bool count_only) {
   for (size_t i = 0; i < j["messages"].size(); ++i)
     M3_TRY_STATUS(translate_message(j["messages"][i], "messages[" + std::to_string(i) + "]", msgs));
   // A final assistant message is a prefill: the reply continues it.
-  if (j["messages"].back().is_object() && j["messages"].back().value("role", "") == "assistant") {
+  if (str_of(j["messages"].back(), "role") == "assistant") {
     c["add_generation_prompt"] = false;
     c["continue_final_message"] = true;
   }
@@ -219,7 +227,7 @@ Result<OrderedJson> messages_to_chat(std::string_view body, bool count_only) {
   }
   if (j.contains("tool_choice") && !j["tool_choice"].is_null()) {
     const auto& tc = j["tool_choice"];
-    const std::string type = tc.is_object() ? tc.value("type", "") : "";
+    const std::string type = str_of(tc, "type");
     if (type == "auto") {
       c["tool_choice"] = "auto";
     } else if (type == "any") {
@@ -236,7 +244,7 @@ Result<OrderedJson> messages_to_chat(std::string_view body, bool count_only) {
   }
   if (j.contains("thinking") && !j["thinking"].is_null()) {
     const auto& th = j["thinking"];
-    const std::string type = th.is_object() ? th.value("type", "") : "";
+    const std::string type = str_of(th, "type");
     if (type == "enabled") {
       c["chat_template_kwargs"] = {{"thinking_mode", "enabled"}};
       if (th.contains("budget_tokens") && th["budget_tokens"].is_number_integer())
@@ -280,7 +288,7 @@ Json usage_of(const UsageCounts& u) {
 void HttpServerImpl::handle_count_tokens(const HttpRequest& req, HttpResponse& res) {
   auto body = messages_to_chat(req.body, /*count_only=*/true);
   if (!body) return send_anthropic_error(res, body.error());
-  auto r = parse_chat_request(body->dump(), cfg_.max_logprobs);
+  auto r = parse_chat_request(dump_json(*body), cfg_.max_logprobs);
   if (!r) return send_anthropic_error(res, r.error());
   if (auto st = check_model(r->common.model); !st) return send_anthropic_error(res, st.error());
   auto rendered = assets_.chat->render(*r);
@@ -300,7 +308,7 @@ void HttpServerImpl::handle_messages(const HttpRequest& req, HttpResponse& res) 
   }
   auto body = messages_to_chat(req.body, /*count_only=*/false);
   if (!body) return send_anthropic_error(res, body.error());
-  auto parsed = parse_chat_request(body->dump(), cfg_.max_logprobs);
+  auto parsed = parse_chat_request(dump_json(*body), cfg_.max_logprobs);
   if (!parsed) return send_anthropic_error(res, parsed.error());
   const ChatRequest r = std::move(*parsed);
   const std::string id = "msg_" + random_id(24);

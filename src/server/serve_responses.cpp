@@ -37,7 +37,7 @@ struct ResponseStore {
   size_t bytes = 0;
 
   void put(const std::string& id, OrderedJson conversation, OrderedJson response) {
-    const size_t size = conversation.dump().size() + response.dump().size();
+    const size_t size = dump_json(conversation).size() + dump_json(response).size();
     if (size > kMaxBytes / 4) return;  // too large to keep; a later lookup says it is gone
     auto e = std::make_shared<const Entry>(Entry{std::move(conversation), std::move(response)});
     std::lock_guard<std::mutex> lock(mu);
@@ -59,6 +59,14 @@ struct ResponseStore {
 
 namespace {
 
+// obj[key] when obj is an object and that member is a string, else `dflt` (never throws on
+// a member of another type, as nlohmann's value() does).
+std::string str_of(const OrderedJson& obj, const char* key, const std::string& dflt = "") {
+  if (!obj.is_object()) return dflt;
+  auto it = obj.find(key);
+  return it != obj.end() && it->is_string() ? it->get<std::string>() : dflt;
+}
+
 tl::unexpected<Error> bad(const std::string& param, const std::string& message) {
   return make_error(ErrorCode::kInvalidArgument, message, param);
 }
@@ -75,7 +83,7 @@ Result<std::string> item_text(const OrderedJson& v, const std::string& param) {
   for (size_t i = 0; i < v.size(); ++i) {
     const std::string pp = param + "[" + std::to_string(i) + "]";
     const auto& p = v[i];
-    const std::string type = p.is_object() ? p.value("type", "") : "";
+    const std::string type = str_of(p, "type");
     if (type == "input_text" || type == "output_text" || type == "text" ||
         type == "reasoning_text" || type == "summary_text") {
       if (!p.contains("text") || !p["text"].is_string())
@@ -95,7 +103,7 @@ Result<std::string> item_text(const OrderedJson& v, const std::string& param) {
 // The last message when it is an assistant turn that more of the same turn may join (reasoning,
 // text and calls of one reply arrive as separate items).
 OrderedJson* open_assistant(OrderedJson& msgs) {
-  if (msgs.empty() || msgs.back().value("role", "") != "assistant") return nullptr;
+  if (msgs.empty() || str_of(msgs.back(), "role") != "assistant") return nullptr;
   return &msgs.back();
 }
 
@@ -112,7 +120,7 @@ Status translate_input(const OrderedJson& input, OrderedJson& msgs) {
     const std::string ip = "input[" + std::to_string(i) + "]";
     const auto& it = input[i];
     if (!it.is_object()) return bad(ip, "'" + ip + "' must be an object");
-    const std::string type = it.value("type", it.contains("role") ? "message" : "");
+    const std::string type = str_of(it, "type", it.contains("role") ? "message" : "");
     if (type == "message") {
       if (!it.contains("role") || !it["role"].is_string())
         return bad(ip + ".role", "'" + ip + ".role' must be a string");
@@ -213,7 +221,7 @@ Result<Translated> responses_to_chat(const OrderedJson& j, const OrderedJson* hi
     for (size_t i = 0; i < j["tools"].size(); ++i) {
       const std::string tp = "tools[" + std::to_string(i) + "]";
       const auto& tool = j["tools"][i];
-      const std::string type = tool.is_object() ? tool.value("type", "") : "";
+      const std::string type = str_of(tool, "type");
       if (type != "function") {
         return unsupported(tp + ".type", "'" + tp + ".type' is '" + type +
                                              "': only function tools are supported (built-in "
@@ -235,7 +243,7 @@ Result<Translated> responses_to_chat(const OrderedJson& j, const OrderedJson* hi
     const auto& tc = j["tool_choice"];
     if (tc.is_string()) {
       c["tool_choice"] = tc;
-    } else if (tc.is_object() && tc.value("type", "") == "function" && tc.contains("name")) {
+    } else if (str_of(tc, "type") == "function" && tc.contains("name")) {
       c["tool_choice"] = {{"type", "function"}, {"function", {{"name", tc["name"]}}}};
     } else {
       return bad("tool_choice",
@@ -249,7 +257,9 @@ Result<Translated> responses_to_chat(const OrderedJson& j, const OrderedJson* hi
       j["reasoning"]["effort"].is_string()) {
     const std::string e = j["reasoning"]["effort"].get<std::string>();
     if (!c.contains("chat_template_kwargs")) c["chat_template_kwargs"] = OrderedJson::object();
-    if (!c["chat_template_kwargs"].contains("thinking_mode")) {
+    // (kwargs that are not an object are refused by parse_chat_request, naming the field)
+    if (c["chat_template_kwargs"].is_object() &&
+        !c["chat_template_kwargs"].contains("thinking_mode")) {
       c["chat_template_kwargs"]["thinking_mode"] =
           (e == "none" || e == "minimal") ? "disabled" : "enabled";
     }
@@ -258,11 +268,11 @@ Result<Translated> responses_to_chat(const OrderedJson& j, const OrderedJson* hi
   if (j.contains("text") && j["text"].is_object() && j["text"].contains("format") &&
       j["text"]["format"].is_object()) {
     const auto& f = j["text"]["format"];
-    const std::string type = f.value("type", "text");
+    const std::string type = str_of(f, "type", "text");
     if (type == "json_object") {
       c["response_format"] = {{"type", "json_object"}};
     } else if (type == "json_schema") {
-      OrderedJson js = {{"name", f.value("name", "schema")}};
+      OrderedJson js = {{"name", str_of(f, "name", "schema")}};
       if (f.contains("schema")) js["schema"] = f["schema"];
       if (f.contains("strict")) js["strict"] = f["strict"];
       c["response_format"] = {{"type", "json_schema"}, {"json_schema", std::move(js)}};
@@ -422,7 +432,7 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
   }
   auto translated = responses_to_chat(j, history ? &history->conversation : nullptr);
   if (!translated) return send_error(res, translated.error());
-  auto parsed = parse_chat_request(translated->chat.dump(), cfg_.max_logprobs);
+  auto parsed = parse_chat_request(dump_json(translated->chat), cfg_.max_logprobs);
   if (!parsed) return send_error(res, parsed.error());
   const ChatRequest r = std::move(*parsed);
   echo.id = "resp_" + random_id(32);
