@@ -13,10 +13,31 @@
 
 namespace m3::server {
 
+namespace {
+// The client's bytes as a log shows them: printable ASCII as is, every other byte %XX (as in a
+// URL; "%" itself stays, so an encoded path reads as sent), so a request cannot write control
+// characters, quotes or bytes that are not UTF-8 to the log.
+std::string loggable(const std::string& s, size_t max_bytes = 2048) {
+  std::string out;
+  for (size_t i = 0; i < s.size() && i < max_bytes; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f && c != '"') {
+      out += static_cast<char>(c);
+    } else {
+      char buf[4];
+      std::snprintf(buf, sizeof(buf), "%%%02X", c);
+      out += buf;
+    }
+  }
+  if (s.size() > max_bytes) out += "...";
+  return out;
+}
+}  // namespace
+
 void HttpServerImpl::access_log(const HttpRequest& req, const HttpResponse& res) const {
   if (!cfg_.access_log) return;
-  M3_LOG_INFO("%s - \"%s %s HTTP/1.1\" %d", req.remote_addr.c_str(), req.method.c_str(),
-              req.path.c_str(), res.status);
+  M3_LOG_INFO("%s - \"%s %s HTTP/1.1\" %d", req.remote_addr.c_str(), loggable(req.method).c_str(),
+              loggable(req.path).c_str(), res.status);
 }
 
 void HttpServerImpl::log_request(const std::string& request_id, const Generation& gen,

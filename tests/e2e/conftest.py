@@ -42,8 +42,10 @@ class Server:
         self.model_dir = model_dir
         args = [binary, "serve", model_dir, "--host", "127.0.0.1", "--port", "0",
                 "--served-model-name", MODEL_NAME] + list(extra_args)
+        # errors="replace": a log line with bytes that are not UTF-8 must not kill the reader
+        # (the pipe would fill and block the server's next log write).
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, **(env or {})))
+                                     errors="replace", env=dict(os.environ, **(env or {})))
         # The server logs a line per request on stderr: read it continuously (a full pipe would
         # block the server) and keep the last lines for tests and failure messages.
         self.log = collections.deque(maxlen=2000)
