@@ -17,10 +17,11 @@ if [ "$need_apt" = 1 ]; then
     libgmock-dev ccache curl clang-format libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libjpeg62-turbo-dev \
     libpng-dev zlib1g-dev libwebp-dev >/dev/null
 fi
-# Python oracles and the real OpenAI client for the tests (no torch: the model goldens are
-# committed, made by tools/goldens/make_model_goldens.py on the GPU machine).
+# Python oracles and the real OpenAI / Anthropic clients and openai-agents for the tests (no
+# torch: the model goldens are committed, made by tools/goldens/make_model_goldens.py on the GPU
+# machine).
 python3 -m pip install -q --disable-pip-version-check tokenizers jinja2 openai pytest numpy \
-  safetensors jsonschema langchain-openai pyzmq msgspec 2>&1 | grep -v -i "warning: running pip as" || true
+  safetensors jsonschema langchain-openai anthropic openai-agents pyzmq msgspec 2>&1 | grep -v -i "warning: running pip as" || true
 # The routers users run in front of vLLM and SGLang (Rust binary wheels): tests/e2e/test_router.py
 # runs two workers behind vllm-router (kv_aware on our KV events, cache_aware) and sglang-router.
 python3 -m pip install -q --disable-pip-version-check "vllm-router==0.1.17" "sglang-router==0.3.2" 2>&1 \

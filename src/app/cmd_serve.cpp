@@ -413,6 +413,9 @@ int run_serve(ServeArgs a) {
   sc.media.allowed_local_media_path = plan->allowed_local_media_path;
   sc.access_log = plan->access_log;
   sc.stats_interval_s = plan->log_stats ? plan->stats_interval_s : 0.0;
+  sc.seed = plan->seed;
+  sc.log_requests = plan->log_requests;
+  if (plan->max_logprobs) sc.max_logprobs = *plan->max_logprobs;
   sc.allow_credentials = plan->allow_credentials;
   sc.parse_reasoning = a.reasoning_parser == "minimax_m3";
   sc.parse_tool_calls = a.tool_call_parser == "minimax_m3";

@@ -46,8 +46,9 @@ constexpr std::string_view kWhyGraphs =
     "m3serve captures a CUDA graph per decode step size by itself (up to 256 tokens); "
     "--enforce-eager turns that off";
 constexpr std::string_view kWhyNoLog =
-    "m3serve logs one access line per request (--disable-uvicorn-access-log turns it off), "
-    "not the requests' prompts or outputs";
+    "m3serve logs one access line per request (--disable-uvicorn-access-log turns it off) and, "
+    "with --enable-log-requests, each request's parameters and prompt length; never the "
+    "requests' prompts or outputs";
 constexpr std::string_view kWhyHub =
     "m3serve does not download from the Hugging Face Hub: download the checkpoint first "
     "(huggingface-cli download REPO --revision REV --local-dir DIR) and pass DIR";
@@ -773,7 +774,9 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
           "= --gemm-precision exact (the oracle mode), bfloat16 and auto = --gemm-precision "
           "bf16 (the default). On the CPU activations are always fp32";
     } else if (ln == "--seed") {
-      help = "Seed for requests that give none (chat); serve: see the start-up note";
+      help =
+          "Seed for requests that give none: the same sequence of unseeded requests gets the "
+          "same answers after a restart";
     } else if (ln == "--hf-overrides") {
       help =
           "JSON object merged into config.json before it is read, e.g. "
@@ -802,7 +805,9 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
           "auto | bfloat16 | fp8 (fp8_e4m3) | float32: the KV cache format (docs/KV_CACHE.md). "
           "auto = bfloat16 on the GPU (float32 with --dtype float32), float32 on the CPU";
     } else if (ln == "--max-logprobs") {
-      help = "Most top logprobs a request may ask for (m3serve's limit is 20)";
+      help =
+          "Most logprobs / top_logprobs / prompt_logprobs a request may ask for (default 20; "
+          "-1: no limit)";
     } else if (ln == "--kv-transfer-config") {
       help =
           "vLLM's KV connector config. m3serve runs the host-memory KV tier: "
@@ -879,10 +884,10 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
     } else if (ln == "--seed") {
       M3_TRY(plan.seed, parse_seed(value));
       if (cmd == VllmCommand::kServe) {
-        plan.notices.push_back(
-            "--seed " + value +
-            ": requests without a 'seed' still draw fresh randomness (the engine has no global "
-            "seed yet); give 'seed' in a request for reproducible sampling");
+        plan.notices.push_back("--seed " + value +
+                               ": requests that give no 'seed' draw theirs from it and their "
+                               "arrival number (the same requests in the same order sample the "
+                               "same tokens after a restart)");
       }
     } else if (ln == "--hf-overrides") {
       M3_TRY(json j, parse_json_object(ln, value,
@@ -981,18 +986,11 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       if (t.empty() || *end != '\0') {
         return bad(ln, "--max-logprobs '" + value + "' is not an integer; e.g. --max-logprobs 20");
       }
-      if (n > 20 || n < 0) {
-        return make_error(ErrorCode::kUnsupported,
-                          "--max-logprobs " + value +
-                              ": m3serve returns at most 20 top logprobs per token; use "
-                              "--max-logprobs 20 (or less)",
-                          ln);
+      // As vLLM: -1 lifts the limit (the whole vocabulary may be asked for).
+      if (n < -1 || n > (1L << 30)) {
+        return bad(ln, "--max-logprobs " + value + " must be -1 (no limit) or a count >= 0");
       }
-      if (n < 20) {
-        plan.notices.push_back("--max-logprobs " + value +
-                               ": not applied yet: requests may still ask for up to 20 top "
-                               "logprobs (the server's fixed limit)");
-      }
+      plan.max_logprobs = n == -1 ? (1 << 30) : static_cast<int32_t>(n);
     } else if (ln == "--disable-log-requests") {
       disable_log_requests = true;
     } else if (ln == "--enable-log-requests") {
@@ -1029,11 +1027,10 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
                "--enable-log-requests and --disable-log-requests are both given; give one");
   }
   plan.log_requests = enable_log_requests;
-  if (enable_log_requests) {
-    plan.notices.push_back("--enable-log-requests: not applied yet: " + std::string(kWhyNoLog));
-  } else if (disable_log_requests) {
-    plan.notices.push_back("--disable-log-requests is what m3serve does anyway: " +
-                           std::string(kWhyNoLog));
+  if (disable_log_requests) {
+    plan.notices.push_back(
+        "--disable-log-requests is what m3serve does anyway: requests are logged only with "
+        "--enable-log-requests");
   }
 
   // VLLM_* variables of the recipe: the ones m3serve honours, and one line for the rest.

@@ -78,7 +78,8 @@ struct CompatPlan {
   std::optional<std::string> log_level;   // VLLM_LOGGING_LEVEL when --log-level is absent
   // For the server's request log / stats / CORS / root path work (item 5 and the server
   // owners): what the user asked for, kept so nothing is lost when the server grows them.
-  bool log_requests = false;
+  bool log_requests = false;                 // --enable-log-requests
+  std::optional<int32_t> max_logprobs;       // --max-logprobs (-1 given: a huge limit)
   bool log_stats = true;                     // --disable-log-stats: false
   bool access_log = true;                    // --disable-uvicorn-access-log: false
   double stats_interval_s = 10;              // VLLM_LOG_STATS_INTERVAL

@@ -123,7 +123,10 @@ class EngineImpl {
   struct Live {
     std::shared_ptr<RequestStream> stream;
     Clock::time_point arrival;
+    Clock::time_point first_scheduled;  // its first step (the end of its queue time)
+    Clock::time_point first_token;
     Clock::time_point last_token;
+    bool scheduled = false;
     bool got_first = false;
     bool prompt_logprobs_sent = false;
     int num_prompt_tokens = 0;
@@ -141,6 +144,8 @@ class EngineImpl {
   void admit(Pending& p);
   void finish_abort(uint64_t id);
   void publish(const std::vector<sched::RequestUpdate>& updates);
+  // Queue times of requests scheduled for the first time, and the step's token count.
+  void observe_step(const sched::SchedulerOutput& so);
   void refresh_stats();
   void publish_kv_events();
 };
@@ -241,6 +246,10 @@ void EngineImpl::admit(Pending& p) {
     return;
   }
   states.emplace(p.id, std::move(st));
+  {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    stats.max_tokens_per_request.observe(sp.max_tokens);
+  }
   Live l;
   l.stream = p.stream;
   l.arrival = p.arrival;
@@ -291,8 +300,12 @@ void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
       stats.generation_tokens_total += static_cast<int64_t>(u.new_token_ids.size());
       if (!l.got_first) {
         l.got_first = true;
+        l.first_token = now;
         stats.time_to_first_token_s.observe(std::chrono::duration<double>(now - l.arrival).count());
         stats.prompt_tokens_total += u.num_prompt_tokens;
+        stats.prompt_tokens_cached_total += u.num_cached_tokens;
+        stats.prefill_computed_tokens_per_request.observe(u.num_prompt_tokens -
+                                                          u.num_cached_tokens);
       } else {
         stats.inter_token_latency_s.observe(
             std::chrono::duration<double>(now - l.last_token).count());
@@ -316,7 +329,19 @@ void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
           break;
       }
       o.stop_token_id = u.stop_token_id;
-      stats.e2e_request_latency_s.observe(std::chrono::duration<double>(now - l.arrival).count());
+      auto secs = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+      stats.e2e_request_latency_s.observe(secs(now - l.arrival));
+      if (l.scheduled) {
+        stats.request_inference_time_s.observe(secs(now - l.first_scheduled));
+        if (l.got_first) {
+          stats.request_prefill_time_s.observe(secs(l.first_token - l.first_scheduled));
+          stats.request_decode_time_s.observe(secs(now - l.first_token));
+          if (u.num_output_tokens > 1) {
+            stats.request_time_per_output_token_s.observe(secs(now - l.first_token) /
+                                                          (u.num_output_tokens - 1));
+          }
+        }
+      }
       stats.prompt_tokens_per_request.observe(u.num_prompt_tokens);
       stats.generation_tokens_per_request.observe(u.num_output_tokens);
     }
@@ -327,6 +352,21 @@ void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
       states.erase(u.request_id);
       --num_unfinished;
     }
+  }
+}
+
+void EngineImpl::observe_step(const sched::SchedulerOutput& so) {
+  if (so.empty()) return;
+  const auto now = Clock::now();
+  std::lock_guard<std::mutex> lock(stats_mu);
+  stats.iteration_tokens.observe(so.total_num_tokens);
+  for (const auto& r : so.requests) {
+    auto it = live.find(r.request_id);
+    if (it == live.end() || it->second.scheduled) continue;
+    it->second.scheduled = true;
+    it->second.first_scheduled = now;
+    stats.request_queue_time_s.observe(
+        std::chrono::duration<double>(now - it->second.arrival).count());
   }
 }
 
@@ -397,6 +437,7 @@ void EngineImpl::loop() {
       continue;
     }
     sched::SchedulerOutput so = scheduler->schedule();
+    observe_step(so);
     sched::RunnerOutput ro;
     if (!so.empty()) ro = runner->execute(so, states);
     std::vector<sched::RequestUpdate> updates = scheduler->update_from_output(so, ro);
@@ -508,6 +549,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   info.index_cache_dtype = bc.any_sparse() ? kernels::kv_dtype_name(bc.index_cache_dtype) : "";
   info.kv_bytes_per_token = model::KvCache::page_bytes(bc) / bs;
   info.device = backend->device_name();
+  info.enable_prefix_caching = config.enable_prefix_caching;
   for (int64_t e : bc.eos_token_ids) info.eos_token_ids.push_back(static_cast<int32_t>(e));
   info.image_input = backend->supports_image_input();
   if (!info.image_input) info.image_refusal = backend->image_refusal();
@@ -571,14 +613,38 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
     impl->scheduler->set_kv_events_enabled(true);
   }
   auto& st = impl->stats;
-  const std::vector<double> lat = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25, 0.5,
-                                   0.75,  1.0,   2.5,  5.0,  7.5,  10.0, 20.0, 40.0, 80.0};
-  st.time_to_first_token_s = Histogram::with_bounds(lat);
-  st.inter_token_latency_s = Histogram::with_bounds(lat);
-  st.e2e_request_latency_s = Histogram::with_bounds(lat);
-  const std::vector<double> toks = {1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000};
+  // vLLM's bucket bounds (vllm/v1/metrics/loggers.py), so dashboards' quantiles line up.
+  st.time_to_first_token_s = Histogram::with_bounds(
+      {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25,  0.5,   0.75,
+       1.0,   2.5,   5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0});
+  const std::vector<double> itl = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,  0.3,  0.4, 0.5,
+                                   0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
+  st.inter_token_latency_s = Histogram::with_bounds(itl);
+  st.request_time_per_output_token_s = Histogram::with_bounds(itl);
+  const std::vector<double> req = {0.3,  0.5,   0.8,   1.0,   1.5,   2.0,    2.5,
+                                   5.0,  10.0,  15.0,  20.0,  30.0,  40.0,   50.0,
+                                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+  st.e2e_request_latency_s = Histogram::with_bounds(req);
+  st.request_queue_time_s = Histogram::with_bounds(req);
+  st.request_prefill_time_s = Histogram::with_bounds(req);
+  st.request_decode_time_s = Histogram::with_bounds(req);
+  st.request_inference_time_s = Histogram::with_bounds(req);
+  // 1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's build_1_2_5_buckets).
+  std::vector<double> toks;
+  for (double p = 1; p <= static_cast<double>(max_len); p *= 10) {
+    for (double m : {1.0, 2.0, 5.0})
+      if (m * p <= static_cast<double>(max_len)) toks.push_back(m * p);
+  }
   st.prompt_tokens_per_request = Histogram::with_bounds(toks);
   st.generation_tokens_per_request = Histogram::with_bounds(toks);
+  st.max_tokens_per_request = Histogram::with_bounds(toks);
+  st.prefill_computed_tokens_per_request = Histogram::with_bounds(toks);
+  // vLLM: the CUDA-graph capture sizes up to max_num_batched_tokens.
+  std::vector<double> steps = {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
+  while (!steps.empty() && steps.back() > config.max_num_batched_tokens) steps.pop_back();
+  if (steps.empty() || steps.back() < config.max_num_batched_tokens)
+    steps.push_back(config.max_num_batched_tokens);
+  st.iteration_tokens = Histogram::with_bounds(steps);
   st.num_kv_blocks = num_pages;
   st.block_size = bs;
   st.kv_cache_dtype = info.kv_cache_dtype;

@@ -103,11 +103,23 @@ struct EngineStats {
   int64_t requests_finished_abort = 0;
   int64_t requests_finished_error = 0;
   int64_t image_encodes = 0;  // vision tower runs (one per request whose images were computed)
+  int64_t prompt_tokens_cached_total = 0;  // prompt tokens served from the prefix cache
+  // Latencies (vLLM's bucket bounds, engine/engine.cpp). A request's phases: queued from its
+  // arrival to its first scheduling, prefill from there to its first token, decode from the first
+  // token to its end; inference is prefill + decode.
   Histogram time_to_first_token_s;
   Histogram inter_token_latency_s;
   Histogram e2e_request_latency_s;
+  Histogram request_queue_time_s;
+  Histogram request_prefill_time_s;
+  Histogram request_decode_time_s;
+  Histogram request_inference_time_s;
+  Histogram request_time_per_output_token_s;  // decode time / (output tokens - 1), per request
   Histogram prompt_tokens_per_request;
   Histogram generation_tokens_per_request;
+  Histogram max_tokens_per_request;               // the request's max_tokens
+  Histogram prefill_computed_tokens_per_request;  // prompt tokens computed (not cache hits)
+  Histogram iteration_tokens;                     // tokens scheduled per engine step
 };
 
 struct ModelInfo {
@@ -121,6 +133,7 @@ struct ModelInfo {
   std::string kv_cache_dtype;     // kernels::kv_dtype_name: "bfloat16", ...
   std::string index_cache_dtype;  // "" when the model has no sparse layers
   int64_t kv_bytes_per_token = 0;
+  bool enable_prefix_caching = true;
   std::string device;  // ForwardBackend::device_name(), e.g. "cpu"
   std::vector<int32_t> eos_token_ids;
   // The KV event sockets as bound, one per data-parallel rank (empty without --kv-events-config).
@@ -150,6 +163,7 @@ struct TokenLogprobOut {
   int32_t token = 0;
   float logprob = 0.f;
   std::vector<std::pair<int32_t, float>> top;  // best first
+  int64_t rank = 1;  // 1 + the number of tokens ranked above `token` (ties: lower id first)
 };
 
 // One increment of a request's output.

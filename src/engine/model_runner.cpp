@@ -12,6 +12,7 @@ TokenLogprobOut to_out(const TokenLogprob& lp) {
   TokenLogprobOut o;
   o.token = lp.token;
   o.logprob = lp.logprob;
+  o.rank = lp.rank;
   o.top = lp.top;
   return o;
 }

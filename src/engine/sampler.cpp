@@ -106,6 +106,9 @@ TokenLogprob Sampler::logprobs(std::span<const float> logits, int32_t token, int
   TokenLogprob r;
   r.token = token;
   r.logprob = logits[token] - lse;
+  const float lt = logits[token];
+  for (int64_t i = 0; i < V; ++i)
+    r.rank += (logits[i] > lt || (logits[i] == lt && i < token)) ? 1 : 0;
   if (k > 0) {
     std::vector<int32_t> idx(V);
     std::iota(idx.begin(), idx.end(), 0);

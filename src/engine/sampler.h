@@ -21,6 +21,7 @@ struct TokenLogprob {
   int32_t token = 0;
   float logprob = 0.f;
   std::vector<std::pair<int32_t, float>> top;  // best first
+  int64_t rank = 1;  // 1 + the tokens ranked above `token` (the order of `top`: ties by id)
 };
 
 // A counter-based RNG: draw number `step` of a request uses the noise of (seed, step) alone.

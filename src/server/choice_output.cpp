@@ -29,6 +29,11 @@ std::string ChoiceOutput::token_text(const text::Tokenizer& tok, int32_t id) {
   return tok.decode(std::span<const int32_t>(ids, 1), false);
 }
 
+std::string ChoiceOutput::logprob_token(int32_t id) const {
+  if (opt_.tokens_as_ids) return "token_id:" + std::to_string(id);
+  return token_text(*opt_.tokenizer, id);
+}
+
 void ChoiceOutput::route(std::string_view text, ChoiceDelta& delta) {
   if (!parser_) {
     delta.text.append(text);
@@ -68,13 +73,14 @@ ChoiceDelta ChoiceOutput::add(const engine::RequestOutput& out) {
     const int32_t id = out.new_token_ids[i];
     ++num_output_tokens_;
     output_ids_.push_back(id);
+    delta.token_ids.push_back(id);
     if (i < out.logprobs.size()) {
       const auto& lp = out.logprobs[i];
       TokenLogprob t;
       t.token = lp.token;
-      t.text = token_text(*opt_.tokenizer, lp.token);
+      t.text = logprob_token(lp.token);
       t.logprob = lp.logprob;
-      for (const auto& [tid, l] : lp.top) t.top.emplace_back(token_text(*opt_.tokenizer, tid), l);
+      for (const auto& [tid, l] : lp.top) t.top.emplace_back(logprob_token(tid), l);
       delta.logprobs.push_back(t);
       logprobs_.push_back(std::move(t));
     }
@@ -100,6 +106,7 @@ ChoiceDelta ChoiceOutput::add(const engine::RequestOutput& out) {
   if (stop_.stopped()) {
     finished_ = true;
     engine_reason_ = "stop";
+    stop_string_ = stop_.matched();
     finish_text(delta);
     return delta;
   }
@@ -107,6 +114,7 @@ ChoiceDelta ChoiceOutput::add(const engine::RequestOutput& out) {
     finished_ = true;
     engine_reason_ = out.finish_reason;
     error_ = out.error;
+    if (out.finish_reason == "stop") stop_token_ = out.stop_token_id;
     finish_text(delta);
   }
   return delta;

@@ -25,6 +25,7 @@ struct ChoiceOptions {
   std::vector<std::string> stop;
   bool include_stop_str = false;
   std::vector<int32_t> eos_token_ids;  // a trailing one that ended the output is not shown
+  bool tokens_as_ids = false;          // return_tokens_as_token_ids: logprob tokens "token_id:N"
   // Chat output parsing (reasoning and/or tool calls); nullopt: plain text (completions).
   std::optional<text::ChatOutputOptions> chat;
 };
@@ -42,8 +43,10 @@ struct ChoiceDelta {
   std::string reasoning;
   std::vector<text::ToolCallDelta> tool_calls;
   std::vector<TokenLogprob> logprobs;
+  std::vector<int32_t> token_ids;  // the output tokens this delta consumed (return_token_ids)
   bool empty() const {
-    return text.empty() && reasoning.empty() && tool_calls.empty() && logprobs.empty();
+    return text.empty() && reasoning.empty() && tool_calls.empty() && logprobs.empty() &&
+           token_ids.empty();
   }
 };
 
@@ -60,6 +63,10 @@ class ChoiceOutput {
   // "stop" | "length" | "tool_calls" | "abort" | "error" (valid once finished()).
   std::string finish_reason() const;
   const std::string& error() const { return error_; }
+  // vLLM's stop_reason: the stop string that matched, or the stop_token_ids entry that ended the
+  // output; neither for EOS, length or abort.
+  const std::optional<std::string>& stop_string() const { return stop_string_; }
+  std::optional<int32_t> stop_token() const { return stop_token_; }
 
   int num_prompt_tokens() const { return num_prompt_tokens_; }
   int num_cached_tokens() const { return num_cached_tokens_; }
@@ -80,6 +87,8 @@ class ChoiceOutput {
 
   // Text for one token as the logprobs fields show it.
   static std::string token_text(const text::Tokenizer& tok, int32_t id);
+  // The same, or "token_id:<id>" with return_tokens_as_token_ids.
+  std::string logprob_token(int32_t id) const;
 
  private:
   void route(std::string_view text, ChoiceDelta& delta);
@@ -98,6 +107,8 @@ class ChoiceOutput {
   bool finished_ = false;
   std::string engine_reason_;
   std::string error_;
+  std::optional<std::string> stop_string_;
+  std::optional<int32_t> stop_token_;
   int num_prompt_tokens_ = 0;
   int num_cached_tokens_ = 0;
   int num_output_tokens_ = 0;

@@ -77,11 +77,14 @@ struct SseEnvelope {
   bool include_usage = false, continuous = false;
 
   // One chunk around `choice`: running usage when continuous_usage_stats, null usage when only
-  // include_usage (vLLM's shape), no usage key otherwise.
+  // include_usage (vLLM's shape), no usage key otherwise. `extra`: more top-level keys (vLLM's
+  // prompt_token_ids on a stream's first chunk).
   template <class UsageFn>
-  std::string chunk(Json choice, UsageFn usage) const {
+  std::string chunk(Json choice, UsageFn usage, const Json& extra = nullptr) const {
     Json j = {{"id", id}, {"object", object}, {"created", created}, {"model", model}};
     j["choices"] = Json::array({std::move(choice)});
+    if (extra.is_object())
+      for (auto it = extra.begin(); it != extra.end(); ++it) j[it.key()] = it.value();
     if (continuous)
       j["usage"] = usage_json(usage());
     else if (include_usage)

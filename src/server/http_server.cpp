@@ -81,6 +81,7 @@ HttpServerImpl::HttpServerImpl(engine::Engine& engine, ServerAssets assets, Serv
       [this](const HttpRequest& q, HttpResponse& s) {
         route(q, s);
         access_log(q, s);
+        count_request(q, s);
         // A large request leaves large free blocks behind; hand them back to the system.
         if (q.body.size() > (size_t{1} << 20)) malloc_trim(0);
       },
@@ -88,6 +89,7 @@ HttpServerImpl::HttpServerImpl(engine::Engine& engine, ServerAssets assets, Serv
       [this](const HttpRequest& q, HttpResponse& s) {
         route_inline(q, s);
         access_log(q, s);
+        count_request(q, s);
       });
 }
 
@@ -133,8 +135,8 @@ Status HttpServerImpl::fit_context(engine::SamplingParams& sp, const CommonParam
   }
   M3_TRY_STATUS(engine::check_context_length(n, -1, max_len, param));
   if (p.max_tokens) {
-    M3_TRY_STATUS(engine::check_context_length(n, *p.max_tokens, max_len, param));
-    sp.max_tokens = *p.max_tokens;
+    // As vLLM: min(max_tokens, max_model_len - prompt); the prompt leaves at least one token.
+    sp.max_tokens = static_cast<int32_t>(std::min<int64_t>(*p.max_tokens, max_len - n));
   } else {
     int64_t room = max_len - n;
     if (assets_.defaults.max_new_tokens && *assets_.defaults.max_new_tokens > 0) {
@@ -146,8 +148,37 @@ Status HttpServerImpl::fit_context(engine::SamplingParams& sp, const CommonParam
   return {};
 }
 
-Status HttpServerImpl::submit_all(Generation& gen, const engine::SamplingParams& sp0,
-                                  const CommonParams& p, const ChoiceOptions& base) const {
+Status HttpServerImpl::truncate_prompt(std::vector<int32_t>& ids, const CommonParams& p) const {
+  if (!p.truncate_prompt_tokens) return {};
+  const int64_t max_len = engine_.model_info().max_model_len;
+  const int64_t k = *p.truncate_prompt_tokens == -1 ? max_len : *p.truncate_prompt_tokens;
+  if (k > max_len) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "truncate_prompt_tokens value (" + std::to_string(k) +
+                          ") is greater than max_model_len (" + std::to_string(max_len) +
+                          "). Please select a smaller truncation size.",
+                      "truncate_prompt_tokens");
+  }
+  if (static_cast<int64_t>(ids.size()) > k) ids.erase(ids.begin(), ids.end() - k);
+  return {};
+}
+
+namespace {
+// splitmix64: one well-mixed seed per (--seed, request number).
+uint64_t mix_seed(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+Status HttpServerImpl::submit_all(Generation& gen, const engine::SamplingParams& sp_in,
+                                  const CommonParams& p, const ChoiceOptions& base,
+                                  const std::string& request_id) const {
+  engine::SamplingParams sp0 = sp_in;
+  if (!sp0.seed && cfg_.seed) sp0.seed = mix_seed(*cfg_.seed ^ mix_seed(num_seeded_++));
+  if (cfg_.log_requests) log_request(request_id, gen, sp0, p);
   int index = 0;
   for (size_t pi = 0; pi < gen.prompts.size(); ++pi) {
     for (int i = 0; i < p.n; ++i) {

@@ -1,14 +1,16 @@
 // HttpServer: the OpenAI-compatible HTTP server over one Engine: /v1/chat/completions,
-// /v1/completions (JSON and SSE), /v1/models, /tokenize, /detokenize, /health, /version,
-// /metrics. Called by `m3serve serve` (app/cmd_serve.cpp). HTTP itself is HttpFront
-// (http_front.h): an event loop that enforces deadlines and caps before a worker sees a request.
-// Threads (design.md §1): each HTTP worker parses, renders, tokenizes, submits, then reads its
-// RequestStreams and writes the response; the engine thread never waits on a socket.
-// Invariant: every request submitted to the engine is finished or aborted before its handler
-// returns, including when the client disconnects (streamed or not) or a drain times out.
+// /v1/completions, /v1/responses, Anthropic's /v1/messages (JSON and SSE), /v1/models,
+// /tokenize, /detokenize, /health, /ping, /load, /version, /metrics. Called by `m3serve serve`
+// (app/cmd_serve.cpp). HTTP itself is HttpFront (http_front.h): an event loop that enforces
+// deadlines and caps before a worker sees a request. Threads (design.md §1): each HTTP worker
+// parses, renders, tokenizes, submits, then reads its RequestStreams and writes the response; the
+// engine thread never waits on a socket. Invariant: every request submitted to the engine is
+// finished or aborted before its handler returns, including when the client disconnects (streamed
+// or not) or a drain times out.
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +57,14 @@ struct ServerConfig {
   // Image input (server/media_input.h): --allowed-local-media-path, --limit-mm-per-prompt,
   // --mm-processor-cache-gb.
   MediaConfig media;
+  // --max-logprobs: the most logprobs / top_logprobs / prompt_logprobs a request may ask for.
+  int32_t max_logprobs = 20;
+  // --seed: requests without a 'seed' get one drawn from this seed and the request's arrival
+  // number, so a server restarted with the same --seed answers the same sequence of unseeded
+  // requests the same way (vLLM seeds its global generator with it). nullopt: fresh randomness.
+  std::optional<uint64_t> seed;
+  // --enable-log-requests: one line per generation request (id, sampling params, prompt length).
+  bool log_requests = false;
 };
 
 // What the server reads from the model directory besides the weights.

@@ -349,6 +349,51 @@ Status parse_structured(const OrderedJson& j, CommonParams& p) {
   return {};
 }
 
+// vLLM's refusal of a logprobs count over --max-logprobs (`what`: "sample" or "prompt").
+tl::unexpected<Error> over_max_logprobs(const std::string& param, const char* what, int64_t k,
+                                        int32_t max_logprobs) {
+  return bad(param, std::string("Requested ") + what + " logprobs of " + std::to_string(k) +
+                        ", which is greater than max allowed: " + std::to_string(max_logprobs) +
+                        " (the server's --max-logprobs)");
+}
+
+// vLLM's fields beyond OpenAI's that both endpoints read.
+Status parse_vllm_extras(const OrderedJson& j, CommonParams& p, int32_t max_logprobs) {
+  M3_TRY(auto beam, opt_bool(j, "use_beam_search"));
+  if (beam && *beam) {
+    return unsupported("use_beam_search",
+                       "'use_beam_search' is not supported: m3serve samples one sequence per "
+                       "choice; leave it out (use 'n' for several samples)");
+  }
+  M3_TRY(auto trunc, opt_integer(j, "truncate_prompt_tokens"));
+  if (trunc) {
+    if (*trunc < -1 || *trunc == 0) {
+      return bad("truncate_prompt_tokens",
+                 "'truncate_prompt_tokens' must be a positive number of tokens (or -1: the last "
+                 "max_model_len), got " +
+                     std::to_string(*trunc));
+    }
+    p.truncate_prompt_tokens = *trunc;
+  }
+  M3_TRY(auto plp, opt_integer(j, "prompt_logprobs"));
+  if (plp) {
+    if (*plp < 0) {
+      return bad("prompt_logprobs", "'prompt_logprobs' must be >= 0, got " + std::to_string(*plp));
+    }
+    if (*plp > max_logprobs)
+      return over_max_logprobs("prompt_logprobs", "prompt", *plp, max_logprobs);
+    if (p.stream) {
+      return bad("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true");
+    }
+    p.prompt_logprobs = static_cast<int32_t>(*plp);
+  }
+  M3_TRY(auto rti, opt_bool(j, "return_token_ids"));
+  p.return_token_ids = rti.value_or(false);
+  M3_TRY(auto rtt, opt_bool(j, "return_tokens_as_token_ids"));
+  p.return_tokens_as_token_ids = rtt.value_or(false);
+  return {};
+}
+
 // Fields that both endpoints read.
 Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
   M3_TRY(auto model, opt_string(j, "model"));
@@ -813,10 +858,11 @@ Result<GenerationDefaults> GenerationDefaults::from_dir(const std::string& dir) 
   return from_json_text(ss.str(), path);
 }
 
-Result<CompletionRequest> parse_completion_request(std::string_view body) {
+Result<CompletionRequest> parse_completion_request(std::string_view body, int32_t max_logprobs) {
   M3_TRY(OrderedJson j, parse_body(body));
   CompletionRequest r;
   M3_TRY_STATUS(parse_common(j, r.common, false));
+  M3_TRY_STATUS(parse_vllm_extras(j, r.common, max_logprobs));
   const OrderedJson* prompt = field(j, "prompt");
   if (!prompt)
     return bad("prompt", "'prompt' is required: a string, a list of strings or token ids");
@@ -867,14 +913,14 @@ Result<CompletionRequest> parse_completion_request(std::string_view body) {
   r.echo = echo.value_or(false);
   if (const OrderedJson* lp = field(j, "logprobs")) {
     if (!(lp->is_number_integer() || lp->is_number_unsigned())) {
-      return bad("logprobs", "'logprobs' must be an integer (0.." + std::to_string(kMaxLogprobs) +
+      return bad("logprobs", "'logprobs' must be an integer (0.." + std::to_string(max_logprobs) +
                                  ") for completions, got " + type_of(*lp));
     }
-    const int64_t k = lp->get<int64_t>();
-    if (k < 0 || k > kMaxLogprobs) {
-      return bad("logprobs", "'logprobs' must be between 0 and " + std::to_string(kMaxLogprobs) +
-                                 ", got " + std::to_string(k));
-    }
+    const int64_t k = lp->is_number_unsigned()
+                          ? static_cast<int64_t>(std::min<uint64_t>(lp->get<uint64_t>(), 1u << 30))
+                          : lp->get<int64_t>();
+    if (k < 0) return bad("logprobs", "'logprobs' must be >= 0, got " + std::to_string(k));
+    if (k > max_logprobs) return over_max_logprobs("logprobs", "sample", k, max_logprobs);
     r.common.logprobs = static_cast<int32_t>(k);
   }
   M3_TRY(auto suffix, opt_string(j, "suffix"));
@@ -883,10 +929,25 @@ Result<CompletionRequest> parse_completion_request(std::string_view body) {
   return r;
 }
 
-Result<ChatRequest> parse_chat_request(std::string_view body) {
+Result<ChatRequest> parse_chat_request(std::string_view body, int32_t max_logprobs) {
   M3_TRY(OrderedJson j, parse_body(body));
   ChatRequest r;
   M3_TRY_STATUS(parse_common(j, r.common, true));
+  M3_TRY_STATUS(parse_vllm_extras(j, r.common, max_logprobs));
+  M3_TRY(auto inc, opt_bool(j, "include_reasoning"));
+  r.include_reasoning = inc.value_or(true);
+  M3_TRY(auto budget, opt_integer(j, "thinking_token_budget"));
+  if (budget && *budget != -1) {
+    if (*budget < 0 || *budget > std::numeric_limits<int32_t>::max()) {
+      return bad("thinking_token_budget",
+                 "'thinking_token_budget' must be a number of tokens >= 0 (or -1: no budget), "
+                 "got " +
+                     std::to_string(*budget));
+    }
+    r.thinking_token_budget = static_cast<int32_t>(*budget);
+  }
+  M3_TRY(auto echo, opt_bool(j, "echo"));
+  r.echo = echo.value_or(false);
   M3_TRY(r.messages, parse_messages(j, &r.media));
   M3_TRY_STATUS(parse_tools(j, r));
   if (const OrderedJson* kw = field(j, "chat_template_kwargs")) {
@@ -912,11 +973,10 @@ Result<ChatRequest> parse_chat_request(std::string_view body) {
   r.logprobs = lp.value_or(false);
   M3_TRY(auto tlp, opt_integer(j, "top_logprobs"));
   if (tlp) {
-    if (*tlp < 0 || *tlp > kMaxLogprobs) {
-      return bad("top_logprobs", "'top_logprobs' must be between 0 and " +
-                                     std::to_string(kMaxLogprobs) + ", got " +
-                                     std::to_string(*tlp));
+    if (*tlp < 0) {
+      return bad("top_logprobs", "'top_logprobs' must be >= 0, got " + std::to_string(*tlp));
     }
+    if (*tlp > max_logprobs) return over_max_logprobs("top_logprobs", "sample", *tlp, max_logprobs);
     if (!r.logprobs && *tlp > 0)
       return bad("top_logprobs", "'top_logprobs' needs 'logprobs': true");
     r.top_logprobs = static_cast<int32_t>(*tlp);
@@ -937,6 +997,7 @@ engine::SamplingParams make_sampling_params(const CommonParams& p, const Generat
   sp.repetition_penalty = p.repetition_penalty.value_or(d.repetition_penalty.value_or(1.0f));
   sp.seed = p.seed;
   sp.logprobs = p.logprobs;
+  sp.prompt_logprobs = p.prompt_logprobs;
   sp.n = 1;  // the server submits one engine request per choice
   sp.min_tokens = p.min_tokens;
   sp.ignore_eos = p.ignore_eos;

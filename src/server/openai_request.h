@@ -68,6 +68,12 @@ struct CommonParams {
   std::vector<std::pair<int32_t, float>> logit_bias;  // clamped to [-100, 100]
   std::vector<int32_t> allowed_token_ids;
   std::vector<std::string> bad_words;  // tokenized by the handler
+  // vLLM's extra fields. truncate_prompt_tokens: keep only the last k prompt tokens (-1: the
+  // last max_model_len); checked against max_model_len by the handler.
+  std::optional<int64_t> truncate_prompt_tokens;
+  int32_t prompt_logprobs = -1;             // -1 none; k >= 0: each prompt token's + top k
+  bool return_token_ids = false;            // prompt_token_ids and token_ids in the response
+  bool return_tokens_as_token_ids = false;  // logprob tokens written "token_id:<id>"
 };
 
 // One completions prompt: text, or token ids.
@@ -108,15 +114,21 @@ struct ChatRequest {
   bool continue_final_message = false;
   bool logprobs = false;
   int32_t top_logprobs = 0;
-  std::vector<MediaPart> media;  // image / video parts of every message, in order
+  std::vector<MediaPart> media;                  // image / video parts of every message, in order
+  bool include_reasoning = true;                 // false: reasoning is parsed out, not returned
+  std::optional<int32_t> thinking_token_budget;  // reasoning tokens before </mm:think> is forced
+  bool echo = false;  // prepend the final message's content when it is the reply's role
 };
 
-// Maximum logprobs / top_logprobs the server returns (OpenAI's limit).
+// Default maximum of logprobs / top_logprobs / prompt_logprobs (vLLM's --max-logprobs 20).
 inline constexpr int32_t kMaxLogprobs = 20;
 inline constexpr int32_t kMaxN = 128;
 
-Result<CompletionRequest> parse_completion_request(std::string_view body);
-Result<ChatRequest> parse_chat_request(std::string_view body);
+// `max_logprobs` (the server's --max-logprobs) bounds logprobs, top_logprobs and
+// prompt_logprobs; above it the request is refused with vLLM's message.
+Result<CompletionRequest> parse_completion_request(std::string_view body,
+                                                   int32_t max_logprobs = kMaxLogprobs);
+Result<ChatRequest> parse_chat_request(std::string_view body, int32_t max_logprobs = kMaxLogprobs);
 
 // Request values first, then the model's generation_config defaults, then OpenAI defaults
 // (temperature 1, top_p 1). max_tokens is filled by the caller (it depends on the prompt).

@@ -34,7 +34,85 @@ class StructureFactory final : public engine::TokenConstraintFactory {
   std::shared_ptr<const text::CompiledStructure> s_;
 };
 
+// thinking_token_budget: counts the tokens inside the reasoning block (after <mm:think>, or
+// from the first token when the prompt opened it) and, once `budget` of them were drawn, allows
+// only </mm:think>; otherwise it defers to the inner constraint (a grammar that starts after the
+// reasoning block accepts that closer), or allows everything.
+class ThinkingBudget final : public engine::TokenConstraint {
+ public:
+  ThinkingBudget(std::unique_ptr<engine::TokenConstraint> inner, int32_t start_id, int32_t end_id,
+                 int32_t budget, bool inside)
+      : inner_(std::move(inner)),
+        start_id_(start_id),
+        end_id_(end_id),
+        budget_(budget),
+        state_(inside ? State::kInside : State::kBefore) {}
+  void fill_allowed(std::span<uint32_t> allowed) override {
+    if (state_ == State::kInside && count_ >= budget_) {
+      allowed[static_cast<size_t>(end_id_) / 32] |= 1u << (end_id_ % 32);
+      return;
+    }
+    if (inner_) return inner_->fill_allowed(allowed);
+    std::fill(allowed.begin(), allowed.end(), ~0u);
+  }
+  bool accept(int32_t token_id) override {
+    if (state_ == State::kBefore && token_id == start_id_) {
+      state_ = State::kInside;
+    } else if (state_ == State::kInside) {
+      if (token_id == end_id_)
+        state_ = State::kAfter;
+      else
+        ++count_;
+    }
+    return inner_ ? inner_->accept(token_id) : true;
+  }
+  bool is_terminated() const override { return inner_ && inner_->is_terminated(); }
+
+ private:
+  enum class State { kBefore, kInside, kAfter };
+  std::unique_ptr<engine::TokenConstraint> inner_;
+  int32_t start_id_, end_id_, budget_;
+  State state_;
+  int32_t count_ = 0;
+};
+
+class ThinkingBudgetFactory final : public engine::TokenConstraintFactory {
+ public:
+  ThinkingBudgetFactory(std::shared_ptr<const engine::TokenConstraintFactory> inner,
+                        int32_t start_id, int32_t end_id, int32_t budget, bool inside)
+      : inner_(std::move(inner)),
+        start_id_(start_id),
+        end_id_(end_id),
+        budget_(budget),
+        inside_(inside) {}
+  std::unique_ptr<engine::TokenConstraint> make() const override {
+    return std::make_unique<ThinkingBudget>(inner_ ? inner_->make() : nullptr, start_id_, end_id_,
+                                            budget_, inside_);
+  }
+
+ private:
+  std::shared_ptr<const engine::TokenConstraintFactory> inner_;
+  int32_t start_id_, end_id_, budget_;
+  bool inside_;
+};
+
 }  // namespace
+
+Status HttpServerImpl::apply_thinking_budget(engine::SamplingParams& sp, int32_t budget,
+                                             text::ThinkingMode mode) const {
+  if (mode == text::ThinkingMode::kDisabled) return {};  // no reasoning block to bound
+  const auto start = assets_.tokenizer->token_to_id(text::ReasoningParser::kThinkStart);
+  const auto end = assets_.tokenizer->token_to_id(text::ReasoningParser::kThinkEnd);
+  if (!start || !end) {
+    return make_error(ErrorCode::kUnsupported,
+                      "'thinking_token_budget' needs the tokenizer's <mm:think> and </mm:think> "
+                      "tokens, which this model's tokenizer lacks; leave it out",
+                      "thinking_token_budget");
+  }
+  sp.constraint = std::make_shared<ThinkingBudgetFactory>(sp.constraint, *start, *end, budget,
+                                                          mode == text::ThinkingMode::kEnabled);
+  return {};
+}
 
 Status HttpServerImpl::apply_output_controls(engine::SamplingParams& sp, const CommonParams& p,
                                              const std::optional<text::StructuredOutputSpec>& spec,

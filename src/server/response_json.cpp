@@ -12,6 +12,10 @@ std::string sse_event(const Json& j) {
   return "data: " + dump_json(j) + "\n\n";
 }
 
+std::string sse_named_event(const std::string& name, const Json& j) {
+  return "event: " + name + "\ndata: " + dump_json(j) + "\n\n";
+}
+
 std::string sse_done() {
   return "data: [DONE]\n\n";
 }

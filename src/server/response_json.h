@@ -25,6 +25,8 @@ std::string dump_json(const Json& j);
 std::string sse_event(const Json& j);
 // "data: [DONE]\n\n"
 std::string sse_done();
+// "event: <name>\ndata: <json>\n\n" (the Anthropic Messages and OpenAI Responses streams).
+std::string sse_named_event(const std::string& name, const Json& j);
 // One SSE event carrying the OpenAI error body (sent when a stream fails after it began).
 std::string sse_error(const Error& error);
 

@@ -1,7 +1,7 @@
 // Routing (404 / 405 with Allow), API-key checks, and the routes that are not generation:
 // /v1/models, /health, /ping (GET and POST), /load, /version, /metrics (answered on the front's
-// loop thread, so they stay prompt under any load) and /tokenize, /detokenize (on workers). Part of
-// HttpServerImpl.
+// loop thread, so they stay prompt under any load) and /tokenize, /detokenize (on workers); the
+// generation routes are dispatched to serve_*.cpp. Part of HttpServerImpl.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -21,9 +21,16 @@ struct Route {
   bool on_worker;  // generation and tokenization: may take long, runs on a worker
 };
 
-constexpr std::array<Route, 11> kRoutes = {{
+constexpr std::string_view kResponsesPrefix = "/v1/responses/";
+constexpr const char* kResponseById = "/v1/responses/{response_id}";
+
+constexpr std::array<Route, 15> kRoutes = {{
     {"/v1/completions", "POST", true},
     {"/v1/chat/completions", "POST", true},
+    {"/v1/messages", "POST", true},
+    {"/v1/messages/count_tokens", "POST", true},
+    {"/v1/responses", "POST", true},
+    {kResponseById, "GET", true},  // a stored response (serve_responses.cpp)
     {"/tokenize", "POST", true},
     {"/detokenize", "POST", true},
     {"/v1/models", "GET", false},
@@ -36,7 +43,16 @@ constexpr std::array<Route, 11> kRoutes = {{
 }};
 
 // The route of `path` taking `method`, else the first route of `path` (for 405), else null.
-const Route* find_route(const std::string& path, const std::string& method = "") {
+// The route template a path belongs to: "/v1/responses/resp_x" -> "/v1/responses/{response_id}".
+std::string route_of(const std::string& path) {
+  if (path.size() > kResponsesPrefix.size() && path.rfind(kResponsesPrefix, 0) == 0 &&
+      path.find('/', kResponsesPrefix.size()) == std::string::npos)
+    return kResponseById;
+  return path;
+}
+
+const Route* find_route(const std::string& raw_path, const std::string& method = "") {
+  const std::string path = route_of(raw_path);
   const Route* any = nullptr;
   for (const auto& r : kRoutes) {
     if (path != r.path) continue;
@@ -47,7 +63,8 @@ const Route* find_route(const std::string& path, const std::string& method = "")
 }
 
 // The methods `path` takes, for 405's Allow header ("GET, POST").
-std::string allowed_methods(const std::string& path) {
+std::string allowed_methods(const std::string& raw_path) {
+  const std::string path = route_of(raw_path);
   std::string out;
   for (const auto& r : kRoutes) {
     if (path == r.path) out += (out.empty() ? "" : ", ") + std::string(r.method);
@@ -56,6 +73,11 @@ std::string allowed_methods(const std::string& path) {
 }
 
 }  // namespace
+
+void send_error_for(const HttpRequest& req, HttpResponse& res, const Error& e) {
+  if (req.path.rfind("/v1/messages", 0) == 0) return send_anthropic_error(res, e);
+  send_error(res, e);
+}
 
 bool constant_time_equal(std::string_view a, std::string_view b) {
   // Every byte of the longer string is visited and differences are OR-ed together, so the
@@ -81,10 +103,12 @@ bool HttpServerImpl::authorized(const HttpRequest& req, HttpResponse& res) const
   bool ok = false;
   for (const std::string& k : cfg_.api_keys) ok = constant_time_equal(key, k) | ok;
   if (ok) return true;
-  send_error(res, Error{ErrorCode::kUnauthorized,
-                        key.empty() ? "missing API key: send 'Authorization: Bearer <key>'"
-                                    : "invalid API key",
-                        ""});
+  send_error_for(req, res,
+                 Error{ErrorCode::kUnauthorized,
+                       key.empty() ? "missing API key: send 'Authorization: Bearer <key>' or "
+                                     "'x-api-key: <key>'"
+                                   : "invalid API key",
+                       ""});
   return false;
 }
 
@@ -110,6 +134,26 @@ bool HttpServerImpl::cors(const HttpRequest& req, HttpResponse& res) const {
   res.set_header("Access-Control-Max-Age", "600");
   res.status = 204;
   return true;
+}
+
+void HttpServerImpl::count_request(const HttpRequest& req, const HttpResponse& res) const {
+  const Route* r = find_route(req.path);
+  const int cls = std::clamp(res.status / 100, 1, 5);
+  std::lock_guard<std::mutex> lock(http_counts_mu_);
+  // Labels from a fixed set only: a client cannot grow the series with odd methods or paths.
+  static constexpr std::array<std::string_view, 7> kMethods = {"GET",   "POST", "PUT",    "DELETE",
+                                                               "PATCH", "HEAD", "OPTIONS"};
+  const bool known = std::find(kMethods.begin(), kMethods.end(), req.method) != kMethods.end();
+  ++http_counts_[{known ? req.method : std::string("other"), std::to_string(cls) + "xx",
+                  r ? r->path : "none"}];
+}
+
+std::vector<HttpRequestCount> HttpServerImpl::http_request_counts() const {
+  std::lock_guard<std::mutex> lock(http_counts_mu_);
+  std::vector<HttpRequestCount> out;
+  for (const auto& [k, n] : http_counts_)
+    out.push_back({std::get<0>(k), std::get<1>(k), std::get<2>(k), n});
+  return out;
 }
 
 bool HttpServerImpl::is_inline(const HttpRequest& req) const {
@@ -181,7 +225,8 @@ void HttpServerImpl::route_inline(const HttpRequest& req, HttpResponse& res) {
       g.connection_timeouts = fs.timeouts_total;
       g.bad_http_requests = fs.bad_requests_total;
     }
-    res.set_content(format_metrics(engine_.stats(), model_name(), g),
+    g.http_requests = http_request_counts();
+    res.set_content(format_metrics(engine_.stats(), model_name(), g, &engine_.model_info()),
                     "text/plain; version=0.0.4; charset=utf-8");
     return;
   }
@@ -191,6 +236,10 @@ void HttpServerImpl::route(const HttpRequest& req, HttpResponse& res) {
   if (cors(req, res) || !authorized(req, res) || !check_method(req, res)) return;
   if (req.path == "/v1/completions") return handle_completions(req, res);
   if (req.path == "/v1/chat/completions") return handle_chat(req, res);
+  if (req.path == "/v1/messages") return handle_messages(req, res);
+  if (req.path == "/v1/messages/count_tokens") return handle_count_tokens(req, res);
+  if (req.path == "/v1/responses") return handle_responses(req, res);
+  if (route_of(req.path) == kResponseById) return handle_get_response(req, res);
   if (req.path == "/tokenize") return handle_tokenize(req, res);
   if (req.path == "/detokenize") return handle_detokenize(req, res);
 }

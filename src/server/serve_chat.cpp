@@ -1,5 +1,7 @@
-// /v1/chat/completions: the chat template, reasoning and tool-call parsing, tool_choice checks,
-// as JSON or as an SSE stream. Part of HttpServerImpl (server_impl.h).
+// The chat pipeline every chat-shaped API shares (start_chat: template, tokenization, context,
+// tool_choice grammars, thinking budget, masks, submission) and /v1/chat/completions' own output
+// as JSON or as an SSE stream. /v1/messages and /v1/responses format the same ChatJob their own
+// way (serve_messages.cpp, serve_responses.cpp). Part of HttpServerImpl (server_impl.h).
 #include <algorithm>
 #include <chrono>
 #include <optional>
@@ -10,11 +12,8 @@ namespace m3::server {
 
 // ------------------------------------------------------------------------------------- chat
 
-namespace {
-
-// Required / named tool_choice are enforced by a grammar over the tool-call markup, so an output
-// that ended by itself ("stop") always holds the call; this checks that invariant. An output cut
-// by max_tokens ("length") or aborted is returned as it is, like any truncated answer.
+// An output cut by max_tokens ("length") or aborted is returned as it is, like any truncated
+// answer; only an output that ended by itself must hold the forced call.
 std::optional<Error> check_tool_choice(const ToolChoice& tc, const ChoiceOutput& out) {
   if (out.finish_reason() != "stop" && out.finish_reason() != "tool_calls") return std::nullopt;
   if (tc.kind == ToolChoiceKind::kRequired && out.tool_calls().empty()) {
@@ -44,70 +43,67 @@ std::optional<Error> check_tool_choice(const ToolChoice& tc, const ChoiceOutput&
   return std::nullopt;
 }
 
-}  // namespace
-
-void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
-  auto guard = std::make_shared<InFlight>(in_flight_);
-  if (draining_)
-    return send_error(
-        res, Error{ErrorCode::kUnavailable,
-                   "the server is draining (shutting down); retry on another replica", ""});
-  auto parsed = parse_chat_request(req.body);
-  if (!parsed) return send_error(res, parsed.error());
-  ChatRequest r = std::move(*parsed);
-  if (auto st = check_model(r.common.model); !st) return send_error(res, st.error());
-  const bool wants_tools = r.tools.is_array() && r.tool_choice.kind != ToolChoiceKind::kNone;
-  if (wants_tools && !cfg_.parse_tool_calls) {
-    return send_error(
-        res,
-        Error{ErrorCode::kInvalidArgument,
-              "tool calls need the server started with --tool-call-parser minimax_m3", "tools"});
+UsageCounts ChatJob::usage() const {
+  UsageCounts u;
+  u.prompt_tokens = static_cast<int64_t>(gen->prompts[0].ids.size());
+  for (const auto& s : gen->slots) {
+    u.completion_tokens += s.out->num_output_tokens();
+    u.cached_tokens = std::max<int64_t>(u.cached_tokens, s.out->num_cached_tokens());
+    u.reasoning_tokens += s.out->num_reasoning_tokens();
   }
-  if (wants_tools && r.tool_choice.kind == ToolChoiceKind::kAuto && !cfg_.enable_auto_tool_choice) {
-    return send_error(
-        res, Error{ErrorCode::kInvalidArgument,
-                   "\"auto\" tool choice needs the server started with --enable-auto-tool-choice",
-                   "tool_choice"});
+  return u;
+}
+
+Result<ChatJob> HttpServerImpl::start_chat(const ChatRequest& r,
+                                           const std::string& request_id) const {
+  M3_TRY_STATUS(check_model(r.common.model));
+  ChatJob job;
+  job.wants_tools = r.tools.is_array() && r.tool_choice.kind != ToolChoiceKind::kNone;
+  if (job.wants_tools && !cfg_.parse_tool_calls) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "tool calls need the server started with --tool-call-parser minimax_m3",
+                      "tools");
+  }
+  if (job.wants_tools && r.tool_choice.kind == ToolChoiceKind::kAuto &&
+      !cfg_.enable_auto_tool_choice) {
+    return make_error(
+        ErrorCode::kInvalidArgument,
+        "\"auto\" tool choice needs the server started with --enable-auto-tool-choice",
+        "tool_choice");
   }
   if (!r.media.empty()) {
-    if (auto st = check_media_parts(r.media, cfg_.media, engine_.model_info()); !st)
-      return send_error(res, st.error());
+    M3_TRY_STATUS(check_media_parts(r.media, cfg_.media, engine_.model_info()));
   }
-  auto rendered = assets_.chat->render(r);
-  if (!rendered) return send_error(res, rendered.error());
+  M3_TRY(auto rendered, assets_.chat->render(r));
+  job.thinking_mode = rendered.thinking_mode;
 
-  auto gen = std::make_shared<Generation>(engine_);
+  job.gen = std::make_shared<Generation>(engine_);
   PromptData pd;
-  if (auto st = check_text_fits(rendered->prompt.size(), "messages"); !st)
-    return send_error(res, st.error());
-  pd.ids = assets_.tokenizer->encode(rendered->prompt);
+  M3_TRY_STATUS(check_text_fits(rendered.prompt.size(), "messages"));
+  pd.ids = assets_.tokenizer->encode(rendered.prompt);
+  M3_TRY_STATUS(truncate_prompt(pd.ids, r.common));
   if (!r.media.empty()) {
     // Decode and process the images, then one placeholder token per merged patch.
-    auto images = prepare_images(r.media, cfg_.media, engine_.model_info(), media_cache_.get());
-    if (!images) return send_error(res, images.error());
-    if (auto st = expand_image_placeholders(pd.ids, *images, engine_.model_info().image_token_id,
-                                            image_start_ids_, image_end_ids_);
-        !st)
-      return send_error(res, st.error());
-    pd.images = std::move(*images);
+    M3_TRY(auto images,
+           prepare_images(r.media, cfg_.media, engine_.model_info(), media_cache_.get()));
+    M3_TRY_STATUS(expand_image_placeholders(pd.ids, images, engine_.model_info().image_token_id,
+                                            image_start_ids_, image_end_ids_));
+    pd.images = std::move(images);
   }
-  gen->prompts.push_back(std::move(pd));
+  job.gen->prompts.push_back(std::move(pd));
   engine::SamplingParams sp = make_sampling_params(r.common, assets_.defaults);
-  if (auto st = fit_context(sp, r.common, gen->prompts[0].ids.size(), "messages"); !st) {
-    return send_error(res, st.error());
-  }
+  M3_TRY_STATUS(fit_context(sp, r.common, job.gen->prompts[0].ids.size(), "messages"));
   // tool_choice required / named: a grammar over the M3 tool-call block makes the call certain.
   std::optional<text::StructuredOutputSpec> spec = r.common.structured;
-  const bool forced_tool = wants_tools && (r.tool_choice.kind == ToolChoiceKind::kRequired ||
-                                           r.tool_choice.kind == ToolChoiceKind::kNamed);
+  const bool forced_tool = job.wants_tools && (r.tool_choice.kind == ToolChoiceKind::kRequired ||
+                                               r.tool_choice.kind == ToolChoiceKind::kNamed);
   if (forced_tool) {
     if (spec) {
-      return send_error(
-          res, Error{ErrorCode::kInvalidArgument,
-                     "tool_choice \"required\" or a named function already fixes the output's "
-                     "format; drop '" +
-                         spec->param + "' or use tool_choice \"auto\"",
-                     spec->param});
+      return make_error(ErrorCode::kInvalidArgument,
+                        "tool_choice \"required\" or a named function already fixes the output's "
+                        "format; drop '" +
+                            spec->param + "' or use tool_choice \"auto\"",
+                        spec->param);
     }
     text::StructuredOutputSpec ts;
     ts.kind = text::StructuredOutputSpec::Kind::kToolCall;
@@ -119,7 +115,7 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
   // The format applies after the reasoning block when reasoning is parsed out of the output.
   text::ReasoningPrefix prefix = text::ReasoningPrefix::kNone;
   if (cfg_.parse_reasoning) {
-    switch (rendered->thinking_mode) {
+    switch (rendered.thinking_mode) {
       case text::ThinkingMode::kEnabled:
         prefix = text::ReasoningPrefix::kInside;
         break;
@@ -131,8 +127,17 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
         break;
     }
   }
-  if (auto st = apply_output_controls(sp, r.common, spec, prefix); !st)
-    return send_error(res, st.error());
+  M3_TRY_STATUS(apply_output_controls(sp, r.common, spec, prefix));
+  if (r.thinking_token_budget) {
+    M3_TRY_STATUS(apply_thinking_budget(sp, *r.thinking_token_budget, rendered.thinking_mode));
+  }
+  if (r.tools.is_array() && r.tool_choice.kind == ToolChoiceKind::kNone) {
+    // tool_choice "none": the tools stay out of the prompt, and the tokens that open M3's tool
+    // markup cannot be drawn, so the content never carries a call the client did not ask for.
+    for (std::string_view m : {"]<]minimax[>[", "<tool_call>"}) {
+      if (auto id = assets_.tokenizer->token_to_id(m)) sp.bad_words.push_back({*id});
+    }
+  }
 
   ChoiceOptions base;
   base.tokenizer = assets_.tokenizer;
@@ -140,33 +145,81 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
   base.stop = r.common.stop;
   base.include_stop_str = r.common.include_stop_str_in_output;
   base.eos_token_ids = engine_.model_info().eos_token_ids;
-  if (cfg_.parse_reasoning || wants_tools) {
+  base.tokens_as_ids = r.common.return_tokens_as_token_ids;
+  if (cfg_.parse_reasoning || job.wants_tools) {
     text::ChatOutputOptions co;
     co.parse_reasoning = cfg_.parse_reasoning;
-    co.thinking_mode = rendered->thinking_mode;
-    co.parse_tool_calls = wants_tools;
-    if (wants_tools) co.tools = nlohmann::json::parse(rendered->tools.dump());
+    co.thinking_mode = rendered.thinking_mode;
+    co.parse_tool_calls = job.wants_tools;
+    if (job.wants_tools) co.tools = nlohmann::json::parse(rendered.tools.dump());
     co.tool_options.id_prefix = "call_" + random_id(20) + "_";
     base.chat = co;
   }
-  if (auto st = submit_all(*gen, sp, r.common, base); !st) return send_error(res, st.error());
+  // vLLM's chat `echo`: the reply continues the final message when that message has the
+  // reply's role (assistant after a generation prompt, else the final message's own role).
+  if (r.echo) {
+    const auto& last = r.messages.back();
+    const std::string role =
+        r.add_generation_prompt ? "assistant" : last["role"].get<std::string>();
+    if (last["role"] == role && last["content"].is_string())
+      job.echo = last["content"].get<std::string>();
+  }
+  M3_TRY_STATUS(submit_all(*job.gen, sp, r.common, base, request_id));
+  job.tool_choice = job.wants_tools ? r.tool_choice : ToolChoice{ToolChoiceKind::kAuto, {}};
+  return job;
+}
 
+Json prompt_logprobs_json(const ChoiceOutput& out, const std::vector<int32_t>& ids) {
+  Json arr = Json::array();
+  const auto& pl = out.prompt_logprobs();
+  for (size_t k = 0; k < ids.size(); ++k) {
+    if (!pl || k >= pl->size() || !(*pl)[k]) {
+      arr.push_back(nullptr);
+      continue;
+    }
+    const engine::TokenLogprobOut& e = *(*pl)[k];
+    Json m = Json::object();
+    m[std::to_string(e.token)] = {
+        {"logprob", e.logprob}, {"rank", e.rank}, {"decoded_token", out.logprob_token(e.token)}};
+    for (size_t r = 0; r < e.top.size(); ++r) {
+      const std::string key = std::to_string(e.top[r].first);
+      if (m.contains(key)) continue;
+      m[key] = {{"logprob", e.top[r].second},
+                {"rank", static_cast<int64_t>(r + 1)},
+                {"decoded_token", out.logprob_token(e.top[r].first)}};
+    }
+    arr.push_back(std::move(m));
+  }
+  return arr;
+}
+
+Json stop_reason_json(const ChoiceOutput& out) {
+  if (out.stop_string()) return *out.stop_string();
+  if (out.stop_token()) return *out.stop_token();
+  return nullptr;
+}
+
+void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
+  auto guard = std::make_shared<InFlight>(in_flight_);
+  if (draining_)
+    return send_error(
+        res, Error{ErrorCode::kUnavailable,
+                   "the server is draining (shutting down); retry on another replica", ""});
+  auto parsed = parse_chat_request(req.body, cfg_.max_logprobs);
+  if (!parsed) return send_error(res, parsed.error());
+  ChatRequest r = std::move(*parsed);
   const std::string id = "chatcmpl-" + random_id(32);
+  auto started = start_chat(r, id);
+  if (!started) return send_error(res, started.error());
+  auto job = std::make_shared<ChatJob>(std::move(*started));
+  auto gen = job->gen;
+
   const int64_t created = unix_now();
   const std::string model = model_name();
-  const ToolChoice tool_choice =
-      wants_tools ? r.tool_choice : ToolChoice{ToolChoiceKind::kAuto, {}};
   const bool logprobs = r.common.logprobs >= 0;
-  auto usage_of = [](const Generation& g) {
-    UsageCounts u;
-    u.prompt_tokens = static_cast<int64_t>(g.prompts[0].ids.size());
-    for (const auto& s : g.slots) {
-      u.completion_tokens += s.out->num_output_tokens();
-      u.cached_tokens = std::max<int64_t>(u.cached_tokens, s.out->num_cached_tokens());
-      u.reasoning_tokens += s.out->num_reasoning_tokens();
-    }
-    return u;
-  };
+  const bool include_reasoning = r.include_reasoning;
+  const bool token_ids = r.common.return_token_ids;
+  const bool want_prompt_lps = r.common.prompt_logprobs >= 0;
 
   if (!r.common.stream) {
     if (!wait_or_abort(*gen, req)) return;
@@ -175,15 +228,18 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
         return send_error(res,
                           Error{ErrorCode::kInternal, "generation failed: " + s.out->error(), ""});
       }
-      if (auto e = check_tool_choice(tool_choice, *s.out)) return send_error(res, *e);
+      if (auto e = check_tool_choice(job->tool_choice, *s.out)) return send_error(res, *e);
     }
     Json choices = Json::array();
     for (const auto& s : gen->slots) {
       Json msg;
       msg["role"] = "assistant";
       const bool has_calls = !s.out->tool_calls().empty();
-      msg["content"] = (s.out->text().empty() && has_calls) ? Json(nullptr) : Json(s.out->text());
-      msg["reasoning"] = s.out->reasoning().empty() ? Json(nullptr) : Json(s.out->reasoning());
+      const std::string text = job->echo + s.out->text();
+      msg["content"] = (text.empty() && has_calls) ? Json(nullptr) : Json(text);
+      msg["reasoning"] = (!include_reasoning || s.out->reasoning().empty())
+                             ? Json(nullptr)
+                             : Json(s.out->reasoning());
       msg["reasoning_content"] = msg["reasoning"];
       Json calls = Json::array();
       for (const auto& c : s.out->tool_calls()) calls.push_back(tool_call_json(c));
@@ -193,12 +249,16 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
       c["message"] = msg;
       c["logprobs"] = logprobs ? chat_logprobs_json(s.out->logprobs()) : Json(nullptr);
       c["finish_reason"] = s.out->finish_reason();
-      c["stop_reason"] = nullptr;
+      c["stop_reason"] = stop_reason_json(*s.out);
+      if (token_ids) c["token_ids"] = s.out->output_token_ids();
       choices.push_back(std::move(c));
     }
     Json body = {{"id", id}, {"object", "chat.completion"}, {"created", created}, {"model", model}};
     body["choices"] = choices;
-    body["usage"] = usage_json(usage_of(*gen));
+    body["usage"] = usage_json(job->usage());
+    if (want_prompt_lps)
+      body["prompt_logprobs"] = prompt_logprobs_json(*gen->slots[0].out, gen->prompts[0].ids);
+    if (token_ids) body["prompt_token_ids"] = gen->prompts[0].ids;
     return send_json(res, body);
   }
 
@@ -206,18 +266,25 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
   const bool continuous = r.common.continuous_usage_stats;
   res.set_header("Cache-Control", "no-cache");
   res.content_type = "text/event-stream";
-  res.stream = [gen, guard,
+  res.stream = [job, gen, guard,
                 env = SseEnvelope{id, "chat.completion.chunk", model, created, include_usage,
                                   continuous},
-                logprobs, tool_choice, usage_of](ResponseSink& sink) {
+                logprobs, include_reasoning, token_ids](ResponseSink& sink) {
     auto write = [&](const std::string& s) { return sink.write(s); };
-    auto chunk = [&](const ChoiceSlot& s, const Json& delta, const Json& lps, const Json& finish) {
+    auto chunk = [&](const ChoiceSlot& s, const Json& delta, const Json& lps, const Json& finish,
+                     const Json& stop_reason, const Json& ids, const Json& extra = nullptr) {
       Json c = {{"index", s.index}, {"delta", delta}, {"logprobs", lps}, {"finish_reason", finish}};
-      return write(env.chunk(std::move(c), [&] { return usage_of(*gen); }));
+      if (!finish.is_null()) c["stop_reason"] = stop_reason;
+      if (!ids.is_null()) c["token_ids"] = ids;
+      return write(env.chunk(
+          std::move(c), [&] { return job->usage(); }, extra));
     };
-    // The role comes first, before any token, in every choice.
+    // The role comes first, before any token, in every choice (with the echoed text, and the
+    // prompt's token ids when return_token_ids).
     for (const auto& s : gen->slots) {
-      if (!chunk(s, Json{{"role", "assistant"}, {"content", ""}}, nullptr, nullptr)) {
+      const Json first = {{"role", "assistant"}, {"content", job->echo}};
+      if (!chunk(s, first, nullptr, nullptr, nullptr, token_ids ? Json::array() : Json(nullptr),
+                 token_ids ? Json{{"prompt_token_ids", gen->prompts[0].ids}} : Json(nullptr))) {
         gen->abort_all();
         return false;
       }
@@ -234,7 +301,7 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
             gen->abort_all();
             return false;
           }
-          if (auto e = check_tool_choice(tool_choice, *s.out)) {
+          if (auto e = check_tool_choice(job->tool_choice, *s.out)) {
             write(sse_error(*e));
             gen->abort_all();
             return false;
@@ -243,9 +310,13 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
         }
         const Json lps =
             logprobs && !d.logprobs.empty() ? chat_logprobs_json(d.logprobs) : Json(nullptr);
+        if (!include_reasoning) d.reasoning.clear();
         Json delta = chat_delta_json(d);
-        if (delta.empty() && finish.is_null() && lps.is_null()) continue;
-        if (!chunk(s, delta, lps, finish)) {
+        if (delta.empty() && finish.is_null() && lps.is_null() &&
+            (!token_ids || d.token_ids.empty()))
+          continue;
+        if (!chunk(s, delta, lps, finish, stop_reason_json(*s.out),
+                   token_ids ? Json(d.token_ids) : Json(nullptr))) {
           gen->abort_all();
           return false;
         }
@@ -256,7 +327,7 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
         return false;
       }
     }
-    return env.finish(sink, usage_of(*gen));
+    return env.finish(sink, job->usage());
   };
 }
 

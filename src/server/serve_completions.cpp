@@ -16,7 +16,7 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
     return send_error(
         res, Error{ErrorCode::kUnavailable,
                    "the server is draining (shutting down); retry on another replica", ""});
-  auto parsed = parse_completion_request(req.body);
+  auto parsed = parse_completion_request(req.body, cfg_.max_logprobs);
   if (!parsed) return send_error(res, parsed.error());
   CompletionRequest r = std::move(*parsed);
   if (auto st = check_model(r.common.model); !st) return send_error(res, st.error());
@@ -43,12 +43,16 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
                          param});
         }
       }
-      if (r.echo) pd.text = assets_.tokenizer->decode(pd.ids, r.common.skip_special_tokens);
     }
+    if (auto st = truncate_prompt(pd.ids, r.common); !st) return send_error(res, st.error());
+    // Echo shows the prompt the model saw: the ids as given (or as truncated) decoded.
+    if (r.echo && (!r.prompts[i].is_text || r.common.truncate_prompt_tokens))
+      pd.text = assets_.tokenizer->decode(pd.ids, r.common.skip_special_tokens);
     gen->prompts.push_back(std::move(pd));
   }
   engine::SamplingParams sp = make_sampling_params(r.common, assets_.defaults);
-  if (r.echo && r.common.logprobs >= 0) sp.prompt_logprobs = r.common.logprobs;
+  if (r.echo && r.common.logprobs >= 0)
+    sp.prompt_logprobs = std::max(sp.prompt_logprobs, r.common.logprobs);
   // One max_tokens for all prompts: the longest prompt decides the default.
   size_t longest = 0;
   std::string longest_param = "prompt";
@@ -80,25 +84,24 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
   base.stop = r.common.stop;
   base.include_stop_str = r.common.include_stop_str_in_output;
   base.eos_token_ids = engine_.model_info().eos_token_ids;
-  if (auto st = submit_all(*gen, sp, r.common, base); !st) return send_error(res, st.error());
-
+  base.tokens_as_ids = r.common.return_tokens_as_token_ids;
   const std::string id = "cmpl-" + random_id(32);
+  if (auto st = submit_all(*gen, sp, r.common, base, id); !st) return send_error(res, st.error());
+
   const int64_t created = unix_now();
   const std::string model = model_name();
-  const auto tok = assets_.tokenizer;
 
   // Echo logprobs for the prompt part (first token has none).
-  auto prompt_lps = [tok](const ChoiceOutput& c, const PromptData& pd, CompletionLogprobs& lp) {
+  auto prompt_lps = [](const ChoiceOutput& c, const PromptData& pd, CompletionLogprobs& lp) {
     const auto& pl = c.prompt_logprobs();
     for (size_t k = 0; k < pd.ids.size(); ++k) {
       std::optional<float> v;
       std::vector<std::pair<std::string, float>> top;
       if (pl && k < pl->size() && (*pl)[k]) {
         v = (*pl)[k]->logprob;
-        for (const auto& [tid, l] : (*pl)[k]->top)
-          top.emplace_back(ChoiceOutput::token_text(*tok, tid), l);
+        for (const auto& [tid, l] : (*pl)[k]->top) top.emplace_back(c.logprob_token(tid), l);
       }
-      lp.add(ChoiceOutput::token_text(*tok, pd.ids[k]), v, top);
+      lp.add(c.logprob_token(pd.ids[k]), v, top);
     }
   };
   auto usage_of = [](const Generation& g) {
@@ -137,7 +140,13 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
         c["logprobs"] = nullptr;
       }
       c["finish_reason"] = s.out->finish_reason();
-      c["stop_reason"] = nullptr;
+      c["stop_reason"] = stop_reason_json(*s.out);
+      if (r.common.prompt_logprobs >= 0)
+        c["prompt_logprobs"] = prompt_logprobs_json(*s.out, pd.ids);
+      if (r.common.return_token_ids) {
+        c["prompt_token_ids"] = pd.ids;
+        c["token_ids"] = s.out->output_token_ids();
+      }
       choices.push_back(std::move(c));
     }
     Json body = {{"id", id}, {"object", "text_completion"}, {"created", created}, {"model", model}};
@@ -151,15 +160,32 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
   const bool continuous = r.common.continuous_usage_stats;
   const bool echo = r.echo;
   const int logprobs = r.common.logprobs;
+  const bool token_ids = r.common.return_token_ids;
   res.set_header("Cache-Control", "no-cache");
   res.content_type = "text/event-stream";
   res.stream = [gen, guard,
                 env = SseEnvelope{id, "text_completion", model, created, include_usage, continuous},
-                echo, logprobs, prompt_lps, usage_of](ResponseSink& sink) {
+                echo, logprobs, token_ids, prompt_lps, usage_of](ResponseSink& sink) {
     auto write = [&](const std::string& s) { return sink.write(s); };
+    // vLLM's streamed choice: stop_reason with the finish, and with return_token_ids the
+    // prompt's ids on a choice's first chunk and each chunk's new token ids.
+    std::vector<bool> sent_prompt_ids(gen->slots.size(), !token_ids);
+    std::vector<size_t> sent_ids(gen->slots.size(), 0);
     auto chunk = [&](const ChoiceSlot& s, const std::string& text, const Json& lps,
                      const Json& finish) {
       Json c = {{"index", s.index}, {"text", text}, {"logprobs", lps}, {"finish_reason", finish}};
+      if (!finish.is_null()) c["stop_reason"] = stop_reason_json(*s.out);
+      const size_t i = static_cast<size_t>(&s - gen->slots.data());
+      if (token_ids) {
+        if (!sent_prompt_ids[i]) {
+          c["prompt_token_ids"] = gen->prompts[s.prompt_index].ids;
+          sent_prompt_ids[i] = true;
+        }
+        const auto& all = s.out->output_token_ids();
+        c["token_ids"] =
+            std::vector<int32_t>(all.begin() + static_cast<int64_t>(sent_ids[i]), all.end());
+        sent_ids[i] = all.size();
+      }
       return write(env.chunk(std::move(c), [&] { return usage_of(*gen); }));
     };
     std::vector<int64_t> offsets(gen->slots.size(), 0);
@@ -198,7 +224,9 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
       const std::string& text = s.out->text();
       const auto& all_lps = s.out->logprobs();
       const bool fin = s.out->finished() && !sent_finish[i];
-      if (text.size() == sent_text[i] && all_lps.size() == sent_lps[i] && !fin) return true;
+      if (text.size() == sent_text[i] && all_lps.size() == sent_lps[i] && !fin &&
+          (!token_ids || s.out->output_token_ids().size() == sent_ids[i]))
+        return true;
       if (s.out->finished() && s.out->finish_reason() == "error") {
         write(sse_error(Error{ErrorCode::kInternal, "generation failed: " + s.out->error(), ""}));
         return false;

@@ -1,19 +1,68 @@
 // What the server logs besides errors: one access-log line per answered request (vLLM's
 // uvicorn line: `ADDR - "METHOD PATH HTTP/1.1" STATUS`) and, every stats_interval_s while there
 // is work, vLLM's stats line (throughput of the interval, running / waiting requests, KV usage,
-// prefix-cache hit rate). Part of HttpServerImpl; lines go to the process log (stderr).
+// prefix-cache hit rate), and with --enable-log-requests one line per generation request (its
+// id, sampling params and prompt length; never the prompt's text). Part of HttpServerImpl; lines
+// go to the process log (stderr).
 #include <chrono>
 #include <cstdio>
+#include <sstream>
 
 #include "core/log.h"
 #include "server/server_impl.h"
 
 namespace m3::server {
 
+namespace {
+// The client's bytes as a log shows them: printable ASCII as is, every other byte %XX (as in a
+// URL; "%" itself stays, so an encoded path reads as sent), so a request cannot write control
+// characters, quotes or bytes that are not UTF-8 to the log.
+std::string loggable(const std::string& s, size_t max_bytes = 2048) {
+  std::string out;
+  for (size_t i = 0; i < s.size() && i < max_bytes; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f && c != '"') {
+      out += static_cast<char>(c);
+    } else {
+      char buf[4];
+      std::snprintf(buf, sizeof(buf), "%%%02X", c);
+      out += buf;
+    }
+  }
+  if (s.size() > max_bytes) out += "...";
+  return out;
+}
+}  // namespace
+
 void HttpServerImpl::access_log(const HttpRequest& req, const HttpResponse& res) const {
   if (!cfg_.access_log) return;
-  M3_LOG_INFO("%s - \"%s %s HTTP/1.1\" %d", req.remote_addr.c_str(), req.method.c_str(),
-              req.path.c_str(), res.status);
+  M3_LOG_INFO("%s - \"%s %s HTTP/1.1\" %d", req.remote_addr.c_str(), loggable(req.method).c_str(),
+              loggable(req.path).c_str(), res.status);
+}
+
+void HttpServerImpl::log_request(const std::string& request_id, const Generation& gen,
+                                 const engine::SamplingParams& sp, const CommonParams& p) const {
+  std::ostringstream os;
+  os << "Received request " << request_id << ": prompt_tokens: [";
+  for (size_t i = 0; i < gen.prompts.size(); ++i)
+    os << (i ? ", " : "") << gen.prompts[i].ids.size();
+  os << "], params: SamplingParams(n=" << p.n << ", temperature=" << sp.temperature
+     << ", top_p=" << sp.top_p << ", top_k=" << sp.top_k << ", min_p=" << sp.min_p
+     << ", presence_penalty=" << sp.presence_penalty
+     << ", frequency_penalty=" << sp.frequency_penalty
+     << ", repetition_penalty=" << sp.repetition_penalty << ", seed=";
+  if (sp.seed)
+    os << *sp.seed;
+  else
+    os << "None";
+  os << ", max_tokens=" << sp.max_tokens << ", min_tokens=" << sp.min_tokens
+     << ", stop=" << p.stop.size() << " strings, stop_token_ids=" << sp.stop_token_ids.size()
+     << ", ignore_eos=" << (sp.ignore_eos ? "True" : "False") << ", logprobs=" << sp.logprobs
+     << ", prompt_logprobs=" << sp.prompt_logprobs << ", logit_bias=" << sp.logit_bias.size()
+     << ", allowed_token_ids=" << sp.allowed_token_ids.size()
+     << ", bad_words=" << sp.bad_words.size()
+     << ", constrained=" << (sp.constraint ? "True" : "False") << ")";
+  M3_LOG_INFO("%s", os.str().c_str());
 }
 
 void HttpServerImpl::start_stats() {

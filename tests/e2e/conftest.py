@@ -42,8 +42,10 @@ class Server:
         self.model_dir = model_dir
         args = [binary, "serve", model_dir, "--host", "127.0.0.1", "--port", "0",
                 "--served-model-name", MODEL_NAME] + list(extra_args)
+        # errors="replace": a log line with bytes that are not UTF-8 must not kill the reader
+        # (the pipe would fill and block the server's next log write).
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, **(env or {})))
+                                     errors="replace", env=dict(os.environ, **(env or {})))
         # The server logs a line per request on stderr: read it continuously (a full pipe would
         # block the server) and keep the last lines for tests and failure messages.
         self.log = collections.deque(maxlen=2000)
@@ -135,10 +137,19 @@ def metrics(server):
     return out
 
 
+def parse_labels(text):
+    """'a="x",b="y"' -> {"a": "x", "b": "y"} (values without escaped quotes, as in these tests)."""
+    return dict(re.findall(r'(\w+)="([^"]*)"', text))
+
+
 def metric(server, name, labels=""):
-    m = metrics(server)
-    key = f'{name}{{model_name="{MODEL_NAME}"{"," + labels if labels else ""}}}'
-    return m[key]
+    """The value of series `name` with the model's labels (model_name, engine) plus `labels`."""
+    want = {"model_name": MODEL_NAME, "engine": "0", **parse_labels(labels)}
+    for key, value in metrics(server).items():
+        n, _, rest = key.partition("{")
+        if n == name and parse_labels(rest) == want:
+            return value
+    raise KeyError(f"{name} {want}")
 
 
 def wait_idle(server, timeout=30):

@@ -18,7 +18,8 @@ import pytest
 
 from conftest import API_KEY, MODEL_NAME, Server, http, wait_idle
 
-ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+          "/v1/responses", "/tokenize", "/detokenize"]
 
 SEEDS = [
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}),
@@ -43,6 +44,30 @@ SEEDS = [
                                                  "required": ["city"]}}}],
                               "tool_choice": "auto", "max_tokens": 4,
                               "chat_template_kwargs": {"enable_thinking": False}}),
+    ("/v1/messages", {"model": MODEL_NAME, "max_tokens": 4, "system": [{"type": "text", "text": "Be brief."}],
+                      "messages": [{"role": "user", "content": "weather?"},
+                                   {"role": "assistant", "content": [
+                                       {"type": "thinking", "thinking": "hm", "signature": ""},
+                                       {"type": "tool_use", "id": "t1", "name": "get", "input": {"city": "Paris"}}]},
+                                   {"role": "user", "content": [
+                                       {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+                                       {"type": "text", "text": "thanks"}]}],
+                      "tools": [{"name": "get", "input_schema": {"type": "object",
+                                                                 "properties": {"city": {"type": "string"}}}}],
+                      "tool_choice": {"type": "auto"}, "stop_sequences": ["x"], "stream": True,
+                      "thinking": {"type": "enabled", "budget_tokens": 2}}),
+    ("/v1/messages/count_tokens", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"model": MODEL_NAME, "instructions": "Be brief.", "max_output_tokens": 4,
+                       "input": [{"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+                                 {"type": "reasoning", "id": "rs_1", "summary": [],
+                                  "content": [{"type": "reasoning_text", "text": "hm"}]},
+                                 {"type": "function_call", "call_id": "c1", "name": "get",
+                                  "arguments": "{\"city\": \"Paris\"}"},
+                                 {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
+                       "tools": [{"type": "function", "name": "get", "parameters": {"type": "object"}}],
+                       "reasoning": {"effort": "low"}, "text": {"format": {"type": "text"}}, "stream": True}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 3, "previous_response_id": "resp_x",
+                       "tool_choice": "none"}),
     ("/tokenize", {"prompt": "hello world", "add_special_tokens": False, "return_token_strs": True}),
     ("/tokenize", {"messages": [{"role": "user", "content": "hello"}]}),
     ("/detokenize", {"tokens": [1, 2, 3, 4]}),

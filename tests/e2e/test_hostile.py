@@ -334,3 +334,20 @@ def test_access_log_and_stats_lines(binary, model_dir):
         assert "HTTP/1.1\" 200" not in log and "Avg generation throughput" not in log, log[-2000:]
     finally:
         q.stop()
+
+
+def test_access_log_escapes_the_clients_bytes(server):
+    # A path with a byte that is not UTF-8 and a quote: answered, and logged as %XX, so the log
+    # stays text (a log reader that decodes UTF-8 cannot be broken by a request).
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    try:
+        sock.sendall(b'GET /no\xffsuch"path HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n')
+        reply = sock.recv(4096)
+    finally:
+        sock.close()
+    assert reply.startswith(b"HTTP/1.1 4"), reply[:100]
+    deadline = time.time() + 10
+    while time.time() < deadline and not any("/no%FFsuch%22path" in l for l in server.log):
+        time.sleep(0.05)
+    assert any("/no%FFsuch%22path" in l for l in server.log), list(server.log)[-3:]
+    assert http(server, "GET", "/health")[0] == 200

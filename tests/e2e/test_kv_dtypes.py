@@ -54,9 +54,12 @@ def test_startup_line_and_metrics_show_the_format_and_its_capacity(binary):
             tokens[(kv_name, ik_name)] = (n, per_token)
             with urllib.request.urlopen(s.base + "/metrics", timeout=30) as r:
                 text = r.read().decode()
-            cap = re.search(r'^vllm:kv_cache_capacity_tokens\{[^}]*kv_cache_dtype="(\w+)",'
-                            r'index_cache_dtype="(\w+)"\} (\d+)', text, re.M)
-            assert cap and cap.groups() == (kv_name, ik_name, str(n)), text[:2000]
+            # Labels are sorted by name (as prometheus_client writes them); values print as floats.
+            cap = re.search(r'^vllm:kv_cache_capacity_tokens\{([^}]*)\} (\S+)', text, re.M)
+            assert cap, text[:2000]
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', cap.group(1)))
+            assert (labels["kv_cache_dtype"], labels["index_cache_dtype"], float(cap.group(2))) == \
+                (kv_name, ik_name, n), text[:2000]
             assert f'cache_dtype="{kv_name}"' in text
         finally:
             s.stop()

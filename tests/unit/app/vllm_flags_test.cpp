@@ -411,7 +411,10 @@ TEST(VllmFlags, HandledValues) {
   EXPECT_TRUE(p.plan->log_requests);
   EXPECT_FALSE(run({"--hf-overrides", "[1]"}).plan.has_value());
   EXPECT_FALSE(run({"--seed", "x"}).plan.has_value());
-  EXPECT_FALSE(run({"--max-logprobs", "50"}).plan.has_value());
+  EXPECT_EQ(run({"--max-logprobs", "50"}).plan->max_logprobs.value_or(0), 50);
+  EXPECT_EQ(run({"--max-logprobs", "-1"}).plan->max_logprobs.value_or(0), 1 << 30);
+  EXPECT_FALSE(run({"--max-logprobs", "-2"}).plan.has_value());
+  EXPECT_FALSE(run({"--max-logprobs", "x"}).plan.has_value());
   EXPECT_FALSE(run({"--enable-log-requests", "--disable-log-requests"}).plan.has_value());
 }
 

@@ -358,6 +358,59 @@ TEST(OpenAIRequest, CompletionPromptForms) {
   EXPECT_EQ(completion_error(R"({"prompt": "x", "suffix": "y"})").param, "suffix");
 }
 
+TEST(OpenAIRequest, VllmExtraFields) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+  auto r = parse_chat_request("{" + msgs + R"(, "include_reasoning": false,
+      "thinking_token_budget": 12, "echo": true, "truncate_prompt_tokens": 9,
+      "prompt_logprobs": 3, "return_token_ids": true, "return_tokens_as_token_ids": true,
+      "use_beam_search": false})");
+  ASSERT_TRUE(r.has_value()) << r.error().message;
+  EXPECT_FALSE(r->include_reasoning);
+  EXPECT_EQ(r->thinking_token_budget.value_or(-1), 12);
+  EXPECT_TRUE(r->echo);
+  EXPECT_EQ(r->common.truncate_prompt_tokens.value_or(0), 9);
+  EXPECT_EQ(r->common.prompt_logprobs, 3);
+  EXPECT_TRUE(r->common.return_token_ids && r->common.return_tokens_as_token_ids);
+  EXPECT_EQ(make_sampling_params(r->common, {}).prompt_logprobs, 3);
+  // -1 is "no budget" and "the last max_model_len tokens".
+  r = parse_chat_request("{" + msgs + R"(, "thinking_token_budget": -1,
+      "truncate_prompt_tokens": -1})");
+  ASSERT_TRUE(r.has_value());
+  EXPECT_FALSE(r->thinking_token_budget.has_value());
+  EXPECT_EQ(r->common.truncate_prompt_tokens.value_or(0), -1);
+  for (const auto& [extra, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"("use_beam_search": true)", "use_beam_search"},
+           {R"("truncate_prompt_tokens": 0)", "truncate_prompt_tokens"},
+           {R"("truncate_prompt_tokens": -3)", "truncate_prompt_tokens"},
+           {R"("prompt_logprobs": -1)", "prompt_logprobs"},
+           {R"("prompt_logprobs": 21)", "prompt_logprobs"},
+           {R"("prompt_logprobs": 1, "stream": true)", "prompt_logprobs"},
+           {R"("thinking_token_budget": -2)", "thinking_token_budget"},
+           {R"("include_reasoning": "no")", "include_reasoning"},
+           {R"("echo": 1)", "echo"},
+           {R"("return_token_ids": "yes")", "return_token_ids"}}) {
+    EXPECT_EQ(chat_error("{" + msgs + ", " + extra + "}").param, param) << extra;
+  }
+  EXPECT_EQ(chat_error("{" + msgs + R"(, "use_beam_search": true})").code, ErrorCode::kUnsupported);
+}
+
+TEST(OpenAIRequest, MaxLogprobsIsTheServersLimit) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+  const std::string body = "{" + msgs + R"(, "logprobs": true, "top_logprobs": 30})";
+  EXPECT_FALSE(parse_chat_request(body).has_value());  // the default --max-logprobs is 20
+  EXPECT_TRUE(parse_chat_request(body, 30).has_value());
+  auto e = parse_chat_request(body, 5);
+  ASSERT_FALSE(e.has_value());
+  EXPECT_EQ(e.error().param, "top_logprobs");
+  EXPECT_NE(e.error().message.find("Requested sample logprobs of 30, which is greater than max "
+                                   "allowed: 5"),
+            std::string::npos);
+  EXPECT_TRUE(parse_completion_request(R"({"prompt": "x", "logprobs": 40})", 40).has_value());
+  auto c = parse_completion_request(R"({"prompt": "x", "prompt_logprobs": 6})", 5);
+  ASSERT_FALSE(c.has_value());
+  EXPECT_NE(c.error().message.find("Requested prompt logprobs of 6"), std::string::npos);
+}
+
 TEST(ApiError, StatusAndBodyPerCode) {
   EXPECT_EQ(http_status(Error{ErrorCode::kUnauthorized, "x", ""}), 401);
   EXPECT_EQ(http_status(Error{ErrorCode::kModelNotFound, "x", "model"}), 404);

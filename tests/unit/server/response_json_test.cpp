@@ -82,18 +82,25 @@ TEST(Metrics, VllmNamesAndCumulativeBuckets) {
         "m3:num_requests_running"}) {
     EXPECT_NE(text.find(name), std::string::npos) << name;
   }
-  EXPECT_NE(text.find("vllm:num_requests_running{model_name=\"m3\"} 3\n"), std::string::npos);
-  EXPECT_NE(text.find("vllm:kv_cache_usage_perc{model_name=\"m3\"} 0.25\n"), std::string::npos);
-  EXPECT_NE(text.find("vllm:request_success_total{model_name=\"m3\",finished_reason=\"stop\"} 7\n"),
+  // vLLM's labels (sorted, as prometheus_client writes them) and number format.
+  EXPECT_NE(text.find("vllm:num_requests_running{engine=\"0\",model_name=\"m3\"} 3.0\n"),
             std::string::npos);
-  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_bucket{model_name=\"m3\",le=\"0."
-                      "10000000000000001\"} 2\n"),
+  EXPECT_NE(text.find("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m3\"} 0.25\n"),
             std::string::npos);
-  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_bucket{model_name=\"m3\",le=\"1\"} 5\n"),
+  EXPECT_NE(text.find("vllm:request_success_total{engine=\"0\",finished_reason=\"stop\",model_"
+                      "name=\"m3\"} 7.0\n"),
             std::string::npos);
-  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_bucket{model_name=\"m3\",le=\"+Inf\"} 6\n"),
+  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.1\",model_name="
+                      "\"m3\"} 2.0\n"),
             std::string::npos);
-  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_count{model_name=\"m3\"} 6\n"),
+  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"1.0\",model_name="
+                      "\"m3\"} 5.0\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"+Inf\",model_"
+                      "name=\"m3\"} 6.0\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"m3\"} "
+                      "6.0\n"),
             std::string::npos);
   // Every sample line is "name{labels} value" and every family has HELP and TYPE.
   std::istringstream in(text);
@@ -105,6 +112,61 @@ TEST(Metrics, VllmNamesAndCumulativeBuckets) {
     EXPECT_NE(line.find("} "), std::string::npos) << line;
   }
   EXPECT_GT(samples, 40);
+}
+
+TEST(Metrics, CacheConfigInfoAndHttpCounts) {
+  engine::ModelInfo info;
+  info.device = "cpu";
+  engine::EngineStats s;
+  s.block_size = 128;
+  s.num_kv_blocks = 2048;
+  s.kv_cache_dtype = "bfloat16";
+  s.index_cache_dtype = "fp8_e4m3";
+  ServerGauges g;
+  g.http_requests.push_back({"POST", "2xx", "/v1/chat/completions", 3});
+  g.http_requests.push_back({"GET", "4xx", "none", 1});
+  const std::string text = format_metrics(s, "m3", g, &info);
+  EXPECT_NE(text.find("vllm:cache_config_info{block_size=\"128\",cache_dtype=\"bfloat16\",device=\""
+                      "cpu\",enable_prefix_caching=\"True\",engine=\"0\",indexer_kv_dtype=\"fp8_"
+                      "e4m3\",model_name=\"m3\",num_gpu_blocks=\"2048\"} 1.0\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("vllm:kv_cache_capacity_tokens{engine=\"0\",index_cache_dtype=\"fp8_e4m3\","
+                      "kv_cache_dtype=\"bfloat16\",model_name=\"m3\"} 262144.0\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("http_requests_total{handler=\"/v1/chat/completions\",method=\"POST\","
+                      "status=\"2xx\"} 3.0\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("http_requests_total{handler=\"none\",method=\"GET\",status=\"4xx\"} 1.0\n"),
+            std::string::npos);
+  for (const char* name :
+       {"vllm:request_queue_time_seconds_bucket", "vllm:request_prefill_time_seconds_sum",
+        "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_bucket",
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:request_time_per_output_token_seconds_bucket", "vllm:iteration_tokens_total_bucket",
+        "vllm:request_params_max_tokens_bucket", "vllm:prompt_tokens_cached_total",
+        "vllm:prompt_tokens_by_source_total", "vllm:request_prefill_kv_computed_tokens_bucket"}) {
+    EXPECT_NE(text.find(name), std::string::npos) << name;
+  }
+}
+
+TEST(Metrics, NumbersAsPrometheusClientWritesThem) {
+  // Python: prometheus_client.utils.floatToGoString.
+  EXPECT_EQ(prometheus_number(1), "1.0");
+  EXPECT_EQ(prometheus_number(0), "0.0");
+  EXPECT_EQ(prometheus_number(0.1), "0.1");
+  EXPECT_EQ(prometheus_number(0.005), "0.005");
+  EXPECT_EQ(prometheus_number(0.075), "0.075");
+  EXPECT_EQ(prometheus_number(2560), "2560.0");
+  EXPECT_EQ(prometheus_number(123456), "123456.0");
+  EXPECT_EQ(prometheus_number(1000000), "1e+06");
+  EXPECT_EQ(prometheus_number(1234567), "1.234567e+06");
+  EXPECT_EQ(prometheus_number(1e-5), "1e-05");
+  EXPECT_EQ(prometheus_number(2.5e-7), "2.5e-07");
+  EXPECT_EQ(prometheus_number(-3.5), "-3.5");
+  EXPECT_EQ(prometheus_number(1e20), "1e+20");
+  EXPECT_EQ(prometheus_number(4.5), "4.5");
+  EXPECT_EQ(prometheus_number(1.0 / 0.0), "+Inf");
 }
 
 }  // namespace
