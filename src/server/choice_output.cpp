@@ -34,6 +34,12 @@ std::string ChoiceOutput::logprob_token(int32_t id) const {
   return token_text(*opt_.tokenizer, id);
 }
 
+void ChoiceOutput::limit_tool_calls(text::ChatOutputDelta& d) const {
+  if (opt_.max_tool_calls <= 0) return;
+  std::erase_if(d.tool_calls,
+                [&](const text::ToolCallDelta& c) { return c.index >= opt_.max_tool_calls; });
+}
+
 void ChoiceOutput::route(std::string_view text, ChoiceDelta& delta) {
   if (!parser_) {
     delta.text.append(text);
@@ -41,6 +47,7 @@ void ChoiceOutput::route(std::string_view text, ChoiceDelta& delta) {
     return;
   }
   text::ChatOutputDelta d = parser_->feed(text);
+  limit_tool_calls(d);
   result_.append(d);
   delta.reasoning += d.reasoning;
   delta.text += d.content;
@@ -55,6 +62,7 @@ void ChoiceOutput::finish_text(ChoiceDelta& delta) {
   }
   if (parser_) {
     text::ChatOutputDelta d = parser_->finish();
+    limit_tool_calls(d);
     result_.append(d);
     delta.reasoning += d.reasoning;
     delta.text += d.content;

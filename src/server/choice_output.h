@@ -26,6 +26,9 @@ struct ChoiceOptions {
   bool include_stop_str = false;
   std::vector<int32_t> eos_token_ids;  // a trailing one that ended the output is not shown
   bool tokens_as_ids = false;          // return_tokens_as_token_ids: logprob tokens "token_id:N"
+  // parallel_tool_calls false (Messages: disable_parallel_tool_use): calls past this many are
+  // dropped from the output and its stream. 0: no limit.
+  int max_tool_calls = 0;
   // Chat output parsing (reasoning and/or tool calls); nullopt: plain text (completions).
   std::optional<text::ChatOutputOptions> chat;
 };
@@ -94,6 +97,8 @@ class ChoiceOutput {
   void route(std::string_view text, ChoiceDelta& delta);
   void finish_text(ChoiceDelta& delta);
   bool is_marker(int32_t id) const;
+  // Drops the tool-call deltas past ChoiceOptions::max_tool_calls.
+  void limit_tool_calls(text::ChatOutputDelta& d) const;
 
   ChoiceOptions opt_;
   text::IncrementalDetokenizer detok_;

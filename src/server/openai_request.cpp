@@ -948,6 +948,8 @@ Result<ChatRequest> parse_chat_request(std::string_view body, int32_t max_logpro
   }
   M3_TRY(auto echo, opt_bool(j, "echo"));
   r.echo = echo.value_or(false);
+  M3_TRY(auto parallel, opt_bool(j, "parallel_tool_calls"));
+  r.parallel_tool_calls = parallel.value_or(true);
   M3_TRY(r.messages, parse_messages(j, &r.media));
   M3_TRY_STATUS(parse_tools(j, r));
   if (const OrderedJson* kw = field(j, "chat_template_kwargs")) {

@@ -118,6 +118,9 @@ struct ChatRequest {
   bool include_reasoning = true;                 // false: reasoning is parsed out, not returned
   std::optional<int32_t> thinking_token_budget;  // reasoning tokens before </mm:think> is forced
   bool echo = false;  // prepend the final message's content when it is the reply's role
+  // false: at most one tool call is returned (the first the model makes; later ones are dropped
+  // from content and the stream alike, ChoiceOptions::max_tool_calls).
+  bool parallel_tool_calls = true;
 };
 
 // Default maximum of logprobs / top_logprobs / prompt_logprobs (vLLM's --max-logprobs 20).

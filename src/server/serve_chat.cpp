@@ -146,6 +146,7 @@ Result<ChatJob> HttpServerImpl::start_chat(const ChatRequest& r,
   base.include_stop_str = r.common.include_stop_str_in_output;
   base.eos_token_ids = engine_.model_info().eos_token_ids;
   base.tokens_as_ids = r.common.return_tokens_as_token_ids;
+  base.max_tool_calls = r.parallel_tool_calls ? 0 : 1;
   if (cfg_.parse_reasoning || job.wants_tools) {
     text::ChatOutputOptions co;
     co.parse_reasoning = cfg_.parse_reasoning;

@@ -241,6 +241,12 @@ Result<OrderedJson> messages_to_chat(std::string_view body, bool count_only) {
                  "'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": "
                  "\"tool\", \"name\": ...}");
     }
+    if (tc.contains("disable_parallel_tool_use")) {
+      if (!tc["disable_parallel_tool_use"].is_boolean()) {
+        return bad("tool_choice", "'tool_choice.disable_parallel_tool_use' must be a boolean");
+      }
+      c["parallel_tool_calls"] = !tc["disable_parallel_tool_use"].get<bool>();
+    }
   }
   if (j.contains("thinking") && !j["thinking"].is_null()) {
     const auto& th = j["thinking"];

@@ -251,6 +251,8 @@ Result<Translated> responses_to_chat(const OrderedJson& j, const OrderedJson* hi
                  "\"function\", \"name\": ...}");
     }
   }
+  if (j.contains("parallel_tool_calls") && !j["parallel_tool_calls"].is_null())
+    c["parallel_tool_calls"] = j["parallel_tool_calls"];  // validated by the chat parser
   // reasoning.effort: none / minimal turn thinking off, low / medium / high on; absent: the
   // template's default (adaptive).
   if (j.contains("reasoning") && j["reasoning"].is_object() && j["reasoning"].contains("effort") &&

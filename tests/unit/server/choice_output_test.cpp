@@ -121,6 +121,34 @@ TEST(ChoiceOutput, ReasoningContentAndToolCallsAreSeparated) {
   }
 }
 
+TEST(ChoiceOutput, ParallelToolCallsFalseKeepsOnlyTheFirstCall) {
+  // parallel_tool_calls: false (Messages: disable_parallel_tool_use) -> max_tool_calls 1: the
+  // second invoke is dropped from the result and from the stream, in every split.
+  const std::string ns = "]<]minimax[>[";
+  const std::string model_text = ns + "<tool_call>\n" + ns + "<invoke name=\"get_weather\">" + ns +
+                                 "<city>Paris" + ns + "</city>" + ns + "</invoke>\n" + ns +
+                                 "<invoke name=\"get_weather\">" + ns + "<city>Rome" + ns +
+                                 "</city>" + ns + "</invoke>\n" + ns + "</tool_call>[e~[";
+  const std::vector<int32_t> ids = tokenizer()->encode(model_text);
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 20; ++trial) {
+    ChoiceOptions o = chat_options(kWeatherTools);
+    o.max_tool_calls = 1;
+    ChoiceOutput out(o);
+    Collected c = feed(out, ids, "stop", rng);
+    ASSERT_EQ(out.tool_calls().size(), 1u);
+    EXPECT_EQ(nlohmann::json::parse(out.tool_calls()[0].arguments_json),
+              nlohmann::json::parse(R"({"city": "Paris"})"));
+    EXPECT_EQ(out.finish_reason(), "tool_calls");
+    EXPECT_EQ(c.args.count(1), 0u) << "the second call reached the stream";
+    EXPECT_EQ(c.args[0], out.tool_calls()[0].arguments_json);
+    EXPECT_EQ(out.text(), "");
+  }
+  ChoiceOutput all(chat_options(kWeatherTools));
+  feed(all, ids, "stop", rng);
+  EXPECT_EQ(all.tool_calls().size(), 2u);
+}
+
 TEST(ChoiceOutput, EnabledThinkingStartsInsideReasoning) {
   ChoiceOptions o = chat_options(nullptr);
   o.chat->thinking_mode = text::ThinkingMode::kEnabled;

@@ -56,6 +56,20 @@ TEST(OpenAIRequest, ParsesAFullChatRequest) {
   EXPECT_EQ(sp.logprobs, 4);
 }
 
+TEST(OpenAIRequest, ParallelToolCalls) {
+  auto r = parse_chat_request(R"({"model": "m", "messages": [{"role": "user", "content": "hi"}]})");
+  ASSERT_TRUE(r.has_value());
+  EXPECT_TRUE(r->parallel_tool_calls);
+  r = parse_chat_request(
+      R"({"model": "m", "messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": false})");
+  ASSERT_TRUE(r.has_value());
+  EXPECT_FALSE(r->parallel_tool_calls);
+  EXPECT_FALSE(
+      parse_chat_request(
+          R"({"model": "m", "messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "no"})")
+          .has_value());
+}
+
 TEST(OpenAIRequest, ModelDefaultsFillOmittedKnobs) {
   auto r = parse_chat_request(R"({"messages": [{"role": "user", "content": "hi"}]})");
   ASSERT_TRUE(r.has_value());
