@@ -7,6 +7,7 @@
 // event carries; block numbers count up from 0 in the order blocks open.
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -46,5 +47,28 @@ class OutputBlocks {
   int next_block_ = 0;
   std::string full_, tool_id_, tool_name_;
 };
+
+// Streams choice 0 of `gen` (a server::Generation) through `blocks` into emit(events) until the
+// choice finishes. Returns false, with the generation aborted, when emit fails or client_gone()
+// says the client left; the caller then closes the stream. Shared by the Messages and Responses
+// streams (only their event names differ, in `emit`).
+template <class Gen, class Emit, class Gone>
+bool stream_blocks(Gen& gen, OutputBlocks& blocks, Emit&& emit, Gone&& client_gone) {
+  const auto& out = *gen.slots[0].out;
+  for (;;) {
+    auto got = gen.poll(std::chrono::milliseconds(100));
+    for (auto& [i, d] : got) {
+      if (!emit(blocks.feed(d))) {
+        gen.abort_all();
+        return false;
+      }
+    }
+    if (out.finished()) return true;
+    if (got.empty() && client_gone()) {
+      gen.abort_all();
+      return false;
+    }
+  }
+}
 
 }  // namespace m3::server

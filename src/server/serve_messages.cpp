@@ -427,20 +427,7 @@ void HttpServerImpl::handle_messages(const HttpRequest& req, HttpResponse& res) 
       return true;
     };
     const ChoiceOutput& out = *gen->slots[0].out;
-    for (;;) {
-      auto got = gen->poll(std::chrono::milliseconds(100));
-      for (auto& [i, d] : got) {
-        if (!emit(blocks.feed(d))) {
-          gen->abort_all();
-          return false;
-        }
-      }
-      if (out.finished()) break;
-      if (got.empty() && sink.client_gone()) {
-        gen->abort_all();
-        return false;
-      }
-    }
+    if (!stream_blocks(*gen, blocks, emit, [&] { return sink.client_gone(); })) return false;
     if (out.finish_reason() == "error")
       return fail(Error{ErrorCode::kInternal, "generation failed: " + out.error(), ""});
     if (auto e = check_tool_choice(job->tool_choice, out)) return fail(*e);
