@@ -15,6 +15,7 @@
 
 #include "app/commands.h"
 #include "app/deploy_plan.h"
+#include "app/device_backend.h"
 #include "app/vllm_flags.h"
 #include "model/config.h"
 #include "model/synthetic_model.h"
@@ -215,22 +216,7 @@ RunFn register_plan(CLI::App& app) {
   sub->add_option("--quantization,-q", a->quantization,
                   "The checkpoint's weight format (none, mxfp8, fp8_per_channel, nvfp4, mxfp4); "
                   "default: the variant's or the directory's config");
-  const auto canonical = [](std::string v) -> std::string {
-    for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    if (v == "bf16") return "bfloat16";
-    if (v == "fp8") return "fp8_e4m3";
-    if (v == "fp32") return "float32";
-    return v;
-  };
-  const auto check = CLI::IsMember({"auto", "bfloat16", "fp8_e4m3", "float32"});
-  sub->add_option("--kv-cache-dtype", a->kv_cache_dtype, "auto, bfloat16, fp8, float32")
-      ->transform(canonical)
-      ->check(check)
-      ->capture_default_str();
-  sub->add_option("--indexer-kv-dtype", a->index_kv_dtype, "MSA index-K: auto, bfloat16, fp8")
-      ->transform(canonical)
-      ->check(check)
-      ->capture_default_str();
+  add_kv_dtype_options(sub, a->kv_cache_dtype, a->index_kv_dtype);
   return [a] { return run_plan(*a); };
 }
 
