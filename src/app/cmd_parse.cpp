@@ -51,7 +51,8 @@ Json result_json(const std::string& reasoning, const std::string& content,
   r["reasoning"] = reasoning;
   r["content"] = (content.empty() && !calls.empty()) ? Json(nullptr) : Json(content);
   r["tool_calls"] = Json::array();
-  for (const auto& c : calls) r["tool_calls"].push_back({{"name", c.name}, {"arguments", c.arguments_json}});
+  for (const auto& c : calls)
+    r["tool_calls"].push_back({{"name", c.name}, {"arguments", c.arguments_json}});
   r["finish_reason"] = finish_reason;
   return r;
 }
@@ -100,7 +101,8 @@ Result<Json> parse_record(const nlohmann::json& rec,
   }
   std::string text;
   if (rec.contains("text")) {
-    if (!rec["text"].is_string()) return make_error(ErrorCode::kInvalidArgument, "text must be a string");
+    if (!rec["text"].is_string())
+      return make_error(ErrorCode::kInvalidArgument, "text must be a string");
     text = rec["text"].get<std::string>();
   } else if (!ids.empty()) {
     text = tok->decode(ids, false);
@@ -112,7 +114,8 @@ Result<Json> parse_record(const nlohmann::json& rec,
   out["id"] = rec.contains("id") ? Json(rec["id"]) : Json(nullptr);
   {
     text::ChatOutputResult r = text::ChatOutputParser::parse(text, opts);
-    out["whole"] = result_json(r.reasoning, r.content, r.tool_calls, finish_of(reason, r.tool_calls));
+    out["whole"] =
+        result_json(r.reasoning, r.content, r.tool_calls, finish_of(reason, r.tool_calls));
   }
   if (!ids.empty()) {
     server::ChoiceOptions co;
@@ -129,8 +132,8 @@ Result<Json> parse_record(const nlohmann::json& rec,
       if (o.finished) o.finish_reason = reason;
       choice.add(o);
     }
-    out["server"] = result_json(choice.reasoning(), choice.text(), choice.tool_calls(),
-                                choice.finish_reason());
+    out["server"] =
+        result_json(choice.reasoning(), choice.text(), choice.tool_calls(), choice.finish_reason());
   }
   out["splits"] = Json::array();
   if (rec.contains("text_splits")) {
@@ -201,9 +204,9 @@ int run_parse(const ParseArgs& a) {
 
 RunFn register_parse(CLI::App& app) {
   auto args = std::make_shared<ParseArgs>();
-  auto* cmd = app.add_subcommand(
-      "parse-outputs",
-      "Run the chat output parsers (reasoning + minimax_m3 tool calls) on JSONL records from stdin");
+  auto* cmd = app.add_subcommand("parse-outputs",
+                                 "Run the chat output parsers (reasoning + minimax_m3 tool calls) "
+                                 "on JSONL records from stdin");
   cmd->add_option("--model", args->model, "model directory holding tokenizer.json (or the file)")
       ->required();
   return [args] { return run_parse(*args); };

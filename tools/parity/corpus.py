@@ -432,6 +432,48 @@ def wf_markup_in_reasoning(rng: random.Random) -> dict:
                "I might write " + inner + " later.", answer, [])
 
 
+def q_mixed(rng: random.Random) -> dict:
+    # Several quirks at once, as real outputs have them: per parameter its closing tag without NS,
+    # its opening tag left out, or its closing tag dropped (the value runs into the next tag);
+    # per call the invoke closer without NS; the block opener without NS.
+    toolset = rng.choice(["weather", "agent"])
+    names = {"weather": ["get_weather"], "agent": ["search", "save_file"]}[toolset]
+    simple = ["Oslo", "Rome", "report.pdf", "MiniMax M3", "a b c", "x-1"]
+    invokes, calls = [], []
+    for _ in range(rng.randint(1, 3)):
+        name = rng.choice(names)
+        props = schema_of(TOOLS[toolset], name)["properties"]
+        usable = [k for k, p in props.items() if p.get("type") in ("integer", "string")
+                  and "enum" not in p]
+        keys = [k for k in usable if rng.random() < 0.8] or usable[:1]
+        args: dict[str, Any] = {k: rng.randint(1, 40) if props[k]["type"] == "integer"
+                                else rng.choice(simple) for k in keys}
+        body, last_q = "", "ok"
+        for k, v in args.items():
+            val = xml_value(v, "")
+            prev_q = last_q
+            last_q = rng.choice(["ok", "ok", "bare_close", "no_open", "no_close"])
+            # Text with no tag before it after a value without its closing tag (or after a bare
+            # one) would join that value: no parser can split them.
+            if last_q == "no_open" and prev_q in ("no_close", "bare_close"):
+                last_q = "ok"
+            if last_q == "bare_close":
+                body += f"{NS}<{k}>{val}</{k}>"
+            elif last_q == "no_open":
+                body += f"{NS}{val}{NS}</{k}>" if rng.random() < 0.5 else f"{val}{NS}</{k}>"
+            elif last_q == "no_close":
+                body += f"{NS}<{k}>{val}"
+            else:
+                body += f"{NS}<{k}>{val}{NS}</{k}>"
+        # A value that runs into a bare </invoke> would be ambiguous: keep NS there.
+        closer = "</invoke>" if last_q != "no_close" and rng.random() < 0.3 else f"{NS}</invoke>"
+        invokes.append(f'{NS}<invoke name="{name}">' + body + closer)
+        calls.append(call(name, args))
+    opener = TC_OPEN if rng.random() < 0.7 else "<tool_call>"
+    text = opener + "\n" + "\n".join(invokes) + "\n" + TC_CLOSE
+    return rec("q_mixed_quirks", toolset, "disabled", text, "", None, calls)
+
+
 def q_truncated(rng: random.Random) -> dict:
     # Cut (max_tokens) inside a call: parsers may close it differently; reported, not judged.
     full = block([invoke_xml("search", {"query": "MiniMax", "limit": 5})])
@@ -462,6 +504,7 @@ BUILDERS = [
     (q_truncated, 3),
     (wf_reasoning_cut, 2),
     (wf_markup_in_reasoning, 2),
+    (q_mixed, 8),
 ]
 
 
