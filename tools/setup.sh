@@ -37,3 +37,12 @@ if [ ! -f "$repo/.deps/xgrammar-$XGRAMMAR_VERSION/CMakeLists.txt" ]; then
     "xgrammar==$XGRAMMAR_VERSION" -d "$repo/.deps" 2>&1 | grep -v -i "warning: running pip as" || true
   tar -xzf "$repo/.deps/xgrammar-$XGRAMMAR_VERSION.tar.gz" -C "$repo/.deps"
 fi
+# aiperf (NVIDIA's serving benchmark, what users point at vLLM's server) in a venv of its own, so
+# its ~80 pinned dependencies stay out of the system Python: tests/e2e/test_aiperf.py.
+AIPERF_VERSION=0.13.0
+if [ ! -x "$repo/.deps/aiperf-venv/bin/aiperf" ]; then
+  mkdir -p "$repo/.deps"
+  python3 -m venv --system-site-packages "$repo/.deps/aiperf-venv" &&
+    "$repo/.deps/aiperf-venv/bin/pip" install -q --disable-pip-version-check \
+      "aiperf==$AIPERF_VERSION" 2>&1 | grep -v -i "warning: running pip as" || true
+fi
