@@ -38,18 +38,6 @@ Result<ChatPrompt> ChatPrompt::load(const std::string& model_dir, const std::str
   return p;
 }
 
-std::string ChatPrompt::tool_choice_instruction(const ToolChoice& choice) {
-  if (choice.kind == ToolChoiceKind::kRequired) {
-    return "In your next reply you must call at least one of the provided tools. Do not answer "
-           "in plain text without a tool call.";
-  }
-  if (choice.kind == ToolChoiceKind::kNamed) {
-    return "In your next reply you must call the tool `" + choice.name +
-           "` and no other tool. Do not answer in plain text without calling it.";
-  }
-  return {};
-}
-
 Result<RenderedChat> ChatPrompt::render(const ChatRequest& r) const {
   M3_CHECK(template_ != nullptr);
   RenderedChat out;
@@ -78,27 +66,9 @@ Result<RenderedChat> ChatPrompt::render(const ChatRequest& r) const {
   tr.messages = r.messages;
   tr.add_generation_prompt = r.add_generation_prompt;
   tr.chat_template_kwargs = kwargs;
-  if (r.tools.is_array() && r.tool_choice.kind != ToolChoiceKind::kNone) {
-    if (r.tool_choice.kind == ToolChoiceKind::kNamed) {
-      tr.tools = OrderedJson::array();
-      for (const auto& t : r.tools) {
-        if (t["function"]["name"] == r.tool_choice.name) tr.tools.push_back(t);
-      }
-    } else {
-      tr.tools = r.tools;
-    }
-  }
-  const std::string instruction = tool_choice_instruction(r.tool_choice);
-  if (!instruction.empty()) {
-    auto& first = tr.messages[0];
-    const std::string role = first["role"].get<std::string>();
-    if ((role == "system" || role == "developer") && first["content"].is_string()) {
-      first["content"] = first["content"].get<std::string>() + "\n\n" + instruction;
-    } else {
-      tr.messages.insert(tr.messages.begin(),
-                         OrderedJson{{"role", "system"}, {"content", instruction}});
-    }
-  }
+  // Every tool is shown for auto, required and a named function, as vLLM renders them; required
+  // and named are enforced by the tool-call grammar (serve_chat.cpp), not by extra prompt text.
+  if (r.tools.is_array() && r.tool_choice.kind != ToolChoiceKind::kNone) tr.tools = r.tools;
   auto text = template_->render(tr);
   if (!text) {
     Error e = text.error();

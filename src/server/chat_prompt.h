@@ -42,9 +42,6 @@ class ChatPrompt {
   // template fail), a bad thinking_mode.
   Result<RenderedChat> render(const ChatRequest& request) const;
 
-  // The instruction text added for tool_choice required / named (exposed for tests).
-  static std::string tool_choice_instruction(const ToolChoice& choice);
-
  private:
   std::shared_ptr<const text::ChatTemplate> template_;
   std::string source_name_;

@@ -48,21 +48,17 @@ TEST(ChatPrompt, ToolChoiceShapesThePrompt) {
       R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "none", )" + tools + "}"));
   EXPECT_EQ(r->prompt, "<user>x</user>mode=none<ai>");
   EXPECT_TRUE(r->tools.is_null());
-  // required: an instruction is added as a system message.
+  // required and a named function: the same prompt as auto (all tools, no added text, as vLLM);
+  // the tool-call grammar enforces the choice.
   r = p->render(
       request(R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", )" +
               tools + "}"));
-  const std::string req_instr =
-      ChatPrompt::tool_choice_instruction({ToolChoiceKind::kRequired, ""});
-  EXPECT_EQ(r->prompt, "<system>" + req_instr + "</system><user>x</user>[tools:a;b;]mode=none<ai>");
-  // named: only that tool is shown, and the instruction is appended to an existing system message.
+  EXPECT_EQ(r->prompt, "<user>x</user>[tools:a;b;]mode=none<ai>");
   r = p->render(request(
       R"({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "x"}], "tool_choice": {"type": "function", "function": {"name": "b"}}, )" +
       tools + "}"));
-  const std::string named = ChatPrompt::tool_choice_instruction({ToolChoiceKind::kNamed, "b"});
-  EXPECT_NE(named.find("`b`"), std::string::npos);
-  EXPECT_EQ(r->prompt, "<system>S\n\n" + named + "</system><user>x</user>[tools:b;]mode=none<ai>");
-  ASSERT_EQ(r->tools.size(), 1u);
+  EXPECT_EQ(r->prompt, "<system>S</system><user>x</user>[tools:a;b;]mode=none<ai>");
+  ASSERT_EQ(r->tools.size(), 2u);
 }
 
 TEST(ChatPrompt, ContinueFinalMessageCutsAfterIt) {
