@@ -23,7 +23,7 @@ def test_corpus_matches_expected_results(tmp_path):
     assert total, r.stdout
     cells = [c.strip() for c in total[0].strip("|").split("|")]
     n, agree, we_wrong = int(cells[1]), int(cells[2]), int(cells[4])
-    assert n == 2500 and we_wrong == 0 and agree == n, total[0]
+    assert n >= 2500 + 100 and we_wrong == 0 and agree == n, total[0]  # + the goldens
     assert (tmp_path / "report.md").exists()
 
 

@@ -147,6 +147,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="folder for report.md and diffs.jsonl")
+    ap.add_argument("--no-goldens", action="store_true", help="leave out the hand-written parser "
+                    "goldens (tests/golden/text/parsers), which join the corpus as golden_* classes")
     ap.add_argument("--no-prompt", action="store_true", help="give vLLM no prompt token ids (the "
                     "rendered prompt's thinking instructions hold both reasoning markers, which "
                     "vLLM's streaming reads as reasoning already ended: vLLM #50549)")
@@ -156,6 +158,8 @@ def main() -> int:
 
     rng = random.Random(a.seed + 1)
     records = corpus.generate(a.n, a.seed)
+    if not a.no_goldens:
+        records += corpus.golden_records(len(records))
     tok_path = os.path.join(a.model, "tokenizer.json") if os.path.isdir(a.model) else a.model
     from vllm_side import HFTokenizer
     tok = HFTokenizer(tok_path)
@@ -230,7 +234,8 @@ def main() -> int:
                 verdict = "no ground truth"
         table[cls][verdict] += 1
         if verdict != "agree":
-            d = {"id": r["id"], "cls": cls, "verdict": verdict, "thinking_mode": r["thinking_mode"],
+            d = {"id": r["id"], "cls": cls, "golden": r.get("golden"), "verdict": verdict,
+                 "thinking_mode": r["thinking_mode"],
                  "text": r["text"], "expected": r["expected"] if r["strict"] else None,
                  "m3serve": {"whole": show(o["whole"]), "server": show(o["server"]),
                              "splits": [show(s) for s in o["splits"]]}}
@@ -241,7 +246,9 @@ def main() -> int:
     cols = ["agree", "vLLM wrong, we right", "we wrong", "no ground truth"]
     lines = []
     who = "m3serve vs expected" if vl is None else f"m3serve vs vLLM {vl.version}"
-    lines.append(f"Corpus: {a.n} outputs, seed {a.seed} ({who}; tokenizer {tok_path}"
+    lines.append(f"Corpus: {a.n} outputs, seed {a.seed}"
+                 + ("" if a.no_goldens else f" + {len(records) - a.n} golden cases")
+                 + f" ({who}; tokenizer {tok_path}"
                  + ("; vLLM given no prompt ids" if a.no_prompt and vl is not None else "") + ")")
     if vl is not None:
         lines.append(f"Stubbed for import: {', '.join(vl.stubbed)}")

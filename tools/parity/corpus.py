@@ -26,6 +26,7 @@ Deterministic: `generate(n, seed)` gives the same records for the same arguments
 from __future__ import annotations
 
 import json
+import os
 import random
 from typing import Any
 
@@ -538,4 +539,36 @@ def char_splits(rng: random.Random, text: str, k: int) -> list[list[int]]:
         else:
             cuts = sorted(rng.sample(bounds[:-1], min(len(bounds) - 1, rng.randint(1, 12))))
         out.append(cuts)
+    return out
+
+
+GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "golden",
+                          "text", "parsers")
+
+
+def golden_records(start_id: int) -> list[dict]:
+    """The hand-written parser goldens (tests/golden/text/parsers/*.json, among them the real
+    MiniMax-M3 outputs of the issues in quirks.json) as records of class golden_<file>; cases
+    that turn a parser off, or expect calls without giving tools, are left out."""
+    out = []
+    for name in sorted(os.listdir(GOLDEN_DIR)):
+        if not name.endswith(".json"):
+            continue
+        doc = json.load(open(os.path.join(GOLDEN_DIR, name), encoding="utf-8"))
+        for c in doc["cases"]:
+            # Both sides here run both parsers, and parse tool calls only when the request has tools.
+            if c.get("reasoning_parser", True) is False or c.get("tool_parser", True) is False or \
+                    ("tools" not in c and c["expected"]["tool_calls"]):
+                continue
+            tools = doc["tool_sets"][c["tools"]] if "tools" in c else []
+            e = c["expected"]
+            calls = [{"name": k["name"], "arguments": json.loads(k["arguments"])}
+                     for k in e["tool_calls"]]
+            out.append({"cls": "golden_" + name[:-5], "toolset": c.get("tools", ""), "tools": tools,
+                        "thinking_mode": c.get("thinking_mode", "adaptive"), "text": c["input"],
+                        "finish_reason": "stop", "strict": True, "golden": c["name"],
+                        "id": start_id + len(out),
+                        "expected": {"reasoning": e["reasoning"],
+                                     "content": content_or_null(e["content"], calls),
+                                     "tool_calls": calls}})
     return out
