@@ -54,6 +54,11 @@ class Server:
         self.startup_line = self.proc.stdout.readline()
         m = re.search(r"listening on http://[^:]+:(\d+)", self.startup_line)
         if not m:
+            if not self.startup_line:  # stdout closed: the process is exiting; wait for its
+                try:                   # last stderr lines (poll() may not see it gone yet)
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
             if self.proc.poll() is not None:
                 self._log_reader.join(timeout=5)
             err = "".join(self.log)
