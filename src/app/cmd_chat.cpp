@@ -86,6 +86,7 @@ int run_chat(const ChatArgs& args) {
   ec.backend_factory = std::move(*backend_factory);
   ec.kv_cache_dtype = kv_format->kv;
   ec.index_cache_dtype = kv_format->index;
+  if (plan->speculative) ec.speculative = *plan->speculative;
   auto eng = engine::Engine::create(ec);
   if (!eng) return fail(eng.error().message);
   const auto& info = (*eng)->model_info();
@@ -96,6 +97,8 @@ int run_chat(const ChatArgs& args) {
       "m3serve chat: %s on %s (%d tokens of context). /think enabled|disabled|adaptive, /reset, "
       "/quit\n",
       a.model_dir.c_str(), info.device.c_str(), info.max_model_len);
+  if (!info.speculative.empty())
+    std::fprintf(stderr, "m3serve: speculative decoding: %s\n", info.speculative.c_str());
 
   nlohmann::ordered_json messages = nlohmann::ordered_json::array();
   if (!a.system.empty()) messages.push_back({{"role", "system"}, {"content", a.system}});

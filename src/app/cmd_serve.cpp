@@ -391,6 +391,7 @@ int run_serve(ServeArgs a) {
   ec.kv_cache_dtype = kv_format->kv;
   ec.index_cache_dtype = kv_format->index;
   if (plan->kv_events) ec.kv_events = *plan->kv_events;
+  if (plan->speculative) ec.speculative = *plan->speculative;
   ec.host_kv_cache_bytes = plan->host_kv_cache_bytes;
   std::unique_ptr<engine::Engine> eng;
   {
@@ -437,14 +438,16 @@ int run_serve(ServeArgs a) {
   const auto& info = eng->model_info();
   std::printf(
       "m3serve %s: serving %s as '%s' (%s) on %s | KV cache: %lld tokens (%lld pages of %d, "
-      "%s%s%s, %lld B/token) | max-model-len %d | prefix caching %s | listening on "
+      "%s%s%s, %lld B/token) | max-model-len %d | prefix caching %s%s%s | listening on "
       "http://%s:%d\n",
       M3_VERSION, a.model_dir.c_str(), a.served_model_names[0].c_str(), info.summary.c_str(),
       info.device.c_str(), static_cast<long long>(info.kv_tokens),
       static_cast<long long>(info.num_kv_blocks), info.block_size, info.kv_cache_dtype.c_str(),
       info.index_cache_dtype.empty() ? "" : ", index-K ", info.index_cache_dtype.c_str(),
       static_cast<long long>(info.kv_bytes_per_token), info.max_model_len,
-      ec.enable_prefix_caching ? "on" : "off", a.host.c_str(), http->bound_port());
+      ec.enable_prefix_caching ? "on" : "off",
+      info.speculative.empty() ? "" : " | speculative decoding: ", info.speculative.c_str(),
+      a.host.c_str(), http->bound_port());
   std::fflush(stdout);
   if (info.num_host_kv_pages > 0) {
     std::fprintf(stderr, "m3serve: host KV tier: %lld pages (%lld tokens) in host memory\n",

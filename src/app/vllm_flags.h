@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "engine/kv_event_publisher.h"
+#include "engine/spec_decode.h"
 
 namespace CLI {
 class App;
@@ -68,6 +69,8 @@ struct CompatPlan {
   std::optional<std::string> index_kv_dtype;
   // --kv-events-config with enable_kv_cache_events and publisher "zmq" (else unset).
   std::optional<engine::KvEventsConfig> kv_events;
+  // --speculative-config (EAGLE-3 drafts), validated; the draft itself loads with the engine.
+  std::optional<engine::SpeculativeConfig> speculative;
   // The host KV tier in bytes (--kv-transfer-config offloading, --kv-offloading-size); 0 off.
   int64_t host_kv_cache_bytes = 0;
   bool enforce_eager = false;             // --compilation-config cudagraph_mode NONE

@@ -195,6 +195,7 @@ inline void rope_inv_freq(double theta, const RopeScaling& sc, int64_t rot, floa
 //   q_out  = rope(rmsnorm_gemma(q, q_norm), rot_dim)        per query head
 //   iq_out = rope(rmsnorm_gemma(iq, iq_norm), index_rot_dim) per index head (if any)
 //   page K = rope(rmsnorm_gemma(k, k_norm), rot_dim), page V = v, per KV head
+// (q_norm and k_norm both empty, n == 0: no QK-norm, as in a Llama layer; the CPU op only so far)
 //   page index-K = rope(rmsnorm_gemma(ik, ik_norm), index_rot_dim) (if any)
 // The inputs are token rows `in_stride` floats apart (one fused projection's output:
 // q | k | v | iq | ik columns), or packed per tensor when in_stride is 0; q_out / iq_out are

@@ -67,6 +67,16 @@ struct EmbedOverride {
   int64_t n = 0;
 };
 
+// The residual stream entering some layers, copied out for an EAGLE-3 draft (speculative
+// decoding): for each j, layer layers[j]'s input (layers[j] == num_hidden_layers: the output of
+// the last layer, before the final norm) into columns [j * hidden, (j + 1) * hidden) of
+// out [T, n * hidden] f32 (the Ops' memory).
+struct AuxCapture {
+  const int32_t* layers = nullptr;  // [n] host
+  int64_t n = 0;
+  float* out = nullptr;
+};
+
 template <class Ops>
 class M3Forward {
  public:
@@ -110,10 +120,11 @@ class M3Forward {
   // rank's heads).
   // emb (may be null): rows whose input embedding replaces the table lookup (image placeholder
   // tokens), in the Ops' memory; applied after the embedding (and its TP all-reduce).
+  // aux (may be null): the aux hidden states an EAGLE-3 draft reads (AuxCapture).
   template <class Cache>
   void run_layers(Ops& ops, const int32_t* tokens, const TokenLayout& layout, Cache& cache,
-                  int64_t max_kv_len, ForwardResult* msa_out,
-                  const EmbedOverride* emb = nullptr) const {
+                  int64_t max_kv_len, ForwardResult* msa_out, const EmbedOverride* emb = nullptr,
+                  const AuxCapture* aux = nullptr) const {
     const int64_t T = layout.num_tokens;
     const int64_t H = cfg_.hidden_size, nq = plan_.num_q_heads, nkv = plan_.num_kv_heads,
                   d = cfg_.head_dim;
@@ -141,7 +152,12 @@ class M3Forward {
       }
     }
 
+    auto capture = [&](int64_t li) {
+      for (int64_t j = 0; aux != nullptr && j < aux->n; ++j)
+        if (aux->layers[j] == li) ops.copy_rows_2d(aux->out + j * H, aux->n * H, x, H, H, T);
+    };
     for (int64_t li = 0; li < cfg_.num_hidden_layers; ++li) {
+      capture(li);
       const LayerWeights& L = w_.layers[li];
       const bool sparse = cfg_.layer_is_sparse[li];
       // a = input_norm(x); after the first layer the previous layer's residual add did it.
@@ -230,6 +246,7 @@ class M3Forward {
         ops.add_inplace(x, y, T * H);
       }
     }
+    capture(cfg_.num_hidden_layers);
   }
 
   // The step of a data-parallel rank with no tokens: joins every MoE layer's collectives with 0

@@ -220,9 +220,14 @@ void M3Model::forward(const ForwardBatch& b, KvCache& cache, ForwardResult* out,
            b.embed_rows.size());
   const EmbedOverride emb{b.embed_rows.data(), b.embed_values.data(),
                           static_cast<int64_t>(b.embed_rows.size())};
+  const int64_t naux = static_cast<int64_t>(b.aux_layers.size());
+  std::vector<float> aux_buf;  // host memory is the Ops' memory
+  if (naux > 0) aux_buf.assign(static_cast<size_t>(T * naux * cfg_.hidden_size), 0.f);
+  const AuxCapture aux{b.aux_layers.data(), naux, aux_buf.data()};
   fw_->run_layers(*ops_, b.token_ids.data(), layout, cache, max_pos + 1,
-                  out && capture_msa ? out : nullptr, &emb);
+                  out && capture_msa ? out : nullptr, &emb, naux > 0 ? &aux : nullptr);
   if (!out) return;
+  out->aux_hidden = std::move(aux_buf);
   const int64_t R = static_cast<int64_t>(b.logits_indices.size());
   out->vocab_size = cfg_.vocab_size;
   out->logits.assign(R * cfg_.vocab_size, 0.f);

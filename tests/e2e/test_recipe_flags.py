@@ -118,7 +118,7 @@ REFUSALS = [
      ["--quantization fp8_per_channel", "issue #18"]),
     ("eagle3", "--tensor-parallel-size 8 --trust-remote-code --block-size 128 --language-model-only "
      "--speculative-config '{\"method\": \"eagle3\", \"model\": \"Inferact/MiniMax-M3-EAGLE3\", "
-     "\"num_speculative_tokens\": 3}'", {}, ["--speculative-config", "issue #19"]),
+     "\"num_speculative_tokens\": 3}'", {}, ["Inferact/MiniMax-M3-EAGLE3", "does not download"]),
     ("kv_events_publisher", "--tensor-parallel-size 4 --kv-events-config "
      "'{\"enable_kv_cache_events\": true, \"publisher\": \"kafka\"}'", {},
      ["--kv-events-config publisher 'kafka' is unknown", "\"zmq\""]),

@@ -237,7 +237,7 @@ const std::vector<RecipeCase> kRecipe = {
      "--language-model-only --speculative-config '{\"method\": \"eagle3\", "
      "\"model\": \"Inferact/MiniMax-M3-EAGLE3\", \"num_speculative_tokens\": 3}'",
      {},
-     "issue #19",
+     "does not download",
      ""},
     {"nvfp4_trtllm_dotted",
      "--tensor-parallel-size 8 --kv-cache-dtype auto "
@@ -397,6 +397,68 @@ TEST(VllmFlags, DtypeMapsToGemmPrecisionOnTheGpu) {
   auto both = run({"--dtype", "bfloat16", "--gemm-precision", "exact"}, {}, "cuda");
   ASSERT_FALSE(both.plan.has_value());
   EXPECT_NE(both.plan.error().message.find("give one"), std::string::npos);
+}
+
+TEST(VllmFlags, SpeculativeConfig) {
+  const std::string dir = ::testing::TempDir() + "/spec_cfg_draft";
+  std::filesystem::create_directories(dir);
+  auto spec = [&](const std::string& body) {
+    return run({"--speculative-config", "{" + body + "}"});
+  };
+  const std::string base = "\"method\": \"eagle3\", \"model\": \"" + dir + "\"";
+  auto ok = spec(base +
+                 ", \"num_speculative_tokens\": 3, \"draft_tensor_parallel_size\": 8, "
+                 "\"use_local_argmax_reduction\": true, \"attention_backend\": "
+                 "\"FLASH_ATTN\"");
+  ASSERT_TRUE(ok.plan.has_value()) << ok.plan.error().message;
+  ASSERT_TRUE(ok.plan->speculative.has_value());
+  EXPECT_EQ(ok.plan->speculative->method, "eagle3");
+  EXPECT_EQ(ok.plan->speculative->model, dir);
+  EXPECT_EQ(ok.plan->speculative->num_speculative_tokens, 3);
+  EXPECT_FALSE(ok.plan->speculative->synthetic);
+  const std::string notes = all_notices(*ok.plan);
+  EXPECT_NE(notes.find("attention_backend \"FLASH_ATTN\": not applicable"), std::string::npos)
+      << notes;
+  EXPECT_NE(notes.find("draft_tensor_parallel_size 8"), std::string::npos) << notes;
+  EXPECT_NE(notes.find("use_local_argmax_reduction: not applicable"), std::string::npos) << notes;
+
+  auto syn = spec(base +
+                  ", \"num_speculative_tokens\": 3, \"rejection_sample_method\": "
+                  "\"synthetic\", \"synthetic_acceptance_length\": 2.78");
+  ASSERT_TRUE(syn.plan.has_value()) << syn.plan.error().message;
+  EXPECT_TRUE(syn.plan->speculative->synthetic);
+  EXPECT_DOUBLE_EQ(syn.plan->speculative->synthetic_acceptance_length, 2.78);
+  EXPECT_NE(all_notices(*syn.plan).find("BENCHMARK ONLY"), std::string::npos);
+
+  auto refused = [&](const std::string& body, const std::vector<std::string>& needles) {
+    auto p = spec(body);
+    ASSERT_FALSE(p.plan.has_value()) << body;
+    for (const auto& n : needles)
+      EXPECT_NE(p.plan.error().message.find(n), std::string::npos) << p.plan.error().message;
+  };
+  refused(base + ", \"num_speculative_tokens\": 3, \"bogus\": 1",
+          {"key 'bogus' is unknown", "num_speculative_tokens", "rejection_sample_method"});
+  refused("\"method\": \"ngram\", \"num_speculative_tokens\": 3",
+          {"method 'ngram' is not supported", "\"eagle3\""});
+  refused(base + ", \"num_speculative_tokens\": 0", {"is 0", "1 to 8"});
+  refused(base + ", \"num_speculative_tokens\": 9", {"is 9", "1 to 8"});
+  refused(base, {"needs \"num_speculative_tokens\""});
+  refused(base + ", \"num_speculative_tokens\": 3, \"rejection_sample_method\": \"synthetic\"",
+          {"needs synthetic_acceptance_length", "never assumed"});
+  refused(base + ", \"num_speculative_tokens\": 3, \"synthetic_acceptance_length\": 2.5",
+          {"only read with"});
+  refused(base +
+              ", \"num_speculative_tokens\": 3, \"rejection_sample_method\": "
+              "\"synthetic\", \"synthetic_acceptance_length\": 4.5",
+          {"must be in [1, 4]"});
+  refused(base + ", \"num_speculative_tokens\": 3, \"rejection_sample_method\": \"typical\"",
+          {"'typical' is unknown", "\"exact\""});
+  refused("\"method\": \"eagle3\", \"model\": \"" + dir +
+              "/missing\", "
+              "\"num_speculative_tokens\": 3",
+          {"is not a directory"});
+  refused("\"method\": \"eagle3\", \"num_speculative_tokens\": 3", {"needs \"model\""});
+  EXPECT_FALSE(run({"--num-speculative-tokens", "3"}).plan.has_value());
 }
 
 TEST(VllmFlags, HandledValues) {
