@@ -52,8 +52,8 @@ std::string SpecDecoder::summary() const {
   } else {
     std::snprintf(verify, sizeof verify, "exact verification");
   }
-  return cfg_.method + " with " + std::to_string(cfg_.num_speculative_tokens) +
-         " draft tokens, " + verify + "; " + draft_->config().summary() + ", draft KV " +
+  return cfg_.method + " with " + std::to_string(cfg_.num_speculative_tokens) + " draft tokens, " +
+         verify + "; " + draft_->config().summary() + ", draft KV " +
          std::to_string(draft_->kv_bytes_per_token()) + " B/token (" + cfg_.model + ")";
 }
 
@@ -113,8 +113,7 @@ std::vector<std::vector<int32_t>> SpecDecoder::propose(const std::vector<DraftSe
     std::vector<size_t> who;
     for (size_t i = 0; i < seqs.size(); ++i) {
       const DraftSeq& s = seqs[i];
-      if (static_cast<int>(out[i].size()) != step || step >= s.num_propose ||
-          pos[i] >= s.capacity)
+      if (static_cast<int>(out[i].size()) != step || step >= s.num_propose || pos[i] >= s.capacity)
         continue;
       d.block_table.insert(d.block_table.end(), s.block_table.begin(), s.block_table.end());
       d.block_table_offsets.push_back(static_cast<int32_t>(d.block_table.size()));

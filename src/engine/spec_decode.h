@@ -56,9 +56,9 @@ double synthetic_accept_probability(double length, int k);
 struct DraftSeq {
   uint64_t request_id = 0;
   std::span<const int32_t> block_table;  // the request's pages (the target's page ids)
-  int first_row = 0;  // its first token's row in the target step (aux hidden rows)
-  int start_pos = 0;  // position of that token
-  int num_valid = 0;  // verified positions [start_pos, start_pos + num_valid)
+  int first_row = 0;                 // its first token's row in the target step (aux hidden rows)
+  int start_pos = 0;                 // position of that token
+  int num_valid = 0;                 // verified positions [start_pos, start_pos + num_valid)
   std::vector<int32_t> next_tokens;  // [num_valid]: the token after each of those positions
   int num_propose = 0;               // draft tokens to propose after the last one (0: none)
   int capacity = 0;                  // positions its pages hold

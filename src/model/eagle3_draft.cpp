@@ -61,7 +61,8 @@ Result<Eagle3Config> load_eagle3_config(const std::string& dir, const M3Config& 
   std::ostringstream ss;
   ss << in.rdbuf();
   json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return tl::unexpected(bad(path + " is not a JSON object"));
+  if (j.is_discarded() || !j.is_object())
+    return tl::unexpected(bad(path + " is not a JSON object"));
   bool eagle3 = false;
   std::string archs;
   if (auto a = j.find("architectures"); a != j.end() && a->is_array()) {
@@ -91,10 +92,9 @@ Result<Eagle3Config> load_eagle3_config(const std::string& dir, const M3Config& 
   M3_TRY(c.head_dim, get_int(j, "head_dim", path, c.hidden_size / c.num_attention_heads));
   if (c.num_key_value_heads < 1 || c.num_attention_heads % c.num_key_value_heads != 0 ||
       c.head_dim < 2 || c.head_dim % 2 != 0) {
-    return tl::unexpected(bad(path + ": " + std::to_string(c.num_attention_heads) +
-                              " heads over " + std::to_string(c.num_key_value_heads) +
-                              " KV heads of head_dim " + std::to_string(c.head_dim) +
-                              " is not a valid MHA/GQA layout"));
+    return tl::unexpected(bad(path + ": " + std::to_string(c.num_attention_heads) + " heads over " +
+                              std::to_string(c.num_key_value_heads) + " KV heads of head_dim " +
+                              std::to_string(c.head_dim) + " is not a valid MHA/GQA layout"));
   }
   if (auto e = j.find("rms_norm_eps"); e != j.end() && e->is_number()) c.rms_norm_eps = *e;
   if (auto t = j.find("rope_theta"); t != j.end() && t->is_number()) c.rope_theta = *t;
@@ -142,8 +142,8 @@ Result<Eagle3Config> load_eagle3_config(const std::string& dir, const M3Config& 
     c.aux_layers_from_config = true;
   } else {
     // vLLM's default for EAGLE-3 (and SGLang's capture list): (2, L/2, L-3) -> 2, 30, 57 for M3.
-    for (int64_t l : {int64_t{2}, L / 2, L - 3}) c.aux_layer_ids.push_back(static_cast<int32_t>(
-                                                     std::clamp<int64_t>(l, 0, L)));
+    for (int64_t l : {int64_t{2}, L / 2, L - 3})
+      c.aux_layer_ids.push_back(static_cast<int32_t>(std::clamp<int64_t>(l, 0, L)));
   }
   return c;
 }
@@ -174,9 +174,9 @@ Eagle3Draft::~Eagle3Draft() = default;
 void Eagle3Draft::forward(const DraftBatch& b, DraftResult* out) {
   const int64_t T = static_cast<int64_t>(b.token_ids.size());
   const int64_t H = cfg_.hidden_size;
-  const int64_t in_w = b.hidden_is_aux
-                           ? static_cast<int64_t>(cfg_.aux_layer_ids.size()) * cfg_.target_hidden_size
-                           : H;
+  const int64_t in_w =
+      b.hidden_is_aux ? static_cast<int64_t>(cfg_.aux_layer_ids.size()) * cfg_.target_hidden_size
+                      : H;
   M3_CHECK(T > 0 && b.positions.size() == static_cast<size_t>(T) &&
                b.seq_ids.size() == static_cast<size_t>(T) &&
                b.hidden.size() == static_cast<size_t>(T * in_w),
@@ -202,28 +202,27 @@ void Eagle3Draft::forward(const DraftBatch& b, DraftResult* out) {
     int64_t best = 0;
     for (int64_t i = 1; i < Vd; ++i)
       if (l[i] > l[best]) best = i;
-    out->argmax_tokens[r] = w_->draft_to_target.empty() ? static_cast<int32_t>(best)
-                                                        : w_->draft_to_target[best];
+    out->argmax_tokens[r] =
+        w_->draft_to_target.empty() ? static_cast<int32_t>(best) : w_->draft_to_target[best];
   }
 }
 
 Result<std::unique_ptr<Eagle3Draft>> Eagle3Draft::load(
-    const std::string& dir, const M3Config& target,
-    std::shared_ptr<const M3Weights> target_weights, int64_t num_pages) {
+    const std::string& dir, const M3Config& target, std::shared_ptr<const M3Weights> target_weights,
+    int64_t num_pages) {
   M3_TRY(Eagle3Config c, load_eagle3_config(dir, target));
   const std::string src = dir + "/config.json";
   if (c.vocab_size != target.vocab_size) {
-    return tl::unexpected(bad("the draft's vocabulary (" + std::to_string(c.vocab_size) +
-                              " in " + src + ") does not match the target's (" +
+    return tl::unexpected(bad("the draft's vocabulary (" + std::to_string(c.vocab_size) + " in " +
+                              src + ") does not match the target's (" +
                               std::to_string(target.vocab_size) +
                               "): use a draft trained for this model"));
   }
   if (c.target_hidden_size != target.hidden_size) {
-    return tl::unexpected(bad("the draft reads target hidden states of " +
-                              std::to_string(c.target_hidden_size) + " (" + src +
-                              " target_hidden_size) but the target's hidden size is " +
-                              std::to_string(target.hidden_size) +
-                              ": use a draft trained for this model"));
+    return tl::unexpected(
+        bad("the draft reads target hidden states of " + std::to_string(c.target_hidden_size) +
+            " (" + src + " target_hidden_size) but the target's hidden size is " +
+            std::to_string(target.hidden_size) + ": use a draft trained for this model"));
   }
   M3_TRY(Checkpoint ck, Checkpoint::open(dir));
   auto w = std::make_unique<Eagle3Weights>();

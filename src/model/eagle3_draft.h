@@ -87,7 +87,7 @@ struct DraftBatch {
 };
 
 struct DraftResult {
-  std::vector<float> prenorm;  // [T, hidden] f32: the next draft step's hidden input
+  std::vector<float> prenorm;          // [T, hidden] f32: the next draft step's hidden input
   std::vector<int32_t> argmax_tokens;  // per logits row, a target id (greedy drafting)
 };
 

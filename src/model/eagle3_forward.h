@@ -28,8 +28,7 @@ class Eagle3Forward {
            const float* hidden_in, bool hidden_is_aux, int64_t max_kv_len, const int32_t* rows,
            int64_t R, float* logits) const {
     const int64_t T = layout.num_tokens, H = cfg_.hidden_size, nq = cfg_.num_attention_heads,
-                  nkv = cfg_.num_key_value_heads, d = cfg_.head_dim,
-                  inter = cfg_.intermediate_size;
+                  nkv = cfg_.num_key_value_heads, d = cfg_.head_dim, inter = cfg_.intermediate_size;
     const float eps = static_cast<float>(cfg_.rms_norm_eps);
     float* x = ops.f32(Buf::kX, T * H);  // residual: the hidden branch [T, hidden] f32
     if (hidden_is_aux) {
@@ -67,7 +66,7 @@ class Eagle3Forward {
     ops.attention_paged(q, nq, pages, layout, nullptr, 0, 1.0f / std::sqrt(static_cast<float>(d)),
                         max_kv_len, attn);
     float* y = ops.f32(Buf::kY, T * H);
-    ops.linear(attn, T, w_.o_proj, y);  // y: [T, hidden]
+    ops.linear(attn, T, w_.o_proj, y);                                   // y: [T, hidden]
     ops.add_rmsnorm_gemma(x, y, T, H, w_.post_attention_norm, eps, hn);  // x += y; hn = norm(x)
     float* g = ops.f32(Buf::kG, T * inter);
     float* u = ops.f32(Buf::kU, T * inter);

@@ -259,12 +259,13 @@ TEST(SpecDecode, GreedyOutputIsExactlyTheTargetsWithPartlyRightDrafts) {
       // Only verified tokens were ever registered: a second round of the same prompts hits the
       // prefix cache and still gives the reference (rejected drafts' KV never leaked into it).
       const int64_t hits0 = d.scheduler().stats().prefix_cache_hits;
-      for (const auto& [id, pr] : prompts) d.add(id + 100, full[id], [] {
-        SamplingParams q;
-        q.temperature = 0.f;
-        q.max_tokens = 1;
-        return q;
-      }());
+      for (const auto& [id, pr] : prompts)
+        d.add(id + 100, full[id], [] {
+          SamplingParams q;
+          q.temperature = 0.f;
+          q.max_tokens = 1;
+          return q;
+        }());
       auto again = d.run();
       EXPECT_GT(d.scheduler().stats().prefix_cache_hits, hits0);
       for (const auto& [id, pr] : prompts) {
@@ -321,7 +322,8 @@ TEST(SpecDecode, PenaltiesLogprobsStopsAndMaxTokensSeeExactlyTheAcceptedTokens) 
     for (const auto& [id, pr] : prompts) {
       SCOPED_TRACE("request " + std::to_string(id) + (with_stop ? " with a stop id" : ""));
       EXPECT_EQ(out[id].tokens, expect[id]);
-      EXPECT_EQ(out[id].reason, with_stop ? sched::FinishReason::kStop : sched::FinishReason::kLength);
+      EXPECT_EQ(out[id].reason,
+                with_stop ? sched::FinishReason::kStop : sched::FinishReason::kLength);
       ASSERT_EQ(out[id].logprobs.size(), expect[id].size());
       for (size_t i = 0; i < expect[id].size(); ++i) {
         // The verify chunk scores these rows in a batch of 1 + K tokens instead of one at a

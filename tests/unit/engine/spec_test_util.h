@@ -70,20 +70,19 @@ inline std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>
 inline void write_draft(const std::string& dir, const DraftShape& s, uint32_t seed = 7,
                         const std::string& arch = "LlamaForCausalLMEagle3") {
   std::filesystem::create_directories(dir);
-  nlohmann::json cfg = {
-      {"architectures", {arch}},
-      {"hidden_size", s.hidden},
-      {"num_attention_heads", s.heads},
-      {"num_key_value_heads", s.kv_heads},
-      {"head_dim", s.head_dim},
-      {"intermediate_size", s.inter},
-      {"vocab_size", s.vocab},
-      {"draft_vocab_size", s.vocab},
-      {"target_hidden_size", s.target_hidden},
-      {"rms_norm_eps", 1e-6},
-      {"rope_theta", 10000.0},
-      {"hidden_act", "silu"},
-      {"eagle_config", {{"eagle_aux_hidden_state_layer_ids", s.aux}}}};
+  nlohmann::json cfg = {{"architectures", {arch}},
+                        {"hidden_size", s.hidden},
+                        {"num_attention_heads", s.heads},
+                        {"num_key_value_heads", s.kv_heads},
+                        {"head_dim", s.head_dim},
+                        {"intermediate_size", s.inter},
+                        {"vocab_size", s.vocab},
+                        {"draft_vocab_size", s.vocab},
+                        {"target_hidden_size", s.target_hidden},
+                        {"rms_norm_eps", 1e-6},
+                        {"rope_theta", 10000.0},
+                        {"hidden_act", "silu"},
+                        {"eagle_config", {{"eagle_aux_hidden_state_layer_ids", s.aux}}}};
   std::ofstream(dir + "/config.json") << cfg.dump(2);
   const auto tensors = random_tensors(s, seed);
   nlohmann::json header = nlohmann::json::object();
