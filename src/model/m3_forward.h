@@ -56,6 +56,7 @@ enum class Buf {
   kDpSend,
   kDpAll,
   kDpRouted,
+  kAux,  // AuxCapture's rows where the caller keeps them in Ops memory (the GPU model)
   kCount
 };
 enum class IBuf { kSel, kRouteIds, kSelAll, kCount };

@@ -413,8 +413,9 @@ void M3ModelCuda::replay_or_capture(const StepShape& shape, const int32_t* token
 }
 
 void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
-                             const ops::TokenLayout& layout, ForwardResult* msa_out) {
-  fw_->run_layers(*ops_, tokens, layout, *shape.cache, shape.max_kv_len, msa_out);
+                             const ops::TokenLayout& layout, ForwardResult* msa_out,
+                             const AuxCapture* aux) {
+  fw_->run_layers(*ops_, tokens, layout, *shape.cache, shape.max_kv_len, msa_out, nullptr, aux);
 }
 
 void M3ModelCuda::set_dp_step_rows(int64_t max_rows) {
@@ -497,12 +498,27 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
     if (capture_msa) out->msa_blocks.resize(cfg.num_hidden_layers);
   }
   const StepShape shape{T, max_kv_len, &cache};
+  // Speculative decoding: the residual streams entering the draft's aux layers, copied out of
+  // the layer loop into a device buffer and then to out->aux_hidden. Such steps run eagerly (the
+  // graphs are captured without the copies).
+  const int64_t naux = static_cast<int64_t>(b.aux_layers.size());
+  AuxCapture aux;
+  if (naux > 0) {
+    M3_CHECK(!plan_.sharded(), "aux hidden states on a sharded GPU model");
+    aux = AuxCapture{b.aux_layers.data(), naux, ops_->f32(Buf::kAux, T * naux * cfg.hidden_size)};
+  }
   // (A data-parallel rank's MoE runs world x dp_rows_ rows: above the grouped path's limit its
   // eager run synchronises the host, and the shape is then never captured.)
-  if (!capture_msa && use_graphs_ && T <= kGraphMaxTokens) {
+  if (!capture_msa && naux == 0 && use_graphs_ && T <= kGraphMaxTokens) {
     replay_or_capture(shape, tokens, layout);
   } else {
-    run_layers(shape, tokens, layout, capture_msa ? out : nullptr);
+    run_layers(shape, tokens, layout, capture_msa ? out : nullptr, naux > 0 ? &aux : nullptr);
+  }
+  if (out != nullptr && naux > 0) {
+    out->aux_hidden.resize(static_cast<size_t>(T * naux * cfg.hidden_size));
+    M3_CUDA_CHECK(cudaMemcpyAsync(out->aux_hidden.data(), aux.out,
+                                  out->aux_hidden.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                  s));
   }
 
   if (!out) {

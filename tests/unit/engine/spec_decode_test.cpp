@@ -343,6 +343,39 @@ TEST(SpecDecode, PenaltiesLogprobsStopsAndMaxTokensSeeExactlyTheAcceptedTokens) 
   }
 }
 
+TEST(SpecDecode, SyntheticAcceptanceAcceptsAtTheAskedRate) {
+  // Benchmark mode: drafts (the random draft's) accepted at random, whatever the target says.
+  auto m = model::M3Model::load(kModel);
+  ASSERT_TRUE(m.has_value()) << m.error().message;
+  const int V = static_cast<int>((*m)->config().vocab_size);
+  const std::string dir = ::testing::TempDir() + "/draft_synthetic";
+  testing::write_draft(dir, testing::shape_for((*m)->config()));
+  SpeculativeConfig sc;
+  sc.method = "eagle3";
+  sc.model = dir;
+  sc.num_speculative_tokens = 3;
+  sc.synthetic = true;
+  sc.synthetic_acceptance_length = 2.78;
+  auto spec = SpecDecoder::create(sc, (*m)->config(), (*m)->base_weights(), 96);
+  ASSERT_TRUE(spec.has_value()) << spec.error().message;
+  SpecDecoder* sd = spec->get();
+  const double a = sd->accept_probability();
+  Driver d(**m, std::move(*spec), 96, 64);
+  SamplingParams p;
+  p.temperature = 0.f;
+  p.max_tokens = 80;
+  for (uint64_t id = 1; id <= 4; ++id) d.add(id, testing::random_prompt(10, 500 + id, V), p);
+  auto out = d.run();
+  for (uint64_t id = 1; id <= 4; ++id) EXPECT_EQ(out[id].tokens.size(), 80u);
+  const SpecDecodeStats st = sd->stats();
+  ASSERT_GT(st.num_drafts, 60);
+  // The first draft of a step is accepted with probability a (~0.68): the binomial standard error
+  // at >= 60 steps is <= 0.06, so 0.2 is over 3 of them.
+  EXPECT_NEAR(static_cast<double>(st.accepted_per_pos[0]) / st.num_drafts, a, 0.2);
+  const double len = 1.0 + static_cast<double>(st.num_accepted_tokens) / st.num_drafts;
+  EXPECT_NEAR(len, 2.78, 0.5);  // drafts cut short near max_tokens pull it down a little
+}
+
 // ---------------------------------------------------------------- the engine, a draft on disk
 
 TEST(SpecDecodeEngine, GreedyMatchesTheReferenceAndCountsDrafts) {
@@ -354,6 +387,7 @@ TEST(SpecDecodeEngine, GreedyMatchesTheReferenceAndCountsDrafts) {
   cfg.model_dir = kModel;
   cfg.block_size = static_cast<int>((*m)->config().sparse_block_size);
   cfg.max_num_seqs = 4;
+  cfg.kv_cache_memory_bytes = 4 << 20;
   cfg.speculative.method = "eagle3";
   cfg.speculative.model = dir;
   cfg.speculative.num_speculative_tokens = 3;
@@ -385,6 +419,43 @@ TEST(SpecDecodeEngine, GreedyMatchesTheReferenceAndCountsDrafts) {
   EXPECT_EQ(st.accepted_per_pos.size(), 3u);
 }
 
+TEST(SpecDecodeEngine, TensorParallelCpuRanksGiveTheReferenceAndDataParallelIsRefused) {
+  auto m = model::M3Model::load(kModel);
+  ASSERT_TRUE(m.has_value()) << m.error().message;
+  const std::string dir = ::testing::TempDir() + "/draft_tp";
+  testing::write_draft(dir, testing::shape_for((*m)->config()));
+  auto config = [&](int tp, int dp) {
+    EngineConfig cfg;
+    cfg.model_dir = kModel;
+    cfg.block_size = static_cast<int>((*m)->config().sparse_block_size);
+    cfg.max_num_seqs = 4;
+    cfg.kv_cache_memory_bytes = 4 << 20;  // a small pool: the test is about the draft
+    cfg.speculative.method = "eagle3";
+    cfg.speculative.model = dir;
+    cfg.speculative.num_speculative_tokens = 2;
+    cfg.backend_factory = [tp, dp](std::unique_ptr<model::M3Model> host, int64_t pages) {
+      return runtime::make_cpu_sharded_backend(std::move(host), pages, tp, false, dp);
+    };
+    return cfg;
+  };
+  auto e = Engine::create(config(2, 1));
+  ASSERT_TRUE(e.has_value()) << e.error().message;
+  GenerateRequest r;
+  r.prompt_token_ids = testing::random_prompt(12, 77, static_cast<int>((*m)->config().vocab_size));
+  r.params.temperature = 0.f;
+  r.params.max_tokens = 12;
+  r.params.ignore_eos = true;
+  const auto ref = testing::reference_greedy(**m, r.prompt_token_ids, 12);
+  auto s = (*e)->submit(r);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(testing::collect(**s).tokens, ref);
+  EXPECT_GT((*e)->stats().spec_decode.num_drafts, 0);
+  auto dp = Engine::create(config(1, 2));
+  ASSERT_FALSE(dp.has_value());
+  EXPECT_NE(dp.error().message.find("--data-parallel-size"), std::string::npos)
+      << dp.error().message;
+}
+
 TEST(SpecDecodeEngine, BadDraftsAreRefusedWithBothNumbers) {
   auto m = model::M3Model::load(kModel);
   ASSERT_TRUE(m.has_value());
@@ -397,6 +468,8 @@ TEST(SpecDecodeEngine, BadDraftsAreRefusedWithBothNumbers) {
     EngineConfig cfg;
     cfg.model_dir = kModel;
     cfg.block_size = static_cast<int>(c.sparse_block_size);
+    cfg.max_num_seqs = 4;
+    cfg.kv_cache_memory_bytes = 4 << 20;
     cfg.speculative.method = "eagle3";
     cfg.speculative.model = dir;
     cfg.speculative.num_speculative_tokens = 3;
