@@ -28,7 +28,8 @@ PARSERS = ["--tool-call-parser", "minimax_m3", "--reasoning-parser", "minimax_m3
 @pytest.fixture(scope="module")
 def servers(binary):
     plain = Server(binary, DEMO, PARSERS)
-    spec = Server(binary, DEMO, PARSERS + ["--speculative-config", SPEC])
+    spec = Server(binary, DEMO, PARSERS + ["--speculative-config", SPEC],
+                  env={"VLLM_LOG_STATS_INTERVAL": "0.5"})
     yield plain, spec
     plain.stop()
     spec.stop()
@@ -96,6 +97,17 @@ def test_greedy_outputs_are_identical_and_acceptance_is_high(servers):
     # Mean acceptance length = 1 + accepted / drafts; the demo draft measures ~3.5 (docs/
     # DEMO_MODEL.md); 2.0 is the issue's bar.
     assert 1 + accepted / drafts >= 2.0
+
+
+def test_stats_log_has_the_spec_decoding_line(servers):
+    _, spec = servers
+    ask(client_of(spec), items()[0], max_tokens=48)
+    import time
+    deadline = time.time() + 10
+    while time.time() < deadline and not any("SpecDecoding metrics" in l for l in spec.log):
+        time.sleep(0.2)
+    line = next((l for l in spec.log if "SpecDecoding metrics" in l), "")
+    assert "Mean acceptance length" in line and "Per-position acceptance rate" in line, line
 
 
 def test_streaming_stop_strings_max_tokens_and_logprobs_match(servers):

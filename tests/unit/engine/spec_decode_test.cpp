@@ -343,6 +343,32 @@ TEST(SpecDecode, PenaltiesLogprobsStopsAndMaxTokensSeeExactlyTheAcceptedTokens) 
   }
 }
 
+TEST(SpecDecode, PreemptionUnderATinyPoolKeepsTheOutput) {
+  // 14 pages of 8 tokens for four requests that grow to 40 tokens (+ lookahead pages): they
+  // preempt each other; drafts are dropped with the pages and the output stays the target's.
+  auto m = model::M3Model::load(kModel);
+  ASSERT_TRUE(m.has_value()) << m.error().message;
+  const int V = static_cast<int>((*m)->config().vocab_size);
+  std::map<uint64_t, std::vector<int32_t>> prompts, refs, full;
+  for (uint64_t id = 1; id <= 4; ++id) {
+    prompts[id] = testing::random_prompt(20, 40 + id, V);
+    refs[id] = testing::reference_greedy(**m, prompts[id], 20);
+    full[id] = prompts[id];
+    full[id].insert(full[id].end(), refs[id].begin(), refs[id].end());
+  }
+  auto spec = random_spec(**m, 3, 14, ::testing::TempDir() + "/draft_preempt");
+  ASSERT_NE(spec, nullptr);
+  spec->set_proposal_override(oracle(full, V));
+  Driver d(**m, std::move(spec), 14, 64);
+  SamplingParams p;
+  p.temperature = 0.f;
+  p.max_tokens = 20;
+  for (const auto& [id, pr] : prompts) d.add(id, pr, p);
+  auto out = d.run();
+  for (const auto& [id, ref] : refs) EXPECT_EQ(out[id].tokens, ref) << "request " << id;
+  EXPECT_GT(d.scheduler().stats().num_preemptions, 0) << "the pool was meant to force preemption";
+}
+
 TEST(SpecDecode, SyntheticAcceptanceAcceptsAtTheAskedRate) {
   // Benchmark mode: drafts (the random draft's) accepted at random, whatever the target says.
   auto m = model::M3Model::load(kModel);
