@@ -64,7 +64,8 @@ class ForwardBackend {
   // hidden states for an EAGLE-3 draft, which runs on the host), else why not.
   virtual std::string speculative_refusal() const {
     return "speculative decoding is not implemented on the " + device_name() +
-           " backend yet; serve on the CPU backend (--device cpu) for --speculative-config";
+           " backend yet; serve --speculative-config on one GPU (--tensor-parallel-size 1) or "
+           "on the CPU backend (--device cpu)";
   }
   // Image input: whether forward() honours ForwardBatch::embed_rows and encode_images() runs the
   // model's vision tower; when false, image_refusal() says why (for the 400 the server sends).

@@ -1,5 +1,6 @@
 // Speculative decoding (engine/spec_decode.h, the runner's verification, the scheduler's draft
-// tokens and rollback): the rejection sampler keeps the target distribution (chi-square); greedy
+// tokens and rollback): the rejection sampler keeps the target distribution (chi-square, per
+// position and over a request's first three tokens through the scheduler + runner); greedy
 // output with drafts is exactly the output without them, through the scheduler + runner with
 // drafts that are partly right (accepted prefixes, rejections, a bonus token, drafts cut by the
 // budget and the pages) and through the engine with a random draft read from disk; penalties,
@@ -19,6 +20,7 @@
 #include "engine_test_util.h"
 #include "kernels/cpu/sample.h"
 #include "runtime/forward_backend.h"
+#include "runtime/sequence_runner.h"
 #include "sched/scheduler.h"
 #include "spec_test_util.h"
 
@@ -129,11 +131,11 @@ struct Result1 {
 class Driver {
  public:
   Driver(const model::M3Model& m, std::unique_ptr<SpecDecoder> spec, int num_pages, int budget,
-         bool prefix_caching = true)
+         bool prefix_caching = true, int max_num_seqs = 8)
       : runner_(runtime::borrow_cpu_backend(m, num_pages), m.config().vocab_size, std::move(spec),
                 256) {
     sched::SchedulerConfig sc;
-    sc.max_num_seqs = 8;
+    sc.max_num_seqs = max_num_seqs;
     sc.max_num_batched_tokens = budget;
     sc.max_model_len = 256;
     sc.block_size = static_cast<int>(m.config().sparse_block_size);
@@ -402,13 +404,132 @@ TEST(SpecDecode, SyntheticAcceptanceAcceptsAtTheAskedRate) {
   EXPECT_NEAR(len, 2.78, 0.5);  // drafts cut short near max_tokens pull it down a little
 }
 
-// ---------------------------------------------------------------- the engine, a draft on disk
-
-TEST(SpecDecodeEngine, GreedyMatchesTheReferenceAndCountsDrafts) {
+TEST(SpecDecode, SampledRequestsKeepTheTargetsJointDistribution) {
+  // The whole chain (drafts, rejection sampling per position, the bonus token, rollback, the
+  // next step's drafts) against the exact distribution: tokens 1-3 of a sampled request (top_k 4,
+  // temperature 1) over 6000 seeds, with drafts that are often wrong, vs the product of the
+  // model's processed next-token distributions p(t1) p(t2 | t1) p(t3 | t1, t2).
   auto m = model::M3Model::load(kModel);
   ASSERT_TRUE(m.has_value()) << m.error().message;
-  const std::string dir = ::testing::TempDir() + "/draft_engine";
-  testing::write_draft(dir, testing::shape_for((*m)->config()));
+  const int V = static_cast<int>((*m)->config().vocab_size);
+  const std::vector<int32_t> prompt = testing::random_prompt(10, 4242, V);
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.top_k = 4;
+  p.max_tokens = 4;  // tokens 1-3 are compared; the 4th lets the first verify take 2 drafts
+  auto dist = [&](const std::vector<int32_t>& ctx) {
+    runtime::SequenceRunner r(**m, static_cast<int64_t>(ctx.size()) + 1, 1);
+    const int s = r.add_sequence();
+    auto out = r.step({{s, ctx, false}});
+    std::vector<float> row(out.logits.begin(), out.logits.begin() + V);
+    std::vector<double> pr;
+    Sampler::prepare(row, p, ctx, {}, V);
+    Sampler::probs(row, p, V, &pr);
+    return pr;
+  };
+  // Exact joint over the top-k supports, and per context the drafts: the second most likely
+  // t2 given t1 (often rejected), then the most likely t3 after it.
+  std::map<std::vector<int32_t>, double> exact;
+  std::map<int32_t, std::vector<int32_t>> drafts_after;
+  auto ranked = [](const std::vector<double>& pr) {
+    std::vector<int32_t> idx;
+    for (int32_t t = 0; t < static_cast<int32_t>(pr.size()); ++t)
+      if (pr[t] > 0) idx.push_back(t);
+    std::sort(idx.begin(), idx.end(), [&](int32_t x, int32_t y) { return pr[x] > pr[y]; });
+    return idx;
+  };
+  const auto p1 = dist(prompt);
+  for (int32_t a = 0; a < V; ++a) {
+    if (p1[a] <= 0) continue;
+    auto c1 = prompt;
+    c1.push_back(a);
+    const auto p2 = dist(c1);
+    const int32_t d1 = ranked(p2)[1];
+    auto cd = c1;
+    cd.push_back(d1);
+    drafts_after[a] = {d1, ranked(dist(cd))[0]};
+    for (int32_t b = 0; b < V; ++b) {
+      if (p2[b] <= 0) continue;
+      auto c2 = c1;
+      c2.push_back(b);
+      const auto p3 = dist(c2);
+      for (int32_t c = 0; c < V; ++c)
+        if (p3[c] > 0) exact[{a, b, c}] = p1[a] * p2[b] * p3[c];
+    }
+  }
+  ASSERT_EQ(drafts_after.size(), 4u);
+  auto spec = random_spec(**m, 2, 512, ::testing::TempDir() + "/draft_joint");
+  ASSERT_NE(spec, nullptr);
+  spec->set_proposal_override(
+      [&](const std::vector<DraftSeq>& seqs, const std::vector<std::vector<int32_t>>& drafted) {
+        std::vector<std::vector<int32_t>> out = drafted;  // later steps: the random draft's
+        for (size_t i = 0; i < seqs.size(); ++i) {
+          // The step that sampled t1: its last verified position is the prompt's last (the
+          // prefix cache may have served the start of the prompt).
+          const size_t end = static_cast<size_t>(seqs[i].start_pos + seqs[i].num_valid);
+          if (end != prompt.size() || drafted[i].empty()) continue;
+          const auto& d = drafts_after.at(seqs[i].next_tokens.back());  // after t1
+          out[i].assign(d.begin(), d.begin() + std::min(d.size(), drafted[i].size()));
+        }
+        return out;
+      });
+  SpecDecoder* sd = spec.get();
+  Driver d(**m, std::move(spec), 512, 1024, /*prefix_caching=*/true, /*max_num_seqs=*/64);
+  const int n = 6000;
+  for (int i = 0; i < n; ++i) {
+    SamplingParams q = p;
+    q.seed = 1000 + i;
+    d.add(static_cast<uint64_t>(i + 1), prompt, q);
+  }
+  auto out = d.run();
+  std::map<std::vector<int32_t>, int64_t> counts;
+  for (const auto& [id, r] : out) {
+    ASSERT_EQ(r.tokens.size(), 4u);
+    const std::vector<int32_t> first3(r.tokens.begin(), r.tokens.begin() + 3);
+    ASSERT_TRUE(exact.count(first3)) << "a token outside the top-k support";
+    ++counts[first3];
+  }
+  EXPECT_GT(sd->stats().num_accepted_tokens, 0);
+  EXPECT_LT(sd->stats().num_accepted_tokens, sd->stats().num_draft_tokens);
+  // Pearson's chi-square over cells with >= 5 expected (the rest pooled into one cell).
+  double chi = 0, pooled_e = 0, pooled_o = 0;
+  int cells = 0;
+  for (const auto& [k, pr] : exact) {
+    const double e = pr * n;
+    const double o = counts.count(k) ? static_cast<double>(counts[k]) : 0.0;
+    if (e < 5) {
+      pooled_e += e;
+      pooled_o += o;
+      continue;
+    }
+    chi += (o - e) * (o - e) / e;
+    ++cells;
+  }
+  if (pooled_e > 0) {
+    chi += (pooled_o - pooled_e) * (pooled_o - pooled_e) / pooled_e;
+    ++cells;
+  }
+  // The 0.999 quantile of chi-square with df = cells - 1 (Wilson-Hilferty, z = 3.09): a correct
+  // sampler fails one time in a thousand; one that leans toward the drafts fails at once.
+  const double df = cells - 1, z = 3.09;
+  const double q999 = df * std::pow(1 - 2 / (9 * df) + z * std::sqrt(2 / (9 * df)), 3);
+  EXPECT_LT(chi, q999) << cells << " cells, " << sd->stats().num_accepted_tokens << " of "
+                       << sd->stats().num_draft_tokens << " drafts accepted";
+}
+
+// ---------------------------------------------------------------- the engine, a draft on disk
+
+class SpecDecodeEngineHeads : public ::testing::TestWithParam<int> {};
+
+TEST_P(SpecDecodeEngineHeads, GreedyMatchesTheReferenceAndCountsDrafts) {
+  // The draft head with GQA (2 KV heads of 4) and MHA (4 of 4), read from disk.
+  const int kv_heads = GetParam();
+  auto m = model::M3Model::load(kModel);
+  ASSERT_TRUE(m.has_value()) << m.error().message;
+  const std::string dir = ::testing::TempDir() + "/draft_engine_" + std::to_string(kv_heads);
+  auto shape = testing::shape_for((*m)->config());
+  shape.kv_heads = kv_heads;
+  testing::write_draft(dir, shape);
   EngineConfig cfg;
   cfg.model_dir = kModel;
   cfg.block_size = static_cast<int>((*m)->config().sparse_block_size);
@@ -421,7 +542,9 @@ TEST(SpecDecodeEngine, GreedyMatchesTheReferenceAndCountsDrafts) {
   ASSERT_TRUE(e.has_value()) << e.error().message;
   EXPECT_NE((*e)->model_info().speculative.find("eagle3 with 3 draft tokens"), std::string::npos)
       << (*e)->model_info().speculative;
-  EXPECT_NE((*e)->model_info().speculative.find("GQA"), std::string::npos);
+  EXPECT_NE((*e)->model_info().speculative.find(kv_heads == 4 ? "(MHA)" : "(GQA, 2 KV heads)"),
+            std::string::npos)
+      << (*e)->model_info().speculative;
   const int V = static_cast<int>((*m)->config().vocab_size);
   std::vector<std::shared_ptr<RequestStream>> streams;
   std::vector<std::vector<int32_t>> refs;
@@ -444,6 +567,8 @@ TEST(SpecDecodeEngine, GreedyMatchesTheReferenceAndCountsDrafts) {
   EXPECT_EQ(st.num_draft_tokens > 0, true);
   EXPECT_EQ(st.accepted_per_pos.size(), 3u);
 }
+
+INSTANTIATE_TEST_SUITE_P(GqaAndMha, SpecDecodeEngineHeads, ::testing::Values(2, 4));
 
 TEST(SpecDecodeEngine, TensorParallelCpuRanksGiveTheReferenceAndDataParallelIsRefused) {
   auto m = model::M3Model::load(kModel);
