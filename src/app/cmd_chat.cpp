@@ -53,6 +53,7 @@ int run_chat(const ChatArgs& args) {
   if (plan->kv_cache_dtype) a.device.kv_cache_dtype = *plan->kv_cache_dtype;
   if (plan->index_kv_dtype) a.device.index_kv_dtype = *plan->index_kv_dtype;
   if (plan->enforce_eager) a.device.enforce_eager = true;
+  const std::string quantization = plan->quantization;
   if (auto st = model::set_config_overrides(plan->hf_overrides); !st)
     return fail(st.error().message);
   if (!a.model_dir.empty()) {
@@ -82,6 +83,7 @@ int run_chat(const ChatArgs& args) {
   engine::EngineConfig ec;
   ec.model_dir = a.model_dir;
   ec.max_num_seqs = 1;
+  ec.quantization = quantization;
   ec.num_sampleable_tokens = (*tok)->vocab_size();
   ec.backend_factory = std::move(*backend_factory);
   ec.kv_cache_dtype = kv_format->kv;

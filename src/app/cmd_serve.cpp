@@ -388,6 +388,7 @@ int run_serve(ServeArgs a) {
   ec.num_sampleable_tokens = assets->tokenizer->vocab_size();  // never sample padding rows
   ec.backend_factory = std::move(*backend_factory);
   ec.language_model_only = a.language_model_only;
+  ec.quantization = plan->quantization;
   ec.kv_cache_dtype = kv_format->kv;
   ec.index_cache_dtype = kv_format->index;
   if (plan->kv_events) ec.kv_events = *plan->kv_events;

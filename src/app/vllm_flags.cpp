@@ -15,6 +15,8 @@
 #include <map>
 #include <span>
 
+#include "model/quantization.h"
+
 extern char** environ;
 
 namespace m3::app {
@@ -28,10 +30,6 @@ constexpr bool kBoth = false;
 constexpr std::string_view kWhyMm =
     "m3serve's image processor runs the MiniMax-M3 defaults (transformers' MiniMaxM3VL "
     "processor) and its decoders take no options: drop the flag";
-constexpr std::string_view kWhyQuant =
-    "quantized serving (fp8_per_channel, MXFP8 kept in FP8, NVFP4, MXFP4) is coming (issue #18); "
-    "today m3serve runs bf16 weights and reads MXFP8 checkpoints (dequantised to bf16 at load) "
-    "from their own config: drop --quantization";
 constexpr std::string_view kWhySpec =
     "EAGLE3 speculative decoding is coming (issue #19); today decoding runs the target model "
     "alone: drop --speculative-config";
@@ -179,7 +177,7 @@ const std::vector<VllmFlag> kTable = {
   {"--calculate-kv-scales", false, FlagKind::kNoop, "",
    "fp8 K/V scales are the checkpoint's (self_attn.k_scale / v_scale) or 1.0, as vLLM's "
    "default; m3serve does not measure them from the first batches", kBoth},
-  {"--quantization,-q", true, FlagKind::kComing, "none", kWhyQuant, kBoth},
+  {"--quantization,-q", true, FlagKind::kHandled, "", "", kBoth},
 
   // ---- speculative decoding ----
   {"--speculative-config", true, FlagKind::kComing, "", kWhySpec, kBoth},
@@ -950,6 +948,13 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       M3_TRY_STATUS(review_attention_config(value, plan));
     } else if (ln == "--kv-cache-dtype") {
       M3_TRY(plan.kv_cache_dtype, kv_dtype_value("--kv-cache-dtype", value));
+    } else if (ln == "--quantization") {
+      // Checked against the checkpoint's quantization_config when the model loads.
+      if (!model::is_quantization_value(value)) {
+        return bad(ln, "--quantization '" + value +
+                           "' is unknown; accepted: " + std::string(model::kQuantizationValues));
+      }
+      plan.quantization = value;
     } else if (ln == "--kv-events-config") {
       M3_TRY_STATUS(review_kv_events_config(value, plan));
     } else if (ln == "--kv-transfer-config") {

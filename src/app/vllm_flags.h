@@ -66,6 +66,8 @@ struct CompatPlan {
   // or "float32" (app/device_backend.h resolves auto per device).
   std::optional<std::string> kv_cache_dtype;
   std::optional<std::string> index_kv_dtype;
+  // --quantization as given (model/quantization.h; "" when absent), checked at model load.
+  std::string quantization;
   // --kv-events-config with enable_kv_cache_events and publisher "zmq" (else unset).
   std::optional<engine::KvEventsConfig> kv_events;
   // The host KV tier in bytes (--kv-transfer-config offloading, --kv-offloading-size); 0 off.

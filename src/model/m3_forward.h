@@ -283,6 +283,7 @@ class M3Forward {
   struct MoeLayer {
     kernels::MoeExpertWeights ew;
     std::vector<const void*> w1_of, w3_of, w2_of;  // scattered experts (host weights only)
+    std::vector<MatRef> mats;  // quantized experts: w1, w3, w2 per expert (host weights only)
     const float* bias = nullptr;
     std::vector<float> bias_f32;  // a bf16 bias widened (host weights only)
   };
@@ -303,8 +304,17 @@ class M3Forward {
     // weights) are read from the bases; others (a checkpoint read in place) by pointer arrays.
     const size_t per = static_cast<size_t>(ew.inter * ew.hidden) * dtype_size(ew.dtype);
     bool contiguous = true;
+    ew.quant = e0.quant;
     for (int64_t e = 0; e < ew.num_experts; ++e) {
       const ExpertWeights& E = L.experts[e];
+      M3_CHECK(E.w1.quant == ew.quant && E.w3.quant == ew.quant && E.w2.quant == ew.quant,
+               "MoE layer: expert %lld's format differs from expert 0's (%s)",
+               static_cast<long long>(e), kernels::weight_quant_name(ew.quant));
+      if (ew.quant != kernels::WeightQuant::kNone) {
+        m.mats.insert(m.mats.end(), {E.w1, E.w3, E.w2});
+        contiguous = false;
+        continue;
+      }
       M3_CHECK(E.w1.dtype == ew.dtype && E.w3.dtype == ew.dtype && E.w2.dtype == ew.dtype &&
                    E.w1.rows == ew.inter && E.w3.rows == ew.inter && E.w2.cols == ew.inter,
                "MoE layer: expert %lld differs from expert 0 in shape or dtype",
@@ -336,6 +346,7 @@ class M3Forward {
   kernels::MoeExpertWeights moe_weights(int64_t li, const float** bias) const {
     const MoeLayer& m = moe_[li];
     kernels::MoeExpertWeights ew = m.ew;
+    if (!m.mats.empty()) ew.mats_of = m.mats.data();
     if (!m.w1_of.empty()) {
       ew.w1_of = m.w1_of.data();
       ew.w3_of = m.w3_of.data();

@@ -182,8 +182,10 @@ const std::vector<RecipeCase> kRecipe = {
      "--tensor-parallel-size 8 --block-size 128 --attention-backend "
      "TRITON_ATTN --quantization fp8_per_channel",
      {"VLLM_ROCM_USE_AITER=1", "VLLM_ROCM_USE_AITER_MOE=0"},
-     "issue #18",
+     "",
      ""},
+    {"quantization_unknown", "--tensor-parallel-size 8 --quantization int3", {},
+     "--quantization 'int3' is unknown; accepted: none, fp8_per_channel, mxfp8", ""},
     {"fp8_kv", "--tensor-parallel-size 8 --block-size 128 --kv-cache-dtype fp8", {}, "", ""},
     {"max_len_128k",
      "--tensor-parallel-size 8 --block-size 128 --max-model-len 131072",
@@ -409,6 +411,11 @@ TEST(VllmFlags, HandledValues) {
   EXPECT_EQ(p.plan->hf_overrides, "{\"a\":{\"b\":1}}");
   EXPECT_EQ(p.plan->generation_overrides, "{\"top_k\":40}");
   EXPECT_TRUE(p.plan->log_requests);
+  EXPECT_EQ(p.plan->quantization, "");
+  // --quantization is kept for the model load (checked there against the checkpoint).
+  EXPECT_EQ(run({"--quantization", "fp8_per_channel"}).plan->quantization, "fp8_per_channel");
+  EXPECT_EQ(run({"-q", "MXFP8"}).plan->quantization, "MXFP8");
+  EXPECT_FALSE(run({"--quantization", "gptq"}).plan.has_value());
   EXPECT_FALSE(run({"--hf-overrides", "[1]"}).plan.has_value());
   EXPECT_FALSE(run({"--seed", "x"}).plan.has_value());
   EXPECT_EQ(run({"--max-logprobs", "50"}).plan->max_logprobs.value_or(0), 50);
