@@ -304,12 +304,16 @@ class M3Forward {
     // weights) are read from the bases; others (a checkpoint read in place) by pointer arrays.
     const size_t per = static_cast<size_t>(ew.inter * ew.hidden) * dtype_size(ew.dtype);
     bool contiguous = true;
-    ew.quant = e0.quant;
+    // Quantized experts (host weights only) go by views; a projection may differ in format from
+    // the others (a shard's column slice off the block grid is dequantised to f32).
+    const ExpertWeights& E0 = L.experts[0];
+    for (const MatRef* p : {&E0.w1, &E0.w3, &E0.w2})
+      if (p->quantized()) ew.quant = p->quant;
     for (int64_t e = 0; e < ew.num_experts; ++e) {
       const ExpertWeights& E = L.experts[e];
-      M3_CHECK(E.w1.quant == ew.quant && E.w3.quant == ew.quant && E.w2.quant == ew.quant,
-               "MoE layer: expert %lld's format differs from expert 0's (%s)",
-               static_cast<long long>(e), kernels::weight_quant_name(ew.quant));
+      M3_CHECK(E.w1.quant == E0.w1.quant && E.w3.quant == E0.w3.quant && E.w2.quant == E0.w2.quant,
+               "MoE layer: expert %lld's formats differ from expert 0's",
+               static_cast<long long>(e));
       if (ew.quant != kernels::WeightQuant::kNone) {
         m.mats.insert(m.mats.end(), {E.w1, E.w3, E.w2});
         contiguous = false;

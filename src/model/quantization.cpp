@@ -81,9 +81,8 @@ Result<QuantPlan> resolve_quantization(const std::string& flag, const Checkpoint
   QuantPlan plan;
   plan.checkpoint = ckpt;
   const std::string v = lower(flag);
-  const std::string declared =
-      ckpt.method.empty() ? std::string("none (a bf16 checkpoint)")
-                          : "'" + ckpt.method + "' (" + ckpt.source + ")";
+  const std::string declared = ckpt.method.empty() ? std::string("none (a bf16 checkpoint)")
+                                                   : "'" + ckpt.method + "' (" + ckpt.source + ")";
   if (!known_method(ckpt.method)) {
     return make_error(ErrorCode::kUnsupported,
                       "the checkpoint's quantization method '" + ckpt.method + "' (" + ckpt.source +
@@ -106,10 +105,10 @@ Result<QuantPlan> resolve_quantization(const std::string& flag, const Checkpoint
   }
   const std::vector<std::string> methods = methods_of_flag(v);
   if (methods.empty()) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "--quantization '" + flag + "' is unknown; accepted: " +
-                          std::string(kQuantizationValues),
-                      "--quantization");
+    return make_error(
+        ErrorCode::kInvalidArgument,
+        "--quantization '" + flag + "' is unknown; accepted: " + std::string(kQuantizationValues),
+        "--quantization");
   }
   if (std::find(methods.begin(), methods.end(), ckpt.method) == methods.end()) {
     std::string fix = ckpt.method.empty()

@@ -15,6 +15,11 @@ real tensor names, dtypes, scale shapes and quantization_config of the published
              `weight_scale` [out, ceil(in/32)]), the rest bf16; quant_method quark.
   mxfp4-ct   compressed-tensors: routed experts MXFP4 as `weight_packed` + `weight_scale`, the
              other linears MXFP8 (as in the MXFP8 checkpoint); quant_method compressed-tensors.
+  fp8-channel  what `--quantization fp8_per_channel` makes at load (every linear, e4m3 with one
+             f32 scale per output row: scale = amax_row / 448 in float32, 1 for a zero row,
+             codes e4m3(w / scale)): only its --dequant-out reference is meaningful (m3serve
+             quantizes the bf16 checkpoint itself); OUT gets compressed-tensors' per-channel fp8
+             form (F8_E4M3 `weight` + F32 `weight_scale` [out, 1]).
 
 Scale rules (no value saturates):
   E8M0 block exponent  e = clamp(ceil(log2(amax / emax)), -127, 127), stored e + 127, with emax
@@ -44,7 +49,7 @@ import sys
 
 import numpy as np
 
-FORMATS = ("mxfp8", "nvfp4", "mxfp4", "mxfp4-ct")
+FORMATS = ("mxfp8", "nvfp4", "mxfp4", "mxfp4-ct", "fp8-channel")
 
 # ---- safetensors by hand ----
 
@@ -183,6 +188,14 @@ def quant_mx(w, elem):
     return q, s, deq
 
 
+def quant_fp8_channel(w):
+    """(codes, f32 scales [rows, 1], dequantised f32)."""
+    amax = np.abs(w).max(axis=1).astype(np.float32)
+    sc = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)[:, None]
+    q = to_e4m3((w / sc).astype(np.float32))
+    return q, sc, (e4m3_to_f32(q) * sc).astype(np.float32)
+
+
 def quant_nvfp4(w):
     """(packed codes, fp8 block scales, global scale, dequantised f32)."""
     rows, cols = w.shape
@@ -227,10 +240,17 @@ def kind_of(name, fmt):
         return "nvfp4" if expert else "mxfp8"
     if fmt == "mxfp4":
         return "mxfp4" if expert else None
+    if fmt == "fp8-channel":
+        return "fp8-channel"
     return "mxfp4-ct" if expert else "mxfp8"
 
 
 def quant_config(fmt, names, root):
+    if fmt == "fp8-channel":
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}},
+                "ignore": [root + "lm_head", root + "model.embed_tokens"]}
     ignored = [root + "lm_head", root + "model.embed_tokens", "vision_tower", "multi_modal_projector",
                "patch_merge_mlp"] + sorted(
         {n[: -len(".weight")] for n in names if n.endswith("block_sparse_moe.gate.weight")})
@@ -295,6 +315,10 @@ def main():
             q, s, deq = quant_mx(w, "e4m3")
             out[name] = ("F8_E4M3", shape, q.tobytes())
             out[name + "_scale_inv"] = ("U8", list(s.shape), s.tobytes())
+        elif kind == "fp8-channel":
+            q, sc, deq = quant_fp8_channel(w)
+            out[name] = ("F8_E4M3", shape, q.tobytes())
+            out[base + ".weight_scale"] = ("F32", list(sc.shape), sc.tobytes())
         elif kind in ("mxfp4", "mxfp4-ct"):
             q, s, deq = quant_mx(w, "e2m1")
             p = pack_e2m1(q)
