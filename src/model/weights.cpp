@@ -80,8 +80,16 @@ class Loader {
     }
     if (t && t->dtype == DType::kF8E4M3) return fp8_matrix(*t, base, rows, cols);
     if (t && t->dtype == DType::kU8) return fp4_matrix(*t, base, rows, cols);
-    M3_TRY(const TensorInfo* ti,
-           ckpt_.get(name, {rows, cols}, {DType::kBF16, DType::kF32, DType::kF16}));
+    auto got = ckpt_.get(name, {rows, cols}, {DType::kBF16, DType::kF32, DType::kF16});
+    if (!got) {
+      Error e = got.error();
+      if (e.code == ErrorCode::kNotFound)
+        e.message +=
+            ", or quantized (F8_E4M3 with its scales, or packed E2M1 codes: "
+            "docs/QUANTIZATION.md)";
+      return tl::unexpected(std::move(e));
+    }
+    const TensorInfo* ti = *got;
     MatRef m{ti->data, ti->dtype, rows, cols};
     if (ti->dtype == DType::kF16) {
       auto& buf = w_.owned_f32.emplace_back(rows * cols);

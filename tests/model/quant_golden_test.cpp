@@ -219,7 +219,8 @@ class QuantLoad : public ::testing::Test {
     tensors_.clear();
     for (const std::string& n : ck->names()) {
       const TensorInfo* t = ck->find(n);
-      tensors_[n] = RawTensor{t->dtype, t->shape, std::vector<uint8_t>(t->data, t->data + t->nbytes)};
+      tensors_[n] =
+          RawTensor{t->dtype, t->shape, std::vector<uint8_t>(t->data, t->data + t->nbytes)};
     }
     cfg_ = golden::read_json(fs::path(src_) / "config.json");
     dir_ = fixture_root() + "/rewritten_" + fmt;
