@@ -129,6 +129,16 @@ Result<std::unique_ptr<M3Model>> M3Model::load(const std::string& model_dir,
                             "are generated on the GPU in bf16: drop --quantization",
                         "--quantization");
     }
+    if (spec.weights != kernels::WeightQuant::kNone) {
+      return make_error(ErrorCode::kUnsupported,
+                        "--model " + model_dir +
+                            ": synthetic weights=" + kernels::weight_quant_name(spec.weights) +
+                            " cannot be served yet: the GPU backend has no FP8/FP4 kernels "
+                            "(docs/QUANTIZATION.md); use weights=bf16 (its sizes are in `m3serve "
+                            "plan --model " +
+                            model_dir + "`)",
+                        "--model");
+    }
     return config_only(synthetic_m3_config(spec.layers));
   }
   M3_TRY(M3Config cfg, load_config(model_dir));

@@ -28,8 +28,8 @@ TEST(E2m1, ValuesRoundingAndSaturation) {
   }
   // Ties go to the even code: 0.25 -> 0, 0.75 -> 1 (code 2), 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
   // 3.5 -> 4, 5 -> 4; off-tie values to the nearest; above 6 saturates.
-  const std::pair<float, float> cases[] = {{0.25f, 0.f}, {0.75f, 1.f}, {1.25f, 1.f}, {1.75f, 2.f},
-                                           {2.5f, 2.f},  {3.5f, 4.f},  {5.f, 4.f},   {5.01f, 6.f},
+  const std::pair<float, float> cases[] = {{0.25f, 0.f},  {0.75f, 1.f}, {1.25f, 1.f}, {1.75f, 2.f},
+                                           {2.5f, 2.f},   {3.5f, 4.f},  {5.f, 4.f},   {5.01f, 6.f},
                                            {0.26f, 0.5f}, {100.f, 6.f}, {-2.6f, -3.f}};
   for (auto [in, want] : cases) EXPECT_EQ(e2m1_to_f32(f32_to_e2m1(in)), want) << in;
 }
@@ -56,7 +56,8 @@ QMat make(WeightQuant q, int64_t rows, int64_t cols, std::mt19937& g) {
   r.m.dtype = weight_quant_is_4bit(q) ? DType::kU8 : DType::kF8E4M3;
   r.data.resize(static_cast<size_t>(rows * r.m.row_bytes()));
   std::uniform_int_distribution<int> byte(0, 255), e8(118, 134), s8(0x18, 0x58);
-  for (auto& b : r.data) b = weight_quant_is_4bit(q) ? static_cast<uint8_t>(byte(g)) : random_fp8(g);
+  for (auto& b : r.data)
+    b = weight_quant_is_4bit(q) ? static_cast<uint8_t>(byte(g)) : random_fp8(g);
   r.scale.resize(static_cast<size_t>(rows * r.m.scale_row_bytes()));
   if (q == WeightQuant::kFp8Channel) {
     std::uniform_real_distribution<float> u(0.001f, 0.05f);
@@ -207,8 +208,7 @@ TEST(QuantWeights, MoeExpertsOverQuantizedViewsEqualTheirDequantisation) {
     std::vector<float> a(static_cast<size_t>(n * hidden)), b(a.size());
     moe_experts(x.data(), n, ids.data(), wts.data(), k, wq, act, nullptr, a.data());
     moe_experts(x.data(), n, ids.data(), wts.data(), k, wd, act, nullptr, b.data());
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
-        << weight_quant_name(q);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << weight_quant_name(q);
     double norm = 0;
     for (float v : a) norm += std::fabs(v);
     EXPECT_GT(norm, 0.0) << weight_quant_name(q);
