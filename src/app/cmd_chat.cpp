@@ -21,6 +21,7 @@
 #include "app/vllm_flags.h"
 #include "engine/engine.h"
 #include "model/config_overrides.h"
+#include "model/quantization.h"
 #include "text/chat_output_parser.h"
 #include "text/chat_template.h"
 #include "text/detokenizer.h"
@@ -70,6 +71,11 @@ int run_chat(const ChatArgs& args) {
   if (!mode) return fail(mode.error().message);
   auto choice = resolve_model(a.model_dir, a.tokenizer, a.device.device, find_demo_model());
   if (!choice) return fail(choice.error().message);
+  if (!model::is_synthetic_model(a.model_dir)) {
+    // --quantization against the checkpoint's declaration, before anything is loaded.
+    auto q = model::resolve_quantization(quantization, model::read_checkpoint_quant(a.model_dir));
+    if (!q) return fail(q.error().message);
+  }
   auto backend_factory =  // probes the GPU for cuda
       make_backend_factory(a.device, 0, 0, choice->spec.seed);
   if (!backend_factory) return fail(backend_factory.error().message);

@@ -31,6 +31,7 @@
 #include "engine/engine.h"
 #include "model/config.h"
 #include "model/config_overrides.h"
+#include "model/quantization.h"
 #include "server/http_server.h"
 
 namespace m3::app {
@@ -300,6 +301,12 @@ int run_serve(ServeArgs a) {
   if (a.port < 0 || a.port > 65535) return fail("--port must be in 0..65535");
   auto kv_bytes = parse_bytes(a.kv_cache_memory_bytes);
   if (!kv_bytes) return fail(kv_bytes.error().message);
+  if (!model::is_synthetic_model(a.model_dir)) {
+    // --quantization against the checkpoint's declaration, before anything is loaded.
+    auto q =
+        model::resolve_quantization(plan->quantization, model::read_checkpoint_quant(a.model_dir));
+    if (!q) return fail(q.error().message);
+  }
   auto backend_factory =  // probes the GPU for cuda
       make_backend_factory(a.device, *kv_bytes, *max_model_len, choice->spec.seed);
   if (!backend_factory) return fail(backend_factory.error().message);
