@@ -27,13 +27,13 @@ using m3::gpu::DeviceBuffer;
 using m3::kernels::MatRef;
 using m3::kernels::WeightQuant;
 
-#define CUBLAS_CHECK(x)                                                      \
-  do {                                                                       \
-    cublasStatus_t s_ = (x);                                                 \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                       \
+#define CUBLAS_CHECK(x)                                                           \
+  do {                                                                            \
+    cublasStatus_t s_ = (x);                                                      \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                            \
       std::fprintf(stderr, "cuBLAS error %d at %s:%d\n", s_, __FILE__, __LINE__); \
-      std::exit(1);                                                          \
-    }                                                                        \
+      std::exit(1);                                                               \
+    }                                                                             \
   } while (0)
 
 struct Shape {
@@ -54,7 +54,8 @@ Copies make_copies(WeightQuant q, int64_t m, int64_t k, std::mt19937& g) {
   proto.quant = q;
   proto.dtype = m3::kernels::weight_quant_is_4bit(q) ? m3::DType::kU8 : m3::DType::kF8E4M3;
   proto.global_scale = q == WeightQuant::kNvfp4 ? 0.01f : 1.f;
-  std::vector<uint8_t> d(static_cast<size_t>(proto.data_bytes())), s(static_cast<size_t>(proto.scale_bytes()));
+  std::vector<uint8_t> d(static_cast<size_t>(proto.data_bytes())),
+      s(static_cast<size_t>(proto.scale_bytes()));
   std::uniform_int_distribution<int> byte(0, 255);
   for (auto& b : d) {
     b = static_cast<uint8_t>(byte(g));
@@ -157,8 +158,8 @@ int main(int argc, char** argv) {
                                      {"dense gate [12288, 6144]", 12288, 6144}};
   const WeightQuant formats[] = {WeightQuant::kFp8Channel, WeightQuant::kMxfp8, WeightQuant::kNvfp4,
                                  WeightQuant::kMxfp4};
-  const std::vector<int64_t> decode_n = quick ? std::vector<int64_t>{1, 4}
-                                              : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64};
+  const std::vector<int64_t> decode_n =
+      quick ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64};
   const std::vector<int64_t> prefill_n =
       quick ? std::vector<int64_t>{64, 1024} : std::vector<int64_t>{16, 64, 256, 1024, 4096};
   const int64_t max_n = 4096;
@@ -191,9 +192,10 @@ int main(int argc, char** argv) {
                                 static_cast<int>(sh.k), &zero, y.data(), CUDA_R_32F,
                                 static_cast<int>(sh.m), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
-    std::printf("### %s\n\nDecode GEMV (weights read from HBM; GB/s of the format's own bytes, "
-                "codes + scales; %% of the copy bandwidth):\n\n",
-                sh.name);
+    std::printf(
+        "### %s\n\nDecode GEMV (weights read from HBM; GB/s of the format's own bytes, "
+        "codes + scales; %% of the copy bandwidth):\n\n",
+        sh.name);
     std::printf("| n | cuBLAS bf16 us | GB/s |");
     for (WeightQuant q : formats) std::printf(" %s us | GB/s | %% copy |", fmt_name(q));
     std::printf("\n|---|---|---|");
@@ -218,10 +220,11 @@ int main(int argc, char** argv) {
       std::printf("\n");
     }
     std::fflush(stdout);
-    std::printf("\nPrefill: dequantize_bf16 into a scratch + cuBLAS bf16 GEMM, against cuBLAS bf16 "
-                "on bf16 weights and cuBLASLt's plain FP8 GEMM (e4m3 weights and activations, "
-                "bf16 out; TFLOP/s = 2 m k n / time):\n\n| n | cuBLAS bf16 TFLOP/s | cuBLASLt "
-                "fp8 TFLOP/s |");
+    std::printf(
+        "\nPrefill: dequantize_bf16 into a scratch + cuBLAS bf16 GEMM, against cuBLAS bf16 "
+        "on bf16 weights and cuBLASLt's plain FP8 GEMM (e4m3 weights and activations, "
+        "bf16 out; TFLOP/s = 2 m k n / time):\n\n| n | cuBLAS bf16 TFLOP/s | cuBLASLt "
+        "fp8 TFLOP/s |");
     for (WeightQuant q : formats) std::printf(" %s dequant us | total TFLOP/s |", fmt_name(q));
     std::printf("\n|---|---|---|");
     for (size_t i = 0; i < 4; ++i) std::printf("---|---|");
@@ -233,9 +236,9 @@ int main(int argc, char** argv) {
       // The fp8 weights of the copies (each copy's codes are a valid e4m3 matrix).
       const double t8 = lt_fp8_ms(lt, stream, copies[1].mats[0].data, x8.data(), d16.data(), sh.m,
                                   n, sh.k, ws.data(), ws_bytes);
-      std::printf("| %lld | %.0f | %s |", static_cast<long long>(n), flop / (tb * 1e-3) / 1e12,
-                  t8 > 0 ? std::to_string(static_cast<int>(flop / (t8 * 1e-3) / 1e12)).c_str()
-                         : "n/a");
+      std::printf(
+          "| %lld | %.0f | %s |", static_cast<long long>(n), flop / (tb * 1e-3) / 1e12,
+          t8 > 0 ? std::to_string(static_cast<int>(flop / (t8 * 1e-3) / 1e12)).c_str() : "n/a");
       for (size_t f = 0; f < 4; ++f) {
         const Copies& c = copies[f];
         int j = 0;

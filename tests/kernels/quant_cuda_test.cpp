@@ -46,7 +46,8 @@ HostQ make(WeightQuant q, int64_t rows, int64_t cols, std::mt19937& g) {
   h.m.dtype = weight_quant_is_4bit(q) ? DType::kU8 : DType::kF8E4M3;
   h.data.resize(static_cast<size_t>(rows * h.m.row_bytes()));
   std::uniform_int_distribution<int> byte(0, 255), e8(118, 134), s8(0x18, 0x58);
-  for (auto& b : h.data) b = weight_quant_is_4bit(q) ? static_cast<uint8_t>(byte(g)) : random_fp8(g);
+  for (auto& b : h.data)
+    b = weight_quant_is_4bit(q) ? static_cast<uint8_t>(byte(g)) : random_fp8(g);
   h.scale.resize(static_cast<size_t>(rows * h.m.scale_row_bytes()));
   if (q == WeightQuant::kFp8Channel) {
     std::uniform_real_distribution<float> u(0.001f, 0.05f);
@@ -98,8 +99,8 @@ TEST(QuantCuda, GemvMatchesTheCpuLinear) {
             const double tol = 4 * k * kU * mag + 1e-30;
             if (std::fabs(got[t * m + r] - want[t * m + r]) > tol && ++bad <= 3) {
               ADD_FAILURE() << weight_quant_name(q) << " m " << m << " k " << k << " n " << n
-                            << " row " << r << " token " << t << ": " << got[t * m + r]
-                            << " vs " << want[t * m + r] << " (tol " << tol << ")";
+                            << " row " << r << " token " << t << ": " << got[t * m + r] << " vs "
+                            << want[t * m + r] << " (tol " << tol << ")";
             }
           }
         }

@@ -329,6 +329,24 @@ TEST_F(QuantLoad, EachFormatIsHeldInItsOwnBytes) {
   EXPECT_LT(static_cast<double>(lin_now), 0.56 * static_cast<double>(fw.online_source_bytes));
 }
 
+TEST_F(QuantLoad, PerChannelFp8CheckpointEqualsTheOnlineQuantization) {
+  // compressed-tensors' per-channel fp8 form (F8_E4M3 weight + F32 weight_scale [out, 1]), made
+  // by the script's rule, holds exactly what --quantization fp8_per_channel makes at load.
+  auto stored = load(fixture("msa_small_blocks", "fp8-channel", false));
+  auto online = load(golden::root() + "/msa_small_blocks", "fp8_per_channel");
+  ASSERT_TRUE(stored && online);
+  EXPECT_EQ(stored->weights().num_quantized[static_cast<size_t>(WeightQuant::kFp8Channel)], 113u);
+  const MatRef& a = stored->weights().layers[3].experts[2].w1;
+  const MatRef& b = online->weights().layers[3].experts[2].w1;
+  ASSERT_EQ(a.quant, WeightQuant::kFp8Channel);
+  EXPECT_EQ(std::memcmp(a.data, b.data, static_cast<size_t>(a.data_bytes())), 0);
+  EXPECT_EQ(std::memcmp(a.scale, b.scale, static_cast<size_t>(a.scale_bytes())), 0);
+  const std::vector<int32_t> ids = {5, 17, 300, 2, 9, 44, 1000, 3};
+  const auto la = prompt_logits(*stored, ids), lb = prompt_logits(*online, ids);
+  ASSERT_EQ(la.size(), lb.size());
+  EXPECT_EQ(std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)), 0);
+}
+
 TEST_F(QuantLoad, ScalesOfTheWrongShapeOrDtypeNameTheTensorAndBothShapes) {
   open("mxfp8");
   const std::string s = kL2 + "self_attn.o_proj.weight_scale_inv";

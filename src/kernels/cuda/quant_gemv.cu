@@ -39,8 +39,8 @@ constexpr int rows_per_cta() {
 __device__ __forceinline__ float e2m1(uint32_t c) {
   // Magnitude code c & 7 = (e, m): 0 -> 0, 1 -> 0.5, else (1 + m / 2) * 2^(e - 1).
   const uint32_t mag = c & 7u, e = mag >> 1, m = mag & 1u;
-  const float v = mag < 2 ? 0.5f * static_cast<float>(mag)
-                          : __uint_as_float(((126u + e) << 23) | (m << 22));
+  const float v =
+      mag < 2 ? 0.5f * static_cast<float>(mag) : __uint_as_float(((126u + e) << 23) | (m << 22));
   return (c & 8u) ? -v : v;
 }
 
@@ -162,8 +162,8 @@ __global__ void __launch_bounds__(kThreads) gemv_quant_kernel(Args a) {
     float xv[NT][16];
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      const float4* xp = reinterpret_cast<const float4*>(
-          a.x + (a.t0 + (t < a.nt ? t : 0)) * a.k + u * 16);  // a missing token reads token 0
+      const float4* xp = reinterpret_cast<const float4*>(a.x + (a.t0 + (t < a.nt ? t : 0)) * a.k +
+                                                         u * 16);  // a missing token reads token 0
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float4 v = __ldg(xp + i);
@@ -282,11 +282,11 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_group_kernel(Args a) {
       const int64_t c = c0 + static_cast<int64_t>(j) * kWarps;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        raw[j][r] = (c < chunks && r0 + r < a.m)
-                        ? __ldg(reinterpret_cast<const Raw*>(a.w + (r0 + r) * a.row_bytes +
-                                                             c * 32 * B) +
-                                lane)
-                        : Raw{};
+        raw[j][r] =
+            (c < chunks && r0 + r < a.m)
+                ? __ldg(reinterpret_cast<const Raw*>(a.w + (r0 + r) * a.row_bytes + c * 32 * B) +
+                        lane)
+                : Raw{};
       }
     }
 #pragma unroll
@@ -297,7 +297,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_group_kernel(Args a) {
       float4 xv[NT];
 #pragma unroll
       for (int t = 0; t < NT; ++t)
-        xv[t] = __ldg(reinterpret_cast<const float4*>(a.x + (a.t0 + (t < a.nt ? t : 0)) * a.k + e0));
+        xv[t] =
+            __ldg(reinterpret_cast<const float4*>(a.x + (a.t0 + (t < a.nt ? t : 0)) * a.k + e0));
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float f[4];
