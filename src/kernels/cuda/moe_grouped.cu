@@ -1,9 +1,10 @@
-// The grouped expert GEMMs (moe_grouped.cuh). Layout of one CTA (256 threads, 8 warps as 2 x 4):
+// The grouped expert GEMMs (moe_grouped.cuh). Layout of one CTA (128 threads, 4 warps as 2 x 2):
 // smem holds per stage an A tile [BM][64] (positions x K) and a B tile [128][64] (weight rows x
 // K), both bf16 with K contiguous, 16-byte chunks swizzled by row so ldmatrix reads are free of
-// bank conflicts. Warp (wm, wn) owns BM/2 rows and four n8 column tiles: for the down projection
-// B rows [32 wn, 32 wn + 32); for gate|up the gate rows [16 wn, 16 wn + 16) (tiles 0, 1) and the
-// same up rows [64 + 16 wn, ...) (tiles 2, 3), so tile j and j + 2 hold the same output element.
+// bank conflicts. Warp (wm, wn) owns BM/2 rows and eight n8 column tiles (64 x 64 at BM = 128, so
+// each ldmatrix feeds 4-8 MMAs): for the down projection B rows [64 wn, 64 wn + 64); for gate|up
+// the gate rows [32 wn, 32 wn + 32) (tiles 0-3) and the same up rows [64 + 32 wn, ...) (tiles
+// 4-7), so tile j and j + 4 hold the same output element.
 #include <algorithm>
 #include <atomic>
 
@@ -20,7 +21,7 @@ namespace {
 
 using detail::ceil_div;
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 128;
 constexpr int kBK = 64;   // K per stage: 8 chunks of 8 bf16 (128-byte rows)
 constexpr int kBN = 128;  // weight rows per CTA
 // Pipeline depth: 96 KiB of stages either way, so two CTAs fit on an SM.
@@ -44,14 +45,16 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n)
                : "memory");
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1,
-                                            uint32_t& r2, uint32_t& r3) {
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                            uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
@@ -66,92 +69,79 @@ __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b
 }
 
 struct Args {
-  const uint16_t* a;         // activations, rows of K
-  const int32_t* a_rows;     // position -> row of `a` (null: the position itself)
-  const uint16_t* b0;        // expert 0's first matrix (w1 or w2), [N, K] per expert
-  const uint16_t* b1;        // expert 0's second matrix (w3; gate|up only)
-  int64_t b_stride;          // elements between experts
-  int n, k;                  // output columns (weight rows) and reduction length
+  const uint16_t* a;      // activations, rows of K
+  const int32_t* a_rows;  // position -> row of `a` (null: the position itself)
+  const uint16_t* b0;     // expert 0's first matrix (w1 or w2), [N, K] per expert
+  const uint16_t* b1;     // expert 0's second matrix (w3; gate|up only)
+  int64_t b_stride;       // elements between experts
+  int n, k;               // output columns (weight rows) and reduction length
   const Tile* tiles;
   const int32_t* num_tiles;
-  void* out;                 // [P, n]: bf16 act (gate|up) or f32 ye (down)
+  void* out;  // [P, n]: bf16 act (gate|up) or f32 ye (down)
   SwigluParams act;
 };
 
 template <int BM, bool kGateUp>
 __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(Args p) {
   constexpr int MI = BM / 32;  // m16 tiles per warp (warp rows BM / 2)
+  constexpr int NJ = 8;        // n8 tiles per warp (warp columns 64)
   constexpr int kStages = stages<BM>();
   const int t = blockIdx.y;
   if (t >= *p.num_tiles) return;
   const Tile tile = p.tiles[t];
   extern __shared__ __align__(128) uint16_t smem[];
-  uint16_t* As = smem;                          // [kStages][BM][kBK]
-  uint16_t* Bs = smem + kStages * BM * kBK;     // [kStages][kBN][kBK]
+  uint16_t* As = smem;                       // [kStages][BM][kBK]
+  uint16_t* Bs = smem + kStages * BM * kBK;  // [kStages][kBN][kBK]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp >> 2, wn = warp & 3;
+  const int wm = warp >> 1, wn = warp & 1;
   // Output columns of this CTA: gate|up 64 (gate rows c0.., up rows c0..), down 128.
   const int c0 = blockIdx.x * (kGateUp ? kBN / 2 : kBN);
   const int64_t e = tile.expert;
 
-  // This thread's loads per stage: A chunks (row, chunk) for i < BM * 8 / kThreads, B the same
-  // for 1024 chunks (4 per thread). The source rows are fixed for the whole K loop.
-  constexpr int kAL = BM * 8 / kThreads, kBL = kBN * 8 / kThreads;
-  const uint16_t* a_src[kAL];
-  bool a_ok[kAL];
-  int a_dst[kAL];
+  // This thread's loads per stage: chunk lc of rows lr + 16 i (A: i < BM / 16, B: i < 8). The
+  // source rows are fixed for the whole K loop.
+  constexpr int kAL = BM / 16, kBL = kBN / 16;
+  const int lc = tid & 7, lr = tid >> 3;
+  int64_t a_off[kAL];  // element offset of the row's chunk in `a`, -1: past the tile
 #pragma unroll
   for (int i = 0; i < kAL; ++i) {
-    const int idx = tid + i * kThreads, row = idx >> 3, c = idx & 7;
-    const int pos = tile.row_begin + row;
-    a_ok[i] = pos < tile.row_end;
-    const int64_t src_row = a_ok[i] ? (p.a_rows ? p.a_rows[pos] : pos) : 0;
-    a_src[i] = p.a + src_row * p.k + c * 8;
-    a_dst[i] = swz(row, c);
+    const int pos = tile.row_begin + lr + 16 * i;
+    a_off[i] = pos < tile.row_end
+                   ? static_cast<int64_t>(p.a_rows ? p.a_rows[pos] : pos) * p.k + lc * 8
+                   : -1;
   }
-  const uint16_t* b_src[kBL];
-  bool b_ok[kBL];
-  int b_dst[kBL];
+  int64_t b_off[kBL];  // element offset from expert e's matrix base, -1: past N
+  const uint16_t* b_base0 = p.b0 + e * p.b_stride;
+  const uint16_t* b_base1 = kGateUp ? p.b1 + e * p.b_stride : b_base0;
 #pragma unroll
   for (int i = 0; i < kBL; ++i) {
-    const int idx = tid + i * kThreads, row = idx >> 3, c = idx & 7;
-    int wrow;
-    const uint16_t* base;
-    if (kGateUp) {
-      wrow = c0 + (row & 63);
-      base = row < 64 ? p.b0 : p.b1;
-    } else {
-      wrow = c0 + row;
-      base = p.b0;
-    }
-    b_ok[i] = wrow < p.n;
-    b_src[i] = base + e * p.b_stride + static_cast<int64_t>(b_ok[i] ? wrow : 0) * p.k + c * 8;
-    b_dst[i] = swz(row, c);
+    const int wrow = c0 + lr + 16 * (kGateUp ? (i & 3) : i);
+    b_off[i] = wrow < p.n ? static_cast<int64_t>(wrow) * p.k + lc * 8 : -1;
   }
   const int ktiles = (p.k + kBK - 1) / kBK;
   auto load_stage = [&](int stage, int kt) {
     const int k0 = kt * kBK;
+    const bool k_ok = k0 + lc * 8 < p.k;
     uint16_t* as = As + stage * BM * kBK;
     uint16_t* bs = Bs + stage * kBN * kBK;
 #pragma unroll
     for (int i = 0; i < kAL; ++i) {
-      const int kc = k0 + ((tid + i * kThreads) & 7) * 8;
-      const bool ok = a_ok[i] && kc < p.k;
-      cp_async16(smem_addr(as + a_dst[i]), ok ? a_src[i] + k0 : p.a, ok);
+      const bool ok = k_ok && a_off[i] >= 0;
+      cp_async16(smem_addr(as + swz(lr + 16 * i, lc)), ok ? p.a + a_off[i] + k0 : p.a, ok);
     }
 #pragma unroll
     for (int i = 0; i < kBL; ++i) {
-      const int kc = k0 + ((tid + i * kThreads) & 7) * 8;
-      const bool ok = b_ok[i] && kc < p.k;
-      cp_async16(smem_addr(bs + b_dst[i]), ok ? b_src[i] + k0 : p.b0, ok);
+      const bool ok = k_ok && b_off[i] >= 0;
+      const uint16_t* base = (kGateUp && i >= 4) ? b_base1 : b_base0;
+      cp_async16(smem_addr(bs + swz(lr + 16 * i, lc)), ok ? base + b_off[i] + k0 : p.b0, ok);
     }
   };
 
-  float acc[MI][4][4];
+  float acc[MI][NJ][4];
 #pragma unroll
   for (int i = 0; i < MI; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
 
@@ -183,18 +173,19 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(Args p) {
         ldmatrix_x4(smem_addr(as + swz(row, kk * 2 + a_chunk)), af[i][0], af[i][1], af[i][2],
                     af[i][3]);
       }
-      uint32_t bf[4][2];
+      uint32_t bf[NJ][2];
 #pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int base = kGateUp ? q * 64 + wn * 16 : wn * 32 + q * 16;
-        const int row = base + b_row;
-        ldmatrix_x4(smem_addr(bs + swz(row, kk * 2 + b_chunk)), bf[2 * q][0], bf[2 * q][1],
+      for (int q = 0; q < NJ / 2; ++q) {
+        // gate|up: pairs 0, 1 gate rows 32 wn + 16 q, pairs 2, 3 the same up rows (+ 64);
+        // down: rows 64 wn + 16 q.
+        const int base = kGateUp ? (q >> 1) * 64 + wn * 32 + (q & 1) * 16 : wn * 64 + q * 16;
+        ldmatrix_x4(smem_addr(bs + swz(base + b_row, kk * 2 + b_chunk)), bf[2 * q][0], bf[2 * q][1],
                     bf[2 * q + 1][0], bf[2 * q + 1][1]);
       }
 #pragma unroll
       for (int i = 0; i < MI; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mma_bf16(acc[i][j], af[i], bf[j][0], bf[j][1]);
+        for (int j = 0; j < NJ; ++j) mma_bf16(acc[i][j], af[i], bf[j][0], bf[j][1]);
     }
   }
   cp_wait<0>();
@@ -210,20 +201,21 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(Args p) {
       if (kGateUp) {
         __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<int64_t>(pos) * p.n;
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int col = c0 + wn * 16 + j * 8 + 2 * tq;
+        for (int j = 0; j < NJ / 2; ++j) {
+          const int col = c0 + wn * 32 + j * 8 + 2 * tq;
           if (col >= p.n) continue;
-          const float v0 = gemv::swiglu_oai(acc[i][j][2 * h], acc[i][j + 2][2 * h], p.act);
-          const float v1 = gemv::swiglu_oai(acc[i][j][2 * h + 1], acc[i][j + 2][2 * h + 1], p.act);
+          const float v0 = gemv::swiglu_oai(acc[i][j][2 * h], acc[i][j + 4][2 * h], p.act);
+          const float v1 = gemv::swiglu_oai(acc[i][j][2 * h + 1], acc[i][j + 4][2 * h + 1], p.act);
           *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(v0, v1);
         }
       } else {
         float* out = static_cast<float*>(p.out) + static_cast<int64_t>(pos) * p.n;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int col = c0 + wn * 32 + j * 8 + 2 * tq;
+        for (int j = 0; j < NJ; ++j) {
+          const int col = c0 + wn * 64 + j * 8 + 2 * tq;
           if (col >= p.n) continue;
-          *reinterpret_cast<float2*>(out + col) = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+          *reinterpret_cast<float2*>(out + col) =
+              make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
         }
       }
     }
@@ -284,9 +276,13 @@ void launch(const Args& a, int64_t max_tiles, int64_t ncols, cudaStream_t stream
 
 }  // namespace
 
-int tile_rows(int64_t P, int64_t ne) { return P >= 64 * ne ? 128 : 64; }
+int tile_rows(int64_t P, int64_t ne) {
+  return P >= 64 * ne ? 128 : 64;
+}
 
-int64_t max_tiles(int64_t P, int64_t ne, int bm) { return (P + bm - 1) / bm + std::min(P, ne); }
+int64_t max_tiles(int64_t P, int64_t ne, int bm) {
+  return (P + bm - 1) / bm + std::min(P, ne);
+}
 
 bool supports(const MoeExpertWeights& w) {
   auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };

@@ -127,16 +127,17 @@ GemmPrecision gemm_precision();
 // Up to this many tokens (bench_gemm_moe: n = 256 runs 2.7x faster grouped than per expert) the
 // experts run as grouped GEMVs with no host sync; above it, in the exact precision, the counts
 // are read back once (one host sync per call) and each active expert runs linear() over its
-// gathered tokens (in the bf16 precision the grouped GEMMs below take over from 64 tokens).
+// gathered tokens (in the bf16 precision the grouped GEMMs below take over from 8 tokens).
 inline constexpr int64_t kMoeGemvMaxTokens = 256;
 
 // From kMoeGroupedMinTokens tokens under GemmPrecision::kBf16 (bf16 experts whose dims are
 // multiples of 8, 16-byte aligned) the experts run as grouped tensor-core GEMMs, one launch per
-// projection and no host sync (bench_gemm_moe at M3's shapes, routed experts: n = 64 2.95 ms
-// against the GEMV's 3.89, n = 256 3.39 against 9.17, n = 1024 3.63 against the per-expert
-// path's 12.17), over chunks of at most kMoeGroupedChunk tokens (the workspace holds one chunk:
-// bf16 x, bf16 activations and fp32 outputs per pick, ~135 KB per token at M3's shapes).
-inline constexpr int64_t kMoeGroupedMinTokens = 64;
+// projection and no host sync (bench_gemm_moe at M3's shapes, routed experts: n = 8 0.75 ms
+// against the GEMV's 0.83, n = 64 2.97 against 3.90, n = 256 3.43 against 9.17, n = 1024 3.60
+// against the per-expert path's 12.2, n = 8192 13.6 against 15.7), over chunks of at most
+// kMoeGroupedChunk tokens (the workspace holds one chunk: bf16 x, bf16 activations and fp32
+// outputs per pick, ~135 KB per token at M3's shapes).
+inline constexpr int64_t kMoeGroupedMinTokens = 8;
 inline constexpr int64_t kMoeGroupedChunk = 8192;
 
 // The engines of moe_experts: kGemv (grouped GEMVs, exact fp32 arithmetic), kGrouped (grouped
