@@ -416,6 +416,7 @@ int run_serve(ServeArgs a) {
   sc.seed = plan->seed;
   sc.log_requests = plan->log_requests;
   if (plan->max_logprobs) sc.max_logprobs = *plan->max_logprobs;
+  sc.stream_interval = plan->stream_interval;
   sc.allow_credentials = plan->allow_credentials;
   sc.parse_reasoning = a.reasoning_parser == "minimax_m3";
   sc.parse_tool_calls = a.tool_call_parser == "minimax_m3";
