@@ -9,6 +9,11 @@ of the prompt (GEMMs per token, causal attention in the full-attention layers, M
 ones; M3's shapes as `synthetic:layers=N` builds them) at --tflops (600: about 77% of the bf16
 GEMM ceiling measured on the H200).
 
+With --decoders N it then measures what a long prompt does to streams already decoding (issue #16
+item 4): N streaming requests decode (max_tokens large) while one prompt of the largest length
+arrives; it prints the decoders' mean and largest gap between tokens before the prompt and while
+it prefills (chunked by --max-num-batched-tokens).
+
 Python standard library only: it runs on the GPU machine as is.
 Example (GPU machine):
   python3 bench/bench_ttft.py --m3serve build/gpu/bin/m3serve --layers 4 --lengths 8192,32768,131072
@@ -21,6 +26,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -77,6 +83,59 @@ def ttft_once(host, port, model, ids, timeout):
     return ttft
 
 
+def decode_stream(host, port, model, ids, max_tokens, times, stop):
+    """One streaming decoder: appends the arrival time of each token chunk to `times`."""
+    body = json.dumps({"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    conn = http.client.HTTPConnection(host, port, timeout=900)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    while not stop.is_set():
+        line = r.readline()
+        if not line or line.strip() == b"data: [DONE]":
+            break
+        if line.startswith(b"data:"):
+            times.append(time.perf_counter())
+    conn.close()
+
+
+def gaps(times, lo, hi):
+    # Every gap that overlaps [lo, hi] (a stall longer than the window counts once).
+    g = [b - a for a, b in zip(times, times[1:]) if a < hi and b > lo]
+    return (1e3 * sum(g) / len(g), 1e3 * max(g)) if g else (float("nan"), float("nan"))
+
+
+def decoders_during_prefill(host, port, model, n_dec, n_prompt, vocab, rng, timeout):
+    stop = threading.Event()
+    times = [[] for _ in range(n_dec)]
+    threads = [threading.Thread(target=decode_stream,
+                                args=(host, port, model, [rng.randrange(vocab) for _ in range(64)],
+                                      4096, times[i], stop)) for i in range(n_dec)]
+    for t in threads:
+        t.start()
+    time.sleep(3.0)  # steady decoding
+    t0 = time.perf_counter()
+    ttft = ttft_once(host, port, model, [rng.randrange(vocab) for _ in range(n_prompt)], timeout)
+    t1 = t0 + ttft
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    before = [gaps(ts, t0 - 2.0, t0) for ts in times]
+    during = [gaps(ts, t0, t1) for ts in times]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    print(f"\n{n_dec} decoding streams while a {n_prompt}-token prompt prefills "
+          f"(its TTFT {ttft:.3f} s):")
+    print(f"  before: mean gap between tokens {mean([b[0] for b in before]):.2f} ms, "
+          f"largest {max(b[1] for b in before):.2f} ms")
+    print(f"  during: mean gap between tokens {mean([d[0] for d in during]):.2f} ms, "
+          f"largest {max(d[1] for d in during):.2f} ms")
+    return {"decoders": n_dec, "prompt": n_prompt, "ttft_s": ttft,
+            "before_mean_ms": mean([b[0] for b in before]),
+            "during_mean_ms": mean([d[0] for d in during]),
+            "during_max_ms": max(d[1] for d in during)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", help="connect to a running server instead of starting one")
@@ -89,6 +148,8 @@ def main():
     ap.add_argument("--extra-args", default="", help="more m3serve serve flags")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--vocab", type=int, default=VOCAB, help="token ids are drawn below this")
+    ap.add_argument("--decoders", type=int, default=0,
+                    help="then: this many streams decode while the longest prompt prefills")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -99,7 +160,7 @@ def main():
         u = args.url.replace("http://", "").rstrip("/")
         host, port = u.split(":")[0], int(u.split(":")[1])
     else:
-        max_len = max(lengths) + 16
+        max_len = max(lengths) + 4096 + 128
         cmd = [args.m3serve, "serve", "--model", f"synthetic:layers={args.layers}", "--device",
                "cuda", "--port", str(port), "--max-model-len", str(max_len)] + args.extra_args.split()
         print("starting:", " ".join(cmd), flush=True)
@@ -120,6 +181,9 @@ def main():
                 results.append({"tokens": n, "ttft_s": t, "arith_s": arith, "flops": flops})
                 print(f"{n:>8} {t:>9.3f} {arith:>9.3f} {t / arith:>6.2f} {flops / t / 1e12:>8.1f}",
                       flush=True)
+        if args.decoders:
+            results.append(decoders_during_prefill(host, port, model, args.decoders, max(lengths),
+                                                   args.vocab, rng, args.timeout))
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)
