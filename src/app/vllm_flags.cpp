@@ -133,8 +133,7 @@ const std::vector<VllmFlag> kTable = {
    "prefills share the step budget --max-num-batched-tokens", kBoth},
   {"--long-prefill-token-threshold", true, FlagKind::kNoop, "",
    "prefills share the step budget --max-num-batched-tokens", kBoth},
-  {"--stream-interval", true, FlagKind::kNoop, "",
-   "every token is streamed as soon as it is produced", kServeOnly},
+  {"--stream-interval", true, FlagKind::kHandled, "", "", kServeOnly},
   {"--num-gpu-blocks-override", true, FlagKind::kRefused, "",
    "size the KV cache with --kv-cache-memory-bytes (or --gpu-memory-utilization)", kBoth},
   {"--swap-space", true, FlagKind::kNoop, "",
@@ -802,6 +801,10 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
       help =
           "auto | bfloat16 | fp8 (fp8_e4m3) | float32: the KV cache format (docs/KV_CACHE.md). "
           "auto = bfloat16 on the GPU (float32 with --dtype float32), float32 on the CPU";
+    } else if (ln == "--stream-interval") {
+      help =
+          "Tokens per streamed chunk (default 1): a stream's first token and its end are sent "
+          "at once, the tokens between in chunks of N (fewer SSE writes under load)";
     } else if (ln == "--max-logprobs") {
       help =
           "Most logprobs / top_logprobs / prompt_logprobs a request may ask for (default 20; "
@@ -996,6 +999,15 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
         return bad(ln, "--max-logprobs " + value + " must be -1 (no limit) or a count >= 0");
       }
       plan.max_logprobs = n == -1 ? (1 << 30) : static_cast<int32_t>(n);
+    } else if (ln == "--stream-interval") {
+      const std::string t = trim(value);
+      char* end = nullptr;
+      const long n = std::strtol(t.c_str(), &end, 10);
+      if (t.empty() || *end != '\0' || n < 1 || n > 4096) {
+        return bad(ln, "--stream-interval '" + value +
+                           "' must be a token count from 1 to 4096 (1: a chunk per token)");
+      }
+      plan.stream_interval = static_cast<int>(n);
     } else if (ln == "--disable-log-requests") {
       disable_log_requests = true;
     } else if (ln == "--enable-log-requests") {

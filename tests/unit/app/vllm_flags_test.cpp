@@ -267,7 +267,7 @@ const std::vector<RecipeCase> kRecipe = {
      "'{\"thinking_mode\":\"enabled\"}' --max-num-seqs 64 --stream-interval 20",
      {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1800"},
      "",
-     "--stream-interval 20 is ignored"},
+     "--moe-backend aiter is ignored"},
     {"gb200_worker",
      "--tensor-parallel-size 4 --pipeline-parallel-size 1 --trust-remote-code "
      "--block-size 128 --max-model-len 1048576 --no-enable-flashinfer-autotune "
@@ -426,6 +426,13 @@ TEST(VllmFlags, HandledValues) {
   EXPECT_FALSE(run({"--max-logprobs", "-2"}).plan.has_value());
   EXPECT_FALSE(run({"--max-logprobs", "x"}).plan.has_value());
   EXPECT_FALSE(run({"--enable-log-requests", "--disable-log-requests"}).plan.has_value());
+  const auto si = run({"--stream-interval", "20"});
+  ASSERT_TRUE(si.plan.has_value());
+  EXPECT_EQ(si.plan->stream_interval, 20);
+  EXPECT_TRUE(si.plan->notices.empty());  // it works: no "ignored" notice
+  EXPECT_EQ(run({}).plan->stream_interval, 1);
+  for (const char* bad : {"0", "-3", "x", "5000"})
+    EXPECT_FALSE(run({"--stream-interval", bad}).plan.has_value()) << bad;
 }
 
 TEST(VllmFlags, EnvironmentHonouredOrReportedOnce) {
