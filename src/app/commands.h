@@ -21,6 +21,7 @@ RunFn register_serve(CLI::App& app);
 RunFn register_chat(CLI::App& app);
 RunFn register_plan(CLI::App& app);
 RunFn register_image(CLI::App& app);
+RunFn register_parse(CLI::App& app);
 
 // The embedded demo model directory (<repo>/models/demo, or $M3SERVE_MODELS_DIR/demo), or "".
 std::string find_demo_model();

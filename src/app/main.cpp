@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   runs["chat"] = m3::app::register_chat(app);
   runs["plan"] = m3::app::register_plan(app);
   runs["process-image"] = m3::app::register_image(app);
+  runs["parse-outputs"] = m3::app::register_parse(app);
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
   args = m3::app::normalize_vllm_argv(args);

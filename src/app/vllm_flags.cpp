@@ -15,6 +15,8 @@
 #include <map>
 #include <span>
 
+#include "model/quantization.h"
+
 extern char** environ;
 
 namespace m3::app {
@@ -28,10 +30,6 @@ constexpr bool kBoth = false;
 constexpr std::string_view kWhyMm =
     "m3serve's image processor runs the MiniMax-M3 defaults (transformers' MiniMaxM3VL "
     "processor) and its decoders take no options: drop the flag";
-constexpr std::string_view kWhyQuant =
-    "quantized serving (fp8_per_channel, MXFP8 kept in FP8, NVFP4, MXFP4) is coming (issue #18); "
-    "today m3serve runs bf16 weights and reads MXFP8 checkpoints (dequantised to bf16 at load) "
-    "from their own config: drop --quantization";
 constexpr std::string_view kWhySpec =
     "vLLM removed this flag; give the draft in --speculative-config, e.g. '{\"method\": "
     "\"eagle3\", \"model\": \"DIR\", \"num_speculative_tokens\": 3}'";
@@ -135,8 +133,7 @@ const std::vector<VllmFlag> kTable = {
    "prefills share the step budget --max-num-batched-tokens", kBoth},
   {"--long-prefill-token-threshold", true, FlagKind::kNoop, "",
    "prefills share the step budget --max-num-batched-tokens", kBoth},
-  {"--stream-interval", true, FlagKind::kNoop, "",
-   "every token is streamed as soon as it is produced", kServeOnly},
+  {"--stream-interval", true, FlagKind::kHandled, "", "", kServeOnly},
   {"--num-gpu-blocks-override", true, FlagKind::kRefused, "",
    "size the KV cache with --kv-cache-memory-bytes (or --gpu-memory-utilization)", kBoth},
   {"--swap-space", true, FlagKind::kNoop, "",
@@ -179,7 +176,7 @@ const std::vector<VllmFlag> kTable = {
   {"--calculate-kv-scales", false, FlagKind::kNoop, "",
    "fp8 K/V scales are the checkpoint's (self_attn.k_scale / v_scale) or 1.0, as vLLM's "
    "default; m3serve does not measure them from the first batches", kBoth},
-  {"--quantization,-q", true, FlagKind::kComing, "none", kWhyQuant, kBoth},
+  {"--quantization,-q", true, FlagKind::kHandled, "", "", kBoth},
 
   // ---- speculative decoding ----
   {"--speculative-config", true, FlagKind::kHandled, "", "", kBoth},
@@ -941,6 +938,10 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
       help =
           "auto | bfloat16 | fp8 (fp8_e4m3) | float32: the KV cache format (docs/KV_CACHE.md). "
           "auto = bfloat16 on the GPU (float32 with --dtype float32), float32 on the CPU";
+    } else if (ln == "--stream-interval") {
+      help =
+          "Tokens per streamed chunk (default 1): a stream's first token and its end are sent "
+          "at once, the tokens between in chunks of N (fewer SSE writes under load)";
     } else if (ln == "--max-logprobs") {
       help =
           "Most logprobs / top_logprobs / prompt_logprobs a request may ask for (default 20; "
@@ -1087,6 +1088,13 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       M3_TRY_STATUS(review_attention_config(value, plan));
     } else if (ln == "--kv-cache-dtype") {
       M3_TRY(plan.kv_cache_dtype, kv_dtype_value("--kv-cache-dtype", value));
+    } else if (ln == "--quantization") {
+      // Checked against the checkpoint's quantization_config when the model loads.
+      if (!model::is_quantization_value(value)) {
+        return bad(ln, "--quantization '" + value +
+                           "' is unknown; accepted: " + std::string(model::kQuantizationValues));
+      }
+      plan.quantization = value;
     } else if (ln == "--kv-events-config") {
       M3_TRY_STATUS(review_kv_events_config(value, plan));
     } else if (ln == "--speculative-config") {
@@ -1130,6 +1138,15 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
         return bad(ln, "--max-logprobs " + value + " must be -1 (no limit) or a count >= 0");
       }
       plan.max_logprobs = n == -1 ? (1 << 30) : static_cast<int32_t>(n);
+    } else if (ln == "--stream-interval") {
+      const std::string t = trim(value);
+      char* end = nullptr;
+      const long n = std::strtol(t.c_str(), &end, 10);
+      if (t.empty() || *end != '\0' || n < 1 || n > 4096) {
+        return bad(ln, "--stream-interval '" + value +
+                           "' must be a token count from 1 to 4096 (1: a chunk per token)");
+      }
+      plan.stream_interval = static_cast<int>(n);
     } else if (ln == "--disable-log-requests") {
       disable_log_requests = true;
     } else if (ln == "--enable-log-requests") {

@@ -468,6 +468,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   impl->cfg = config;
   model::LoadOptions lo;
   lo.language_model_only = config.language_model_only;
+  lo.quantization = config.quantization;
   M3_TRY(auto model, model::M3Model::load(config.model_dir, lo));
   model->set_kv_cache_format(config.kv_cache_dtype, config.index_cache_dtype);
   const model::M3Config& mc = model->config();

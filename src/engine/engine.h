@@ -55,6 +55,8 @@ struct EngineConfig {
   int64_t num_sampleable_tokens = 0;
   // Skip the vision tower (--language-model-only): image input is then refused.
   bool language_model_only = false;
+  // --quantization (model/m3_model.h LoadOptions::quantization): "" reads the checkpoint as stored.
+  std::string quantization;
   // Where the forward runs. Empty: the CPU backend (runtime::make_cpu_backend).
   BackendFactory backend_factory;
   // The KV cache's element formats (docs/KV_CACHE.md), set on the model right after it loads,

@@ -301,6 +301,7 @@ class M3Forward {
   struct MoeLayer {
     kernels::MoeExpertWeights ew;
     std::vector<const void*> w1_of, w3_of, w2_of;  // scattered experts (host weights only)
+    std::vector<MatRef> mats;  // quantized experts: w1, w3, w2 per expert (host weights only)
     const float* bias = nullptr;
     std::vector<float> bias_f32;  // a bf16 bias widened (host weights only)
   };
@@ -321,8 +322,21 @@ class M3Forward {
     // weights) are read from the bases; others (a checkpoint read in place) by pointer arrays.
     const size_t per = static_cast<size_t>(ew.inter * ew.hidden) * dtype_size(ew.dtype);
     bool contiguous = true;
+    // Quantized experts (host weights only) go by views; a projection may differ in format from
+    // the others (a shard's column slice off the block grid is dequantised to f32).
+    const ExpertWeights& E0 = L.experts[0];
+    for (const MatRef* p : {&E0.w1, &E0.w3, &E0.w2})
+      if (p->quantized()) ew.quant = p->quant;
     for (int64_t e = 0; e < ew.num_experts; ++e) {
       const ExpertWeights& E = L.experts[e];
+      M3_CHECK(E.w1.quant == E0.w1.quant && E.w3.quant == E0.w3.quant && E.w2.quant == E0.w2.quant,
+               "MoE layer: expert %lld's formats differ from expert 0's",
+               static_cast<long long>(e));
+      if (ew.quant != kernels::WeightQuant::kNone) {
+        m.mats.insert(m.mats.end(), {E.w1, E.w3, E.w2});
+        contiguous = false;
+        continue;
+      }
       M3_CHECK(E.w1.dtype == ew.dtype && E.w3.dtype == ew.dtype && E.w2.dtype == ew.dtype &&
                    E.w1.rows == ew.inter && E.w3.rows == ew.inter && E.w2.cols == ew.inter,
                "MoE layer: expert %lld differs from expert 0 in shape or dtype",
@@ -354,6 +368,7 @@ class M3Forward {
   kernels::MoeExpertWeights moe_weights(int64_t li, const float** bias) const {
     const MoeLayer& m = moe_[li];
     kernels::MoeExpertWeights ew = m.ew;
+    if (!m.mats.empty()) ew.mats_of = m.mats.data();
     if (!m.w1_of.empty()) {
       ew.w1_of = m.w1_of.data();
       ew.w3_of = m.w3_of.data();

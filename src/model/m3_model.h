@@ -73,6 +73,10 @@ struct ForwardResult {
 
 struct LoadOptions {
   bool language_model_only = true;  // vision tensors are not read (no tower: no image input)
+  // --quantization (model/quantization.h): "" / none reads the checkpoint as stored;
+  // fp8_per_channel quantizes a bf16 checkpoint's linears at load; a method name must match the
+  // checkpoint's quantization_config.
+  std::string quantization;
 };
 
 // Reads the per-layer fp8 K/V scales (model.layers.N.self_attn.k_scale / v_scale, or under

@@ -17,7 +17,22 @@ ChoiceOutput::ChoiceOutput(ChoiceOptions options)
     for (auto m : kMarkers) {
       if (auto id = opt_.tokenizer->token_to_id(m)) marker_ids_.push_back(*id);
     }
+    // Special tokens written like a tag (`<filename>`, `<commit_msg>`: M3's code markers) are
+    // also parameter tags when a tool has a parameter of that name; inside a tool block they are
+    // text for the parser even when special tokens are skipped.
+    if (opt_.chat->parse_tool_calls) {
+      for (const auto& t : opt_.tokenizer->added_tokens()) {
+        if (t.special && t.content.size() > 2 && t.content.front() == '<' &&
+            t.content.back() == '>' && !is_marker(t.id))
+          tag_ids_.push_back(t.id);
+      }
+    }
   }
+}
+
+bool ChoiceOutput::is_tool_tag(int32_t id) const {
+  return parser_ && parser_->tool_calls() && parser_->tool_calls()->in_tool_block() &&
+         std::find(tag_ids_.begin(), tag_ids_.end(), id) != tag_ids_.end();
 }
 
 bool ChoiceOutput::is_marker(int32_t id) const {
@@ -104,7 +119,7 @@ ChoiceDelta ChoiceOutput::add(const engine::RequestOutput& out) {
     }
     std::string piece;
     if (!(opt_.skip_special_tokens && opt_.tokenizer->skipped_when_skipping_special(id) &&
-          !is_marker(id))) {
+          !is_marker(id) && !is_tool_tag(id))) {
       piece = detok_.step(id);
     }
     std::string visible = stop_.feed(piece);

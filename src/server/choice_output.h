@@ -97,6 +97,8 @@ class ChoiceOutput {
   void route(std::string_view text, ChoiceDelta& delta);
   void finish_text(ChoiceDelta& delta);
   bool is_marker(int32_t id) const;
+  // A tag-like special token (`<filename>`) while the tool parser is inside a tool block.
+  bool is_tool_tag(int32_t id) const;
   // Drops the tool-call deltas past ChoiceOptions::max_tool_calls.
   void limit_tool_calls(text::ChatOutputDelta& d) const;
 
@@ -105,6 +107,7 @@ class ChoiceOutput {
   StopMatcher stop_;
   std::optional<text::ChatOutputParser> parser_;
   std::vector<int32_t> marker_ids_;  // parser markers, always rendered as text for the parsers
+  std::vector<int32_t> tag_ids_;     // tag-like special tokens (see is_tool_tag)
   text::ChatOutputResult result_;
   std::vector<TokenLogprob> logprobs_;
   std::optional<std::vector<std::optional<engine::TokenLogprobOut>>> prompt_logprobs_;

@@ -358,7 +358,9 @@ class HttpFrontImpl {
       return 400;
     }
     c.req.method = std::string(method);
-    c.req.path = std::string(path.substr(0, path.find('?')));
+    const size_t q = path.find('?');
+    c.req.path = std::string(path.substr(0, q));
+    c.req.query = q == std::string_view::npos ? std::string() : std::string(path.substr(q + 1));
     c.keep_alive = version == "HTTP/1.1";
 
     bool have_length = false, have_te = false;

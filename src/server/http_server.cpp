@@ -207,6 +207,15 @@ Status HttpServerImpl::submit_all(Generation& gen, const engine::SamplingParams&
   return {};
 }
 
+HttpServerImpl::~HttpServerImpl() {
+  std::shared_ptr<ResponseStore> store;
+  {
+    std::lock_guard<std::mutex> lock(responses_mu_);
+    store = responses_;
+  }
+  if (store) stop_background_responses(*store);
+}
+
 bool HttpServerImpl::wait_or_abort(Generation& gen, const HttpRequest& req) {
   // The socket is checked every 100 ms: a client that hung up stops costing tokens within that.
   if (gen.wait_all(req, std::chrono::milliseconds(100))) return true;
@@ -265,6 +274,14 @@ void HttpServer::drain_and_stop() {
     while (d.in_flight_.load() > 0 && Clock::now() < hard)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  // Background responses have no client waiting on a connection: they are cancelled (stored as
+  // "cancelled"), not drained.
+  std::shared_ptr<ResponseStore> store;
+  {
+    std::lock_guard<std::mutex> lock(d.responses_mu_);
+    store = d.responses_;
+  }
+  if (store) stop_background_responses(*store);
   d.stop_stats();
   d.front_->stop();
 }

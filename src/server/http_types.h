@@ -14,8 +14,9 @@
 namespace m3::server {
 
 struct HttpRequest {
-  std::string method;                                        // as sent, e.g. "POST"
-  std::string path;                                          // the target without its query string
+  std::string method;  // as sent, e.g. "POST"
+  std::string path;    // the target without its query string
+  std::string query;   // after the '?', undecoded ("" if none)
   std::vector<std::pair<std::string, std::string>> headers;  // names lower-cased
   std::string body;                                          // de-chunked
   std::string remote_addr;

@@ -274,14 +274,15 @@ Status parse_structured(const OrderedJson& j, CommonParams& p) {
       M3_TRY(s.value, schema_text(*schema, sp));
       found.push_back(std::move(s));
     } else if (t == "structural_tag") {
-      return unsupported("response_format",
-                         "response_format type 'structural_tag' is not supported; "
-                         "use 'json_schema', 'json_object', or structured_outputs "
-                         "{json, regex, choice, grammar}");
+      M3_TRY(auto format, text::structural_tag_format(*rf, "response_format"));
+      s.kind = text::StructuredOutputSpec::Kind::kStructuralTag;
+      s.param = "response_format";
+      s.value = format.dump();
+      found.push_back(std::move(s));
     } else if (t != "text") {
       return bad("response_format.type",
-                 "'response_format.type' must be \"text\", \"json_object\" or "
-                 "\"json_schema\", got \"" +
+                 "'response_format.type' must be \"text\", \"json_object\", \"json_schema\" "
+                 "or \"structural_tag\", got \"" +
                      t + "\"");
     }
   }
@@ -312,13 +313,28 @@ Status parse_structured(const OrderedJson& j, CommonParams& p) {
           return unsupported(
               param, "'" + param + "' must be \"xgrammar\" or \"auto\" (the only backend here)");
         }
-      } else if (key == "whitespace_pattern" || key == "structural_tag") {
-        return unsupported(
-            param,
-            "'" + param + "' is not supported; use json, regex, choice, grammar or json_object");
+      } else if (key == "structural_tag") {
+        // vLLM's field holds the structural tag as JSON text (an object is taken too).
+        OrderedJson tag = *it;
+        if (it->is_string()) {
+          tag = OrderedJson::parse(it->get<std::string>(), nullptr, false);
+          if (tag.is_discarded())
+            return bad(param, "'" + param + "' must be a structural tag: JSON text or an object");
+        }
+        M3_TRY(auto format, text::structural_tag_format(tag, param));
+        text::StructuredOutputSpec st;
+        st.kind = text::StructuredOutputSpec::Kind::kStructuralTag;
+        st.param = param;
+        st.value = format.dump();
+        found.push_back(std::move(st));
+      } else if (key == "whitespace_pattern") {
+        return unsupported(param, "'" + param +
+                                      "' is not supported; use json, regex, choice, grammar, "
+                                      "json_object or structural_tag");
       } else {
         return bad(param, "'structured_outputs' has no field '" + key +
-                              "'; it takes one of json, regex, choice, grammar, json_object");
+                              "'; it takes one of json, regex, choice, grammar, json_object, "
+                              "structural_tag");
       }
     }
   }

@@ -23,14 +23,19 @@ struct Route {
 
 constexpr std::string_view kResponsesPrefix = "/v1/responses/";
 constexpr const char* kResponseById = "/v1/responses/{response_id}";
+constexpr const char* kResponseCancel = "/v1/responses/{response_id}/cancel";
+constexpr const char* kResponseInputItems = "/v1/responses/{response_id}/input_items";
 
-constexpr std::array<Route, 15> kRoutes = {{
+constexpr std::array<Route, 18> kRoutes = {{
     {"/v1/completions", "POST", true},
     {"/v1/chat/completions", "POST", true},
     {"/v1/messages", "POST", true},
     {"/v1/messages/count_tokens", "POST", true},
     {"/v1/responses", "POST", true},
     {kResponseById, "GET", true},  // a stored response (serve_responses.cpp)
+    {kResponseById, "DELETE", true},
+    {kResponseCancel, "POST", true},  // a background response
+    {kResponseInputItems, "GET", true},
     {"/tokenize", "POST", true},
     {"/detokenize", "POST", true},
     {"/v1/models", "GET", false},
@@ -45,9 +50,13 @@ constexpr std::array<Route, 15> kRoutes = {{
 // The route of `path` taking `method`, else the first route of `path` (for 405), else null.
 // The route template a path belongs to: "/v1/responses/resp_x" -> "/v1/responses/{response_id}".
 std::string route_of(const std::string& path) {
-  if (path.size() > kResponsesPrefix.size() && path.rfind(kResponsesPrefix, 0) == 0 &&
-      path.find('/', kResponsesPrefix.size()) == std::string::npos)
-    return kResponseById;
+  if (path.size() <= kResponsesPrefix.size() || path.rfind(kResponsesPrefix, 0) != 0) return path;
+  const size_t slash = path.find('/', kResponsesPrefix.size());
+  if (slash == std::string::npos) return kResponseById;
+  if (slash == kResponsesPrefix.size()) return path;  // no id
+  const std::string_view rest = std::string_view(path).substr(slash);
+  if (rest == "/cancel") return kResponseCancel;
+  if (rest == "/input_items") return kResponseInputItems;
   return path;
 }
 
@@ -239,7 +248,11 @@ void HttpServerImpl::route(const HttpRequest& req, HttpResponse& res) {
   if (req.path == "/v1/messages") return handle_messages(req, res);
   if (req.path == "/v1/messages/count_tokens") return handle_count_tokens(req, res);
   if (req.path == "/v1/responses") return handle_responses(req, res);
-  if (route_of(req.path) == kResponseById) return handle_get_response(req, res);
+  const std::string route = route_of(req.path);
+  if (route == kResponseById && req.method == "DELETE") return handle_delete_response(req, res);
+  if (route == kResponseById) return handle_get_response(req, res);
+  if (route == kResponseCancel) return handle_cancel_response(req, res);
+  if (route == kResponseInputItems) return handle_response_input_items(req, res);
   if (req.path == "/tokenize") return handle_tokenize(req, res);
   if (req.path == "/detokenize") return handle_detokenize(req, res);
 }

@@ -8,10 +8,19 @@
 // previous_response_id: each stored response (store, the default) keeps its conversation, less
 // its instructions, in a bounded in-memory store of this process (the oldest are dropped first);
 // an id that is not there is a 404 that says so; GET /v1/responses/{id} returns a stored
-// response. Part of HttpServerImpl (server_impl.h).
+// response, DELETE removes it, GET .../input_items lists its input items. background: true
+// answers at once with status "queued" and generates on a thread of its own (the stored
+// response goes queued -> in_progress -> completed / incomplete / failed / cancelled, as GET
+// shows); POST .../cancel stops it. Part of HttpServerImpl (server_impl.h).
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <mutex>
+#include <optional>
+#include <thread>
 #include <unordered_map>
 
 #include "server/json_limits.h"
@@ -30,17 +39,41 @@ struct ResponseStore {
   struct Entry {
     OrderedJson conversation;
     OrderedJson response;
+    OrderedJson input_items;  // the request's input as Responses items, with ids
   };
+  // A background response still generating: its thread watches `cancel` and sets `done`.
+  struct Background {
+    std::atomic<bool> cancel{false};
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    void wait_done(std::chrono::milliseconds limit) {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait_for(lock, limit, [&] { return done; });
+    }
+  };
+
   std::mutex mu;
   std::unordered_map<std::string, std::shared_ptr<const Entry>> by_id;
   std::deque<std::pair<std::string, size_t>> order;  // oldest first, with its size
   size_t bytes = 0;
+  std::unordered_map<std::string, std::shared_ptr<Background>> running;
+  int live_threads = 0;  // background threads not yet ended
+  std::condition_variable threads_cv;
 
-  void put(const std::string& id, OrderedJson conversation, OrderedJson response) {
-    const size_t size = dump_json(conversation).size() + dump_json(response).size();
-    if (size > kMaxBytes / 4) return;  // too large to keep; a later lookup says it is gone
-    auto e = std::make_shared<const Entry>(Entry{std::move(conversation), std::move(response)});
+  // Adds (or replaces) a response. `only_if_present`: a background thread's update, which must
+  // not bring back a response that was deleted meanwhile.
+  void put(const std::string& id, OrderedJson conversation, OrderedJson response,
+           OrderedJson input_items, bool only_if_present = false) {
+    const size_t size =
+        dump_json(conversation).size() + dump_json(response).size() + dump_json(input_items).size();
+    auto e = std::make_shared<const Entry>(
+        Entry{std::move(conversation), std::move(response), std::move(input_items)});
     std::lock_guard<std::mutex> lock(mu);
+    const bool present = by_id.count(id) > 0;
+    if (only_if_present && !present) return;
+    if (present) drop_locked(id);
+    if (size > kMaxBytes / 4) return;  // too large to keep; a later lookup says it is gone
     by_id[id] = std::move(e);
     order.emplace_back(id, size);
     bytes += size;
@@ -55,7 +88,40 @@ struct ResponseStore {
     auto it = by_id.find(id);
     return it == by_id.end() ? nullptr : it->second;
   }
+  bool erase(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!by_id.count(id)) return false;
+    drop_locked(id);
+    return true;
+  }
+  std::shared_ptr<Background> background(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = running.find(id);
+    return it == running.end() ? nullptr : it->second;
+  }
+  // Server shutdown: cancels every background response and waits for the threads (bounded).
+  void stop_background(std::chrono::milliseconds limit) {
+    std::unique_lock<std::mutex> lock(mu);
+    for (auto& [id, bg] : running) bg->cancel = true;
+    threads_cv.wait_for(lock, limit, [&] { return live_threads == 0; });
+  }
+
+ private:
+  void drop_locked(const std::string& id) {
+    by_id.erase(id);
+    for (auto it = order.begin(); it != order.end(); ++it) {
+      if (it->first == id) {
+        bytes -= it->second;
+        order.erase(it);
+        break;
+      }
+    }
+  }
 };
+
+void stop_background_responses(ResponseStore& store) {
+  store.stop_background(std::chrono::seconds(10));
+}
 
 namespace {
 
@@ -198,7 +264,7 @@ Result<Translated> responses_to_chat(const OrderedJson& j, const OrderedJson* hi
                        "'top_logprobs' is not supported on /v1/responses yet; use "
                        "/v1/chat/completions with logprobs / top_logprobs");
   }
-  for (const char* k : {"background", "conversation", "prompt"}) {
+  for (const char* k : {"conversation", "prompt"}) {
     if (j.contains(k) && !j[k].is_null() && !(j[k].is_boolean() && !j[k].get<bool>())) {
       return unsupported(k, std::string("'") + k +
                                 "' is not supported by this server; send the whole input (or "
@@ -344,18 +410,19 @@ std::string item_id(BlockKind kind) {
 struct ResponseEcho {
   std::string id, model, previous_response_id;
   int64_t created = 0;
+  bool background = false;
   Json instructions, max_output_tokens, temperature, top_p, tools, tool_choice, metadata, text,
       reasoning, parallel_tool_calls, store;
 };
 
 Json response_json(const ResponseEcho& e, const std::string& status, Json output, const Json& usage,
-                   const Json& incomplete) {
+                   const Json& incomplete, const Json& error = nullptr) {
   return {{"id", e.id},
           {"object", "response"},
           {"created_at", e.created},
           {"status", status},
-          {"background", false},
-          {"error", nullptr},
+          {"background", e.background},
+          {"error", error},
           {"incomplete_details", incomplete},
           {"instructions", e.instructions},
           {"max_output_tokens", e.max_output_tokens},
@@ -393,7 +460,126 @@ OrderedJson assistant_message(const ChoiceOutput& out) {
   return m;
 }
 
+// The output items of a finished (or stopped) choice: reasoning, the message (also when empty
+// and there are no calls), the function calls.
+Json output_of(const ChoiceOutput& out) {
+  Json output = Json::array();
+  if (!out.reasoning().empty()) {
+    output.push_back(output_item(BlockKind::kReasoning, item_id(BlockKind::kReasoning),
+                                 out.reasoning(), "", "", true));
+  }
+  const std::string& text = out.text();
+  if (!text.empty() || out.tool_calls().empty()) {
+    output.push_back(output_item(BlockKind::kText, item_id(BlockKind::kText), text, "", "", true));
+  }
+  for (const auto& c : out.tool_calls()) {
+    output.push_back(output_item(BlockKind::kToolCall, item_id(BlockKind::kToolCall),
+                                 c.arguments_json, c.id, c.name, true));
+  }
+  return output;
+}
+
+std::pair<std::string, Json> finish_state_of(const ChoiceOutput& out) {
+  if (out.finish_reason() == "length") return {"incomplete", Json{{"reason", "max_output_tokens"}}};
+  return {"completed", nullptr};
+}
+
+// The request's input as stored Responses items (GET .../input_items): a string is one user
+// message; each item keeps its fields, gains an id when it has none, and a message's string
+// content becomes one input_text (output_text for the assistant) part.
+OrderedJson input_items_of(const OrderedJson& input) {
+  OrderedJson items = OrderedJson::array();
+  auto text_part = [](const std::string& role, const OrderedJson& text) {
+    return OrderedJson{{"type", role == "assistant" ? "output_text" : "input_text"},
+                       {"text", text}};
+  };
+  if (input.is_string()) {
+    items.push_back({{"id", "msg_" + random_id(24)},
+                     {"type", "message"},
+                     {"role", "user"},
+                     {"content", OrderedJson::array({text_part("user", input)})},
+                     {"status", "completed"}});
+    return items;
+  }
+  if (!input.is_array()) return items;
+  for (const auto& it : input) {
+    if (!it.is_object()) continue;
+    OrderedJson item = it;
+    const std::string type = str_of(item, "type", "message");
+    item["type"] = type;
+    if (!item.contains("id") || !item["id"].is_string()) {
+      const char* prefix = type == "function_call"          ? "fc_"
+                           : type == "function_call_output" ? "fco_"
+                           : type == "reasoning"            ? "rs_"
+                                                            : "msg_";
+      item["id"] = prefix + random_id(24);
+    }
+    if (type == "message" && item.contains("content") && item["content"].is_string()) {
+      item["content"] =
+          OrderedJson::array({text_part(str_of(item, "role", "user"), item["content"])});
+    }
+    if (!item.contains("status")) item["status"] = "completed";
+    items.push_back(std::move(item));
+  }
+  return items;
+}
+
+// What a background response's thread does: polls its generation until it ends or is
+// cancelled, moving the stored response from queued to in_progress (first output) to its final
+// status. Holds only shared state, so it may outlive the request that started it.
+void run_background(std::shared_ptr<ResponseStore> store,
+                    std::shared_ptr<ResponseStore::Background> bg, std::shared_ptr<ChatJob> job,
+                    ResponseEcho echo, OrderedJson conversation, OrderedJson input_items) {
+  Generation& gen = *job->gen;
+  const ChoiceOutput& out = *gen.slots[0].out;
+  bool started = false;
+  while (!gen.all_finished() && !bg->cancel) {
+    const auto ready = gen.poll(std::chrono::milliseconds(100));
+    if (!started && (!ready.empty() || out.num_output_tokens() > 0)) {
+      started = true;
+      store->put(echo.id, conversation,
+                 response_json(echo, "in_progress", Json::array(), nullptr, nullptr), input_items,
+                 /*only_if_present=*/true);
+    }
+  }
+  Json body;
+  if (!gen.all_finished()) {  // cancelled
+    gen.abort_all();
+    body = response_json(echo, "cancelled", output_of(out), usage_of(job->usage()), nullptr);
+  } else if (out.finish_reason() == "error" || out.finish_reason() == "abort") {
+    const std::string why = out.finish_reason() == "abort"
+                                ? std::string("the request was aborted (server shutting down)")
+                                : "generation failed: " + out.error();
+    body = response_json(echo, "failed", Json::array(), usage_of(job->usage()), nullptr,
+                         Json{{"code", "server_error"}, {"message", why}});
+  } else if (auto e = check_tool_choice(job->tool_choice, out)) {
+    body = response_json(echo, "failed", Json::array(), usage_of(job->usage()), nullptr,
+                         Json{{"code", "server_error"}, {"message", e->message}});
+  } else {
+    const auto [status, incomplete] = finish_state_of(out);
+    body = response_json(echo, status, output_of(out), usage_of(job->usage()), incomplete);
+  }
+  OrderedJson conv = std::move(conversation);
+  conv.push_back(assistant_message(out));
+  store->put(echo.id, std::move(conv), body, std::move(input_items), /*only_if_present=*/true);
+  {
+    std::lock_guard<std::mutex> lock(bg->mu);
+    bg->done = true;
+  }
+  bg->cv.notify_all();
+  std::lock_guard<std::mutex> lock(store->mu);
+  store->running.erase(echo.id);
+  --store->live_threads;
+  store->threads_cv.notify_all();
+}
+
 }  // namespace
+
+std::shared_ptr<ResponseStore> HttpServerImpl::response_store() {
+  std::lock_guard<std::mutex> lock(responses_mu_);
+  if (!responses_) responses_ = std::make_shared<ResponseStore>();
+  return responses_;
+}
 
 void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res) {
   auto guard = std::make_shared<InFlight>(in_flight_);
@@ -407,10 +593,7 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
   if (!j.is_object())
     return send_error(res,
                       Error{ErrorCode::kInvalidArgument, "request body must be a JSON object", ""});
-  {
-    std::lock_guard<std::mutex> lock(responses_mu_);
-    if (!responses_) responses_ = std::make_shared<ResponseStore>();
-  }
+  const std::shared_ptr<ResponseStore> store_ptr = response_store();
   ResponseEcho echo;
   std::shared_ptr<const ResponseStore::Entry> history;
   if (j.contains("previous_response_id") && !j["previous_response_id"].is_null()) {
@@ -420,7 +603,7 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
                      "previous_response_id"});
     }
     echo.previous_response_id = j["previous_response_id"].get<std::string>();
-    history = responses_->get(echo.previous_response_id);
+    history = store_ptr->get(echo.previous_response_id);
     if (!history) {
       return send_error(
           res, Error{ErrorCode::kNotFound,
@@ -437,6 +620,29 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
   auto parsed = parse_chat_request(dump_json(translated->chat), cfg_.max_logprobs);
   if (!parsed) return send_error(res, parsed.error());
   const ChatRequest r = std::move(*parsed);
+  const bool store = !j.contains("store") || j["store"].is_null() || !j["store"].is_boolean() ||
+                     j["store"].get<bool>();
+  if (j.contains("background") && !j["background"].is_null()) {
+    if (!j["background"].is_boolean())
+      return send_error(
+          res, Error{ErrorCode::kInvalidArgument, "'background' must be a boolean", "background"});
+    echo.background = j["background"].get<bool>();
+  }
+  if (echo.background && !store) {
+    return send_error(
+        res, Error{ErrorCode::kInvalidArgument,
+                   "'background': true needs store: true (a background response is read back "
+                   "with GET /v1/responses/{id})",
+                   "background"});
+  }
+  if (echo.background && r.common.stream) {
+    return send_error(res, Error{ErrorCode::kUnsupported,
+                                 "'background' with 'stream': true is not supported; send "
+                                 "background: true without stream and poll GET "
+                                 "/v1/responses/{id}, or stream without background",
+                                 "stream"});
+  }
+  OrderedJson input_items = input_items_of(j["input"]);
   echo.id = "resp_" + random_id(32);
   auto started = start_chat(r, echo.id);
   if (!started) return send_error(res, started.error());
@@ -459,19 +665,28 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
   echo.reasoning = get("reasoning", Json{{"effort", nullptr}, {"summary", nullptr}});
   echo.parallel_tool_calls = get("parallel_tool_calls", true);
   echo.store = get("store", true);
-  const bool store = !echo.store.is_boolean() || echo.store.get<bool>();
-  auto remember = [store, store_ptr = responses_, conversation = translated->conversation, job](
+  auto remember = [store, store_ptr, conversation = translated->conversation, job, input_items](
                       const std::string& id, const Json& response) {
     if (!store) return;
     OrderedJson conv = conversation;
     conv.push_back(assistant_message(*job->gen->slots[0].out));
-    store_ptr->put(id, std::move(conv), response);
+    store_ptr->put(id, std::move(conv), response, input_items);
   };
-  auto finish_state = [](const ChoiceOutput& out) -> std::pair<std::string, Json> {
-    if (out.finish_reason() == "length")
-      return {"incomplete", Json{{"reason", "max_output_tokens"}}};
-    return {"completed", nullptr};
-  };
+  auto finish_state = [](const ChoiceOutput& out) { return finish_state_of(out); };
+
+  if (echo.background) {
+    auto bg = std::make_shared<ResponseStore::Background>();
+    const Json queued = response_json(echo, "queued", Json::array(), nullptr, nullptr);
+    store_ptr->put(echo.id, translated->conversation, queued, input_items);
+    {
+      std::lock_guard<std::mutex> lock(store_ptr->mu);
+      store_ptr->running[echo.id] = bg;
+      ++store_ptr->live_threads;
+    }
+    std::thread(run_background, store_ptr, bg, job, echo, translated->conversation, input_items)
+        .detach();
+    return send_json(res, queued);
+  }
 
   if (!r.common.stream) {
     if (!wait_or_abort(*gen, req)) return;
@@ -479,22 +694,8 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
     if (out.finish_reason() == "error")
       return send_error(res, Error{ErrorCode::kInternal, "generation failed: " + out.error(), ""});
     if (auto e = check_tool_choice(job->tool_choice, out)) return send_error(res, *e);
-    Json output = Json::array();
-    if (!out.reasoning().empty()) {
-      output.push_back(output_item(BlockKind::kReasoning, item_id(BlockKind::kReasoning),
-                                   out.reasoning(), "", "", true));
-    }
-    const std::string& text = out.text();
-    if (!text.empty() || out.tool_calls().empty()) {
-      output.push_back(
-          output_item(BlockKind::kText, item_id(BlockKind::kText), text, "", "", true));
-    }
-    for (const auto& c : out.tool_calls()) {
-      output.push_back(output_item(BlockKind::kToolCall, item_id(BlockKind::kToolCall),
-                                   c.arguments_json, c.id, c.name, true));
-    }
     const auto [status, incomplete] = finish_state(out);
-    Json body = response_json(echo, status, std::move(output), usage_of(job->usage()), incomplete);
+    Json body = response_json(echo, status, output_of(out), usage_of(job->usage()), incomplete);
     remember(echo.id, body);
     return send_json(res, body);
   }
@@ -625,23 +826,128 @@ void HttpServerImpl::handle_responses(const HttpRequest& req, HttpResponse& res)
   };
 }
 
+namespace {
+
+std::string response_id_of(const HttpRequest& req) {
+  std::string id = req.path.substr(std::string_view("/v1/responses/").size());
+  return id.substr(0, id.find('/'));
+}
+
+Error response_not_found(const std::string& id) {
+  return Error{ErrorCode::kNotFound,
+               "Response with id '" + id +
+                   "' not found: this server keeps stored responses in memory (the last " +
+                   std::to_string(ResponseStore::kMaxResponses) +
+                   ", until it restarts), never those sent with store: false or deleted",
+               "response_id"};
+}
+
+}  // namespace
+
 void HttpServerImpl::handle_get_response(const HttpRequest& req, HttpResponse& res) {
-  const std::string id = req.path.substr(std::string_view("/v1/responses/").size());
-  std::shared_ptr<const ResponseStore::Entry> e;
-  {
-    std::lock_guard<std::mutex> lock(responses_mu_);
-    if (responses_) e = responses_->get(id);
+  const std::string id = response_id_of(req);
+  auto e = response_store()->get(id);
+  if (!e) return send_error(res, response_not_found(id));
+  send_json(res, e->response);
+}
+
+void HttpServerImpl::handle_delete_response(const HttpRequest& req, HttpResponse& res) {
+  const std::string id = response_id_of(req);
+  auto store = response_store();
+  if (auto bg = store->background(id)) {  // still generating: stop it first
+    bg->cancel = true;
+    bg->wait_done(std::chrono::seconds(5));
   }
-  if (!e) {
-    return send_error(res, Error{ErrorCode::kNotFound,
-                                 "Response with id '" + id +
-                                     "' not found: this server keeps stored responses in memory "
-                                     "(the last " +
-                                     std::to_string(ResponseStore::kMaxResponses) +
-                                     ", until it restarts), never those sent with store: false",
+  if (!store->erase(id)) return send_error(res, response_not_found(id));
+  send_json(res, Json{{"id", id}, {"object", "response"}, {"deleted", true}});
+}
+
+void HttpServerImpl::handle_cancel_response(const HttpRequest& req, HttpResponse& res) {
+  const std::string id = response_id_of(req);
+  auto store = response_store();
+  if (auto bg = store->background(id)) {
+    bg->cancel = true;
+    bg->wait_done(std::chrono::seconds(5));
+  }
+  auto e = store->get(id);
+  if (!e) return send_error(res, response_not_found(id));
+  const Json& r = e->response;
+  if (!r.contains("background") || r["background"] != true) {
+    return send_error(res, Error{ErrorCode::kInvalidArgument,
+                                 "Cannot cancel a synchronous response: only responses created "
+                                 "with background: true can be cancelled",
                                  "response_id"});
   }
-  send_json(res, e->response);
+  send_json(res, r);  // cancelled now, or the final state it had already reached
+}
+
+void HttpServerImpl::handle_response_input_items(const HttpRequest& req, HttpResponse& res) {
+  const std::string id = response_id_of(req);
+  auto e = response_store()->get(id);
+  if (!e) return send_error(res, response_not_found(id));
+  // Query: limit (1-100, default 20), order (asc | desc, default desc), after / before (an id).
+  int64_t limit = 20;
+  std::string order = "desc", after, before;
+  size_t pos = 0;
+  while (pos <= req.query.size() && !req.query.empty()) {
+    size_t amp = req.query.find('&', pos);
+    if (amp == std::string::npos) amp = req.query.size();
+    const std::string kv = req.query.substr(pos, amp - pos);
+    pos = amp + 1;
+    const size_t eq = kv.find('=');
+    const std::string k = kv.substr(0, eq);
+    const std::string v = eq == std::string::npos ? "" : kv.substr(eq + 1);
+    if (k == "limit") {
+      char* end = nullptr;
+      limit = std::strtoll(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || limit < 1 || limit > 100)
+        return send_error(res, Error{ErrorCode::kInvalidArgument,
+                                     "'limit' must be an integer from 1 to 100", "limit"});
+    } else if (k == "order") {
+      if (v != "asc" && v != "desc")
+        return send_error(res, Error{ErrorCode::kInvalidArgument,
+                                     "'order' must be \"asc\" or \"desc\"", "order"});
+      order = v;
+    } else if (k == "after") {
+      after = v;
+    } else if (k == "before") {
+      before = v;
+    }
+  }
+  std::vector<const OrderedJson*> items;
+  for (const auto& it : e->input_items) items.push_back(&it);
+  if (order == "desc") std::reverse(items.begin(), items.end());
+  auto index_of = [&](const std::string& item_id) -> std::optional<size_t> {
+    for (size_t i = 0; i < items.size(); ++i)
+      if ((*items[i])["id"] == item_id) return i;
+    return std::nullopt;
+  };
+  size_t from = 0, to = items.size();
+  if (!after.empty()) {
+    auto i = index_of(after);
+    if (!i)
+      return send_error(res,
+                        Error{ErrorCode::kInvalidArgument,
+                              "'after': no input item '" + after + "' in this response", "after"});
+    from = *i + 1;
+  }
+  if (!before.empty()) {
+    auto i = index_of(before);
+    if (!i)
+      return send_error(
+          res, Error{ErrorCode::kInvalidArgument,
+                     "'before': no input item '" + before + "' in this response", "before"});
+    to = *i;
+  }
+  Json data = Json::array();
+  for (size_t i = from; i < to && static_cast<int64_t>(data.size()) < limit; ++i)
+    data.push_back(*items[i]);
+  const bool has_more = from + data.size() < to;
+  send_json(res, Json{{"object", "list"},
+                      {"data", data},
+                      {"first_id", data.empty() ? Json(nullptr) : data.front()["id"]},
+                      {"last_id", data.empty() ? Json(nullptr) : data.back()["id"]},
+                      {"has_more", has_more}});
 }
 
 }  // namespace m3::server

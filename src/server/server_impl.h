@@ -44,6 +44,8 @@ void send_json(HttpResponse& res, const Json& j, int status = 200);
 bool constant_time_equal(std::string_view a, std::string_view b);
 
 struct ResponseStore;  // serve_responses.cpp: stored Responses conversations
+// Cancels the background responses still running and waits for their threads (bounded).
+void stop_background_responses(ResponseStore& store);
 
 // A chat request submitted to the engine (start_chat): its generation and what the output
 // formatting of each chat-shaped API needs.
@@ -135,8 +137,14 @@ class HttpServerImpl {
   void handle_count_tokens(const HttpRequest& req, HttpResponse& res);
   void handle_responses(const HttpRequest& req, HttpResponse& res);
   void handle_get_response(const HttpRequest& req, HttpResponse& res);  // GET /v1/responses/{id}
-  std::mutex responses_mu_;                   // guards the creation of responses_
-  std::shared_ptr<ResponseStore> responses_;  // previous_response_id's conversations
+  void handle_delete_response(const HttpRequest& req, HttpResponse& res);
+  void handle_cancel_response(const HttpRequest& req, HttpResponse& res);  // POST .../cancel
+  void handle_response_input_items(const HttpRequest& req, HttpResponse& res);
+  std::shared_ptr<ResponseStore> response_store();  // made on first use
+  std::mutex responses_mu_;                         // guards the creation of responses_
+  std::shared_ptr<ResponseStore> responses_;        // previous_response_id's conversations
+  // Cancels the background responses still running and waits (bounded) for their threads.
+  ~HttpServerImpl();
 
   // http_server.cpp
   Status check_model(const std::string& model) const;

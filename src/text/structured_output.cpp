@@ -1,6 +1,7 @@
 #include "text/structured_output.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -11,6 +12,125 @@
 #endif
 
 namespace m3::text {
+
+namespace {
+
+bool is_name_start(char c) {
+  return std::isalpha(static_cast<unsigned char>(c)) || c == '_';
+}
+
+bool is_name_char(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) || c == '_';
+}
+
+}  // namespace
+
+bool grammar_is_lark(std::string_view g) {
+  // EBNF defines rules with `::=`; Lark with `name:` (optionally `?name:`, `!name:`, a priority
+  // `name.2:`) and has `%import` / `%ignore` directives. A grammar with any `::=` outside a
+  // string literal is EBNF.
+  bool in_str = false;
+  char quote = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const char c = g[i];
+    if (in_str) {
+      if (c == '\\')
+        ++i;
+      else if (c == quote)
+        in_str = false;
+      continue;
+    }
+    if (c == '"' || c == '\'') {
+      in_str = true;
+      quote = c;
+    } else if (g.compare(i, 3, "::=") == 0) {
+      return false;
+    }
+  }
+  size_t pos = 0;
+  while (pos < g.size()) {
+    size_t end = g.find('\n', pos);
+    if (end == std::string_view::npos) end = g.size();
+    std::string_view line = g.substr(pos, end - pos);
+    pos = end + 1;
+    size_t i = 0;
+    while (i < line.size() && (line[i] == ' ' || line[i] == '\t' || line[i] == '\r')) ++i;
+    line.remove_prefix(i);
+    if (line.empty() || line.starts_with("//") || line.starts_with("#")) continue;
+    if (line.starts_with("%import") || line.starts_with("%ignore") || line.starts_with("%declare"))
+      return true;
+    size_t k = 0;
+    if (line[k] == '?' || line[k] == '!') ++k;
+    if (k >= line.size() || !is_name_start(line[k])) continue;
+    while (k < line.size() && is_name_char(line[k])) ++k;
+    if (k < line.size() && line[k] == '.') {  // priority: name.2
+      ++k;
+      while (k < line.size() && std::isdigit(static_cast<unsigned char>(line[k]))) ++k;
+    }
+    while (k < line.size() && (line[k] == ' ' || line[k] == '\t')) ++k;
+    if (k < line.size() && line[k] == ':' && (k + 1 >= line.size() || line[k + 1] != ':'))
+      return true;
+  }
+  return false;
+}
+
+Result<nlohmann::ordered_json> structural_tag_format(const nlohmann::ordered_json& tag,
+                                                     const std::string& param) {
+  using Json = nlohmann::ordered_json;
+  const auto fail = [&](const std::string& why) {
+    return make_error(ErrorCode::kInvalidArgument, "'" + param + "': " + why, param);
+  };
+  const std::string forms =
+      "give {\"type\": \"structural_tag\", \"format\": {...}} (xgrammar's structural tag) or "
+      "{\"type\": \"structural_tag\", \"structures\": [{\"begin\", \"schema\", \"end\"}], "
+      "\"triggers\": [...]}";
+  if (!tag.is_object()) return fail("a structural tag must be an object; " + forms);
+  if (tag.contains("type") && tag["type"] != "structural_tag")
+    return fail("a structural tag's 'type' must be \"structural_tag\"");
+  if (tag.contains("format")) {
+    if (tag.contains("structures"))
+      return fail("give either 'format' or 'structures' + 'triggers', not both");
+    if (!tag["format"].is_object() || !tag["format"].contains("type"))
+      return fail("'format' must be an object with a 'type' (a structural tag format)");
+    return tag["format"];
+  }
+  if (!tag.contains("structures")) return fail("no 'format' and no 'structures'; " + forms);
+  const Json& st = tag["structures"];
+  if (!st.is_array() || st.empty()) return fail("'structures' must be a non-empty array");
+  const Json* tr = tag.contains("triggers") ? &tag["triggers"] : nullptr;
+  if (!tr || !tr->is_array() || tr->empty())
+    return fail("'triggers' must be a non-empty array of strings (the text that starts a tag)");
+  Json triggers = Json::array();
+  for (const auto& t : *tr) {
+    if (!t.is_string() || t.get<std::string>().empty())
+      return fail("'triggers' must hold non-empty strings");
+    triggers.push_back(t);
+  }
+  Json tags = Json::array();
+  for (size_t i = 0; i < st.size(); ++i) {
+    const Json& e = st[i];
+    const std::string at = "structures[" + std::to_string(i) + "]";
+    if (!e.is_object() || !e.contains("begin") || !e["begin"].is_string() || !e.contains("end") ||
+        !e["end"].is_string())
+      return fail("'" + at + "' must be an object with string 'begin' and 'end'");
+    const std::string begin = e["begin"].get<std::string>();
+    bool triggered = false;
+    for (const auto& t : triggers) triggered |= begin.starts_with(t.get<std::string>());
+    if (!triggered)
+      return fail("'" + at + ".begin' (\"" + begin + "\") starts with none of the triggers");
+    Json schema = Json::object();  // no schema: any JSON value
+    if (e.contains("schema") && !e["schema"].is_null()) {
+      if (!e["schema"].is_object() && !e["schema"].is_boolean())
+        return fail("'" + at + ".schema' must be a JSON schema object");
+      schema = e["schema"];
+    }
+    tags.push_back(Json{{"type", "tag"},
+                        {"begin", begin},
+                        {"content", {{"type", "json_schema"}, {"json_schema", schema}}},
+                        {"end", e["end"]}});
+  }
+  return Json{{"type", "triggered_tags"}, {"triggers", triggers}, {"tags", tags}};
+}
 
 #ifdef M3_HAS_XGRAMMAR
 
@@ -127,6 +247,18 @@ Result<Json> tool_call_format(const StructuredOutputSpec& spec) {
               {"end", std::string(kNs) + "</tool_call>"}};
 }
 
+// xgrammar's messages start with "[hh:mm:ss] path/file.cc:line: ": keep what follows.
+std::string clean_message(std::string msg) {
+  if (!msg.empty() && msg[0] == '[') {
+    const size_t src = msg.find(".cc:");
+    const size_t colon = src == std::string::npos ? src : msg.find(": ", src);
+    if (colon != std::string::npos) msg = msg.substr(colon + 2);
+  }
+  while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
+  if (msg.size() > 600) msg = msg.substr(0, 600) + "...";
+  return msg;
+}
+
 // The structural-tag format (xgrammar's JSON description) of the output after any reasoning.
 Result<Json> body_format(const StructuredOutputSpec& spec) {
   using K = StructuredOutputSpec::Kind;
@@ -153,8 +285,24 @@ Result<Json> body_format(const StructuredOutputSpec& spec) {
       for (const auto& c : spec.choices) elems.push_back(const_string(c));
       return Json{{"type", "or"}, {"elements", elems}};
     }
-    case K::kGrammar:
-      return Json{{"type", "grammar"}, {"grammar", spec.value}};
+    case K::kGrammar: {
+      if (!grammar_is_lark(spec.value)) return Json{{"type", "grammar"}, {"grammar", spec.value}};
+      // Lark (vLLM takes it for xgrammar too): xgrammar's own converter, printed back as EBNF
+      // (root rule `root`) for the structural tag.
+      try {
+        return Json{{"type", "grammar"},
+                    {"grammar", xgrammar::Grammar::FromLark(spec.value).ToString()}};
+      } catch (const std::exception& e) {
+        return bad(spec.param,
+                   "'" + spec.param + "' is not a valid Lark grammar: " + clean_message(e.what()));
+      }
+    }
+    case K::kStructuralTag: {
+      Json format = Json::parse(spec.value, nullptr, false);
+      if (format.is_discarded() || !format.is_object())
+        return bad(spec.param, "'" + spec.param + "' must hold a structural tag format object");
+      return format;
+    }
     case K::kToolCall:
       return tool_call_format(spec);
   }
@@ -175,18 +323,6 @@ Json with_reasoning(Json body, ReasoningPrefix prefix) {
   return Json{{"type", "sequence"}, {"elements", {lead, body}}};
 }
 
-// xgrammar's messages start with "[hh:mm:ss] path/file.cc:line: ": keep what follows.
-std::string clean_message(std::string msg) {
-  if (!msg.empty() && msg[0] == '[') {
-    const size_t src = msg.find(".cc:");
-    const size_t colon = src == std::string::npos ? src : msg.find(": ", src);
-    if (colon != std::string::npos) msg = msg.substr(colon + 2);
-  }
-  while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
-  if (msg.size() > 600) msg = msg.substr(0, 600) + "...";
-  return msg;
-}
-
 std::string what_of(const StructuredOutputSpec& spec) {
   using K = StructuredOutputSpec::Kind;
   switch (spec.kind) {
@@ -199,7 +335,12 @@ std::string what_of(const StructuredOutputSpec& spec) {
     case K::kChoice:
       return "choice list";
     case K::kGrammar:
-      return "EBNF grammar (xgrammar/GBNF syntax with a `root ::= ...` rule)";
+      return grammar_is_lark(spec.value)
+                 ? "Lark grammar (with a `start: ...` rule)"
+                 : "EBNF grammar (xgrammar/GBNF syntax with a `root ::= ...` rule; Lark with a "
+                   "`start: ...` rule is taken too)";
+    case K::kStructuralTag:
+      return "structural tag";
     case K::kToolCall:
       return "tool-call format (a tool's parameters schema)";
   }

@@ -12,6 +12,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -22,9 +23,20 @@
 namespace m3::text {
 
 struct StructuredOutputSpec {
-  enum class Kind { kJsonSchema, kJsonObject, kRegex, kChoice, kGrammar, kToolCall };
+  enum class Kind {
+    kJsonSchema,
+    kJsonObject,
+    kRegex,
+    kChoice,
+    kGrammar,
+    kToolCall,
+    kStructuralTag
+  };
   Kind kind = Kind::kJsonObject;
-  std::string value;                 // kJsonSchema: the schema's JSON text; kRegex; kGrammar (EBNF)
+  // kJsonSchema: the schema's JSON text; kRegex; kGrammar: EBNF (`root ::= ...`) or Lark
+  // (`start: ...`, told apart by grammar_is_lark); kStructuralTag: the JSON text of xgrammar's
+  // structural-tag `format` object (structural_tag_format turns the request's forms into it).
+  std::string value;
   std::vector<std::string> choices;  // kChoice: the output is exactly one of them
   // kToolCall: the request's tools ([{"type": "function", "function": {name, parameters}}]) and,
   // for a named tool_choice, that function's name (empty: any of the tools, at least one call).
@@ -32,6 +44,18 @@ struct StructuredOutputSpec {
   std::string tool_name;
   std::string param;  // the request field that asked for it (errors name it)
 };
+
+// Whether a grammar is written in Lark syntax (rules `name: ...`, `%import`, `//` comments)
+// rather than xgrammar's EBNF (rules `name ::= ...`). vLLM takes both for its xgrammar backend.
+bool grammar_is_lark(std::string_view grammar);
+
+// The structural-tag `format` (xgrammar's JSON) of a request's structural tag, in vLLM's two
+// forms: {"type": "structural_tag", "format": {...}} (the format as is), or the legacy
+// {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}
+// (free text until a trigger, then one of the tags whose begin starts with it, its content
+// following the JSON schema). Errors name `param`.
+Result<nlohmann::ordered_json> structural_tag_format(const nlohmann::ordered_json& tag,
+                                                     const std::string& param);
 
 // Where the output starts relative to the model's reasoning block (<mm:think> ... </mm:think>):
 // the format applies after the reasoning, which stays free text.

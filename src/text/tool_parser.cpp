@@ -118,7 +118,8 @@ Scan scan(std::string_view s, std::initializer_list<std::string_view> markers, b
 
 // Whether a closing tag written without NS, ending at `end` in `s`, is structure. In an invoke
 // written with NS tags a bare `</key>` is usually value text (code, HTML: vLLM #44060), so it
-// counts only when NS (or the end of the output) comes next; in an invoke opened without NS
+// counts only when NS (or the end of the output) comes next, possibly after bare </invoke> /
+// </tool_call> closers; in an invoke opened without NS
 // (`<invoke name=..>`) it always counts. `s` starts with the bare tag. Followed by the same tag
 // with NS (`Paris</city>NS</city>`), the bare one was the value's text.
 enum class Verdict { kMore, kYes, kNo };
@@ -126,11 +127,32 @@ Verdict bare_close_counts(std::string_view s, size_t end, bool eof, bool bare_in
   if (bare_invoke) return Verdict::kYes;
   const std::string own = std::string(kNs) + std::string(s.substr(0, end));
   while (end < s.size() && is_ws(s[end])) ++end;
-  const std::string_view rest = s.substr(end);
+  std::string_view rest = s.substr(end);
   if (rest.empty()) return eof ? Verdict::kYes : Verdict::kMore;
   if (starts_with(rest, own)) return Verdict::kNo;
   if (!eof && is_proper_prefix(rest, own)) return Verdict::kMore;
-  return starts_with(rest, kNs) ? Verdict::kYes : Verdict::kNo;
+  // The invoke's or the block's closer written without NS too (`<days>40</days></invoke>\nNS`):
+  // structure when NS or the end of the output follows the bare closers (value text that merely
+  // contains `</key></invoke>` goes on with more text).
+  bool chained = false;
+  for (;;) {
+    bool advanced = false;
+    for (std::string_view closer : {kBareInvokeEnd, kBareToolCallEnd}) {
+      if (starts_with(rest, closer)) {
+        size_t at = closer.size();
+        while (at < rest.size() && is_ws(rest[at])) ++at;
+        rest.remove_prefix(at);
+        advanced = chained = true;
+        break;
+      }
+      if (!eof && is_proper_prefix(rest, closer)) return Verdict::kMore;
+    }
+    if (!advanced) break;
+    if (rest.empty()) return eof ? Verdict::kYes : Verdict::kMore;
+  }
+  if (starts_with(rest, kNs)) return Verdict::kYes;
+  if (chained && !eof && is_proper_prefix(rest, kNs)) return Verdict::kMore;
+  return Verdict::kNo;
 }
 
 std::string quoted_key(std::string_view key) {

@@ -4,10 +4,11 @@ openai-agents (its default Responses model) and langchain-openai (use_responses_
 `m3serve serve` with the demo model (models/demo): thinking blocks / reasoning items from the
 reasoning parser, tool calls and their results, streaming (Anthropic's event sequence; the
 Responses events) equal to the whole answer, stop sequences, max_tokens, previous_response_id,
-and errors in each API's shape. Greedy (the demo model's generation_config), so each answer is
+background responses (poll, cancel), DELETE, input_items, and errors in each API's shape. Greedy (the demo model's generation_config), so each answer is
 fixed."""
 
 import asyncio
+import signal
 import json
 import os
 import sys
@@ -242,12 +243,95 @@ def test_responses_store_limits_and_incomplete(oc):
         oc.responses.create(model="m3-e2e", input="hi", tools=[{"type": "web_search"}])
     assert e.value.body["param"] == "tools[0].type"
     for kw, param in ((dict(input=[{"type": "item_reference", "id": "x"}]), "input[0].type"),
-                      (dict(input="hi", background=True), "background"),
+                      (dict(input="hi", background=True, store=False), "background"),
+                      (dict(input="hi", background=True, stream=True), "stream"),
                       (dict(input="hi", top_logprobs=2), "top_logprobs"),
                       (dict(input=[{"role": "tool", "content": "x"}]), "input[0].role")):
         with pytest.raises(openai.BadRequestError) as e:
             oc.responses.create(model="m3-e2e", **kw)
         assert e.value.body["param"] == param, kw
+
+
+def wait_final(oc, rid, timeout=120):
+    import time
+    seen = []
+    end = time.time() + timeout
+    while time.time() < end:
+        r = oc.responses.retrieve(rid)
+        if not seen or seen[-1] != r.status:
+            seen.append(r.status)
+        if r.status not in ("queued", "in_progress"):
+            return r, seen
+        time.sleep(0.05)
+    raise AssertionError(f"{rid} still {seen[-1]} after {timeout} s")
+
+
+def test_responses_background_poll_cancel_delete(oc):
+    sync = oc.responses.create(model="m3-e2e", input="What is 23 + 19?", reasoning={"effort": "none"})
+    r = oc.responses.create(model="m3-e2e", input="What is 23 + 19?", reasoning={"effort": "none"},
+                            background=True)
+    assert r.status == "queued" and r.background is True and r.output == []
+    final, seen = wait_final(oc, r.id)
+    assert final.status == "completed" and final.output_text == sync.output_text, seen
+    assert set(seen) <= {"queued", "in_progress", "completed"}
+    assert final.usage.output_tokens == sync.usage.output_tokens
+    # previous_response_id continues a background response like any stored one.
+    nxt = oc.responses.create(model="m3-e2e", previous_response_id=r.id, input="And 5 + 3?",
+                              reasoning={"effort": "none"})
+    assert nxt.status == "completed"
+    # Cancel a long one (a 3000-character string is required): it stops, and stays cancelled.
+    long_fmt = {"format": {"type": "json_schema", "name": "s", "strict": True, "schema": {
+        "type": "object", "properties": {"s": {"type": "string", "minLength": 3000}}, "required": ["s"]}}}
+    big = oc.responses.create(model="m3-e2e", input="Write a long story.", reasoning={"effort": "none"},
+                              text=long_fmt, max_output_tokens=8000, background=True)
+    c = oc.responses.cancel(big.id)
+    assert c.status == "cancelled" and c.id == big.id
+    again, _ = wait_final(oc, big.id)
+    assert again.status == "cancelled"
+    assert oc.responses.cancel(big.id).status == "cancelled"  # idempotent
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.responses.cancel(sync.id)  # not a background response
+    assert e.value.body["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError):
+        oc.responses.cancel("resp_unknown")
+    # DELETE removes a stored response (a running one is stopped first).
+    running = oc.responses.create(model="m3-e2e", input="Write a long story.", reasoning={"effort": "none"},
+                                  text=long_fmt, max_output_tokens=8000, background=True)
+    for rid in (sync.id, r.id, running.id):
+        oc.responses.delete(rid)
+        with pytest.raises(openai.NotFoundError):
+            oc.responses.retrieve(rid)
+        with pytest.raises(openai.NotFoundError):
+            oc.responses.delete(rid)
+    with pytest.raises(openai.NotFoundError):
+        oc.responses.create(model="m3-e2e", previous_response_id=r.id, input="hi")
+
+
+def test_responses_input_items(oc, demo):
+    r = oc.responses.create(model="m3-e2e", input="What is 23 + 19?", reasoning={"effort": "none"})
+    items = oc.responses.input_items.list(r.id)
+    assert len(items.data) == 1 and items.data[0].type == "message" and items.data[0].role == "user"
+    assert items.data[0].content[0].text == "What is 23 + 19?" and items.data[0].id
+    conv = [{"role": "user", "content": TIMER},
+            {"type": "function_call", "call_id": "c1", "name": "set_timer",
+             "arguments": json.dumps({"minutes": 25, "label": "tea"})},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
+    r2 = oc.responses.create(model="m3-e2e", input=conv, tools=R_TOOLS, reasoning={"effort": "none"})
+    desc = oc.responses.input_items.list(r2.id)  # newest first, as OpenAI's default
+    assert [i.type for i in desc.data] == ["function_call_output", "function_call", "message"]
+    asc = oc.responses.input_items.list(r2.id, order="asc")
+    assert [i.type for i in asc.data] == ["message", "function_call", "function_call_output"]
+    assert asc.data[1].call_id == "c1" and asc.data[2].output == "ok"
+    page = oc.responses.input_items.list(r2.id, order="asc", limit=1)
+    assert len(page.data) == 1 and page.has_more
+    rest = oc.responses.input_items.list(r2.id, order="asc", after=page.data[0].id)
+    assert [i.type for i in rest.data] == ["function_call", "function_call_output"] and not rest.has_more
+    all_ids = [i.id for i in oc.responses.input_items.list(r2.id, order="asc").data]  # paging is stable
+    assert all_ids == [i.id for i in asc.data]
+    status, text = http(demo, "GET", f"/v1/responses/{r2.id}/input_items?limit=0")
+    assert status == 400 and json.loads(text)["error"]["param"] == "limit"
+    with pytest.raises(openai.NotFoundError):
+        oc.responses.input_items.list("resp_unknown")
 
 
 def test_responses_json_schema_format(oc):
@@ -306,3 +390,23 @@ def test_langchain_openai_on_the_responses_api(demo):
     assert [(c["name"], c["args"]) for c in calls] == [("set_timer", {"minutes": 25, "label": "tea"})]
     streamed = "".join(ch.text for ch in llm.stream("What is 23 + 19?"))
     assert "42" in streamed
+
+
+def test_shutdown_cancels_background_responses(binary):
+    # A background response has no client to drain for: SIGTERM cancels it and the server exits
+    # at once instead of generating thousands of tokens first.
+    import time
+    s = Server(binary, DEMO, [])
+    try:
+        oc = openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0, timeout=60)
+        fmt = {"format": {"type": "json_schema", "name": "s", "strict": True, "schema": {
+            "type": "object", "properties": {"s": {"type": "string", "minLength": 20000}}, "required": ["s"]}}}
+        r = oc.responses.create(model="m3-e2e", input="Write a long story.", reasoning={"effort": "none"},
+                                text=fmt, max_output_tokens=12000, background=True)
+        assert r.status == "queued"
+        t0 = time.time()
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(timeout=30)
+        assert time.time() - t0 < 15 and s.proc.returncode == 0
+    finally:
+        s.stop()

@@ -1,6 +1,7 @@
 """Structured outputs and token controls through `m3serve serve` with the demo model (models/demo)
 and the official openai client: response_format json_schema / json_object, structured_outputs
-{json, regex, choice, grammar} and the guided_* aliases (chat and completions, streamed and not),
+{json, regex, choice, grammar (EBNF or Lark), structural_tag}, response_format structural_tag
+(both of vLLM's forms) and the guided_* aliases (chat and completions, streamed and not),
 each after the model's reasoning when the reasoning parser is on; tool_choice "required" and a
 named function always give a parsed tool call; logit_bias, allowed_token_ids and bad_words change
 the tokens drawn; invalid schemas / regexes / grammars are 400s naming the field; a constrained
@@ -114,6 +115,42 @@ def test_regex_choice_and_grammar(client):
         ebnf = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
         c = chat(client, temperature=1.0, seed=seed, extra_body={"structured_outputs": {"grammar": ebnf}}).choices[0]
         assert c.finish_reason == "stop" and re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", c.message.content)
+
+
+def test_lark_grammar(client):
+    # vLLM takes Lark as well as EBNF for xgrammar; the same language as the EBNF case above.
+    lark = '// sums\nstart: "(" num ("+" num)* ")"\nnum: /[1-9][0-9]?/\n'
+    for seed in SEEDS[:3]:
+        for body in ({"structured_outputs": {"grammar": lark}}, {"guided_grammar": lark}):
+            c = chat(client, temperature=1.0, seed=seed, extra_body=dict(body)).choices[0]
+            assert c.finish_reason == "stop" and re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)",
+                                                              c.message.content), c.message.content
+
+
+def test_structural_tag_response_format(client):
+    # xgrammar's format (vLLM's `format` form), after the reasoning in every thinking mode, and
+    # through structured_outputs.structural_tag as JSON text; then the legacy form (free text,
+    # then tags opened by a trigger: the text outside tags is free, each tag's body is its schema).
+    fmt = {"type": "sequence", "elements": [{"type": "const_string", "value": "City: "},
+                                            {"type": "regex", "pattern": "(Paris|Rome|Oslo)"}]}
+    rf = {"type": "structural_tag", "format": fmt}
+    for mode in ("disabled", "adaptive", "enabled"):
+        for seed in SEEDS[:2]:
+            c = chat(client, mode, response_format=rf, temperature=1.0, seed=seed).choices[0]
+            assert c.finish_reason == "stop" and re.fullmatch(r"City: (Paris|Rome|Oslo)", c.message.content), \
+                (mode, c.message.content)
+    c = chat(client, temperature=1.0, seed=3,
+             extra_body={"structured_outputs": {"structural_tag": json.dumps(rf)}}).choices[0]
+    assert re.fullmatch(r"City: (Paris|Rome|Oslo)", c.message.content), c.message.content
+    legacy = {"type": "structural_tag", "triggers": ["<trip>"],
+              "structures": [{"begin": "<trip>", "schema": TRIP, "end": "</trip>"}]}
+    for seed in SEEDS:
+        c = chat(client, response_format=legacy, temperature=1.0, seed=seed, max_tokens=300).choices[0]
+        for body in re.findall(r"<trip>(.*?)</trip>", c.message.content, re.S):
+            validate(json.loads(body), TRIP)
+        # an opened tag is always finished (or the output was cut by max_tokens)
+        assert c.message.content.count("<trip>") == c.message.content.count("</trip>") or \
+            c.finish_reason == "length", c.message.content
 
 
 def test_format_applies_after_the_reasoning(client):
@@ -244,6 +281,11 @@ def test_invalid_formats_are_400s_naming_the_field(demo):
         ({"logit_bias": {"999999": 1}}, "logit_bias"),
         ({"allowed_token_ids": [999999]}, "allowed_token_ids"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        ({"response_format": {"type": "structural_tag", "format": {"type": "regex", "pattern": "[a-"}}},
+         "response_format"),
+        ({"structured_outputs": {"structural_tag": "not json"}}, "structured_outputs.structural_tag"),
     ]
     for extra, param in cases:
         body = {"model": "m3-e2e", "messages": ASK, "max_tokens": 5, **extra}

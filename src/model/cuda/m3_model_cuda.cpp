@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "core/check.h"
+#include "core/log.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
 #include "kernels/cuda/fused.h"
@@ -281,6 +282,11 @@ void M3ModelCuda::generate_weights(uint64_t seed) {
 MatRef M3ModelCuda::upload(const MatRef& m) {
   MatRef r = m;
   if (m.data == nullptr || m.rows * m.cols == 0) return r;
+  if (m.quantized()) {
+    // No quantized GPU kernels yet (docs/QUANTIZATION.md): the format's values, rounded to bf16.
+    std::vector<uint16_t> host;
+    return upload(dequantize_to_bf16(m, host));
+  }
   const size_t bytes = static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype);
   storage_.emplace_back(bytes);
   storage_.back().copy_from(static_cast<const uint8_t*>(m.data), bytes);
@@ -316,6 +322,14 @@ VecRef M3ModelCuda::upload_f32(const VecRef& v) {
 
 void M3ModelCuda::upload_weights() {
   const M3Weights& w = host_->weights();
+  size_t num_quantized = 0;
+  for (size_t q = 1; q < 5; ++q) num_quantized += w.num_quantized[q];
+  if (num_quantized > 0) {
+    M3_LOG_WARN(
+        "%zu quantized linears are dequantised to bf16 on the GPU (no FP8/FP4 GPU kernels yet, "
+        "docs/QUANTIZATION.md): the GPU holds and reads them as bf16",
+        num_quantized);
+  }
   const std::vector<TensorSpec> table = m3_tensors(cfg_);
   size_views(dev_, cfg_, table, plan_.num_experts);
   for (const TensorSpec& t : table) {
@@ -339,13 +353,19 @@ void M3ModelCuda::upload_weights() {
              static_cast<long long>(t.count_in(dev_)));
     if (n == 0) continue;
     const MatRef& first = t.mat(w, 0);
-    const size_t per = static_cast<size_t>(first.rows * first.cols) * dtype_size(first.dtype);
+    // Quantized experts are uploaded as their values rounded to bf16 (no quantized GPU kernels
+    // yet, docs/QUANTIZATION.md).
+    const DType dt = first.quantized() ? DType::kBF16 : first.dtype;
+    const size_t per = static_cast<size_t>(first.rows * first.cols) * dtype_size(dt);
     auto* base = static_cast<uint8_t*>(alloc_weight(per * static_cast<size_t>(n)));
+    std::vector<uint16_t> host;
     for (int64_t e = 0; e < n; ++e) {
-      const MatRef& src = t.mat(w, e);
-      M3_CHECK(src.dtype == first.dtype && src.rows == first.rows && src.cols == first.cols,
-               "%s: expert %lld's shape or dtype differs from expert 0's", t.name("", 0, e).c_str(),
-               static_cast<long long>(e));
+      MatRef src = t.mat(w, e);
+      M3_CHECK(src.dtype == first.dtype && src.quant == first.quant && src.rows == first.rows &&
+                   src.cols == first.cols,
+               "%s: expert %lld's shape or format differs from expert 0's",
+               t.name("", 0, e).c_str(), static_cast<long long>(e));
+      if (src.quantized()) src = dequantize_to_bf16(src, host);
       M3_CUDA_CHECK(cudaMemcpy(base + e * per, src.data, per, cudaMemcpyHostToDevice));
       MatRef& dst = t.mat(dev_, e);
       dst = src;

@@ -182,7 +182,12 @@ const std::vector<RecipeCase> kRecipe = {
      "--tensor-parallel-size 8 --block-size 128 --attention-backend "
      "TRITON_ATTN --quantization fp8_per_channel",
      {"VLLM_ROCM_USE_AITER=1", "VLLM_ROCM_USE_AITER_MOE=0"},
-     "issue #18",
+     "",
+     ""},
+    {"quantization_unknown",
+     "--tensor-parallel-size 8 --quantization int3",
+     {},
+     "--quantization 'int3' is unknown; accepted: none, fp8_per_channel, mxfp8",
      ""},
     {"fp8_kv", "--tensor-parallel-size 8 --block-size 128 --kv-cache-dtype fp8", {}, "", ""},
     {"max_len_128k",
@@ -262,7 +267,7 @@ const std::vector<RecipeCase> kRecipe = {
      "'{\"thinking_mode\":\"enabled\"}' --max-num-seqs 64 --stream-interval 20",
      {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1800"},
      "",
-     "--stream-interval 20 is ignored"},
+     "--moe-backend aiter is ignored"},
     {"gb200_worker",
      "--tensor-parallel-size 4 --pipeline-parallel-size 1 --trust-remote-code "
      "--block-size 128 --max-model-len 1048576 --no-enable-flashinfer-autotune "
@@ -471,6 +476,11 @@ TEST(VllmFlags, HandledValues) {
   EXPECT_EQ(p.plan->hf_overrides, "{\"a\":{\"b\":1}}");
   EXPECT_EQ(p.plan->generation_overrides, "{\"top_k\":40}");
   EXPECT_TRUE(p.plan->log_requests);
+  EXPECT_EQ(p.plan->quantization, "");
+  // --quantization is kept for the model load (checked there against the checkpoint).
+  EXPECT_EQ(run({"--quantization", "fp8_per_channel"}).plan->quantization, "fp8_per_channel");
+  EXPECT_EQ(run({"-q", "MXFP8"}).plan->quantization, "MXFP8");
+  EXPECT_FALSE(run({"--quantization", "gptq"}).plan.has_value());
   EXPECT_FALSE(run({"--hf-overrides", "[1]"}).plan.has_value());
   EXPECT_FALSE(run({"--seed", "x"}).plan.has_value());
   EXPECT_EQ(run({"--max-logprobs", "50"}).plan->max_logprobs.value_or(0), 50);
@@ -478,6 +488,13 @@ TEST(VllmFlags, HandledValues) {
   EXPECT_FALSE(run({"--max-logprobs", "-2"}).plan.has_value());
   EXPECT_FALSE(run({"--max-logprobs", "x"}).plan.has_value());
   EXPECT_FALSE(run({"--enable-log-requests", "--disable-log-requests"}).plan.has_value());
+  const auto si = run({"--stream-interval", "20"});
+  ASSERT_TRUE(si.plan.has_value());
+  EXPECT_EQ(si.plan->stream_interval, 20);
+  EXPECT_TRUE(si.plan->notices.empty());  // it works: no "ignored" notice
+  EXPECT_EQ(run({}).plan->stream_interval, 1);
+  for (const char* bad : {"0", "-3", "x", "5000"})
+    EXPECT_FALSE(run({"--stream-interval", bad}).plan.has_value()) << bad;
 }
 
 TEST(VllmFlags, EnvironmentHonouredOrReportedOnce) {

@@ -149,6 +149,32 @@ TEST(ChoiceOutput, ParallelToolCallsFalseKeepsOnlyTheFirstCall) {
   EXPECT_EQ(all.tool_calls().size(), 2u);
 }
 
+TEST(ChoiceOutput, TagLikeSpecialTokenInsideAToolBlockIsAParameterTag) {
+  // `<filename>` is one of M3's special code-marker tokens. A tool parameter of that name is
+  // written with it; skipping special tokens must not drop the tag inside a tool block (the value
+  // `a.txt` would then lose its parameter), while outside a block it is skipped as usual.
+  const std::string ns = "]<]minimax[>[";
+  const char* tools = R"([{"type": "function", "function": {"name": "save_file", "parameters":
+      {"type": "object", "properties": {"filename": {"type": "string"},
+      "content": {"type": "string"}}}}}])";
+  const std::string model_text = "Saving<filename>." + ns + "<tool_call>\n" + ns +
+                                 "<invoke name=\"save_file\">" + ns + "<filename>a.txt" + ns +
+                                 "<content>hi" + ns + "</content>" + ns + "</invoke>\n" + ns +
+                                 "</tool_call>[e~[";
+  const std::vector<int32_t> ids = tokenizer()->encode(model_text);
+  const auto tag = tokenizer()->token_to_id("<filename>");
+  ASSERT_TRUE(tag.has_value());
+  ASSERT_EQ(std::count(ids.begin(), ids.end(), *tag), 2) << "the test needs the special token";
+  std::mt19937 rng(9);
+  for (int trial = 0; trial < 10; ++trial) {
+    ChoiceOutput out(chat_options(tools));
+    feed(out, ids, "stop", rng);
+    EXPECT_EQ(out.text(), "Saving.");
+    ASSERT_EQ(out.tool_calls().size(), 1u);
+    EXPECT_EQ(out.tool_calls()[0].arguments_json, R"({"filename":"a.txt","content":"hi"})");
+  }
+}
+
 TEST(ChoiceOutput, EnabledThinkingStartsInsideReasoning) {
   ChoiceOptions o = chat_options(nullptr);
   o.chat->thinking_mode = text::ThinkingMode::kEnabled;

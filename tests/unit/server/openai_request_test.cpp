@@ -243,9 +243,6 @@ TEST(OpenAIRequest, ToolChoiceForms) {
 
 TEST(OpenAIRequest, UnsupportedFeaturesAreNamed) {
   const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
-  Error e = chat_error("{" + msgs + R"(, "response_format": {"type": "structural_tag"}})");
-  EXPECT_EQ(e.param, "response_format");
-  EXPECT_EQ(error_body(e)["error"]["code"], "unsupported_value");
   EXPECT_TRUE(
       parse_chat_request("{" + msgs + R"(, "response_format": {"type": "text"}})").has_value());
   EXPECT_EQ(chat_error("{" + msgs + R"(, "best_of": 3})").param, "best_of");
@@ -322,6 +319,54 @@ TEST(OpenAIRequest, StructuredOutputFields) {
   EXPECT_EQ(chat_error("{" + msgs + R"(, "guided_json": "not json"})").param, "guided_json");
   EXPECT_EQ(chat_error("{" + msgs + R"(, "structured_outputs": {"backend": "outlines"}})").param,
             "structured_outputs.backend");
+}
+
+// response_format structural_tag in vLLM's two forms, and structured_outputs.structural_tag as
+// JSON text, become xgrammar's structural-tag format; a malformed one is a 400 naming its field.
+TEST(OpenAIRequest, StructuralTagForms) {
+  using K = text::StructuredOutputSpec::Kind;
+  const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+  auto spec = [&](const std::string& extra) {
+    auto r = parse_chat_request("{" + msgs + ", " + extra + "}");
+    EXPECT_TRUE(r.has_value()) << extra << ": " << (r ? "" : r.error().message);
+    return r && r->common.structured ? *r->common.structured : text::StructuredOutputSpec{};
+  };
+  auto s = spec(R"("response_format": {"type": "structural_tag", "triggers": ["<f="],
+      "structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}]})");
+  EXPECT_EQ(s.kind, K::kStructuralTag);
+  EXPECT_EQ(s.param, "response_format");
+  const auto legacy = nlohmann::json::parse(s.value);
+  EXPECT_EQ(legacy["type"], "triggered_tags");
+  EXPECT_EQ(legacy["triggers"], nlohmann::json::parse(R"(["<f="])"));
+  EXPECT_EQ(legacy["tags"][0]["begin"], "<f=a>");
+  EXPECT_EQ(legacy["tags"][0]["content"]["json_schema"], nlohmann::json::parse(R"({"type":
+      "object"})"));
+  s = spec(R"("response_format": {"type": "structural_tag", "format": {"type": "const_string",
+      "value": "ok"}})");
+  EXPECT_EQ(nlohmann::json::parse(s.value), nlohmann::json::parse(R"({"type": "const_string",
+      "value": "ok"})"));
+  s = spec(R"("structured_outputs": {"structural_tag":
+      "{\"type\": \"structural_tag\", \"format\": {\"type\": \"regex\", \"pattern\": \"a+\"}}"})");
+  EXPECT_EQ(s.kind, K::kStructuralTag);
+  EXPECT_EQ(s.param, "structured_outputs.structural_tag");
+
+  const auto param_of = [&](const std::string& extra) {
+    return chat_error("{" + msgs + ", " + extra + "}").param;
+  };
+  EXPECT_EQ(param_of(R"("response_format": {"type": "structural_tag"})"), "response_format");
+  EXPECT_EQ(param_of(R"("response_format": {"type": "structural_tag", "structures": [
+      {"begin": "<a>", "end": "</a>"}]})"),
+            "response_format");  // no triggers
+  EXPECT_EQ(param_of(R"("response_format": {"type": "structural_tag", "triggers": ["<b"],
+      "structures": [{"begin": "<a>", "end": "</a>"}]})"),
+            "response_format");  // begin matches no trigger
+  EXPECT_EQ(param_of(R"("response_format": {"type": "structural_tag", "format": 3})"),
+            "response_format");
+  EXPECT_EQ(param_of(R"("structured_outputs": {"structural_tag": "{nope"})"),
+            "structured_outputs.structural_tag");
+  const Error e = chat_error("{" + msgs + R"(, "response_format": {"type": "structural_tag"}})");
+  EXPECT_NE(e.message.find("\"format\""), std::string::npos) << e.message;
+  EXPECT_EQ(e.code, ErrorCode::kInvalidArgument);
 }
 
 TEST(OpenAIRequest, LogitBiasAllowedTokenIdsAndBadWords) {

@@ -31,7 +31,7 @@ inline std::string golden_dir() {
 }
 
 inline std::vector<std::string> golden_files() {
-  return {"reasoning", "tool_calls", "truncated", "malformed", "chat", "quirks"};
+  return {"reasoning", "tool_calls", "truncated", "malformed", "chat", "quirks", "vllm_parity"};
 }
 
 inline std::string sanitize_test_name(std::string s) {

@@ -217,7 +217,16 @@ TEST_F(Structured, InvalidInputsAreErrorsNamingTheField) {
       {Kind::kJsonSchema, "[1, 2]", {}, {}, {}, "structured_outputs.json"},
       {Kind::kRegex, "[a-", {}, {}, {}, "structured_outputs.regex"},
       {Kind::kGrammar, "root ::= (", {}, {}, {}, "guided_grammar"},
-      {Kind::kGrammar, "start: \"a\"", {}, {}, {}, "structured_outputs.grammar"},
+      {Kind::kGrammar, "start: foo", {}, {}, {}, "structured_outputs.grammar"},  // Lark
+      {Kind::kStructuralTag, R"({"type": "nonsense"})", {}, {}, {}, "response_format"},
+      {Kind::kStructuralTag,
+       R"({"type": "triggered_tags", "triggers": ["<a"], "tags": [{"type": "tag",
+          "begin": "<a>", "content": {"type": "json_schema", "json_schema": {"type": "bogus"}},
+          "end": "</a>"}]})",
+       {},
+       {},
+       {},
+       "structured_outputs.structural_tag"},
   };
   for (const auto& s : cases) {
     auto r = compiler_->compile(s, ReasoningPrefix::kNone);
@@ -227,6 +236,55 @@ TEST_F(Structured, InvalidInputsAreErrorsNamingTheField) {
     EXPECT_NE(r.error().message.find(s.param), std::string::npos) << r.error().message;
     EXPECT_EQ(r.error().message.find(".cc:"), std::string::npos) << r.error().message;
   }
+}
+
+TEST_F(Structured, LarkGrammarIsConvertedAndEbnfStaysEbnf) {
+  // vLLM takes Lark for its xgrammar backend; the same language as the EBNF case above.
+  auto g = compile({Kind::kGrammar,
+                    "// comment\nstart: \"a\" item* \"d\"\nitem: \"b\" | \"c\"\n",
+                    {},
+                    {},
+                    {},
+                    "structured_outputs.grammar"});
+  ASSERT_TRUE(g);
+  expect_complete(*g, "abcbd");
+  expect_rejected(*g, "abxd");
+  auto re = compile({Kind::kGrammar, "?start: NUMBER (\",\" NUMBER)*\nNUMBER: /[0-9]+/\n"});
+  ASSERT_TRUE(re);
+  expect_complete(*re, "12,7,300");
+  expect_rejected(*re, "12,,7");
+  EXPECT_TRUE(grammar_is_lark("start: \"x\""));
+  EXPECT_TRUE(grammar_is_lark("%import common.NUMBER\nstart: NUMBER"));
+  EXPECT_TRUE(grammar_is_lark("?value.2 : \"a\""));
+  EXPECT_FALSE(grammar_is_lark("root ::= \"a: b\""));
+  EXPECT_FALSE(grammar_is_lark("root ::= item\nitem ::= \"x\"\n"));
+  EXPECT_FALSE(grammar_is_lark("# just a comment"));
+}
+
+TEST_F(Structured, StructuralTagsInBothRequestForms) {
+  // Legacy form: free text until a trigger, then a tag whose content follows its schema.
+  nlohmann::ordered_json legacy = nlohmann::ordered_json::parse(R"({"type": "structural_tag",
+      "triggers": ["<function="], "structures": [{"begin": "<function=get_weather>",
+      "schema": {"type": "object", "properties": {"city": {"type": "string"}},
+      "required": ["city"], "additionalProperties": false}, "end": "</function>"}]})");
+  auto f = structural_tag_format(legacy, "response_format");
+  ASSERT_TRUE(f.has_value()) << f.error().message;
+  auto c = compile({Kind::kStructuralTag, f->dump()});
+  ASSERT_TRUE(c);
+  expect_complete(*c, "Let me see. <function=get_weather>{\"city\": \"Oslo\"}</function>");
+  expect_complete(*c, "No call needed.");
+  expect_rejected(*c, "<function=get_weather>{\"town\": \"Oslo\"}</function>");
+  // xgrammar's own format, after an optional reasoning block.
+  nlohmann::ordered_json st = nlohmann::ordered_json::parse(R"({"type": "structural_tag",
+      "format": {"type": "sequence", "elements": [{"type": "const_string", "value": "A: "},
+      {"type": "regex", "pattern": "[0-9]+"}]}})");
+  f = structural_tag_format(st, "response_format");
+  ASSERT_TRUE(f.has_value());
+  auto d = compile({Kind::kStructuralTag, f->dump()}, ReasoningPrefix::kOptional);
+  ASSERT_TRUE(d);
+  expect_complete(*d, "<mm:think>hmm</mm:think>A: 42");
+  expect_complete(*d, "A: 7");
+  expect_rejected(*d, "B: 7");
 }
 
 TEST_F(Structured, CompiledStructuresAreCachedByContent) {
