@@ -3,7 +3,8 @@
 // per second) and a plain bf16 cuBLASLt 8192^3 GEMM. Prints the GEMV bandwidth (GB/s of weight
 // bytes) at n = 1 and 8, GEMV vs cuBLASLt around the threshold, cuBLASLt TFLOP/s at n = 8192 and
 // 32768 in both GEMM precisions, and the MoE block (router + shared expert + 128 experts top-4)
-// at n = 1, 8, 64, 256, 1024 with the bytes of the experts it touched per second.
+// at n = 1 to 8192 in each engine (grouped GEMV, grouped GEMM, per-expert cuBLASLt) with the
+// bytes of the experts it touched per second and the routed experts' TFLOP/s.
 // Usage: bench_gemm_moe [iters=20] [quick]. Exits 1 with the probe's message where no GPU is
 // usable.
 #include <algorithm>
@@ -184,7 +185,31 @@ int main(int argc, char** argv) {
     auto router = f32_values(ne * h, 13, 0.02f);
     const gk::MoeExpertWeights ew{w1.data(), w3.data(), w2.data(), DType::kBF16, ne, inter, h};
     const gk::SwigluParams act{};
-    for (int64_t n : {1, 8, 64, 256, 1024}) {
+    struct Run {
+      int64_t n;
+      gk::GemmPrecision prec;
+      gk::MoePath path;
+    };
+    const Run runs[] = {{1, gk::GemmPrecision::kExact, gk::MoePath::kAuto},
+                        {8, gk::GemmPrecision::kExact, gk::MoePath::kAuto},
+                        {8, gk::GemmPrecision::kBf16, gk::MoePath::kGrouped},
+                        {32, gk::GemmPrecision::kExact, gk::MoePath::kAuto},
+                        {32, gk::GemmPrecision::kBf16, gk::MoePath::kGrouped},
+                        {64, gk::GemmPrecision::kExact, gk::MoePath::kAuto},
+                        {64, gk::GemmPrecision::kBf16, gk::MoePath::kAuto},
+                        {128, gk::GemmPrecision::kExact, gk::MoePath::kAuto},
+                        {128, gk::GemmPrecision::kBf16, gk::MoePath::kAuto},
+                        {256, gk::GemmPrecision::kExact, gk::MoePath::kAuto},
+                        {256, gk::GemmPrecision::kBf16, gk::MoePath::kAuto},
+                        {1024, gk::GemmPrecision::kExact, gk::MoePath::kAuto},
+                        {1024, gk::GemmPrecision::kBf16, gk::MoePath::kAuto},
+                        {8192, gk::GemmPrecision::kBf16, gk::MoePath::kPerExpert},
+                        {8192, gk::GemmPrecision::kBf16, gk::MoePath::kAuto},
+                        {32768, gk::GemmPrecision::kBf16, gk::MoePath::kAuto}};
+    for (const Run& run : runs) {
+      const int64_t n = run.n;
+      gk::set_gemm_precision(run.prec);
+      const gk::MoePath path = run.path;
       auto x = f32_values(n * h, 14);
       auto rlog = f32_values(n * ne, 15 + n, 3.f);  // random logits: a realistic expert spread
       DeviceBuffer<float> logits(n * ne), wts(n * k), g(n * inter), u(n * inter), out(n * h);
@@ -206,14 +231,23 @@ int main(int argc, char** argv) {
       const double bytes = (touched.size() + 1.0) * 3 * per * 2 + ne * h * 4.0;
       const double gbs = bytes / (ms * 1e-3) / 1e9;
       const double ems = time_ms(s, iters, [&] {
-        gk::moe_experts(x.data(), n, ids.data(), wts.data(), k, ew, act, out.data(), out.data(),
-                        work.data(), s);
+        gk::moe_experts_with(path, x.data(), n, ids.data(), wts.data(), k, ew, act, out.data(),
+                             out.data(), work.data(), s);
       });
+      const gk::MoePath taken = path == gk::MoePath::kAuto ? gk::moe_path(n, ew, x.data()) : path;
+      const char* engine = taken == gk::MoePath::kGemv      ? "gemv"
+                           : taken == gk::MoePath::kGrouped ? "grouped gemm"
+                                                            : "per-expert";
+      // Routed experts' useful FLOPs: gate, up and down over the n * k picks.
+      const double etf = 2.0 * n * k * 3 * h * inter / (ems * 1e-3) / 1e12;
       std::printf(
-          "  n=%-4lld %3zu experts touched: block %8.4f ms, %6.0f GB/s of weights "
-          "(%5.1f%% of copy); routed experts alone %8.4f ms\n",
-          (long long)n, touched.size(), ms, gbs, 100.0 * gbs / copy_gbs, ems);
+          "  n=%-5lld %-5s %-12s %3zu experts touched: block %8.4f ms, %6.0f GB/s of weights "
+          "(%5.1f%% of copy); routed experts alone %8.4f ms = %6.1f TFLOP/s (%5.1f%% of the "
+          "bf16 GEMM ceiling)\n",
+          (long long)n, prec_name(run.prec), engine, touched.size(), ms, gbs,
+          100.0 * gbs / copy_gbs, ems, etf, 100.0 * etf / gemm_tf);
     }
+    gk::set_gemm_precision(gk::GemmPrecision::kExact);
   }
   return 0;
 }

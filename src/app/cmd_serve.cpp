@@ -31,6 +31,7 @@
 #include "engine/engine.h"
 #include "model/config.h"
 #include "model/config_overrides.h"
+#include "model/quantization.h"
 #include "server/http_server.h"
 
 namespace m3::app {
@@ -65,8 +66,8 @@ struct ServeArgs {
   std::vector<std::string> served_model_names;
   std::string max_model_len;  // vLLM's forms: 65536, 128k, 1M, auto
   int max_num_seqs = 64;
-  int max_num_batched_tokens = 2048;
-  int block_size = 0;  // 0: the checkpoint's MSA block (sparse_block_size)
+  int max_num_batched_tokens = 0;  // 0: 8192 on the GPU (vLLM's default there), 2048 on the CPU
+  int block_size = 0;              // 0: the checkpoint's MSA block (sparse_block_size)
   bool enable_prefix_caching = true;
   bool no_enable_prefix_caching = false;
   std::vector<std::string> api_keys;
@@ -300,6 +301,12 @@ int run_serve(ServeArgs a) {
   if (a.port < 0 || a.port > 65535) return fail("--port must be in 0..65535");
   auto kv_bytes = parse_bytes(a.kv_cache_memory_bytes);
   if (!kv_bytes) return fail(kv_bytes.error().message);
+  if (!model::is_synthetic_model(a.model_dir)) {
+    // --quantization against the checkpoint's declaration, before anything is loaded.
+    auto q =
+        model::resolve_quantization(plan->quantization, model::read_checkpoint_quant(a.model_dir));
+    if (!q) return fail(q.error().message);
+  }
   auto backend_factory =  // probes the GPU for cuda
       make_backend_factory(a.device, *kv_bytes, *max_model_len, choice->spec.seed);
   if (!backend_factory) return fail(backend_factory.error().message);
@@ -378,7 +385,11 @@ int run_serve(ServeArgs a) {
   engine::EngineConfig ec;
   ec.model_dir = a.model_dir;  // a synthetic spec loads config-only (M3Model::load)
   ec.max_num_seqs = a.max_num_seqs;
-  ec.max_num_batched_tokens = a.max_num_batched_tokens;
+  // The step budget: vLLM's default on a large GPU (8192) where steps are fast; smaller on the
+  // CPU, whose long prefill steps would stall every decoding stream for seconds.
+  ec.max_num_batched_tokens = a.max_num_batched_tokens > 0 ? a.max_num_batched_tokens
+                              : a.device.device == "cuda"  ? 8192
+                                                           : 2048;
   ec.max_model_len = static_cast<int>(*max_model_len);
   ec.block_size = a.block_size;
   ec.kv_cache_memory_bytes = *kv_bytes;
@@ -388,9 +399,11 @@ int run_serve(ServeArgs a) {
   ec.num_sampleable_tokens = assets->tokenizer->vocab_size();  // never sample padding rows
   ec.backend_factory = std::move(*backend_factory);
   ec.language_model_only = a.language_model_only;
+  ec.quantization = plan->quantization;
   ec.kv_cache_dtype = kv_format->kv;
   ec.index_cache_dtype = kv_format->index;
   if (plan->kv_events) ec.kv_events = *plan->kv_events;
+  if (plan->speculative) ec.speculative = *plan->speculative;
   ec.host_kv_cache_bytes = plan->host_kv_cache_bytes;
   std::unique_ptr<engine::Engine> eng;
   {
@@ -416,6 +429,7 @@ int run_serve(ServeArgs a) {
   sc.seed = plan->seed;
   sc.log_requests = plan->log_requests;
   if (plan->max_logprobs) sc.max_logprobs = *plan->max_logprobs;
+  sc.stream_interval = plan->stream_interval;
   sc.allow_credentials = plan->allow_credentials;
   sc.parse_reasoning = a.reasoning_parser == "minimax_m3";
   sc.parse_tool_calls = a.tool_call_parser == "minimax_m3";
@@ -437,14 +451,16 @@ int run_serve(ServeArgs a) {
   const auto& info = eng->model_info();
   std::printf(
       "m3serve %s: serving %s as '%s' (%s) on %s | KV cache: %lld tokens (%lld pages of %d, "
-      "%s%s%s, %lld B/token) | max-model-len %d | prefix caching %s | listening on "
+      "%s%s%s, %lld B/token) | max-model-len %d | prefix caching %s%s%s | listening on "
       "http://%s:%d\n",
       M3_VERSION, a.model_dir.c_str(), a.served_model_names[0].c_str(), info.summary.c_str(),
       info.device.c_str(), static_cast<long long>(info.kv_tokens),
       static_cast<long long>(info.num_kv_blocks), info.block_size, info.kv_cache_dtype.c_str(),
       info.index_cache_dtype.empty() ? "" : ", index-K ", info.index_cache_dtype.c_str(),
       static_cast<long long>(info.kv_bytes_per_token), info.max_model_len,
-      ec.enable_prefix_caching ? "on" : "off", a.host.c_str(), http->bound_port());
+      ec.enable_prefix_caching ? "on" : "off",
+      info.speculative.empty() ? "" : " | speculative decoding: ", info.speculative.c_str(),
+      a.host.c_str(), http->bound_port());
   std::fflush(stdout);
   if (info.num_host_kv_pages > 0) {
     std::fprintf(stderr, "m3serve: host KV tier: %lld pages (%lld tokens) in host memory\n",
@@ -514,8 +530,10 @@ RunFn register_serve(CLI::App& app) {
   sub->add_option("--max-num-seqs", a->max_num_seqs, "Max sequences per engine step")
       ->capture_default_str();
   sub->add_option("--max-num-batched-tokens", a->max_num_batched_tokens,
-                  "Token budget per engine step")
-      ->capture_default_str();
+                  "Token budget per engine step: prompts prefill in chunks of at most this many "
+                  "tokens beside the decoding streams (default 8192 with --device cuda, 2048 on "
+                  "the CPU)")
+      ->check(CLI::NonNegativeNumber);
   sub->add_option("--block-size", a->block_size,
                   "KV page size in tokens: must be the checkpoint's MSA block (sparse_block_size, "
                   "128 for MiniMax-M3), which is the default");

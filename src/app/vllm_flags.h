@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "engine/kv_event_publisher.h"
+#include "engine/spec_decode.h"
 
 namespace CLI {
 class App;
@@ -66,8 +67,12 @@ struct CompatPlan {
   // or "float32" (app/device_backend.h resolves auto per device).
   std::optional<std::string> kv_cache_dtype;
   std::optional<std::string> index_kv_dtype;
+  // --quantization as given (model/quantization.h; "" when absent), checked at model load.
+  std::string quantization;
   // --kv-events-config with enable_kv_cache_events and publisher "zmq" (else unset).
   std::optional<engine::KvEventsConfig> kv_events;
+  // --speculative-config (EAGLE-3 drafts), validated; the draft itself loads with the engine.
+  std::optional<engine::SpeculativeConfig> speculative;
   // The host KV tier in bytes (--kv-transfer-config offloading, --kv-offloading-size); 0 off.
   int64_t host_kv_cache_bytes = 0;
   bool enforce_eager = false;             // --compilation-config cudagraph_mode NONE
@@ -80,6 +85,7 @@ struct CompatPlan {
   // owners): what the user asked for, kept so nothing is lost when the server grows them.
   bool log_requests = false;                 // --enable-log-requests
   std::optional<int32_t> max_logprobs;       // --max-logprobs (-1 given: a huge limit)
+  int stream_interval = 1;                   // --stream-interval: tokens per streamed chunk
   bool log_stats = true;                     // --disable-log-stats: false
   bool access_log = true;                    // --disable-uvicorn-access-log: false
   double stats_interval_s = 10;              // VLLM_LOG_STATS_INTERVAL

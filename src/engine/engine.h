@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "engine/kv_event_publisher.h"
 #include "engine/sampling_params.h"
+#include "engine/spec_decode.h"
 #include "kernels/views.h"
 
 namespace m3::model {
@@ -54,6 +55,8 @@ struct EngineConfig {
   int64_t num_sampleable_tokens = 0;
   // Skip the vision tower (--language-model-only): image input is then refused.
   bool language_model_only = false;
+  // --quantization (model/m3_model.h LoadOptions::quantization): "" reads the checkpoint as stored.
+  std::string quantization;
   // Where the forward runs. Empty: the CPU backend (runtime::make_cpu_backend).
   BackendFactory backend_factory;
   // The KV cache's element formats (docs/KV_CACHE.md), set on the model right after it loads,
@@ -66,6 +69,8 @@ struct EngineConfig {
   // The host KV tier's size in bytes (vLLM's cpu_bytes_to_use): evicted prefix-cache pages are
   // kept there and restored on a prefix hit. 0: off. Needs prefix caching and one KV partition.
   int64_t host_kv_cache_bytes = 0;
+  // --speculative-config (engine/spec_decode.h): EAGLE-3 drafts verified by the target.
+  SpeculativeConfig speculative;
 };
 
 // Histogram with fixed upper bounds (Prometheus style: counts are per bucket, not cumulative).
@@ -120,6 +125,7 @@ struct EngineStats {
   Histogram max_tokens_per_request;               // the request's max_tokens
   Histogram prefill_computed_tokens_per_request;  // prompt tokens computed (not cache hits)
   Histogram iteration_tokens;                     // tokens scheduled per engine step
+  SpecDecodeStats spec_decode;                    // enabled only with --speculative-config
 };
 
 struct ModelInfo {
@@ -140,6 +146,9 @@ struct ModelInfo {
   std::vector<std::string> kv_events_endpoints;
   std::vector<std::string> kv_events_replay_endpoints;
   int64_t num_host_kv_pages = 0;  // the host KV tier (0: off)
+  // Speculative decoding: SpecDecoder::summary() ("" off) and the drafts per step (0 off).
+  std::string speculative;
+  int num_speculative_tokens = 0;
   // Image input (issue #20): image_input says whether requests may carry images; when not,
   // image_refusal says why (no vision tower, --language-model-only, a backend without it).
   bool image_input = false;

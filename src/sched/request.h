@@ -73,6 +73,9 @@ struct Request {
   std::optional<int32_t> stop_token_id;    // the stop_token_ids entry that finished it (not eos)
   std::vector<BlockHash> block_hashes;     // hash chain of full blocks, grown by KVCacheManager
   std::vector<ContentSpan> content_spans;  // ascending, non-overlapping (image placeholders)
+  // Speculative decoding: draft tokens proposed for positions num_tokens() ... by the last step,
+  // verified by the next one. Never part of num_tokens(), the block hashes or the prefix cache.
+  std::vector<int32_t> spec_token_ids;
 };
 
 }  // namespace m3::sched

@@ -20,30 +20,11 @@ bool Generation::all_finished() const {
   return true;
 }
 
-namespace {
-
-// Appends `more` to `into` (a later delta of the same choice); a tool call's argument pieces that
-// continue the same call are joined.
-void append_delta(ChoiceDelta& into, ChoiceDelta&& more) {
-  into.text += more.text;
-  into.reasoning += more.reasoning;
-  for (auto& c : more.tool_calls) {
-    if (!into.tool_calls.empty() && into.tool_calls.back().index == c.index && !c.id && !c.name) {
-      into.tool_calls.back().arguments_delta += c.arguments_delta;
-    } else {
-      into.tool_calls.push_back(std::move(c));
-    }
-  }
-  for (auto& l : more.logprobs) into.logprobs.push_back(std::move(l));
-  into.token_ids.insert(into.token_ids.end(), more.token_ids.begin(), more.token_ids.end());
-}
-
-}  // namespace
-
 std::vector<std::pair<size_t, ChoiceDelta>> Generation::take_ready() {
-  // At most one entry per choice: its outputs so far merged. Callers look at the choice's state
-  // (finished, finish_reason) when they emit an entry, so two entries of one choice taken after
-  // it finished would both carry the finish (a stream with two finish_reason chunks).
+  // At most one entry per choice and poll. Callers look at the choice's state (finished,
+  // finish_reason) when they emit an entry, so two entries of one choice taken after it finished
+  // would both carry the finish (a stream with two finish_reason chunks): with one token per
+  // release, everything the stream holds is merged into one entry.
   std::vector<std::pair<size_t, ChoiceDelta>> got;
   for (size_t i = 0; i < slots.size(); ++i) {
     ChoiceSlot& s = slots[i];
@@ -57,17 +38,49 @@ std::vector<std::pair<size_t, ChoiceDelta>> Generation::take_ready() {
         engine_.abort(s.stream->id());  // the engine keeps generating otherwise
         s.aborted = true;
       }
-      if (!d.empty() || (s.out->finished() && !was_finished)) {
+      const bool ended = s.out->finished() && !was_finished;
+      if (stream_interval_ > 1) {
+        // Held back until the interval's tokens are in, except the first token and the end.
+        merge_delta(s.pending, std::move(d));
+        s.pending_tokens += static_cast<int64_t>(o->new_token_ids.size());
+        if (!ended && s.sent && s.pending_tokens < stream_interval_) continue;
+        d = std::move(s.pending);
+        s.pending = ChoiceDelta{};
+        s.pending_tokens = 0;
+      }
+      if (!d.empty()) s.sent = true;
+      if (!d.empty() || ended) {
         if (merged) {
-          append_delta(*merged, std::move(d));
+          merge_delta(*merged, std::move(d));
         } else {
           merged = std::move(d);
         }
       }
+      // One release per poll: later outputs wait in the stream, so what a caller reads from the
+      // choice's accumulated state (completions) is exactly what was released.
+      if (stream_interval_ > 1) break;
     }
     if (merged) got.emplace_back(i, std::move(*merged));
   }
   return got;
+}
+
+void merge_delta(ChoiceDelta& into, ChoiceDelta&& next) {
+  into.text += next.text;
+  into.reasoning += next.reasoning;
+  for (auto& c : next.tool_calls) {
+    if (!into.tool_calls.empty() && into.tool_calls.back().index == c.index) {
+      auto& last = into.tool_calls.back();
+      if (!last.id) last.id = std::move(c.id);
+      if (!last.name) last.name = std::move(c.name);
+      last.arguments_delta += c.arguments_delta;
+    } else {
+      into.tool_calls.push_back(std::move(c));
+    }
+  }
+  into.logprobs.insert(into.logprobs.end(), std::make_move_iterator(next.logprobs.begin()),
+                       std::make_move_iterator(next.logprobs.end()));
+  into.token_ids.insert(into.token_ids.end(), next.token_ids.begin(), next.token_ids.end());
 }
 
 std::vector<std::pair<size_t, ChoiceDelta>> Generation::poll(std::chrono::milliseconds wait) {

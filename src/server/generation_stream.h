@@ -28,7 +28,15 @@ struct ChoiceSlot {
   std::shared_ptr<engine::RequestStream> stream;
   std::unique_ptr<ChoiceOutput> out;
   bool aborted = false;  // engine.abort() sent
+  // --stream-interval > 1: what is held back since the last delta handed out.
+  ChoiceDelta pending;
+  int64_t pending_tokens = 0;
+  bool sent = false;  // a non-empty delta was handed out
 };
+
+// `into` followed by `next`, as one delta (text and reasoning appended, tool-call fragments of
+// the same call joined).
+void merge_delta(ChoiceDelta& into, ChoiceDelta&& next);
 
 struct PromptData {
   std::vector<int32_t> ids;
@@ -38,8 +46,12 @@ struct PromptData {
 
 class Generation {
  public:
-  explicit Generation(engine::Engine& engine)
-      : engine_(engine), waker_(std::make_shared<engine::StreamWaker>()) {}
+  // stream_interval: poll() hands out a choice's delta once it holds this many new tokens, on its
+  // first token and when it finishes (--stream-interval; 1: every output).
+  explicit Generation(engine::Engine& engine, int stream_interval = 1)
+      : engine_(engine),
+        waker_(std::make_shared<engine::StreamWaker>()),
+        stream_interval_(stream_interval < 1 ? 1 : stream_interval) {}
   ~Generation() { abort_all(); }
   Generation(const Generation&) = delete;
   Generation& operator=(const Generation&) = delete;
@@ -67,6 +79,7 @@ class Generation {
 
   engine::Engine& engine_;
   std::shared_ptr<engine::StreamWaker> waker_;
+  int stream_interval_ = 1;
 };
 
 // What every streamed chunk of one request shares (id, object, created, model, the usage mode)

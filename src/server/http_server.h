@@ -65,6 +65,9 @@ struct ServerConfig {
   std::optional<uint64_t> seed;
   // --enable-log-requests: one line per generation request (id, sampling params, prompt length).
   bool log_requests = false;
+  // --stream-interval: a stream's tokens are sent in chunks of this many (its first token and
+  // its end at once), as vLLM; 1: a chunk per engine output.
+  int stream_interval = 1;
 };
 
 // What the server reads from the model directory besides the weights.

@@ -77,7 +77,7 @@ Result<ChatJob> HttpServerImpl::start_chat(const ChatRequest& r,
   M3_TRY(auto rendered, assets_.chat->render(r));
   job.thinking_mode = rendered.thinking_mode;
 
-  job.gen = std::make_shared<Generation>(engine_);
+  job.gen = std::make_shared<Generation>(engine_, cfg_.stream_interval);
   PromptData pd;
   M3_TRY_STATUS(check_text_fits(rendered.prompt.size(), "messages"));
   pd.ids = assets_.tokenizer->encode(rendered.prompt);

@@ -21,7 +21,7 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
   CompletionRequest r = std::move(*parsed);
   if (auto st = check_model(r.common.model); !st) return send_error(res, st.error());
 
-  auto gen = std::make_shared<Generation>(engine_);
+  auto gen = std::make_shared<Generation>(engine_, cfg_.stream_interval);
   const int32_t vocab = static_cast<int32_t>(engine_.model_info().vocab_size);
   for (size_t i = 0; i < r.prompts.size(); ++i) {
     PromptData pd;
@@ -224,6 +224,7 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
       const std::string& text = s.out->text();
       const auto& all_lps = s.out->logprobs();
       const bool fin = s.out->finished() && !sent_finish[i];
+      if (s.pending_tokens > 0 && !s.out->finished()) return true;  // held (--stream-interval)
       if (text.size() == sent_text[i] && all_lps.size() == sent_lps[i] && !fin &&
           (!token_ids || s.out->output_token_ids().size() == sent_ids[i]))
         return true;

@@ -6,6 +6,7 @@ in the content), use_beam_search refused by name; and the serve flags --max-logp
 --enable-log-requests. Greedy unless a test says otherwise, so each answer is fixed."""
 
 import json
+import subprocess
 import os
 import sys
 import time
@@ -310,3 +311,38 @@ def test_serve_seed_makes_unseeded_requests_reproducible(binary):
     assert a == b, "the same --seed and the same requests must sample the same tokens"
     assert a[0] != a[1], "two requests under one --seed still draw differently"
     assert c != a
+
+
+def test_stream_interval_batches_chunks(binary):
+    # --stream-interval 4: a stream's first token alone, then chunks of 4 tokens, the rest at the
+    # end; the text and ids are those of the whole answer (chat, with reasoning, and completions).
+    s = Server(binary, DEMO, ["--max-model-len", str(MAX_LEN), "--stream-interval", "4"])
+    try:
+        c = openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0, timeout=300)
+        body = {"return_token_ids": True, "ignore_eos": True}
+        whole = chat(c, max_tokens=19, extra_body=dict(body))
+        sizes, ids, content, reasoning = [], [], "", ""
+        for ch in chat(c, max_tokens=19, stream=True, extra_body=dict(body)):
+            if not ch.choices:
+                continue
+            got = extra(ch.choices[0], "token_ids") or []
+            if got:
+                sizes.append(len(got))
+            ids += got
+            content += ch.choices[0].delta.content or ""
+            reasoning += extra(ch.choices[0].delta, "reasoning") or ""
+        assert sizes == [1, 4, 4, 4, 4, 2], sizes
+        assert ids == extra(whole.choices[0], "token_ids")
+        m = whole.choices[0].message
+        assert content == (m.content or "") and reasoning == (extra(m, "reasoning") or "")
+        sizes = [len(extra(ch.choices[0], "token_ids") or [])
+                 for ch in c.completions.create(model="m3-e2e", prompt="What is", max_tokens=10,
+                                                temperature=0, stream=True, extra_body=dict(body))
+                 if ch.choices]
+        assert [n for n in sizes if n] == [1, 4, 4, 1], sizes
+    finally:
+        s.stop()
+    # Refused at start-up with the range.
+    bad = subprocess.run([binary, "serve", DEMO, "--port", "0", "--stream-interval", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--stream-interval '0' must be a token count" in bad.stderr

@@ -383,13 +383,15 @@ std::vector<double> moe_mag(const MoeSetup& s, const std::vector<float>& x, int6
 // both sides (moe_localize_ids, exact), runs its slice of the experts (the contiguous weights
 // from expert `first` on) and adds the shared expert on rank 0 only; each rank's GPU output
 // is compared with cpu::moe_experts on the same arguments.
-void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed, int world = 1) {
+void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed, int world = 1,
+             gk::MoePath path = gk::MoePath::kAuto) {
   const auto& c = s.c;
   const std::string what0 = "moe ne=" + std::to_string(c.ne) + " k=" + std::to_string(c.k) +
                             " hidden=" + std::to_string(c.hidden) +
                             " inter=" + std::to_string(c.inter) + " " + m3::dtype_name(c.dt) +
                             " n=" + std::to_string(n) +
-                            (prec == gk::GemmPrecision::kExact ? " exact" : " bf16");
+                            (prec == gk::GemmPrecision::kExact ? " exact" : " bf16") +
+                            (path == gk::MoePath::kGrouped ? " grouped" : "");
   PrecisionGuard guard;
   gk::set_gemm_precision(prec);
   Stream stream;
@@ -439,8 +441,9 @@ void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed
     const std::vector<float> base = r == 0 ? shared : std::vector<float>(n * c.hidden, 0.f);
     DeviceBuffer<uint8_t> work(gk::moe_workspace_bytes(n, c.k, wd));
     DeviceBuffer<float> out(base);  // out aliases shared, as in the model
-    gk::moe_experts(dx.data(), n, dlocal.data(), dw.data(), c.k, wd, act,
-                    r == 0 ? out.data() : nullptr, out.data(), work.data(), stream.get());
+    const gk::MoePath taken = path == gk::MoePath::kAuto ? gk::moe_path(n, wd, dx.data()) : path;
+    gk::moe_experts_with(path, dx.data(), n, dlocal.data(), dw.data(), c.k, wd, act,
+                         r == 0 ? out.data() : nullptr, out.data(), work.data(), stream.get());
     stream.synchronize();
 
     std::vector<float> want(n * c.hidden);
@@ -457,9 +460,12 @@ void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed
     // of Σ|w2||act|, as for linear) and, on the GEMM path, splits act (2^-17 / 2^-8 of it, see
     // linear_tol); the combine adds k + 1 terms in the same order (fma contraction may differ:
     // (k + 1)·u of the magnitudes).
-    // The per-expert path (many tokens, or a layout the GEMV cannot read) may run split GEMMs.
-    const bool per_expert = n > gk::kMoeGemvMaxTokens || c.hidden % 8 != 0 || c.inter % 8 != 0;
-    const double split = !per_expert || c.dt == DType::kF32 ? 0.0 : split_rel(prec);
+    // The per-expert path (many tokens, or a layout the GEMV cannot read) may run split GEMMs;
+    // the grouped GEMMs round act to bf16 (as the bf16 precision's single split term).
+    const bool per_expert = taken == gk::MoePath::kPerExpert;
+    const double split = taken == gk::MoePath::kGrouped       ? split_rel(gk::GemmPrecision::kBf16)
+                         : !per_expert || c.dt == DType::kF32 ? 0.0
+                                                              : split_rel(prec);
     const double rel = 8 * kU + 8 * std::sqrt(double(c.inter)) * kU + split + (c.k + 1) * kU;
     int64_t bad = 0;
     for (size_t i = 0; i < got.size(); ++i) {
@@ -472,8 +478,8 @@ void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed
 
     // Deterministic: the same call gives the same bits.
     DeviceBuffer<float> out2(base);
-    gk::moe_experts(dx.data(), n, dlocal.data(), dw.data(), c.k, wd, act,
-                    r == 0 ? out2.data() : nullptr, out2.data(), work.data(), stream.get());
+    gk::moe_experts_with(path, dx.data(), n, dlocal.data(), dw.data(), c.k, wd, act,
+                         r == 0 ? out2.data() : nullptr, out2.data(), work.data(), stream.get());
     stream.synchronize();
     const auto got2 = out2.to_host();
     EXPECT_EQ(0, std::memcmp(got.data(), got2.data(), got.size() * sizeof(float))) << what;
@@ -487,6 +493,54 @@ TEST(CudaMoe, MatchesCpuAtDecodeAndPrefillSizes) {
   for (int64_t n : {1, 2, 8, 9, 17, 64, 65, 256, 1000})
     run_moe(s, n, gk::GemmPrecision::kExact, 100 + n);
   run_moe(s, 300, gk::GemmPrecision::kBf16, 7);
+}
+
+TEST(CudaMoe, GroupedGemmMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  // The bf16 precision's many-token engine: 64-row tiles (n = 300, 1000: under 64 picks per
+  // expert) and 128-row tiles (n = 3000), expert parallel ranks, and the engine forced at decode
+  // sizes (one pick per expert, many experts idle).
+  const MoeSetup s = make_moe({128, 4, 1024, 384, DType::kBF16}, 21);
+  for (int64_t n : {300, 1000, 3000}) {
+    run_moe(s, n, gk::GemmPrecision::kBf16, 600 + n);
+  }
+  for (int world : {2, 8}) run_moe(s, 300, gk::GemmPrecision::kBf16, 700 + world, world);
+  for (int64_t n : {1, 8, 64})
+    run_moe(s, n, gk::GemmPrecision::kBf16, 800 + n, 1, gk::MoePath::kGrouped);
+  // M3's expert matrices (hidden 6144, inter 3072), 8 experts top-4: 128-row tiles, K tails of
+  // no remainder; and an inter that is no multiple of the 64-column gate|up tile (N tails).
+  const MoeSetup r = make_moe({8, 4, 6144, 3072, DType::kBF16}, 22);
+  run_moe(r, 600, gk::GemmPrecision::kBf16, 900);
+  const MoeSetup t = make_moe({12, 3, 200, 72, DType::kBF16}, 23);
+  for (int64_t n : {5, 400})
+    run_moe(t, n, gk::GemmPrecision::kBf16, 950 + n, 1, gk::MoePath::kGrouped);
+}
+
+TEST(CudaMoe, GroupedGemmChunksLongInputs) {
+  SKIP_WITHOUT_GPU();
+  // More tokens than one chunk of the workspace: independent chunks, the same result.
+  const MoeSetup s = make_moe({16, 2, 256, 128, DType::kBF16}, 24);
+  run_moe(s, gk::kMoeGroupedChunk + 300, gk::GemmPrecision::kBf16, 1000);
+}
+
+TEST(CudaMoe, PathChoice) {
+  SKIP_WITHOUT_GPU();
+  PrecisionGuard guard;
+  const MoeSetup s = make_moe({16, 4, 64, 32, DType::kBF16}, 25);
+  const MoeSetup odd = make_moe({6, 3, 100, 24, DType::kBF16}, 26);
+  const MoeSetup f32 = make_moe({8, 2, 64, 32, DType::kF32}, 27);
+  DeviceBuffer<float> x(1000 * 128);
+  gk::set_gemm_precision(gk::GemmPrecision::kBf16);
+  EXPECT_EQ(gk::moe_path(gk::kMoeGroupedMinTokens - 1, s.dev(), x.data()), gk::MoePath::kGemv);
+  EXPECT_EQ(gk::moe_path(gk::kMoeGroupedMinTokens, s.dev(), x.data()), gk::MoePath::kGrouped);
+  EXPECT_EQ(gk::moe_path(gk::kMoeGemvMaxTokens + 1, s.dev(), x.data()), gk::MoePath::kGrouped);
+  EXPECT_TRUE(gk::moe_experts_graph_safe(gk::kMoeGemvMaxTokens + 1, x.data(), s.dev()));
+  EXPECT_EQ(gk::moe_path(gk::kMoeGemvMaxTokens, odd.dev(), x.data()), gk::MoePath::kPerExpert);
+  EXPECT_EQ(gk::moe_path(500, odd.dev(), x.data()), gk::MoePath::kPerExpert);
+  EXPECT_EQ(gk::moe_path(500, f32.dev(), x.data()), gk::MoePath::kPerExpert);
+  gk::set_gemm_precision(gk::GemmPrecision::kExact);
+  EXPECT_EQ(gk::moe_path(500, s.dev(), x.data()), gk::MoePath::kPerExpert);
+  EXPECT_FALSE(gk::moe_experts_graph_safe(500, x.data(), s.dev()));
 }
 
 TEST(CudaMoe, RealExpertShapesFewExperts) {
@@ -518,12 +572,12 @@ TEST(CudaMoe, ExpertParallelRanksMatchCpu) {
   for (int64_t n : {3, 70}) run_moe(f, n, gk::GemmPrecision::kExact, 500 + n, 4);
 }
 
-TEST(CudaMoe, DecodePathHasNoHostSync) {
+void capture_moe_step(int64_t n, gk::GemmPrecision prec) {
   // Stream capture fails on any host synchronisation or synchronous copy: capturing the
-  // decode-size routing and MoE experts into a graph proves the path enqueues work only.
-  SKIP_WITHOUT_GPU();
+  // routing and MoE experts into a graph proves the path enqueues work only.
+  PrecisionGuard guard;
+  gk::set_gemm_precision(prec);
   const MoeSetup s = make_moe({32, 4, 512, 256, DType::kBF16}, 14);
-  const int64_t n = 8;
   Stream stream;
   const auto x = eighths(n * 512, 5, 8);
   DeviceBuffer<float> dx(x), out(n * 512);
@@ -553,9 +607,19 @@ TEST(CudaMoe, DecodePathHasNoHostSync) {
   ASSERT_EQ(cudaSuccess, cudaGraphLaunch(exec, stream.get()));
   stream.synchronize();
   const auto got = out.to_host();
-  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << "n=" << n;
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+}
+
+TEST(CudaMoe, DecodePathHasNoHostSync) {
+  SKIP_WITHOUT_GPU();
+  capture_moe_step(8, gk::GemmPrecision::kExact);
+}
+
+TEST(CudaMoe, GroupedGemmPathHasNoHostSync) {
+  SKIP_WITHOUT_GPU();
+  capture_moe_step(gk::kMoeGemvMaxTokens + 44, gk::GemmPrecision::kBf16);
 }
 
 }  // namespace

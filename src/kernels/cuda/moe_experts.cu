@@ -1,14 +1,16 @@
 // The routed experts of an MoE layer on the GPU (moe_experts in ops.h): device-side grouping of
-// the router's picks by expert, then either grouped GEMVs (few tokens: no host sync) or, for
-// many tokens, one read-back of the per-expert counts and linear() per active expert over its
-// gathered tokens. Both end in the CPU model's combine order: routed = 0, then += weight * out
-// per expert in ascending id; out = shared + routed.
+// the router's picks by expert, then grouped GEMVs (few tokens), grouped tensor-core GEMMs (many
+// tokens under GemmPrecision::kBf16, moe_grouped.cu), both without a host sync, or, for many
+// tokens in the exact precision, one read-back of the per-expert counts and linear() per active
+// expert over its gathered tokens. All end in the CPU model's combine order: routed = 0, then
+// += weight * out per expert in ascending id; out = shared + routed.
 #include <algorithm>
 #include <vector>
 
 #include "kernels/cuda/blas.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemv.cuh"
+#include "kernels/cuda/moe_grouped.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace m3::kernels::cuda {
@@ -38,6 +40,12 @@ struct Layout {
   float* u;       // [n, inter]
   float* ye_e;    // [n, hidden]
   float* routed;  // [n, hidden]
+  // many tokens (grouped GEMMs; shares its memory with the per-expert buffers: a call uses one)
+  uint16_t* xb;              // [n, hidden] bf16(x)
+  uint16_t* act16;           // [P, inter] bf16 swiglu(gate, up) per position
+  float* gye;                // [P, hidden] expert output per position
+  moe_grouped::Tile* tiles;  // [max_tiles]
+  int32_t* num_tiles;        // [1]
   size_t bytes;
 };
 
@@ -62,13 +70,25 @@ Layout layout_for(void* base, int64_t n, int64_t k, const MoeExpertWeights& w) {
     l.ye = static_cast<float*>(take(P * w.hidden * sizeof(float)));
   }
   // The many-token buffers are always laid out: the few-token path falls back to them when the
-  // GEMV cannot read the weights' layout.
+  // GEMV cannot read the weights' layout. The grouped GEMMs' buffers overlay them (a call runs
+  // one of the two), sized for one chunk of at most kMoeGroupedChunk tokens.
+  const size_t region = off;
   l.xe = static_cast<float*>(take(n * w.hidden * sizeof(float)));
   l.g = static_cast<float*>(take(n * w.inter * sizeof(float)));
   l.u = static_cast<float*>(take(n * w.inter * sizeof(float)));
   l.ye_e = static_cast<float*>(take(n * w.hidden * sizeof(float)));
   l.routed = static_cast<float*>(take(n * w.hidden * sizeof(float)));
-  l.bytes = off;
+  const size_t per_expert_end = off;
+  off = region;
+  const int64_t nc = std::min(n, kMoeGroupedChunk), Pc = nc * k;
+  const int bm = moe_grouped::tile_rows(Pc, ne);
+  l.xb = static_cast<uint16_t*>(take(nc * w.hidden * sizeof(uint16_t)));
+  l.act16 = static_cast<uint16_t*>(take(Pc * w.inter * sizeof(uint16_t)));
+  l.gye = static_cast<float*>(take(Pc * w.hidden * sizeof(float)));
+  l.tiles = static_cast<moe_grouped::Tile*>(
+      take(moe_grouped::max_tiles(Pc, ne, bm) * sizeof(moe_grouped::Tile)));
+  l.num_tiles = static_cast<int32_t*>(take(sizeof(int32_t)));
+  l.bytes = std::max(off, per_expert_end);
   return l;
 }
 
@@ -299,7 +319,15 @@ void moe_localize_ids(int32_t* ids, int64_t n, int64_t first, int64_t count, cud
 }
 
 bool moe_experts_graph_safe(int64_t n, const float* x, const MoeExpertWeights& w) {
-  return n <= kMoeGemvMaxTokens && gemv_layout_ok(x, w);
+  const MoePath path = moe_path(n, w, x);
+  return path == MoePath::kGemv || path == MoePath::kGrouped;
+}
+
+MoePath moe_path(int64_t n, const MoeExpertWeights& w, const float* x) {
+  const bool grouped = gemm_precision() == GemmPrecision::kBf16 && moe_grouped::supports(w);
+  if (grouped && n >= kMoeGroupedMinTokens) return MoePath::kGrouped;
+  if (n <= kMoeGemvMaxTokens && gemv_layout_ok(x, w)) return MoePath::kGemv;
+  return grouped ? MoePath::kGrouped : MoePath::kPerExpert;
 }
 
 size_t moe_workspace_bytes(int64_t n, int64_t k, const MoeExpertWeights& w) {
@@ -309,10 +337,20 @@ size_t moe_workspace_bytes(int64_t n, int64_t k, const MoeExpertWeights& w) {
 void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights, int64_t k,
                  const MoeExpertWeights& w, const SwigluParams& act, const float* shared,
                  float* out, void* workspace, cudaStream_t stream) {
+  moe_experts_with(MoePath::kAuto, x, n, ids, weights, k, w, act, shared, out, workspace, stream);
+}
+
+void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* ids,
+                      const float* weights, int64_t k, const MoeExpertWeights& w,
+                      const SwigluParams& act, const float* shared, float* out, void* workspace,
+                      cudaStream_t stream) {
   M3_CHECK(w.dtype == DType::kBF16 || w.dtype == DType::kF32, "moe_experts: dtype %s",
            dtype_name(w.dtype));
   M3_CHECK(w.w1_of == nullptr && w.w3_of == nullptr && w.w2_of == nullptr,
            "moe_experts: the CUDA op takes only the contiguous expert layout");
+  M3_CHECK(w.quant == WeightQuant::kNone && w.mats_of == nullptr,
+           "moe_experts: the CUDA op takes bf16 or f32 experts (quantized experts are "
+           "dequantised at upload)");
   M3_CHECK(w.num_experts > 0 && w.num_experts <= kMaxExperts,
            "moe_experts: %lld experts (max %lld)", static_cast<long long>(w.num_experts),
            static_cast<long long>(kMaxExperts));
@@ -320,6 +358,24 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
   if (n == 0) return;
   const int64_t P = n * k;
   M3_CHECK(P <= 0x7fffffff && n <= 0x7fffffff);
+  if (path == MoePath::kAuto) path = moe_path(n, w, x);
+  if (path == MoePath::kGemv)
+    M3_CHECK(n <= kMoeGemvMaxTokens && gemv_layout_ok(x, w),
+             "moe_experts: the grouped GEMV cannot take %lld tokens of this layout",
+             static_cast<long long>(n));
+  if (path == MoePath::kGrouped) {
+    M3_CHECK(moe_grouped::supports(w), "moe_experts: the grouped GEMM cannot read this layout");
+    if (n > kMoeGroupedChunk) {
+      // Chunks of tokens are independent MoE calls; the workspace holds one chunk.
+      for (int64_t c0 = 0; c0 < n; c0 += kMoeGroupedChunk) {
+        const int64_t m = std::min(kMoeGroupedChunk, n - c0);
+        moe_experts_with(path, x + c0 * w.hidden, m, ids + c0 * k, weights + c0 * k, k, w, act,
+                         shared ? shared + c0 * w.hidden : nullptr, out + c0 * w.hidden, workspace,
+                         stream);
+      }
+      return;
+    }
+  }
   const Layout l = layout_for(workspace, n, k, w);
   const int ne = static_cast<int>(w.num_experts);
 
@@ -329,7 +385,20 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
       l.pair_token, l.pair_weight, l.pair_pos);
   M3_CUDA_CHECK_LAUNCH("moe_route_kernel");
 
-  if (n <= kMoeGemvMaxTokens && gemv_layout_ok(x, w)) {
+  if (path == MoePath::kGrouped) {
+    const int bm = moe_grouped::tile_rows(P, ne);
+    const int64_t tiles = moe_grouped::max_tiles(P, ne, bm);
+    moe_grouped::build_tiles(l.offsets, l.active, l.num_active, bm, l.tiles, l.num_tiles, stream);
+    moe_grouped::to_bf16(x, n * w.hidden, l.xb, stream);
+    moe_grouped::gate_up(l.xb, l.pair_token, l.tiles, l.num_tiles, tiles, bm, w, act, l.act16,
+                         stream);
+    moe_grouped::down(l.act16, l.tiles, l.num_tiles, tiles, bm, w, l.gye, stream);
+    moe_combine_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(
+        l.gye, l.pair_pos, l.pair_weight, static_cast<int>(k), w.hidden, shared, out);
+    M3_CUDA_CHECK_LAUNCH("moe_combine_kernel");
+    return;
+  }
+  if (path == MoePath::kGemv) {
     if (w.dtype == DType::kBF16)
       experts_gemv<uint16_t>(x, n, k, w, act, l, stream);
     else

@@ -125,13 +125,29 @@ GemmPrecision gemm_precision();
 // arrays must be null). SwigluParams: the constants of swiglu_oai.
 
 // Up to this many tokens (bench_gemm_moe: n = 256 runs 2.7x faster grouped than per expert) the
-// experts run as grouped GEMVs with no host sync; above it the
-// counts are read back once (one host sync per call) and each active expert runs linear() over
-// its gathered tokens.
+// experts run as grouped GEMVs with no host sync; above it, in the exact precision, the counts
+// are read back once (one host sync per call) and each active expert runs linear() over its
+// gathered tokens (in the bf16 precision the grouped GEMMs below take over from 8 tokens).
 inline constexpr int64_t kMoeGemvMaxTokens = 256;
 
-// Whether moe_experts over n tokens of x runs without a host sync (the grouped GEMV path: few
-// enough tokens and 16-byte aligned rows), so a CUDA graph may capture it.
+// From kMoeGroupedMinTokens tokens under GemmPrecision::kBf16 (bf16 experts whose dims are
+// multiples of 8, 16-byte aligned) the experts run as grouped tensor-core GEMMs, one launch per
+// projection and no host sync (bench_gemm_moe at M3's shapes, routed experts: n = 8 0.75 ms
+// against the GEMV's 0.83, n = 64 2.97 against 3.90, n = 256 3.43 against 9.17, n = 1024 3.60
+// against the per-expert path's 12.2, n = 8192 13.6 against 15.7), over chunks of at most
+// kMoeGroupedChunk tokens (the workspace holds one chunk: bf16 x, bf16 activations and fp32
+// outputs per pick, ~135 KB per token at M3's shapes).
+inline constexpr int64_t kMoeGroupedMinTokens = 8;
+inline constexpr int64_t kMoeGroupedChunk = 8192;
+
+// The engines of moe_experts: kGemv (grouped GEMVs, exact fp32 arithmetic), kGrouped (grouped
+// bf16 tensor-core GEMMs), kPerExpert (one host sync, then linear() per active expert under
+// the GEMM precision). kAuto picks as described above; the bench and tests force the others.
+enum class MoePath { kAuto, kGemv, kGrouped, kPerExpert };
+MoePath moe_path(int64_t n, const MoeExpertWeights& w, const float* x);
+
+// Whether moe_experts over n tokens of x runs without a host sync (the grouped GEMV or GEMM
+// path), so a CUDA graph may capture it.
 bool moe_experts_graph_safe(int64_t n, const float* x, const MoeExpertWeights& w);
 
 // Expert parallel: ids [n] of global expert ids -> this rank's local ids (id - first for ids in
@@ -150,6 +166,12 @@ size_t moe_workspace_bytes(int64_t n, int64_t k, const MoeExpertWeights& w);
 void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights, int64_t k,
                  const MoeExpertWeights& w, const SwigluParams& act, const float* shared,
                  float* out, void* workspace, cudaStream_t stream);
+// The same through a chosen engine (kGemv needs n <= kMoeGemvMaxTokens and a GEMV layout,
+// kGrouped a layout moe_path would give it; otherwise it aborts naming the reason).
+void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* ids,
+                      const float* weights, int64_t k, const MoeExpertWeights& w,
+                      const SwigluParams& act, const float* shared, float* out, void* workspace,
+                      cudaStream_t stream);
 
 // ---- tensor parallelism (shard_ops.cu) ----
 // The embedding of a rank that holds vocabulary rows [vocab_begin, vocab_begin + table.rows):

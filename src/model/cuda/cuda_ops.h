@@ -98,8 +98,9 @@ class CudaOps {
   void moe_localize_ids(int32_t* ids, int64_t n, int64_t first, int64_t count) {
     kernels::cuda::moe_localize_ids(ids, n, first, count, s_);
   }
-  // The grouped path (no host sync) up to kernels::cuda::kMoeGemvMaxTokens rows; above it the
-  // op reads its expert counts on the host (syncs_host() becomes true).
+  // The grouped GEMV / GEMM paths need no host sync; the exact precision's per-expert path
+  // (above kernels::cuda::kMoeGemvMaxTokens rows) reads its expert counts on the host
+  // (syncs_host() becomes true).
   void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights, int64_t k,
                    const kernels::MoeExpertWeights& w, const kernels::SwigluParams& act,
                    const float* shared, float* out);
