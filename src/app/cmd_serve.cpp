@@ -396,6 +396,7 @@ int run_serve(ServeArgs a) {
   ec.index_cache_dtype = kv_format->index;
   if (plan->kv_events) ec.kv_events = *plan->kv_events;
   ec.host_kv_cache_bytes = plan->host_kv_cache_bytes;
+  ec.pd = plan->pd;
   std::unique_ptr<engine::Engine> eng;
   {
     LoadProgress progress(a.model_dir);

@@ -120,7 +120,8 @@ TEST(PdScheduler, ConsumerDecodesOnlyTheLastPromptTokenAfterALoad) {
     if (!s.has_unfinished()) break;
     out = s.schedule();
   }
-  EXPECT_EQ(tokens, (std::vector<int32_t>{fake_token(7, 40), fake_token(7, 41), fake_token(7, 42)}));
+  EXPECT_EQ(tokens,
+            (std::vector<int32_t>{fake_token(7, 40), fake_token(7, 41), fake_token(7, 42)}));
   EXPECT_EQ(cached, 39);
   // The loaded full pages were registered in the prefix cache: a second request with the same
   // prompt hits them.
