@@ -444,7 +444,6 @@ void EngineImpl::refresh_stats() {
   stats.num_host_kv_cached = s.num_host_kv_cached;
   stats.kv_offloaded_pages_total = s.num_kv_offloaded_pages;
   stats.kv_restored_pages_total = s.num_kv_restored_pages;
-  if (pd) stats.pd = pd->stats();
   num_waiting_total = s.num_waiting;
   num_running_total = s.num_running;
 }
@@ -846,6 +845,7 @@ EngineStats Engine::stats() const {
     std::lock_guard<std::mutex> lock(impl_->stats_mu);
     s = impl_->stats;
   }
+  if (impl_->pd) s.pd = impl_->pd->stats();  // its own lock: current even when the loop idles
   s.image_encodes = impl_->runner->num_image_encodes();  // atomic, bumped before the outputs
   // Counted by the publisher threads as they send (the list is fixed after create()).
   for (const auto& pub : impl_->kv_publishers) {

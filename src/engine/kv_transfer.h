@@ -42,8 +42,8 @@ struct KvTransferParams {
 };
 
 struct PdStats {
-  int64_t num_held = 0;            // producer: requests whose pages wait for a consumer
-  int64_t num_released_read = 0;   // producer: released after a consumer read them
+  int64_t num_held = 0;           // producer: requests whose pages wait for a consumer
+  int64_t num_released_read = 0;  // producer: released after a consumer read them
   int64_t num_released_expired = 0;
   int64_t num_loads_ok = 0;  // consumer
   int64_t num_loads_failed = 0;

@@ -70,7 +70,7 @@ const char kInstallHint[] =
     "M3_NIXL_LIB to its libnixl_capi.so";
 
 bool is_dir(const std::string& p) {
-  struct stat st{};
+  struct stat st {};
   return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
@@ -112,10 +112,10 @@ Result<const NixlApi*> load_api() {
   } else {
     path = library_from_python();
     if (path.empty()) {
-      return make_error(ErrorCode::kUnsupported,
-                        std::string("NixlConnector needs NIXL, which was not found: ") +
-                            kInstallHint,
-                        "--kv-transfer-config");
+      return make_error(
+          ErrorCode::kUnsupported,
+          std::string("NixlConnector needs NIXL, which was not found: ") + kInstallHint,
+          "--kv-transfer-config");
     }
   }
   // The UCX plugin sits next to the library in the wheel; NIXL reads NIXL_PLUGIN_DIR.
@@ -125,10 +125,10 @@ Result<const NixlApi*> load_api() {
   void* lib = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* why = ::dlerror();
-    return make_error(ErrorCode::kUnsupported,
-                      "NixlConnector: cannot load " + path + " (" + (why ? why : "?") + "); " +
-                          kInstallHint,
-                      "--kv-transfer-config");
+    return make_error(
+        ErrorCode::kUnsupported,
+        "NixlConnector: cannot load " + path + " (" + (why ? why : "?") + "); " + kInstallHint,
+        "--kv-transfer-config");
   }
   std::string missing;
   auto sym = [&](auto& fn, const char* name) {
@@ -188,8 +188,7 @@ Result<const NixlApi*> load_api() {
 }
 
 tl::unexpected<Error> fail(const std::string& what, St st) {
-  return make_error(ErrorCode::kIo, "NIXL " + what + " failed (status " +
-                                              std::to_string(st) + ")");
+  return make_error(ErrorCode::kIo, "NIXL " + what + " failed (status " + std::to_string(st) + ")");
 }
 
 }  // namespace

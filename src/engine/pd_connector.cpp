@@ -99,8 +99,8 @@ Result<std::unique_ptr<PdConnector>> PdConnector::create(const PdConfig& config,
   M3_TRY(c->agent_, NixlAgent::create(c->engine_id_));
   std::vector<NixlDesc> descs;
   for (const auto& r : c->regions_)
-    descs.push_back({reinterpret_cast<uintptr_t>(r.base),
-                     static_cast<size_t>(r.page_bytes * r.num_pages)});
+    descs.push_back(
+        {reinterpret_cast<uintptr_t>(r.base), static_cast<size_t>(r.page_bytes * r.num_pages)});
   M3_TRY_STATUS(c->agent_->register_dram(descs));
   M3_TRY(c->agent_metadata_, c->agent_->local_metadata());
   c->zmq_ctx_ = zmq_ctx_new();
@@ -123,7 +123,8 @@ Result<std::unique_ptr<PdConnector>> PdConnector::create(const PdConfig& config,
     }
     c->producer_thread_ = std::thread([raw = c.get()] { raw->producer_loop(); });
   }
-  if (config.consumes()) c->consumer_thread_ = std::thread([raw = c.get()] { raw->consumer_loop(); });
+  if (config.consumes())
+    c->consumer_thread_ = std::thread([raw = c.get()] { raw->consumer_loop(); });
   M3_LOG_INFO("P/D: NixlConnector %s, engine %s, NIXL %s, %zu KV regions%s",
               kv_role_name(config.role), c->engine_id_.c_str(), NixlAgent::library_path().c_str(),
               c->regions_.size(),
@@ -158,9 +159,8 @@ KvTransferParams PdConnector::hold(uint64_t request_id, const std::vector<int32_
   p.remote_port = cfg_.port;
   p.remote_block_ids.assign(pages.begin(), pages.end());
   std::lock_guard<std::mutex> lock(mu_);
-  held_[request_id] =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                         std::chrono::duration<double>(cfg_.abort_timeout_s));
+  held_[request_id] = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                         std::chrono::duration<double>(cfg_.abort_timeout_s));
   stats_.num_held = static_cast<int64_t>(held_.size());
   return p;
 }
@@ -234,9 +234,10 @@ void PdConnector::producer_loop() {
           ++it;
           continue;
         }
-        M3_LOG_WARN("P/D: no decode worker read request %llu's KV within %g s "
-                    "(VLLM_NIXL_ABORT_REQUEST_TIMEOUT); freeing its pages",
-                    static_cast<unsigned long long>(it->first), cfg_.abort_timeout_s);
+        M3_LOG_WARN(
+            "P/D: no decode worker read request %llu's KV within %g s "
+            "(VLLM_NIXL_ABORT_REQUEST_TIMEOUT); freeing its pages",
+            static_cast<unsigned long long>(it->first), cfg_.abort_timeout_s);
         events_.released.push_back(it->first);
         ++stats_.num_released_expired;
         it = held_.erase(it);
@@ -248,8 +249,7 @@ void PdConnector::producer_loop() {
   }
 }
 
-std::string PdConnector::connect_remote(const KvTransferParams& p,
-                                        std::shared_ptr<Remote>* out) {
+std::string PdConnector::connect_remote(const KvTransferParams& p, std::shared_ptr<Remote>* out) {
   auto it = remotes_.find(p.remote_engine_id);
   if (it != remotes_.end()) {
     *out = it->second;
@@ -280,7 +280,8 @@ std::string PdConnector::connect_remote(const KvTransferParams& p,
   auto r = std::make_shared<Remote>();
   size_t n = 0;
   in >> magic >> engine >> r->block_size >> n;
-  if (magic != "M3PD1" || !in || n > (1u << 20)) return "the side channel " + where + " is not an m3serve prefill worker";
+  if (magic != "M3PD1" || !in || n > (1u << 20))
+    return "the side channel " + where + " is not an m3serve prefill worker";
   if (engine != p.remote_engine_id)
     return "the side channel " + where + " belongs to engine " + engine + ", not " +
            p.remote_engine_id + " (the prefill worker restarted?)";
@@ -323,8 +324,10 @@ void PdConnector::begin(Load& load) {
     const int64_t np = load.remote->regions.empty() ? 0 : load.remote->regions[0].num_pages;
     for (size_t i = 0; i < load.pages.size() && err.empty(); ++i)
       if (p.remote_block_ids[i] < 0 || p.remote_block_ids[i] >= np)
-        err = "remote page " + std::to_string(p.remote_block_ids[i]) + " is outside the prefill "
-              "worker's pool of " + std::to_string(np) + " pages";
+        err = "remote page " + std::to_string(p.remote_block_ids[i]) +
+              " is outside the prefill "
+              "worker's pool of " +
+              std::to_string(np) + " pages";
   }
   if (!err.empty()) {
     finish(load, false, err);
@@ -344,8 +347,8 @@ void PdConnector::begin(Load& load) {
            pb});
     }
   }
-  auto x = agent_->start_read(local, remote, load.remote->agent,
-                              read_notification(p.remote_request_id));
+  auto x =
+      agent_->start_read(local, remote, load.remote->agent, read_notification(p.remote_request_id));
   if (!x) {
     finish(load, false, x.error().message);
     return;
@@ -410,11 +413,13 @@ void PdConnector::consumer_loop() {
       if (st == 0)
         finish(l, true, "");
       else if (st == 1)
-        finish(l, false, "the READ did not complete within " +
-                             std::to_string(static_cast<int>(cfg_.transfer_timeout_s)) + " s");
+        finish(l, false,
+               "the READ did not complete within " +
+                   std::to_string(static_cast<int>(cfg_.transfer_timeout_s)) + " s");
       else
-        finish(l, false, "the READ failed (NIXL status " + std::to_string(st) +
-                             "): the prefill worker went away?");
+        finish(l, false,
+               "the READ failed (NIXL status " + std::to_string(st) +
+                   "): the prefill worker went away?");
       inflight.erase(inflight.begin() + static_cast<std::ptrdiff_t>(i));
     }
   }

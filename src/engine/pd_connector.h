@@ -76,8 +76,8 @@ class PdConnector {
 
  private:
   PdConnector() = default;
-  struct Remote;   // a producer we read from
-  struct Load;     // one request's read
+  struct Remote;  // a producer we read from
+  struct Load;    // one request's read
   void producer_loop();
   void consumer_loop();
   // Fetches (or finds) the peer's metadata; "" on success, else why not.

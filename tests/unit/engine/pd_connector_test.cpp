@@ -24,8 +24,8 @@ using namespace std::chrono_literals;
 
 TEST(PdConnector, ReadNotificationRoundTrips) {
   for (uint64_t id : {uint64_t{0}, uint64_t{17}, UINT64_MAX}) {
-    auto back = PdConnector::parse_read_notification(
-        PdConnector::read_notification(std::to_string(id)));
+    auto back =
+        PdConnector::parse_read_notification(PdConnector::read_notification(std::to_string(id)));
     ASSERT_TRUE(back.has_value()) << id;
     EXPECT_EQ(*back, id);
   }
