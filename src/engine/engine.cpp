@@ -339,7 +339,11 @@ void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
   std::lock_guard<std::mutex> slock(stats_mu);
   for (const auto& u : updates) {
     auto it = live.find(u.request_id);
-    if (it == live.end()) continue;  // aborted by us already
+    if (it == live.end() || (!u.held_block_ids.empty() && !pd)) {
+      // No one to hand held pages to: give them back now rather than leak them.
+      if (!u.held_block_ids.empty()) scheduler->release_held_kv(u.request_id);
+      if (it == live.end()) continue;  // aborted by us already
+    }
     Live& l = it->second;
     RunnerRequestState& st = states.at(u.request_id);
     RequestOutput o;
@@ -388,7 +392,7 @@ void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
           break;
       }
       o.stop_token_id = u.stop_token_id;
-      if (!u.held_block_ids.empty() && pd)
+      if (!u.held_block_ids.empty() && pd)  // freed at the consumer's read or the deadline
         o.kv_transfer_params = pd->hold(u.request_id, u.held_block_ids);
       auto secs = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
       stats.e2e_request_latency_s.observe(secs(now - l.arrival));

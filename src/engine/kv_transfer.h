@@ -21,8 +21,11 @@ struct PdConfig {
   // Held pages no consumer read within this many seconds are freed (vLLM's
   // VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480).
   double abort_timeout_s = 480;
-  // A metadata request or a READ that takes longer fails (the request is then recomputed).
+  // A READ that takes longer fails (the request is then recomputed).
   double transfer_timeout_s = 30;
+  // The side channel's metadata answer (fetched once per prefill worker; it blocks the loads
+  // queued behind it, so it is kept short).
+  double side_channel_timeout_s = 5;
   bool produces() const { return role != KvRole::kConsumer; }
   bool consumes() const { return role != KvRole::kProducer; }
 };

@@ -1,5 +1,10 @@
 #include "engine/pd_connector.h"
 
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include <cerrno>
@@ -38,6 +43,43 @@ bool recv_frame(void* sock, std::string* out, bool* more) {
   *more = zmq_msg_more(&m) != 0;
   zmq_msg_close(&m);
   return true;
+}
+
+// A TCP connect to the side channel, so a peer that is gone fails at once ("connection refused")
+// instead of after ZeroMQ's reconnect attempts time out. "" when something listens there.
+std::string probe_tcp(const std::string& host, int port, int timeout_ms) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res); rc != 0)
+    return std::string("cannot resolve ") + host + " (" + ::gai_strerror(rc) + ")";
+  std::string err = "nothing answers";
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK, a->ai_protocol);
+    if (fd < 0) continue;
+    int rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
+    if (rc != 0 && errno == EINPROGRESS) {
+      pollfd pfd{fd, POLLOUT, 0};
+      rc = ::poll(&pfd, 1, timeout_ms) == 1 ? 0 : -1;
+      int so = 0;
+      socklen_t len = sizeof so;
+      if (rc == 0 && (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &so, &len) != 0 || so != 0)) {
+        errno = so;
+        rc = -1;
+      } else if (rc != 0) {
+        errno = ETIMEDOUT;
+      }
+    }
+    const int e = errno;
+    ::close(fd);
+    if (rc == 0) {
+      err.clear();
+      break;
+    }
+    err = std::strerror(e);
+  }
+  ::freeaddrinfo(res);
+  return err;
 }
 
 }  // namespace
@@ -256,9 +298,12 @@ std::string PdConnector::connect_remote(const KvTransferParams& p, std::shared_p
     return "";
   }
   const std::string where = p.remote_host + ":" + std::to_string(p.remote_port);
+  if (std::string why = probe_tcp(p.remote_host, p.remote_port, 2000); !why.empty())
+    return "the prefill worker's side channel " + where + " is not reachable (" + why +
+           "): the prefill worker is gone?";
   void* s = zmq_socket(zmq_ctx_, ZMQ_REQ);
   const int linger = 0;
-  const int ms = static_cast<int>(cfg_.transfer_timeout_s * 1000);
+  const int ms = static_cast<int>(cfg_.side_channel_timeout_s * 1000);
   zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
   zmq_setsockopt(s, ZMQ_RCVTIMEO, &ms, sizeof ms);
   zmq_setsockopt(s, ZMQ_SNDTIMEO, &ms, sizeof ms);
@@ -271,7 +316,7 @@ std::string PdConnector::connect_remote(const KvTransferParams& p, std::shared_p
   } else if (zmq_send(s, kMetaRequest, std::strlen(kMetaRequest), 0) < 0 ||
              !recv_frame(s, &head, &more) || !more || !recv_frame(s, &md, &more)) {
     err = "the prefill worker's side channel " + where + " did not answer within " +
-          std::to_string(static_cast<int>(cfg_.transfer_timeout_s)) + " s";
+          std::to_string(static_cast<int>(cfg_.side_channel_timeout_s)) + " s";
   }
   zmq_close(s);
   if (!err.empty()) return err;

@@ -156,6 +156,11 @@ Status parse_kv_transfer(const OrderedJson& j, CommonParams& p) {
       t.remote_block_ids.push_back(b.get<int64_t>());
     }
   }
+  if (t.do_remote_decode && p.stream)
+    return bad(f,
+               "kv_transfer_params.do_remote_decode with stream: the kv_transfer_params for the "
+               "decode worker come in the non-streamed response; send stream: false (as "
+               "vllm-router does)");
   if (p.n != 1)
     return bad(f, "kv_transfer_params with n = " + std::to_string(p.n) +
                       ": prefill/decode disaggregation serves one choice per request (n = 1)");

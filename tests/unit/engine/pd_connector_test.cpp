@@ -11,6 +11,8 @@
 #include <numeric>
 #include <thread>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -93,6 +95,7 @@ class PdPair : public ::testing::Test {
     PdConfig cc;
     cc.role = KvRole::kConsumer;
     cc.transfer_timeout_s = 2;
+    cc.side_channel_timeout_s = 1;
     auto c = PdConnector::create(cc, cons_pool.regions, 16, [] {});
     ASSERT_TRUE(c.has_value()) << c.error().message;
     consumer = std::move(*c);
@@ -160,7 +163,20 @@ TEST_F(PdPair, BadPeersFailTheLoadOnce) {
   wrong_engine.remote_engine_id = "m3-someone-else";
   KvTransferParams no_peer = good;
   no_peer.remote_engine_id = "m3-gone";
-  no_peer.remote_port = free_port();  // nobody listens: the metadata request times out (2 s)
+  no_peer.remote_port = free_port();  // nobody listens: refused at once
+  // Something listens but never answers (a hung peer): the metadata request times out.
+  const int mute = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t alen = sizeof addr;
+  ASSERT_EQ(::bind(mute, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(mute, 4), 0);
+  ASSERT_EQ(::getsockname(mute, reinterpret_cast<sockaddr*>(&addr), &alen), 0);
+  KvTransferParams hung = good;
+  hung.remote_engine_id = "m3-hung";
+  hung.remote_host = "127.0.0.1";
+  hung.remote_port = ntohs(addr.sin_port);
   KvTransferParams out_of_pool = good;
   out_of_pool.remote_block_ids = {0, 8};
   KvTransferParams too_few = good;
@@ -169,18 +185,20 @@ TEST_F(PdPair, BadPeersFailTheLoadOnce) {
   consumer->start_load(2, {0, 1}, no_peer);
   consumer->start_load(3, {0, 1}, out_of_pool);
   consumer->start_load(4, {0, 1}, too_few);
+  consumer->start_load(5, {0, 1}, hung);
   std::vector<std::pair<uint64_t, bool>> loaded;
   ASSERT_TRUE(wait_for(
       [&] {
         auto e = consumer->take_events();
         loaded.insert(loaded.end(), e.loaded.begin(), e.loaded.end());
-        return loaded.size() >= 4;
+        return loaded.size() >= 5;
       },
       15s));
   std::sort(loaded.begin(), loaded.end());
   EXPECT_EQ(loaded, (std::vector<std::pair<uint64_t, bool>>{
-                        {1, false}, {2, false}, {3, false}, {4, false}}));
-  EXPECT_EQ(consumer->stats().num_loads_failed, 4);
+                        {1, false}, {2, false}, {3, false}, {4, false}, {5, false}}));
+  EXPECT_EQ(consumer->stats().num_loads_failed, 5);
+  ::close(mute);
   EXPECT_EQ(consumer->stats().num_pages_read, 0);
 }
 
