@@ -17,6 +17,7 @@ import argparse
 import http.client
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -30,10 +31,11 @@ H, NQ, NKV, D, E, TOPK, IE, ID, NI, DI, VOCAB = 6144, 64, 4, 128, 128, 4, 3072, 
 BF16 = 2
 
 
-def step_bytes(layers, concurrency, context):
+def step_bytes(layers, concurrency, context, kv_elem_bytes=2):
     """Bytes one decode step of `concurrency` sequences reads: every non-expert weight once, the
     expected distinct experts (uniform routing: E * (1 - (1 - k/E)^C)) per MoE layer, the
-    embedding rows, and the KV cache (fp32 K, V, index-K) of `context` tokens per sequence."""
+    embedding rows, and the KV cache (K, V, index-K of kv_elem_bytes each: 2 = the bf16 default)
+    of `context` tokens per sequence."""
     attn = (2 * NQ * D * H + 2 * NKV * D * H + 2 * D + 2 * H) * BF16
     index = ((NI + 1) * DI * H + 2 * DI) * BF16
     dense = 3 * ID * H * BF16
@@ -47,7 +49,7 @@ def step_bytes(layers, concurrency, context):
     for i in range(layers):
         total += attn
         sparse = i >= 3
-        kv_tok = (2 * NKV * D + (DI if sparse else 0)) * 4
+        kv_tok = (2 * NKV * D + (DI if sparse else 0)) * kv_elem_bytes
         # MSA reads at most top-16 blocks of 128 tokens per KV head.
         seen = min(context, 16 * 128) if sparse else context
         kv += concurrency * seen * kv_tok
@@ -146,11 +148,22 @@ def one_request(host, port, model, prompt_ids, max_tokens, res, t_start):
         res.error = repr(e)
 
 
+def stream_prompt(prompt_ids, i):
+    """Stream i's prompt: its own random ids, so streams share no prefix-cache page and (greedy)
+    decode different tokens, as different users would (identical prompts would route every
+    sequence of a step to the same experts)."""
+    if i == 0:
+        return prompt_ids
+    rng = random.Random(i)
+    return [rng.randrange(10, 2610) for _ in prompt_ids]
+
+
 def run_level(host, port, model, prompt_ids, max_tokens, c):
     results = [Result() for _ in range(c)]
     t0 = time.perf_counter()
     threads = [threading.Thread(target=one_request,
-                                args=(host, port, model, prompt_ids, max_tokens, results[i], t0))
+                                args=(host, port, model, stream_prompt(prompt_ids, i), max_tokens,
+                                      results[i], t0))
                for i in range(c)]
     for t in threads:
         t.start()

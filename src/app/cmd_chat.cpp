@@ -21,6 +21,7 @@
 #include "app/vllm_flags.h"
 #include "engine/engine.h"
 #include "model/config_overrides.h"
+#include "model/quantization.h"
 #include "text/chat_output_parser.h"
 #include "text/chat_template.h"
 #include "text/detokenizer.h"
@@ -53,6 +54,7 @@ int run_chat(const ChatArgs& args) {
   if (plan->kv_cache_dtype) a.device.kv_cache_dtype = *plan->kv_cache_dtype;
   if (plan->index_kv_dtype) a.device.index_kv_dtype = *plan->index_kv_dtype;
   if (plan->enforce_eager) a.device.enforce_eager = true;
+  const std::string quantization = plan->quantization;
   if (auto st = model::set_config_overrides(plan->hf_overrides); !st)
     return fail(st.error().message);
   if (!a.model_dir.empty()) {
@@ -69,6 +71,11 @@ int run_chat(const ChatArgs& args) {
   if (!mode) return fail(mode.error().message);
   auto choice = resolve_model(a.model_dir, a.tokenizer, a.device.device, find_demo_model());
   if (!choice) return fail(choice.error().message);
+  if (!model::is_synthetic_model(a.model_dir)) {
+    // --quantization against the checkpoint's declaration, before anything is loaded.
+    auto q = model::resolve_quantization(quantization, model::read_checkpoint_quant(a.model_dir));
+    if (!q) return fail(q.error().message);
+  }
   auto backend_factory =  // probes the GPU for cuda
       make_backend_factory(a.device, 0, 0, choice->spec.seed);
   if (!backend_factory) return fail(backend_factory.error().message);
@@ -82,10 +89,12 @@ int run_chat(const ChatArgs& args) {
   engine::EngineConfig ec;
   ec.model_dir = a.model_dir;
   ec.max_num_seqs = 1;
+  ec.quantization = quantization;
   ec.num_sampleable_tokens = (*tok)->vocab_size();
   ec.backend_factory = std::move(*backend_factory);
   ec.kv_cache_dtype = kv_format->kv;
   ec.index_cache_dtype = kv_format->index;
+  if (plan->speculative) ec.speculative = *plan->speculative;
   auto eng = engine::Engine::create(ec);
   if (!eng) return fail(eng.error().message);
   const auto& info = (*eng)->model_info();
@@ -96,6 +105,8 @@ int run_chat(const ChatArgs& args) {
       "m3serve chat: %s on %s (%d tokens of context). /think enabled|disabled|adaptive, /reset, "
       "/quit\n",
       a.model_dir.c_str(), info.device.c_str(), info.max_model_len);
+  if (!info.speculative.empty())
+    std::fprintf(stderr, "m3serve: speculative decoding: %s\n", info.speculative.c_str());
 
   nlohmann::ordered_json messages = nlohmann::ordered_json::array();
   if (!a.system.empty()) messages.push_back({{"role", "system"}, {"content", a.system}});

@@ -29,6 +29,7 @@
 #include "engine/sampler.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
+#include "model/quantization.h"
 #include "model/synthetic_model.h"
 #include "runtime/forward_backend.h"
 #include "runtime/sequence_runner.h"
@@ -39,6 +40,7 @@ namespace {
 
 struct GenerateArgs {
   std::string model_dir;
+  std::string quantization;
   std::string prompt_ids;
   int max_tokens = 16;
   float temperature = 0.f;
@@ -114,7 +116,9 @@ int run_generate(const GenerateArgs& a) {
   dev.dp_kv_partitions = false;  // the runner hands out one page-id space
   auto kv_format = resolve_kv_format(dev);
   if (!kv_format) return fail(kv_format.error().message);
-  auto host = model::M3Model::load(a.model_dir);
+  model::LoadOptions lo;
+  lo.quantization = a.quantization;
+  auto host = model::M3Model::load(a.model_dir, lo);
   if (!host) return fail(host.error().message);
   (*host)->set_kv_cache_format(kv_format->kv, kv_format->index);
   const model::M3Config cfg = (*host)->config();
@@ -216,6 +220,12 @@ RunFn register_generate(CLI::App& app) {
                   "(M3's shapes, weights generated on the GPU; needs --device cuda)")
       ->required();
   sub->add_option("--prompt-ids", a->prompt_ids, "Comma-separated prompt token ids")->required();
+  sub->add_option("--quantization,-q", a->quantization,
+                  std::string("Weight format: none (the checkpoint as stored; its "
+                              "quantization_config decides), fp8_per_channel (quantize a bf16 "
+                              "checkpoint's linears at load), or the checkpoint's own method; "
+                              "accepted: ") +
+                      model::kQuantizationValues + " (docs/QUANTIZATION.md)");
   sub->add_option("--max-tokens", a->max_tokens, "Tokens to generate");
   sub->add_option("--temperature", a->temperature, "0 = greedy");
   sub->add_option("--top-p", a->top_p);

@@ -110,6 +110,22 @@ int run_plan(const PlanArgs& a) {
       auto spec = model::parse_synthetic_spec(a.model);
       if (!spec) return fail(spec.error().message);
       cfg = model::synthetic_m3_config(spec->layers);
+      switch (spec->weights) {  // weights=F is the stored format (model/synthetic_model.h)
+        case kernels::WeightQuant::kNone:
+          break;
+        case kernels::WeightQuant::kFp8Channel:
+          stored = WeightFormat::kFp8PerChannel;
+          break;
+        case kernels::WeightQuant::kMxfp8:
+          stored = WeightFormat::kMxfp8;
+          break;
+        case kernels::WeightQuant::kNvfp4:
+          stored = WeightFormat::kNvfp4;
+          break;
+        case kernels::WeightQuant::kMxfp4:
+          stored = WeightFormat::kMxfp4;
+          break;
+      }
     } else if (std::filesystem::is_directory(a.model)) {
       auto c = model::load_config(a.model);
       if (!c) return fail(c.error().message);

@@ -31,6 +31,7 @@
 #include "engine/engine.h"
 #include "model/config.h"
 #include "model/config_overrides.h"
+#include "model/quantization.h"
 #include "server/http_server.h"
 
 namespace m3::app {
@@ -300,6 +301,12 @@ int run_serve(ServeArgs a) {
   if (a.port < 0 || a.port > 65535) return fail("--port must be in 0..65535");
   auto kv_bytes = parse_bytes(a.kv_cache_memory_bytes);
   if (!kv_bytes) return fail(kv_bytes.error().message);
+  if (!model::is_synthetic_model(a.model_dir)) {
+    // --quantization against the checkpoint's declaration, before anything is loaded.
+    auto q =
+        model::resolve_quantization(plan->quantization, model::read_checkpoint_quant(a.model_dir));
+    if (!q) return fail(q.error().message);
+  }
   auto backend_factory =  // probes the GPU for cuda
       make_backend_factory(a.device, *kv_bytes, *max_model_len, choice->spec.seed);
   if (!backend_factory) return fail(backend_factory.error().message);
@@ -392,9 +399,11 @@ int run_serve(ServeArgs a) {
   ec.num_sampleable_tokens = assets->tokenizer->vocab_size();  // never sample padding rows
   ec.backend_factory = std::move(*backend_factory);
   ec.language_model_only = a.language_model_only;
+  ec.quantization = plan->quantization;
   ec.kv_cache_dtype = kv_format->kv;
   ec.index_cache_dtype = kv_format->index;
   if (plan->kv_events) ec.kv_events = *plan->kv_events;
+  if (plan->speculative) ec.speculative = *plan->speculative;
   ec.host_kv_cache_bytes = plan->host_kv_cache_bytes;
   ec.pd = plan->pd;
   std::unique_ptr<engine::Engine> eng;
@@ -443,14 +452,16 @@ int run_serve(ServeArgs a) {
   const auto& info = eng->model_info();
   std::printf(
       "m3serve %s: serving %s as '%s' (%s) on %s | KV cache: %lld tokens (%lld pages of %d, "
-      "%s%s%s, %lld B/token) | max-model-len %d | prefix caching %s | listening on "
+      "%s%s%s, %lld B/token) | max-model-len %d | prefix caching %s%s%s | listening on "
       "http://%s:%d\n",
       M3_VERSION, a.model_dir.c_str(), a.served_model_names[0].c_str(), info.summary.c_str(),
       info.device.c_str(), static_cast<long long>(info.kv_tokens),
       static_cast<long long>(info.num_kv_blocks), info.block_size, info.kv_cache_dtype.c_str(),
       info.index_cache_dtype.empty() ? "" : ", index-K ", info.index_cache_dtype.c_str(),
       static_cast<long long>(info.kv_bytes_per_token), info.max_model_len,
-      ec.enable_prefix_caching ? "on" : "off", a.host.c_str(), http->bound_port());
+      ec.enable_prefix_caching ? "on" : "off",
+      info.speculative.empty() ? "" : " | speculative decoding: ", info.speculative.c_str(),
+      a.host.c_str(), http->bound_port());
   std::fflush(stdout);
   if (info.num_host_kv_pages > 0) {
     std::fprintf(stderr, "m3serve: host KV tier: %lld pages (%lld tokens) in host memory\n",

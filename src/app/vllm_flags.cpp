@@ -15,6 +15,8 @@
 #include <map>
 #include <span>
 
+#include "model/quantization.h"
+
 extern char** environ;
 
 namespace m3::app {
@@ -28,13 +30,9 @@ constexpr bool kBoth = false;
 constexpr std::string_view kWhyMm =
     "m3serve's image processor runs the MiniMax-M3 defaults (transformers' MiniMaxM3VL "
     "processor) and its decoders take no options: drop the flag";
-constexpr std::string_view kWhyQuant =
-    "quantized serving (fp8_per_channel, MXFP8 kept in FP8, NVFP4, MXFP4) is coming (issue #18); "
-    "today m3serve runs bf16 weights and reads MXFP8 checkpoints (dequantised to bf16 at load) "
-    "from their own config: drop --quantization";
 constexpr std::string_view kWhySpec =
-    "EAGLE3 speculative decoding is coming (issue #19); today decoding runs the target model "
-    "alone: drop --speculative-config";
+    "vLLM removed this flag; give the draft in --speculative-config, e.g. '{\"method\": "
+    "\"eagle3\", \"model\": \"DIR\", \"num_speculative_tokens\": 3}'";
 constexpr std::string_view kWhyMultiNode =
     "multi-node and multi-process serving are coming (issue #22); today one m3serve process "
     "serves all its GPUs: run it on one node with --tensor-parallel-size or "
@@ -178,12 +176,12 @@ const std::vector<VllmFlag> kTable = {
   {"--calculate-kv-scales", false, FlagKind::kNoop, "",
    "fp8 K/V scales are the checkpoint's (self_attn.k_scale / v_scale) or 1.0, as vLLM's "
    "default; m3serve does not measure them from the first batches", kBoth},
-  {"--quantization,-q", true, FlagKind::kComing, "none", kWhyQuant, kBoth},
+  {"--quantization,-q", true, FlagKind::kHandled, "", "", kBoth},
 
   // ---- speculative decoding ----
-  {"--speculative-config", true, FlagKind::kComing, "", kWhySpec, kBoth},
-  {"--num-speculative-tokens", true, FlagKind::kComing, "", kWhySpec, kBoth},
-  {"--speculative-model", true, FlagKind::kComing, "", kWhySpec, kBoth},
+  {"--speculative-config", true, FlagKind::kHandled, "", "", kBoth},
+  {"--num-speculative-tokens", true, FlagKind::kRefused, "", kWhySpec, kBoth},
+  {"--speculative-model", true, FlagKind::kRefused, "", kWhySpec, kBoth},
 
   // ---- multimodal ----
   {"--mm-encoder-tp-mode", true, FlagKind::kHandled, "", "", kBoth},
@@ -516,6 +514,143 @@ Status review_attention_config(const std::string& value, CompatPlan& plan) {
     plan.notices.push_back("--attention-config (" + keys +
                            ") is ignored: " + std::string(kWhyKernels));
   }
+  return {};
+}
+
+// vLLM's SpeculativeConfig keys that m3serve reads (vllm/config/speculative.py).
+constexpr std::string_view kSpecKeys[] = {"method",
+                                          "model",
+                                          "num_speculative_tokens",
+                                          "rejection_sample_method",
+                                          "synthetic_acceptance_length",
+                                          "draft_tensor_parallel_size",
+                                          "use_local_argmax_reduction",
+                                          "attention_backend"};
+
+Status review_speculative_config(const std::string& value, const EnvList& env, CompatPlan& plan) {
+  const std::string flag = "--speculative-config";
+  M3_TRY(json j, parse_json_object(flag, value,
+                                   "{\"method\": \"eagle3\", \"model\": \"DIR\", "
+                                   "\"num_speculative_tokens\": 3}"));
+  engine::SpeculativeConfig c;
+  std::string method, rejection = "exact";
+  std::optional<double> synthetic_len;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& k = it.key();
+    const json& v = it.value();
+    if (std::find(std::begin(kSpecKeys), std::end(kSpecKeys), k) == std::end(kSpecKeys)) {
+      std::string names;
+      for (std::string_view n : kSpecKeys) names += (names.empty() ? "" : ", ") + std::string(n);
+      return bad(flag, flag + " key '" + k + "' is unknown; the keys are " + names);
+    }
+    auto want = [&](const char* what) {
+      return bad(flag, flag + " " + k + " must be " + what + "; got " + v.dump());
+    };
+    if (k == "method") {
+      if (!v.is_string()) return want("a string (\"eagle3\")");
+      method = v.get<std::string>();
+    } else if (k == "model") {
+      if (!v.is_string() || v.get<std::string>().empty()) return want("the draft's directory");
+      c.model = v.get<std::string>();
+    } else if (k == "num_speculative_tokens") {
+      if (!v.is_number_integer() || v.get<int64_t>() < 1 ||
+          v.get<int64_t>() > engine::kMaxSpeculativeTokens) {
+        return bad(flag, flag + " num_speculative_tokens is " + v.dump() +
+                             "; m3serve verifies 1 to " +
+                             std::to_string(engine::kMaxSpeculativeTokens) +
+                             " draft tokens per step (3 in the MiniMax-M3 recipe)");
+      }
+      c.num_speculative_tokens = v.get<int>();
+    } else if (k == "rejection_sample_method") {
+      if (!v.is_string()) return want("\"exact\" or \"synthetic\"");
+      rejection = v.get<std::string>();
+      if (rejection != "exact" && rejection != "synthetic") {
+        return bad(flag, flag + " rejection_sample_method '" + rejection +
+                             "' is unknown; use \"exact\" (the default: the target's output) "
+                             "or \"synthetic\" (benchmarks at a fixed acceptance length)");
+      }
+    } else if (k == "synthetic_acceptance_length") {
+      if (!v.is_number()) return want("a number, e.g. 2.78");
+      synthetic_len = v.get<double>();
+    } else if (k == "draft_tensor_parallel_size") {
+      if (!v.is_number_integer() || v.get<int64_t>() < 1) return want("a positive integer");
+      if (v.get<int64_t>() != 1) {
+        plan.notices.push_back(flag + " draft_tensor_parallel_size " + v.dump() +
+                               ": the draft head runs whole (replicated) beside the target; "
+                               "its one layer is not split");
+      }
+    } else if (k == "use_local_argmax_reduction") {
+      if (!v.is_boolean()) return want("true or false");
+      if (v.get<bool>()) {
+        plan.notices.push_back(flag +
+                               " use_local_argmax_reduction: not applicable, the draft's argmax "
+                               "runs over its whole vocabulary on one device");
+      }
+    } else if (k == "attention_backend") {
+      if (!v.is_string()) return want("a string");
+      plan.notices.push_back(flag + " attention_backend " + v.dump() +
+                             ": not applicable, the draft's attention runs m3serve's own paged "
+                             "kernel (MHA and GQA, 128-token pages)");
+    }
+  }
+  if (method.empty()) {
+    return bad(flag, flag + " needs \"method\": \"eagle3\" (the one method m3serve runs)");
+  }
+  if (method != "eagle3") {
+    return make_error(ErrorCode::kUnsupported,
+                      flag + " method '" + method +
+                          "' is not supported; the accepted method is \"eagle3\" (EAGLE-3 "
+                          "draft heads, LlamaForCausalLMEagle3)",
+                      flag);
+  }
+  if (c.model.empty()) {
+    return bad(flag, flag +
+                         " needs \"model\": the EAGLE-3 draft's directory (e.g. "
+                         "models/demo-eagle3)");
+  }
+  if (c.num_speculative_tokens == 0) {
+    return bad(flag, flag + " needs \"num_speculative_tokens\" (1 to " +
+                         std::to_string(engine::kMaxSpeculativeTokens) + "; 3 in the recipe)");
+  }
+  std::string notice;
+  auto resolved = resolve_model_argument(c.model, env, &notice);
+  if (!resolved) return bad(flag, flag + " model: " + resolved.error().message);
+  c.model = *resolved;
+  if (!notice.empty()) plan.notices.push_back(notice);
+  std::error_code ec;
+  if (!std::filesystem::is_directory(c.model, ec)) {
+    return bad(flag, flag + " model " + c.model +
+                         " is not a directory; give the EAGLE-3 draft's local directory");
+  }
+  if (rejection == "synthetic") {
+    if (!synthetic_len) {
+      return bad(flag, flag +
+                           " rejection_sample_method \"synthetic\" needs "
+                           "synthetic_acceptance_length (e.g. 2.78); it is never assumed");
+    }
+    const double hi = c.num_speculative_tokens + 1.0;
+    if (!(*synthetic_len >= 1.0 && *synthetic_len <= hi)) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%g", *synthetic_len);
+      return bad(flag, flag + " synthetic_acceptance_length " + buf + " must be in [1, " +
+                           std::to_string(c.num_speculative_tokens + 1) + "] (1 + " +
+                           std::to_string(c.num_speculative_tokens) + " draft tokens)");
+    }
+    c.synthetic = true;
+    c.synthetic_acceptance_length = *synthetic_len;
+    plan.notices.push_back(flag +
+                           " rejection_sample_method synthetic: BENCHMARK ONLY, drafts are "
+                           "accepted at random for a mean acceptance length of " +
+                           std::to_string(*synthetic_len).substr(0, 4) +
+                           " and the output is NOT the target model's; never serve users so");
+  } else if (synthetic_len) {
+    return bad(flag, flag +
+                         " synthetic_acceptance_length is only read with "
+                         "\"rejection_sample_method\": \"synthetic\" (benchmarks); drop it "
+                         "or set the method");
+  }
+  c.method = method;
+  plan.speculative = c;
   return {};
 }
 
@@ -1010,8 +1145,17 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       M3_TRY_STATUS(review_attention_config(value, plan));
     } else if (ln == "--kv-cache-dtype") {
       M3_TRY(plan.kv_cache_dtype, kv_dtype_value("--kv-cache-dtype", value));
+    } else if (ln == "--quantization") {
+      // Checked against the checkpoint's quantization_config when the model loads.
+      if (!model::is_quantization_value(value)) {
+        return bad(ln, "--quantization '" + value +
+                           "' is unknown; accepted: " + std::string(model::kQuantizationValues));
+      }
+      plan.quantization = value;
     } else if (ln == "--kv-events-config") {
       M3_TRY_STATUS(review_kv_events_config(value, plan));
+    } else if (ln == "--speculative-config") {
+      M3_TRY_STATUS(review_speculative_config(value, env, plan));
     } else if (ln == "--kv-transfer-config") {
       if (offloading_size_given)
         return bad(ln, "--kv-transfer-config and --kv-offloading-size are both given; give one");

@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "engine/kv_event_publisher.h"
 #include "engine/kv_transfer.h"
+#include "engine/spec_decode.h"
 
 namespace CLI {
 class App;
@@ -67,8 +68,12 @@ struct CompatPlan {
   // or "float32" (app/device_backend.h resolves auto per device).
   std::optional<std::string> kv_cache_dtype;
   std::optional<std::string> index_kv_dtype;
+  // --quantization as given (model/quantization.h; "" when absent), checked at model load.
+  std::string quantization;
   // --kv-events-config with enable_kv_cache_events and publisher "zmq" (else unset).
   std::optional<engine::KvEventsConfig> kv_events;
+  // --speculative-config (EAGLE-3 drafts), validated; the draft itself loads with the engine.
+  std::optional<engine::SpeculativeConfig> speculative;
   // The host KV tier in bytes (--kv-transfer-config offloading, --kv-offloading-size); 0 off.
   int64_t host_kv_cache_bytes = 0;
   // --kv-transfer-config NixlConnector (prefill/decode disaggregation), with VLLM_NIXL_* applied.

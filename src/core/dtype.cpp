@@ -136,6 +136,20 @@ uint8_t f32_to_fp8_e4m3(float f) {
   return sign | static_cast<uint8_t>(pick);
 }
 
+uint8_t f32_to_e2m1(float f) {
+  if (std::isnan(f)) return 0;
+  const uint8_t sign = std::signbit(f) ? 8 : 0;
+  const float a = std::fabs(f);
+  static constexpr float kMag[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  if (a >= 6.f) return sign | 7;
+  int c = 0;
+  while (c < 7 && kMag[c + 1] <= a) ++c;  // the largest code with kMag[c] <= a
+  if (kMag[c] == a) return sign | static_cast<uint8_t>(c);
+  const float below = a - kMag[c], above = kMag[c + 1] - a;
+  const int pick = below < above ? c : above < below ? c + 1 : (c % 2 == 0 ? c : c + 1);
+  return sign | static_cast<uint8_t>(pick);
+}
+
 float e8m0_to_f32(uint8_t v) {
   if (v == 255) return std::numeric_limits<float>::quiet_NaN();
   return std::ldexp(1.0f, static_cast<int>(v) - 127);

@@ -53,4 +53,14 @@ inline float round_to_fp8_e4m3(float f) {
 // OCP E8M0 scale: 2^(v-127); 255 is NaN.
 float e8m0_to_f32(uint8_t v);
 
+// OCP E2M1 (FP4) code in the low 4 bits: bit 3 the sign, magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+inline float e2m1_to_f32(uint8_t code) {
+  static constexpr float kMag[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  const float m = kMag[code & 7];
+  return (code & 8) ? -m : m;
+}
+// f32 -> E2M1 code: round to nearest, ties to the even code, magnitudes above 6 saturate to 6,
+// NaN to +0 (E2M1 has no NaN; quantizers never feed one).
+uint8_t f32_to_e2m1(float f);
+
 }  // namespace m3

@@ -542,10 +542,19 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   impl->cfg = config;
   model::LoadOptions lo;
   lo.language_model_only = config.language_model_only;
+  lo.quantization = config.quantization;
   M3_TRY(auto model, model::M3Model::load(config.model_dir, lo));
   model->set_kv_cache_format(config.kv_cache_dtype, config.index_cache_dtype);
   const model::M3Config& mc = model->config();
   M3_TRY_STATUS(model::check_kv_block_size(mc, config.block_size));
+  // The draft shares the target's embedding and LM head: keep the host weights it reads.
+  const std::shared_ptr<const model::M3Weights> target_weights = model->base_weights();
+  if (config.speculative.enabled() && !model->has_weights()) {
+    return make_error(ErrorCode::kUnsupported,
+                      "speculative decoding needs the target's weights on the host; " +
+                          config.model_dir + " is a synthetic (config-only) model",
+                      "--speculative-config");
+  }
   const int64_t bs = mc.sparse_block_size;
   const int64_t page_bytes = model::KvCache::page_bytes(mc);
   int64_t max_len = config.max_model_len > 0 ? config.max_model_len : mc.max_position_embeddings;
@@ -610,8 +619,19 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   sc.enable_prefix_caching = config.enable_prefix_caching;
   sc.policy = config.priority_scheduling ? sched::Policy::kPriority : sched::Policy::kFcfs;
   M3_TRY_STATUS(sc.validate());
+  std::unique_ptr<SpecDecoder> spec;
+  if (config.speculative.enabled()) {
+    const std::string why = backend->speculative_refusal();
+    if (!why.empty()) return make_error(ErrorCode::kUnsupported, why, "--speculative-config");
+    M3_TRY(spec, SpecDecoder::create(config.speculative, bc, target_weights, num_pages));
+    sc.num_lookahead_tokens = config.speculative.num_speculative_tokens;
+  }
 
   ModelInfo& info = impl->info;
+  if (spec) {
+    info.speculative = spec->summary();
+    info.num_speculative_tokens = spec->num_speculative_tokens();
+  }
   info.model_dir = config.model_dir;
   info.summary = bc.summary();
   info.vocab_size = bc.vocab_size;
@@ -688,7 +708,8 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
     info.kv_role = kv_role_name(config.pd->role);
     info.pd_engine_id = impl->pd->engine_id();
   }
-  impl->runner = std::make_unique<ModelRunner>(std::move(backend), sampleable);
+  impl->runner = std::make_unique<ModelRunner>(std::move(backend), sampleable, std::move(spec),
+                                               static_cast<int>(max_len));
   impl->scheduler = std::make_unique<sched::Scheduler>(sc);
   if (host_slots > 0) impl->scheduler->enable_host_kv_tier(static_cast<int>(host_slots));
   if (config.kv_events.enabled) {
@@ -851,6 +872,7 @@ EngineStats Engine::stats() const {
   }
   if (impl_->pd) s.pd = impl_->pd->stats();  // its own lock: current even when the loop idles
   s.image_encodes = impl_->runner->num_image_encodes();  // atomic, bumped before the outputs
+  if (const SpecDecoder* sd = impl_->runner->spec_decoder()) s.spec_decode = sd->stats();
   // Counted by the publisher threads as they send (the list is fixed after create()).
   for (const auto& pub : impl_->kv_publishers) {
     s.kv_event_batches_published += pub->num_batches_published();

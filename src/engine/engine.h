@@ -20,6 +20,7 @@
 #include "engine/kv_event_publisher.h"
 #include "engine/kv_transfer.h"
 #include "engine/sampling_params.h"
+#include "engine/spec_decode.h"
 #include "kernels/views.h"
 
 namespace m3::model {
@@ -55,6 +56,8 @@ struct EngineConfig {
   int64_t num_sampleable_tokens = 0;
   // Skip the vision tower (--language-model-only): image input is then refused.
   bool language_model_only = false;
+  // --quantization (model/m3_model.h LoadOptions::quantization): "" reads the checkpoint as stored.
+  std::string quantization;
   // Where the forward runs. Empty: the CPU backend (runtime::make_cpu_backend).
   BackendFactory backend_factory;
   // The KV cache's element formats (docs/KV_CACHE.md), set on the model right after it loads,
@@ -67,6 +70,8 @@ struct EngineConfig {
   // The host KV tier's size in bytes (vLLM's cpu_bytes_to_use): evicted prefix-cache pages are
   // kept there and restored on a prefix hit. 0: off. Needs prefix caching and one KV partition.
   int64_t host_kv_cache_bytes = 0;
+  // --speculative-config (engine/spec_decode.h): EAGLE-3 drafts verified by the target.
+  SpeculativeConfig speculative;
   // Prefill/decode disaggregation over NIXL (--kv-transfer-config NixlConnector): requests with
   // kv_transfer_params are served as vLLM's NixlConnector does. Unset: such requests are refused.
   std::optional<PdConfig> pd;
@@ -126,6 +131,7 @@ struct EngineStats {
   Histogram max_tokens_per_request;               // the request's max_tokens
   Histogram prefill_computed_tokens_per_request;  // prompt tokens computed (not cache hits)
   Histogram iteration_tokens;                     // tokens scheduled per engine step
+  SpecDecodeStats spec_decode;                    // enabled only with --speculative-config
 };
 
 struct ModelInfo {
@@ -146,8 +152,11 @@ struct ModelInfo {
   std::vector<std::string> kv_events_endpoints;
   std::vector<std::string> kv_events_replay_endpoints;
   int64_t num_host_kv_pages = 0;  // the host KV tier (0: off)
-  std::string kv_role;            // P/D: "kv_producer" / "kv_consumer" / "kv_both"; "" off
-  std::string pd_engine_id;       // P/D: this engine's id in kv_transfer_params
+  // Speculative decoding: SpecDecoder::summary() ("" off) and the drafts per step (0 off).
+  std::string speculative;
+  int num_speculative_tokens = 0;
+  std::string kv_role;       // P/D: "kv_producer" / "kv_consumer" / "kv_both"; "" off
+  std::string pd_engine_id;  // P/D: this engine's id in kv_transfer_params
   // Image input (issue #20): image_input says whether requests may carry images; when not,
   // image_refusal says why (no vision tower, --language-model-only, a backend without it).
   bool image_input = false;

@@ -18,8 +18,12 @@ TokenLogprobOut to_out(const TokenLogprob& lp) {
 }
 }  // namespace
 
-ModelRunner::ModelRunner(std::unique_ptr<runtime::ForwardBackend> backend, int64_t num_sampleable)
-    : backend_(std::move(backend)), num_sampleable_(num_sampleable) {
+ModelRunner::ModelRunner(std::unique_ptr<runtime::ForwardBackend> backend, int64_t num_sampleable,
+                         std::unique_ptr<SpecDecoder> spec, int max_model_len)
+    : backend_(std::move(backend)),
+      num_sampleable_(num_sampleable),
+      spec_(std::move(spec)),
+      max_model_len_(max_model_len) {
   M3_CHECK(backend_ != nullptr);
 }
 
@@ -45,9 +49,14 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
   struct Want {
     std::vector<std::pair<int, int32_t>> prompt_rows;
     int32_t sample_row = -1;
+    // Speculative decoding: the rows of the last known token and of each draft after it (the
+    // first is sample_row), and the request's first token in the step.
+    std::vector<int32_t> verify_rows;
+    int first_token = 0;
   };
   std::vector<Want> want(out.requests.size());
   b.block_table_offsets.push_back(0);
+  if (spec_) b.aux_layers = spec_->aux_layers();
   for (size_t i = 0; i < out.requests.size(); ++i) {
     const sched::ScheduledRequest& r = out.requests[i];
     auto it = states.find(r.request_id);
@@ -57,9 +66,22 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
     b.block_table.insert(b.block_table.end(), r.block_ids.begin(), r.block_ids.end());
     b.block_table_offsets.push_back(static_cast<int32_t>(b.block_table.size()));
     const int n = r.num_new_tokens();
+    const int k = r.num_spec_tokens;
+    M3_CHECK(k == 0 || (spec_ && r.will_sample && k < n), "runner: %d draft tokens of %d", k, n);
+    want[i].first_token = static_cast<int>(b.token_ids.size());
     for (int j = 0; j < n; ++j) {
       const int32_t t = static_cast<int32_t>(b.token_ids.size());
       const int pos = r.start_idx + j;
+      if (k > 0 && j >= n - 1 - k) {
+        // The last known token and the drafts: verified this step, one logits row each.
+        if (j == n - 1 - k) want[i].sample_row = static_cast<int32_t>(b.logits_indices.size());
+        want[i].verify_rows.push_back(static_cast<int32_t>(b.logits_indices.size()));
+        b.logits_indices.push_back(t);
+        b.token_ids.push_back(r.token_ids[j]);
+        b.positions.push_back(pos);
+        b.seq_ids.push_back(static_cast<int32_t>(i));
+        continue;
+      }
       // Row at `pos` scores prompt token pos+1 (prompt logprobs), once per request.
       if (st.params.prompt_logprobs >= 0 && pos < st.num_prompt_tokens - 1 &&
           pos + 1 > st.prompt_logprobs_filled) {
@@ -116,7 +138,8 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
       if (want[i].sample_row < 0) continue;
       const RunnerRequestState& st = states.at(out.requests[i].request_id);
       const SamplingParams& p = st.params;
-      if (p.needs_host_sampling() || st.constraint) {
+      if (p.needs_host_sampling() || st.constraint || !want[i].verify_rows.empty()) {
+        for (int32_t vr : want[i].verify_rows) host_row[vr] = true;
         host_row[want[i].sample_row] = true;
         continue;
       }
@@ -185,6 +208,10 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
       st.prompt_logprobs_filled = pos + 1;
     }
     if (want[i].sample_row < 0) continue;
+    if (!want[i].verify_rows.empty()) {
+      ro.sampled.push_back({r.request_id, verify(r, want[i].verify_rows, st, logits_row, V)});
+      continue;
+    }
     if (device_slot[i] >= 0) {
       const int32_t tok = res.sampled[device_slot[i]];
       st.history.push_back(tok);
@@ -211,7 +238,103 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
     if (st.constraint) stop = !st.constraint->accept(tok) || st.constraint->is_terminated() || stop;
     ro.sampled.push_back({r.request_id, {tok}, stop});
   }
+  if (spec_) propose(out, states, res, ro, [&](size_t i) { return want[i].first_token; });
   return ro;
+}
+
+std::vector<int32_t> ModelRunner::verify(const sched::ScheduledRequest& r,
+                                         const std::vector<int32_t>& rows, RunnerRequestState& st,
+                                         const std::function<float*(int32_t)>& logits_row,
+                                         int64_t V) {
+  const int k = r.num_spec_tokens, n = r.num_new_tokens();
+  const SamplingParams& p = st.params;
+  std::vector<int32_t> toks;
+  std::vector<double> probs;
+  int accepted = 0;
+  for (int j = 0; j <= k; ++j) {
+    std::span<float> lr(logits_row(rows[j]), V);
+    std::vector<float> raw;
+    if (p.logprobs >= 0) raw.assign(lr.begin(), lr.end());
+    std::span<const int32_t> gen(st.history.data() + st.num_prompt_tokens,
+                                 st.history.size() - st.num_prompt_tokens);
+    const uint64_t step = gen.size();  // the output index decided here, as without drafts
+    const int32_t draft = j < k ? r.token_ids[n - k + j] : -1;
+    int32_t tok = 0;
+    if (draft >= 0 && spec_->config().synthetic &&
+        kernels::cpu::sample_uniform(st.seed, step, V + 1) < spec_->accept_probability()) {
+      tok = draft;  // benchmark mode: accepted whatever the target says
+    } else if (draft < 0 || p.temperature <= 0.f || spec_->config().synthetic) {
+      // The bonus token, a greedy row (the draft is accepted iff it is the argmax, so the
+      // output is exactly the one without speculation) or a synthetic rejection: the draw the
+      // request would make without drafts.
+      SampleRng rng{st.seed, step};
+      tok = Sampler::sample(lr, p, st.history, gen, rng, num_sampleable_);
+    } else {
+      // Rejection sampling against the greedy draft (one-hot): the token is distributed as the
+      // target's processed distribution (penalties, temperature, top_k/top_p/min_p).
+      Sampler::prepare(lr, p, st.history, gen, num_sampleable_);
+      Sampler::probs(lr, p, num_sampleable_, &probs);
+      bool ok = false;
+      tok = Sampler::rejection_sample(probs, {}, draft,
+                                      kernels::cpu::sample_uniform(st.seed, step, V + 1),
+                                      kernels::cpu::sample_uniform(st.seed, step, V + 2), &ok);
+    }
+    if (p.logprobs >= 0)
+      st.step_logprobs.push_back(to_out(Sampler::logprobs(raw, tok, p.logprobs)));
+    st.history.push_back(tok);
+    toks.push_back(tok);
+    if (tok != draft) break;
+    ++accepted;
+  }
+  spec_->count(k, accepted);
+  return toks;
+}
+
+void ModelRunner::propose(const sched::SchedulerOutput& out,
+                          std::unordered_map<uint64_t, RunnerRequestState>& states,
+                          const model::ForwardResult& res, sched::RunnerOutput& ro,
+                          const std::function<int(size_t)>& first_token) {
+  std::unordered_map<uint64_t, size_t> sampled_at;
+  for (size_t j = 0; j < ro.sampled.size(); ++j) sampled_at[ro.sampled[j].request_id] = j;
+  const int K = spec_->num_speculative_tokens();
+  const int bs = static_cast<int>(backend_->config().sparse_block_size);
+  std::vector<DraftSeq> seqs(out.requests.size());
+  for (size_t i = 0; i < out.requests.size(); ++i) {
+    const sched::ScheduledRequest& r = out.requests[i];
+    const RunnerRequestState& st = states.at(r.request_id);
+    DraftSeq& s = seqs[i];
+    s.request_id = r.request_id;
+    s.block_table = r.block_ids;
+    s.first_row = first_token(i);
+    s.start_pos = r.start_idx;
+    s.capacity = static_cast<int>(r.block_ids.size()) * bs;
+    int num_valid = r.num_new_tokens();
+    auto it = sampled_at.find(r.request_id);
+    if (it != sampled_at.end()) {
+      // Drafts after the first rejection are not verified: their positions are left out.
+      const int accepted = static_cast<int>(ro.sampled[it->second].token_ids.size()) - 1;
+      num_valid -= r.num_spec_tokens - accepted;
+      const int num_tokens = static_cast<int>(st.history.size());
+      const int outputs = num_tokens - st.num_prompt_tokens;
+      // Drafts beyond max_tokens or the model length could never be used; none under a
+      // constraint (its state cannot step back over a rejected draft).
+      int np = std::min(K, st.params.max_tokens - outputs - 1);
+      if (max_model_len_ > 0) np = std::min(np, max_model_len_ - num_tokens);
+      if (st.constraint || ro.sampled[it->second].stop) np = 0;
+      s.num_propose = std::max(0, np);
+    }
+    s.num_valid = num_valid;
+    for (int j = 0; j < num_valid; ++j) {
+      const size_t next = static_cast<size_t>(r.start_idx + j + 1);
+      M3_CHECK(next < st.history.size(), "draft: no token after position %d", r.start_idx + j);
+      s.next_tokens.push_back(st.history[next]);
+    }
+  }
+  const auto proposals = spec_->propose(seqs, res.aux_hidden);
+  for (size_t i = 0; i < out.requests.size(); ++i) {
+    auto it = sampled_at.find(out.requests[i].request_id);
+    if (it != sampled_at.end()) ro.sampled[it->second].spec_token_ids = proposals[i];
+  }
 }
 
 }  // namespace m3::engine

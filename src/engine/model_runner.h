@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -17,6 +18,7 @@
 
 #include "engine/engine.h"
 #include "engine/sampler.h"
+#include "engine/spec_decode.h"
 #include "model/m3_model.h"
 #include "runtime/forward_backend.h"
 #include "sched/scheduler_output.h"
@@ -50,8 +52,11 @@ struct RunnerRequestState {
 
 class ModelRunner {
  public:
-  // `num_sampleable` (<= vocab size): ids at or above it are never sampled.
-  ModelRunner(std::unique_ptr<runtime::ForwardBackend> backend, int64_t num_sampleable);
+  // `num_sampleable` (<= vocab size): ids at or above it are never sampled. `spec` (may be
+  // null): speculative decoding; then `max_model_len` bounds the positions drafts may take.
+  ModelRunner(std::unique_ptr<runtime::ForwardBackend> backend, int64_t num_sampleable,
+              std::unique_ptr<SpecDecoder> spec = nullptr, int max_model_len = 0);
+  const SpecDecoder* spec_decoder() const { return spec_.get(); }
 
   const runtime::ForwardBackend& backend() const { return *backend_; }
   int64_t num_pages() const { return backend_->num_pages(); }
@@ -66,8 +71,21 @@ class ModelRunner {
                               std::unordered_map<uint64_t, RunnerRequestState>& states);
 
  private:
+  // Verifies a request's drafts against its logits rows (the last known token's, then one per
+  // draft): returns 1 + the accepted drafts' count tokens, appended to st.history.
+  std::vector<int32_t> verify(const sched::ScheduledRequest& r, const std::vector<int32_t>& rows,
+                              RunnerRequestState& st,
+                              const std::function<float*(int32_t)>& logits_row, int64_t V);
+  // The draft over the step's verified positions; sets each sampled request's proposals.
+  void propose(const sched::SchedulerOutput& out,
+               std::unordered_map<uint64_t, RunnerRequestState>& states,
+               const model::ForwardResult& res, sched::RunnerOutput& ro,
+               const std::function<int(size_t)>& first_token);
+
   std::unique_ptr<runtime::ForwardBackend> backend_;
   int64_t num_sampleable_;
+  std::unique_ptr<SpecDecoder> spec_;
+  int max_model_len_ = 0;
   std::atomic<int64_t> num_image_encodes_{0};  // read by Engine::stats on other threads
 };
 

@@ -53,6 +53,81 @@ int32_t Sampler::sample(std::span<float> logits, const SamplingParams& p,
                         std::span<const int32_t> history, std::span<const int32_t> generated,
                         SampleRng& rng, int64_t num_valid, std::span<const uint32_t> allowed,
                         bool* none_allowed) {
+  prepare(logits, p, history, generated, num_valid, allowed, none_allowed);
+  const int64_t V = std::min<int64_t>(static_cast<int64_t>(logits.size()), num_valid);
+  // The draw itself is the GPU sampler's rule, by calling its CPU oracle on the penalised row.
+  kernels::cpu::SampleRow row = draw_row(p, rng.seed, rng.step++);
+  int32_t token = 0;
+  kernels::cpu::sample_rows(logits.data(), static_cast<int64_t>(logits.size()), V, &row, 1, &token);
+  return token;
+}
+
+kernels::cpu::SampleRow Sampler::draw_row(const SamplingParams& p, uint64_t seed, uint64_t step) {
+  kernels::cpu::SampleRow row;
+  row.row = 0;
+  row.temperature = p.temperature;
+  row.top_p = p.top_p;
+  row.top_k = p.top_k;
+  row.min_p = p.min_p;
+  row.seed = seed;
+  row.step = step;
+  return row;
+}
+
+void Sampler::probs(std::span<const float> prepared, const SamplingParams& p, int64_t num_valid,
+                    std::vector<double>* out) {
+  const int64_t V = std::min<int64_t>(static_cast<int64_t>(prepared.size()), num_valid);
+  out->assign(prepared.size(), 0.0);
+  kernels::cpu::sample_probs(prepared.data(), V, draw_row(p, 0, 0), out->data());
+}
+
+int32_t Sampler::rejection_sample(std::span<const double> target, std::span<const double> draft,
+                                  int32_t draft_token, double u_accept, double u_residual,
+                                  bool* accepted) {
+  const double pt = target[draft_token];
+  const double qt = draft.empty() ? 1.0 : draft[draft_token];
+  // Accept with probability min(1, p/q); u_accept is uniform in (0, 1).
+  if (qt > 0.0 && u_accept * qt < pt) {
+    *accepted = true;
+    return draft_token;
+  }
+  *accepted = false;
+  // Rejected: draw from the residual max(0, p - q), normalised (inverse CDF, ascending ids).
+  double total = 0.0;
+  for (size_t i = 0; i < target.size(); ++i) {
+    const double qi =
+        draft.empty() ? (static_cast<int32_t>(i) == draft_token ? 1.0 : 0.0) : draft[i];
+    total += std::max(0.0, target[i] - qi);
+  }
+  if (!(total > 0.0)) {
+    // p <= q everywhere means p == q: the draft was accepted with probability 1; only rounding
+    // gets here. Fall back to the target itself.
+    total = 0.0;
+    for (double t : target) total += t;
+    double acc = 0.0;
+    for (size_t i = 0; i < target.size(); ++i) {
+      acc += target[i];
+      if (u_residual * total < acc) return static_cast<int32_t>(i);
+    }
+    return draft_token;
+  }
+  double acc = 0.0;
+  int32_t last = draft_token;
+  for (size_t i = 0; i < target.size(); ++i) {
+    const double qi =
+        draft.empty() ? (static_cast<int32_t>(i) == draft_token ? 1.0 : 0.0) : draft[i];
+    const double r = std::max(0.0, target[i] - qi);
+    if (r <= 0.0) continue;
+    last = static_cast<int32_t>(i);
+    acc += r;
+    if (u_residual * total < acc) return last;
+  }
+  return last;
+}
+
+void Sampler::prepare(std::span<float> logits, const SamplingParams& p,
+                      std::span<const int32_t> history, std::span<const int32_t> generated,
+                      int64_t num_valid, std::span<const uint32_t> allowed, bool* none_allowed) {
   const int64_t V = std::min<int64_t>(static_cast<int64_t>(logits.size()), num_valid);
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t i = V; i < static_cast<int64_t>(logits.size()); ++i) logits[i] = ninf;
@@ -82,18 +157,6 @@ int32_t Sampler::sample(std::span<float> logits, const SamplingParams& p,
       logits[t] -= p.frequency_penalty * static_cast<float>(c) + p.presence_penalty;
     }
   }
-  // The draw itself is the GPU sampler's rule, by calling its CPU oracle on the penalised row.
-  kernels::cpu::SampleRow row;
-  row.row = 0;
-  row.temperature = p.temperature;
-  row.top_p = p.top_p;
-  row.top_k = p.top_k;
-  row.min_p = p.min_p;
-  row.seed = rng.seed;
-  row.step = rng.step++;
-  int32_t token = 0;
-  kernels::cpu::sample_rows(logits.data(), static_cast<int64_t>(logits.size()), V, &row, 1, &token);
-  return token;
 }
 
 TokenLogprob Sampler::logprobs(std::span<const float> logits, int32_t token, int32_t k) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/sampling_params.h"
+#include "kernels/cpu/sample.h"
 
 namespace m3::engine {
 
@@ -47,6 +48,27 @@ class Sampler {
                         std::span<const int32_t> history, std::span<const int32_t> generated,
                         SampleRng& rng, int64_t num_valid, std::span<const uint32_t> allowed = {},
                         bool* none_allowed = nullptr);
+
+  // sample() without the draw: ids >= num_valid set to -inf, the masks (dropped, with
+  // *none_allowed set, when they leave no token), logit_bias and the penalties, in place.
+  static void prepare(std::span<float> logits, const SamplingParams& p,
+                      std::span<const int32_t> history, std::span<const int32_t> generated,
+                      int64_t num_valid, std::span<const uint32_t> allowed = {},
+                      bool* none_allowed = nullptr);
+  // The distribution sample() draws from for a prepared row (temperature, top_k, min_p, top_p;
+  // greedy: 1 at the argmax), [logits.size()] with zeros at ids >= num_valid.
+  static void probs(std::span<const float> prepared, const SamplingParams& p, int64_t num_valid,
+                    std::vector<double>* out);
+  // Speculative decoding's rejection sampler for one position: accepts `draft_token` with
+  // probability min(1, target/draft) (u_accept uniform in (0, 1)), else draws from the residual
+  // max(0, target - draft) normalised, by inverse CDF with u_residual. `draft` empty: the draft
+  // proposed greedily (one-hot at draft_token). The result is distributed as `target` whatever
+  // the draft (the chi-square test in tests/unit/engine proves it).
+  static int32_t rejection_sample(std::span<const double> target, std::span<const double> draft,
+                                  int32_t draft_token, double u_accept, double u_residual,
+                                  bool* accepted);
+  // The SampleRow of a draw (seed, step) of `p` (kernels/cpu/sample.h).
+  static kernels::cpu::SampleRow draw_row(const SamplingParams& p, uint64_t seed, uint64_t step);
 
   // Sets -inf where the masks of `p` (allowed_token_ids, bad_words) and `allowed` forbid a token
   // among the first `num_valid` ids and adds logit_bias. Returns false, leaving `logits`

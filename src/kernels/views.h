@@ -16,17 +16,83 @@
 
 namespace m3::kernels {
 
-// A weight matrix [rows = out_features, cols = in_features], row-major (PyTorch Linear layout).
+// How a weight matrix's elements are stored (docs/QUANTIZATION.md is this, written down).
+// W[r, c] is the real weight; `data` and `scale` are MatRef's two arrays.
+//   kNone       data: dtype (bf16 or f32) [rows, cols]; no scale.
+//   kFp8Channel data: e4m3 [rows, cols]; scale: f32 [rows]. W = fp8(q[r, c]) * scale[r]
+//               (--quantization fp8_per_channel, made at load from a bf16 checkpoint).
+//   kMxfp8      data: e4m3 [rows, cols]; scale: E8M0 u8 [rows, ceil(cols / 32)].
+//               W = fp8(q[r, c]) * 2^(scale[r, c / 32] - 127) (m3-model.md §2.6).
+//   kNvfp4      data: E2M1 codes, two per byte, low nibble = even column, u8 [rows, cols / 2];
+//               scale: e4m3 [rows, ceil(cols / 16)]; global_scale: f32.
+//               W = e2m1(q[r, c]) * fp8(scale[r, c / 16]) * global_scale (§2.7).
+//   kMxfp4      data: E2M1 codes as kNvfp4; scale: E8M0 u8 [rows, ceil(cols / 32)].
+//               W = e2m1(q[r, c]) * 2^(scale[r, c / 32] - 127) (§2.8).
+// A row's scales follow it, so a range of rows is a range of both arrays (slice_rows).
+enum class WeightQuant : uint8_t { kNone, kFp8Channel, kMxfp8, kNvfp4, kMxfp4 };
+
+inline const char* weight_quant_name(WeightQuant q) {
+  switch (q) {
+    case WeightQuant::kNone:
+      return "none";
+    case WeightQuant::kFp8Channel:
+      return "fp8_per_channel";
+    case WeightQuant::kMxfp8:
+      return "mxfp8";
+    case WeightQuant::kNvfp4:
+      return "nvfp4";
+    case WeightQuant::kMxfp4:
+      return "mxfp4";
+  }
+  return "?";
+}
+
+// Columns one scale covers along a row (0: one scale per row or none).
+inline int64_t weight_quant_block(WeightQuant q) {
+  return q == WeightQuant::kNvfp4                                 ? 16
+         : (q == WeightQuant::kMxfp8 || q == WeightQuant::kMxfp4) ? 32
+                                                                  : 0;
+}
+inline bool weight_quant_is_4bit(WeightQuant q) {
+  return q == WeightQuant::kNvfp4 || q == WeightQuant::kMxfp4;
+}
+
+// A weight matrix [rows = out_features, cols = in_features], row-major (PyTorch Linear layout),
+// in one of the storage formats above.
 struct MatRef {
   const void* data = nullptr;
-  DType dtype = DType::kBF16;  // kBF16 or kF32
+  DType dtype = DType::kBF16;  // kBF16 or kF32 (kNone); kF8E4M3 (fp8 formats); kU8 (4-bit codes)
   int64_t rows = 0;
   int64_t cols = 0;
-  // Rows [begin, begin + count) as a MatRef (for slicing fused matrices).
+  WeightQuant quant = WeightQuant::kNone;
+  const void* scale = nullptr;  // the format's scales (null for kNone)
+  float global_scale = 1.f;     // kNvfp4's weight_scale_2 (1 otherwise)
+
+  bool quantized() const { return quant != WeightQuant::kNone; }
+  // Bytes of one row of `data`.
+  int64_t row_bytes() const {
+    return weight_quant_is_4bit(quant) ? (cols + 1) / 2
+                                       : cols * static_cast<int64_t>(dtype_size(dtype));
+  }
+  // Scales per row, and the bytes they take.
+  int64_t scales_per_row() const {
+    if (quant == WeightQuant::kNone) return 0;
+    if (quant == WeightQuant::kFp8Channel) return 1;
+    const int64_t b = weight_quant_block(quant);
+    return (cols + b - 1) / b;
+  }
+  int64_t scale_row_bytes() const {
+    return quant == WeightQuant::kFp8Channel ? 4 : scales_per_row();  // f32, else 1-byte scales
+  }
+  int64_t data_bytes() const { return rows * row_bytes(); }
+  int64_t scale_bytes() const { return rows * scale_row_bytes(); }
+  int64_t bytes() const { return data_bytes() + scale_bytes(); }
+  // Rows [begin, begin + count) as a MatRef (for slicing fused matrices): both arrays advance.
   MatRef slice_rows(int64_t begin, int64_t count) const {
     M3_CHECK(begin >= 0 && begin + count <= rows);
     MatRef m = *this;
-    m.data = static_cast<const uint8_t*>(data) + begin * cols * dtype_size(dtype);
+    m.data = static_cast<const uint8_t*>(data) + begin * row_bytes();
+    if (scale != nullptr) m.scale = static_cast<const uint8_t*>(scale) + begin * scale_row_bytes();
     m.rows = count;
     return m;
   }
@@ -195,6 +261,7 @@ inline void rope_inv_freq(double theta, const RopeScaling& sc, int64_t rot, floa
 //   q_out  = rope(rmsnorm_gemma(q, q_norm), rot_dim)        per query head
 //   iq_out = rope(rmsnorm_gemma(iq, iq_norm), index_rot_dim) per index head (if any)
 //   page K = rope(rmsnorm_gemma(k, k_norm), rot_dim), page V = v, per KV head
+// (q_norm and k_norm both empty, n == 0: no QK-norm, as in a Llama layer; the CPU op only so far)
 //   page index-K = rope(rmsnorm_gemma(ik, ik_norm), index_rot_dim) (if any)
 // The inputs are token rows `in_stride` floats apart (one fused projection's output:
 // q | k | v | iq | ik columns), or packed per tensor when in_stride is 0; q_out / iq_out are
@@ -222,10 +289,11 @@ struct AttnPrepArgs {
 };
 
 // The routed experts of one MoE layer (w1/w3: [inter, hidden], w2: [hidden, inter], all of one
-// dtype, bf16 or f32). Contiguous layout: each projection stored over the experts back to back,
-// expert e's matrix at base + e * rows * cols elements (what the CUDA op requires). The CPU op
-// also takes experts scattered in memory (a checkpoint read in place): then w1_of / w3_of /
-// w2_of are host arrays of num_experts pointers and the bases are ignored.
+// dtype, bf16 or f32, or all of one quantized format through mats_of). Contiguous layout: each
+// projection stored over the experts back to back, expert e's matrix at base + e * rows * cols
+// elements (what the CUDA op requires). The CPU op also takes experts scattered in memory (a
+// checkpoint read in place): then w1_of / w3_of / w2_of are host arrays of num_experts pointers and
+// the bases are ignored.
 struct MoeExpertWeights {
   const void* w1 = nullptr;  // gate
   const void* w3 = nullptr;  // up
@@ -235,11 +303,29 @@ struct MoeExpertWeights {
   const void* const* w1_of = nullptr;
   const void* const* w3_of = nullptr;
   const void* const* w2_of = nullptr;
+  // Quantized experts (docs/QUANTIZATION.md; the CPU op only): `quant` their one format, and
+  // mats_of a host array of 3 * num_experts views, expert e's w1, w3, w2 at 3e, 3e + 1, 3e + 2
+  // (each with its own scales and global scale). When mats_of is set the fields above are
+  // ignored.
+  WeightQuant quant = WeightQuant::kNone;
+  const MatRef* mats_of = nullptr;
   // Expert e's projection `base` (w1, w3 or w2) and its per-expert array.
   const void* expert(const void* base, const void* const* of, int64_t e) const {
     if (of != nullptr) return of[e];
     return static_cast<const uint8_t*>(base) +
            static_cast<size_t>(e * inter * hidden) * dtype_size(dtype);
+  }
+  // Expert e's projection `proj` (0: w1 gate, 1: w3 up, 2: w2 down) as a view.
+  MatRef expert_mat(int proj, int64_t e) const {
+    if (mats_of != nullptr) return mats_of[3 * e + proj];
+    const void* base = proj == 0 ? w1 : proj == 1 ? w3 : w2;
+    const void* const* of = proj == 0 ? w1_of : proj == 1 ? w3_of : w2_of;
+    MatRef m;
+    m.data = expert(base, of, e);
+    m.dtype = dtype;
+    m.rows = proj == 2 ? hidden : inter;
+    m.cols = proj == 2 ? inter : hidden;
+    return m;
   }
 };
 

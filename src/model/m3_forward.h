@@ -56,6 +56,7 @@ enum class Buf {
   kDpSend,
   kDpAll,
   kDpRouted,
+  kAux,  // AuxCapture's rows where the caller keeps them in Ops memory (the GPU model)
   kCount
 };
 enum class IBuf { kSel, kRouteIds, kSelAll, kCount };
@@ -65,6 +66,16 @@ struct EmbedOverride {
   const int32_t* rows = nullptr;  // [n] ascending row indices of the step
   const float* values = nullptr;  // [n, hidden] f32
   int64_t n = 0;
+};
+
+// The residual stream entering some layers, copied out for an EAGLE-3 draft (speculative
+// decoding): for each j, layer layers[j]'s input (layers[j] == num_hidden_layers: the output of
+// the last layer, before the final norm) into columns [j * hidden, (j + 1) * hidden) of
+// out [T, n * hidden] f32 (the Ops' memory).
+struct AuxCapture {
+  const int32_t* layers = nullptr;  // [n] host
+  int64_t n = 0;
+  float* out = nullptr;
 };
 
 template <class Ops>
@@ -110,10 +121,11 @@ class M3Forward {
   // rank's heads).
   // emb (may be null): rows whose input embedding replaces the table lookup (image placeholder
   // tokens), in the Ops' memory; applied after the embedding (and its TP all-reduce).
+  // aux (may be null): the aux hidden states an EAGLE-3 draft reads (AuxCapture).
   template <class Cache>
   void run_layers(Ops& ops, const int32_t* tokens, const TokenLayout& layout, Cache& cache,
-                  int64_t max_kv_len, ForwardResult* msa_out,
-                  const EmbedOverride* emb = nullptr) const {
+                  int64_t max_kv_len, ForwardResult* msa_out, const EmbedOverride* emb = nullptr,
+                  const AuxCapture* aux = nullptr) const {
     const int64_t T = layout.num_tokens;
     const int64_t H = cfg_.hidden_size, nq = plan_.num_q_heads, nkv = plan_.num_kv_heads,
                   d = cfg_.head_dim;
@@ -141,7 +153,12 @@ class M3Forward {
       }
     }
 
+    auto capture = [&](int64_t li) {
+      for (int64_t j = 0; aux != nullptr && j < aux->n; ++j)
+        if (aux->layers[j] == li) ops.copy_rows_2d(aux->out + j * H, aux->n * H, x, H, H, T);
+    };
     for (int64_t li = 0; li < cfg_.num_hidden_layers; ++li) {
+      capture(li);
       const LayerWeights& L = w_.layers[li];
       const bool sparse = cfg_.layer_is_sparse[li];
       // a = input_norm(x); after the first layer the previous layer's residual add did it.
@@ -230,6 +247,7 @@ class M3Forward {
         ops.add_inplace(x, y, T * H);
       }
     }
+    capture(cfg_.num_hidden_layers);
   }
 
   // The step of a data-parallel rank with no tokens: joins every MoE layer's collectives with 0
@@ -283,6 +301,7 @@ class M3Forward {
   struct MoeLayer {
     kernels::MoeExpertWeights ew;
     std::vector<const void*> w1_of, w3_of, w2_of;  // scattered experts (host weights only)
+    std::vector<MatRef> mats;  // quantized experts: w1, w3, w2 per expert (host weights only)
     const float* bias = nullptr;
     std::vector<float> bias_f32;  // a bf16 bias widened (host weights only)
   };
@@ -303,8 +322,21 @@ class M3Forward {
     // weights) are read from the bases; others (a checkpoint read in place) by pointer arrays.
     const size_t per = static_cast<size_t>(ew.inter * ew.hidden) * dtype_size(ew.dtype);
     bool contiguous = true;
+    // Quantized experts (host weights only) go by views; a projection may differ in format from
+    // the others (a shard's column slice off the block grid is dequantised to f32).
+    const ExpertWeights& E0 = L.experts[0];
+    for (const MatRef* p : {&E0.w1, &E0.w3, &E0.w2})
+      if (p->quantized()) ew.quant = p->quant;
     for (int64_t e = 0; e < ew.num_experts; ++e) {
       const ExpertWeights& E = L.experts[e];
+      M3_CHECK(E.w1.quant == E0.w1.quant && E.w3.quant == E0.w3.quant && E.w2.quant == E0.w2.quant,
+               "MoE layer: expert %lld's formats differ from expert 0's",
+               static_cast<long long>(e));
+      if (ew.quant != kernels::WeightQuant::kNone) {
+        m.mats.insert(m.mats.end(), {E.w1, E.w3, E.w2});
+        contiguous = false;
+        continue;
+      }
       M3_CHECK(E.w1.dtype == ew.dtype && E.w3.dtype == ew.dtype && E.w2.dtype == ew.dtype &&
                    E.w1.rows == ew.inter && E.w3.rows == ew.inter && E.w2.cols == ew.inter,
                "MoE layer: expert %lld differs from expert 0 in shape or dtype",
@@ -336,6 +368,7 @@ class M3Forward {
   kernels::MoeExpertWeights moe_weights(int64_t li, const float** bias) const {
     const MoeLayer& m = moe_[li];
     kernels::MoeExpertWeights ew = m.ew;
+    if (!m.mats.empty()) ew.mats_of = m.mats.data();
     if (!m.w1_of.empty()) {
       ew.w1_of = m.w1_of.data();
       ew.w3_of = m.w3_of.data();

@@ -5,8 +5,10 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "core/log.h"
 #include "model/cpu_ops.h"
 #include "model/m3_forward.h"
+#include "model/quantization.h"
 #include "model/synthetic_model.h"
 #include "model/tensor_table.h"
 #include "model/vision_tower.h"
@@ -82,13 +84,67 @@ void M3Model::set_kv_cache_format(kernels::KvDtype kv, kernels::KvDtype index) {
   cfg_.index_cache_dtype = index;
 }
 
+namespace {
+
+// One line when the weights are not all bf16/f32: the formats held and the weight bytes (with
+// fp8_per_channel, what the bf16 linears took before).
+void log_weight_formats(const M3Weights& w, const M3Config& cfg, const QuantPlan& quant) {
+  std::string formats;
+  for (int q = 1; q < 5; ++q) {
+    if (w.num_quantized[q] == 0) continue;
+    formats += (formats.empty() ? "" : ", ") + std::to_string(w.num_quantized[q]) + " " +
+               kernels::weight_quant_name(static_cast<kernels::WeightQuant>(q));
+  }
+  if (formats.empty()) return;
+  const double mib = 1024.0 * 1024.0;
+  const double bytes = static_cast<double>(view_bytes(w, m3_tensors(cfg)));
+  if (quant.online_fp8_per_channel) {
+    const double fp8 = static_cast<double>(w.online_source_bytes);
+    size_t now = 0;
+    for (const TensorSpec& t : m3_tensors(cfg)) {
+      if (t.vector || !t.quantizable) continue;
+      for (int64_t e = 0; e < t.count_in(w); ++e) now += static_cast<size_t>(t.mat(w, e).bytes());
+    }
+    M3_LOG_INFO(
+        "--quantization fp8_per_channel: %s linears quantized at load to e4m3 + one f32 scale "
+        "per output channel: %.2f MiB (were %.2f MiB); weights %.2f MiB in all",
+        formats.c_str(), static_cast<double>(now) / mib, fp8 / mib, bytes / mib);
+  } else {
+    M3_LOG_INFO("weights kept as stored (quant_method %s): %s linears, %.2f MiB in all",
+                quant.checkpoint.method.empty() ? "none" : quant.checkpoint.method.c_str(),
+                formats.c_str(), bytes / mib);
+  }
+}
+
+}  // namespace
+
 Result<std::unique_ptr<M3Model>> M3Model::load(const std::string& model_dir,
                                                const LoadOptions& opts) {
   if (is_synthetic_model(model_dir)) {
     M3_TRY(SyntheticSpec spec, parse_synthetic_spec(model_dir));
+    if (!opts.quantization.empty() && opts.quantization != "none" && opts.quantization != "auto") {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "--quantization " + opts.quantization +
+                            " applies to a checkpoint directory; a synthetic model's weights "
+                            "are generated on the GPU in bf16: drop --quantization",
+                        "--quantization");
+    }
+    if (spec.weights != kernels::WeightQuant::kNone) {
+      return make_error(ErrorCode::kUnsupported,
+                        "--model " + model_dir +
+                            ": synthetic weights=" + kernels::weight_quant_name(spec.weights) +
+                            " cannot be served yet: the GPU backend has no FP8/FP4 kernels "
+                            "(docs/QUANTIZATION.md); use weights=bf16 (its sizes are in `m3serve "
+                            "plan --model " +
+                            model_dir + "`)",
+                        "--model");
+    }
     return config_only(synthetic_m3_config(spec.layers));
   }
   M3_TRY(M3Config cfg, load_config(model_dir));
+  // The checkpoint's declared quantization against --quantization, before any tensor is read.
+  M3_TRY(QuantPlan quant,
+         resolve_quantization(opts.quantization, read_checkpoint_quant(model_dir)));
   std::vector<std::string> skip;
   if (opts.language_model_only) {
     skip = {"vision_tower.", "multi_modal_projector.", "patch_merge_mlp.", "model.vision_tower.",
@@ -97,7 +153,8 @@ Result<std::unique_ptr<M3Model>> M3Model::load(const std::string& model_dir,
   M3_TRY(Checkpoint ck, Checkpoint::open(model_dir, skip));
   M3_TRY_STATUS(load_kv_scales(ck, cfg));
   auto ckpt = std::make_shared<Checkpoint>(std::move(ck));
-  M3_TRY(auto w, load_weights(ckpt, cfg));
+  M3_TRY(auto w, load_weights(ckpt, cfg, quant));
+  log_weight_formats(*w, cfg, quant);
   std::shared_ptr<const VisionTower> tower;
   if (!opts.language_model_only && cfg.vision.present) {
     auto t = VisionTower::load(ckpt, cfg);
@@ -220,9 +277,14 @@ void M3Model::forward(const ForwardBatch& b, KvCache& cache, ForwardResult* out,
            b.embed_rows.size());
   const EmbedOverride emb{b.embed_rows.data(), b.embed_values.data(),
                           static_cast<int64_t>(b.embed_rows.size())};
+  const int64_t naux = static_cast<int64_t>(b.aux_layers.size());
+  std::vector<float> aux_buf;  // host memory is the Ops' memory
+  if (naux > 0) aux_buf.assign(static_cast<size_t>(T * naux * cfg_.hidden_size), 0.f);
+  const AuxCapture aux{b.aux_layers.data(), naux, aux_buf.data()};
   fw_->run_layers(*ops_, b.token_ids.data(), layout, cache, max_pos + 1,
-                  out && capture_msa ? out : nullptr, &emb);
+                  out && capture_msa ? out : nullptr, &emb, naux > 0 ? &aux : nullptr);
   if (!out) return;
+  out->aux_hidden = std::move(aux_buf);
   const int64_t R = static_cast<int64_t>(b.logits_indices.size());
   out->vocab_size = cfg_.vocab_size;
   out->logits.assign(R * cfg_.vocab_size, 0.f);

@@ -52,6 +52,9 @@ struct ForwardBatch {
   // [embed_rows.size(), hidden] f32. Only backends whose supports_image_input() is true read it.
   std::vector<int32_t> embed_rows;
   std::vector<float> embed_values;
+  // Speculative decoding (EAGLE-3): target layers whose input residual stream comes back in
+  // ForwardResult::aux_hidden for every token of the step (model/m3_forward.h AuxCapture).
+  std::vector<int32_t> aux_layers;
 };
 
 struct ForwardResult {
@@ -64,10 +67,16 @@ struct ForwardResult {
   // When capture_msa: per layer, the selected blocks [T, num_kv_heads, topk] (-1 padded);
   // empty for full-attention layers.
   std::vector<std::vector<int32_t>> msa_blocks;
+  // [T, aux_layers.size() * hidden] f32 when the batch asked for aux_layers, else empty.
+  std::vector<float> aux_hidden;
 };
 
 struct LoadOptions {
   bool language_model_only = true;  // vision tensors are not read (no tower: no image input)
+  // --quantization (model/quantization.h): "" / none reads the checkpoint as stored;
+  // fp8_per_channel quantizes a bf16 checkpoint's linears at load; a method name must match the
+  // checkpoint's quantization_config.
+  std::string quantization;
 };
 
 // Reads the per-layer fp8 K/V scales (model.layers.N.self_attn.k_scale / v_scale, or under
@@ -108,6 +117,8 @@ class M3Model {
   void set_kv_cache_format(kernels::KvDtype kv, kernels::KvDtype index);
   // The views forward() reads: the whole model, or this rank's slices when sharded.
   const M3Weights& weights() const { return *w_; }
+  // The unsharded weights, shared (an EAGLE-3 draft keeps the embedding and LM head it reads).
+  std::shared_ptr<const M3Weights> base_weights() const { return base_; }
   const ShardPlan& shard_plan() const { return plan_; }
   // KV heads this model's KvCache must hold (all of them unless sharded).
   int64_t cache_kv_heads() const { return plan_.num_kv_heads; }

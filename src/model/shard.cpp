@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <sstream>
+#include <vector>
 
 #include "core/check.h"
 #include "model/tensor_table.h"
@@ -31,6 +32,43 @@ MatRef copy_cols(const MatRef& m, int64_t c0, int64_t n, M3Weights& owner) {
   if (c0 == 0 && n == m.cols) return m;  // whole (data parallel): the view itself
   MatRef r = m;
   r.cols = n;
+  if (m.quantized()) {
+    // A column range on block boundaries keeps the format: the codes' bytes and the blocks'
+    // scales (per-channel scales whole). Anything else is dequantised exactly to f32.
+    const int64_t blk = kernels::weight_quant_block(m.quant);
+    const bool four = kernels::weight_quant_is_4bit(m.quant);
+    const bool aligned = (blk == 0 || (c0 % blk == 0 && (n % blk == 0 || c0 + n == m.cols))) &&
+                         (!four || (c0 % 2 == 0 && n % 2 == 0));
+    if (aligned) {
+      const int64_t rb = r.row_bytes(), b0 = four ? c0 / 2 : c0;
+      auto& q = owner.owned_u8.emplace_back(static_cast<size_t>(m.rows * rb));
+      const uint8_t* src = static_cast<const uint8_t*>(m.data);
+      for (int64_t i = 0; i < m.rows; ++i)
+        std::memcpy(q.data() + i * rb, src + i * m.row_bytes() + b0, static_cast<size_t>(rb));
+      r.data = q.data();
+      owner.bytes_owned += q.size();
+      if (blk > 0) {
+        const int64_t sb = r.scale_row_bytes(), s0 = c0 / blk;
+        auto& sc = owner.owned_u8.emplace_back(static_cast<size_t>(m.rows * sb));
+        const uint8_t* ssrc = static_cast<const uint8_t*>(m.scale);
+        for (int64_t i = 0; i < m.rows; ++i)
+          std::memcpy(sc.data() + i * sb, ssrc + i * m.scale_row_bytes() + s0,
+                      static_cast<size_t>(sb));
+        r.scale = sc.data();
+        owner.bytes_owned += sc.size();
+      }
+      return r;
+    }
+    auto& buf = owner.owned_f32.emplace_back(static_cast<size_t>(m.rows * n));
+    std::vector<float> row(static_cast<size_t>(m.cols));
+    for (int64_t i = 0; i < m.rows; ++i) {
+      kernels::cpu::dequantize_row(m, i, row.data());
+      std::memcpy(buf.data() + i * n, row.data() + c0, n * sizeof(float));
+    }
+    r = MatRef{buf.data(), DType::kF32, m.rows, n};
+    owner.bytes_owned += buf.size() * sizeof(float);
+    return r;
+  }
   if (m.dtype == DType::kF32) {
     auto& buf = owner.owned_f32.emplace_back(static_cast<size_t>(m.rows * n));
     const float* src = static_cast<const float*>(m.data);

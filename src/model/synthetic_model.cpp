@@ -11,7 +11,8 @@ namespace m3::model {
 
 namespace {
 
-constexpr const char* kForm = "synthetic:layers=N[,seed=S] with 1 <= N <= 60";
+constexpr const char* kForm =
+    "synthetic:layers=N[,seed=S][,weights=bf16|fp8|mxfp8|nvfp4|mxfp4] with 1 <= N <= 60";
 
 Result<uint64_t> parse_u64(std::string_view spec, std::string_view key, std::string_view text) {
   const std::string s(text);
@@ -43,7 +44,7 @@ Result<SyntheticSpec> parse_synthetic_spec(std::string_view model) {
   }
   std::string_view rest = model.substr(kSyntheticPrefix.size());
   SyntheticSpec out;
-  bool have_layers = false, have_seed = false;
+  bool have_layers = false, have_seed = false, have_weights = false;
   while (!rest.empty()) {
     const size_t comma = rest.find(',');
     const std::string_view item = rest.substr(0, comma);
@@ -69,8 +70,28 @@ Result<SyntheticSpec> parse_synthetic_spec(std::string_view model) {
     } else if (key == "seed" && !have_seed) {
       M3_TRY(out.seed, parse_u64(model, key, value));
       have_seed = true;
+    } else if (key == "weights" && !have_weights) {
+      using kernels::WeightQuant;
+      if (value == "bf16") {
+        out.weights = WeightQuant::kNone;
+      } else if (value == "fp8") {
+        out.weights = WeightQuant::kFp8Channel;
+      } else if (value == "mxfp8") {
+        out.weights = WeightQuant::kMxfp8;
+      } else if (value == "nvfp4") {
+        out.weights = WeightQuant::kNvfp4;
+      } else if (value == "mxfp4") {
+        out.weights = WeightQuant::kMxfp4;
+      } else {
+        return make_error(ErrorCode::kInvalidArgument,
+                          "--model " + spec + ": weights=" + std::string(value) +
+                              " is unknown; use bf16, fp8, mxfp8, nvfp4 or mxfp4 (" + kForm + ")",
+                          "--model");
+      }
+      have_weights = true;
     } else {
-      const bool dup = (key == "layers" && have_layers) || (key == "seed" && have_seed);
+      const bool dup = (key == "layers" && have_layers) || (key == "seed" && have_seed) ||
+                       (key == "weights" && have_weights);
       return make_error(ErrorCode::kInvalidArgument,
                         "--model " + spec + ": " +
                             (dup ? "'" + std::string(key) + "' is given twice"
@@ -173,6 +194,35 @@ int64_t synthetic_weight_bytes(const M3Config& cfg) {
 int64_t synthetic_weight_bytes(const M3Config& cfg, const ShardPlan& plan) {
   const Counts n = count(cfg, plan);
   return 2 * n.bf16 + 4 * n.f32;
+}
+
+kernels::WeightQuant synthetic_format_of(const TensorSpec& t, kernels::WeightQuant weights) {
+  using kernels::WeightQuant;
+  if (weights == WeightQuant::kNone || t.vector || !t.quantizable) return WeightQuant::kNone;
+  if (weights == WeightQuant::kNvfp4 || weights == WeightQuant::kMxfp4)
+    return t.experts > 0 ? weights : WeightQuant::kMxfp8;  // as the 4-bit checkpoints store them
+  return weights;
+}
+
+int64_t synthetic_weight_bytes(const M3Config& cfg, const ShardPlan& plan,
+                               kernels::WeightQuant weights) {
+  int64_t bytes = 0;
+  for (const TensorSpec& t : m3_tensors(cfg)) {
+    if (t.may_tie) continue;
+    const TensorBlock b = shard_block(t, cfg, plan);
+    const kernels::WeightQuant q = synthetic_format_of(t, weights);
+    if (q == kernels::WeightQuant::kNone) {
+      bytes += static_cast<int64_t>(b.size() * dtype_size(t.synthetic_dtype));
+      continue;
+    }
+    kernels::MatRef m;
+    m.quant = q;
+    m.dtype = kernels::weight_quant_is_4bit(q) ? DType::kU8 : DType::kF8E4M3;
+    m.rows = b.row_count;
+    m.cols = b.col_count;
+    bytes += b.expert_count * m.bytes();
+  }
+  return bytes;
 }
 
 std::string synthetic_needs_cuda_message(std::string_view model) {

@@ -11,14 +11,23 @@
 #include <string_view>
 
 #include "core/error.h"
+#include "kernels/views.h"
 #include "model/config.h"
 #include "model/shard.h"
 
 namespace m3::model {
 
+struct TensorSpec;
+
 struct SyntheticSpec {
   int64_t layers = 0;
   uint64_t seed = 0;
+  // weights=bf16|fp8|mxfp8|nvfp4|mxfp4 (docs/QUANTIZATION.md): the format the linears would be
+  // stored in, as the published checkpoints store them: fp8 = per-output-channel e4m3 of every
+  // quantizable linear (--quantization fp8_per_channel), mxfp8 = MXFP8 of every one, nvfp4 /
+  // mxfp4 = the routed experts in 4 bits and the other linears MXFP8. Byte counts and `m3serve
+  // plan` follow it; serving one is refused until the GPU has FP8/FP4 kernels.
+  kernels::WeightQuant weights = kernels::WeightQuant::kNone;
 };
 
 inline constexpr std::string_view kSyntheticPrefix = "synthetic:";
@@ -27,8 +36,8 @@ inline constexpr int64_t kSyntheticMaxLayers = 60;  // M3 has 60 decoder layers
 // Whether a --model value names a synthetic model (starts with "synthetic:").
 bool is_synthetic_model(std::string_view model);
 
-// Parses "synthetic:layers=N[,seed=S]" (keys in any order, each once). Errors name the bad part
-// and show the accepted form.
+// Parses "synthetic:layers=N[,seed=S][,weights=F]" (keys in any order, each once). Errors name the
+// bad part and show the accepted form.
 Result<SyntheticSpec> parse_synthetic_spec(std::string_view model);
 
 // M3's text config (hidden 6144, 64q/4kv x 128, rotary 64, 128 experts top-4 of 3072 with sigmoid
@@ -46,6 +55,12 @@ int64_t synthetic_weight_bytes(const M3Config& cfg);
 // The bytes one rank of `plan` holds (its slices, plus what every rank replicates: norms, router,
 // index-K); the unsharded plan gives synthetic_weight_bytes(cfg).
 int64_t synthetic_weight_bytes(const M3Config& cfg, const ShardPlan& plan);
+// The same in a stored format (SyntheticSpec::weights): each quantizable linear's codes and
+// scales (kernels::MatRef::bytes of its block), everything else as above.
+int64_t synthetic_weight_bytes(const M3Config& cfg, const ShardPlan& plan,
+                               kernels::WeightQuant weights);
+// The format a synthetic spec's weights=F gives `t` (kNone: as synthetic_dtype).
+kernels::WeightQuant synthetic_format_of(const TensorSpec& t, kernels::WeightQuant weights);
 
 // The message for `--device cpu` with a synthetic model (too big for the CPU path).
 std::string synthetic_needs_cuda_message(std::string_view model);

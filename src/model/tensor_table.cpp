@@ -104,6 +104,7 @@ std::vector<TensorSpec> m3_tensors(const M3Config& cfg) {
   embed.split = SplitDim::kRows;
   embed.by = SplitBy::kVocab;
   embed.init = SyntheticInit::kEmbedding;
+  embed.quantizable = false;
   embed.model_mat = &M3Weights::embed_tokens;
   t.push_back(embed);
 
@@ -171,6 +172,7 @@ std::vector<TensorSpec> m3_tensors(const M3Config& cfg) {
         matrix(m + "gate.weight", i, ne, h, SplitDim::kReplicated, SplitBy::kNone, &L::router);
     router.synthetic_dtype = DType::kF32;
     router.init = SyntheticInit::kRouter;
+    router.quantizable = false;
     t.push_back(router);
     if (cfg.use_routing_bias) {
       TensorSpec bias = norm(m + "e_score_correction_bias", i, ne, &L::router_bias);
@@ -277,7 +279,9 @@ size_t view_bytes(const M3Weights& w, const std::vector<TensorSpec>& table, bool
     if (t.may_tie && t.mat(w).data == w.embed_tokens.data) continue;  // the embedding's view
     for (int64_t e = 0; e < t.count_in(w); ++e) {
       const MatRef& m = t.mat(w, e);
-      if (m.data != nullptr) n += static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype);
+      if (m.data == nullptr) continue;
+      n += as_uploaded && m.quantized() ? static_cast<size_t>(m.rows * m.cols) * 2
+                                        : static_cast<size_t>(m.bytes());
     }
   }
   return n;

@@ -67,6 +67,9 @@ struct TensorSpec {
   bool vector = false;  // a VecRef (norms, bias), else a MatRef
   DType synthetic_dtype = DType::kBF16;
   bool device_f32 = false;  // widened to f32 on the device (the router bias, read by router_topk)
+  // A linear that --quantization fp8_per_channel quantizes at load (attention, index and MLP
+  // projections, experts); false for the embedding, lm_head and router, which stay as stored.
+  bool quantizable = true;
   // lm_head of a config with tie_word_embeddings: the embedding's view when the checkpoint has
   // no tensor of its own (and never a second copy on the device or in synthetic weights).
   bool may_tie = false;
@@ -127,8 +130,9 @@ TensorBlock shard_block(const TensorSpec& t, const M3Config& cfg, const ShardPla
 void size_views(M3Weights& w, const M3Config& cfg, const std::vector<TensorSpec>& table,
                 int64_t experts_per_layer);
 
-// Bytes of the table's views in `w` (the dtype of each view; a tied lm_head, the embedding's own
-// view, counted once). as_uploaded: as M3ModelCuda stores them (device_f32 tensors at 4 bytes).
+// Bytes of the table's views in `w` (the dtype of each view, a quantized view's codes and scales;
+// a tied lm_head, the embedding's own view, counted once). as_uploaded: as M3ModelCuda stores them
+// (device_f32 tensors at 4 bytes, quantized matrices dequantised to bf16).
 size_t view_bytes(const M3Weights& w, const std::vector<TensorSpec>& table,
                   bool as_uploaded = false);
 

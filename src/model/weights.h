@@ -1,8 +1,9 @@
 // M3Weights: views of every text-model tensor (model/tensor_table.h lists them), taken from a
 // Checkpoint with the checkpoint's own names (m3-model.md §2). bf16/f32 tensors are used in place
-// from the mapping; f16 is widened to f32 and MXFP8 (F8_E4M3 + E8M0 `weight_scale_inv`, 1x32
-// blocks) is dequantised to bf16 (exact) at load, into storage owned here. Vision tensors are
-// never touched.
+// from the mapping, and so are quantized linears (MXFP8, NVFP4, MXFP4, per-channel fp8: codes and
+// scales as stored, kernels/views.h WeightQuant, docs/QUANTIZATION.md); f16 is widened to f32,
+// and --quantization fp8_per_channel quantizes a bf16 checkpoint's linears at load, into storage
+// owned here. Vision tensors are never touched.
 // Invariant: after load_weights succeeds every view has the shape the config implies.
 #pragma once
 
@@ -13,6 +14,7 @@
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
 #include "model/config.h"
+#include "model/quantization.h"
 #include "model/safetensors.h"
 
 namespace m3::model {
@@ -51,15 +53,27 @@ struct M3Weights {
 
   std::shared_ptr<Checkpoint> checkpoint;        // keeps the mappings alive
   std::vector<std::vector<uint16_t>> owned_u16;  // dequantised bf16 copies
-  std::vector<std::vector<float>> owned_f32;     // widened f16 copies
+  std::vector<std::vector<float>> owned_f32;     // widened f16 copies, fp8_per_channel scales
+  std::vector<std::vector<uint8_t>> owned_u8;    // fp8_per_channel codes
   size_t bytes_in_place = 0;                     // weight bytes read from the mapping
   size_t bytes_owned = 0;                        // weight bytes converted at load
+  // Linears per stored format (index: kernels::WeightQuant), and the bytes of the bf16/f32
+  // tensors that fp8_per_channel replaced.
+  size_t num_quantized[5] = {0, 0, 0, 0, 0};
+  size_t online_source_bytes = 0;
 };
+
+// `m` (any format) as a bf16 matrix in `storage` (resized): each value dequantised exactly
+// (kernels::cpu::dequantize_row) and rounded to bf16. What the GPU upload holds of quantized
+// weights until quantized GPU kernels exist.
+MatRef dequantize_to_bf16(const MatRef& m, std::vector<uint16_t>& storage);
 
 // Loads and checks every text tensor the config implies (the tensor table, model/tensor_table.h,
 // in its order; a layer's routed experts expert by expert). Errors name the tensor, what was found
-// and the expected shape and dtype.
+// and the expected shape and dtype (a scale tensor: its name, its shape and the expected one).
+// `quant` (model/quantization.h): the checkpoint's declared method, which every quantized tensor
+// must fit, and whether fp8_per_channel quantizes the linears at load.
 Result<std::unique_ptr<M3Weights>> load_weights(std::shared_ptr<Checkpoint> ckpt,
-                                                const M3Config& cfg);
+                                                const M3Config& cfg, const QuantPlan& quant = {});
 
 }  // namespace m3::model

@@ -66,6 +66,7 @@ class CpuBackend final : public ForwardBackend {
     model_->forward(batch, cache_, out, capture_msa);
   }
   std::string device_name() const override { return "cpu"; }
+  std::string speculative_refusal() const override { return ""; }
   std::string kv_cache_flag() const override { return "--kv-cache-memory-bytes"; }
   bool supports_image_input() const override { return model_->vision() != nullptr; }
   std::string image_refusal() const override {

@@ -69,6 +69,13 @@ class ForwardBackend {
   // then every restore (host slot -> device page). Only after enable_host_kv_tier succeeded.
   virtual void copy_host_kv_pages(std::span<const HostPageCopy> offloads,
                                   std::span<const HostPageCopy> restores);
+  // Speculative decoding: "" when forward() honours ForwardBatch::aux_layers (the target's aux
+  // hidden states for an EAGLE-3 draft, which runs on the host), else why not.
+  virtual std::string speculative_refusal() const {
+    return "speculative decoding is not implemented on the " + device_name() +
+           " backend yet; serve --speculative-config on one GPU (--tensor-parallel-size 1) or "
+           "on the CPU backend (--device cpu)";
+  }
   // The KV pool's arrays (K, V, index-K, index-K scales of every layer, in that order), for a
   // transfer engine to read or write pages directly (P/D disaggregation). Empty: this backend
   // cannot share its pages that way (the caller refuses the feature by name).

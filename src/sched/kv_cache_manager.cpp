@@ -95,7 +95,7 @@ ComputedBlocks KVCacheManager::get_computed_blocks(Request& request, int partiti
 }
 
 bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens,
-                                    const ComputedBlocks* computed) {
+                                    const ComputedBlocks* computed, int num_lookahead_tokens) {
   M3_CHECK(num_new_tokens >= 0, "num_new_tokens %d", num_new_tokens);
   const int bs = pool_.block_size();
   auto it = req_blocks_.find(request.request_id);
@@ -107,9 +107,13 @@ bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens,
            "request %llu: prefix hit while holding pages",
            static_cast<unsigned long long>(request.request_id));
   const int total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens;
-  M3_CHECK(total_tokens <= request.num_tokens(), "request %llu: %d slots for %d tokens",
-           static_cast<unsigned long long>(request.request_id), total_tokens, request.num_tokens());
-  const int num_new_blocks = std::max(0, ceil_div(total_tokens, bs) - num_held - num_hit_blocks);
+  const int num_known = request.num_tokens() + static_cast<int>(request.spec_token_ids.size());
+  M3_CHECK(total_tokens <= num_known && num_lookahead_tokens >= 0,
+           "request %llu: %d slots (+%d lookahead) for %d tokens",
+           static_cast<unsigned long long>(request.request_id), total_tokens, num_lookahead_tokens,
+           num_known);
+  const int num_new_blocks =
+      std::max(0, ceil_div(total_tokens + num_lookahead_tokens, bs) - num_held - num_hit_blocks);
 
   // Every page of a request lives in one partition (one data-parallel rank's memory).
   int partition = 0;

@@ -46,8 +46,10 @@ class KVCacheManager {
   // Counts the hit in the prefix-cache counters when `computed` is given and allocation succeeds.
   // The partition: the one of the pages the request holds; else the hit's; else
   // most_free_partition(). Only that partition's free pages count.
+  // num_new_tokens may include the request's draft tokens (spec_token_ids); num_lookahead_tokens
+  // more positions get pages too (where a draft model writes its KV past the step's tokens).
   bool allocate_slots(Request& request, int num_new_tokens,
-                      const ComputedBlocks* computed = nullptr);
+                      const ComputedBlocks* computed = nullptr, int num_lookahead_tokens = 0);
 
   int num_partitions() const { return pool_.num_partitions(); }
   // The partition of the request's pages; -1 when it holds none.

@@ -77,6 +77,9 @@ struct Request {
   std::optional<int32_t> stop_token_id;    // the stop_token_ids entry that finished it (not eos)
   std::vector<BlockHash> block_hashes;     // hash chain of full blocks, grown by KVCacheManager
   std::vector<ContentSpan> content_spans;  // ascending, non-overlapping (image placeholders)
+  // Speculative decoding: draft tokens proposed for positions num_tokens() ... by the last step,
+  // verified by the next one. Never part of num_tokens(), the block hashes or the prefix cache.
+  std::vector<int32_t> spec_token_ids;
   // Prefill/decode disaggregation (Scheduler::release_held_kv, finish_remote_kv). Producer: keep
   // the pages when it finishes by stop or length, for a decode worker to read. Consumer: admit it
   // by allocating pages for the prompt and waiting for them to be filled from the prefill worker.

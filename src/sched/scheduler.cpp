@@ -139,7 +139,16 @@ void Scheduler::remove_waiting(Request* request) {
   waiting_.erase(it);
 }
 
+int Scheduler::lookahead(const Request& request, int num_computed, int num_new) const {
+  if (config_.num_lookahead_tokens == 0 || num_computed + num_new < request.num_tokens()) return 0;
+  // Never past what one request may hold (the pool partition, the model length).
+  const int64_t cap = std::min<int64_t>(partition_tokens(), config_.max_model_len);
+  return static_cast<int>(
+      std::clamp<int64_t>(cap - (num_computed + num_new), 0, config_.num_lookahead_tokens));
+}
+
 void Scheduler::preempt(Request* request) {
+  request->spec_token_ids.clear();
   kv_.free(*request);
   request->status = RequestStatus::kPreempted;
   request->num_computed_tokens = 0;
@@ -189,14 +198,20 @@ SchedulerOutput Scheduler::schedule() {
   size_t i = 0;
   while (i < running_.size() && budget > 0) {
     Request* req = running_[i];
-    const int num_new = std::min(req->num_tokens() - req->num_computed_tokens, budget);
+    const int num_known = req->num_tokens() - req->num_computed_tokens;
+    const int num_spec = static_cast<int>(req->spec_token_ids.size());
+    const int num_new = std::min(num_known + num_spec, budget);
     if (num_new <= 0) {
       ++i;
       continue;
     }
+    // Drafts that do not fit the budget are dropped (the step verifies the rest).
+    if (num_new < num_known + num_spec)
+      req->spec_token_ids.resize(std::max(0, num_new - num_known));
+    const int look = num_new >= num_known ? lookahead(*req, num_new) : 0;
     bool scheduled = false;
     while (true) {
-      if (kv_.allocate_slots(*req, num_new)) {
+      if (kv_.allocate_slots(*req, num_new, nullptr, look)) {
         scheduled = true;
         break;
       }
@@ -253,7 +268,8 @@ SchedulerOutput Scheduler::schedule() {
       int num_new = req->num_tokens() - hit.num_computed_tokens;
       if (!config_.enable_chunked_prefill && num_new > budget) break;
       num_new = std::min(num_new, budget);
-      if (!kv_.allocate_slots(*req, num_new, &hit)) {
+      if (!kv_.allocate_slots(*req, num_new, &hit,
+                              lookahead(*req, hit.num_computed_tokens, num_new))) {
         // A hit pins the request to the hit's partition. When that one is full but another
         // partition has more free pages, take that one with its own hit (maybe none) rather than
         // wait: otherwise a prefix every request shares (a system prompt) cached in one partition
@@ -264,7 +280,9 @@ SchedulerOutput Scheduler::schedule() {
         num_new = req->num_tokens() - hit.num_computed_tokens;
         if (!config_.enable_chunked_prefill && num_new > budget) break;
         num_new = std::min(num_new, budget);
-        if (!kv_.allocate_slots(*req, num_new, &hit)) break;
+        if (!kv_.allocate_slots(*req, num_new, &hit,
+                                lookahead(*req, hit.num_computed_tokens, num_new)))
+          break;
       }
       waiting_.pop_front();
       req->num_computed_tokens = hit.num_computed_tokens;
@@ -283,10 +301,14 @@ SchedulerOutput Scheduler::schedule() {
     s.request_id = req.request_id;
     s.start_idx = req.num_computed_tokens;
     s.token_ids.reserve(e.num_new_tokens);
-    for (int p = s.start_idx; p < s.start_idx + e.num_new_tokens; ++p)
+    const int end = s.start_idx + e.num_new_tokens;
+    for (int p = s.start_idx; p < std::min(end, req.num_tokens()); ++p)
       s.token_ids.push_back(req.token_at(p));
+    for (int p = req.num_tokens(); p < end; ++p)
+      s.token_ids.push_back(req.spec_token_ids[p - req.num_tokens()]);
+    s.num_spec_tokens = std::max(0, end - req.num_tokens());
     s.block_ids = kv_.block_ids(req.request_id);
-    s.will_sample = s.start_idx + e.num_new_tokens == req.num_tokens();
+    s.will_sample = end >= req.num_tokens();
     s.from_waiting = e.from_waiting;
     out.total_num_tokens += e.num_new_tokens;
     out.requests.push_back(std::move(s));
@@ -333,13 +355,22 @@ std::vector<RequestUpdate> Scheduler::update_from_output(const SchedulerOutput& 
         req->num_computed_tokens == s.start_idx, "request %llu: computed %d, step started at %d",
         static_cast<unsigned long long>(req->request_id), req->num_computed_tokens, s.start_idx);
     req->num_computed_tokens += s.num_new_tokens();
-    kv_.cache_blocks(*req, req->num_computed_tokens);
-    if (!s.will_sample) continue;
+    req->spec_token_ids.clear();
+    if (!s.will_sample) {
+      kv_.cache_blocks(*req, req->num_computed_tokens);
+      continue;
+    }
 
     auto sit = sampled.find(s.request_id);
-    M3_CHECK(sit != sampled.end() && !sit->second->token_ids.empty(),
-             "runner sampled no token for request %llu",
-             static_cast<unsigned long long>(s.request_id));
+    M3_CHECK(sit != sampled.end() && !sit->second->token_ids.empty() &&
+                 static_cast<int>(sit->second->token_ids.size()) <= s.num_spec_tokens + 1,
+             "runner returned %zu tokens for request %llu (%d drafts)",
+             sit == sampled.end() ? size_t{0} : sit->second->token_ids.size(),
+             static_cast<unsigned long long>(s.request_id), s.num_spec_tokens);
+    // Rejected drafts: their KV is stale; the next step overwrites those positions. Only
+    // verified tokens are computed, so the prefix cache below never holds a draft token.
+    const int num_accepted = static_cast<int>(sit->second->token_ids.size()) - 1;
+    req->num_computed_tokens -= s.num_spec_tokens - num_accepted;
     std::vector<int32_t> new_tokens;
     FinishReason reason = FinishReason::kNone;
     for (int32_t token : sit->second->token_ids) {
@@ -348,8 +379,14 @@ std::vector<RequestUpdate> Scheduler::update_from_output(const SchedulerOutput& 
       reason = check_stop(*req, token);
       if (reason != FinishReason::kNone) break;
     }
+    // A stop inside the accepted drafts drops the tokens after it: computed never runs past them.
+    req->num_computed_tokens = std::min(req->num_computed_tokens, req->num_tokens() - 1);
+    kv_.cache_blocks(*req, req->num_computed_tokens);
     if (reason == FinishReason::kNone && sit->second->stop) reason = FinishReason::kStop;
     if (reason == FinishReason::kNone) {
+      req->spec_token_ids = sit->second->spec_token_ids;
+      if (static_cast<int>(req->spec_token_ids.size()) > config_.num_lookahead_tokens)
+        req->spec_token_ids.resize(config_.num_lookahead_tokens);
       RequestUpdate u = make_update(*req);
       u.new_token_ids = std::move(new_tokens);
       updates.push_back(std::move(u));

@@ -39,6 +39,9 @@ struct SchedulerConfig {
   bool enable_prefix_caching = true;
   bool enable_chunked_prefill = true;
   Policy policy = Policy::kFcfs;
+  // Speculative decoding: the most draft tokens a request carries (K). A step that samples also
+  // gets pages for K positions past its tokens (where the draft writes its KV).
+  int num_lookahead_tokens = 0;
 
   // Checks the values a user can set by flag; the message names the flag and the fix.
   Status validate() const;
@@ -114,6 +117,12 @@ class Scheduler {
   void insert_waiting(Request* request, bool front);
   void remove_waiting(Request* request);
   void preempt(Request* request);
+  // Extra positions to allocate for a step of num_new tokens after num_computed that reaches the
+  // last known token (the draft's KV, speculative decoding); 0 otherwise.
+  int lookahead(const Request& request, int num_computed, int num_new) const;
+  int lookahead(const Request& request, int num_new) const {
+    return lookahead(request, request.num_computed_tokens, num_new);
+  }
   // Tokens one request can ever hold: one partition's pages.
   int64_t partition_tokens() const;
   // Finishes a request that is not running (or already removed from running) and queues its update.

@@ -20,6 +20,9 @@ struct ScheduledRequest {
   int start_idx = 0;               // == the request's num_computed_tokens before this step
   std::vector<int32_t> block_ids;  // the whole block table: page i holds positions [i*bs, (i+1)*bs)
   bool will_sample = false;        // this step reaches the last known token: sample one after it
+  // The last num_spec_tokens of token_ids are draft tokens (speculative decoding) after the
+  // request's last known token: the runner verifies them and returns 1 + the accepted count.
+  int num_spec_tokens = 0;
   bool from_waiting = false;  // new or resumed after preemption this step (runner resets state)
   int num_new_tokens() const { return static_cast<int>(token_ids.size()); }
 };
@@ -54,10 +57,13 @@ struct SchedulerOutput {
 
 struct SampledTokens {
   uint64_t request_id = 0;
-  std::vector<int32_t> token_ids;  // usually one; more with speculative decoding
+  std::vector<int32_t> token_ids;  // usually one; with speculative decoding 1 + accepted drafts
   // The request's token constraint (a grammar) is complete after these tokens: it stops as on
   // EOS, whatever ignore_eos and min_tokens say.
   bool stop = false;
+  // Draft tokens proposed for after token_ids (verified by the next step); at most the
+  // scheduler's num_lookahead_tokens.
+  std::vector<int32_t> spec_token_ids;
 };
 
 struct RunnerOutput {

@@ -187,6 +187,22 @@ std::string format_metrics(const engine::EngineStats& s, const std::string& mode
            static_cast<double>(s.prompt_tokens_total));
   w.scalar("generation_tokens_total", "counter", "Number of generation tokens processed.",
            static_cast<double>(s.generation_tokens_total));
+  if (s.spec_decode.enabled) {
+    // vLLM's SpecDecodingProm counters: mean acceptance length = 1 + accepted / drafts.
+    const engine::SpecDecodeStats& sd = s.spec_decode;
+    w.scalar("spec_decode_num_drafts_total", "counter", "Number of spec decoding drafts.",
+             static_cast<double>(sd.num_drafts));
+    w.scalar("spec_decode_num_draft_tokens_total", "counter", "Number of draft tokens.",
+             static_cast<double>(sd.num_draft_tokens));
+    w.scalar("spec_decode_num_accepted_tokens_total", "counter", "Number of accepted tokens.",
+             static_cast<double>(sd.num_accepted_tokens));
+    std::vector<std::pair<Labels, double>> per;
+    for (size_t i = 0; i < sd.accepted_per_pos.size(); ++i)
+      per.push_back(
+          {{{"position", std::to_string(i)}}, static_cast<double>(sd.accepted_per_pos[i])});
+    w.family("spec_decode_num_accepted_tokens_per_pos_total", "counter",
+             "Accepted tokens per draft position.", per);
+  }
   w.family("request_success_total", "counter", "Count of finished requests by finish reason.",
            {{{{"finished_reason", "stop"}}, static_cast<double>(s.requests_finished_stop)},
             {{{"finished_reason", "length"}}, static_cast<double>(s.requests_finished_length)},

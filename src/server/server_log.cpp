@@ -94,6 +94,28 @@ void HttpServerImpl::start_stats() {
             100.0 * now.kv_cache_usage,
             queries > 0 ? 100.0 * static_cast<double>(hits) / static_cast<double>(queries) : 0.0);
       }
+      const engine::SpecDecodeStats &sn = now.spec_decode, &sl = last.spec_decode;
+      if (sn.enabled && sn.num_drafts > sl.num_drafts) {
+        // vLLM's SpecDecodingLogging line over the interval.
+        const double drafts = static_cast<double>(sn.num_drafts - sl.num_drafts);
+        const double drafted = static_cast<double>(sn.num_draft_tokens - sl.num_draft_tokens);
+        const double accepted =
+            static_cast<double>(sn.num_accepted_tokens - sl.num_accepted_tokens);
+        std::string per;
+        for (size_t i = 0; i < sn.accepted_per_pos.size(); ++i) {
+          const int64_t before = i < sl.accepted_per_pos.size() ? sl.accepted_per_pos[i] : 0;
+          char buf[32];
+          std::snprintf(buf, sizeof buf, "%s%.3f", i ? ", " : "",
+                        static_cast<double>(sn.accepted_per_pos[i] - before) / drafts);
+          per += buf;
+        }
+        M3_LOG_INFO(
+            "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f "
+            "tokens/s, Drafted throughput: %.2f tokens/s, Accepted: %.0f tokens, Drafted: %.0f "
+            "tokens, Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+            1.0 + accepted / drafts, dt > 0 ? accepted / dt : 0.0, dt > 0 ? drafted / dt : 0.0,
+            accepted, drafted, per.c_str(), drafted > 0 ? 100.0 * accepted / drafted : 0.0);
+      }
       last = now;
       last_t = t;
     }

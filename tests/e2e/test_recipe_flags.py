@@ -58,6 +58,8 @@ STARTS = [
     ("tp8", f"--tensor-parallel-size 8 --block-size 128 {PARSERS}", {}, []),
     ("tp8_ep", f"--tensor-parallel-size 8 --enable-expert-parallel --block-size 128 {PARSERS}", {}, []),
     ("dp8_ep", f"--data-parallel-size 8 --enable-expert-parallel --block-size 128 {PARSERS}", {}, []),
+    ("fp8_per_channel", "--tensor-parallel-size 8 --block-size 128 --quantization fp8_per_channel", {},
+     []),
     ("amd_tp8_text", f"--tensor-parallel-size 8 --block-size 128 --attention-backend TRITON_ATTN {PARSERS}",
      {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"},
      ["--attention-backend TRITON_ATTN is ignored", "environment VLLM_USE_BREAKABLE_CUDAGRAPH is ignored"]),
@@ -114,11 +116,13 @@ REFUSALS = [
      ["--kv-cache-dtype 'fp16'", "accepted: auto, bfloat16, fp8"]),
     ("indexer_unknown_key", "--block-size 128 --attention_config.indexer_kv_type fp8",
      {}, ["--attention-config key 'indexer_kv_type' is unknown", "indexer_kv_dtype"]),
-    ("fp8_per_channel", "--tensor-parallel-size 8 --block-size 128 --quantization fp8_per_channel", {},
-     ["--quantization fp8_per_channel", "issue #18"]),
+    ("quantization_unknown", "--tensor-parallel-size 8 --block-size 128 --quantization int3", {},
+     ["--quantization 'int3' is unknown", "fp8_per_channel"]),
+    ("quantization_mismatch", "--block-size 128 --quantization mxfp8", {},
+     ["--quantization mxfp8 does not match the checkpoint", "none (a bf16 checkpoint)"]),
     ("eagle3", "--tensor-parallel-size 8 --trust-remote-code --block-size 128 --language-model-only "
      "--speculative-config '{\"method\": \"eagle3\", \"model\": \"Inferact/MiniMax-M3-EAGLE3\", "
-     "\"num_speculative_tokens\": 3}'", {}, ["--speculative-config", "issue #19"]),
+     "\"num_speculative_tokens\": 3}'", {}, ["Inferact/MiniMax-M3-EAGLE3", "does not download"]),
     ("kv_events_publisher", "--tensor-parallel-size 4 --kv-events-config "
      "'{\"enable_kv_cache_events\": true, \"publisher\": \"kafka\"}'", {},
      ["--kv-events-config publisher 'kafka' is unknown", "\"zmq\""]),

@@ -33,7 +33,9 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
            "attn_prep: the cache holds %lld KV heads of %lld, the step %lld of %lld",
            static_cast<long long>(cache.num_kv_heads), static_cast<long long>(cache.head_dim),
            static_cast<long long>(a.num_kv_heads), static_cast<long long>(d));
-  M3_CHECK(a.q_norm.n == d && a.k_norm.n == d,
+  // Both norms empty: heads without QK-norm (a Llama draft layer); else both of head_dim.
+  const bool qk_norm = a.q_norm.n != 0 || a.k_norm.n != 0;
+  M3_CHECK(!qk_norm || (a.q_norm.n == d && a.k_norm.n == d),
            "attn_prep: q/k norm weights of %lld / %lld for "
            "head_dim %lld",
            static_cast<long long>(a.q_norm.n), static_cast<long long>(a.k_norm.n),
@@ -47,13 +49,13 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
            static_cast<long long>(a.index_dim));
   // q: [T, nq, d] -> q_out, normed per head and rotated.
   pack_rows(a.q, a.in_stride, T, a.num_q_heads * d, a.q_out);
-  rmsnorm_gemma(a.q_out, T * a.num_q_heads, d, a.q_norm, a.eps, a.q_out);
+  if (qk_norm) rmsnorm_gemma(a.q_out, T * a.num_q_heads, d, a.q_norm, a.eps, a.q_out);
   rope_neox(a.q_out, T, a.num_q_heads, d, a.rot_dim, layout.positions, a.theta, a.scaling);
   // k: [T, nkv, d] normed and rotated; v: [T, nkv, d] as is; both into the pages.
   std::vector<float> k(T * a.num_kv_heads * d), v(T * a.num_kv_heads * d), ik;
   pack_rows(a.k, a.in_stride, T, a.num_kv_heads * d, k.data());
   pack_rows(a.v, a.in_stride, T, a.num_kv_heads * d, v.data());
-  rmsnorm_gemma(k.data(), T * a.num_kv_heads, d, a.k_norm, a.eps, k.data());
+  if (qk_norm) rmsnorm_gemma(k.data(), T * a.num_kv_heads, d, a.k_norm, a.eps, k.data());
   rope_neox(k.data(), T, a.num_kv_heads, d, a.rot_dim, layout.positions, a.theta, a.scaling);
   if (a.num_index_heads > 0) {
     const int64_t ni = a.num_index_heads, di = a.index_dim;

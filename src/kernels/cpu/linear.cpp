@@ -1,8 +1,11 @@
 // linear, embedding, weight views. The GEMM is written for the shapes the CPU path sees:
-// a few to a few thousand tokens against bf16 weights read in place. Rows of W are converted to
-// fp32 in blocks (kRowBlock rows per block) and reused across all tokens, so each weight byte
-// is read once per call; dot products use 8 independent lanes the compiler can vectorise.
+// a few to a few thousand tokens against bf16 weights read in place, or quantized weights
+// (kernels/views.h WeightQuant) kept in their own format. Rows of W are converted to fp32 in
+// blocks (kRowBlock rows per block; a quantized row is dequantised exactly as its format defines)
+// and reused across all tokens, so each weight byte is read once per call; dot products use 8
+// independent lanes the compiler can vectorise.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -17,13 +20,71 @@ namespace {
 
 constexpr int64_t kRowBlock = 8;
 
-inline void row_to_f32(const MatRef& w, int64_t r, float* out) {
-  if (w.dtype == DType::kF32) {
-    std::memcpy(out, static_cast<const float*>(w.data) + r * w.cols, w.cols * sizeof(float));
-  } else {
-    const uint16_t* src = static_cast<const uint16_t*>(w.data) + r * w.cols;
-    for (int64_t i = 0; i < w.cols; ++i) out[i] = bf16_to_f32(src[i]);
+// E4M3 byte -> f32, all 256 codes (exact).
+const float* fp8_table() {
+  static const auto t = [] {
+    std::array<float, 256> a{};
+    for (int c = 0; c < 256; ++c) a[c] = fp8_e4m3_to_f32(static_cast<uint8_t>(c));
+    return a;
+  }();
+  return t.data();
+}
+
+}  // namespace
+
+void dequantize_row(const MatRef& w, int64_t r, float* out) {
+  const int64_t k = w.cols;
+  const uint8_t* q = static_cast<const uint8_t*>(w.data) + r * w.row_bytes();
+  const uint8_t* s = static_cast<const uint8_t*>(w.scale) + r * w.scale_row_bytes();
+  switch (w.quant) {
+    case WeightQuant::kNone:
+      if (w.dtype == DType::kF32) {
+        std::memcpy(out, reinterpret_cast<const float*>(q), k * sizeof(float));
+      } else {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(q);
+        for (int64_t i = 0; i < k; ++i) out[i] = bf16_to_f32(src[i]);
+      }
+      return;
+    case WeightQuant::kFp8Channel: {
+      const float* lut = fp8_table();
+      float sc;
+      std::memcpy(&sc, s, sizeof(float));
+      for (int64_t i = 0; i < k; ++i) out[i] = lut[q[i]] * sc;
+      return;
+    }
+    case WeightQuant::kMxfp8: {
+      const float* lut = fp8_table();
+      for (int64_t b0 = 0; b0 < k; b0 += 32) {
+        const float sc = e8m0_to_f32(s[b0 / 32]);
+        const int64_t b1 = std::min(k, b0 + 32);
+        for (int64_t i = b0; i < b1; ++i) out[i] = lut[q[i]] * sc;
+      }
+      return;
+    }
+    case WeightQuant::kNvfp4:
+    case WeightQuant::kMxfp4: {
+      const bool nv = w.quant == WeightQuant::kNvfp4;
+      const int64_t blk = nv ? 16 : 32;
+      for (int64_t b0 = 0; b0 < k; b0 += blk) {
+        // NVFP4: the block's scale is fp8(scale) * global in f32, then times the code.
+        const float sc =
+            nv ? fp8_e4m3_to_f32(s[b0 / blk]) * w.global_scale : e8m0_to_f32(s[b0 / blk]);
+        const int64_t b1 = std::min(k, b0 + blk);
+        for (int64_t i = b0; i < b1; ++i) {
+          const uint8_t byte = q[i / 2];
+          out[i] = e2m1_to_f32((i & 1) ? byte >> 4 : byte & 15) * sc;
+        }
+      }
+      return;
+    }
   }
+  M3_CHECK(false, "dequantize_row: format %d", static_cast<int>(w.quant));
+}
+
+namespace {
+
+inline void row_to_f32(const MatRef& w, int64_t r, float* out) {
+  dequantize_row(w, r, out);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -40,8 +101,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }  // namespace
 
 void linear(const float* x, int64_t n, const MatRef& w, float* y) {
-  M3_CHECK(w.dtype == DType::kBF16 || w.dtype == DType::kF32, "linear: weight dtype %s",
-           dtype_name(w.dtype));
+  M3_CHECK(w.quantized() || w.dtype == DType::kBF16 || w.dtype == DType::kF32,
+           "linear: weight dtype %s", dtype_name(w.dtype));
   const int64_t k = w.cols, m = w.rows;
   const int64_t num_blocks = (m + kRowBlock - 1) / kRowBlock;
   parallel_for(num_blocks, [&](int64_t b0, int64_t b1) {

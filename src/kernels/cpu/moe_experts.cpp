@@ -18,8 +18,8 @@ void moe_localize_ids(int32_t* ids, int64_t n, int64_t first, int64_t count) {
 void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* weights, int64_t k,
                  const MoeExpertWeights& w, const SwigluParams& act, const float* shared,
                  float* out) {
-  M3_CHECK(w.dtype == DType::kBF16 || w.dtype == DType::kF32, "moe_experts: dtype %s",
-           dtype_name(w.dtype));
+  M3_CHECK(w.mats_of != nullptr || w.dtype == DType::kBF16 || w.dtype == DType::kF32,
+           "moe_experts: dtype %s", dtype_name(w.dtype));
   const int64_t h = w.hidden, inter = w.inter, ne = w.num_experts;
   // Group the picks by expert, tokens ascending within an expert (the CUDA op's order).
   std::vector<std::vector<std::pair<int32_t, float>>> by_expert(ne);
@@ -42,9 +42,9 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
     u.resize(m * inter);
     ye.resize(m * h);
     for (int64_t i = 0; i < m; ++i) std::copy_n(x + toks[i].first * h, h, xe.begin() + i * h);
-    const MatRef gate{w.expert(w.w1, w.w1_of, e), w.dtype, inter, h};
-    const MatRef up{w.expert(w.w3, w.w3_of, e), w.dtype, inter, h};
-    const MatRef down{w.expert(w.w2, w.w2_of, e), w.dtype, h, inter};
+    const MatRef gate = w.expert_mat(0, e);  // any format: linear dequantises row blocks
+    const MatRef up = w.expert_mat(1, e);
+    const MatRef down = w.expert_mat(2, e);
     linear(xe.data(), m, gate, g.data());  // g: [m, inter] f32
     linear(xe.data(), m, up, u.data());    // u: [m, inter] f32
     swiglu_oai(g.data(), u.data(), m, inter, act.alpha, act.limit, act.beta, g.data());

@@ -26,8 +26,13 @@ using kernels::VecRef;
 using kernels::Workspace;
 
 // ---- dense linear algebra ----
-// y[n, w.rows] = x[n, w.cols] · wᵀ, fp32 accumulation.
+// y[n, w.rows] = x[n, w.cols] · wᵀ, fp32 accumulation. w in any format of kernels/views.h
+// (WeightQuant): rows are dequantised exactly (dequantize_row) before the fp32 dot products.
 void linear(const float* x, int64_t n, const MatRef& w, float* y);
+
+// Row r of w as f32 [w.cols], by its format's definition (kernels/views.h WeightQuant): the
+// reference dequantisation every quantized op is compared against.
+void dequantize_row(const MatRef& w, int64_t r, float* out);
 
 // out[i, :] = table[ids[i], :] (converted to fp32). An id outside the table aborts.
 void embedding(const MatRef& table, const int32_t* ids, int64_t n, float* out);

@@ -18,19 +18,23 @@ inline uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-int32_t sample_one(const float* l, int64_t V, const SampleRow& p) {
-  if (p.temperature <= 0.f) {  // greedy: argmax, ties to the lower id
-    int64_t best = 0;
-    for (int64_t i = 1; i < V; ++i)
-      if (l[i] > l[best]) best = i;
-    return static_cast<int32_t>(best);
-  }
+int32_t argmax(const float* l, int64_t V) {  // ties to the lower id
+  int64_t best = 0;
+  for (int64_t i = 1; i < V; ++i)
+    if (l[i] > l[best]) best = i;
+  return static_cast<int32_t>(best);
+}
+
+// The kept candidates of a tempered draw (temperature > 0), best first: idx[0, keep), with
+// z = (logit - max) / temperature for every id.
+size_t candidates(const float* l, int64_t V, const SampleRow& p, std::vector<float>& z,
+                  std::vector<int32_t>& idx) {
   float mx = l[0];
   for (int64_t i = 1; i < V; ++i) mx = std::max(mx, l[i]);
-  std::vector<float> z(V);
+  z.resize(V);
   for (int64_t i = 0; i < V; ++i) z[i] = (l[i] - mx) / p.temperature;
   // Candidates best first, ties by id: the order engine::Sampler cuts with top_k/min_p/top_p.
-  std::vector<int32_t> idx(V);
+  idx.resize(V);
   std::iota(idx.begin(), idx.end(), 0);
   auto better = [&](int32_t a, int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); };
   const int64_t k = p.top_k > 0 ? std::min<int64_t>(p.top_k, V) : V;
@@ -56,6 +60,14 @@ int32_t sample_one(const float* l, int64_t V, const SampleRow& p) {
     }
     keep = std::max<size_t>(1, j);
   }
+  return keep;
+}
+
+int32_t sample_one(const float* l, int64_t V, const SampleRow& p) {
+  if (p.temperature <= 0.f) return argmax(l, V);
+  std::vector<float> z;
+  std::vector<int32_t> idx;
+  const size_t keep = candidates(l, V, p, z, idx);
   // Gumbel-max over the kept candidates: P(i) = exp(z_i) / sum over kept.
   int32_t best = -1;
   double best_score = 0.0;
@@ -76,6 +88,21 @@ double sample_uniform(uint64_t seed, uint64_t step, int64_t id) {
   const uint64_t h = splitmix64(splitmix64(splitmix64(seed) ^ step) ^ static_cast<uint64_t>(id));
   // 53 random bits, centred in their cell: strictly inside (0, 1).
   return (static_cast<double>(h >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+
+void sample_probs(const float* logits, int64_t num_valid, const SampleRow& row, double* probs) {
+  M3_CHECK(num_valid >= 1, "sample_probs: no valid token");
+  std::fill(probs, probs + num_valid, 0.0);
+  if (row.temperature <= 0.f) {
+    probs[argmax(logits, num_valid)] = 1.0;
+    return;
+  }
+  std::vector<float> z;
+  std::vector<int32_t> idx;
+  const size_t keep = candidates(logits, num_valid, row, z, idx);
+  double sum = 0.0;
+  for (size_t j = 0; j < keep; ++j) sum += std::exp(static_cast<double>(z[idx[j]]));
+  for (size_t j = 0; j < keep; ++j) probs[idx[j]] = std::exp(static_cast<double>(z[idx[j]])) / sum;
 }
 
 void sample_rows(const float* logits, int64_t vocab, int64_t num_valid, const SampleRow* rows,

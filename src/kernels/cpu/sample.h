@@ -26,6 +26,10 @@ struct SampleRow {
 // chain, never 0 or 1. Shared bit for bit with the GPU kernel.
 double sample_uniform(uint64_t seed, uint64_t step, int64_t id);
 
+// The distribution the draw of `row` samples from, over ids [0, num_valid): the kept candidates'
+// softmax(z) (greedy: 1 at the argmax). Speculative decoding's rejection sampler reads it.
+void sample_probs(const float* logits, int64_t num_valid, const SampleRow& row, double* probs);
+
 // out_ids[i] = the token sampled for rows[i]; only ids < num_valid are ever chosen.
 void sample_rows(const float* logits, int64_t vocab, int64_t num_valid, const SampleRow* rows,
                  int64_t n, int32_t* out_ids);

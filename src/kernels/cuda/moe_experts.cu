@@ -348,6 +348,9 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
            dtype_name(w.dtype));
   M3_CHECK(w.w1_of == nullptr && w.w3_of == nullptr && w.w2_of == nullptr,
            "moe_experts: the CUDA op takes only the contiguous expert layout");
+  M3_CHECK(w.quant == WeightQuant::kNone && w.mats_of == nullptr,
+           "moe_experts: the CUDA op takes bf16 or f32 experts (quantized experts are "
+           "dequantised at upload)");
   M3_CHECK(w.num_experts > 0 && w.num_experts <= kMaxExperts,
            "moe_experts: %lld experts (max %lld)", static_cast<long long>(w.num_experts),
            static_cast<long long>(kMaxExperts));

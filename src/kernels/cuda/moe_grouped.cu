@@ -286,8 +286,9 @@ int64_t max_tiles(int64_t P, int64_t ne, int bm) {
 
 bool supports(const MoeExpertWeights& w) {
   auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  return w.dtype == DType::kBF16 && w.w1_of == nullptr && w.hidden % 8 == 0 && w.inter % 8 == 0 &&
-         al(w.w1) && al(w.w3) && al(w.w2);
+  return w.dtype == DType::kBF16 && w.quant == WeightQuant::kNone && w.mats_of == nullptr &&
+         w.w1_of == nullptr && w.hidden % 8 == 0 && w.inter % 8 == 0 && al(w.w1) && al(w.w3) &&
+         al(w.w2);
 }
 
 void build_tiles(const int32_t* offsets, const int32_t* active, const int32_t* num_active, int bm,

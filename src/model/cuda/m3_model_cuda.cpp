@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "core/check.h"
+#include "core/log.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
 #include "kernels/cuda/fused.h"
@@ -281,6 +282,11 @@ void M3ModelCuda::generate_weights(uint64_t seed) {
 MatRef M3ModelCuda::upload(const MatRef& m) {
   MatRef r = m;
   if (m.data == nullptr || m.rows * m.cols == 0) return r;
+  if (m.quantized()) {
+    // No quantized GPU kernels yet (docs/QUANTIZATION.md): the format's values, rounded to bf16.
+    std::vector<uint16_t> host;
+    return upload(dequantize_to_bf16(m, host));
+  }
   const size_t bytes = static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype);
   storage_.emplace_back(bytes);
   storage_.back().copy_from(static_cast<const uint8_t*>(m.data), bytes);
@@ -316,6 +322,14 @@ VecRef M3ModelCuda::upload_f32(const VecRef& v) {
 
 void M3ModelCuda::upload_weights() {
   const M3Weights& w = host_->weights();
+  size_t num_quantized = 0;
+  for (size_t q = 1; q < 5; ++q) num_quantized += w.num_quantized[q];
+  if (num_quantized > 0) {
+    M3_LOG_WARN(
+        "%zu quantized linears are dequantised to bf16 on the GPU (no FP8/FP4 GPU kernels yet, "
+        "docs/QUANTIZATION.md): the GPU holds and reads them as bf16",
+        num_quantized);
+  }
   const std::vector<TensorSpec> table = m3_tensors(cfg_);
   size_views(dev_, cfg_, table, plan_.num_experts);
   for (const TensorSpec& t : table) {
@@ -339,13 +353,19 @@ void M3ModelCuda::upload_weights() {
              static_cast<long long>(t.count_in(dev_)));
     if (n == 0) continue;
     const MatRef& first = t.mat(w, 0);
-    const size_t per = static_cast<size_t>(first.rows * first.cols) * dtype_size(first.dtype);
+    // Quantized experts are uploaded as their values rounded to bf16 (no quantized GPU kernels
+    // yet, docs/QUANTIZATION.md).
+    const DType dt = first.quantized() ? DType::kBF16 : first.dtype;
+    const size_t per = static_cast<size_t>(first.rows * first.cols) * dtype_size(dt);
     auto* base = static_cast<uint8_t*>(alloc_weight(per * static_cast<size_t>(n)));
+    std::vector<uint16_t> host;
     for (int64_t e = 0; e < n; ++e) {
-      const MatRef& src = t.mat(w, e);
-      M3_CHECK(src.dtype == first.dtype && src.rows == first.rows && src.cols == first.cols,
-               "%s: expert %lld's shape or dtype differs from expert 0's", t.name("", 0, e).c_str(),
-               static_cast<long long>(e));
+      MatRef src = t.mat(w, e);
+      M3_CHECK(src.dtype == first.dtype && src.quant == first.quant && src.rows == first.rows &&
+                   src.cols == first.cols,
+               "%s: expert %lld's shape or format differs from expert 0's",
+               t.name("", 0, e).c_str(), static_cast<long long>(e));
+      if (src.quantized()) src = dequantize_to_bf16(src, host);
       M3_CUDA_CHECK(cudaMemcpy(base + e * per, src.data, per, cudaMemcpyHostToDevice));
       MatRef& dst = t.mat(dev_, e);
       dst = src;
@@ -413,8 +433,9 @@ void M3ModelCuda::replay_or_capture(const StepShape& shape, const int32_t* token
 }
 
 void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
-                             const ops::TokenLayout& layout, ForwardResult* msa_out) {
-  fw_->run_layers(*ops_, tokens, layout, *shape.cache, shape.max_kv_len, msa_out);
+                             const ops::TokenLayout& layout, ForwardResult* msa_out,
+                             const AuxCapture* aux) {
+  fw_->run_layers(*ops_, tokens, layout, *shape.cache, shape.max_kv_len, msa_out, nullptr, aux);
 }
 
 void M3ModelCuda::set_dp_step_rows(int64_t max_rows) {
@@ -497,12 +518,27 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
     if (capture_msa) out->msa_blocks.resize(cfg.num_hidden_layers);
   }
   const StepShape shape{T, max_kv_len, &cache};
+  // Speculative decoding: the residual streams entering the draft's aux layers, copied out of
+  // the layer loop into a device buffer and then to out->aux_hidden. Such steps run eagerly (the
+  // graphs are captured without the copies).
+  const int64_t naux = static_cast<int64_t>(b.aux_layers.size());
+  AuxCapture aux;
+  if (naux > 0) {
+    M3_CHECK(!plan_.sharded(), "aux hidden states on a sharded GPU model");
+    aux = AuxCapture{b.aux_layers.data(), naux, ops_->f32(Buf::kAux, T * naux * cfg.hidden_size)};
+  }
   // (A data-parallel rank's MoE runs world x dp_rows_ rows: above the grouped path's limit its
   // eager run synchronises the host, and the shape is then never captured.)
-  if (!capture_msa && use_graphs_ && T <= kGraphMaxTokens) {
+  if (!capture_msa && naux == 0 && use_graphs_ && T <= kGraphMaxTokens) {
     replay_or_capture(shape, tokens, layout);
   } else {
-    run_layers(shape, tokens, layout, capture_msa ? out : nullptr);
+    run_layers(shape, tokens, layout, capture_msa ? out : nullptr, naux > 0 ? &aux : nullptr);
+  }
+  if (out != nullptr && naux > 0) {
+    out->aux_hidden.resize(static_cast<size_t>(T * naux * cfg.hidden_size));
+    M3_CUDA_CHECK(cudaMemcpyAsync(out->aux_hidden.data(), aux.out,
+                                  out->aux_hidden.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                  s));
   }
 
   if (!out) {

@@ -35,6 +35,7 @@
 #include "model/weights.h"
 
 namespace m3::model {
+struct AuxCapture;  // model/m3_forward.h
 
 class CudaOps;
 template <class Ops>
@@ -123,7 +124,8 @@ class M3ModelCuda {
   // Every layer of the step on the stream (M3Forward::run_layers), device work only (no host
   // sync unless msa_out, or the MoE has more tokens than its graph-safe grouped path takes).
   void run_layers(const StepShape& shape, const int32_t* tokens,
-                  const kernels::cpu::TokenLayout& layout, ForwardResult* msa_out);
+                  const kernels::cpu::TokenLayout& layout, ForwardResult* msa_out,
+                  const AuxCapture* aux = nullptr);
   void replay_or_capture(const StepShape& shape, const int32_t* tokens,
                          const kernels::cpu::TokenLayout& layout);
   void clear_graphs();

@@ -54,6 +54,9 @@ class CudaBackend final : public ForwardBackend {
   std::string device_name() const override { return name_; }
   std::string kv_cache_flag() const override { return flag_; }
   void set_kv_cache_flag(std::string flag) { flag_ = std::move(flag); }
+  // One GPU: the target's aux hidden states come back with the step (M3ModelCuda::forward); the
+  // draft head runs on the host (engine/spec_decode.h).
+  std::string speculative_refusal() const override { return ""; }
 
  private:
   std::unique_ptr<M3ModelCuda> owned_;

@@ -182,7 +182,12 @@ const std::vector<RecipeCase> kRecipe = {
      "--tensor-parallel-size 8 --block-size 128 --attention-backend "
      "TRITON_ATTN --quantization fp8_per_channel",
      {"VLLM_ROCM_USE_AITER=1", "VLLM_ROCM_USE_AITER_MOE=0"},
-     "issue #18",
+     "",
+     ""},
+    {"quantization_unknown",
+     "--tensor-parallel-size 8 --quantization int3",
+     {},
+     "--quantization 'int3' is unknown; accepted: none, fp8_per_channel, mxfp8",
      ""},
     {"fp8_kv", "--tensor-parallel-size 8 --block-size 128 --kv-cache-dtype fp8", {}, "", ""},
     {"max_len_128k",
@@ -237,7 +242,7 @@ const std::vector<RecipeCase> kRecipe = {
      "--language-model-only --speculative-config '{\"method\": \"eagle3\", "
      "\"model\": \"Inferact/MiniMax-M3-EAGLE3\", \"num_speculative_tokens\": 3}'",
      {},
-     "issue #19",
+     "does not download",
      ""},
     {"nvfp4_trtllm_dotted",
      "--tensor-parallel-size 8 --kv-cache-dtype auto "
@@ -399,6 +404,68 @@ TEST(VllmFlags, DtypeMapsToGemmPrecisionOnTheGpu) {
   EXPECT_NE(both.plan.error().message.find("give one"), std::string::npos);
 }
 
+TEST(VllmFlags, SpeculativeConfig) {
+  const std::string dir = ::testing::TempDir() + "/spec_cfg_draft";
+  std::filesystem::create_directories(dir);
+  auto spec = [&](const std::string& body) {
+    return run({"--speculative-config", "{" + body + "}"});
+  };
+  const std::string base = "\"method\": \"eagle3\", \"model\": \"" + dir + "\"";
+  auto ok = spec(base +
+                 ", \"num_speculative_tokens\": 3, \"draft_tensor_parallel_size\": 8, "
+                 "\"use_local_argmax_reduction\": true, \"attention_backend\": "
+                 "\"FLASH_ATTN\"");
+  ASSERT_TRUE(ok.plan.has_value()) << ok.plan.error().message;
+  ASSERT_TRUE(ok.plan->speculative.has_value());
+  EXPECT_EQ(ok.plan->speculative->method, "eagle3");
+  EXPECT_EQ(ok.plan->speculative->model, dir);
+  EXPECT_EQ(ok.plan->speculative->num_speculative_tokens, 3);
+  EXPECT_FALSE(ok.plan->speculative->synthetic);
+  const std::string notes = all_notices(*ok.plan);
+  EXPECT_NE(notes.find("attention_backend \"FLASH_ATTN\": not applicable"), std::string::npos)
+      << notes;
+  EXPECT_NE(notes.find("draft_tensor_parallel_size 8"), std::string::npos) << notes;
+  EXPECT_NE(notes.find("use_local_argmax_reduction: not applicable"), std::string::npos) << notes;
+
+  auto syn = spec(base +
+                  ", \"num_speculative_tokens\": 3, \"rejection_sample_method\": "
+                  "\"synthetic\", \"synthetic_acceptance_length\": 2.78");
+  ASSERT_TRUE(syn.plan.has_value()) << syn.plan.error().message;
+  EXPECT_TRUE(syn.plan->speculative->synthetic);
+  EXPECT_DOUBLE_EQ(syn.plan->speculative->synthetic_acceptance_length, 2.78);
+  EXPECT_NE(all_notices(*syn.plan).find("BENCHMARK ONLY"), std::string::npos);
+
+  auto refused = [&](const std::string& body, const std::vector<std::string>& needles) {
+    auto p = spec(body);
+    ASSERT_FALSE(p.plan.has_value()) << body;
+    for (const auto& n : needles)
+      EXPECT_NE(p.plan.error().message.find(n), std::string::npos) << p.plan.error().message;
+  };
+  refused(base + ", \"num_speculative_tokens\": 3, \"bogus\": 1",
+          {"key 'bogus' is unknown", "num_speculative_tokens", "rejection_sample_method"});
+  refused("\"method\": \"ngram\", \"num_speculative_tokens\": 3",
+          {"method 'ngram' is not supported", "\"eagle3\""});
+  refused(base + ", \"num_speculative_tokens\": 0", {"is 0", "1 to 8"});
+  refused(base + ", \"num_speculative_tokens\": 9", {"is 9", "1 to 8"});
+  refused(base, {"needs \"num_speculative_tokens\""});
+  refused(base + ", \"num_speculative_tokens\": 3, \"rejection_sample_method\": \"synthetic\"",
+          {"needs synthetic_acceptance_length", "never assumed"});
+  refused(base + ", \"num_speculative_tokens\": 3, \"synthetic_acceptance_length\": 2.5",
+          {"only read with"});
+  refused(base +
+              ", \"num_speculative_tokens\": 3, \"rejection_sample_method\": "
+              "\"synthetic\", \"synthetic_acceptance_length\": 4.5",
+          {"must be in [1, 4]"});
+  refused(base + ", \"num_speculative_tokens\": 3, \"rejection_sample_method\": \"typical\"",
+          {"'typical' is unknown", "\"exact\""});
+  refused("\"method\": \"eagle3\", \"model\": \"" + dir +
+              "/missing\", "
+              "\"num_speculative_tokens\": 3",
+          {"is not a directory"});
+  refused("\"method\": \"eagle3\", \"num_speculative_tokens\": 3", {"needs \"model\""});
+  EXPECT_FALSE(run({"--num-speculative-tokens", "3"}).plan.has_value());
+}
+
 TEST(VllmFlags, HandledValues) {
   auto p = run({"--compilation-config", "{\"cudagraph_mode\": \"NONE\"}", "--seed", "7",
                 "--hf-overrides", "{\"a\": {\"b\": 1}}", "--override-generation-config",
@@ -409,6 +476,11 @@ TEST(VllmFlags, HandledValues) {
   EXPECT_EQ(p.plan->hf_overrides, "{\"a\":{\"b\":1}}");
   EXPECT_EQ(p.plan->generation_overrides, "{\"top_k\":40}");
   EXPECT_TRUE(p.plan->log_requests);
+  EXPECT_EQ(p.plan->quantization, "");
+  // --quantization is kept for the model load (checked there against the checkpoint).
+  EXPECT_EQ(run({"--quantization", "fp8_per_channel"}).plan->quantization, "fp8_per_channel");
+  EXPECT_EQ(run({"-q", "MXFP8"}).plan->quantization, "MXFP8");
+  EXPECT_FALSE(run({"--quantization", "gptq"}).plan.has_value());
   EXPECT_FALSE(run({"--hf-overrides", "[1]"}).plan.has_value());
   EXPECT_FALSE(run({"--seed", "x"}).plan.has_value());
   EXPECT_EQ(run({"--max-logprobs", "50"}).plan->max_logprobs.value_or(0), 50);

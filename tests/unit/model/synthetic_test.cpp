@@ -53,6 +53,8 @@ TEST(SyntheticSpec, RefusesBadSpecsNamingThePart) {
       {"synthetic:4", "not key=value"},
       {"synthetic:seed=3", "does not say how many layers"},
       {"synthetic:layers=4,seed=99999999999999999999999", "not a non-negative integer"},
+      {"synthetic:layers=4,weights=int4", "weights=int4 is unknown; use bf16, fp8, mxfp8"},
+      {"synthetic:layers=4,weights=fp8,weights=fp8", "given twice"},
   };
   for (const auto& c : cases) {
     auto r = parse_synthetic_spec(c.spec);
@@ -61,6 +63,43 @@ TEST(SyntheticSpec, RefusesBadSpecsNamingThePart) {
         << c.spec << ": " << r.error().message;
     EXPECT_NE(r.error().message.find("synthetic:layers=N"), std::string::npos) << c.spec;
   }
+}
+
+TEST(SyntheticSpec, WeightFormatsAndTheirBytes) {
+  using kernels::WeightQuant;
+  const std::pair<const char*, WeightQuant> forms[] = {{"bf16", WeightQuant::kNone},
+                                                       {"fp8", WeightQuant::kFp8Channel},
+                                                       {"mxfp8", WeightQuant::kMxfp8},
+                                                       {"nvfp4", WeightQuant::kNvfp4},
+                                                       {"mxfp4", WeightQuant::kMxfp4}};
+  for (auto [name, q] : forms) {
+    auto s = parse_synthetic_spec(std::string("synthetic:layers=4,weights=") + name);
+    ASSERT_TRUE(s) << s.error().message;
+    EXPECT_EQ(s->weights, q) << name;
+  }
+  EXPECT_EQ(parse_synthetic_spec("synthetic:layers=4")->weights, WeightQuant::kNone);
+  // The 60-layer model: bf16 equals the plain count; each format from the per-element bytes of
+  // its linears (m3-model.md §1.5: 426.2 G parameters, ~409 G of them routed experts).
+  const model::M3Config c = model::synthetic_m3_config(60);
+  const auto whole = model::make_shard_plan(c, model::ShardSpec{});
+  ASSERT_TRUE(whole);
+  const double bf16 = static_cast<double>(model::synthetic_weight_bytes(c));
+  EXPECT_EQ(model::synthetic_weight_bytes(c, *whole, WeightQuant::kNone),
+            model::synthetic_weight_bytes(c));
+  const double fp8 = model::synthetic_weight_bytes(c, *whole, WeightQuant::kFp8Channel);
+  const double mx8 = model::synthetic_weight_bytes(c, *whole, WeightQuant::kMxfp8);
+  const double nv4 = model::synthetic_weight_bytes(c, *whole, WeightQuant::kNvfp4);
+  const double mx4 = model::synthetic_weight_bytes(c, *whole, WeightQuant::kMxfp4);
+  // Embedding + lm_head (2 x 200064 x 6144 bf16 = 4.9 GB) stay; the linears shrink.
+  EXPECT_NEAR(fp8 / 1e9, 431.0, 3.0);   // ~426 G linears at ~1 byte + 4.9 GB
+  EXPECT_GT(mx8, fp8);                  // 1/32 byte of scale per element > 4 bytes per row
+  EXPECT_NEAR(nv4 / 1e9, 257.0, 12.0);  // the issue's ~257 GB for the 4-bit checkpoints
+  EXPECT_LT(mx4, nv4);                  // one E8M0 per 32 < one e4m3 per 16
+  EXPECT_LT(nv4, 0.33 * bf16);
+  // A format cannot be served yet: refused with the reason, not silently served as bf16.
+  auto m = model::M3Model::load("synthetic:layers=2,weights=nvfp4");
+  ASSERT_FALSE(m);
+  EXPECT_NE(m.error().message.find("no FP8/FP4 kernels"), std::string::npos) << m.error().message;
 }
 
 TEST(SyntheticConfig, HasM3Geometry) {

@@ -396,7 +396,9 @@ TEST_F(RewrittenGolden, MissingExpertAndMisShapedTensorsNameTheTensor) {
   EXPECT_EQ(w.error().message,
             "tensor 'language_model.model.layers.3.block_sparse_moe.experts.5.w3.weight' not "
             "found in " +
-                dir_ + "; expected shape [24, 64] BF16 or F32 or F16 or F8_E4M3");
+                dir_ +
+                "; expected shape [24, 64] BF16 or F32 or F16, or quantized (F8_E4M3 with its "
+                "scales, or packed E2M1 codes: docs/QUANTIZATION.md)");
 
   tensors_ = golden_tensors(g_);
   tensors_["language_model.model.layers.2.self_attn.index_k_proj.weight"].shape = {8, 128};
