@@ -689,6 +689,17 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
                                  : bc.vocab_size;
   if (config.pd) {
     const std::string flag = "--kv-transfer-config";
+    if (config.speculative.enabled() && config.pd->consumes()) {
+      // The draft model keeps its own state of every computed position; a decode worker
+      // computes only a prompt's last token, so the draft would run without the prompt.
+      return make_error(ErrorCode::kUnsupported,
+                        "--speculative-config on a P/D decode worker (kv_role " +
+                            std::string(kv_role_name(config.pd->role)) +
+                            ") is not supported yet: the draft model never sees the prompt the "
+                            "prefill worker computed; drop one of them (a kv_producer may keep "
+                            "it)",
+                        flag);
+    }
     std::vector<runtime::KvRegion> regions = backend->kv_regions();
     if (regions.empty() || num_kv_partitions != 1) {
       return make_error(ErrorCode::kUnsupported,

@@ -263,3 +263,15 @@ def test_vllm_router_pd_mode_drives_the_pair(pd):
             proc.wait()
         log.close()
         os.unlink(log_path)
+
+
+def test_speculative_decoding_on_a_decode_worker_is_refused(binary):
+    draft = os.path.join(REPO, "models", "demo-eagle3")
+    if not os.path.isdir(draft):
+        pytest.skip("models/demo-eagle3 is not there")
+    spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": 3})
+    cfg = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
+    p = subprocess.run([binary, "serve", DEMO, "--port", "0", "--speculative-config", spec,
+                        "--kv-transfer-config", cfg], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "--speculative-config on a P/D decode worker (kv_role kv_consumer)" in p.stderr + p.stdout
