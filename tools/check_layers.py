@@ -25,7 +25,7 @@ ALLOWED = {
             "core"},
 }
 # server talks to the engine only through engine/engine.h (and the plain types it includes)
-SERVER_ENGINE_HEADERS = {"engine/engine.h", "engine/sampling_params.h"}
+SERVER_ENGINE_HEADERS = {"engine/engine.h", "engine/sampling_params.h", "engine/kv_transfer.h"}
 
 # Sub-folders that pull in CUDA: only app/ (and the folders they belong to) may include them, so
 # the engine, scheduler and server build and run without the CUDA toolkit.

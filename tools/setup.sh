@@ -26,6 +26,11 @@ python3 -m pip install -q --disable-pip-version-check tokenizers jinja2 openai p
 # runs two workers behind vllm-router (kv_aware on our KV events, cache_aware) and sglang-router.
 python3 -m pip install -q --disable-pip-version-check "vllm-router==0.1.17" "sglang-router==0.3.2" 2>&1 \
   | grep -v -i "warning: running pip as" || true
+# NIXL, the transfer engine of prefill/decode disaggregation (--kv-transfer-config NixlConnector,
+# tests/e2e/test_pd_disagg.py): m3serve dlopens the wheel's libnixl_capi.so and its UCX plugin at
+# run time. --no-deps: its Python dependencies (torch, the CUDA wheels) are not needed for that.
+python3 -m pip install -q --disable-pip-version-check --no-deps "nixl-cu13==1.5.1" 2>&1 \
+  | grep -v -i "warning: running pip as" || true
 # xgrammar (structured outputs): its PyPI sdist carries the C++ library, which cmake/deps.cmake
 # builds with the Python bindings off. Only xgrammar itself is taken as source (pip builds the
 # sdist's metadata with its build backend from wheels); the sources stay in the ignored .deps/.

@@ -405,6 +405,7 @@ int run_serve(ServeArgs a) {
   if (plan->kv_events) ec.kv_events = *plan->kv_events;
   if (plan->speculative) ec.speculative = *plan->speculative;
   ec.host_kv_cache_bytes = plan->host_kv_cache_bytes;
+  ec.pd = plan->pd;
   std::unique_ptr<engine::Engine> eng;
   {
     LoadProgress progress(a.model_dir);

@@ -740,10 +740,12 @@ Status review_kv_events_config(const std::string& value, CompatPlan& plan) {
 // vLLM's KV connectors by what they are for; m3serve runs the host-memory offloading ones.
 constexpr std::string_view kOffloadConnectors[] = {"OffloadingConnector",
                                                    "SimpleCPUOffloadConnector"};
+// Prefill/decode disaggregation: m3serve runs vLLM's NIXL one (engine/pd_connector.h).
+constexpr std::string_view kPdConnectors[] = {"NixlConnector"};
 constexpr std::string_view kTransferConnectors[] = {
-    "NixlConnector",      "MooncakeConnector",    "MooncakeConnectorV1", "P2pNcclConnector",
-    "LMCacheConnectorV1", "LMCacheMPConnector",   "MultiConnector",      "SharedStorageConnector",
-    "MoRIIOConnector",    "DecodeBenchConnector", "ExampleConnector"};
+    "MooncakeConnector",    "MooncakeConnectorV1", "P2pNcclConnector",       "LMCacheConnectorV1",
+    "LMCacheMPConnector",   "MultiConnector",      "SharedStorageConnector", "MoRIIOConnector",
+    "DecodeBenchConnector", "ExampleConnector"};
 constexpr std::string_view kKvRoles[] = {"kv_producer", "kv_consumer", "kv_both"};
 
 std::string joined(std::span<const std::string_view> names) {
@@ -767,6 +769,56 @@ Result<int64_t> byte_count(const std::string& what, const json& v) {
   return static_cast<int64_t>(v.get<double>());
 }
 
+// vLLM's NixlConnector config: kv_role producer / consumer / both; kv_connector_extra_config
+// backends ["UCX"] (the one m3serve loads). The side channel comes from VLLM_NIXL_* variables.
+Status review_nixl_config(const json& j, CompatPlan& plan) {
+  const std::string flag = "--kv-transfer-config";
+  if (!j.contains("kv_role") || !j["kv_role"].is_string())
+    return bad(flag, flag +
+                         " needs kv_role with kv_connector 'NixlConnector': \"kv_producer\" "
+                         "(prefill worker), \"kv_consumer\" (decode worker) or \"kv_both\"");
+  const std::string role = j["kv_role"].get<std::string>();
+  if (!one_of(role, kKvRoles)) {
+    return bad(
+        flag, flag + " kv_role '" + role + "' is unknown; NixlConnector takes " + joined(kKvRoles));
+  }
+  engine::PdConfig pd;
+  pd.role = role == "kv_producer"   ? engine::KvRole::kProducer
+            : role == "kv_consumer" ? engine::KvRole::kConsumer
+                                    : engine::KvRole::kBoth;
+  std::vector<std::string> ignored;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& k = it.key();
+    if (k == "kv_connector" || k == "kv_role" || k == "kv_connector_extra_config") continue;
+    // Placement and buffer knobs of vLLM's transfer machinery: nothing to set here.
+    ignored.push_back(k);
+  }
+  json extra = j.value("kv_connector_extra_config", json::object());
+  if (!extra.is_object())
+    return bad(flag, flag + " kv_connector_extra_config must be a JSON object");
+  for (auto it = extra.begin(); it != extra.end(); ++it) {
+    if (it.key() == "backends") {
+      const json& b = it.value();
+      if (!b.is_array() || b.size() != 1 || !b[0].is_string() || b[0].get<std::string>() != "UCX")
+        return bad(flag, flag +
+                             " kv_connector_extra_config.backends must be [\"UCX\"]: the NIXL "
+                             "backend m3serve uses; got " +
+                             b.dump());
+    } else {
+      ignored.push_back("kv_connector_extra_config." + it.key());
+    }
+  }
+  if (!ignored.empty()) {
+    std::string keys;
+    for (const auto& k : ignored) keys += (keys.empty() ? "" : ", ") + k;
+    plan.notices.push_back(flag + " keys " + keys +
+                           " are ignored: NixlConnector here reads kv_role and "
+                           "kv_connector_extra_config.backends");
+  }
+  plan.pd = pd;
+  return {};
+}
+
 Status review_kv_transfer_config(const std::string& value, CompatPlan& plan) {
   const std::string flag = "--kv-transfer-config";
   M3_TRY(json j,
@@ -780,19 +832,22 @@ Status review_kv_transfer_config(const std::string& value, CompatPlan& plan) {
   if (!j["kv_connector"].is_string())
     return bad(flag, flag + " kv_connector must be a string, e.g. \"OffloadingConnector\"");
   const std::string connector = j["kv_connector"].get<std::string>();
+  const std::string accepted = joined(kOffloadConnectors) + " (the host-memory KV tier) and " +
+                               joined(kPdConnectors) + " (prefill/decode disaggregation)";
   if (one_of(connector, kTransferConnectors)) {
     return make_error(ErrorCode::kUnsupported,
-                      flag + " kv_connector '" + connector +
-                          "' is not available yet: prefill/decode disaggregation and external KV "
-                          "stores are coming (issue #21); today m3serve offers the host-memory "
-                          "tier: kv_connector \"OffloadingConnector\" with kv_role \"kv_both\"",
+                      flag + " kv_connector '" + connector + "' is not available: m3serve runs " +
+                          accepted +
+                          ", e.g. '{\"kv_connector\": \"NixlConnector\", \"kv_role\": "
+                          "\"kv_producer\"}'",
                       flag);
   }
+  if (one_of(connector, kPdConnectors)) return review_nixl_config(j, plan);
   if (!one_of(connector, kOffloadConnectors)) {
     return make_error(ErrorCode::kUnsupported,
                       flag + " kv_connector '" + connector + "' is unknown; m3serve runs " +
-                          joined(kOffloadConnectors) +
-                          " (the host-memory KV tier), e.g. '{\"kv_connector\": "
+                          accepted +
+                          ", e.g. '{\"kv_connector\": "
                           "\"OffloadingConnector\", \"kv_role\": \"kv_both\", "
                           "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 68719476736}}'",
                       flag);
@@ -809,9 +864,11 @@ Status review_kv_transfer_config(const std::string& value, CompatPlan& plan) {
   if (role != "kv_both") {
     return make_error(ErrorCode::kUnsupported,
                       flag + " kv_role '" + role +
-                          "' is a prefill/decode disaggregation role, "
-                          "which m3serve does not do yet (issue #21); " +
-                          connector + " takes \"kv_role\": \"kv_both\"",
+                          "' is a prefill/decode disaggregation role, which the "
+                          "offloading connector does not take: " +
+                          connector +
+                          " takes \"kv_role\": \"kv_both\" (P/D disaggregation is "
+                          "kv_connector \"NixlConnector\")",
                       flag);
   }
   std::vector<std::string> ignored;
@@ -1191,6 +1248,8 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
 
   // VLLM_* variables of the recipe: the ones m3serve honours, and one line for the rest.
   std::vector<std::string> ignored;
+  std::optional<std::string> nixl_host;
+  std::optional<double> nixl_port, nixl_timeout;
   for (const std::string& kv : env) {
     if (kv.rfind("VLLM_", 0) != 0) continue;
     const size_t eq = kv.find('=');
@@ -1205,6 +1264,21 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       plan.log_level = lower(val);
       continue;
     }
+    if (name == "VLLM_NIXL_SIDE_CHANNEL_HOST") {
+      if (val.empty()) return bad(name, name + " is empty; give the host decode workers reach");
+      nixl_host = val;
+      continue;
+    }
+    if (name == "VLLM_NIXL_SIDE_CHANNEL_PORT" || name == "VLLM_NIXL_ABORT_REQUEST_TIMEOUT") {
+      char* end = nullptr;
+      const double v = std::strtod(val.c_str(), &end);
+      const bool port = name == "VLLM_NIXL_SIDE_CHANNEL_PORT";
+      if (val.empty() || *end != '\0' || !(v > 0) || (port && (v > 65535 || v != std::floor(v))))
+        return bad(name, name + "='" + val + "' is not " +
+                             (port ? "a port number (1-65535)" : "a positive number of seconds"));
+      (port ? nixl_port : nixl_timeout) = v;
+      continue;
+    }
     if (name == "VLLM_LOG_STATS_INTERVAL") {
       char* end = nullptr;
       const double v = std::strtod(val.c_str(), &end);
@@ -1217,14 +1291,25 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
     }
     ignored.push_back(name);
   }
+  if (plan.pd) {
+    if (nixl_host) plan.pd->host = *nixl_host;
+    if (nixl_port) plan.pd->port = static_cast<int>(*nixl_port);
+    if (nixl_timeout) plan.pd->abort_timeout_s = *nixl_timeout;
+  } else if (nixl_host || nixl_port || nixl_timeout) {
+    plan.notices.push_back(
+        "environment VLLM_NIXL_* is ignored: it configures the NixlConnector, and "
+        "--kv-transfer-config does not name it");
+  }
   std::sort(ignored.begin(), ignored.end());
   if (!ignored.empty()) {
     std::string names;
     for (const auto& n : ignored) names += (names.empty() ? "" : ", ") + n;
-    plan.notices.push_back("environment " + names + (ignored.size() == 1 ? " is" : " are") +
-                           " ignored: vLLM kernel and runtime switches have no effect on "
-                           "m3serve (honoured: VLLM_API_KEY, VLLM_ALLOW_LONG_MAX_MODEL_LEN, "
-                           "VLLM_LOGGING_LEVEL, VLLM_LOG_STATS_INTERVAL)");
+    plan.notices.push_back(
+        "environment " + names + (ignored.size() == 1 ? " is" : " are") +
+        " ignored: vLLM kernel and runtime switches have no effect on "
+        "m3serve (honoured: VLLM_API_KEY, VLLM_ALLOW_LONG_MAX_MODEL_LEN, "
+        "VLLM_LOGGING_LEVEL, VLLM_LOG_STATS_INTERVAL, VLLM_NIXL_SIDE_CHANNEL_HOST, "
+        "VLLM_NIXL_SIDE_CHANNEL_PORT, VLLM_NIXL_ABORT_REQUEST_TIMEOUT)");
   }
   return plan;
 }

@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "engine/kv_event_publisher.h"
+#include "engine/kv_transfer.h"
 #include "engine/spec_decode.h"
 
 namespace CLI {
@@ -75,6 +76,8 @@ struct CompatPlan {
   std::optional<engine::SpeculativeConfig> speculative;
   // The host KV tier in bytes (--kv-transfer-config offloading, --kv-offloading-size); 0 off.
   int64_t host_kv_cache_bytes = 0;
+  // --kv-transfer-config NixlConnector (prefill/decode disaggregation), with VLLM_NIXL_* applied.
+  std::optional<engine::PdConfig> pd;
   bool enforce_eager = false;             // --compilation-config cudagraph_mode NONE
   std::string hf_overrides;               // JSON object text ("" none)
   std::string generation_overrides;       // --override-generation-config JSON ("" none)

@@ -11,6 +11,7 @@
 #include "core/check.h"
 #include "core/log.h"
 #include "engine/model_runner.h"
+#include "engine/pd_connector.h"
 #include "model/config.h"
 #include "model/kv_cache.h"
 #include "model/m3_model.h"
@@ -134,6 +135,10 @@ class EngineImpl {
   std::unordered_map<uint64_t, Live> live;
   std::unordered_map<uint64_t, RunnerRequestState> states;
   std::vector<std::unique_ptr<KvEventPublisher>> kv_publishers;  // one per KV partition
+  // P/D disaggregation (declared after runner: destroyed first, while the pool it registered is
+  // still there). remote_loads: consumer requests' peers until their pages are admitted.
+  std::unique_ptr<PdConnector> pd;
+  std::unordered_map<uint64_t, KvTransferParams> remote_loads;
   std::thread thread;
   // The transformers vision layout attends across a request's images (model/config.h): each
   // image's embeddings then depend on all of them, so its cache key is the hash of them all.
@@ -141,6 +146,7 @@ class EngineImpl {
 
   void loop();
   Status check_images(const GenerateRequest& req) const;
+  Status check_kv_transfer(const GenerateRequest& req) const;
   void admit(Pending& p);
   void finish_abort(uint64_t id);
   void publish(const std::vector<sched::RequestUpdate>& updates);
@@ -148,7 +154,15 @@ class EngineImpl {
   void observe_step(const sched::SchedulerOutput& so);
   void refresh_stats();
   void publish_kv_events();
+  void apply_pd_events();
 };
+
+void EngineImpl::apply_pd_events() {
+  if (!pd) return;
+  PdConnector::Events ev = pd->take_events();
+  for (uint64_t id : ev.released) scheduler->release_held_kv(id);
+  for (const auto& [id, ok] : ev.loaded) scheduler->finish_remote_kv(id, ok);
+}
 
 void EngineImpl::publish_kv_events() {
   if (kv_publishers.empty()) return;
@@ -202,6 +216,44 @@ Status EngineImpl::check_images(const GenerateRequest& req) const {
   return {};
 }
 
+Status EngineImpl::check_kv_transfer(const GenerateRequest& req) const {
+  const KvTransferParams& k = *req.kv_transfer;
+  const std::string param = "kv_transfer_params";
+  auto bad = [&](const std::string& m) {
+    return make_error(ErrorCode::kInvalidArgument, "kv_transfer_params: " + m, param);
+  };
+  auto role_hint = [](const char* role) {
+    return std::string(
+               "start it with --kv-transfer-config '{\"kv_connector\": "
+               "\"NixlConnector\", \"kv_role\": \"") +
+           role + "\"}'";
+  };
+  if (k.do_remote_decode && k.do_remote_prefill)
+    return bad("do_remote_decode and do_remote_prefill are both true; a worker does one of them");
+  if (k.do_remote_decode && (!pd || !pd->config().produces()))
+    return bad("do_remote_decode needs a prefill worker, and this one is not: " +
+               role_hint("kv_producer"));
+  if (!k.do_remote_prefill) return {};
+  if (!pd || !pd->config().consumes())
+    return bad("do_remote_prefill needs a decode worker, and this one is not: " +
+               role_hint("kv_consumer"));
+  if (k.remote_engine_id.empty() || k.remote_host.empty() || k.remote_request_id.empty() ||
+      k.remote_port < 1 || k.remote_port > 65535)
+    return bad(
+        "do_remote_prefill needs remote_engine_id, remote_request_id, remote_host and "
+        "remote_port (1-65535) from the prefill worker's response");
+  const size_t pages = (req.prompt_token_ids.size() + info.block_size - 1) / info.block_size;
+  if (k.remote_block_ids.size() < pages)
+    return bad("remote_block_ids has " + std::to_string(k.remote_block_ids.size()) +
+               " pages, but the prompt needs " + std::to_string(pages) +
+               ": send the same prompt the prefill worker computed");
+  if (req.params.prompt_logprobs >= 0)
+    return bad("prompt_logprobs needs the prompt computed here; drop it or do_remote_prefill");
+  if (!req.images.empty())
+    return bad("image input with do_remote_prefill is not supported yet; send it to one worker");
+  return {};
+}
+
 void EngineImpl::admit(Pending& p) {
   sched::StopCriteria stop;
   const SamplingParams& sp = p.req.params;
@@ -235,7 +287,13 @@ void EngineImpl::admit(Pending& p) {
     }
     st.images = std::move(p.req.images);
   }
+  if (p.req.kv_transfer) {
+    r->hold_kv_on_finish = p.req.kv_transfer->do_remote_decode;
+    r->load_remote_kv = p.req.kv_transfer->do_remote_prefill;
+  }
+  const bool remote = r->load_remote_kv;
   auto added = scheduler->add_request(std::move(r));
+  if (added && remote) remote_loads[p.id] = *p.req.kv_transfer;
   if (!added) {
     RequestOutput o;
     o.finished = true;
@@ -272,6 +330,7 @@ void EngineImpl::finish_abort(uint64_t id) {
   }
   live.erase(it);
   states.erase(id);
+  remote_loads.erase(id);
   --num_unfinished;
 }
 
@@ -280,7 +339,11 @@ void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
   std::lock_guard<std::mutex> slock(stats_mu);
   for (const auto& u : updates) {
     auto it = live.find(u.request_id);
-    if (it == live.end()) continue;  // aborted by us already
+    if (it == live.end() || (!u.held_block_ids.empty() && !pd)) {
+      // No one to hand held pages to: give them back now rather than leak them.
+      if (!u.held_block_ids.empty()) scheduler->release_held_kv(u.request_id);
+      if (it == live.end()) continue;  // aborted by us already
+    }
     Live& l = it->second;
     RunnerRequestState& st = states.at(u.request_id);
     RequestOutput o;
@@ -329,6 +392,8 @@ void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
           break;
       }
       o.stop_token_id = u.stop_token_id;
+      if (!u.held_block_ids.empty() && pd)  // freed at the consumer's read or the deadline
+        o.kv_transfer_params = pd->hold(u.request_id, u.held_block_ids);
       auto secs = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
       stats.e2e_request_latency_s.observe(secs(now - l.arrival));
       if (l.scheduled) {
@@ -350,6 +415,7 @@ void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
     if (u.finished) {
       live.erase(it);
       states.erase(u.request_id);
+      remote_loads.erase(u.request_id);
       --num_unfinished;
     }
   }
@@ -396,7 +462,7 @@ void EngineImpl::loop() {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] {
         return !incoming.empty() || !aborts.empty() || stopping || abort_everything ||
-               scheduler->has_unfinished();
+               scheduler->has_unfinished() || (pd && pd->has_events());
       });
       in.swap(incoming);
       ab.swap(aborts);
@@ -432,11 +498,19 @@ void EngineImpl::loop() {
       refresh_stats();
       return;
     }
+    apply_pd_events();
     if (!scheduler->has_unfinished()) {
       refresh_stats();
       continue;
     }
     sched::SchedulerOutput so = scheduler->schedule();
+    for (sched::KvLoad& l : so.kv_loads) {
+      auto rl = remote_loads.find(l.request_id);
+      M3_CHECK(pd && rl != remote_loads.end(), "request %llu loads remote KV without a peer",
+               static_cast<unsigned long long>(l.request_id));
+      pd->start_load(l.request_id, std::move(l.block_ids), std::move(rl->second));
+      remote_loads.erase(rl);
+    }
     observe_step(so);
     sched::RunnerOutput ro;
     if (!so.empty()) ro = runner->execute(so, states);
@@ -613,6 +687,38 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   const int64_t sampleable = config.num_sampleable_tokens > 0
                                  ? std::min<int64_t>(config.num_sampleable_tokens, bc.vocab_size)
                                  : bc.vocab_size;
+  if (config.pd) {
+    const std::string flag = "--kv-transfer-config";
+    if (config.speculative.enabled() && config.pd->consumes()) {
+      // The draft model keeps its own state of every computed position; a decode worker
+      // computes only a prompt's last token, so the draft would run without the prompt.
+      return make_error(ErrorCode::kUnsupported,
+                        "--speculative-config on a P/D decode worker (kv_role " +
+                            std::string(kv_role_name(config.pd->role)) +
+                            ") is not supported yet: the draft model never sees the prompt the "
+                            "prefill worker computed; drop one of them (a kv_producer may keep "
+                            "it)",
+                        flag);
+    }
+    std::vector<runtime::KvRegion> regions = backend->kv_regions();
+    if (regions.empty() || num_kv_partitions != 1) {
+      return make_error(ErrorCode::kUnsupported,
+                        "NixlConnector (prefill/decode disaggregation) works with the single-rank "
+                        "CPU backend so far; the " +
+                            backend->device_name() +
+                            " backend cannot hand its KV pages to NIXL yet: drop the NixlConnector "
+                            "config (or serve with --device cpu)",
+                        flag);
+    }
+    EngineImpl* raw = impl.get();
+    M3_TRY(impl->pd,
+           PdConnector::create(*config.pd, std::move(regions), static_cast<int>(bs), [raw] {
+             { std::lock_guard<std::mutex> lock(raw->mu); }  // no lost wake-up vs the loop's wait
+             raw->cv.notify_all();
+           }));
+    info.kv_role = kv_role_name(config.pd->role);
+    info.pd_engine_id = impl->pd->engine_id();
+  }
   impl->runner = std::make_unique<ModelRunner>(std::move(backend), sampleable, std::move(spec),
                                                static_cast<int>(max_len));
   impl->scheduler = std::make_unique<sched::Scheduler>(sc);
@@ -672,6 +778,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   st.index_cache_dtype = info.index_cache_dtype;
   st.kv_bytes_per_token = info.kv_bytes_per_token;
   st.num_host_kv_pages = host_slots;
+  st.pd_enabled = impl->pd != nullptr;
   EngineImpl* raw = impl.get();
   impl->thread = std::thread([raw] { raw->loop(); });
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
@@ -722,6 +829,7 @@ Result<std::shared_ptr<RequestStream>> Engine::submit(GenerateRequest req) {
   M3_TRY_STATUS(check_context_length(static_cast<int64_t>(req.prompt_token_ids.size()),
                                      p.max_tokens, e.info.max_model_len, "messages"));
   M3_TRY_STATUS(e.check_images(req));
+  if (req.kv_transfer) M3_TRY_STATUS(e.check_kv_transfer(req));
 
   const uint64_t id = e.next_id++;
   auto stream = std::make_shared<RequestStream>(id, req.waker);
@@ -773,6 +881,7 @@ EngineStats Engine::stats() const {
     std::lock_guard<std::mutex> lock(impl_->stats_mu);
     s = impl_->stats;
   }
+  if (impl_->pd) s.pd = impl_->pd->stats();  // its own lock: current even when the loop idles
   s.image_encodes = impl_->runner->num_image_encodes();  // atomic, bumped before the outputs
   if (const SpecDecoder* sd = impl_->runner->spec_decoder()) s.spec_decode = sd->stats();
   // Counted by the publisher threads as they send (the list is fixed after create()).
@@ -797,6 +906,7 @@ void Engine::shutdown(bool drain) {
   }
   impl_->cv.notify_all();
   if (impl_->thread.joinable()) impl_->thread.join();
+  if (impl_->pd) impl_->pd->shutdown();  // no READ into the pool after this
 }
 
 Status check_context_length(int64_t prompt_tokens, int64_t max_tokens, int64_t max_model_len,

@@ -18,6 +18,7 @@
 
 #include "core/error.h"
 #include "engine/kv_event_publisher.h"
+#include "engine/kv_transfer.h"
 #include "engine/sampling_params.h"
 #include "engine/spec_decode.h"
 #include "kernels/views.h"
@@ -71,6 +72,9 @@ struct EngineConfig {
   int64_t host_kv_cache_bytes = 0;
   // --speculative-config (engine/spec_decode.h): EAGLE-3 drafts verified by the target.
   SpeculativeConfig speculative;
+  // Prefill/decode disaggregation over NIXL (--kv-transfer-config NixlConnector): requests with
+  // kv_transfer_params are served as vLLM's NixlConnector does. Unset: such requests are refused.
+  std::optional<PdConfig> pd;
 };
 
 // Histogram with fixed upper bounds (Prometheus style: counts are per bucket, not cumulative).
@@ -101,6 +105,8 @@ struct EngineStats {
   int64_t num_host_kv_cached = 0;        // pages held there now
   int64_t kv_offloaded_pages_total = 0;  // device -> host copies
   int64_t kv_restored_pages_total = 0;   // host -> device copies (prefix hits)
+  bool pd_enabled = false;               // --kv-transfer-config NixlConnector
+  PdStats pd;
   int64_t prompt_tokens_total = 0;
   int64_t generation_tokens_total = 0;
   int64_t requests_finished_stop = 0;
@@ -149,6 +155,8 @@ struct ModelInfo {
   // Speculative decoding: SpecDecoder::summary() ("" off) and the drafts per step (0 off).
   std::string speculative;
   int num_speculative_tokens = 0;
+  std::string kv_role;       // P/D: "kv_producer" / "kv_consumer" / "kv_both"; "" off
+  std::string pd_engine_id;  // P/D: this engine's id in kv_transfer_params
   // Image input (issue #20): image_input says whether requests may carry images; when not,
   // image_refusal says why (no vision tower, --language-model-only, a backend without it).
   bool image_input = false;
@@ -188,6 +196,9 @@ struct RequestOutput {
   int num_prompt_tokens = 0;
   int num_output_tokens = 0;
   int num_cached_tokens = 0;
+  // The final output of a request with do_remote_decode whose pages are held for a decode
+  // worker: the kv_transfer_params to send back (vLLM's response field).
+  std::optional<KvTransferParams> kv_transfer_params;
 };
 
 // Wakes one consumer that reads several RequestStreams (the n choices of one HTTP request): every
@@ -234,6 +245,8 @@ struct GenerateRequest {
   int priority = 0;                    // lower first, with EngineConfig::priority_scheduling
   std::shared_ptr<StreamWaker> waker;  // optional: notified on every output of this request
   std::vector<ImageInput> images;      // in prompt order (ModelInfo::image_input must be true)
+  // vLLM's kv_transfer_params (P/D disaggregation; needs EngineConfig::pd with the matching role).
+  std::optional<KvTransferParams> kv_transfer;
 };
 
 class EngineImpl;

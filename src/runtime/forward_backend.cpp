@@ -95,6 +95,23 @@ class CpuBackend final : public ForwardBackend {
     for (const HostPageCopy& c : restores)
       copy_page(*host_, c.host_slot, cache_, c.device_page, layers);
   }
+  std::vector<KvRegion> kv_regions() override {
+    std::vector<KvRegion> out;
+    const int64_t layers = model_->config().num_hidden_layers;
+    for (int64_t i = 0; i < layers; ++i) {
+      const auto p = cache_.layer(i);
+      const int64_t kv =
+          p.page_size * p.num_kv_heads * p.head_dim * kernels::kv_dtype_size(p.kv_dtype);
+      out.push_back({p.k, kv, p.num_pages});
+      out.push_back({p.v, kv, p.num_pages});
+      if (p.ik != nullptr)
+        out.push_back(
+            {p.ik, p.page_size * p.index_dim * kernels::kv_dtype_size(p.ik_dtype), p.num_pages});
+      if (p.ik_scale != nullptr)
+        out.push_back({p.ik_scale, p.page_size * static_cast<int64_t>(sizeof(float)), p.num_pages});
+    }
+    return out;
+  }
 
  private:
   std::unique_ptr<M3Model> owned_;

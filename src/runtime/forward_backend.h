@@ -11,6 +11,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "core/check.h"
 #include "core/error.h"
@@ -31,6 +32,14 @@ using model::M3Model;
 struct HostPageCopy {
   int32_t device_page = 0;
   int32_t host_slot = 0;
+};
+
+// One contiguous array of the KV pool in host memory: page p's bytes of it are
+// [base + p * page_bytes, base + (p + 1) * page_bytes). A page is the same page in every region.
+struct KvRegion {
+  void* base = nullptr;
+  int64_t page_bytes = 0;
+  int64_t num_pages = 0;
 };
 
 class ForwardBackend {
@@ -67,6 +76,10 @@ class ForwardBackend {
            " backend yet; serve --speculative-config on one GPU (--tensor-parallel-size 1) or "
            "on the CPU backend (--device cpu)";
   }
+  // The KV pool's arrays (K, V, index-K, index-K scales of every layer, in that order), for a
+  // transfer engine to read or write pages directly (P/D disaggregation). Empty: this backend
+  // cannot share its pages that way (the caller refuses the feature by name).
+  virtual std::vector<KvRegion> kv_regions() { return {}; }
   // Image input: whether forward() honours ForwardBatch::embed_rows and encode_images() runs the
   // model's vision tower; when false, image_refusal() says why (for the 400 the server sends).
   virtual bool supports_image_input() const { return false; }

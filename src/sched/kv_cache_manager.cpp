@@ -282,12 +282,16 @@ bool KVCacheManager::reset_prefix_cache() {
 }
 
 void KVCacheManager::free(const Request& request) {
-  auto it = req_blocks_.find(request.request_id);
+  free(request.request_id);
+}
+
+void KVCacheManager::free(uint64_t request_id) {
+  auto it = req_blocks_.find(request_id);
   if (it == req_blocks_.end()) return;
   std::vector<int32_t> reversed(it->second.rbegin(), it->second.rend());
   pool_.free_blocks(reversed);
   req_blocks_.erase(it);
-  num_cached_blocks_.erase(request.request_id);
+  num_cached_blocks_.erase(request_id);
 }
 
 const std::vector<int32_t>& KVCacheManager::block_ids(uint64_t request_id) const {

@@ -63,6 +63,8 @@ class KVCacheManager {
 
   // Returns the request's pages to the pool, last page first, so the tail is evicted first.
   void free(const Request& request);
+  // The same by id: pages kept after their request object is gone (held for a decode worker).
+  void free(uint64_t request_id);
 
   // The request's block table (empty when it holds none).
   const std::vector<int32_t>& block_ids(uint64_t request_id) const;

@@ -2,7 +2,8 @@
 // Created by the engine, handed to Scheduler::add_request, which owns it from then on; the
 // KVCacheManager keeps its block hashes. The engine reads results only through RequestUpdate.
 // Invariant: 0 <= num_computed_tokens <= num_tokens(); a waiting or preempted request has
-// num_computed_tokens == 0 and holds no KV pages; block_hashes covers only full blocks of tokens.
+// num_computed_tokens == 0 and holds no KV pages (kWaitingForRemoteKv holds its prompt's pages);
+// block_hashes covers only full blocks of tokens.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +21,9 @@ enum class RequestStatus {
   kFinishedStopped,  // an eos or stop token id was sampled
   kFinishedLength,   // max_tokens, max_model_len, or longer than the KV pool can ever hold
   kFinishedAborted,  // Scheduler::abort_request
+  // Holds pages for its whole prompt while another worker's KV is read into them (P/D
+  // disaggregation: Request::load_remote_kv); not scheduled, not preemptible.
+  kWaitingForRemoteKv,
 };
 
 bool is_finished(RequestStatus status);
@@ -76,6 +80,11 @@ struct Request {
   // Speculative decoding: draft tokens proposed for positions num_tokens() ... by the last step,
   // verified by the next one. Never part of num_tokens(), the block hashes or the prefix cache.
   std::vector<int32_t> spec_token_ids;
+  // Prefill/decode disaggregation (Scheduler::release_held_kv, finish_remote_kv). Producer: keep
+  // the pages when it finishes by stop or length, for a decode worker to read. Consumer: admit it
+  // by allocating pages for the prompt and waiting for them to be filled from the prefill worker.
+  bool hold_kv_on_finish = false;
+  bool load_remote_kv = false;
 };
 
 }  // namespace m3::sched

@@ -109,6 +109,10 @@ void Scheduler::abort_request(uint64_t request_id) {
   if (req->status == RequestStatus::kRunning) {
     running_.erase(std::find(running_.begin(), running_.end(), req));
     kv_.free(*req);
+  } else if (req->status == RequestStatus::kWaitingForRemoteKv) {
+    // A read into its pages is in flight: they are freed when finish_remote_kv reports its end.
+    loading_.erase(std::find(loading_.begin(), loading_.end(), req));
+    held_kv_[request_id] = false;
   } else {
     remove_waiting(req);
   }
@@ -249,8 +253,17 @@ SchedulerOutput Scheduler::schedule() {
   // Then waiting requests in policy order, unless this step had to preempt (no room to grow).
   if (!preempted_any) {
     while (!waiting_.empty() && budget > 0 &&
-           static_cast<int>(running_.size()) < config_.max_num_seqs) {
+           static_cast<int>(running_.size() + loading_.size()) < config_.max_num_seqs) {
       Request* req = waiting_.front();
+      if (req->load_remote_kv && req->num_preemptions == 0) {
+        // Pages for the whole prompt, to be filled by the prefill worker; no compute this step.
+        if (!kv_.allocate_slots(*req, req->num_prompt_tokens())) break;  // waits for pages
+        waiting_.pop_front();
+        req->status = RequestStatus::kWaitingForRemoteKv;
+        loading_.push_back(req);
+        out.kv_loads.push_back({req->request_id, kv_.block_ids(req->request_id)});
+        continue;
+      }
       ComputedBlocks hit = kv_.get_computed_blocks(*req);
       int num_new = req->num_tokens() - hit.num_computed_tokens;
       if (!config_.enable_chunked_prefill && num_new > budget) break;
@@ -380,26 +393,59 @@ std::vector<RequestUpdate> Scheduler::update_from_output(const SchedulerOutput& 
       continue;
     }
     running_.erase(std::find(running_.begin(), running_.end(), req));
-    kv_.free(*req);
+    std::vector<int32_t> held;
+    if (req->hold_kv_on_finish) {
+      held = kv_.block_ids(req->request_id);
+      held_kv_[req->request_id] = true;
+    } else {
+      kv_.free(*req);
+    }
     finish(req,
            reason == FinishReason::kStop ? RequestStatus::kFinishedStopped
                                          : RequestStatus::kFinishedLength,
            reason);
     pending_updates_.back().new_token_ids = std::move(new_tokens);
+    pending_updates_.back().held_block_ids = std::move(held);
     updates.push_back(std::move(pending_updates_.back()));
     pending_updates_.pop_back();
   }
   return updates;
 }
 
+void Scheduler::release_held_kv(uint64_t request_id) {
+  auto it = held_kv_.find(request_id);
+  if (it == held_kv_.end() || !it->second) return;  // unknown, or an aborted load (not ours)
+  held_kv_.erase(it);
+  kv_.free(request_id);
+}
+
+void Scheduler::finish_remote_kv(uint64_t request_id, bool loaded) {
+  auto held = held_kv_.find(request_id);
+  if (held != held_kv_.end() && !held->second) {  // aborted while its read ran
+    held_kv_.erase(held);
+    kv_.free(request_id);
+    return;
+  }
+  auto it = requests_.find(request_id);
+  if (it == requests_.end() || it->second->status != RequestStatus::kWaitingForRemoteKv) return;
+  Request* req = it->second.get();
+  loading_.erase(std::find(loading_.begin(), loading_.end(), req));
+  req->num_computed_tokens = loaded ? req->num_prompt_tokens() - 1 : 0;
+  if (loaded) kv_.cache_blocks(*req, req->num_computed_tokens);
+  // The tokens read from the prefill worker count as cached (vLLM counts external hits too).
+  req->num_cached_tokens = req->num_computed_tokens;
+  req->status = RequestStatus::kRunning;
+  running_.push_back(req);
+}
+
 bool Scheduler::has_unfinished() const {
-  return !running_.empty() || !waiting_.empty() || !pending_updates_.empty();
+  return !running_.empty() || !waiting_.empty() || !loading_.empty() || !pending_updates_.empty();
 }
 
 SchedulerStats Scheduler::stats() const {
   SchedulerStats s;
   s.num_running = num_running();
-  s.num_waiting = num_waiting();
+  s.num_waiting = num_waiting() + num_loading_kv();
   s.num_free_blocks = kv_.block_pool().num_free_blocks();
   s.kv_cache_usage = kv_.usage();
   s.prefix_cache_queries = kv_.prefix_cache_queries();

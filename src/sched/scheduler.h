@@ -79,6 +79,19 @@ class Scheduler {
   std::vector<RequestUpdate> update_from_output(const SchedulerOutput& scheduler_output,
                                                 const RunnerOutput& runner_output);
 
+  // Prefill/decode disaggregation. Producer: a request with Request::hold_kv_on_finish keeps its
+  // pages when it finishes by stop or length (RequestUpdate::held_block_ids names them) until
+  // release_held_kv (ids not held: a no-op). Consumer: a request with Request::load_remote_kv is
+  // admitted by allocating pages for its whole prompt without computing anything; the step's
+  // SchedulerOutput::kv_loads names them, and it waits (counted against max_num_seqs, never
+  // preempted) until finish_remote_kv: loaded, its first num_prompt_tokens - 1 tokens count as
+  // computed and cached (the last one is computed here for its logits, as vLLM does); not loaded,
+  // the whole prompt is computed here. An abort while loading keeps the pages until then.
+  void release_held_kv(uint64_t request_id);
+  void finish_remote_kv(uint64_t request_id, bool loaded);
+  int num_held_kv() const { return static_cast<int>(held_kv_.size()); }
+  int num_loading_kv() const { return static_cast<int>(loading_.size()); }
+
   bool has_unfinished() const;
   int num_running() const { return static_cast<int>(running_.size()); }
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
@@ -123,6 +136,9 @@ class Scheduler {
   std::unordered_map<uint64_t, std::unique_ptr<Request>> requests_;
   std::vector<Request*> running_;               // in admission order
   std::deque<Request*> waiting_;                // admission order (policy order for kPriority)
+  std::vector<Request*> loading_;               // kWaitingForRemoteKv
+  std::unordered_map<uint64_t, bool> held_kv_;  // pages kept by id: true held, false aborted
+                                                // while loading (freed at finish_remote_kv)
   std::vector<RequestUpdate> pending_updates_;  // finished outside a step (abort, too long)
   std::vector<uint64_t> finished_since_schedule_;
   uint64_t next_arrival_seq_ = 0;

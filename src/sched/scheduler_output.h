@@ -33,6 +33,14 @@ struct KvPageCopy {
   int32_t host_slot = 0;
 };
 
+// Pages admitted this step for a request whose prompt KV comes from a prefill worker
+// (Request::load_remote_kv): page i is to receive positions [i*bs, (i+1)*bs) of the prompt. The
+// engine reads them in and then calls Scheduler::finish_remote_kv.
+struct KvLoad {
+  uint64_t request_id = 0;
+  std::vector<int32_t> block_ids;
+};
+
 struct SchedulerOutput {
   std::vector<ScheduledRequest> requests;  // running requests first, then admitted ones
   // Host KV tier copies, run before the step's forward in this order: every offload (device page
@@ -40,6 +48,7 @@ struct SchedulerOutput {
   // slot -> device page: prefix hits found in the host tier).
   std::vector<KvPageCopy> kv_offloads;
   std::vector<KvPageCopy> kv_restores;
+  std::vector<KvLoad> kv_loads;         // not part of the forward: the engine starts these reads
   int total_num_tokens = 0;             // sum of num_new_tokens, <= max_num_batched_tokens
   std::vector<uint64_t> preempted_ids;  // preempted this step: pages freed, state to drop
   std::vector<uint64_t> finished_ids;   // finished (any reason) since the previous schedule()
@@ -71,6 +80,9 @@ struct RequestUpdate {
   int num_output_tokens = 0;
   int num_cached_tokens = 0;  // prefix-cache hit at first scheduling (usage details)
   int num_preemptions = 0;
+  // Finished with Request::hold_kv_on_finish: the pages it keeps (prompt KV in position order)
+  // until Scheduler::release_held_kv.
+  std::vector<int32_t> held_block_ids;
 };
 
 }  // namespace m3::sched

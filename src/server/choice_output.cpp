@@ -91,6 +91,7 @@ ChoiceDelta ChoiceOutput::add(const engine::RequestOutput& out) {
   if (out.prompt_logprobs && !prompt_logprobs_) prompt_logprobs_ = out.prompt_logprobs;
   if (out.num_prompt_tokens > 0) num_prompt_tokens_ = out.num_prompt_tokens;
   num_cached_tokens_ = std::max(num_cached_tokens_, out.num_cached_tokens);
+  if (out.kv_transfer_params) kv_transfer_params_ = out.kv_transfer_params;
   const size_t n = out.new_token_ids.size();
   for (size_t i = 0; i < n && !stop_.stopped(); ++i) {
     const int32_t id = out.new_token_ids[i];

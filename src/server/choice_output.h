@@ -73,6 +73,10 @@ class ChoiceOutput {
 
   int num_prompt_tokens() const { return num_prompt_tokens_; }
   int num_cached_tokens() const { return num_cached_tokens_; }
+  // P/D: the params a prefill worker's final output carried (kv_transfer_params of the response).
+  const std::optional<engine::KvTransferParams>& kv_transfer_params() const {
+    return kv_transfer_params_;
+  }
   int num_output_tokens() const { return num_output_tokens_; }
   int64_t num_reasoning_tokens() const;
   const std::vector<int32_t>& output_token_ids() const { return output_ids_; }
@@ -119,6 +123,7 @@ class ChoiceOutput {
   std::optional<int32_t> stop_token_;
   int num_prompt_tokens_ = 0;
   int num_cached_tokens_ = 0;
+  std::optional<engine::KvTransferParams> kv_transfer_params_;
   int num_output_tokens_ = 0;
 };
 

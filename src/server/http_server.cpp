@@ -179,6 +179,12 @@ Status HttpServerImpl::submit_all(Generation& gen, const engine::SamplingParams&
   engine::SamplingParams sp0 = sp_in;
   if (!sp0.seed && cfg_.seed) sp0.seed = mix_seed(*cfg_.seed ^ mix_seed(num_seeded_++));
   if (cfg_.log_requests) log_request(request_id, gen, sp0, p);
+  if (p.kv_transfer && gen.prompts.size() != 1) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "kv_transfer_params with " + std::to_string(gen.prompts.size()) +
+                          " prompts: prefill/decode disaggregation serves one prompt per request",
+                      "kv_transfer_params");
+  }
   int index = 0;
   for (size_t pi = 0; pi < gen.prompts.size(); ++pi) {
     for (int i = 0; i < p.n; ++i) {
@@ -189,6 +195,7 @@ Status HttpServerImpl::submit_all(Generation& gen, const engine::SamplingParams&
       // Distinct but reproducible streams for the n choices of a seeded request.
       if (sp0.seed && i > 0) gr.params.seed = *sp0.seed + static_cast<uint64_t>(i);
       gr.priority = p.priority;
+      gr.kv_transfer = p.kv_transfer;
       gr.waker = gen.waker();
       auto st = engine_.submit(std::move(gr));
       if (!st) {

@@ -287,6 +287,23 @@ std::string format_metrics(const engine::EngineStats& s, const std::string& mode
   w.scalar("kv_restored_pages_total", "counter",
            "Prefix-cache pages restored from the host KV tier on a prefix hit.",
            static_cast<double>(s.kv_restored_pages_total));
+  if (s.pd_enabled) {  // --kv-transfer-config NixlConnector
+    w.scalar("pd_held_requests", "gauge",
+             "Prefilled requests whose KV pages wait for a decode worker to read them.",
+             static_cast<double>(s.pd.num_held));
+    w.family("pd_released_requests_total", "counter",
+             "Held prefills released: read by a decode worker, or expired "
+             "(VLLM_NIXL_ABORT_REQUEST_TIMEOUT).",
+             {{{{"reason", "read"}}, static_cast<double>(s.pd.num_released_read)},
+              {{{"reason", "expired"}}, static_cast<double>(s.pd.num_released_expired)}});
+    w.family("pd_kv_loads_total", "counter",
+             "Decode requests whose prompt KV was read from a prefill worker (ok) or recomputed "
+             "here after the read failed (failed).",
+             {{{{"outcome", "ok"}}, static_cast<double>(s.pd.num_loads_ok)},
+              {{{"outcome", "failed"}}, static_cast<double>(s.pd.num_loads_failed)}});
+    w.scalar("pd_kv_pages_read_total", "counter", "KV pages read from prefill workers over NIXL.",
+             static_cast<double>(s.pd.num_pages_read));
+  }
   std::vector<std::pair<Labels, double>> http;
   for (const auto& c : g.http_requests) {
     http.push_back({{{"handler", c.handler}, {"method", c.method}, {"status", c.status}},

@@ -113,6 +113,61 @@ Result<OrderedJson> parse_body(std::string_view body) {
 Result<std::vector<int32_t>> token_array(const OrderedJson& arr, const std::string& param);
 
 // logit_bias, allowed_token_ids, bad_words.
+// vLLM's kv_transfer_params: the router sends {"do_remote_decode": true, the rest null} to the
+// prefill worker and the prefill worker's answer (do_remote_prefill, remote_*) to the decode one.
+Status parse_kv_transfer(const OrderedJson& j, CommonParams& p) {
+  auto it = j.find("kv_transfer_params");
+  if (it == j.end() || it->is_null()) return {};
+  const std::string f = "kv_transfer_params";
+  if (!it->is_object()) return bad(f, "'kv_transfer_params' must be an object");
+  const OrderedJson& k = *it;
+  engine::KvTransferParams t;
+  M3_TRY(auto dec, opt_bool(k, "do_remote_decode"));
+  M3_TRY(auto pre, opt_bool(k, "do_remote_prefill"));
+  t.do_remote_decode = dec.value_or(false);
+  t.do_remote_prefill = pre.value_or(false);
+  if (!t.do_remote_decode && !t.do_remote_prefill) return {};
+  M3_TRY(auto eng, opt_string(k, "remote_engine_id"));
+  M3_TRY(auto host, opt_string(k, "remote_host"));
+  t.remote_engine_id = eng.value_or("");
+  t.remote_host = host.value_or("");
+  if (auto r = k.find("remote_request_id"); r != k.end() && !r->is_null()) {
+    if (r->is_string())
+      t.remote_request_id = r->get<std::string>();
+    else if (r->is_number_integer())
+      t.remote_request_id = std::to_string(r->get<int64_t>());
+    else
+      return bad(f, "'kv_transfer_params.remote_request_id' must be a string");
+  }
+  if (auto r = k.find("remote_port"); r != k.end() && !r->is_null()) {
+    if (!r->is_number_integer() || r->get<int64_t>() < 1 || r->get<int64_t>() > 65535)
+      return bad(f, "'kv_transfer_params.remote_port' must be a port number (1-65535)");
+    t.remote_port = static_cast<int>(r->get<int64_t>());
+  }
+  if (auto r = k.find("remote_block_ids"); r != k.end() && !r->is_null()) {
+    if (!r->is_array()) return bad(f, "'kv_transfer_params.remote_block_ids' must be an array");
+    // vLLM >= 0.11 nests them per KV cache group: [[ids...]]; m3serve has one group.
+    const OrderedJson* ids = &*r;
+    if (ids->size() == 1 && (*ids)[0].is_array()) ids = &(*ids)[0];
+    for (const auto& b : *ids) {
+      if (!b.is_number_integer() || b.get<int64_t>() < 0 ||
+          b.get<int64_t>() > std::numeric_limits<int32_t>::max())
+        return bad(f, "'kv_transfer_params.remote_block_ids' entries must be page ids (>= 0)");
+      t.remote_block_ids.push_back(b.get<int64_t>());
+    }
+  }
+  if (t.do_remote_decode && p.stream)
+    return bad(f,
+               "kv_transfer_params.do_remote_decode with stream: the kv_transfer_params for the "
+               "decode worker come in the non-streamed response; send stream: false (as "
+               "vllm-router does)");
+  if (p.n != 1)
+    return bad(f, "kv_transfer_params with n = " + std::to_string(p.n) +
+                      ": prefill/decode disaggregation serves one choice per request (n = 1)");
+  p.kv_transfer = std::move(t);
+  return {};
+}
+
 Status parse_logit_controls(const OrderedJson& j, CommonParams& p) {
   if (const OrderedJson* lb = field(j, "logit_bias")) {
     if (!lb->is_object()) {
@@ -551,6 +606,7 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
 
   M3_TRY_STATUS(parse_logit_controls(j, p));
   M3_TRY_STATUS(parse_structured(j, p));
+  M3_TRY_STATUS(parse_kv_transfer(j, p));
   (void)chat;
   return {};
 }
@@ -1024,6 +1080,19 @@ engine::SamplingParams make_sampling_params(const CommonParams& p, const Generat
   sp.allowed_token_ids = p.allowed_token_ids;
   if (p.max_tokens) sp.max_tokens = *p.max_tokens;
   return sp;
+}
+
+OrderedJson kv_transfer_params_json(const engine::KvTransferParams& k) {
+  OrderedJson o = OrderedJson::object();
+  o["do_remote_prefill"] = k.do_remote_prefill;
+  o["do_remote_decode"] = k.do_remote_decode;
+  o["remote_block_ids"] = k.remote_block_ids;
+  o["remote_engine_id"] = k.remote_engine_id;
+  o["remote_request_id"] = k.remote_request_id;
+  o["remote_host"] = k.remote_host;
+  o["remote_port"] = k.remote_port;
+  o["tp_size"] = k.tp_size;
+  return o;
 }
 
 }  // namespace m3::server

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "engine/kv_transfer.h"
 #include "engine/sampling_params.h"
 #include "text/structured_output.h"
 
@@ -74,7 +75,13 @@ struct CommonParams {
   int32_t prompt_logprobs = -1;             // -1 none; k >= 0: each prompt token's + top k
   bool return_token_ids = false;            // prompt_token_ids and token_ids in the response
   bool return_tokens_as_token_ids = false;  // logprob tokens written "token_id:<id>"
+  // vLLM's kv_transfer_params (P/D disaggregation): set when do_remote_decode or
+  // do_remote_prefill is true; the other fields as the prefill worker's response gave them.
+  std::optional<engine::KvTransferParams> kv_transfer;
 };
+
+// kv_transfer_params as a response carries it (vLLM's NixlConnector field names).
+OrderedJson kv_transfer_params_json(const engine::KvTransferParams& k);
 
 // One completions prompt: text, or token ids.
 struct PromptInput {

@@ -260,6 +260,8 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
     if (want_prompt_lps)
       body["prompt_logprobs"] = prompt_logprobs_json(*gen->slots[0].out, gen->prompts[0].ids);
     if (token_ids) body["prompt_token_ids"] = gen->prompts[0].ids;
+    if (const auto& kv = gen->slots[0].out->kv_transfer_params())
+      body["kv_transfer_params"] = kv_transfer_params_json(*kv);
     return send_json(res, body);
   }
 

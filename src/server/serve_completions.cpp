@@ -152,6 +152,8 @@ void HttpServerImpl::handle_completions(const HttpRequest& req, HttpResponse& re
     Json body = {{"id", id}, {"object", "text_completion"}, {"created", created}, {"model", model}};
     body["choices"] = choices;
     body["usage"] = usage_json(usage_of(*gen));
+    if (const auto& kv = gen->slots[0].out->kv_transfer_params())
+      body["kv_transfer_params"] = kv_transfer_params_json(*kv);
     return send_json(res, body);
   }
 

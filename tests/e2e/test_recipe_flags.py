@@ -126,9 +126,19 @@ REFUSALS = [
     ("kv_events_publisher", "--tensor-parallel-size 4 --kv-events-config "
      "'{\"enable_kv_cache_events\": true, \"publisher\": \"kafka\"}'", {},
      ["--kv-events-config publisher 'kafka' is unknown", "\"zmq\""]),
-    ("kv_transfer_nixl", "--kv-transfer-config '{\"kv_connector\": \"NixlConnector\", "
+    ("kv_transfer_mooncake", "--kv-transfer-config '{\"kv_connector\": \"MooncakeConnector\", "
      "\"kv_role\": \"kv_producer\"}'", {},
-     ["--kv-transfer-config kv_connector 'NixlConnector' is not available yet", "OffloadingConnector"]),
+     ["--kv-transfer-config kv_connector 'MooncakeConnector' is not available", "NixlConnector",
+      "OffloadingConnector"]),
+    ("kv_transfer_nixl_role", "--kv-transfer-config '{\"kv_connector\": \"NixlConnector\", "
+     "\"kv_role\": \"decoder\"}'", {},
+     ["kv_role 'decoder' is unknown; NixlConnector takes kv_producer, kv_consumer, kv_both"]),
+    ("kv_transfer_nixl_backend", "--kv-transfer-config '{\"kv_connector\": \"NixlConnector\", "
+     "\"kv_role\": \"kv_both\", \"kv_connector_extra_config\": {\"backends\": [\"GDS\"]}}'", {},
+     ["kv_connector_extra_config.backends must be [\"UCX\"]"]),
+    ("kv_transfer_nixl_port", "--kv-transfer-config '{\"kv_connector\": \"NixlConnector\", "
+     "\"kv_role\": \"kv_both\"}'", {"VLLM_NIXL_SIDE_CHANNEL_PORT": "70000"},
+     ["VLLM_NIXL_SIDE_CHANNEL_PORT='70000' is not a port number"]),
     ("kv_transfer_unknown", "--kv-transfer-config '{\"kv_connector\": \"FooConnector\", "
      "\"kv_role\": \"kv_both\"}'", {},
      ["--kv-transfer-config kv_connector 'FooConnector' is unknown", "OffloadingConnector"]),

@@ -597,3 +597,75 @@ TEST(ConfigOverrides, MergesObjectsAndReplacesValues) {
 
 }  // namespace
 }  // namespace m3::app
+
+namespace m3::app {
+namespace {
+
+TEST(VllmFlags, NixlConnectorRolesAndSideChannel) {
+  const std::string pre = "{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"";
+  const std::pair<const char*, engine::KvRole> roles[] = {
+      {"kv_producer", engine::KvRole::kProducer},
+      {"kv_consumer", engine::KvRole::kConsumer},
+      {"kv_both", engine::KvRole::kBoth}};
+  for (const auto& [name, role] : roles) {
+    auto p = run({"--kv-transfer-config", pre + name + "\"}"});
+    ASSERT_TRUE(p.plan.has_value()) << name << ": " << p.plan.error().message;
+    ASSERT_TRUE(p.plan->pd.has_value()) << name;
+    EXPECT_EQ(p.plan->pd->role, role);
+    EXPECT_EQ(p.plan->pd->port, 5600);  // vLLM's defaults
+    EXPECT_EQ(p.plan->pd->host, "localhost");
+    EXPECT_EQ(p.plan->host_kv_cache_bytes, 0);  // not the offloading tier
+  }
+  // vLLM's side-channel variables configure it.
+  auto env = run({"--kv-transfer-config", pre + "kv_producer\"}"},
+                 {"VLLM_NIXL_SIDE_CHANNEL_PORT=6123", "VLLM_NIXL_SIDE_CHANNEL_HOST=10.0.0.7",
+                  "VLLM_NIXL_ABORT_REQUEST_TIMEOUT=12.5"});
+  ASSERT_TRUE(env.plan.has_value()) << env.plan.error().message;
+  EXPECT_EQ(env.plan->pd->port, 6123);
+  EXPECT_EQ(env.plan->pd->host, "10.0.0.7");
+  EXPECT_DOUBLE_EQ(env.plan->pd->abort_timeout_s, 12.5);
+  EXPECT_EQ(all_notices(*env.plan).find("VLLM_NIXL"), std::string::npos);
+  // Without the connector the variables do nothing, and say so.
+  auto alone = run({}, {"VLLM_NIXL_SIDE_CHANNEL_PORT=6123"});
+  ASSERT_TRUE(alone.plan.has_value());
+  EXPECT_NE(all_notices(*alone.plan).find("VLLM_NIXL_* is ignored"), std::string::npos);
+  // UCX is the one backend; vLLM's placement keys are ignored with a notice.
+  auto ucx = run(
+      {"--kv-transfer-config", pre + "kv_both\", \"kv_buffer_device\": \"cuda\", "
+                                     "\"kv_connector_extra_config\": {\"backends\": [\"UCX\"]}}"});
+  ASSERT_TRUE(ucx.plan.has_value()) << ucx.plan.error().message;
+  EXPECT_NE(all_notices(*ucx.plan).find("keys kv_buffer_device are ignored"), std::string::npos);
+
+  struct Bad {
+    std::string config;
+    EnvList env;
+    std::string says;
+  };
+  const Bad bad[] = {
+      {pre + "decode\"}",
+       {},
+       "kv_role 'decode' is unknown; NixlConnector takes kv_producer, "
+       "kv_consumer, kv_both"},
+      {"{\"kv_connector\": \"NixlConnector\"}",
+       {},
+       "needs kv_role with kv_connector 'NixlConnector'"},
+      {pre + "kv_both\", \"kv_connector_extra_config\": {\"backends\": [\"LIBFABRIC\"]}}",
+       {},
+       "backends must be [\"UCX\"]"},
+      {pre + "kv_both\"}", {"VLLM_NIXL_SIDE_CHANNEL_PORT=0"}, "is not a port number"},
+      {pre + "kv_both\"}", {"VLLM_NIXL_SIDE_CHANNEL_PORT=5600x"}, "is not a port number"},
+      {pre + "kv_both\"}", {"VLLM_NIXL_ABORT_REQUEST_TIMEOUT=-1"}, "positive number of seconds"},
+      {"{\"kv_connector\": \"MooncakeConnector\", \"kv_role\": \"kv_both\"}",
+       {},
+       "'MooncakeConnector' is not available: m3serve runs OffloadingConnector, "
+       "SimpleCPUOffloadConnector (the host-memory KV tier) and NixlConnector"},
+  };
+  for (const Bad& b : bad) {
+    auto p = run({"--kv-transfer-config", b.config}, b.env);
+    ASSERT_FALSE(p.plan.has_value()) << b.config;
+    EXPECT_NE(p.plan.error().message.find(b.says), std::string::npos) << p.plan.error().message;
+  }
+}
+
+}  // namespace
+}  // namespace m3::app

@@ -487,3 +487,63 @@ TEST(ApiError, StatusAndBodyPerCode) {
 
 }  // namespace
 }  // namespace m3::server
+
+namespace m3::server {
+namespace {
+
+TEST(OpenAIRequest, KvTransferParamsAsTheRouterSendsThem) {
+  // vllm-router's prefill request: do_remote_decode, the rest null.
+  auto pre = parse_completion_request(
+      R"({"prompt": "hi", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true,
+          "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null,
+          "remote_host": null, "remote_port": null}})");
+  ASSERT_TRUE(pre.has_value()) << pre.error().message;
+  ASSERT_TRUE(pre->common.kv_transfer.has_value());
+  EXPECT_TRUE(pre->common.kv_transfer->do_remote_decode);
+  EXPECT_FALSE(pre->common.kv_transfer->do_remote_prefill);
+  // The decode request: the prefill worker's answer, passed through (block ids flat or nested
+  // per KV cache group as newer vLLM writes them).
+  for (const char* ids : {"[4, 5, 6]", "[[4, 5, 6]]"}) {
+    const std::string body =
+        std::string(R"({"messages": [{"role": "user", "content": "hi"}], "kv_transfer_params":
+            {"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "m3-ab",
+             "remote_request_id": "17", "remote_host": "10.0.0.2", "remote_port": 5601,
+             "tp_size": 1, "remote_block_ids": )") +
+        ids + "}}";
+    auto dec = parse_chat_request(body);
+    ASSERT_TRUE(dec.has_value()) << dec.error().message;
+    const auto& k = *dec->common.kv_transfer;
+    EXPECT_TRUE(k.do_remote_prefill);
+    EXPECT_EQ(k.remote_engine_id, "m3-ab");
+    EXPECT_EQ(k.remote_request_id, "17");
+    EXPECT_EQ(k.remote_host, "10.0.0.2");
+    EXPECT_EQ(k.remote_port, 5601);
+    EXPECT_EQ(k.remote_block_ids, (std::vector<int64_t>{4, 5, 6}));
+    // What a prefill worker answers round-trips through the same field names.
+    const OrderedJson back = kv_transfer_params_json(k);
+    EXPECT_EQ(back["remote_block_ids"], OrderedJson::parse("[4, 5, 6]"));
+    EXPECT_EQ(back["remote_engine_id"], "m3-ab");
+    EXPECT_EQ(back["remote_port"], 5601);
+    EXPECT_EQ(back["do_remote_prefill"], true);
+  }
+  // Neither flag set (or null params): no transfer.
+  auto none = parse_completion_request(R"({"prompt": "hi", "kv_transfer_params": {}})");
+  ASSERT_TRUE(none.has_value());
+  EXPECT_FALSE(none->common.kv_transfer.has_value());
+  // Bad shapes name the field.
+  for (
+      const char* bad : {
+          R"({"prompt": "hi", "kv_transfer_params": 3})",
+          R"({"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": true, "remote_port": 99999}})",
+          R"({"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": [-1]}})",
+          R"({"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": 5}})",
+          R"({"prompt": "hi", "n": 2, "kv_transfer_params": {"do_remote_decode": true}})",
+      }) {
+    auto r = parse_completion_request(bad);
+    ASSERT_FALSE(r.has_value()) << bad;
+    EXPECT_EQ(r.error().param, "kv_transfer_params") << bad;
+  }
+}
+
+}  // namespace
+}  // namespace m3::server
