@@ -46,10 +46,17 @@ class DeviceBuffer {
   size_t size() const { return size_; }
   size_t bytes() const { return size_ * sizeof(T); }
 
-  // Synchronous host <-> device copies of the first n elements.
+  // Synchronous host <-> device copies of the first n elements. A pageable host-to-device
+  // cudaMemcpy returns once the data is staged, before its DMA (on the legacy default stream)
+  // lands, and work on a non-blocking gpu::Stream does not wait for that stream: so copy_from
+  // waits for the device before it returns (seen: a kernel on a Stream read a buffer whose copy
+  // had not landed, under load from another process).
   void copy_from(const T* host, size_t n) {
     M3_CHECK(n <= size_, "DeviceBuffer: copy of %zu elements into %zu", n, size_);
-    if (n > 0) M3_CUDA_CHECK(cudaMemcpy(data_, host, n * sizeof(T), cudaMemcpyHostToDevice));
+    if (n > 0) {
+      M3_CUDA_CHECK(cudaMemcpy(data_, host, n * sizeof(T), cudaMemcpyHostToDevice));
+      M3_CUDA_CHECK(cudaDeviceSynchronize());
+    }
   }
   void copy_to(T* host, size_t n) const {
     M3_CHECK(n <= size_, "DeviceBuffer: copy of %zu elements into %zu", n, size_);

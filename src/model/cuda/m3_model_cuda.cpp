@@ -205,6 +205,10 @@ void M3ModelCuda::fuse_attention_projections() {
       fuse_rows({&L.gate_proj, &L.up_proj});
     }
   }
+  // The uploads and these fusing copies ran on the legacy default stream, which the model's
+  // non-blocking streams do not wait for (a pageable cudaMemcpy may return before its DMA
+  // lands; a device-to-device one does not wait at all): finish them before any kernel reads.
+  M3_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 void* M3ModelCuda::alloc_weight(size_t bytes) {
