@@ -69,7 +69,13 @@ class DeviceBuffer {
   }
   // Sets every byte to `byte` (e.g. 0xff fills floats with NaN to catch unwritten outputs).
   void fill_bytes(int byte) {
-    if (size_ > 0) M3_CUDA_CHECK(cudaMemset(data_, byte, bytes()));
+    // cudaMemset is asynchronous, on the legacy default stream: without the wait, a kernel on
+    // a non-blocking gpu::Stream may run first and the fill land on its output (tests saw
+    // all-NaN outputs from 0xff fills under load from another process).
+    if (size_ > 0) {
+      M3_CUDA_CHECK(cudaMemset(data_, byte, bytes()));
+      M3_CUDA_CHECK(cudaDeviceSynchronize());
+    }
   }
 
  private:
