@@ -477,14 +477,6 @@ struct MmaAttnSmem {
       kMmaWarps * kWarpBytes > kAfterBytes ? kMmaWarps* kWarpBytes : kAfterBytes;
 };
 
-// 16 bytes global -> shared, or 16 zero bytes when !valid (cp.async's source size 0).
-__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
-  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "r"(n)
-               : "memory");
-}
-
 // kCluster: the splits of a (token, kv head) are one thread-block cluster (gridDim.y <= 8 CTAs);
 // they merge through distributed shared memory and CTA 0 writes the output (no combine kernel,
 // no workspace).
@@ -594,8 +586,8 @@ __global__ void __launch_bounds__(kMmaThreads)
         const int rr = it * RowsPerCopy + sub;  // K rows 0..15, V rows 16..31
         const int64_t kr = __shfl_sync(0xffffffffu, row, rr % kMmaTile);
         const T* src = (rr >= kMmaTile ? vbase : kbase) + (kr >= 0 ? kr : 0) * D;
-        cp_async16_zfill(st + rr * Sm::kRowBytes + ch * 16,
-                         reinterpret_cast<const uint4*>(src) + ch, kr >= 0);
+        detail::cp_async16_zfill(st + rr * Sm::kRowBytes + ch * 16,
+                                 reinterpret_cast<const uint4*>(src) + ch, kr >= 0);
       }
     }
     detail::cp_async_commit();

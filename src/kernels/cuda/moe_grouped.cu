@@ -13,6 +13,7 @@
 #include "kernels/cuda/attn_common.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemv.cuh"
+#include "kernels/cuda/kv_format.cuh"
 #include "kernels/cuda/moe_grouped.cuh"
 
 namespace m3::kernels::cuda::moe_grouped {
@@ -40,32 +41,11 @@ __device__ __forceinline__ int swz(int row, int c) {
   return row * kBK + ((c ^ (row & 7)) << 3);
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n)
-               : "memory");
-}
-__device__ __forceinline__ void cp_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
                                             uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 struct Args {
@@ -127,13 +107,13 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(Args p) {
 #pragma unroll
     for (int i = 0; i < kAL; ++i) {
       const bool ok = k_ok && a_off[i] >= 0;
-      cp_async16(smem_addr(as + swz(lr + 16 * i, lc)), ok ? p.a + a_off[i] + k0 : p.a, ok);
+      detail::cp_async16_zfill(as + swz(lr + 16 * i, lc), ok ? p.a + a_off[i] + k0 : p.a, ok);
     }
 #pragma unroll
     for (int i = 0; i < kBL; ++i) {
       const bool ok = k_ok && b_off[i] >= 0;
       const uint16_t* base = (kGateUp && i >= 4) ? b_base1 : b_base0;
-      cp_async16(smem_addr(bs + swz(lr + 16 * i, lc)), ok ? base + b_off[i] + k0 : p.b0, ok);
+      detail::cp_async16_zfill(bs + swz(lr + 16 * i, lc), ok ? base + b_off[i] + k0 : p.b0, ok);
     }
   };
 
@@ -148,19 +128,19 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(Args p) {
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < ktiles) load_stage(s, s);
-    cp_commit();
+    detail::cp_async_commit();
   }
   // ldmatrix lane roles: A x4 = rows 0-15 of an m16 tile, chunk +0 / +1 (lanes 16-31);
   // B x4 = two n8 tiles: rows (lane & 7) + 8 (lane >> 4), chunk + ((lane >> 3) & 1).
   const int a_row = lane & 15, a_chunk = lane >> 4;
   const int b_row = (lane & 7) + ((lane >> 4) << 3), b_chunk = (lane >> 3) & 1;
   for (int kt = 0; kt < ktiles; ++kt) {
-    cp_wait<kStages - 2>();
+    detail::cp_async_wait<kStages - 2>();
     __syncthreads();
     {
       const int next = kt + kStages - 1;
       if (next < ktiles) load_stage(next % kStages, next);
-      cp_commit();
+      detail::cp_async_commit();
     }
     const uint16_t* as = As + (kt % kStages) * BM * kBK;
     const uint16_t* bs = Bs + (kt % kStages) * kBN * kBK;
@@ -185,10 +165,10 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(Args p) {
 #pragma unroll
       for (int i = 0; i < MI; ++i)
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) mma_bf16(acc[i][j], af[i], bf[j][0], bf[j][1]);
+        for (int j = 0; j < NJ; ++j) detail::mma_bf16(acc[i][j], af[i], bf[j][0], bf[j][1]);
     }
   }
-  cp_wait<0>();
+  detail::cp_async_wait<0>();
 
   // Epilogue: thread holds (row g / g + 8, cols 2 (lane % 4) + {0, 1}) of each m16 x n8 tile.
   const int g = lane >> 2, tq = lane & 3;
