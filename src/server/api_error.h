@@ -5,6 +5,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -23,5 +24,15 @@ nlohmann::json error_body(const Error& error);
 
 // error_body(error).dump(), never throws (invalid UTF-8 in the message is replaced).
 std::string error_json(const Error& error);
+
+// A 400 that names the request field `param` (ErrorCode::kInvalidArgument): how every request
+// parser reports bad input.
+inline tl::unexpected<Error> invalid_param(const std::string& param, std::string message) {
+  return make_error(ErrorCode::kInvalidArgument, std::move(message), param);
+}
+// The same for a field whose value is valid but not supported (ErrorCode::kUnsupported).
+inline tl::unexpected<Error> unsupported_param(const std::string& param, std::string message) {
+  return make_error(ErrorCode::kUnsupported, std::move(message), param);
+}
 
 }  // namespace m3::server

@@ -7,17 +7,10 @@
 
 #include <xxhash.h>
 
+#include "server/api_error.h"
 #include "vision/image_decode.h"
 
 namespace m3::server {
-
-namespace {
-
-tl::unexpected<Error> bad(const std::string& param, std::string msg) {
-  return make_error(ErrorCode::kInvalidArgument, std::move(msg), param);
-}
-
-}  // namespace
 
 std::shared_ptr<const vision::ProcessedImage> MediaCache::get(uint64_t h0, uint64_t h1) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -90,57 +83,62 @@ Result<std::vector<uint8_t>> fetch_media_bytes(const MediaPart& part, const Medi
   const std::string where = part.param;
   auto starts = [&](const char* p) { return url.rfind(p, 0) == 0; };
   if (starts("http://") || starts("https://")) {
-    return bad(where, where + ": remote " + part.kind +
-                          " URLs are not fetched (this server makes no network requests); send "
-                          "the " +
-                          part.kind +
-                          " inline as a data: URL, e.g. "
-                          "data:image/png;base64,...");
+    return invalid_param(where,
+                         where + ": remote " + part.kind +
+                             " URLs are not fetched (this server makes no network requests); send "
+                             "the " +
+                             part.kind +
+                             " inline as a data: URL, e.g. "
+                             "data:image/png;base64,...");
   }
   if (starts("data:")) {
     const size_t comma = url.find(',');
     if (comma == std::string::npos) {
-      return bad(where, where + ": the data: URL has no ',' before its payload");
+      return invalid_param(where, where + ": the data: URL has no ',' before its payload");
     }
     const std::string_view meta(url.data() + 5, comma - 5);
     if (meta.size() < 7 || meta.substr(meta.size() - 7) != ";base64") {
-      return bad(where, where + ": the data: URL is not base64 (expected data:<type>;base64,...)");
+      return invalid_param(
+          where, where + ": the data: URL is not base64 (expected data:<type>;base64,...)");
     }
     auto bytes = base64_decode(std::string_view(url).substr(comma + 1));
-    if (!bytes) return bad(where, where + ": the data: URL's payload is not valid base64");
-    if (bytes->empty()) return bad(where, where + ": the data: URL's payload is empty");
+    if (!bytes)
+      return invalid_param(where, where + ": the data: URL's payload is not valid base64");
+    if (bytes->empty()) return invalid_param(where, where + ": the data: URL's payload is empty");
     return std::move(*bytes);
   }
   if (starts("file://")) {
     namespace fs = std::filesystem;
     if (cfg.allowed_local_media_path.empty()) {
-      return bad(where, where +
-                            ": local files are refused; start the server with "
-                            "--allowed-local-media-path DIR to allow files under DIR");
+      return invalid_param(where, where +
+                                      ": local files are refused; start the server with "
+                                      "--allowed-local-media-path DIR to allow files under DIR");
     }
     std::error_code ec;
     const fs::path file = fs::canonical(fs::path(url.substr(7)), ec);
-    if (ec) return bad(where, where + ": cannot open " + url.substr(7) + ": " + ec.message());
+    if (ec)
+      return invalid_param(where, where + ": cannot open " + url.substr(7) + ": " + ec.message());
     const fs::path root = fs::canonical(cfg.allowed_local_media_path, ec);
-    if (ec) return bad(where, where + ": --allowed-local-media-path is not readable");
+    if (ec) return invalid_param(where, where + ": --allowed-local-media-path is not readable");
     const std::string fr = file.string(), rr = root.string();
     if (fr.size() <= rr.size() || fr.compare(0, rr.size(), rr) != 0 ||
         (rr.back() != '/' && fr[rr.size()] != '/')) {
-      return bad(where, where + ": " + url.substr(7) + " is outside --allowed-local-media-path (" +
-                            rr + ")");
+      return invalid_param(where, where + ": " + url.substr(7) +
+                                      " is outside --allowed-local-media-path (" + rr + ")");
     }
-    if (!fs::is_regular_file(file, ec)) return bad(where, where + ": " + fr + " is not a file");
+    if (!fs::is_regular_file(file, ec))
+      return invalid_param(where, where + ": " + fr + " is not a file");
     const auto size = fs::file_size(file, ec);
     if (ec || size > (uint64_t{256} << 20))
-      return bad(where, where + ": " + fr + " is unreadable or over 256 MiB");
+      return invalid_param(where, where + ": " + fr + " is unreadable or over 256 MiB");
     std::ifstream f(file, std::ios::binary);
     std::vector<uint8_t> bytes{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-    if (bytes.size() != size) return bad(where, where + ": could not read " + fr);
+    if (bytes.size() != size) return invalid_param(where, where + ": could not read " + fr);
     return bytes;
   }
-  return bad(where, where + ": unsupported " + part.kind +
-                        " URL (supported: data:...;base64, and file:// under "
-                        "--allowed-local-media-path)");
+  return invalid_param(where, where + ": unsupported " + part.kind +
+                                  " URL (supported: data:...;base64, and file:// under "
+                                  "--allowed-local-media-path)");
 }
 
 Status check_media_parts(const std::vector<MediaPart>& parts, const MediaConfig& cfg,
@@ -150,22 +148,25 @@ Status check_media_parts(const std::vector<MediaPart>& parts, const MediaConfig&
     if (p.kind == "video") {
       ++videos;
       if (videos > cfg.max_videos_per_prompt) {
-        return bad(p.param, p.param +
-                                ": video input is not supported by this server yet (video_url); "
-                                "send sampled frames as image_url parts");
+        return invalid_param(p.param,
+                             p.param +
+                                 ": video input is not supported by this server yet (video_url); "
+                                 "send sampled frames as image_url parts");
       }
     } else {
       ++images;
     }
   }
   if (images > cfg.max_images_per_prompt) {
-    return bad("messages", "the prompt has " + std::to_string(images) + " images; at most " +
-                               std::to_string(cfg.max_images_per_prompt) +
-                               " are allowed (--limit-mm-per-prompt '{\"image\": N}')");
+    return invalid_param("messages", "the prompt has " + std::to_string(images) +
+                                         " images; at most " +
+                                         std::to_string(cfg.max_images_per_prompt) +
+                                         " are allowed (--limit-mm-per-prompt '{\"image\": N}')");
   }
   if (images > 0 && !info.image_input) {
-    return bad(parts.front().param,
-               parts.front().param + ": image input is not available: " + info.image_refusal);
+    return invalid_param(
+        parts.front().param,
+        parts.front().param + ": image input is not available: " + info.image_refusal);
   }
   return {};
 }
@@ -187,9 +188,9 @@ Result<std::vector<engine::ImageInput>> prepare_images(const std::vector<MediaPa
         cache != nullptr ? cache->get(h.low64, h.high64) : nullptr;
     if (!img) {
       auto rgb = vision::decode_image(bytes, cfg.max_image_pixels);
-      if (!rgb) return bad(p.param, p.param + ": " + rgb.error().message);
+      if (!rgb) return invalid_param(p.param, p.param + ": " + rgb.error().message);
       auto proc = vision::preprocess_image(*rgb, pc);
-      if (!proc) return bad(p.param, p.param + ": " + proc.error().message);
+      if (!proc) return invalid_param(p.param, p.param + ": " + proc.error().message);
       img = std::make_shared<const vision::ProcessedImage>(std::move(*proc));
       if (cache != nullptr) cache->put(h.low64, h.high64, img);
     }
@@ -211,10 +212,11 @@ Status expand_image_placeholders(std::vector<int32_t>& ids, std::vector<engine::
   size_t found = 0;
   for (int32_t t : ids) found += t == image_id ? 1 : 0;
   if (found != images.size()) {
-    return bad("messages", "the rendered prompt holds " + std::to_string(found) +
-                               " image placeholders for " + std::to_string(images.size()) +
-                               " image parts (a chat template that ignores image parts, or the "
-                               "placeholder written as text)");
+    return invalid_param("messages",
+                         "the rendered prompt holds " + std::to_string(found) +
+                             " image placeholders for " + std::to_string(images.size()) +
+                             " image parts (a chat template that ignores image parts, or the "
+                             "placeholder written as text)");
   }
   if (images.empty()) return {};
   std::vector<int32_t> out;

@@ -7,19 +7,18 @@
 #include <limits>
 #include <sstream>
 
+#include "server/api_error.h"
 #include "server/json_limits.h"
 
 namespace m3::server {
 
+std::string string_member(const OrderedJson& obj, const char* key, const std::string& dflt) {
+  if (!obj.is_object()) return dflt;
+  auto it = obj.find(key);
+  return it != obj.end() && it->is_string() ? it->get<std::string>() : dflt;
+}
+
 namespace {
-
-tl::unexpected<Error> bad(const std::string& param, const std::string& message) {
-  return make_error(ErrorCode::kInvalidArgument, message, param);
-}
-
-tl::unexpected<Error> unsupported(const std::string& param, const std::string& message) {
-  return make_error(ErrorCode::kUnsupported, message, param);
-}
 
 std::string type_of(const OrderedJson& j) {
   if (j.is_number_integer() || j.is_number_unsigned()) return "integer";
@@ -37,10 +36,11 @@ Result<std::optional<double>> opt_number(const OrderedJson& obj, const char* key
   const OrderedJson* v = field(obj, key);
   if (!v) return std::optional<double>();
   if (!v->is_number()) {
-    return bad(key, std::string("'") + key + "' must be a number, got " + type_of(*v));
+    return invalid_param(key, std::string("'") + key + "' must be a number, got " + type_of(*v));
   }
   const double d = v->get<double>();
-  if (!std::isfinite(d)) return bad(key, std::string("'") + key + "' must be a finite number");
+  if (!std::isfinite(d))
+    return invalid_param(key, std::string("'") + key + "' must be a finite number");
   return std::optional<double>(d);
 }
 
@@ -51,7 +51,7 @@ Result<std::optional<int64_t>> opt_integer(const OrderedJson& obj, const char* k
   if (v->is_number_unsigned()) {
     const uint64_t u = v->get<uint64_t>();
     if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return bad(key, std::string("'") + key + "' is too large");
+      return invalid_param(key, std::string("'") + key + "' is too large");
     }
     return std::optional<int64_t>(static_cast<int64_t>(u));
   }
@@ -61,14 +61,14 @@ Result<std::optional<int64_t>> opt_integer(const OrderedJson& obj, const char* k
       return std::optional<int64_t>(static_cast<int64_t>(d));
     }
   }
-  return bad(key, std::string("'") + key + "' must be an integer, got " + type_of(*v));
+  return invalid_param(key, std::string("'") + key + "' must be an integer, got " + type_of(*v));
 }
 
 Result<std::optional<bool>> opt_bool(const OrderedJson& obj, const char* key) {
   const OrderedJson* v = field(obj, key);
   if (!v) return std::optional<bool>();
   if (!v->is_boolean()) {
-    return bad(key, std::string("'") + key + "' must be a boolean, got " + type_of(*v));
+    return invalid_param(key, std::string("'") + key + "' must be a boolean, got " + type_of(*v));
   }
   return std::optional<bool>(v->get<bool>());
 }
@@ -77,7 +77,7 @@ Result<std::optional<std::string>> opt_string(const OrderedJson& obj, const char
   const OrderedJson* v = field(obj, key);
   if (!v) return std::optional<std::string>();
   if (!v->is_string()) {
-    return bad(key, std::string("'") + key + "' must be a string, got " + type_of(*v));
+    return invalid_param(key, std::string("'") + key + "' must be a string, got " + type_of(*v));
   }
   return std::optional<std::string>(v->get<std::string>());
 }
@@ -95,8 +95,8 @@ Status read_float(const OrderedJson& obj, const char* key, double lo, double hi,
   if (!v) return {};
   const bool low_ok = lo_open ? *v > lo : *v >= lo;
   if (!low_ok || *v > hi) {
-    return bad(key, std::string("'") + key + "' must be in " + (lo_open ? "(" : "[") + fmt_num(lo) +
-                        ", " + fmt_num(hi) + "], got " + fmt_num(*v));
+    return invalid_param(key, std::string("'") + key + "' must be in " + (lo_open ? "(" : "[") +
+                                  fmt_num(lo) + ", " + fmt_num(hi) + "], got " + fmt_num(*v));
   }
   out = static_cast<float>(*v);
   return {};
@@ -105,7 +105,7 @@ Status read_float(const OrderedJson& obj, const char* key, double lo, double hi,
 Result<OrderedJson> parse_body(std::string_view body) {
   M3_TRY(OrderedJson j, parse_json_bounded(body, "the request body"));
   if (!j.is_object()) {
-    return bad("", "request body must be a JSON object, got " + type_of(j));
+    return invalid_param("", "request body must be a JSON object, got " + type_of(j));
   }
   return j;
 }
@@ -119,7 +119,7 @@ Status parse_kv_transfer(const OrderedJson& j, CommonParams& p) {
   auto it = j.find("kv_transfer_params");
   if (it == j.end() || it->is_null()) return {};
   const std::string f = "kv_transfer_params";
-  if (!it->is_object()) return bad(f, "'kv_transfer_params' must be an object");
+  if (!it->is_object()) return invalid_param(f, "'kv_transfer_params' must be an object");
   const OrderedJson& k = *it;
   engine::KvTransferParams t;
   M3_TRY(auto dec, opt_bool(k, "do_remote_decode"));
@@ -137,33 +137,37 @@ Status parse_kv_transfer(const OrderedJson& j, CommonParams& p) {
     else if (r->is_number_integer())
       t.remote_request_id = std::to_string(r->get<int64_t>());
     else
-      return bad(f, "'kv_transfer_params.remote_request_id' must be a string");
+      return invalid_param(f, "'kv_transfer_params.remote_request_id' must be a string");
   }
   if (auto r = k.find("remote_port"); r != k.end() && !r->is_null()) {
     if (!r->is_number_integer() || r->get<int64_t>() < 1 || r->get<int64_t>() > 65535)
-      return bad(f, "'kv_transfer_params.remote_port' must be a port number (1-65535)");
+      return invalid_param(f, "'kv_transfer_params.remote_port' must be a port number (1-65535)");
     t.remote_port = static_cast<int>(r->get<int64_t>());
   }
   if (auto r = k.find("remote_block_ids"); r != k.end() && !r->is_null()) {
-    if (!r->is_array()) return bad(f, "'kv_transfer_params.remote_block_ids' must be an array");
+    if (!r->is_array())
+      return invalid_param(f, "'kv_transfer_params.remote_block_ids' must be an array");
     // vLLM >= 0.11 nests them per KV cache group: [[ids...]]; m3serve has one group.
     const OrderedJson* ids = &*r;
     if (ids->size() == 1 && (*ids)[0].is_array()) ids = &(*ids)[0];
     for (const auto& b : *ids) {
       if (!b.is_number_integer() || b.get<int64_t>() < 0 ||
           b.get<int64_t>() > std::numeric_limits<int32_t>::max())
-        return bad(f, "'kv_transfer_params.remote_block_ids' entries must be page ids (>= 0)");
+        return invalid_param(
+            f, "'kv_transfer_params.remote_block_ids' entries must be page ids (>= 0)");
       t.remote_block_ids.push_back(b.get<int64_t>());
     }
   }
   if (t.do_remote_decode && p.stream)
-    return bad(f,
-               "kv_transfer_params.do_remote_decode with stream: the kv_transfer_params for the "
-               "decode worker come in the non-streamed response; send stream: false (as "
-               "vllm-router does)");
+    return invalid_param(
+        f,
+        "kv_transfer_params.do_remote_decode with stream: the kv_transfer_params for the "
+        "decode worker come in the non-streamed response; send stream: false (as "
+        "vllm-router does)");
   if (p.n != 1)
-    return bad(f, "kv_transfer_params with n = " + std::to_string(p.n) +
-                      ": prefill/decode disaggregation serves one choice per request (n = 1)");
+    return invalid_param(
+        f, "kv_transfer_params with n = " + std::to_string(p.n) +
+               ": prefill/decode disaggregation serves one choice per request (n = 1)");
   p.kv_transfer = std::move(t);
   return {};
 }
@@ -171,14 +175,14 @@ Status parse_kv_transfer(const OrderedJson& j, CommonParams& p) {
 Status parse_logit_controls(const OrderedJson& j, CommonParams& p) {
   if (const OrderedJson* lb = field(j, "logit_bias")) {
     if (!lb->is_object()) {
-      return bad(
+      return invalid_param(
           "logit_bias",
           "'logit_bias' must be an object of token id (a string) -> bias, got " + type_of(*lb));
     }
     if (lb->size() > kMaxLogitBias) {
-      return bad("logit_bias", "'logit_bias' holds " + std::to_string(lb->size()) +
-                                   " entries; at most " + std::to_string(kMaxLogitBias) +
-                                   " are allowed");
+      return invalid_param("logit_bias", "'logit_bias' holds " + std::to_string(lb->size()) +
+                                             " entries; at most " + std::to_string(kMaxLogitBias) +
+                                             " are allowed");
     }
     for (auto it = lb->begin(); it != lb->end(); ++it) {
       const std::string& key = it.key();
@@ -186,13 +190,13 @@ Status parse_logit_controls(const OrderedJson& j, CommonParams& p) {
       if (!key.empty() && key.size() <= 10 && std::all_of(key.begin(), key.end(), ::isdigit))
         id = std::stoll(key);
       if (id < 0 || id > std::numeric_limits<int32_t>::max()) {
-        return bad("logit_bias",
-                   "'logit_bias' keys must be token ids written as decimal strings, got \"" +
-                       key.substr(0, 40) + "\"");
+        return invalid_param(
+            "logit_bias", "'logit_bias' keys must be token ids written as decimal strings, got \"" +
+                              key.substr(0, 40) + "\"");
       }
       if (!it->is_number() || !std::isfinite(it->get<double>())) {
-        return bad("logit_bias",
-                   "'logit_bias[\"" + key + "\"]' must be a number, got " + type_of(*it));
+        return invalid_param("logit_bias",
+                             "'logit_bias[\"" + key + "\"]' must be a number, got " + type_of(*it));
       }
       // As OpenAI (and vLLM): biases are clamped to [-100, 100].
       const float b = static_cast<float>(std::clamp(it->get<double>(), -100.0, 100.0));
@@ -201,28 +205,30 @@ Status parse_logit_controls(const OrderedJson& j, CommonParams& p) {
   }
   if (const OrderedJson* ids = field(j, "allowed_token_ids")) {
     if (!ids->is_array()) {
-      return bad("allowed_token_ids",
-                 "'allowed_token_ids' must be an array of token ids, got " + type_of(*ids));
+      return invalid_param(
+          "allowed_token_ids",
+          "'allowed_token_ids' must be an array of token ids, got " + type_of(*ids));
     }
     M3_TRY(p.allowed_token_ids, token_array(*ids, "allowed_token_ids"));
   }
   if (const OrderedJson* bw = field(j, "bad_words")) {
     if (!bw->is_array())
-      return bad("bad_words", "'bad_words' must be an array of strings, got " + type_of(*bw));
+      return invalid_param("bad_words",
+                           "'bad_words' must be an array of strings, got " + type_of(*bw));
     if (bw->size() > kMaxStopStrings) {
-      return bad("bad_words", "'bad_words' holds " + std::to_string(bw->size()) +
-                                  " strings; at most " + std::to_string(kMaxStopStrings) +
-                                  " are allowed");
+      return invalid_param("bad_words", "'bad_words' holds " + std::to_string(bw->size()) +
+                                            " strings; at most " + std::to_string(kMaxStopStrings) +
+                                            " are allowed");
     }
     for (size_t i = 0; i < bw->size(); ++i) {
       const auto& w = (*bw)[i];
       const std::string wp = "bad_words[" + std::to_string(i) + "]";
       if (!w.is_string() || w.get<std::string>().empty()) {
-        return bad(wp, "'" + wp + "' must be a non-empty string");
+        return invalid_param(wp, "'" + wp + "' must be a non-empty string");
       }
       if (w.get<std::string>().size() > kMaxStopStringBytes) {
-        return bad(wp,
-                   "'" + wp + "' is longer than " + std::to_string(kMaxStopStringBytes) + " bytes");
+        return invalid_param(
+            wp, "'" + wp + "' is longer than " + std::to_string(kMaxStopStringBytes) + " bytes");
       }
       p.bad_words.push_back(w.get<std::string>());
     }
@@ -236,26 +242,27 @@ Result<std::string> schema_text(const OrderedJson& v, const std::string& param) 
   if (v.is_string()) {
     OrderedJson parsed = OrderedJson::parse(v.get<std::string>(), nullptr, false);
     if (!parsed.is_discarded() && (parsed.is_object() || parsed.is_boolean())) return parsed.dump();
-    return bad(param, "'" + param + "' must be a JSON schema: an object, or a string holding one");
+    return invalid_param(
+        param, "'" + param + "' must be a JSON schema: an object, or a string holding one");
   }
-  return bad(param, "'" + param + "' must be a JSON schema object, got " + type_of(v));
+  return invalid_param(param, "'" + param + "' must be a JSON schema object, got " + type_of(v));
 }
 
 Result<std::string> string_field(const OrderedJson& v, const std::string& param) {
   if (!v.is_string() || v.get<std::string>().empty()) {
-    return bad(param, "'" + param + "' must be a non-empty string, got " + type_of(v));
+    return invalid_param(param, "'" + param + "' must be a non-empty string, got " + type_of(v));
   }
   return v.get<std::string>();
 }
 
 Result<std::vector<std::string>> choice_list(const OrderedJson& v, const std::string& param) {
   if (!v.is_array() || v.empty())
-    return bad(param, "'" + param + "' must be a non-empty array of strings");
+    return invalid_param(param, "'" + param + "' must be a non-empty array of strings");
   std::vector<std::string> out;
   for (size_t i = 0; i < v.size(); ++i) {
     if (!v[i].is_string()) {
-      return bad(param, "'" + param + "[" + std::to_string(i) + "]' must be a string, got " +
-                            type_of(v[i]));
+      return invalid_param(param, "'" + param + "[" + std::to_string(i) +
+                                      "]' must be a string, got " + type_of(v[i]));
     }
     out.push_back(v[i].get<std::string>());
   }
@@ -282,7 +289,8 @@ Result<std::optional<text::StructuredOutputSpec>> structured_entry(const Ordered
     s.kind = K::kGrammar;
     M3_TRY(s.value, string_field(v, param));
   } else if (key == "json_object") {
-    if (!v.is_boolean()) return bad(param, "'" + param + "' must be a boolean, got " + type_of(v));
+    if (!v.is_boolean())
+      return invalid_param(param, "'" + param + "' must be a boolean, got " + type_of(v));
     if (!v.get<bool>()) return std::optional<text::StructuredOutputSpec>();
     s.kind = K::kJsonObject;
   }
@@ -294,7 +302,8 @@ Status parse_structured(const OrderedJson& j, CommonParams& p) {
   std::vector<text::StructuredOutputSpec> found;
   if (const OrderedJson* rf = field(j, "response_format")) {
     if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string()) {
-      return bad("response_format", "'response_format' must be an object with a string 'type'");
+      return invalid_param("response_format",
+                           "'response_format' must be an object with a string 'type'");
     }
     const std::string t = (*rf)["type"].get<std::string>();
     text::StructuredOutputSpec s;
@@ -305,8 +314,9 @@ Status parse_structured(const OrderedJson& j, CommonParams& p) {
     } else if (t == "json_schema") {
       const OrderedJson* js = field(*rf, "json_schema");
       if (!js || !js->is_object()) {
-        return bad("response_format.json_schema",
-                   "'response_format.json_schema' must be an object {name, schema, strict}");
+        return invalid_param(
+            "response_format.json_schema",
+            "'response_format.json_schema' must be an object {name, schema, strict}");
       }
       // OpenAI's field is `schema`; vLLM also reads `json_schema` there.
       const OrderedJson* schema = field(*js, "schema");
@@ -316,13 +326,13 @@ Status parse_structured(const OrderedJson& j, CommonParams& p) {
         sp = "response_format.json_schema.json_schema";
       }
       if (!schema) {
-        return bad(
+        return invalid_param(
             "response_format.json_schema.schema",
             "'response_format.json_schema.schema' is required: the JSON schema of the output");
       }
       if (const OrderedJson* strict = field(*js, "strict"); strict && !strict->is_boolean()) {
-        return bad("response_format.json_schema.strict",
-                   "'response_format.json_schema.strict' must be a boolean");
+        return invalid_param("response_format.json_schema.strict",
+                             "'response_format.json_schema.strict' must be a boolean");
       }
       s.kind = text::StructuredOutputSpec::Kind::kJsonSchema;
       s.param = sp;
@@ -335,17 +345,18 @@ Status parse_structured(const OrderedJson& j, CommonParams& p) {
       s.value = format.dump();
       found.push_back(std::move(s));
     } else if (t != "text") {
-      return bad("response_format.type",
-                 "'response_format.type' must be \"text\", \"json_object\", \"json_schema\" "
-                 "or \"structural_tag\", got \"" +
-                     t + "\"");
+      return invalid_param(
+          "response_format.type",
+          "'response_format.type' must be \"text\", \"json_object\", \"json_schema\" "
+          "or \"structural_tag\", got \"" +
+              t + "\"");
     }
   }
   static constexpr const char* kKinds[] = {"json", "regex", "choice", "grammar", "json_object"};
   if (const OrderedJson* so = field(j, "structured_outputs")) {
     if (!so->is_object()) {
-      return bad("structured_outputs",
-                 "'structured_outputs' must be an object, got " + type_of(*so));
+      return invalid_param("structured_outputs",
+                           "'structured_outputs' must be an object, got " + type_of(*so));
     }
     for (auto it = so->begin(); it != so->end(); ++it) {
       const std::string& key = it.key();
@@ -358,14 +369,14 @@ Status parse_structured(const OrderedJson& j, CommonParams& p) {
                  key == "disable_additional_properties") {
         // One grammar engine (no fallback to choose); the others change the grammar and are
         // only accepted where they change nothing.
-        if (!it->is_boolean()) return bad(param, "'" + param + "' must be a boolean");
+        if (!it->is_boolean()) return invalid_param(param, "'" + param + "' must be a boolean");
         if (key != "disable_fallback" && it->get<bool>()) {
-          return unsupported(param, "'" + param + "': true is not supported; leave it out");
+          return unsupported_param(param, "'" + param + "': true is not supported; leave it out");
         }
       } else if (key == "backend") {
         if (!it->is_string() ||
             (it->get<std::string>() != "xgrammar" && it->get<std::string>() != "auto")) {
-          return unsupported(
+          return unsupported_param(
               param, "'" + param + "' must be \"xgrammar\" or \"auto\" (the only backend here)");
         }
       } else if (key == "structural_tag") {
@@ -374,7 +385,8 @@ Status parse_structured(const OrderedJson& j, CommonParams& p) {
         if (it->is_string()) {
           tag = OrderedJson::parse(it->get<std::string>(), nullptr, false);
           if (tag.is_discarded())
-            return bad(param, "'" + param + "' must be a structural tag: JSON text or an object");
+            return invalid_param(
+                param, "'" + param + "' must be a structural tag: JSON text or an object");
         }
         M3_TRY(auto format, text::structural_tag_format(tag, param));
         text::StructuredOutputSpec st;
@@ -383,13 +395,14 @@ Status parse_structured(const OrderedJson& j, CommonParams& p) {
         st.value = format.dump();
         found.push_back(std::move(st));
       } else if (key == "whitespace_pattern") {
-        return unsupported(param, "'" + param +
-                                      "' is not supported; use json, regex, choice, grammar, "
-                                      "json_object or structural_tag");
+        return unsupported_param(param, "'" + param +
+                                            "' is not supported; use json, regex, choice, grammar, "
+                                            "json_object or structural_tag");
       } else {
-        return bad(param, "'structured_outputs' has no field '" + key +
-                              "'; it takes one of json, regex, choice, grammar, json_object, "
-                              "structural_tag");
+        return invalid_param(param,
+                             "'structured_outputs' has no field '" + key +
+                                 "'; it takes one of json, regex, choice, grammar, json_object, "
+                                 "structural_tag");
       }
     }
   }
@@ -403,18 +416,18 @@ Status parse_structured(const OrderedJson& j, CommonParams& p) {
   if (const OrderedJson* b = field(j, "guided_decoding_backend")) {
     if (!b->is_string() ||
         (b->get<std::string>() != "xgrammar" && b->get<std::string>() != "auto")) {
-      return unsupported("guided_decoding_backend",
-                         "'guided_decoding_backend' must be \"xgrammar\" or \"auto\"");
+      return unsupported_param("guided_decoding_backend",
+                               "'guided_decoding_backend' must be \"xgrammar\" or \"auto\"");
     }
   }
   if (field(j, "guided_whitespace_pattern")) {
-    return unsupported("guided_whitespace_pattern",
-                       "'guided_whitespace_pattern' is not supported; leave it out");
+    return unsupported_param("guided_whitespace_pattern",
+                             "'guided_whitespace_pattern' is not supported; leave it out");
   }
   if (found.size() > 1) {
-    return bad(found[1].param, "only one structured output constraint may be given, but '" +
-                                   found[0].param + "' and '" + found[1].param +
-                                   "' both are; keep one");
+    return invalid_param(found[1].param,
+                         "only one structured output constraint may be given, but '" +
+                             found[0].param + "' and '" + found[1].param + "' both are; keep one");
   }
   if (!found.empty()) p.structured = std::move(found[0]);
   return {};
@@ -423,38 +436,41 @@ Status parse_structured(const OrderedJson& j, CommonParams& p) {
 // vLLM's refusal of a logprobs count over --max-logprobs (`what`: "sample" or "prompt").
 tl::unexpected<Error> over_max_logprobs(const std::string& param, const char* what, int64_t k,
                                         int32_t max_logprobs) {
-  return bad(param, std::string("Requested ") + what + " logprobs of " + std::to_string(k) +
-                        ", which is greater than max allowed: " + std::to_string(max_logprobs) +
-                        " (the server's --max-logprobs)");
+  return invalid_param(param, std::string("Requested ") + what + " logprobs of " +
+                                  std::to_string(k) + ", which is greater than max allowed: " +
+                                  std::to_string(max_logprobs) + " (the server's --max-logprobs)");
 }
 
 // vLLM's fields beyond OpenAI's that both endpoints read.
 Status parse_vllm_extras(const OrderedJson& j, CommonParams& p, int32_t max_logprobs) {
   M3_TRY(auto beam, opt_bool(j, "use_beam_search"));
   if (beam && *beam) {
-    return unsupported("use_beam_search",
-                       "'use_beam_search' is not supported: m3serve samples one sequence per "
-                       "choice; leave it out (use 'n' for several samples)");
+    return unsupported_param("use_beam_search",
+                             "'use_beam_search' is not supported: m3serve samples one sequence per "
+                             "choice; leave it out (use 'n' for several samples)");
   }
   M3_TRY(auto trunc, opt_integer(j, "truncate_prompt_tokens"));
   if (trunc) {
     if (*trunc < -1 || *trunc == 0) {
-      return bad("truncate_prompt_tokens",
-                 "'truncate_prompt_tokens' must be a positive number of tokens (or -1: the last "
-                 "max_model_len), got " +
-                     std::to_string(*trunc));
+      return invalid_param(
+          "truncate_prompt_tokens",
+          "'truncate_prompt_tokens' must be a positive number of tokens (or -1: the last "
+          "max_model_len), got " +
+              std::to_string(*trunc));
     }
     p.truncate_prompt_tokens = *trunc;
   }
   M3_TRY(auto plp, opt_integer(j, "prompt_logprobs"));
   if (plp) {
     if (*plp < 0) {
-      return bad("prompt_logprobs", "'prompt_logprobs' must be >= 0, got " + std::to_string(*plp));
+      return invalid_param("prompt_logprobs",
+                           "'prompt_logprobs' must be >= 0, got " + std::to_string(*plp));
     }
     if (*plp > max_logprobs)
       return over_max_logprobs("prompt_logprobs", "prompt", *plp, max_logprobs);
     if (p.stream) {
-      return bad("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true");
+      return invalid_param("prompt_logprobs",
+                           "'prompt_logprobs' are not available when 'stream' is true");
     }
     p.prompt_logprobs = static_cast<int32_t>(*plp);
   }
@@ -473,21 +489,23 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
   M3_TRY(auto n, opt_integer(j, "n"));
   if (n) {
     if (*n < 1 || *n > kMaxN) {
-      return bad("n", "'n' must be between 1 and " + std::to_string(kMaxN) + ", got " +
-                          std::to_string(*n));
+      return invalid_param("n", "'n' must be between 1 and " + std::to_string(kMaxN) + ", got " +
+                                    std::to_string(*n));
     }
     p.n = static_cast<int32_t>(*n);
   }
   M3_TRY(auto best_of, opt_integer(j, "best_of"));
   if (best_of && *best_of != p.n) {
-    return unsupported("best_of", "'best_of' different from 'n' is not supported; leave it out");
+    return unsupported_param("best_of",
+                             "'best_of' different from 'n' is not supported; leave it out");
   }
 
   M3_TRY(auto stream, opt_bool(j, "stream"));
   p.stream = stream.value_or(false);
   if (const OrderedJson* so = field(j, "stream_options")) {
     if (!so->is_object()) {
-      return bad("stream_options", "'stream_options' must be an object, got " + type_of(*so));
+      return invalid_param("stream_options",
+                           "'stream_options' must be an object, got " + type_of(*so));
     }
     M3_TRY(auto iu, opt_bool(*so, "include_usage"));
     M3_TRY(auto cu, opt_bool(*so, "continuous_usage_stats"));
@@ -500,23 +518,26 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
     M3_TRY(auto mt, opt_integer(j, key));
     if (!mt) continue;
     if (*mt < 1) {
-      return bad(key, std::string("'") + key + "' must be at least 1, got " + std::to_string(*mt));
+      return invalid_param(
+          key, std::string("'") + key + "' must be at least 1, got " + std::to_string(*mt));
     }
     if (*mt > std::numeric_limits<int32_t>::max()) {
-      return bad(key, std::string("'") + key + "' is too large (" + std::to_string(*mt) +
-                          "); prompt + completion must fit the model's context (--max-model-len)");
+      return invalid_param(
+          key, std::string("'") + key + "' is too large (" + std::to_string(*mt) +
+                   "); prompt + completion must fit the model's context (--max-model-len)");
     }
     p.max_tokens = static_cast<int32_t>(*mt);
   }
   M3_TRY(auto min_tokens, opt_integer(j, "min_tokens"));
   if (min_tokens) {
     if (*min_tokens < 0 || *min_tokens > std::numeric_limits<int32_t>::max()) {
-      return bad("min_tokens", "'min_tokens' must be >= 0, got " + std::to_string(*min_tokens));
+      return invalid_param("min_tokens",
+                           "'min_tokens' must be >= 0, got " + std::to_string(*min_tokens));
     }
     if (p.max_tokens && *min_tokens > *p.max_tokens) {
-      return bad("min_tokens", "'min_tokens' (" + std::to_string(*min_tokens) +
-                                   ") must not exceed max_tokens (" +
-                                   std::to_string(*p.max_tokens) + ")");
+      return invalid_param("min_tokens", "'min_tokens' (" + std::to_string(*min_tokens) +
+                                             ") must not exceed max_tokens (" +
+                                             std::to_string(*p.max_tokens) + ")");
     }
     p.min_tokens = static_cast<int32_t>(*min_tokens);
   }
@@ -530,8 +551,9 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
   M3_TRY(auto top_k, opt_integer(j, "top_k"));
   if (top_k) {
     if (*top_k < -1 || *top_k > std::numeric_limits<int32_t>::max()) {
-      return bad("top_k", "'top_k' must be -1 (off), 0 (off) or a positive integer, got " +
-                              std::to_string(*top_k));
+      return invalid_param(
+          "top_k",
+          "'top_k' must be -1 (off), 0 (off) or a positive integer, got " + std::to_string(*top_k));
     }
     p.top_k = static_cast<int32_t>(*top_k);
   }
@@ -541,7 +563,7 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
     } else if (seed->is_number_integer()) {
       p.seed = static_cast<uint64_t>(seed->get<int64_t>());
     } else {
-      return bad("seed", "'seed' must be an integer, got " + type_of(*seed));
+      return invalid_param("seed", "'seed' must be an integer, got " + type_of(*seed));
     }
   }
 
@@ -550,41 +572,45 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
       if (!stop->get<std::string>().empty()) p.stop.push_back(stop->get<std::string>());
     } else if (stop->is_array()) {
       if (stop->size() > kMaxStopStrings) {
-        return bad("stop", "'stop' holds " + std::to_string(stop->size()) + " strings; at most " +
-                               std::to_string(kMaxStopStrings) + " are allowed");
+        return invalid_param("stop", "'stop' holds " + std::to_string(stop->size()) +
+                                         " strings; at most " + std::to_string(kMaxStopStrings) +
+                                         " are allowed");
       }
       for (size_t i = 0; i < stop->size(); ++i) {
         const auto& s = (*stop)[i];
         if (!s.is_string()) {
-          return bad("stop",
-                     "'stop[" + std::to_string(i) + "]' must be a string, got " + type_of(s));
+          return invalid_param(
+              "stop", "'stop[" + std::to_string(i) + "]' must be a string, got " + type_of(s));
         }
         if (!s.get<std::string>().empty()) p.stop.push_back(s.get<std::string>());
       }
     } else {
-      return bad("stop", "'stop' must be a string or an array of strings, got " + type_of(*stop));
+      return invalid_param("stop",
+                           "'stop' must be a string or an array of strings, got " + type_of(*stop));
     }
     for (const auto& s : p.stop) {
       if (s.size() > kMaxStopStringBytes) {
-        return bad("stop", "a stop string is " + std::to_string(s.size()) + " bytes; at most " +
-                               std::to_string(kMaxStopStringBytes) + " are allowed");
+        return invalid_param("stop", "a stop string is " + std::to_string(s.size()) +
+                                         " bytes; at most " + std::to_string(kMaxStopStringBytes) +
+                                         " are allowed");
       }
     }
   }
   if (const OrderedJson* ids = field(j, "stop_token_ids")) {
     if (!ids->is_array()) {
-      return bad("stop_token_ids",
-                 "'stop_token_ids' must be an array of integers, got " + type_of(*ids));
+      return invalid_param("stop_token_ids",
+                           "'stop_token_ids' must be an array of integers, got " + type_of(*ids));
     }
     if (ids->size() > kMaxStopTokenIds) {
-      return bad("stop_token_ids", "'stop_token_ids' holds " + std::to_string(ids->size()) +
-                                       " ids; at most " + std::to_string(kMaxStopTokenIds) +
-                                       " are allowed");
+      return invalid_param("stop_token_ids", "'stop_token_ids' holds " +
+                                                 std::to_string(ids->size()) + " ids; at most " +
+                                                 std::to_string(kMaxStopTokenIds) + " are allowed");
     }
     for (const auto& id : *ids) {
       if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
           id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
-        return bad("stop_token_ids", "'stop_token_ids' entries must be non-negative token ids");
+        return invalid_param("stop_token_ids",
+                             "'stop_token_ids' entries must be non-negative token ids");
       }
       p.stop_token_ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
     }
@@ -599,7 +625,7 @@ Status parse_common(const OrderedJson& j, CommonParams& p, bool chat) {
   if (priority) {
     if (*priority < std::numeric_limits<int32_t>::min() ||
         *priority > std::numeric_limits<int32_t>::max()) {
-      return bad("priority", "'priority' must fit in 32 bits");
+      return invalid_param("priority", "'priority' must fit in 32 bits");
     }
     p.priority = static_cast<int32_t>(*priority);
   }
@@ -616,30 +642,34 @@ Result<std::vector<int32_t>> token_array(const OrderedJson& arr, const std::stri
   ids.reserve(arr.size());
   for (const auto& v : arr) {
     if (!(v.is_number_integer() || v.is_number_unsigned())) {
-      return bad(param, "'" + param + "' must hold only integer token ids, got " + type_of(v));
+      return invalid_param(param,
+                           "'" + param + "' must hold only integer token ids, got " + type_of(v));
     }
     const int64_t id = v.is_number_unsigned()
                            ? static_cast<int64_t>(std::min<uint64_t>(v.get<uint64_t>(), 1ull << 40))
                            : v.get<int64_t>();
     if (id < 0 || id > std::numeric_limits<int32_t>::max()) {
-      return bad(param, "'" + param + "' holds token id " + std::to_string(id) +
-                            ", which is not a valid id");
+      return invalid_param(param, "'" + param + "' holds token id " + std::to_string(id) +
+                                      ", which is not a valid id");
     }
     ids.push_back(static_cast<int32_t>(id));
   }
-  if (ids.empty()) return bad(param, "'" + param + "' must not be an empty list of token ids");
+  if (ids.empty())
+    return invalid_param(param, "'" + param + "' must not be an empty list of token ids");
   return ids;
 }
 
 // An image or video part's URL: {"image_url": {"url": U}} or {"image_url": U} (also "video_url",
 // and the Responses-style {"type": "input_image", "image_url": U}).
 Result<std::string> media_url(const OrderedJson& part, const char* key, const std::string& pp) {
-  if (!part.contains(key)) return bad(pp + "." + key, "'" + pp + "." + key + "' is required");
+  if (!part.contains(key))
+    return invalid_param(pp + "." + key, "'" + pp + "." + key + "' is required");
   const auto& u = part[key];
   if (u.is_string()) return u.get<std::string>();
   if (u.is_object() && u.contains("url") && u["url"].is_string())
     return u["url"].get<std::string>();
-  return bad(pp + "." + key, "'" + pp + "." + key + "' must be a URL string or {\"url\": ...}");
+  return invalid_param(pp + "." + key,
+                       "'" + pp + "." + key + "' must be a URL string or {\"url\": ...}");
 }
 
 // Message content: a string, null, or an array of {"type": "text", "text": ...} parts
@@ -650,12 +680,14 @@ Result<OrderedJson> normalise_content(const OrderedJson& content, const std::str
                                       std::vector<MediaPart>* media = nullptr) {
   if (content.is_null() || content.is_string()) return content;
   if (!content.is_array()) {
-    return bad(param, "'" + param + "' must be a string, null or an array of content parts, got " +
-                          type_of(content));
+    return invalid_param(param, "'" + param +
+                                    "' must be a string, null or an array of content parts, got " +
+                                    type_of(content));
   }
   if (content.size() > kMaxContentParts) {
-    return bad(param, "'" + param + "' has " + std::to_string(content.size()) + " parts; at most " +
-                          std::to_string(kMaxContentParts) + " are allowed");
+    return invalid_param(param, "'" + param + "' has " + std::to_string(content.size()) +
+                                    " parts; at most " + std::to_string(kMaxContentParts) +
+                                    " are allowed");
   }
   std::string text;
   bool first = true;
@@ -671,12 +703,12 @@ Result<OrderedJson> normalise_content(const OrderedJson& content, const std::str
       continue;
     }
     if (!part.is_object() || !part.contains("type") || !part["type"].is_string()) {
-      return bad(pp, "'" + pp + "' must be an object with a string 'type'");
+      return invalid_param(pp, "'" + pp + "' must be an object with a string 'type'");
     }
     const std::string type = part["type"].get<std::string>();
     if (type == "text" || type == "input_text" || type == "output_text") {
       if (!part.contains("text") || !part["text"].is_string()) {
-        return bad(pp + ".text", "'" + pp + ".text' must be a string");
+        return invalid_param(pp + ".text", "'" + pp + ".text' must be a string");
       }
       text += (first ? "" : "\n") + part["text"].get<std::string>();
       first = false;
@@ -691,8 +723,9 @@ Result<OrderedJson> normalise_content(const OrderedJson& content, const std::str
       parts.push_back({{"type", video ? "video" : "image"}});
       has_media = true;
     } else {
-      return unsupported(pp, "content part type '" + type +
-                                 "' is not supported; send text, image_url or video_url parts");
+      return unsupported_param(pp,
+                               "content part type '" + type +
+                                   "' is not supported; send text, image_url or video_url parts");
     }
   }
   if (has_media) return parts;
@@ -701,22 +734,25 @@ Result<OrderedJson> normalise_content(const OrderedJson& content, const std::str
 
 Result<OrderedJson> parse_messages(const OrderedJson& j, std::vector<MediaPart>* media) {
   const OrderedJson* msgs = field(j, "messages");
-  if (!msgs) return bad("messages", "'messages' is required: a non-empty array of {role, content}");
+  if (!msgs)
+    return invalid_param("messages",
+                         "'messages' is required: a non-empty array of {role, content}");
   if (!msgs->is_array())
-    return bad("messages", "'messages' must be an array, got " + type_of(*msgs));
-  if (msgs->empty()) return bad("messages", "'messages' must not be empty");
+    return invalid_param("messages", "'messages' must be an array, got " + type_of(*msgs));
+  if (msgs->empty()) return invalid_param("messages", "'messages' must not be empty");
   if (msgs->size() > kMaxMessages) {
-    return bad("messages", "'messages' holds " + std::to_string(msgs->size()) +
-                               " messages; at most " + std::to_string(kMaxMessages) +
-                               " are allowed");
+    return invalid_param("messages", "'messages' holds " + std::to_string(msgs->size()) +
+                                         " messages; at most " + std::to_string(kMaxMessages) +
+                                         " are allowed");
   }
   OrderedJson out = OrderedJson::array();
   for (size_t i = 0; i < msgs->size(); ++i) {
     const std::string mp = "messages[" + std::to_string(i) + "]";
     const auto& m = (*msgs)[i];
-    if (!m.is_object()) return bad(mp, "'" + mp + "' must be an object, got " + type_of(m));
+    if (!m.is_object())
+      return invalid_param(mp, "'" + mp + "' must be an object, got " + type_of(m));
     if (!m.contains("role") || !m["role"].is_string() || m["role"].get<std::string>().empty()) {
-      return bad(mp + ".role", "'" + mp + ".role' must be a non-empty string");
+      return invalid_param(mp + ".role", "'" + mp + ".role' must be a non-empty string");
     }
     OrderedJson msg = m;
     const std::string role = m["role"].get<std::string>();
@@ -724,21 +760,23 @@ Result<OrderedJson> parse_messages(const OrderedJson& j, std::vector<MediaPart>*
     static const char* const kRoles[] = {"system", "developer", "user", "assistant",
                                          "tool",   "function",  "root"};
     if (std::find(std::begin(kRoles), std::end(kRoles), role) == std::end(kRoles)) {
-      return bad(mp + ".role", "'" + mp + ".role' is '" + role +
-                                   "'; use one of system, developer, user, assistant, tool, root");
+      return invalid_param(mp + ".role",
+                           "'" + mp + ".role' is '" + role +
+                               "'; use one of system, developer, user, assistant, tool, root");
     }
     if (m.contains("content")) {
       M3_TRY(auto c, normalise_content(m["content"], mp + ".content", media));
       msg["content"] = std::move(c);
     } else if (role != "assistant") {
-      return bad(mp + ".content", "'" + mp + ".content' is required for role '" + role + "'");
+      return invalid_param(mp + ".content",
+                           "'" + mp + ".content' is required for role '" + role + "'");
     } else {
       msg["content"] = nullptr;
     }
     // Reasoning round-trips under either name (interleaved thinking must stay in history).
     for (const char* key : {"reasoning_content", "reasoning"}) {
       if (msg.contains(key) && !msg[key].is_null() && !msg[key].is_string()) {
-        return bad(mp + "." + key, "'" + mp + "." + key + "' must be a string");
+        return invalid_param(mp + "." + key, "'" + mp + "." + key + "' must be a string");
       }
     }
     if (msg.contains("reasoning") && msg["reasoning"].is_string() &&
@@ -748,30 +786,33 @@ Result<OrderedJson> parse_messages(const OrderedJson& j, std::vector<MediaPart>*
     if (msg.contains("tool_calls") && !msg["tool_calls"].is_null()) {
       const auto& tcs = msg["tool_calls"];
       if (!tcs.is_array())
-        return bad(mp + ".tool_calls", "'" + mp + ".tool_calls' must be an array");
+        return invalid_param(mp + ".tool_calls", "'" + mp + ".tool_calls' must be an array");
       if (tcs.size() > kMaxToolCalls) {
-        return bad(mp + ".tool_calls", "'" + mp + ".tool_calls' holds " +
-                                           std::to_string(tcs.size()) + " calls; at most " +
-                                           std::to_string(kMaxToolCalls) + " are allowed");
+        return invalid_param(mp + ".tool_calls",
+                             "'" + mp + ".tool_calls' holds " + std::to_string(tcs.size()) +
+                                 " calls; at most " + std::to_string(kMaxToolCalls) +
+                                 " are allowed");
       }
       OrderedJson calls = OrderedJson::array();
       for (size_t k = 0; k < tcs.size(); ++k) {
         const std::string tp = mp + ".tool_calls[" + std::to_string(k) + "]";
         const auto& tc = tcs[k];
         if (!tc.is_object() || !tc.contains("function") || !tc["function"].is_object()) {
-          return bad(tp, "'" + tp + "' must be an object with a 'function' object");
+          return invalid_param(tp, "'" + tp + "' must be an object with a 'function' object");
         }
         OrderedJson call = tc;
         OrderedJson& fn = call["function"];
         if (!fn.contains("name") || !fn["name"].is_string()) {
-          return bad(tp + ".function.name", "'" + tp + ".function.name' must be a string");
+          return invalid_param(tp + ".function.name",
+                               "'" + tp + ".function.name' must be a string");
         }
         // Templates iterate the arguments as a mapping; clients send them as a JSON string.
         if (fn.contains("arguments") && !fn["arguments"].is_string() &&
             !fn["arguments"].is_object() && !fn["arguments"].is_null()) {
-          return bad(tp + ".function.arguments",
-                     "'" + tp + ".function.arguments' must be a JSON string (or an object), got " +
-                         type_of(fn["arguments"]));
+          return invalid_param(
+              tp + ".function.arguments",
+              "'" + tp + ".function.arguments' must be a JSON string (or an object), got " +
+                  type_of(fn["arguments"]));
         }
         if (fn.contains("arguments") && fn["arguments"].is_string()) {
           // Arguments that are not JSON stay a string (the template prints them as given); a
@@ -780,12 +821,13 @@ Result<OrderedJson> parse_messages(const OrderedJson& j, std::vector<MediaPart>*
           const std::string& text = fn["arguments"].get_ref<const std::string&>();
           const JsonShape shape = json_shape(text, kMaxJsonDepth, kMaxObjectMembers);
           if (shape.depth > kMaxJsonDepth) {
-            return bad(ap, "'" + ap + "' nests objects/arrays more than " +
-                               std::to_string(kMaxJsonDepth) + " levels deep; flatten it");
+            return invalid_param(ap, "'" + ap + "' nests objects/arrays more than " +
+                                         std::to_string(kMaxJsonDepth) +
+                                         " levels deep; flatten it");
           }
           if (shape.max_members > kMaxObjectMembers) {
-            return bad(ap, "'" + ap + "' has an object with more than " +
-                               std::to_string(kMaxObjectMembers) + " members");
+            return invalid_param(ap, "'" + ap + "' has an object with more than " +
+                                         std::to_string(kMaxObjectMembers) + " members");
           }
           OrderedJson args = OrderedJson::parse(text, nullptr, false);
           if (!args.is_discarded() && args.is_object()) fn["arguments"] = std::move(args);
@@ -802,36 +844,41 @@ Result<OrderedJson> parse_messages(const OrderedJson& j, std::vector<MediaPart>*
 Status parse_tools(const OrderedJson& j, ChatRequest& r) {
   const OrderedJson* tools = field(j, "tools");
   if (tools) {
-    if (!tools->is_array()) return bad("tools", "'tools' must be an array, got " + type_of(*tools));
+    if (!tools->is_array())
+      return invalid_param("tools", "'tools' must be an array, got " + type_of(*tools));
     if (tools->size() > kMaxTools) {
-      return bad("tools", "'tools' holds " + std::to_string(tools->size()) + " tools; at most " +
-                              std::to_string(kMaxTools) + " are allowed");
+      return invalid_param("tools", "'tools' holds " + std::to_string(tools->size()) +
+                                        " tools; at most " + std::to_string(kMaxTools) +
+                                        " are allowed");
     }
     // Schemas are walked by the template and the tool parser; bound that work before it starts.
     if (json_node_count(*tools, kMaxToolSchemaNodes) > kMaxToolSchemaNodes) {
-      return bad("tools", "'tools' holds more than " + std::to_string(kMaxToolSchemaNodes) +
-                              " JSON values in all; send fewer or smaller tool schemas");
+      return invalid_param("tools", "'tools' holds more than " +
+                                        std::to_string(kMaxToolSchemaNodes) +
+                                        " JSON values in all; send fewer or smaller tool schemas");
     }
     for (size_t i = 0; i < tools->size(); ++i) {
       const std::string tp = "tools[" + std::to_string(i) + "]";
       const auto& t = (*tools)[i];
-      if (!t.is_object()) return bad(tp, "'" + tp + "' must be an object");
+      if (!t.is_object()) return invalid_param(tp, "'" + tp + "' must be an object");
       if (t.contains("type") &&
           (!t["type"].is_string() || t["type"].get<std::string>() != "function")) {
-        return unsupported(tp + ".type", "'" + tp + ".type' must be \"function\"");
+        return unsupported_param(tp + ".type", "'" + tp + ".type' must be \"function\"");
       }
       if (!t.contains("function") || !t["function"].is_object()) {
-        return bad(tp + ".function", "'" + tp + ".function' must be an object with 'name'");
+        return invalid_param(tp + ".function",
+                             "'" + tp + ".function' must be an object with 'name'");
       }
       const auto& fn = t["function"];
       if (!fn.contains("name") || !fn["name"].is_string() ||
           fn["name"].get<std::string>().empty()) {
-        return bad(tp + ".function.name", "'" + tp + ".function.name' must be a non-empty string");
+        return invalid_param(tp + ".function.name",
+                             "'" + tp + ".function.name' must be a non-empty string");
       }
       if (fn.contains("parameters") && !fn["parameters"].is_null() &&
           !fn["parameters"].is_object()) {
-        return bad(tp + ".function.parameters",
-                   "'" + tp + ".function.parameters' must be a JSON schema object");
+        return invalid_param(tp + ".function.parameters",
+                             "'" + tp + ".function.parameters' must be a JSON schema object");
       }
     }
     if (!tools->empty()) r.tools = *tools;
@@ -851,27 +898,28 @@ Status parse_tools(const OrderedJson& j, ChatRequest& r) {
     else if (s == "required")
       r.tool_choice.kind = ToolChoiceKind::kRequired;
     else
-      return bad("tool_choice",
-                 "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": "
-                 "\"function\", \"function\": {\"name\": ...}}, got \"" +
-                     s + "\"");
+      return invalid_param("tool_choice",
+                           "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": "
+                           "\"function\", \"function\": {\"name\": ...}}, got \"" +
+                               s + "\"");
   } else if (tc->is_object()) {
     const auto fn = tc->find("function");
     if (fn == tc->end() || !fn->is_object() || !fn->contains("name") ||
         !(*fn)["name"].is_string()) {
-      return bad(
+      return invalid_param(
           "tool_choice",
           "'tool_choice' object must be {\"type\": \"function\", \"function\": {\"name\": ...}}");
     }
     r.tool_choice.kind = ToolChoiceKind::kNamed;
     r.tool_choice.name = (*fn)["name"].get<std::string>();
   } else {
-    return bad("tool_choice", "'tool_choice' must be a string or an object, got " + type_of(*tc));
+    return invalid_param("tool_choice",
+                         "'tool_choice' must be a string or an object, got " + type_of(*tc));
   }
   if (r.tool_choice.kind == ToolChoiceKind::kRequired ||
       r.tool_choice.kind == ToolChoiceKind::kNamed) {
     if (!r.tools.is_array()) {
-      return bad(
+      return invalid_param(
           "tool_choice",
           "tool_choice '" +
               std::string(r.tool_choice.kind == ToolChoiceKind::kNamed ? "function" : "required") +
@@ -883,8 +931,8 @@ Status parse_tools(const OrderedJson& j, ChatRequest& r) {
     for (const auto& t : r.tools)
       found = found || t["function"]["name"].get<std::string>() == r.tool_choice.name;
     if (!found) {
-      return bad("tool_choice", "tool_choice names function '" + r.tool_choice.name +
-                                    "', which is not in 'tools'");
+      return invalid_param("tool_choice", "tool_choice names function '" + r.tool_choice.name +
+                                              "', which is not in 'tools'");
     }
   }
   return {};
@@ -937,16 +985,18 @@ Result<CompletionRequest> parse_completion_request(std::string_view body, int32_
   M3_TRY_STATUS(parse_vllm_extras(j, r.common, max_logprobs));
   const OrderedJson* prompt = field(j, "prompt");
   if (!prompt)
-    return bad("prompt", "'prompt' is required: a string, a list of strings or token ids");
+    return invalid_param("prompt",
+                         "'prompt' is required: a string, a list of strings or token ids");
   if (prompt->is_array() && !prompt->empty() && !(*prompt)[0].is_number() &&
       prompt->size() > kMaxPrompts) {
-    return bad("prompt", "'prompt' holds " + std::to_string(prompt->size()) + " prompts; at most " +
-                             std::to_string(kMaxPrompts) + " are allowed in one request");
+    return invalid_param("prompt", "'prompt' holds " + std::to_string(prompt->size()) +
+                                       " prompts; at most " + std::to_string(kMaxPrompts) +
+                                       " are allowed in one request");
   }
   if (prompt->is_string()) {
     r.prompts.push_back({true, prompt->get<std::string>(), {}});
   } else if (prompt->is_array()) {
-    if (prompt->empty()) return bad("prompt", "'prompt' must not be an empty list");
+    if (prompt->empty()) return invalid_param("prompt", "'prompt' must not be an empty list");
     const auto& first = (*prompt)[0];
     if (first.is_number()) {
       M3_TRY(auto ids, token_array(*prompt, "prompt"));
@@ -961,43 +1011,48 @@ Result<CompletionRequest> parse_completion_request(std::string_view body, int32_
           M3_TRY(auto ids, token_array(p, pp));
           r.prompts.push_back({false, {}, std::move(ids)});
         } else {
-          return bad(pp, "'" + pp + "' must be a string or a list of token ids, got " + type_of(p));
+          return invalid_param(
+              pp, "'" + pp + "' must be a string or a list of token ids, got " + type_of(p));
         }
       }
     }
   } else {
-    return bad("prompt", "'prompt' must be a string, a list of strings or token ids, got " +
-                             type_of(*prompt));
+    return invalid_param(
+        "prompt",
+        "'prompt' must be a string, a list of strings or token ids, got " + type_of(*prompt));
   }
   for (size_t i = 0; i < r.prompts.size(); ++i) {
     if (r.prompts[i].is_text && r.prompts[i].text.empty()) {
-      return bad(r.prompts.size() == 1 ? "prompt" : "prompt[" + std::to_string(i) + "]",
-                 "the prompt is empty; send at least one character or token id");
+      return invalid_param(r.prompts.size() == 1 ? "prompt" : "prompt[" + std::to_string(i) + "]",
+                           "the prompt is empty; send at least one character or token id");
     }
   }
   if (r.prompts.size() * static_cast<size_t>(r.common.n) > static_cast<size_t>(kMaxChoices)) {
-    return bad("n", std::to_string(r.prompts.size()) +
-                        " prompts x n=" + std::to_string(r.common.n) + " asks for more than " +
-                        std::to_string(kMaxChoices) +
-                        " completions in one request; split it into several requests");
+    return invalid_param("n", std::to_string(r.prompts.size()) +
+                                  " prompts x n=" + std::to_string(r.common.n) +
+                                  " asks for more than " + std::to_string(kMaxChoices) +
+                                  " completions in one request; split it into several requests");
   }
   M3_TRY(auto echo, opt_bool(j, "echo"));
   r.echo = echo.value_or(false);
   if (const OrderedJson* lp = field(j, "logprobs")) {
     if (!(lp->is_number_integer() || lp->is_number_unsigned())) {
-      return bad("logprobs", "'logprobs' must be an integer (0.." + std::to_string(max_logprobs) +
-                                 ") for completions, got " + type_of(*lp));
+      return invalid_param("logprobs", "'logprobs' must be an integer (0.." +
+                                           std::to_string(max_logprobs) +
+                                           ") for completions, got " + type_of(*lp));
     }
     const int64_t k = lp->is_number_unsigned()
                           ? static_cast<int64_t>(std::min<uint64_t>(lp->get<uint64_t>(), 1u << 30))
                           : lp->get<int64_t>();
-    if (k < 0) return bad("logprobs", "'logprobs' must be >= 0, got " + std::to_string(k));
+    if (k < 0)
+      return invalid_param("logprobs", "'logprobs' must be >= 0, got " + std::to_string(k));
     if (k > max_logprobs) return over_max_logprobs("logprobs", "sample", k, max_logprobs);
     r.common.logprobs = static_cast<int32_t>(k);
   }
   M3_TRY(auto suffix, opt_string(j, "suffix"));
   if (suffix && !suffix->empty())
-    return unsupported("suffix", "'suffix' (fill-in-the-middle) is not supported; leave it out");
+    return unsupported_param("suffix",
+                             "'suffix' (fill-in-the-middle) is not supported; leave it out");
   return r;
 }
 
@@ -1011,10 +1066,11 @@ Result<ChatRequest> parse_chat_request(std::string_view body, int32_t max_logpro
   M3_TRY(auto budget, opt_integer(j, "thinking_token_budget"));
   if (budget && *budget != -1) {
     if (*budget < 0 || *budget > std::numeric_limits<int32_t>::max()) {
-      return bad("thinking_token_budget",
-                 "'thinking_token_budget' must be a number of tokens >= 0 (or -1: no budget), "
-                 "got " +
-                     std::to_string(*budget));
+      return invalid_param(
+          "thinking_token_budget",
+          "'thinking_token_budget' must be a number of tokens >= 0 (or -1: no budget), "
+          "got " +
+              std::to_string(*budget));
     }
     r.thinking_token_budget = static_cast<int32_t>(*budget);
   }
@@ -1026,11 +1082,12 @@ Result<ChatRequest> parse_chat_request(std::string_view body, int32_t max_logpro
   M3_TRY_STATUS(parse_tools(j, r));
   if (const OrderedJson* kw = field(j, "chat_template_kwargs")) {
     if (!kw->is_object())
-      return bad("chat_template_kwargs",
-                 "'chat_template_kwargs' must be an object, got " + type_of(*kw));
+      return invalid_param("chat_template_kwargs",
+                           "'chat_template_kwargs' must be an object, got " + type_of(*kw));
     if (json_node_count(*kw, kMaxKwargsNodes) > kMaxKwargsNodes) {
-      return bad("chat_template_kwargs", "'chat_template_kwargs' holds more than " +
-                                             std::to_string(kMaxKwargsNodes) + " JSON values");
+      return invalid_param("chat_template_kwargs", "'chat_template_kwargs' holds more than " +
+                                                       std::to_string(kMaxKwargsNodes) +
+                                                       " JSON values");
     }
     r.chat_template_kwargs = *kw;
   }
@@ -1039,8 +1096,9 @@ Result<ChatRequest> parse_chat_request(std::string_view body, int32_t max_logpro
   M3_TRY(auto cfm, opt_bool(j, "continue_final_message"));
   r.continue_final_message = cfm.value_or(false);
   if (r.continue_final_message && r.add_generation_prompt && agp) {
-    return bad("continue_final_message",
-               "'continue_final_message' and 'add_generation_prompt' cannot both be true");
+    return invalid_param(
+        "continue_final_message",
+        "'continue_final_message' and 'add_generation_prompt' cannot both be true");
   }
   if (r.continue_final_message) r.add_generation_prompt = false;
   M3_TRY(auto lp, opt_bool(j, "logprobs"));
@@ -1048,11 +1106,12 @@ Result<ChatRequest> parse_chat_request(std::string_view body, int32_t max_logpro
   M3_TRY(auto tlp, opt_integer(j, "top_logprobs"));
   if (tlp) {
     if (*tlp < 0) {
-      return bad("top_logprobs", "'top_logprobs' must be >= 0, got " + std::to_string(*tlp));
+      return invalid_param("top_logprobs",
+                           "'top_logprobs' must be >= 0, got " + std::to_string(*tlp));
     }
     if (*tlp > max_logprobs) return over_max_logprobs("top_logprobs", "sample", *tlp, max_logprobs);
     if (!r.logprobs && *tlp > 0)
-      return bad("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+      return invalid_param("top_logprobs", "'top_logprobs' needs 'logprobs': true");
     r.top_logprobs = static_cast<int32_t>(*tlp);
   }
   r.common.logprobs = r.logprobs ? r.top_logprobs : -1;

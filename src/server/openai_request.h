@@ -22,6 +22,10 @@ namespace m3::server {
 
 using OrderedJson = nlohmann::ordered_json;
 
+// obj[key] when obj is an object and that member is a string, else `dflt` (never throws on a
+// member of another type, as nlohmann's value() does).
+std::string string_member(const OrderedJson& obj, const char* key, const std::string& dflt = "");
+
 // Sampling defaults from the model's generation_config.json (used when the request omits them).
 struct GenerationDefaults {
   std::optional<float> temperature;

@@ -16,18 +16,6 @@ namespace m3::server {
 
 namespace {
 
-// obj[key] when obj is an object and that member is a string, else `dflt` (never throws on
-// a member of another type, as nlohmann's value() does).
-std::string str_of(const OrderedJson& obj, const char* key, const std::string& dflt = "") {
-  if (!obj.is_object()) return dflt;
-  auto it = obj.find(key);
-  return it != obj.end() && it->is_string() ? it->get<std::string>() : dflt;
-}
-
-tl::unexpected<Error> bad(const std::string& param, const std::string& message) {
-  return make_error(ErrorCode::kInvalidArgument, message, param);
-}
-
 // Anthropic's error types by HTTP status.
 const char* anthropic_error_type(int status) {
   switch (status) {
@@ -71,13 +59,14 @@ namespace {
 Result<std::string> block_text(const OrderedJson& v, const std::string& param) {
   if (v.is_null()) return std::string();
   if (v.is_string()) return v.get<std::string>();
-  if (!v.is_array()) return bad(param, "'" + param + "' must be a string or an array of blocks");
+  if (!v.is_array())
+    return invalid_param(param, "'" + param + "' must be a string or an array of blocks");
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) {
     const std::string bp = param + "[" + std::to_string(i) + "]";
     const auto& b = v[i];
     if (!b.is_object() || !b.contains("type") || !b["type"].is_string())
-      return bad(bp, "'" + bp + "' must be a block with a string 'type'");
+      return invalid_param(bp, "'" + bp + "' must be a block with a string 'type'");
     const std::string type = b["type"].get<std::string>();
     if (type != "text") {
       return make_error(ErrorCode::kUnsupported,
@@ -87,7 +76,7 @@ Result<std::string> block_text(const OrderedJson& v, const std::string& param) {
                         bp);
     }
     if (!b.contains("text") || !b["text"].is_string())
-      return bad(bp + ".text", "'" + bp + ".text' must be a string");
+      return invalid_param(bp + ".text", "'" + bp + ".text' must be a string");
     out += (out.empty() ? "" : "\n") + b["text"].get<std::string>();
   }
   return out;
@@ -97,19 +86,23 @@ Result<std::string> block_text(const OrderedJson& v, const std::string& param) {
 // blocks becomes tool messages, then the user's text).
 Status translate_message(const OrderedJson& m, const std::string& mp, OrderedJson& out) {
   if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
-    return bad(mp, "'" + mp + "' must be an object with 'role' \"user\" or \"assistant\"");
+    return invalid_param(mp,
+                         "'" + mp + "' must be an object with 'role' \"user\" or \"assistant\"");
   const std::string role = m["role"].get<std::string>();
   if (role != "user" && role != "assistant")
-    return bad(mp + ".role", "'" + mp + ".role' must be \"user\" or \"assistant\", got '" + role +
-                                 "' (the system prompt goes in the top-level 'system')");
-  if (!m.contains("content")) return bad(mp + ".content", "'" + mp + ".content' is required");
+    return invalid_param(mp + ".role",
+                         "'" + mp + ".role' must be \"user\" or \"assistant\", got '" + role +
+                             "' (the system prompt goes in the top-level 'system')");
+  if (!m.contains("content"))
+    return invalid_param(mp + ".content", "'" + mp + ".content' is required");
   const OrderedJson& content = m["content"];
   if (content.is_string()) {
     out.push_back({{"role", role}, {"content", content}});
     return {};
   }
   if (!content.is_array())
-    return bad(mp + ".content", "'" + mp + ".content' must be a string or an array of blocks");
+    return invalid_param(mp + ".content",
+                         "'" + mp + ".content' must be a string or an array of blocks");
   std::string text, thinking;
   OrderedJson calls = OrderedJson::array();
   OrderedJson tool_msgs = OrderedJson::array();
@@ -117,11 +110,11 @@ Status translate_message(const OrderedJson& m, const std::string& mp, OrderedJso
     const std::string bp = mp + ".content[" + std::to_string(i) + "]";
     const auto& b = content[i];
     if (!b.is_object() || !b.contains("type") || !b["type"].is_string())
-      return bad(bp, "'" + bp + "' must be a block with a string 'type'");
+      return invalid_param(bp, "'" + bp + "' must be a block with a string 'type'");
     const std::string type = b["type"].get<std::string>();
     if (type == "text") {
       if (!b.contains("text") || !b["text"].is_string())
-        return bad(bp + ".text", "'" + bp + ".text' must be a string");
+        return invalid_param(bp + ".text", "'" + bp + ".text' must be a string");
       text += (text.empty() ? "" : "\n") + b["text"].get<std::string>();
     } else if (type == "thinking" && role == "assistant") {
       if (b.contains("thinking") && b["thinking"].is_string())
@@ -131,7 +124,7 @@ Status translate_message(const OrderedJson& m, const std::string& mp, OrderedJso
     } else if (type == "tool_use" && role == "assistant") {
       if (!b.contains("id") || !b["id"].is_string() || !b.contains("name") ||
           !b["name"].is_string())
-        return bad(bp, "'" + bp + "' (tool_use) needs string 'id' and 'name'");
+        return invalid_param(bp, "'" + bp + "' (tool_use) needs string 'id' and 'name'");
       const OrderedJson input =
           b.contains("input") && b["input"].is_object() ? b["input"] : OrderedJson::object();
       calls.push_back({{"id", b["id"]},
@@ -139,7 +132,7 @@ Status translate_message(const OrderedJson& m, const std::string& mp, OrderedJso
                        {"function", {{"name", b["name"]}, {"arguments", dump_json(input)}}}});
     } else if (type == "tool_result" && role == "user") {
       if (!b.contains("tool_use_id") || !b["tool_use_id"].is_string())
-        return bad(bp + ".tool_use_id", "'" + bp + ".tool_use_id' must be a string");
+        return invalid_param(bp + ".tool_use_id", "'" + bp + ".tool_use_id' must be a string");
       M3_TRY(std::string result,
              block_text(b.contains("content") ? b["content"] : OrderedJson(), bp + ".content"));
       if (b.contains("is_error") && b["is_error"].is_boolean() && b["is_error"].get<bool>())
@@ -171,12 +164,13 @@ Status translate_message(const OrderedJson& m, const std::string& mp, OrderedJso
 // count_tokens (max_tokens not required).
 Result<OrderedJson> messages_to_chat(std::string_view body, bool count_only) {
   M3_TRY(OrderedJson j, parse_json_bounded(body, "the request body"));
-  if (!j.is_object()) return bad("", "request body must be a JSON object");
+  if (!j.is_object()) return invalid_param("", "request body must be a JSON object");
   OrderedJson c = OrderedJson::object();
   if (j.contains("model")) c["model"] = j["model"];
   if (!count_only) {
     if (!j.contains("max_tokens"))
-      return bad("max_tokens", "'max_tokens' is required: the most tokens the reply may have");
+      return invalid_param("max_tokens",
+                           "'max_tokens' is required: the most tokens the reply may have");
     c["max_tokens"] = j["max_tokens"];
   }
   for (const char* k : {"temperature", "top_p", "top_k", "stream"}) {
@@ -189,15 +183,15 @@ Result<OrderedJson> messages_to_chat(std::string_view body, bool count_only) {
     msgs.push_back({{"role", "system"}, {"content", sys}});
   }
   if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty())
-    return bad("messages", "'messages' must be a non-empty array of {role, content}");
+    return invalid_param("messages", "'messages' must be a non-empty array of {role, content}");
   if (j["messages"].size() > kMaxMessages) {
-    return bad("messages",
-               "'messages' holds more than " + std::to_string(kMaxMessages) + " messages");
+    return invalid_param(
+        "messages", "'messages' holds more than " + std::to_string(kMaxMessages) + " messages");
   }
   for (size_t i = 0; i < j["messages"].size(); ++i)
     M3_TRY_STATUS(translate_message(j["messages"][i], "messages[" + std::to_string(i) + "]", msgs));
   // A final assistant message is a prefill: the reply continues it.
-  if (str_of(j["messages"].back(), "role") == "assistant") {
+  if (string_member(j["messages"].back(), "role") == "assistant") {
     c["add_generation_prompt"] = false;
     c["continue_final_message"] = true;
   }
@@ -208,7 +202,7 @@ Result<OrderedJson> messages_to_chat(std::string_view body, bool count_only) {
       const std::string tp = "tools[" + std::to_string(i) + "]";
       const auto& t = j["tools"][i];
       if (!t.is_object() || !t.contains("name") || !t["name"].is_string())
-        return bad(tp, "'" + tp + "' must be an object with a string 'name'");
+        return invalid_param(tp, "'" + tp + "' must be an object with a string 'name'");
       if (t.contains("type") && t["type"].is_string() && t["type"] != "custom") {
         return make_error(ErrorCode::kUnsupported,
                           "'" + tp + "' is the server tool '" + t["type"].get<std::string>() +
@@ -227,7 +221,7 @@ Result<OrderedJson> messages_to_chat(std::string_view body, bool count_only) {
   }
   if (j.contains("tool_choice") && !j["tool_choice"].is_null()) {
     const auto& tc = j["tool_choice"];
-    const std::string type = str_of(tc, "type");
+    const std::string type = string_member(tc, "type");
     if (type == "auto") {
       c["tool_choice"] = "auto";
     } else if (type == "any") {
@@ -237,20 +231,22 @@ Result<OrderedJson> messages_to_chat(std::string_view body, bool count_only) {
     } else if (type == "tool" && tc.contains("name") && tc["name"].is_string()) {
       c["tool_choice"] = {{"type", "function"}, {"function", {{"name", tc["name"]}}}};
     } else {
-      return bad("tool_choice",
-                 "'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": "
-                 "\"tool\", \"name\": ...}");
+      return invalid_param(
+          "tool_choice",
+          "'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": "
+          "\"tool\", \"name\": ...}");
     }
     if (tc.contains("disable_parallel_tool_use")) {
       if (!tc["disable_parallel_tool_use"].is_boolean()) {
-        return bad("tool_choice", "'tool_choice.disable_parallel_tool_use' must be a boolean");
+        return invalid_param("tool_choice",
+                             "'tool_choice.disable_parallel_tool_use' must be a boolean");
       }
       c["parallel_tool_calls"] = !tc["disable_parallel_tool_use"].get<bool>();
     }
   }
   if (j.contains("thinking") && !j["thinking"].is_null()) {
     const auto& th = j["thinking"];
-    const std::string type = str_of(th, "type");
+    const std::string type = string_member(th, "type");
     if (type == "enabled") {
       c["chat_template_kwargs"] = {{"thinking_mode", "enabled"}};
       if (th.contains("budget_tokens") && th["budget_tokens"].is_number_integer())
@@ -260,9 +256,10 @@ Result<OrderedJson> messages_to_chat(std::string_view body, bool count_only) {
     } else if (type == "adaptive") {
       c["chat_template_kwargs"] = {{"thinking_mode", "adaptive"}};
     } else {
-      return bad("thinking",
-                 "'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": "
-                 "\"disabled\"} or {\"type\": \"adaptive\"}");
+      return invalid_param(
+          "thinking",
+          "'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": "
+          "\"disabled\"} or {\"type\": \"adaptive\"}");
     }
   }
   return c;

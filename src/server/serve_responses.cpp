@@ -125,42 +125,28 @@ void stop_background_responses(ResponseStore& store) {
 
 namespace {
 
-// obj[key] when obj is an object and that member is a string, else `dflt` (never throws on
-// a member of another type, as nlohmann's value() does).
-std::string str_of(const OrderedJson& obj, const char* key, const std::string& dflt = "") {
-  if (!obj.is_object()) return dflt;
-  auto it = obj.find(key);
-  return it != obj.end() && it->is_string() ? it->get<std::string>() : dflt;
-}
-
-tl::unexpected<Error> bad(const std::string& param, const std::string& message) {
-  return make_error(ErrorCode::kInvalidArgument, message, param);
-}
-tl::unexpected<Error> unsupported(const std::string& param, const std::string& message) {
-  return make_error(ErrorCode::kUnsupported, message, param);
-}
-
 // A message item's content: a string or input_text / output_text parts.
 Result<std::string> item_text(const OrderedJson& v, const std::string& param) {
   if (v.is_null()) return std::string();
   if (v.is_string()) return v.get<std::string>();
-  if (!v.is_array()) return bad(param, "'" + param + "' must be a string or an array of parts");
+  if (!v.is_array())
+    return invalid_param(param, "'" + param + "' must be a string or an array of parts");
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) {
     const std::string pp = param + "[" + std::to_string(i) + "]";
     const auto& p = v[i];
-    const std::string type = str_of(p, "type");
+    const std::string type = string_member(p, "type");
     if (type == "input_text" || type == "output_text" || type == "text" ||
         type == "reasoning_text" || type == "summary_text") {
       if (!p.contains("text") || !p["text"].is_string())
-        return bad(pp + ".text", "'" + pp + ".text' must be a string");
+        return invalid_param(pp + ".text", "'" + pp + ".text' must be a string");
       out += p["text"].get<std::string>();
     } else if (type == "refusal") {
       continue;
     } else {
-      return unsupported(pp, "'" + pp + "' is a '" + type +
-                                 "' part; send input_text parts (this server serves the text "
-                                 "model)");
+      return unsupported_param(pp, "'" + pp + "' is a '" + type +
+                                       "' part; send input_text parts (this server serves the text "
+                                       "model)");
     }
   }
   return out;
@@ -169,7 +155,7 @@ Result<std::string> item_text(const OrderedJson& v, const std::string& param) {
 // The last message when it is an assistant turn that more of the same turn may join (reasoning,
 // text and calls of one reply arrive as separate items).
 OrderedJson* open_assistant(OrderedJson& msgs) {
-  if (msgs.empty() || str_of(msgs.back(), "role") != "assistant") return nullptr;
+  if (msgs.empty() || string_member(msgs.back(), "role") != "assistant") return nullptr;
   return &msgs.back();
 }
 
@@ -179,20 +165,23 @@ Status translate_input(const OrderedJson& input, OrderedJson& msgs) {
     msgs.push_back({{"role", "user"}, {"content", input}});
     return {};
   }
-  if (!input.is_array()) return bad("input", "'input' must be a string or an array of items");
+  if (!input.is_array())
+    return invalid_param("input", "'input' must be a string or an array of items");
   if (input.size() > kMaxMessages)
-    return bad("input", "'input' holds more than " + std::to_string(kMaxMessages) + " items");
+    return invalid_param("input",
+                         "'input' holds more than " + std::to_string(kMaxMessages) + " items");
   for (size_t i = 0; i < input.size(); ++i) {
     const std::string ip = "input[" + std::to_string(i) + "]";
     const auto& it = input[i];
-    if (!it.is_object()) return bad(ip, "'" + ip + "' must be an object");
-    const std::string type = str_of(it, "type", it.contains("role") ? "message" : "");
+    if (!it.is_object()) return invalid_param(ip, "'" + ip + "' must be an object");
+    const std::string type = string_member(it, "type", it.contains("role") ? "message" : "");
     if (type == "message") {
       if (!it.contains("role") || !it["role"].is_string())
-        return bad(ip + ".role", "'" + ip + ".role' must be a string");
+        return invalid_param(ip + ".role", "'" + ip + ".role' must be a string");
       const std::string role = it["role"].get<std::string>();
       if (role != "user" && role != "assistant" && role != "system" && role != "developer")
-        return bad(ip + ".role", "'" + ip + ".role' must be user, assistant, system or developer");
+        return invalid_param(ip + ".role",
+                             "'" + ip + ".role' must be user, assistant, system or developer");
       M3_TRY(std::string text,
              item_text(it.contains("content") ? it["content"] : OrderedJson(), ip + ".content"));
       OrderedJson* open = role == "assistant" ? open_assistant(msgs) : nullptr;
@@ -213,7 +202,7 @@ Status translate_input(const OrderedJson& input, OrderedJson& msgs) {
     } else if (type == "function_call") {
       for (const char* k : {"call_id", "name"}) {
         if (!it.contains(k) || !it[k].is_string())
-          return bad(ip + "." + k, "'" + ip + "." + k + "' must be a string");
+          return invalid_param(ip + "." + k, "'" + ip + "." + k + "' must be a string");
       }
       const std::string args = it.contains("arguments") && it["arguments"].is_string()
                                    ? it["arguments"].get<std::string>()
@@ -230,14 +219,14 @@ Status translate_input(const OrderedJson& input, OrderedJson& msgs) {
       (*open)["tool_calls"].push_back(std::move(call));
     } else if (type == "function_call_output") {
       if (!it.contains("call_id") || !it["call_id"].is_string())
-        return bad(ip + ".call_id", "'" + ip + ".call_id' must be a string");
+        return invalid_param(ip + ".call_id", "'" + ip + ".call_id' must be a string");
       M3_TRY(std::string out,
              item_text(it.contains("output") ? it["output"] : OrderedJson(), ip + ".output"));
       msgs.push_back({{"role", "tool"}, {"tool_call_id", it["call_id"]}, {"content", out}});
     } else {
-      return unsupported(ip + ".type", "'" + ip + ".type' '" + type +
-                                           "' is not supported; send message, function_call, "
-                                           "function_call_output or reasoning items");
+      return unsupported_param(ip + ".type", "'" + ip + ".type' '" + type +
+                                                 "' is not supported; send message, function_call, "
+                                                 "function_call_output or reasoning items");
     }
   }
   return {};
@@ -260,25 +249,25 @@ Result<Translated> responses_to_chat(const OrderedJson& j, const OrderedJson* hi
     c["max_tokens"] = j["max_output_tokens"];
   if (j.contains("top_logprobs") && j["top_logprobs"].is_number() &&
       j["top_logprobs"].get<double>() != 0) {
-    return unsupported("top_logprobs",
-                       "'top_logprobs' is not supported on /v1/responses yet; use "
-                       "/v1/chat/completions with logprobs / top_logprobs");
+    return unsupported_param("top_logprobs",
+                             "'top_logprobs' is not supported on /v1/responses yet; use "
+                             "/v1/chat/completions with logprobs / top_logprobs");
   }
   for (const char* k : {"conversation", "prompt"}) {
     if (j.contains(k) && !j[k].is_null() && !(j[k].is_boolean() && !j[k].get<bool>())) {
-      return unsupported(k, std::string("'") + k +
-                                "' is not supported by this server; send the whole input (or "
-                                "previous_response_id) and wait for the reply");
+      return unsupported_param(k, std::string("'") + k +
+                                      "' is not supported by this server; send the whole input (or "
+                                      "previous_response_id) and wait for the reply");
     }
   }
   OrderedJson msgs = history ? *history : OrderedJson::array();
   if (!j.contains("input") || j["input"].is_null())
-    return bad("input", "'input' is required: a string or an array of items");
+    return invalid_param("input", "'input' is required: a string or an array of items");
   M3_TRY_STATUS(translate_input(j["input"], msgs));
   t.conversation = msgs;
   if (j.contains("instructions") && !j["instructions"].is_null()) {
     if (!j["instructions"].is_string())
-      return bad("instructions", "'instructions' must be a string");
+      return invalid_param("instructions", "'instructions' must be a string");
     msgs.insert(msgs.begin(), OrderedJson{{"role", "system"}, {"content", j["instructions"]}});
   }
   c["messages"] = std::move(msgs);
@@ -287,14 +276,14 @@ Result<Translated> responses_to_chat(const OrderedJson& j, const OrderedJson* hi
     for (size_t i = 0; i < j["tools"].size(); ++i) {
       const std::string tp = "tools[" + std::to_string(i) + "]";
       const auto& tool = j["tools"][i];
-      const std::string type = str_of(tool, "type");
+      const std::string type = string_member(tool, "type");
       if (type != "function") {
-        return unsupported(tp + ".type", "'" + tp + ".type' is '" + type +
-                                             "': only function tools are supported (built-in "
-                                             "tools are not run by this server)");
+        return unsupported_param(tp + ".type", "'" + tp + ".type' is '" + type +
+                                                   "': only function tools are supported (built-in "
+                                                   "tools are not run by this server)");
       }
       if (!tool.contains("name") || !tool["name"].is_string())
-        return bad(tp + ".name", "'" + tp + ".name' must be a string");
+        return invalid_param(tp + ".name", "'" + tp + ".name' must be a string");
       OrderedJson fn = {{"name", tool["name"]}};
       if (tool.contains("description") && tool["description"].is_string())
         fn["description"] = tool["description"];
@@ -309,12 +298,12 @@ Result<Translated> responses_to_chat(const OrderedJson& j, const OrderedJson* hi
     const auto& tc = j["tool_choice"];
     if (tc.is_string()) {
       c["tool_choice"] = tc;
-    } else if (str_of(tc, "type") == "function" && tc.contains("name")) {
+    } else if (string_member(tc, "type") == "function" && tc.contains("name")) {
       c["tool_choice"] = {{"type", "function"}, {"function", {{"name", tc["name"]}}}};
     } else {
-      return bad("tool_choice",
-                 "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": "
-                 "\"function\", \"name\": ...}");
+      return invalid_param("tool_choice",
+                           "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": "
+                           "\"function\", \"name\": ...}");
     }
   }
   if (j.contains("parallel_tool_calls") && !j["parallel_tool_calls"].is_null())
@@ -336,16 +325,17 @@ Result<Translated> responses_to_chat(const OrderedJson& j, const OrderedJson* hi
   if (j.contains("text") && j["text"].is_object() && j["text"].contains("format") &&
       j["text"]["format"].is_object()) {
     const auto& f = j["text"]["format"];
-    const std::string type = str_of(f, "type", "text");
+    const std::string type = string_member(f, "type", "text");
     if (type == "json_object") {
       c["response_format"] = {{"type", "json_object"}};
     } else if (type == "json_schema") {
-      OrderedJson js = {{"name", str_of(f, "name", "schema")}};
+      OrderedJson js = {{"name", string_member(f, "name", "schema")}};
       if (f.contains("schema")) js["schema"] = f["schema"];
       if (f.contains("strict")) js["strict"] = f["strict"];
       c["response_format"] = {{"type", "json_schema"}, {"json_schema", std::move(js)}};
     } else if (type != "text") {
-      return bad("text.format.type", "'text.format.type' must be text, json_object or json_schema");
+      return invalid_param("text.format.type",
+                           "'text.format.type' must be text, json_object or json_schema");
     }
   }
   return t;
@@ -505,7 +495,7 @@ OrderedJson input_items_of(const OrderedJson& input) {
   for (const auto& it : input) {
     if (!it.is_object()) continue;
     OrderedJson item = it;
-    const std::string type = str_of(item, "type", "message");
+    const std::string type = string_member(item, "type", "message");
     item["type"] = type;
     if (!item.contains("id") || !item["id"].is_string()) {
       const char* prefix = type == "function_call"          ? "fc_"
@@ -516,7 +506,7 @@ OrderedJson input_items_of(const OrderedJson& input) {
     }
     if (type == "message" && item.contains("content") && item["content"].is_string()) {
       item["content"] =
-          OrderedJson::array({text_part(str_of(item, "role", "user"), item["content"])});
+          OrderedJson::array({text_part(string_member(item, "role", "user"), item["content"])});
     }
     if (!item.contains("status")) item["status"] = "completed";
     items.push_back(std::move(item));
