@@ -204,6 +204,11 @@ struct TokenLayout {
   const int32_t* seq_ids = nullptr;              // [num_tokens]
   const int32_t* block_table_offsets = nullptr;  // [num_seqs + 1]
   const int32_t* block_table = nullptr;          // [block_table_offsets[num_seqs]]
+  // Host-known: some sequence has two or more tokens in this step (a prefill chunk, a
+  // speculative verify run). The CUDA dense attention then runs those tokens through its
+  // query-tiled kernel (one tile of keys serves every query of the tile); false keeps the
+  // per-token kernels for all tokens (always correct, slow for prefill).
+  bool multi_token_seqs = false;
 };
 
 // RoPE context extension (YaRN, as transformers' and vLLM's "yarn" rope type computes it), over

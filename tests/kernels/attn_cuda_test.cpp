@@ -426,8 +426,14 @@ void run_attn(const AttnCase& c, uint32_t seed, AttnWs ws_kind = AttnWs::kFull,
   const int64_t mkl = P.max_kv_len();
   const float vmax = P.vmax();
   Stream stream;
-  for (bool selected : {false, true}) {
+  // Dense rows of multi-token sequences: the per-token kernels alone, then (the serving path,
+  // TokenLayout::multi_token_seqs) with the query-tiled kernel taking those rows.
+  const bool multi = T > static_cast<int64_t>(c.lens.size());
+  for (int pass = 0; pass < (multi ? 3 : 2); ++pass) {
+    const bool selected = pass == 1, tiled = pass == 2;
     if (selected && c.max_blocks == 0) continue;
+    D.layout.multi_token_seqs = tiled;
+    const std::string what2 = what + (tiled ? " tiled" : "");
     std::vector<float> want(T * c.heads * c.d);
     cpu::attention_paged(q.data(), c.heads, P.host_pages(), P.host_layout(),
                          selected ? sel.data() : nullptr, mb, scale, want.data());
@@ -460,12 +466,12 @@ void run_attn(const AttnCase& c, uint32_t seed, AttnWs ws_kind = AttnWs::kFull,
       const double diff = std::fabs(static_cast<double>(got[i]) - want[i]);
       if (!(diff <= tol) && ++bad <= 5) {
         const int64_t t = static_cast<int64_t>(i) / (c.heads * c.d);
-        ADD_FAILURE() << what << (selected ? " selected" : " dense") << ": token " << t
+        ADD_FAILURE() << what2 << (selected ? " selected" : " dense") << ": token " << t
                       << " (position " << P.positions[t] << ") element " << i << " gpu " << got[i]
                       << " cpu " << want[i] << " tol " << tol;
       }
     }
-    EXPECT_EQ(bad, 0) << what << (selected ? " selected" : " dense") << " (" << T << " tokens)";
+    EXPECT_EQ(bad, 0) << what2 << (selected ? " selected" : " dense") << " (" << T << " tokens)";
   }
 }
 

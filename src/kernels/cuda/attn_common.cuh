@@ -11,6 +11,7 @@
 
 #include "kernels/cuda/blas.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/views.h"
 
 namespace m3::kernels::cuda::detail {
 
@@ -34,6 +35,22 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+
+// Whether token t shares its sequence with a neighbour in the batch (a sequence's tokens are
+// contiguous): such tokens are a prefill chunk or a verify run, which the query-tiled kernel
+// (attn_prefill.cu) serves when TokenLayout::multi_token_seqs is set; the per-token kernels then
+// skip them.
+__device__ __forceinline__ bool in_multi_run(const TokenLayout& L, int64_t t) {
+  const int32_t s = L.seq_ids[t];
+  return (t > 0 && L.seq_ids[t - 1] == s) || (t + 1 < L.num_tokens && L.seq_ids[t + 1] == s);
+}
+
+// The query-tiled dense attention (attn_prefill.cu): whether it takes this cache and GQA group,
+// and its launch, which writes the output rows of every token in_multi_run (others untouched).
+bool prefill_tiled_supported(const KvPages& c, int64_t group);
+void attention_prefill_tiled(const float* q, int64_t num_heads, const KvPages& c,
+                             const TokenLayout& L, float scale, int64_t max_kv_len, float* out,
+                             cudaStream_t stream);
 
 // Max over the block; every thread gets it. `red` is __shared__ float[32].
 __device__ __forceinline__ float block_max(float v, float* red) {

@@ -418,10 +418,11 @@ __global__ void __launch_bounds__(kSplitThreads)
 __global__ void __launch_bounds__(kCombineThreads)
     attention_combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                              int64_t num_heads, int64_t nkv, int64_t d, int num_splits,
-                             float* __restrict__ out) {
+                             float* __restrict__ out, TokenLayout L, bool skip_multi) {
   __shared__ float wts[kMaxSplits];
   __shared__ float red[32];
   const int64_t t = blockIdx.x / num_heads, hq = blockIdx.x % num_heads;
+  if (skip_multi && detail::in_multi_run(L, t)) return;  // written by the query-tiled kernel
   const int64_t group = num_heads / nkv, g = hq / group, h = hq % group;
   const int64_t base = (t * nkv + g) * num_splits;
   float mx = -INFINITY;
@@ -485,7 +486,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     attention_mma_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
                          const int32_t* __restrict__ blocks, int64_t max_blocks, float scale,
                          int64_t max_kv_len, int num_splits, float* __restrict__ part_o,
-                         float* __restrict__ part_ml, float* __restrict__ out) {
+                         float* __restrict__ part_ml, float* __restrict__ out, bool skip_multi) {
   using M = detail::MmaOf<T>;
   using Sm = MmaAttnSmem<T>;
   using detail::kWarp;
@@ -507,6 +508,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int64_t nkv = c.num_kv_heads, bs = c.page_size;
   const int group = static_cast<int>(num_heads / nkv);
   const int64_t t = blockIdx.x / nkv, g = blockIdx.x % nkv;
+  // The query-tiled kernel writes this token (the whole CTA leaves together).
+  if (skip_multi && detail::in_multi_run(L, t)) return;
   const int split = blockIdx.y;
   const int32_t p = L.positions[t], s = L.seq_ids[t];
   M3_DEVICE_CHECK(max_kv_len <= 0 || p < max_kv_len,
@@ -912,6 +915,12 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
   if (layout.num_tokens == 0) return;
   const int64_t T = layout.num_tokens, group = num_heads / cache.num_kv_heads;
   M3_CHECK(T * cache.num_kv_heads <= 0x7fffffff);
+  // Dense rows of multi-token sequences (prefill chunks) take the query-tiled kernel; the
+  // per-token kernels below then serve only the tokens alone in their sequence.
+  const bool tiled =
+      blocks == nullptr && layout.multi_token_seqs && detail::prefill_tiled_supported(cache, group);
+  if (tiled)
+    detail::attention_prefill_tiled(q, num_heads, cache, layout, scale, max_kv_len, out, stream);
   if (split_grid_supported(cache, group)) {
     int splits = choose_splits(T, cache, blocks ? max_blocks : 0, max_kv_len);
     // The tensor-core path merges the splits of the selected blocks (few keys: a second kernel
@@ -956,13 +965,13 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
             cfg.numAttrs = 1;
             M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention_mma_kernel<TT, true>, q, num_heads,
                                              cache, layout, blocks, max_blocks, scale, max_kv_len,
-                                             splits, part_o, part_ml, out));
+                                             splits, part_o, part_ml, out, false));
           } else {
             static std::atomic<uint64_t> attr_set{0};
             detail::raise_smem_limit_once(attr_set, attention_mma_kernel<TT, false>, smem);
             attention_mma_kernel<TT, false><<<grid, kMmaThreads, smem, stream>>>(
                 q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o,
-                part_ml, out);
+                part_ml, out, tiled);
           }
           M3_CUDA_CHECK_LAUNCH("attention_mma_kernel");
         }
@@ -995,7 +1004,7 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
       M3_CHECK(T * num_heads <= 0x7fffffff);
       attention_combine_kernel<<<static_cast<unsigned>(T * num_heads), kCombineThreads, 0,
                                  stream>>>(part_o, part_ml, num_heads, cache.num_kv_heads,
-                                           cache.head_dim, splits, out);
+                                           cache.head_dim, splits, out, layout, tiled);
       M3_CUDA_CHECK_LAUNCH("attention_combine_kernel");
     }
     return;

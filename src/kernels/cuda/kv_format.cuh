@@ -144,6 +144,26 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// ---- shared-memory fragment loads (ldmatrix) ----
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// Four 8x8 16-bit matrices; lane L gives the row address of matrix L / 8, row L % 8; register i
+// of a lane holds matrix i's row (lane / 4), elements 2 (lane % 4), +1 (the MMA's A / B layout).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                            uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+// The same, transposed: register i holds matrix i's column (lane / 4), rows 2 (lane % 4), +1.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t& r0, uint32_t& r1,
+                                                  uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
 // The tensor-core element type of a cache format: bf16 rows feed bf16 MMAs; E4M3 codes convert
 // exactly to f16 and feed f16 MMAs (the other operand, a bf16-rounded fp32 query, converts to
 // f16 exactly unless its magnitude is outside f16's normal range [2^-14, 65504]: queries after

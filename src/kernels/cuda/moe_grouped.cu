@@ -31,21 +31,10 @@ constexpr int stages() {
   return BM == 128 ? 3 : 4;
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // Element offset of (row, 16-byte chunk c) in a [rows][64] bf16 tile: the chunk is XORed with
 // the row's low 3 bits, so the 8 rows an ldmatrix phase reads hit 8 different bank groups.
 __device__ __forceinline__ int swz(int row, int c) {
   return row * kBK + ((c ^ (row & 7)) << 3);
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
-                                            uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
 }
 
 struct Args {
@@ -150,8 +139,8 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(Args p) {
 #pragma unroll
       for (int i = 0; i < MI; ++i) {
         const int row = wm * (BM / 2) + i * 16 + a_row;
-        ldmatrix_x4(smem_addr(as + swz(row, kk * 2 + a_chunk)), af[i][0], af[i][1], af[i][2],
-                    af[i][3]);
+        detail::ldmatrix_x4(detail::smem_addr(as + swz(row, kk * 2 + a_chunk)), af[i][0], af[i][1],
+                            af[i][2], af[i][3]);
       }
       uint32_t bf[NJ][2];
 #pragma unroll
@@ -159,8 +148,8 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(Args p) {
         // gate|up: pairs 0, 1 gate rows 32 wn + 16 q, pairs 2, 3 the same up rows (+ 64);
         // down: rows 64 wn + 16 q.
         const int base = kGateUp ? (q >> 1) * 64 + wn * 32 + (q & 1) * 16 : wn * 64 + q * 16;
-        ldmatrix_x4(smem_addr(bs + swz(base + b_row, kk * 2 + b_chunk)), bf[2 * q][0], bf[2 * q][1],
-                    bf[2 * q + 1][0], bf[2 * q + 1][1]);
+        detail::ldmatrix_x4(detail::smem_addr(bs + swz(base + b_row, kk * 2 + b_chunk)),
+                            bf[2 * q][0], bf[2 * q][1], bf[2 * q + 1][0], bf[2 * q + 1][1]);
       }
 #pragma unroll
       for (int i = 0; i < MI; ++i)

@@ -401,7 +401,8 @@ void M3ModelCuda::replay_or_capture(const StepShape& shape, const int32_t* token
   // A data-parallel rank's MoE collectives are sized by the step's largest per-rank row count:
   // part of the key.
   const int64_t dp_rows = fw_->dp_step_rows();
-  GraphEntry& e = graphs_[{shape.num_tokens, shape.max_kv_len, shape.cache->id(), dp_rows}];
+  GraphEntry& e = graphs_[{shape.num_tokens, shape.max_kv_len, shape.cache->id(), dp_rows,
+                           layout.multi_token_seqs}];
   if (e.exec && e.generation == ops_->generation()) {
     M3_CUDA_CHECK(cudaGraphLaunch(e.exec, s));
     ++graph_replays_;
@@ -511,6 +512,9 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   layout.seq_ids = dstage + 2 * capT;
   layout.block_table_offsets = dstage + 3 * capT;
   layout.block_table = dstage + bt_at;
+  // Every listed sequence has at least one token: more tokens than sequences means a prefill
+  // chunk or a verify run (the attention's query-tiled kernel).
+  layout.multi_token_seqs = T > S1 - 1;
   // Host bound of the step's key count, rounded up to a bucket: it sizes the MSA score rows
   // and the KV splits, so a captured graph stays valid for every step of its bucket (eager
   // steps use the same bound, so replay and eager compute the same numbers).

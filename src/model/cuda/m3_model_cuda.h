@@ -169,8 +169,9 @@ class M3ModelCuda {
     bool never = false;       // its eager run synchronised the host: stays eager
     uint64_t seen_generation = 0;
   };
-  // Keyed by (tokens, key-count bucket, cache id, data-parallel MoE rows (0 unless DP)).
-  std::map<std::tuple<int64_t, int64_t, uint64_t, int64_t>, GraphEntry> graphs_;
+  // Keyed by (tokens, key-count bucket, cache id, data-parallel MoE rows (0 unless DP), whether
+  // some sequence has several tokens: the attention then launches its query-tiled kernel too).
+  std::map<std::tuple<int64_t, int64_t, uint64_t, int64_t, bool>, GraphEntry> graphs_;
   // The step's host arrays, staged in pinned memory and copied in one transfer to step_.
   int32_t* stage_ = nullptr;
   size_t stage_cap_ = 0;
