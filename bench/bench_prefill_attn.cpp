@@ -1,5 +1,6 @@
-// Dense causal prefill attention at M3's shapes (64 q / 4 KV heads x 128, 128-token pages): the
-// query-tiled tensor-core kernel (attn_prefill.cu) beside the per-token kernel it replaces for
+// Dense causal prefill attention at M3's shapes (64 q / 4 KV heads x 128, 128-token pages):
+// FlashInfer's Hopper kernel (attn_flash.cu, bf16 cache, builds with FlashInfer) and the
+// query-tiled tensor-core kernel (attn_prefill.cu) beside the per-token kernel they replace for
 // prefill, per KV format, as ms and TFLOP/s (causal FLOPs: 4 x heads x 128 x the keys each query
 // attends to). Two shapes per length N: a prefill from scratch (N queries over themselves) and
 // the last 8192-token chunk of an N-token prompt over its cached prefix (the chunked-prefill
@@ -18,14 +19,15 @@
 #include "core/dtype.h"
 #include "gpu/device.h"
 #include "gpu/device_buffer.h"
+#include "kernels/cuda/attn_flash.h"
 #include "kernels/cuda/ops.h"
 
 namespace {
 
 namespace gk = m3::kernels::cuda;
+using m3::bench::time_ms;
 using m3::gpu::DeviceBuffer;
 using m3::kernels::KvDtype;
-using m3::bench::time_ms;
 
 constexpr int64_t kHeads = 64, kKvHeads = 4, kDim = 128, kPage = 128, kChunk = 8192;
 
@@ -56,10 +58,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_prefill_attn: %s\n", dev.error().message.c_str());
     return 1;
   }
-  std::printf("device: %s, %d SMs; dense causal attention, %lld q / %lld kv heads x %lld, "
-              "%lld-token pages\n",
-              dev->name.c_str(), dev->num_sms, (long long)kHeads, (long long)kKvHeads,
-              (long long)kDim, (long long)kPage);
+  std::printf(
+      "device: %s, %d SMs; dense causal attention, %lld q / %lld kv heads x %lld, "
+      "%lld-token pages\n",
+      dev->name.c_str(), dev->num_sms, (long long)kHeads, (long long)kKvHeads, (long long)kDim,
+      (long long)kPage);
   m3::gpu::Stream stream;
   const cudaStream_t s = stream.get();
   int64_t max_n = 0;
@@ -97,8 +100,9 @@ int main(int argc, char** argv) {
     fill_repeat(kb, kblock);
     fill_repeat(vb, vblock);
   };
-  std::printf("%-5s %-7s %8s %7s | %10s %8s | %10s %8s\n", "kv", "shape", "context", "queries",
-              "tiled ms", "TFLOP/s", "old ms", "TFLOP/s");
+  std::printf("%-8s %-7s %8s %7s | %10s %8s | %10s %8s | %10s %8s\n", "kv", "shape", "context",
+              "queries", "flash ms", "TFLOP/s", "tiled ms", "TFLOP/s", "old ms", "TFLOP/s");
+  m3::kernels::cuda::FlashPrefill flash;
   for (KvDtype kvd : {KvDtype::kBf16, KvDtype::kFp8}) {
     fill_kv(kvd);
     gk::KvPages cache =
@@ -125,22 +129,32 @@ int main(int argc, char** argv) {
         const float scale = 1.f / std::sqrt(static_cast<float>(kDim));
         const size_t ws_bytes = gk::attention_workspace_bytes(nq, kHeads, cache, 0, n);
         DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 1));
-        auto run = [&](bool tiled) {
-          layout.multi_token_seqs = tiled;
+        // mode 0: per-token kernel; 1: query-tiled; 2: FlashInfer (its plan made once, as a
+        // step does for its dense layers).
+        flash.set_runs({{0, static_cast<int32_t>(nq), static_cast<int32_t>(n), 0}}, s);
+        auto run = [&](int mode) {
+          layout.multi_token_seqs = mode >= 1;
+          layout.flash_prefill = mode == 2 ? &flash : nullptr;
           gk::attention_paged(q.data(), kHeads, cache, layout, nullptr, 0, scale, n,
                               gk::Workspace{ws.data(), ws_bytes}, out.data(), s);
         };
         const int it = n >= 131072 ? std::max(1, iters / 2) : iters;
-        const double t_new = time_ms(s, it, [&] { run(true); });
+        auto cell = [&](double ms) {
+          if (ms > 0)
+            std::printf(" %10.3f %8.1f |", ms, flops / (ms * 1e-3) / 1e12);
+          else
+            std::printf(" %10s %8s |", "-", "-");
+        };
+        const double t_fi = flash.serves(cache) ? time_ms(s, it, [&] { run(2); }) : 0;
+        const double t_new = time_ms(s, it, [&] { run(1); });
         double t_old = 0;
-        if (n <= old_max) t_old = time_ms(s, std::max(1, it / 2), [&] { run(false); });
-        std::printf("%-5s %-7s %8lld %7lld | %10.3f %8.1f | ", m3::kernels::kv_dtype_name(kvd),
-                    shape == 0 ? "scratch" : "chunk", (long long)n, (long long)nq, t_new,
-                    flops / (t_new * 1e-3) / 1e12);
-        if (t_old > 0)
-          std::printf("%10.3f %8.1f\n", t_old, flops / (t_old * 1e-3) / 1e12);
-        else
-          std::printf("%10s %8s\n", "-", "-");
+        if (n <= old_max) t_old = time_ms(s, std::max(1, it / 2), [&] { run(0); });
+        std::printf("%-8s %-7s %8lld %7lld |", m3::kernels::kv_dtype_name(kvd),
+                    shape == 0 ? "scratch" : "chunk", (long long)n, (long long)nq);
+        cell(t_fi);
+        cell(t_new);
+        cell(t_old);
+        std::printf("\n");
       }
     }
   }

@@ -11,5 +11,9 @@ if [[ ! -d "$repo/.gpu_deps/include" ]]; then
        "and carry .gpu_deps to this one" >&2
   exit 1
 fi
+# FlashInfer's headers (tools/flashinfer_deps.sh), when their archive was carried.
+if [[ -f "$repo/.deps/flashinfer.tar.xz" && ! -d "$repo/.deps/flashinfer/include" ]]; then
+  tar -C "$repo/.deps" -xJf "$repo/.deps/flashinfer.tar.xz"
+fi
 cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3_CUDA=ON
 cmake --build "$build" -j"$(nproc)"

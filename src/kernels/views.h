@@ -16,6 +16,10 @@
 
 namespace m3::kernels {
 
+namespace cuda {
+class FlashPrefill;
+}
+
 // How a weight matrix's elements are stored (docs/QUANTIZATION.md is this, written down).
 // W[r, c] is the real weight; `data` and `scale` are MatRef's two arrays.
 //   kNone       data: dtype (bf16 or f32) [rows, cols]; no scale.
@@ -209,6 +213,9 @@ struct TokenLayout {
   // query-tiled kernel (one tile of keys serves every query of the tile); false keeps the
   // per-token kernels for all tokens (always correct, slow for prefill).
   bool multi_token_seqs = false;
+  // Host object with this step's FlashInfer prefill plan for those tokens (CUDA builds with
+  // FlashInfer, kernels/cuda/attn_flash.h), or null.
+  cuda::FlashPrefill* flash_prefill = nullptr;
 };
 
 // RoPE context extension (YaRN, as transformers' and vLLM's "yarn" rope type computes it), over

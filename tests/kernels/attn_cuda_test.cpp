@@ -23,6 +23,7 @@
 #include "gpu/device_buffer.h"
 #include "gpu_test_util.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cuda/attn_flash.h"
 #include "kernels/cuda/ops.h"
 
 namespace {
@@ -427,13 +428,33 @@ void run_attn(const AttnCase& c, uint32_t seed, AttnWs ws_kind = AttnWs::kFull,
   const float vmax = P.vmax();
   Stream stream;
   // Dense rows of multi-token sequences: the per-token kernels alone, then (the serving path,
-  // TokenLayout::multi_token_seqs) with the query-tiled kernel taking those rows.
+  // TokenLayout::multi_token_seqs) with the query-tiled kernel taking those rows, then (builds
+  // with FlashInfer, runs of consecutive positions) with FlashInfer's Hopper kernel taking them
+  // where the cache is bf16 (the query-tiled one otherwise).
   const bool multi = T > static_cast<int64_t>(c.lens.size());
-  for (int pass = 0; pass < (multi ? 3 : 2); ++pass) {
-    const bool selected = pass == 1, tiled = pass == 2;
+  std::vector<gk::FlashPrefill::Run> runs;
+  bool consecutive = true;
+  for (int64_t t = 0; t < T;) {
+    int64_t e = t + 1;
+    while (e < T && P.seq_ids[e] == P.seq_ids[t]) {
+      consecutive = consecutive && P.positions[e] == P.positions[e - 1] + 1;
+      ++e;
+    }
+    if (e - t >= 2)
+      runs.push_back({static_cast<int32_t>(t), static_cast<int32_t>(e - t), P.positions[e - 1] + 1,
+                      P.bt_offsets[P.seq_ids[t]]});
+    t = e;
+  }
+  const bool flash_pass = multi && consecutive && gk::flash_prefill_built();
+  gk::FlashPrefill flash;
+  for (int pass = 0; pass < (flash_pass ? 4 : multi ? 3 : 2); ++pass) {
+    const bool selected = pass == 1, tiled = pass >= 2, fi = pass == 3;
     if (selected && c.max_blocks == 0) continue;
     D.layout.multi_token_seqs = tiled;
-    const std::string what2 = what + (tiled ? " tiled" : "");
+    if (fi) flash.set_runs(runs, stream.get());
+    D.layout.flash_prefill = fi ? &flash : nullptr;
+    const bool fi_used = fi && flash.serves(D.pages) && c.d == 128;
+    const std::string what2 = what + (fi ? " flashinfer" : tiled ? " tiled" : "");
     std::vector<float> want(T * c.heads * c.d);
     cpu::attention_paged(q.data(), c.heads, P.host_pages(), P.host_layout(),
                          selected ? sel.data() : nullptr, mb, scale, want.data());
@@ -460,7 +481,9 @@ void run_attn(const AttnCase& c, uint32_t seed, AttnWs ws_kind = AttnWs::kFull,
     // to bf16 (f16 for fp8) for P·V while Σ w_j keeps the fp32 ones: out' - out =
     // Σ w_j δ_j v_j / Σ w_j with |δ_j| <= 2^-9, so |Δout| <= 2^-9 · max|v| on top of the fp32
     // differences above (its Q·K^T runs in a different order: ~1e-6 on a score, negligible).
-    const double tol = (kvd == KvDtype::kF32 ? 2e-5 : std::ldexp(1.0, -9) + 2e-5) * vmax;
+    // FlashInfer writes its output in bf16 (one more rounding of |out| <= max|v| by 2^-9).
+    const double tol =
+        (kvd == KvDtype::kF32 ? 2e-5 : std::ldexp(1.0, fi_used ? -8 : -9) + 2e-5) * vmax;
     int64_t bad = 0;
     for (size_t i = 0; i < want.size(); ++i) {
       const double diff = std::fabs(static_cast<double>(got[i]) - want[i]);

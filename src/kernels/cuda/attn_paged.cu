@@ -13,6 +13,7 @@
 #include <cooperative_groups.h>
 
 #include "kernels/cuda/attn_common.cuh"
+#include "kernels/cuda/attn_flash.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kv_format.cuh"
 #include "kernels/cuda/ops.h"
@@ -917,9 +918,14 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
   M3_CHECK(T * cache.num_kv_heads <= 0x7fffffff);
   // Dense rows of multi-token sequences (prefill chunks) take the query-tiled kernel; the
   // per-token kernels below then serve only the tokens alone in their sequence.
-  const bool tiled =
-      blocks == nullptr && layout.multi_token_seqs && detail::prefill_tiled_supported(cache, group);
-  if (tiled)
+  // With a FlashInfer plan for the step (bf16 cache) its Hopper kernel takes them instead.
+  const bool flash = blocks == nullptr && layout.multi_token_seqs &&
+                     layout.flash_prefill != nullptr && layout.flash_prefill->serves(cache);
+  const bool tiled = blocks == nullptr && layout.multi_token_seqs &&
+                     (flash || detail::prefill_tiled_supported(cache, group));
+  if (flash)
+    layout.flash_prefill->run(q, num_heads, cache, layout, scale, out, stream);
+  else if (tiled)
     detail::attention_prefill_tiled(q, num_heads, cache, layout, scale, max_kv_len, out, stream);
   if (split_grid_supported(cache, group)) {
     int splits = choose_splits(T, cache, blocks ? max_blocks : 0, max_kv_len);

@@ -59,10 +59,10 @@ __global__ void __launch_bounds__(kPfThreads, 2)
   using Sm = PfSmem<T>;
   constexpr bool kFp8 = sizeof(T) == 1;
   constexpr int D = kPfDim;
-  constexpr int KSteps = D / 16;    // MMA k-steps of a Q·K^T dot
-  constexpr int NT = kPfKeys / 8;   // score n-tiles per key tile
-  constexpr int OT = D / 8;         // output n-tiles
-  constexpr int Chunks = D * int(sizeof(T)) / 16;  // 16-byte chunks of a stored row
+  constexpr int KSteps = D / 16;                    // MMA k-steps of a Q·K^T dot
+  constexpr int NT = kPfKeys / 8;                   // score n-tiles per key tile
+  constexpr int OT = D / 8;                         // output n-tiles
+  constexpr int Chunks = D * int(sizeof(T)) / 16;   // 16-byte chunks of a stored row
   constexpr int RowsPerPass = kPfThreads / Chunks;  // rows one sweep of the CTA copies
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ __align__(128) unsigned char pf_smem[];
@@ -127,9 +127,7 @@ __global__ void __launch_bounds__(kPfThreads, 2)
     {
       const float* qlo = q + ((t0 + tok_lo) * num_heads + g * group + row_lo % group) * D;
       const float* qhi = q + ((t0 + tok_hi) * num_heads + g * group + row_hi % group) * D;
-      auto qv = [&](bool in, const float* qr, int k) {
-        return in ? round_bf16(qr[k]) : 0.f;
-      };
+      auto qv = [&](bool in, const float* qr, int k) { return in ? round_bf16(qr[k]) : 0.f; };
 #pragma unroll
       for (int ks = 0; ks < KSteps; ++ks) {
         const int k = ks * 16 + 2 * cq;
@@ -271,8 +269,8 @@ __global__ void __launch_bounds__(kPfThreads, 2)
 #pragma unroll
           for (int dp = 0; dp < OT / 2; ++dp) {
             uint32_t b0, b1, b2, b3;
-            ldmatrix_x4_trans(smem_addr(vt + swz16(kk * 16 + vv_row, 2 * dp + vv_ch)), b0, b1,
-                              b2, b3);
+            ldmatrix_x4_trans(smem_addr(vt + swz16(kk * 16 + vv_row, 2 * dp + vv_ch)), b0, b1, b2,
+                              b3);
             M::mma(o[2 * dp], pa, b0, b1);
             M::mma(o[2 * dp + 1], pa, b2, b3);
           }

@@ -158,6 +158,9 @@ M3ModelCuda::M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host)
   }
   const char* eager = std::getenv("M3_ENFORCE_EAGER");
   use_graphs_ = !(eager != nullptr && std::string(eager) == "1");
+  const char* no_fi = std::getenv("M3_NO_FLASHINFER");
+  if (kernels::cuda::flash_prefill_built() && !(no_fi != nullptr && std::string(no_fi) == "1"))
+    flash_ = std::make_unique<kernels::cuda::FlashPrefill>();
 }
 
 MatRef M3ModelCuda::fuse_rows(const std::vector<MatRef*>& parts) {
@@ -515,6 +518,27 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   // Every listed sequence has at least one token: more tokens than sequences means a prefill
   // chunk or a verify run (the attention's query-tiled kernel).
   layout.multi_token_seqs = T > S1 - 1;
+  const bool graph_step =
+      !capture_msa && b.aux_layers.empty() && use_graphs_ && T <= kGraphMaxTokens;
+  if (flash_ != nullptr) {
+    // An eager step's runs of several tokens go to FlashInfer when each is a chunk of
+    // consecutive positions (a prefill or a verify run); otherwise none does.
+    std::vector<kernels::cuda::FlashPrefill::Run> runs;
+    bool ok = layout.multi_token_seqs && !graph_step;
+    for (int64_t t = 0; ok && t < T;) {
+      int64_t e = t + 1;
+      while (e < T && b.seq_ids[e] == b.seq_ids[t]) {
+        ok = ok && b.positions[e] == b.positions[e - 1] + 1;
+        ++e;
+      }
+      if (e - t >= 2)
+        runs.push_back({static_cast<int32_t>(t), static_cast<int32_t>(e - t),
+                        b.positions[e - 1] + 1, b.block_table_offsets[b.seq_ids[t]]});
+      t = e;
+    }
+    flash_->set_runs(ok ? runs : std::vector<kernels::cuda::FlashPrefill::Run>{}, s);
+    if (ok && !runs.empty()) layout.flash_prefill = flash_.get();
+  }
   // Host bound of the step's key count, rounded up to a bucket: it sizes the MSA score rows
   // and the KV splits, so a captured graph stays valid for every step of its bucket (eager
   // steps use the same bound, so replay and eager compute the same numbers).
@@ -537,7 +561,7 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   }
   // (A data-parallel rank's MoE runs world x dp_rows_ rows: above the grouped path's limit its
   // eager run synchronises the host, and the shape is then never captured.)
-  if (!capture_msa && naux == 0 && use_graphs_ && T <= kGraphMaxTokens) {
+  if (graph_step) {
     replay_or_capture(shape, tokens, layout);
   } else {
     run_layers(shape, tokens, layout, capture_msa ? out : nullptr, naux > 0 ? &aux : nullptr);

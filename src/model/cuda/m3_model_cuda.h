@@ -29,6 +29,7 @@
 #include "core/error.h"
 #include "dist/communicator.h"
 #include "gpu/device_buffer.h"
+#include "kernels/cuda/attn_flash.h"
 #include "model/config.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/m3_model.h"
@@ -178,6 +179,9 @@ class M3ModelCuda {
   gpu::DeviceBuffer<int32_t> step_;
   bool use_graphs_ = true;
   int64_t graph_replays_ = 0, graph_captures_ = 0;
+  // FlashInfer's prefill for the eager steps' prefill runs (kernels/cuda/attn_flash.h); null
+  // where the build has no FlashInfer or M3_NO_FLASHINFER=1 is set.
+  std::unique_ptr<kernels::cuda::FlashPrefill> flash_;
 
   gpu::DeviceBuffer<int32_t> logit_rows_;  // the step's logits_indices on the device
   // Device sampling: the step's SampleRow list and the sampled ids.
