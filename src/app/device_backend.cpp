@@ -117,8 +117,8 @@ void apply_gemm_precision(const std::string& value) {
 
 Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
                                                     int64_t kv_cache_memory_bytes,
-                                                    int64_t max_model_len,
-                                                    uint64_t synthetic_seed) {
+                                                    int64_t max_model_len, uint64_t synthetic_seed,
+                                                    int64_t warmup_tokens) {
   const double util = a.gpu_memory_utilization;
   M3_TRY_STATUS(runtime::check_gpu_memory_utilization(util));
   M3_TRY_STATUS(validate_parallel(a.parallel, a.device));
@@ -145,6 +145,7 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
   opts.synthetic_seed = synthetic_seed;
   opts.enforce_eager = a.enforce_eager;
   opts.dp_kv_partitions = a.dp_kv_partitions;
+  opts.warmup_tokens = warmup_tokens;
   if (a.parallel.tensor_parallel_size > 1) {
     // One GPU per rank: refuse a size above the GPU count before the checkpoint is read.
     const int tp = a.parallel.tensor_parallel_size;
@@ -179,6 +180,7 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
   (void)kv_cache_memory_bytes;
   (void)max_model_len;
   (void)synthetic_seed;
+  (void)warmup_tokens;
   return make_error(ErrorCode::kUnavailable,
                     "--device cuda: this m3serve was built without CUDA support; rebuild with "
                     "-DM3_CUDA=ON on a machine with the CUDA toolkit, or use --device cpu",

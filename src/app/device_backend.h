@@ -63,9 +63,12 @@ void add_device_options(CLI::App* sub, DeviceArgs& a);
 // max_model_len > 0 is checked against the pool before it is allocated; a synthetic model's
 // weights come from synthetic_seed). Errors, one line each: utilization outside (0, 1], cuda in a
 // build without CUDA, no usable GPU.
+// warmup_tokens: the single-GPU backend runs one prefill step of that many tokens at start
+// (runtime/cuda/cuda_backend.h; the step budget, --max-num-batched-tokens).
 Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
                                                     int64_t kv_cache_memory_bytes,
                                                     int64_t max_model_len = 0,
-                                                    uint64_t synthetic_seed = 0);
+                                                    uint64_t synthetic_seed = 0,
+                                                    int64_t warmup_tokens = 8192);
 
 }  // namespace m3::app

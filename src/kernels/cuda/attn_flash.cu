@@ -170,8 +170,8 @@ void FlashPrefill::set_runs(const std::vector<Run>& runs, cudaStream_t stream) {
 namespace {
 
 // FlashInfer's SM90 plan of m.runs for this geometry into m.int_ws (copied on `stream`).
-void plan_runs(FlashPrefill::Impl& m, int64_t num_qo_heads, int64_t num_kv_heads,
-               int64_t page_size, cudaStream_t stream) {
+void plan_runs(FlashPrefill::Impl& m, int64_t num_qo_heads, int64_t num_kv_heads, int64_t page_size,
+               cudaStream_t stream) {
   M3_CHECK(num_kv_heads > 0 && num_qo_heads % num_kv_heads == 0);
   const int64_t batch = static_cast<int64_t>(m.runs.size());
   std::vector<int32_t> qo_indptr(batch + 1, 0), kv_indptr(batch), kv_len(batch);
@@ -226,7 +226,7 @@ void FlashPrefill::run(const float* q, int64_t num_heads, const KvPages& c, cons
     plan_runs(m, num_heads, c.num_kv_heads, c.page_size, stream);
   const int64_t row_elems = num_heads * 128;
   gather_q_bf16<<<static_cast<unsigned>(m.rows), kGatherThreads, 0, stream>>>(q, m.rows_dev,
-                                                                             row_elems, m.q16);
+                                                                              row_elems, m.q16);
   M3_CUDA_CHECK_LAUNCH("gather_q_bf16");
   FiPagedParams p{};
   p.q_ptr = reinterpret_cast<FiBf16*>(m.q16);
@@ -234,8 +234,9 @@ void FlashPrefill::run(const float* q, int64_t num_heads, const KvPages& c, cons
   p.v_ptr = static_cast<FiBf16*>(c.v);
   p.o_ptr = reinterpret_cast<FiBf16*>(m.o16);
   p.lse_ptr = nullptr;
-  auto at = [&](int64_t off) { return reinterpret_cast<int32_t*>(
-                                   reinterpret_cast<char*>(m.int_ws) + off); };
+  auto at = [&](int64_t off) {
+    return reinterpret_cast<int32_t*>(reinterpret_cast<char*>(m.int_ws) + off);
+  };
   p.qo_tile_indices = at(m.info.qo_tile_indices_offset);
   p.qo_indptr = at(m.info.qo_indptr_offset);
   p.kv_indptr = at(m.info.kv_indptr_offset);

@@ -5,11 +5,11 @@
 // (M3_FLASHINFER); otherwise the query-tiled kernel of attn_prefill.cu serves them.
 // A FlashPrefill gets the step's runs on the host, plans them at the first dense layer
 // (FlashInfer's SM90 work scheduler: longest-processing-time first onto persistent CTAs) and
-// runs every dense layer of the step from that plan: q (fp32, the run rows) is gathered into a bf16 buffer, FlashInfer attends over the
-// paged K/V in place (our block table is its page-index list), and the bf16 output is scattered
-// back into the fp32 output rows. Invariant: plan() and run() are called outside CUDA-graph
-// capture (the plan copies to the device and buffers may grow); the owner syncs the stream
-// between steps (the pinned plan buffer is reused).
+// runs every dense layer of the step from that plan: q (fp32, the run rows) is gathered into a bf16
+// buffer, FlashInfer attends over the paged K/V in place (our block table is its page-index list),
+// and the bf16 output is scattered back into the fp32 output rows. Invariant: plan() and run() are
+// called outside CUDA-graph capture (the plan copies to the device and buffers may grow); the owner
+// syncs the stream between steps (the pinned plan buffer is reused).
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,7 @@
 #include "runtime/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <string>
@@ -66,6 +67,32 @@ class CudaBackend final : public ForwardBackend {
   std::string name_;
   std::string flag_ = "--gpu-memory-utilization";
 };
+
+// One prefill step of t tokens of a dummy sequence over the first pages (no sequence owns any
+// page yet; the rows are overwritten by the first real requests).
+void warm_up(ForwardBackend& backend, int64_t t) {
+  if (t < 1) return;
+  const int64_t bs = backend.config().sparse_block_size;
+  const int64_t pages = (t + bs - 1) / bs;
+  ForwardBatch b;
+  b.token_ids.assign(static_cast<size_t>(t), 0);
+  b.positions.resize(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) b.positions[i] = static_cast<int32_t>(i);
+  b.seq_ids.assign(static_cast<size_t>(t), 0);
+  b.block_table_offsets = {0, static_cast<int32_t>(pages)};
+  b.block_table.resize(static_cast<size_t>(pages));
+  for (int64_t i = 0; i < pages; ++i) b.block_table[i] = static_cast<int32_t>(i);
+  b.logits_indices = {static_cast<int32_t>(t - 1)};
+  ForwardResult out;
+  const auto t0 = std::chrono::steady_clock::now();
+  backend.forward(b, &out, false);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  M3_LOG_INFO(
+      "warm-up: one %lld-token prefill step in %.0f ms (scratch buffers sized, kernels "
+      "planned)",
+      static_cast<long long>(t), ms);
+}
 
 }  // namespace
 
@@ -140,6 +167,11 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Mode
   auto backend =
       std::make_unique<CudaBackend>(std::move(model), nullptr, num_pages, opts.device, where);
   backend->set_kv_cache_flag(flag);
+  if (opts.warmup_tokens > 0) {
+    int64_t t = std::min(opts.warmup_tokens, tokens);
+    if (opts.max_model_len > 0) t = std::min(t, opts.max_model_len);
+    warm_up(*backend, t);
+  }
   return std::unique_ptr<ForwardBackend>(std::move(backend));
 }
 

@@ -32,6 +32,10 @@ struct CudaBackendOptions {
   uint64_t synthetic_seed = 0;
   // --enforce-eager: never capture CUDA graphs for decode steps.
   bool enforce_eager = false;
+  // > 0: one prefill step of this many tokens (capped by the pool and max_model_len) runs once
+  // the pool is allocated, so the first request does not pay the scratch buffers' growth, the
+  // GEMM and attention plans, or the pinned staging (serve / chat / generate: the step budget).
+  int64_t warmup_tokens = 0;
   // Tensor- and data-parallel ranks: replay CUDA graphs (with the NCCL collectives captured)
   // for decode steps, as one GPU does. On by default since tp_cuda_test ran TP2 and TP2 + EP
   // graphs of MoE layers at M3's shapes (synthetic:layers=4) on 2 H200s, and dp_cuda_test DP2
