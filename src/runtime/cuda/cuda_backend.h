@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "core/error.h"
 #include "model/m3_model.h"
@@ -32,6 +33,9 @@ struct CudaBackendOptions {
   uint64_t synthetic_seed = 0;
   // --enforce-eager: never capture CUDA graphs for decode steps.
   bool enforce_eager = false;
+  // --compilation-config cudagraph_capture_sizes: the step sizes (tokens) that replay CUDA
+  // graphs (M3ModelCuda::set_graph_sizes); empty: every size up to 256.
+  std::vector<int64_t> cudagraph_capture_sizes;
   // Tensor- and data-parallel ranks: replay CUDA graphs (with the NCCL collectives captured)
   // for decode steps, as one GPU does. On by default since tp_cuda_test ran TP2 and TP2 + EP
   // graphs of MoE layers at M3's shapes (synthetic:layers=4) on 2 H200s, and dp_cuda_test DP2

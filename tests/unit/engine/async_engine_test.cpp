@@ -218,7 +218,8 @@ TEST(AsyncEngine, DeviceSampledDecodeStepsAreLaunchedBehindTheRunningOne) {
   ASSERT_TRUE(e);
   const int V = static_cast<int>(e->model_info().vocab_size);
   std::vector<GenerateRequest> reqs;
-  for (int i = 0; i < 4; ++i) reqs.push_back(testing::greedy_request(random_prompt(11, 900 + i, V), 16));
+  for (int i = 0; i < 4; ++i)
+    reqs.push_back(testing::greedy_request(random_prompt(11, 900 + i, V), 16));
   const auto a = run_all(*e, reqs);
   auto m = model::M3Model::load(kModel);
   ASSERT_TRUE(m.has_value());
@@ -245,7 +246,8 @@ TEST(AsyncEngine, PreemptionUnderATinyPoolGivesTheSameTokens) {
   ASSERT_TRUE(e);
   const int V = static_cast<int>(e->model_info().vocab_size);
   std::vector<GenerateRequest> reqs;
-  for (int i = 0; i < 4; ++i) reqs.push_back(testing::greedy_request(random_prompt(20, 7 + i, V), 20));
+  for (int i = 0; i < 4; ++i)
+    reqs.push_back(testing::greedy_request(random_prompt(20, 7 + i, V), 20));
   GenerateRequest seeded;
   seeded.prompt_token_ids = random_prompt(20, 11, V);
   seeded.params.temperature = 1.f;
@@ -296,7 +298,8 @@ TEST(AsyncEngine, AnAbortMidStreamEndsOnlyThatRequest) {
   ASSERT_TRUE(sync && async);
   const int V = static_cast<int>(async->model_info().vocab_size);
   std::vector<GenerateRequest> others;
-  for (int i = 0; i < 3; ++i) others.push_back(testing::greedy_request(random_prompt(15, 600 + i, V), 24));
+  for (int i = 0; i < 3; ++i)
+    others.push_back(testing::greedy_request(random_prompt(15, 600 + i, V), 24));
   const auto want = run_all(*sync, others);
   const int long_tokens = std::min(200, async->model_info().max_model_len - 40);
   GenerateRequest victim = testing::greedy_request(random_prompt(30, 700, V), long_tokens);
