@@ -224,6 +224,9 @@ def main():
     ap.add_argument("--bandwidth-gbs", type=float, help="copy bandwidth to use for the ceiling")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--ready-timeout", type=float, default=300)
+    ap.add_argument("--compare-async", action="store_true",
+                    help="run every level twice, on a server with async scheduling (the default) "
+                    "and on one with --no-async-scheduling, and print both")
     a = ap.parse_args()
     levels = [int(x) for x in a.concurrency.split(",") if x]
 
@@ -231,6 +234,43 @@ def main():
     if bw is None and not a.url:
         bw, bw_how = measure_bandwidth(a.bench_cuda_ops)  # before the server takes the GPU
 
+    variants = [("", a.extra_args)]
+    if a.compare_async:
+        if a.url:
+            sys.exit("bench_serve: --compare-async starts its own servers; drop --url")
+        variants = [("async scheduling (default)", a.extra_args),
+                    ("--no-async-scheduling", (a.extra_args + " --no-async-scheduling").strip())]
+    tables = []
+    for label, extra in variants:
+        tables.append((label, serve_levels(a, levels, bw, extra)))
+    print()
+    served = a.model or f"synthetic:layers={a.layers}"
+    print(f"m3serve serve --model {served} --device {a.device}: prompt {a.prompt_len} "
+          f"token ids, {a.max_tokens} output tokens (ignore_eos), greedy")
+    if bw:
+        print(f"ceiling: weight + KV bytes per decode step / {bw:.0f} GB/s ({bw_how}); "
+              f"routed experts read = expected distinct of C x top-4 under uniform routing")
+    for label, rows in tables:
+        if label:
+            print(f"-- {label}")
+        print(f"{'C':>4} {'out tok/s':>10} {'TPOT ms':>9} {'TTFT ms':>9} {'GB/step':>8} "
+              f"{'ceil tok/s':>11} {'ceil TPOT ms':>13} {'TPOT/ceil':>10} {'retries':>8}")
+        for r in rows:
+            ratio = r["mean_tpot_ms"] / r["ceiling_tpot_ms"] if r.get("ceiling_tpot_ms") else float("nan")
+            print(f"{r['concurrency']:>4} {r['output_tok_per_s']:>10.1f} {r['mean_tpot_ms']:>9.2f} "
+                  f"{r['mean_ttft_ms']:>9.1f} {r['step_gb']:>8.2f} "
+                  f"{r.get('ceiling_tok_per_s', float('nan')):>11.1f} "
+                  f"{r.get('ceiling_tpot_ms', float('nan')):>13.2f} {ratio:>10.2f} "
+                  f"{r['connect_retries']:>8}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"layers": a.layers, "bandwidth_gbs": bw,
+                       "variants": [{"label": l, "rows": r} for l, r in tables],
+                       "rows": tables[0][1]}, f, indent=1)
+
+
+def serve_levels(a, levels, bw, extra_args):
+    """Starts a server (unless --url) with `extra_args` and measures every level on it."""
     proc = None
     if a.url:
         u = urllib.parse.urlparse(a.url)
@@ -240,7 +280,7 @@ def main():
         served = a.model or f"synthetic:layers={a.layers}"
         cmd = [a.m3serve, "serve", "--model", served, "--device", a.device,
                "--host", host, "--port", str(port), "--max-num-seqs", str(max(levels)),
-               "--max-model-len", str(a.prompt_len + a.max_tokens + 128)] + a.extra_args.split()
+               "--max-model-len", str(a.prompt_len + a.max_tokens + 128)] + extra_args.split()
         print("bench_serve: starting", " ".join(cmd), flush=True)
         proc = subprocess.Popen(cmd)
     try:
@@ -267,23 +307,7 @@ def main():
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    print()
-    served = a.model or f"synthetic:layers={a.layers}"
-    print(f"m3serve serve --model {served} --device {a.device}: prompt {a.prompt_len} "
-          f"token ids, {a.max_tokens} output tokens (ignore_eos), greedy")
-    if bw:
-        print(f"ceiling: weight + KV bytes per decode step / {bw:.0f} GB/s ({bw_how}); "
-              f"routed experts read = expected distinct of C x top-4 under uniform routing")
-    print(f"{'C':>4} {'out tok/s':>10} {'TPOT ms':>9} {'TTFT ms':>9} {'GB/step':>8} "
-          f"{'ceil tok/s':>11} {'ceil TPOT ms':>13} {'retries':>8}")
-    for r in rows:
-        print(f"{r['concurrency']:>4} {r['output_tok_per_s']:>10.1f} {r['mean_tpot_ms']:>9.1f} "
-              f"{r['mean_ttft_ms']:>9.1f} {r['step_gb']:>8.2f} "
-              f"{r.get('ceiling_tok_per_s', float('nan')):>11.1f} "
-              f"{r.get('ceiling_tpot_ms', float('nan')):>13.2f} {r['connect_retries']:>8}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"layers": a.layers, "bandwidth_gbs": bw, "rows": rows}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ int run_chat(const ChatArgs& args) {
   if (plan->kv_cache_dtype) a.device.kv_cache_dtype = *plan->kv_cache_dtype;
   if (plan->index_kv_dtype) a.device.index_kv_dtype = *plan->index_kv_dtype;
   if (plan->enforce_eager) a.device.enforce_eager = true;
+  a.device.cudagraph_capture_sizes = plan->cudagraph_capture_sizes;
   const std::string quantization = plan->quantization;
   if (auto st = model::set_config_overrides(plan->hf_overrides); !st)
     return fail(st.error().message);
@@ -87,6 +88,7 @@ int run_chat(const ChatArgs& args) {
   auto tpl = text::ChatTemplate::from_model_dir(choice->tokenizer_dir);
   if (!tpl) return fail(tpl.error().message);
   engine::EngineConfig ec;
+  ec.async_scheduling = plan->async_scheduling;
   ec.model_dir = a.model_dir;
   ec.max_num_seqs = 1;
   ec.quantization = quantization;

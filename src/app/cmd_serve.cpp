@@ -200,6 +200,7 @@ int run_serve(ServeArgs a) {
   if (plan->kv_cache_dtype) a.device.kv_cache_dtype = *plan->kv_cache_dtype;
   if (plan->index_kv_dtype) a.device.index_kv_dtype = *plan->index_kv_dtype;
   if (plan->enforce_eager) a.device.enforce_eager = true;
+  a.device.cudagraph_capture_sizes = plan->cudagraph_capture_sizes;
   if (plan->log_level && !a.log_level_given) a.log_level = *plan->log_level;
   auto max_model_len = parse_max_model_len(a.max_model_len.empty() ? "0" : a.max_model_len);
   if (!max_model_len) return fail(max_model_len.error().message);
@@ -384,6 +385,7 @@ int run_serve(ServeArgs a) {
   }
 
   engine::EngineConfig ec;
+  ec.async_scheduling = plan->async_scheduling;
   ec.model_dir = a.model_dir;  // a synthetic spec loads config-only (M3Model::load)
   ec.max_num_seqs = a.max_num_seqs;
   // The step budget: vLLM's default on a large GPU (8192) where steps are fast; smaller on the

@@ -144,6 +144,7 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
   opts.max_model_len = max_model_len;
   opts.synthetic_seed = synthetic_seed;
   opts.enforce_eager = a.enforce_eager;
+  opts.cudagraph_capture_sizes = a.cudagraph_capture_sizes;
   opts.dp_kv_partitions = a.dp_kv_partitions;
   opts.warmup_tokens = warmup_tokens;
   if (a.parallel.tensor_parallel_size > 1) {

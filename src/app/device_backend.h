@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "app/parallel_args.h"
 #include "core/error.h"
@@ -30,6 +31,8 @@ struct DeviceArgs {
   std::string kv_cache_dtype = "auto";
   std::string index_kv_dtype = "auto";
   bool enforce_eager = false;  // --enforce-eager: no CUDA graphs
+  // CUDA-graph step sizes (--compilation-config cudagraph_capture_sizes; empty: all up to 256).
+  std::vector<int64_t> cudagraph_capture_sizes;
   // Attention DP: one page-id partition per rank (the engine's scheduler keeps a sequence in
   // one); off for drivers that hand out one page-id space themselves (`generate`).
   bool dp_kv_partitions = true;

@@ -41,8 +41,9 @@ constexpr std::string_view kWhyKernels =
     "m3serve runs its own attention, MSA and MoE kernels (plain C++ on the CPU, sm_90a CUDA on "
     "the GPU); there is no backend to choose";
 constexpr std::string_view kWhyGraphs =
-    "m3serve captures a CUDA graph per decode step size by itself (up to 256 tokens); "
-    "--enforce-eager turns that off";
+    "m3serve captures a CUDA graph per step size by itself (every size up to 256 tokens; "
+    "--compilation-config '{\"cudagraph_capture_sizes\": [...]}' limits them to a list); "
+    "--enforce-eager turns them off";
 constexpr std::string_view kWhyNoLog =
     "m3serve logs one access line per request (--disable-uvicorn-access-log turns it off) and, "
     "with --enable-log-requests, each request's parameters and prompt length; never the "
@@ -122,11 +123,8 @@ const std::vector<VllmFlag> kTable = {
   {"--no-enable-chunked-prefill", false, FlagKind::kNoop, "",
    "prefill is always chunked (the scheduler's one invariant); raise --max-num-batched-tokens "
    "for bigger prefill steps", kBoth},
-  {"--async-scheduling", false, FlagKind::kNoop, "",
-   "the engine loop schedules every step itself; there is no separate scheduler to overlap",
-   kBoth},
-  {"--no-async-scheduling", false, FlagKind::kNoop, "",
-   "the engine loop schedules every step itself", kBoth},
+  {"--async-scheduling", false, FlagKind::kHandled, "", "", kBoth},
+  {"--no-async-scheduling", false, FlagKind::kHandled, "", "", kBoth},
   {"--max-num-partial-prefills", true, FlagKind::kNoop, "",
    "prefills share the step budget --max-num-batched-tokens", kBoth},
   {"--max-long-partial-prefills", true, FlagKind::kNoop, "",
@@ -161,7 +159,7 @@ const std::vector<VllmFlag> kTable = {
   {"--enable-flashinfer-autotune", false, FlagKind::kNoop, "",
    "m3serve does not use FlashInfer", kBoth},
   {"--max-seq-len-to-capture", true, FlagKind::kNoop, "", kWhyGraphs, kBoth},
-  {"--cuda-graph-sizes", true, FlagKind::kNoop, "", kWhyGraphs, kBoth},
+  {"--cuda-graph-sizes", true, FlagKind::kHandled, "", "", kBoth},
   {"--max-cudagraph-capture-size", true, FlagKind::kNoop, "", kWhyGraphs, kBoth},
   {"--disable-custom-all-reduce", false, FlagKind::kNoop, "",
    "collectives are NCCL's on GPUs and in-process on the CPU", kBoth},
@@ -422,6 +420,24 @@ Status review_dtype(const std::string& value, const std::string& device, bool pr
   return {};
 }
 
+// cudagraph_capture_sizes: a list of step sizes in [1, 256] (the GPU forward's graph limit).
+Result<std::vector<int64_t>> capture_sizes(const std::string& flag, const json& j) {
+  const std::string example = "e.g. [1, 2, 4, 8, 16, 32, 64]";
+  if (!j.is_array() || j.empty())
+    return bad(flag, flag + ": cudagraph_capture_sizes must be a non-empty list of step sizes, " +
+                         example);
+  std::vector<int64_t> out;
+  for (const auto& x : j) {
+    if (!x.is_number_integer() || x.get<int64_t>() < 1 || x.get<int64_t>() > 256)
+      return bad(flag, flag + ": capture size " + x.dump() +
+                           " is not an integer in [1, 256] (m3serve graphs steps of up to 256 "
+                           "tokens), " +
+                           example);
+    out.push_back(x.get<int64_t>());
+  }
+  return out;
+}
+
 Status review_compilation(const std::string& value, CompatPlan& plan) {
   std::string text = trim(value);
   // `-O3` / `-O 3`: vLLM's optimisation level shorthand.
@@ -434,14 +450,51 @@ Status review_compilation(const std::string& value, CompatPlan& plan) {
   }
   M3_TRY(json j, parse_json_object("--compilation-config", text,
                                    "{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}"));
+  const std::string flag = "--compilation-config";
   auto mode = j.find("cudagraph_mode");
+  bool used = false;
   if (mode != j.end() && mode->is_string() && lower(mode->get<std::string>()) == "none") {
     plan.enforce_eager = true;
+    used = true;
     plan.notices.push_back(
         "--compilation-config cudagraph_mode NONE: CUDA graphs are off "
         "(as --enforce-eager)");
-  } else {
-    plan.notices.push_back("--compilation-config is ignored: " + std::string(kWhyGraphs));
+  }
+  if (auto sizes = j.find("cudagraph_capture_sizes"); sizes != j.end()) {
+    M3_TRY(plan.cudagraph_capture_sizes, capture_sizes(flag, *sizes));
+    used = true;
+  }
+  if (auto cap = j.find("max_cudagraph_capture_size"); cap != j.end()) {
+    if (!cap->is_number_integer() || cap->get<int64_t>() < 1)
+      return bad(flag, flag + ": max_cudagraph_capture_size must be a positive integer");
+    const int64_t m = std::min<int64_t>(cap->get<int64_t>(), 256);
+    if (plan.cudagraph_capture_sizes.empty())
+      for (int64_t n = 1; n <= m; ++n) plan.cudagraph_capture_sizes.push_back(n);
+    std::erase_if(plan.cudagraph_capture_sizes, [m](int64_t n) { return n > m; });
+    if (plan.cudagraph_capture_sizes.empty())
+      return bad(flag,
+                 flag + ": no cudagraph_capture_sizes entry is <= max_cudagraph_capture_size");
+    used = true;
+  }
+  if (!plan.cudagraph_capture_sizes.empty()) {
+    plan.notices.push_back(
+        "--compilation-config: CUDA graphs replay steps of exactly " +
+        std::to_string(plan.cudagraph_capture_sizes.size()) + " sizes (up to " +
+        std::to_string(*std::max_element(plan.cudagraph_capture_sizes.begin(),
+                                         plan.cudagraph_capture_sizes.end())) +
+        " tokens); steps of other sizes run eagerly (m3serve does not pad a step to a captured "
+        "size)");
+  }
+  std::vector<std::string> other;
+  for (auto it = j.begin(); it != j.end(); ++it)
+    if (it.key() != "cudagraph_mode" && it.key() != "cudagraph_capture_sizes" &&
+        it.key() != "max_cudagraph_capture_size")
+      other.push_back(it.key());
+  if (!other.empty() || !used) {
+    std::string keys;
+    for (const auto& k : other) keys += (keys.empty() ? "" : ", ") + k;
+    plan.notices.push_back("--compilation-config" + (keys.empty() ? "" : " " + keys) +
+                           " is ignored: " + std::string(kWhyGraphs));
   }
   return {};
 }
@@ -984,8 +1037,18 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
       help = "Directory whose files image parts may name as file:// URLs";
     } else if (ln == "--compilation-config") {
       help =
-          "vLLM compilation config: cudagraph_mode NONE turns CUDA graphs off (as "
-          "--enforce-eager); the rest has no effect here";
+          "vLLM compilation config: cudagraph_capture_sizes [N, ...] are the step sizes that "
+          "replay CUDA graphs (default: every size up to 256), max_cudagraph_capture_size caps "
+          "them, cudagraph_mode NONE turns graphs off (as --enforce-eager); the rest has no "
+          "effect here";
+    } else if (ln == "--cuda-graph-sizes") {
+      help = "Step sizes that replay CUDA graphs (as cudagraph_capture_sizes), e.g. 1 2 4 8";
+    } else if (ln == "--async-scheduling") {
+      help =
+          "Schedule and launch step N+1 while the GPU runs step N (the default on the GPU; on "
+          "the CPU it runs the same pipeline without overlap)";
+    } else if (ln == "--no-async-scheduling") {
+      help = "The synchronous engine loop: each step is scheduled after the one before returned";
     } else if (ln == "--attention-config") {
       help =
           "vLLM attention config (also --attention-config.KEY VALUE): indexer_kv_dtype "
@@ -1141,6 +1204,17 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       plan.allowed_local_media_path = value;
     } else if (ln == "--compilation-config") {
       M3_TRY_STATUS(review_compilation(value, plan));
+    } else if (ln == "--cuda-graph-sizes") {
+      // A list: "1,2,4,8" (or space-separated in one argument).
+      std::string t = trim(value);
+      std::replace(t.begin(), t.end(), ' ', ',');
+      M3_TRY(plan.cudagraph_capture_sizes,
+             capture_sizes(ln, json::parse("[" + t + "]", nullptr, false)));
+    } else if (ln == "--async-scheduling" || ln == "--no-async-scheduling") {
+      const bool on = ln == "--async-scheduling";
+      if (plan.async_scheduling && *plan.async_scheduling != on)
+        return bad(ln, "--async-scheduling and --no-async-scheduling are both given; give one");
+      plan.async_scheduling = on;
     } else if (ln == "--attention-config") {
       M3_TRY_STATUS(review_attention_config(value, plan));
     } else if (ln == "--kv-cache-dtype") {

@@ -78,7 +78,12 @@ struct CompatPlan {
   int64_t host_kv_cache_bytes = 0;
   // --kv-transfer-config NixlConnector (prefill/decode disaggregation), with VLLM_NIXL_* applied.
   std::optional<engine::PdConfig> pd;
-  bool enforce_eager = false;             // --compilation-config cudagraph_mode NONE
+  bool enforce_eager = false;  // --compilation-config cudagraph_mode NONE
+  // --compilation-config cudagraph_capture_sizes / max_cudagraph_capture_size, --cuda-graph-sizes:
+  // the step sizes that replay CUDA graphs (empty: every size up to 256).
+  std::vector<int64_t> cudagraph_capture_sizes;
+  // --async-scheduling / --no-async-scheduling (unset: the backend's default).
+  std::optional<bool> async_scheduling;
   std::string hf_overrides;               // JSON object text ("" none)
   std::string generation_overrides;       // --override-generation-config JSON ("" none)
   std::optional<uint64_t> seed;           // --seed

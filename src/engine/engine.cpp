@@ -140,11 +140,20 @@ class EngineImpl {
   std::unique_ptr<PdConnector> pd;
   std::unordered_map<uint64_t, KvTransferParams> remote_loads;
   std::thread thread;
+  bool async = false;  // loop_async (EngineConfig::async_scheduling, resolved against the backend)
   // The transformers vision layout attends across a request's images (model/config.h): each
   // image's embeddings then depend on all of them, so its cache key is the hash of them all.
   bool images_attend_across = false;
 
   void loop();
+  // Async scheduling's loop (EngineConfig::async_scheduling).
+  void loop_async();
+  // Takes new requests and aborts (waiting for work unless `busy`); true when the loop must end
+  // (shutdown), everything live then aborted.
+  bool intake(bool busy);
+  void start_kv_loads(sched::SchedulerOutput& so);
+  // update_from_output of a step, then its events, counters and outputs.
+  void report(const sched::SchedulerOutput& so, const sched::RunnerOutput& ro);
   Status check_images(const GenerateRequest& req) const;
   Status check_kv_transfer(const GenerateRequest& req) const;
   void admit(Pending& p);
@@ -452,77 +461,154 @@ void EngineImpl::refresh_stats() {
   num_running_total = s.num_running;
 }
 
+bool EngineImpl::intake(bool busy) {
+  std::vector<Pending> in;
+  std::vector<uint64_t> ab;
+  bool stop_now = false;
+  bool abort_every = false;
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] {
+      return busy || !incoming.empty() || !aborts.empty() || stopping || abort_everything ||
+             scheduler->has_unfinished() || (pd && pd->has_events());
+    });
+    in.swap(incoming);
+    ab.swap(aborts);
+    abort_every = abort_everything;
+    abort_everything = false;
+    stop_now = stopping && (!drain || (!scheduler->has_unfinished() && in.empty()));
+    if (stopping && !drain) {
+      // Abort everything still queued or running.
+      for (auto& p : in) ab.push_back(p.id);
+    }
+  }
+  for (auto& p : in) {
+    if ((stopping && !drain) || abort_every) {
+      RequestOutput o;
+      o.finished = true;
+      o.finish_reason = "abort";
+      p.stream->push(std::move(o));
+      --num_unfinished;
+      continue;
+    }
+    admit(p);
+  }
+  for (uint64_t id : ab) finish_abort(id);
+  if (abort_every) {
+    std::vector<uint64_t> ids;
+    for (auto& [id, l] : live) ids.push_back(id);
+    for (uint64_t id : ids) finish_abort(id);
+  }
+  if (stop_now) {
+    std::vector<uint64_t> ids;
+    for (auto& [id, l] : live) ids.push_back(id);
+    for (uint64_t id : ids) finish_abort(id);
+    refresh_stats();
+    return true;
+  }
+  apply_pd_events();
+  return false;
+}
+
 void EngineImpl::loop() {
+  if (async) {
+    loop_async();
+    return;
+  }
   for (;;) {
-    std::vector<Pending> in;
-    std::vector<uint64_t> ab;
-    bool stop_now = false;
-    bool abort_every = false;
-    {
-      std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock, [&] {
-        return !incoming.empty() || !aborts.empty() || stopping || abort_everything ||
-               scheduler->has_unfinished() || (pd && pd->has_events());
-      });
-      in.swap(incoming);
-      ab.swap(aborts);
-      abort_every = abort_everything;
-      abort_everything = false;
-      stop_now = stopping && (!drain || (!scheduler->has_unfinished() && in.empty()));
-      if (stopping && !drain) {
-        // Abort everything still queued or running.
-        for (auto& p : in) ab.push_back(p.id);
-      }
-    }
-    for (auto& p : in) {
-      if ((stopping && !drain) || abort_every) {
-        RequestOutput o;
-        o.finished = true;
-        o.finish_reason = "abort";
-        p.stream->push(std::move(o));
-        --num_unfinished;
-        continue;
-      }
-      admit(p);
-    }
-    for (uint64_t id : ab) finish_abort(id);
-    if (abort_every) {
-      std::vector<uint64_t> ids;
-      for (auto& [id, l] : live) ids.push_back(id);
-      for (uint64_t id : ids) finish_abort(id);
-    }
-    if (stop_now) {
-      std::vector<uint64_t> ids;
-      for (auto& [id, l] : live) ids.push_back(id);
-      for (uint64_t id : ids) finish_abort(id);
-      refresh_stats();
-      return;
-    }
-    apply_pd_events();
+    if (intake(/*busy=*/false)) return;
     if (!scheduler->has_unfinished()) {
       refresh_stats();
       continue;
     }
     sched::SchedulerOutput so = scheduler->schedule();
-    for (sched::KvLoad& l : so.kv_loads) {
-      auto rl = remote_loads.find(l.request_id);
-      M3_CHECK(pd && rl != remote_loads.end(), "request %llu loads remote KV without a peer",
-               static_cast<unsigned long long>(l.request_id));
-      pd->start_load(l.request_id, std::move(l.block_ids), std::move(rl->second));
-      remote_loads.erase(rl);
-    }
+    start_kv_loads(so);
     observe_step(so);
     sched::RunnerOutput ro;
     if (!so.empty()) ro = runner->execute(so, states);
-    std::vector<sched::RequestUpdate> updates = scheduler->update_from_output(so, ro);
-    // Events and counters first: a client (or a router reading /metrics and the event stream)
-    // that sees a response sees the cache state of the step that produced it.
-    publish_kv_events();
-    refresh_stats();
-    publish(updates);
+    report(so, ro);
     if (so.empty()) {
       // Nothing could run (all waiting for pages that running requests hold cannot happen, but
       // never spin): wait for new work or an abort.
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait_for(lock, std::chrono::milliseconds(5));
+    }
+  }
+}
+
+void EngineImpl::start_kv_loads(sched::SchedulerOutput& so) {
+  for (sched::KvLoad& l : so.kv_loads) {
+    auto rl = remote_loads.find(l.request_id);
+    M3_CHECK(pd && rl != remote_loads.end(), "request %llu loads remote KV without a peer",
+             static_cast<unsigned long long>(l.request_id));
+    pd->start_load(l.request_id, std::move(l.block_ids), std::move(rl->second));
+    remote_loads.erase(rl);
+  }
+}
+
+void EngineImpl::report(const sched::SchedulerOutput& so, const sched::RunnerOutput& ro) {
+  std::vector<sched::RequestUpdate> updates = scheduler->update_from_output(so, ro);
+  // Events and counters first: a client (or a router reading /metrics and the event stream)
+  // that sees a response sees the cache state of the step that produced it.
+  publish_kv_events();
+  refresh_stats();
+  publish(updates);
+}
+
+// Async scheduling: while the backend runs step N, the next step is scheduled (its decode rows
+// read step N's samples on the device) and launched behind it; then step N's tokens are
+// reported. A step with host-sampled rows, or one whose successor would have to preempt, is
+// reported before the next one is scheduled, as in loop().
+void EngineImpl::loop_async() {
+  std::unique_ptr<LaunchedStep> inflight;
+  for (;;) {
+    if (intake(/*busy=*/inflight != nullptr)) {
+      if (inflight) {  // its requests were just aborted: nothing of it is reported
+        const sched::RunnerOutput ro = runner->finish(*inflight, states);
+        scheduler->update_from_output(inflight->out, ro);
+      }
+      return;
+    }
+    if (inflight) {
+      std::unique_ptr<LaunchedStep> next;
+      bool empty_ahead = false;
+      sched::SchedulerOutput ahead;
+      if (!inflight->host_samples && scheduler->has_unfinished()) {
+        ahead = scheduler->schedule(/*ahead=*/true);
+        if (!ahead.deferred) {
+          start_kv_loads(ahead);
+          observe_step(ahead);
+          if (!ahead.requests.empty())
+            next = runner->launch(std::move(ahead), states);
+          else
+            empty_ahead = true;
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(stats_mu);
+        ++(next ? stats.steps_launched_ahead : stats.steps_not_overlapped);
+      }
+      const sched::RunnerOutput ro = runner->finish(*inflight, states);
+      report(inflight->out, ro);
+      if (empty_ahead) report(ahead, {});
+      inflight = std::move(next);
+      continue;
+    }
+    if (!scheduler->has_unfinished()) {
+      refresh_stats();
+      continue;
+    }
+    sched::SchedulerOutput so = scheduler->schedule();
+    start_kv_loads(so);
+    observe_step(so);
+    if (!so.requests.empty() && so.kv_offloads.empty() && so.kv_restores.empty()) {
+      inflight = runner->launch(std::move(so), states);
+      continue;
+    }
+    sched::RunnerOutput ro;
+    if (!so.empty()) ro = runner->execute(so, states);
+    report(so, ro);
+    if (so.empty()) {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait_for(lock, std::chrono::milliseconds(5));
     }
@@ -718,6 +804,27 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
            }));
     info.kv_role = kv_role_name(config.pd->role);
     info.pd_engine_id = impl->pd->engine_id();
+  }
+  {
+    // Async scheduling: the default follows the backend; what the pipeline cannot do turns it off.
+    const bool asked = config.async_scheduling.has_value();
+    bool on = config.async_scheduling.value_or(backend->launch_overlaps());
+    std::string why_not;
+    if (!backend->samples_on_device())
+      why_not = "the " + backend->device_name() + " backend samples on the host only";
+    else if (spec)
+      why_not = "speculative decoding verifies its drafts on the host each step";
+    else if (host_slots > 0)
+      why_not = "the host KV tier copies pages between steps";
+    else if (config.pd)
+      why_not = "P/D disaggregation (NixlConnector) runs with the synchronous loop";
+    if (on && !why_not.empty()) {
+      if (asked) M3_LOG_WARN("--async-scheduling is off: %s", why_not.c_str());
+      on = false;
+    }
+    impl->async = on;
+    info.async_scheduling = on;
+    if (on) M3_LOG_INFO("async scheduling on (--no-async-scheduling turns it off)");
   }
   impl->runner = std::make_unique<ModelRunner>(std::move(backend), sampleable, std::move(spec),
                                                static_cast<int>(max_len));

@@ -75,6 +75,14 @@ struct EngineConfig {
   // Prefill/decode disaggregation over NIXL (--kv-transfer-config NixlConnector): requests with
   // kv_transfer_params are served as vLLM's NixlConnector does. Unset: such requests are refused.
   std::optional<PdConfig> pd;
+  // vLLM's --async-scheduling / --no-async-scheduling: schedule and launch step N+1 while step N
+  // runs (its decode rows read step N's tokens on the device; outputs reach the streams one step
+  // later, and a request that stops on a token has one extra step computed and dropped). The
+  // tokens are the synchronous loop's. Unset: on where the backend's launch overlaps the host
+  // (the GPU), off elsewhere. Steps with host-sampled rows (logprobs, penalties, structured
+  // outputs) are reported before the next is scheduled. Not with --speculative-config, the host
+  // KV tier or P/D disaggregation (then off, with a warning when it was asked for).
+  std::optional<bool> async_scheduling;
 };
 
 // Histogram with fixed upper bounds (Prometheus style: counts are per bucket, not cumulative).
@@ -132,6 +140,11 @@ struct EngineStats {
   Histogram prefill_computed_tokens_per_request;  // prompt tokens computed (not cache hits)
   Histogram iteration_tokens;                     // tokens scheduled per engine step
   SpecDecodeStats spec_decode;                    // enabled only with --speculative-config
+  // Async scheduling: steps scheduled and launched while the step before them still ran, and
+  // steps that finished with no successor launched behind them (host-sampled rows, a successor
+  // that would have had to preempt, or nothing left to run).
+  int64_t steps_launched_ahead = 0;
+  int64_t steps_not_overlapped = 0;
 };
 
 struct ModelInfo {
@@ -146,7 +159,8 @@ struct ModelInfo {
   std::string index_cache_dtype;  // "" when the model has no sparse layers
   int64_t kv_bytes_per_token = 0;
   bool enable_prefix_caching = true;
-  std::string device;  // ForwardBackend::device_name(), e.g. "cpu"
+  std::string device;             // ForwardBackend::device_name(), e.g. "cpu"
+  bool async_scheduling = false;  // EngineConfig::async_scheduling as resolved
   std::vector<int32_t> eos_token_ids;
   // The KV event sockets as bound, one per data-parallel rank (empty without --kv-events-config).
   std::vector<std::string> kv_events_endpoints;

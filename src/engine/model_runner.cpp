@@ -43,18 +43,45 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
     backend_->copy_host_kv_pages(offloads, restores);
   }
   if (out.requests.empty()) return {};
-  model::ForwardBatch b;
-  // Logits rows wanted per scheduled request: prompt-logprob rows (position -> row), and the
-  // sampling row (-1 when the request does not sample this step).
-  struct Want {
-    std::vector<std::pair<int, int32_t>> prompt_rows;
-    int32_t sample_row = -1;
-    // Speculative decoding: the rows of the last known token and of each draft after it (the
-    // first is sample_row), and the request's first token in the step.
-    std::vector<int32_t> verify_rows;
-    int first_token = 0;
-  };
-  std::vector<Want> want(out.requests.size());
+  LaunchedStep step;
+  prepare(step, out, states, /*async=*/false);
+  model::ForwardResult res;
+  backend_->forward(step.batch, &res, /*capture_msa=*/false);
+  return finish_with(step, out, res, states);
+}
+
+std::unique_ptr<LaunchedStep> ModelRunner::launch(
+    sched::SchedulerOutput out, std::unordered_map<uint64_t, RunnerRequestState>& states) {
+  M3_CHECK(!out.requests.empty() && out.kv_offloads.empty() && out.kv_restores.empty(),
+           "runner: launch() of a step without requests or with host KV copies");
+  auto step = std::make_unique<LaunchedStep>();
+  step->out = std::move(out);
+  prepare(*step, step->out, states, /*async=*/true);
+  backend_->launch(step->batch);
+  step->launched = true;
+  // What the next launch's placeholders read.
+  last_slots_.clear();
+  for (size_t i = 0; i < step->out.requests.size(); ++i)
+    if (step->device_slot[i] >= 0)
+      last_slots_[step->out.requests[i].request_id] = step->device_slot[i];
+  return step;
+}
+
+sched::RunnerOutput ModelRunner::finish(LaunchedStep& step,
+                                        std::unordered_map<uint64_t, RunnerRequestState>& states) {
+  M3_CHECK(step.launched, "runner: finish() of a step that was not launched");
+  model::ForwardResult res;
+  backend_->collect(&res);
+  step.launched = false;
+  return finish_with(step, step.out, res, states);
+}
+
+void ModelRunner::prepare(LaunchedStep& step, const sched::SchedulerOutput& out,
+                          std::unordered_map<uint64_t, RunnerRequestState>& states, bool async) {
+  model::ForwardBatch& b = step.batch;
+  using Want = LaunchedStep::Want;
+  std::vector<Want>& want = step.want;
+  want.assign(out.requests.size(), Want{});
   b.block_table_offsets.push_back(0);
   if (spec_) b.aux_layers = spec_->aux_layers();
   for (size_t i = 0; i < out.requests.size(); ++i) {
@@ -92,7 +119,18 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
         want[i].sample_row = static_cast<int32_t>(b.logits_indices.size());
         b.logits_indices.push_back(t);
       }
-      b.token_ids.push_back(r.token_ids[j]);
+      if (r.token_ids[j] == sched::kPlaceholderToken) {
+        // Sampled by the step in flight: the backend reads it from that step's samples.
+        auto slot = last_slots_.find(r.request_id);
+        M3_CHECK(async && slot != last_slots_.end(),
+                 "runner: request %llu has an unknown token at %d but no sample in flight",
+                 (unsigned long long)r.request_id, pos);
+        b.prev_sample_tokens.push_back(t);
+        b.prev_sample_slots.push_back(slot->second);
+        b.token_ids.push_back(0);
+      } else {
+        b.token_ids.push_back(r.token_ids[j]);
+      }
       b.positions.push_back(pos);
       b.seq_ids.push_back(static_cast<int32_t>(i));
     }
@@ -129,14 +167,22 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
   // Rows the device can sample (no penalties or logprobs need the raw row on the host); the
   // rest of the rows come back as logits.
   const bool on_device = backend_->samples_on_device();
-  std::vector<int32_t> device_slot(out.requests.size(), -1);
+  std::vector<int32_t>& device_slot = step.device_slot;
+  device_slot.assign(out.requests.size(), -1);
+  for (size_t i = 0; i < out.requests.size(); ++i) {
+    if (want[i].sample_row < 0) continue;
+    const RunnerRequestState& st = states.at(out.requests[i].request_id);
+    if (!on_device || st.params.needs_host_sampling() || st.constraint ||
+        !want[i].verify_rows.empty())
+      step.host_samples = true;
+  }
   if (on_device) {
     b.num_sampleable = num_sampleable_;
     std::vector<bool> host_row(b.logits_indices.size(), false);
     for (size_t i = 0; i < out.requests.size(); ++i) {
       for (const auto& pr : want[i].prompt_rows) host_row[pr.second] = true;
       if (want[i].sample_row < 0) continue;
-      const RunnerRequestState& st = states.at(out.requests[i].request_id);
+      RunnerRequestState& st = states.at(out.requests[i].request_id);
       const SamplingParams& p = st.params;
       if (p.needs_host_sampling() || st.constraint || !want[i].verify_rows.empty()) {
         for (int32_t vr : want[i].verify_rows) host_row[vr] = true;
@@ -150,7 +196,10 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
       sr.top_k = p.top_k;
       sr.min_p = p.min_p;
       sr.seed = st.seed;
-      sr.step = st.history.size() - static_cast<size_t>(st.num_prompt_tokens);
+      // The output index of this token: the tokens the host has, and those still in flight.
+      sr.step = st.history.size() - static_cast<size_t>(st.num_prompt_tokens) +
+                static_cast<size_t>(st.num_pending_samples);
+      ++st.num_pending_samples;
       device_slot[i] = static_cast<int32_t>(b.device_samples.size());
       b.device_samples.push_back(sr);
     }
@@ -160,26 +209,36 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
   // The constraints' allowed sets for the rows sampled this step: they depend only on the tokens
   // accepted so far, so a helper thread fills them while the forward runs. One bitmask of
   // mask_words per request that samples with a constraint (mask_at[i] indexes it).
-  const int64_t mask_words = (backend_->config().vocab_size + 31) / 32;
-  std::vector<int32_t> mask_at(out.requests.size(), -1);
-  std::vector<TokenConstraint*> constrained;
+  step.mask_words = (backend_->config().vocab_size + 31) / 32;
+  step.mask_at.assign(out.requests.size(), -1);
   for (size_t i = 0; i < out.requests.size(); ++i) {
     if (want[i].sample_row < 0) continue;
     RunnerRequestState& st = states.at(out.requests[i].request_id);
     if (!st.constraint || st.constraint->is_terminated()) continue;
-    mask_at[i] = static_cast<int32_t>(constrained.size());
-    constrained.push_back(st.constraint.get());
+    step.mask_at[i] = static_cast<int32_t>(step.constrained.size());
+    step.constrained.push_back(st.constraint);
   }
-  std::vector<uint32_t> masks(constrained.size() * static_cast<size_t>(mask_words), 0u);
-  auto fill_masks = [&] {
-    for (size_t k = 0; k < constrained.size(); ++k)
-      constrained[k]->fill_allowed(std::span<uint32_t>(masks.data() + k * mask_words, mask_words));
-  };
-  std::thread filler;
-  if (!constrained.empty()) filler = std::thread(fill_masks);
-  model::ForwardResult res;
-  backend_->forward(b, &res, /*capture_msa=*/false);
-  if (filler.joinable()) filler.join();
+  step.masks.assign(step.constrained.size() * static_cast<size_t>(step.mask_words), 0u);
+  if (!step.constrained.empty()) {
+    LaunchedStep* sp = &step;
+    step.filler = std::thread([sp] {
+      for (size_t k = 0; k < sp->constrained.size(); ++k)
+        sp->constrained[k]->fill_allowed(
+            std::span<uint32_t>(sp->masks.data() + k * sp->mask_words, sp->mask_words));
+    });
+  }
+}
+
+sched::RunnerOutput ModelRunner::finish_with(
+    LaunchedStep& step, const sched::SchedulerOutput& out, model::ForwardResult& res,
+    std::unordered_map<uint64_t, RunnerRequestState>& states) {
+  if (step.filler.joinable()) step.filler.join();
+  const model::ForwardBatch& b = step.batch;
+  const std::vector<LaunchedStep::Want>& want = step.want;
+  const std::vector<int32_t>& device_slot = step.device_slot;
+  const std::vector<int32_t>& mask_at = step.mask_at;
+  const int64_t mask_words = step.mask_words;
+  const bool on_device = backend_->samples_on_device();
   const int64_t V = res.vocab_size;
   // Where logits row r (of logits_indices) sits in res.logits.
   std::vector<int32_t> row_at;
@@ -199,7 +258,9 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
   sched::RunnerOutput ro;
   for (size_t i = 0; i < out.requests.size(); ++i) {
     const sched::ScheduledRequest& r = out.requests[i];
-    RunnerRequestState& st = states.at(r.request_id);
+    auto sit = states.find(r.request_id);
+    if (sit == states.end()) continue;  // aborted, or finished by the step before (async)
+    RunnerRequestState& st = sit->second;
     st.step_logprobs.clear();
     for (const auto& [pos, row] : want[i].prompt_rows) {
       std::span<const float> lr(logits_row(row), V);
@@ -214,6 +275,7 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
     }
     if (device_slot[i] >= 0) {
       const int32_t tok = res.sampled[device_slot[i]];
+      --st.num_pending_samples;
       st.history.push_back(tok);
       ro.sampled.push_back({r.request_id, {tok}});
       continue;
@@ -226,7 +288,7 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
     SampleRng rng{st.seed, gen.size()};  // the draw the device would make for this token
     std::span<const uint32_t> allowed;
     if (mask_at[i] >= 0)
-      allowed = std::span<const uint32_t>(masks.data() + mask_at[i] * mask_words, mask_words);
+      allowed = std::span<const uint32_t>(step.masks.data() + mask_at[i] * mask_words, mask_words);
     bool none_allowed = false;
     const int32_t tok = Sampler::sample(lr, st.params, st.history, gen, rng, num_sampleable_,
                                         allowed, &none_allowed);

@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -40,7 +41,11 @@ struct RunnerRequestState {
   std::vector<TokenLogprobOut> step_logprobs;
   // params.constraint->make(), made at admission; null without structured outputs. It has seen
   // every sampled token (preemption recomputes the KV, not the tokens, so it stays valid).
-  std::unique_ptr<TokenConstraint> constraint;
+  // Shared with a launched step whose helper thread may still fill its mask after an abort.
+  std::shared_ptr<TokenConstraint> constraint;
+  // Device samples launched and not finished yet (async scheduling): the next draw's output
+  // index is the history's generated count plus these.
+  int num_pending_samples = 0;
   // Image input: prompt spans {first position, tokens} of the images, in order; their pixels
   // until the first step that computes an image position runs the tower over all of them
   // (then freed), and from then on their embeddings [sum of tokens, hidden] f32 (kept through
@@ -48,6 +53,39 @@ struct RunnerRequestState {
   std::vector<std::pair<int32_t, int32_t>> image_spans;
   std::vector<ImageInput> images;
   std::vector<float> image_embeds;
+};
+
+// A step launched on the backend and not finished yet (ModelRunner::launch / finish): its batch
+// and what finish() needs to turn the backend's result into sampled tokens.
+struct LaunchedStep {
+  // Logits rows wanted per scheduled request: prompt-logprob rows (position -> row), and the
+  // sampling row (-1 when the request does not sample this step).
+  struct Want {
+    std::vector<std::pair<int, int32_t>> prompt_rows;
+    int32_t sample_row = -1;
+    // Speculative decoding: the rows of the last known token and of each draft after it (the
+    // first is sample_row), and the request's first token in the step.
+    std::vector<int32_t> verify_rows;
+    int first_token = 0;
+  };
+  sched::SchedulerOutput out;  // the step as scheduled
+  model::ForwardBatch batch;
+  std::vector<Want> want;
+  std::vector<int32_t> device_slot;  // per request: its entry of batch.device_samples, or -1
+  // Constrained rows: their allowed-token bitmasks (mask_at[i] indexes them), filled on `filler`
+  // while the forward runs; the constraints are held so an abort cannot free one under it.
+  int64_t mask_words = 0;
+  std::vector<int32_t> mask_at;
+  std::vector<std::shared_ptr<TokenConstraint>> constrained;
+  std::vector<uint32_t> masks;
+  std::thread filler;
+  bool launched = false;  // through ForwardBackend::launch (else forward)
+  // Some request samples on the host this step (logprobs, penalties, masks, drafts): the next
+  // step cannot be launched before this one's tokens are on the host.
+  bool host_samples = false;
+  ~LaunchedStep() {
+    if (filler.joinable()) filler.join();
+  }
 };
 
 class ModelRunner {
@@ -69,8 +107,27 @@ class ModelRunner {
   // Runs the step; returns the sampled tokens for requests with will_sample.
   sched::RunnerOutput execute(const sched::SchedulerOutput& out,
                               std::unordered_map<uint64_t, RunnerRequestState>& states);
+  // Async scheduling: whether the backend can launch steps (ForwardBackend::launch).
+  bool can_launch() const { return backend_->samples_on_device(); }
+  // Builds the step and launches it on the backend without waiting; kPlaceholderToken entries
+  // read the samples of the step launched before it (which must have sampled those requests on
+  // the device). `out` must have requests and no host KV tier copies. Steps finish in launch
+  // order.
+  std::unique_ptr<LaunchedStep> launch(sched::SchedulerOutput out,
+                                       std::unordered_map<uint64_t, RunnerRequestState>& states);
+  // Waits for a launched step and returns its sampled tokens (requests whose state is gone by
+  // now, aborted or finished by the step before, are skipped).
+  sched::RunnerOutput finish(LaunchedStep& step,
+                             std::unordered_map<uint64_t, RunnerRequestState>& states);
 
  private:
+  // The step's batch, device samples and masks (filler started) into `step`.
+  void prepare(LaunchedStep& step, const sched::SchedulerOutput& out,
+               std::unordered_map<uint64_t, RunnerRequestState>& states, bool async);
+  // The sampled tokens out of the step's result.
+  sched::RunnerOutput finish_with(LaunchedStep& step, const sched::SchedulerOutput& out,
+                                  model::ForwardResult& res,
+                                  std::unordered_map<uint64_t, RunnerRequestState>& states);
   // Verifies a request's drafts against its logits rows (the last known token's, then one per
   // draft): returns 1 + the accepted drafts' count tokens, appended to st.history.
   std::vector<int32_t> verify(const sched::ScheduledRequest& r, const std::vector<int32_t>& rows,
@@ -87,6 +144,8 @@ class ModelRunner {
   std::unique_ptr<SpecDecoder> spec_;
   int max_model_len_ = 0;
   std::atomic<int64_t> num_image_encodes_{0};  // read by Engine::stats on other threads
+  // The device sample slot of each request in the last launched step (async scheduling).
+  std::unordered_map<uint64_t, int32_t> last_slots_;
 };
 
 }  // namespace m3::engine

@@ -47,6 +47,12 @@ struct ForwardBatch {
   std::vector<kernels::cpu::SampleRow> device_samples;
   std::vector<int32_t> host_logits_rows;
   int64_t num_sampleable = 0;  // ids >= this are never sampled on the device (0: vocab size)
+  // Async scheduling (runtime::ForwardBackend::launch only): token prev_sample_tokens[i] takes
+  // the id that the previously launched step sampled in its device_samples entry
+  // prev_sample_slots[i] (token_ids holds a placeholder there); read on the device, so the host
+  // needs not have that step's results yet.
+  std::vector<int32_t> prev_sample_tokens;
+  std::vector<int32_t> prev_sample_slots;
   // Rows of token_ids whose input embedding is given here instead of looked up (the image
   // placeholder tokens, model/vision_tower.h): ascending indices, and embed_values
   // [embed_rows.size(), hidden] f32. Only backends whose supports_image_input() is true read it.

@@ -1,9 +1,11 @@
 #include "runtime/forward_backend.h"
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 
 #include "core/check.h"
+#include "kernels/cpu/sample.h"
 #include "model/kv_cache.h"
 
 namespace m3::runtime {
@@ -23,6 +25,39 @@ void ForwardBackend::copy_host_kv_pages(std::span<const HostPageCopy> offloads,
                                         std::span<const HostPageCopy> restores) {
   M3_CHECK(offloads.empty() && restores.empty(), "%s backend: host KV copies without a tier",
            device_name().c_str());
+}
+
+void ForwardBackend::launch(const ForwardBatch& batch) {
+  M3_CHECK(samples_on_device(), "%s backend: launch() needs device sampling",
+           device_name().c_str());
+  M3_CHECK(launched_.size() < 2, "%s backend: a third step launched before collect()",
+           device_name().c_str());
+  M3_CHECK(batch.prev_sample_tokens.size() == batch.prev_sample_slots.size());
+  launched_.emplace_back();
+  if (batch.prev_sample_tokens.empty()) {
+    forward(batch, &launched_.back(), /*capture_msa=*/false);
+  } else {
+    ForwardBatch b = batch;
+    for (size_t i = 0; i < b.prev_sample_tokens.size(); ++i) {
+      const int32_t t = b.prev_sample_tokens[i], slot = b.prev_sample_slots[i];
+      M3_CHECK(t >= 0 && t < static_cast<int32_t>(b.token_ids.size()) && slot >= 0 &&
+                   slot < static_cast<int32_t>(last_sampled_.size()),
+               "launch: previous sample %d for token %d of %zu (%zu sampled)", slot, t,
+               b.token_ids.size(), last_sampled_.size());
+      b.token_ids[t] = last_sampled_[slot];
+    }
+    b.prev_sample_tokens.clear();
+    b.prev_sample_slots.clear();
+    forward(b, &launched_.back(), /*capture_msa=*/false);
+  }
+  last_sampled_ = launched_.back().sampled;
+}
+
+void ForwardBackend::collect(ForwardResult* out) {
+  M3_CHECK(!launched_.empty(), "%s backend: collect() without a launched step",
+           device_name().c_str());
+  *out = std::move(launched_.front());
+  launched_.pop_front();
 }
 
 namespace {
@@ -63,8 +98,14 @@ class CpuBackend final : public ForwardBackend {
   const M3Config& config() const override { return model_->config(); }
   int64_t num_pages() const override { return cache_.num_pages(); }
   void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) override {
+    M3_CHECK(batch.prev_sample_tokens.empty(), "cpu backend: previous samples outside launch()");
     model_->forward(batch, cache_, out, capture_msa);
+    if (!batch.device_samples.empty()) sample_rows_here(batch, out);
   }
+  // The rows the engine would send to a GPU's sampler are drawn here with the same CPU sampler
+  // its host path calls (kernels::cpu::sample_rows, the GPU kernel's oracle), so the tokens do not
+  // change; this is what lets the engine's async pipeline run on the CPU backend too.
+  bool samples_on_device() const override { return true; }
   std::string device_name() const override { return "cpu"; }
   std::string speculative_refusal() const override { return ""; }
   std::string kv_cache_flag() const override { return "--kv-cache-memory-bytes"; }
@@ -114,6 +155,30 @@ class CpuBackend final : public ForwardBackend {
   }
 
  private:
+  // ForwardBatch::device_samples over the full logits M3Model::forward returned; then only the
+  // host_logits_rows stay in out->logits (the GPU backend's result layout).
+  static void sample_rows_here(const ForwardBatch& b, ForwardResult* out) {
+    const int64_t V = out->vocab_size;
+    const int64_t R = static_cast<int64_t>(b.logits_indices.size());
+    M3_CHECK(static_cast<int64_t>(out->logits.size()) == R * V, "cpu backend: %zu logits",
+             out->logits.size());
+    const int64_t valid = b.num_sampleable > 0 ? std::min<int64_t>(b.num_sampleable, V) : V;
+    for (const auto& sr : b.device_samples)
+      M3_CHECK(sr.row >= 0 && sr.row < R, "device sample row %d of %lld", sr.row,
+               static_cast<long long>(R));
+    out->sampled.assign(b.device_samples.size(), 0);
+    kernels::cpu::sample_rows(out->logits.data(), V, valid, b.device_samples.data(),
+                              static_cast<int64_t>(b.device_samples.size()), out->sampled.data());
+    std::vector<float> kept(b.host_logits_rows.size() * V);
+    for (size_t j = 0; j < b.host_logits_rows.size(); ++j) {
+      const int32_t r = b.host_logits_rows[j];
+      M3_CHECK(r >= 0 && r < R, "host logits row %d of %lld", r, static_cast<long long>(R));
+      std::copy_n(out->logits.data() + static_cast<int64_t>(r) * V, V, kept.data() + j * V);
+    }
+    out->logits = std::move(kept);
+    out->logits_rows = b.host_logits_rows;
+  }
+
   std::unique_ptr<M3Model> owned_;
   const M3Model* model_;
   model::KvCache cache_;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <span>
 #include <string>
@@ -51,8 +52,23 @@ class ForwardBackend {
   virtual int64_t num_pages() const = 0;
   virtual void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) = 0;
   // True when forward() honours ForwardBatch::device_samples / host_logits_rows (the GPU
-  // backend samples next to the logits and copies back token ids instead of vocabulary rows).
+  // backend samples next to the logits and copies back token ids instead of vocabulary rows;
+  // the CPU backend draws them with the same CPU sampler the engine's host path calls).
   virtual bool samples_on_device() const { return false; }
+
+  // Async scheduling (engine/engine.cpp): launch() starts a step (forward()'s contract,
+  // capture_msa off) and may return before it ran; collect() waits for the oldest launched step
+  // not collected yet and gives its result. At most two steps are launched and not collected.
+  // The batch's prev_sample_tokens take the ids the previously launched step sampled (indices
+  // into its device_samples), so a step can be launched before the host has the tokens of the
+  // one before it. Only when samples_on_device(). The default runs forward() inside launch()
+  // (resolving prev_sample_tokens from the previous result first): nothing overlaps, but the
+  // engine's pipeline runs as on a GPU. `batch` need not outlive launch().
+  virtual void launch(const ForwardBatch& batch);
+  virtual void collect(ForwardResult* out);
+  // True when launch() returns while the step still runs (a GPU stream): async scheduling then
+  // overlaps the host's work with the device's and is on by default.
+  virtual bool launch_overlaps() const { return false; }
   // For logs and the start-up line, e.g. "cpu" or "cuda:0 (NVIDIA H200)".
   virtual std::string device_name() const = 0;
   // The command-line flag that sizes this backend's KV cache, named in "too small" errors.
@@ -92,6 +108,12 @@ class ForwardBackend {
                              std::vector<float>* embeds) {
     M3_CHECK(false, "encode_images on a backend without image input");
   }
+
+ private:
+  // The default launch()/collect(): results of launched steps, oldest first, and the samples of
+  // the last launched step.
+  std::deque<ForwardResult> launched_;
+  std::vector<int32_t> last_sampled_;
 };
 
 // The CPU backend: `model` and a zeroed KvCache of `num_pages` pages. Errors: num_pages < 1.

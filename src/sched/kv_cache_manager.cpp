@@ -106,8 +106,11 @@ bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens,
   M3_CHECK(num_hit_blocks + num_host_blocks == 0 || num_held == 0,
            "request %llu: prefix hit while holding pages",
            static_cast<unsigned long long>(request.request_id));
-  const int total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens;
-  const int num_known = request.num_tokens() + static_cast<int>(request.spec_token_ids.size());
+  // Tokens of a step in flight count as computed, its sample as known (async scheduling).
+  const int total_tokens =
+      request.num_computed_tokens + request.num_inflight_tokens + num_hit_tokens + num_new_tokens;
+  const int num_known = request.num_tokens() + request.num_inflight_samples +
+                        static_cast<int>(request.spec_token_ids.size());
   M3_CHECK(total_tokens <= num_known && num_lookahead_tokens >= 0,
            "request %llu: %d slots (+%d lookahead) for %d tokens",
            static_cast<unsigned long long>(request.request_id), total_tokens, num_lookahead_tokens,

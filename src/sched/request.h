@@ -72,7 +72,13 @@ struct Request {
 
   RequestStatus status = RequestStatus::kWaiting;
   int num_computed_tokens = 0;  // tokens whose KV is in this request's pages
-  int num_cached_tokens = -1;   // prefix-cache hit at first scheduling; -1 until then
+  // Async scheduling (Scheduler::schedule with ahead): tokens of steps scheduled but not yet
+  // reported (positions num_computed_tokens ...), and how many of those steps sample a token
+  // whose id the host does not know yet (a placeholder at position num_tokens() ...). Both 0
+  // whenever no step is in flight (always, in the synchronous loop).
+  int num_inflight_tokens = 0;
+  int num_inflight_samples = 0;
+  int num_cached_tokens = -1;  // prefix-cache hit at first scheduling; -1 until then
   int num_preemptions = 0;
   std::optional<int32_t> stop_token_id;    // the stop_token_ids entry that finished it (not eos)
   std::vector<BlockHash> block_hashes;     // hash chain of full blocks, grown by KVCacheManager

@@ -148,6 +148,9 @@ int Scheduler::lookahead(const Request& request, int num_computed, int num_new) 
 }
 
 void Scheduler::preempt(Request* request) {
+  M3_CHECK(request->num_inflight_tokens == 0 && request->num_inflight_samples == 0,
+           "request %llu preempted with a step in flight",
+           static_cast<unsigned long long>(request->request_id));
   request->spec_token_ids.clear();
   kv_.free(*request);
   request->status = RequestStatus::kPreempted;
@@ -179,11 +182,15 @@ RequestUpdate Scheduler::make_update(const Request& request) const {
   return u;
 }
 
-SchedulerOutput Scheduler::schedule() {
+bool Scheduler::inflight_finishes_by_length(const Request& request) const {
+  const int tokens = request.num_tokens() + request.num_inflight_samples;
+  return request.num_output_tokens() + request.num_inflight_samples >= request.stop.max_tokens ||
+         tokens >= config_.max_model_len || tokens > partition_tokens();
+}
+
+SchedulerOutput Scheduler::schedule(bool ahead) {
   SchedulerOutput out;
   ++num_steps_;
-  out.finished_ids = std::move(finished_since_schedule_);
-  finished_since_schedule_.clear();
 
   struct Entry {
     Request* request;
@@ -198,7 +205,13 @@ SchedulerOutput Scheduler::schedule() {
   size_t i = 0;
   while (i < running_.size() && budget > 0) {
     Request* req = running_[i];
-    const int num_known = req->num_tokens() - req->num_computed_tokens;
+    // With a step in flight (ahead): its tokens count as computed and its sample as known.
+    if (req->num_inflight_samples > 0 && inflight_finishes_by_length(*req)) {
+      ++i;
+      continue;
+    }
+    const int num_known = req->num_tokens() + req->num_inflight_samples -
+                          (req->num_computed_tokens + req->num_inflight_tokens);
     const int num_spec = static_cast<int>(req->spec_token_ids.size());
     const int num_new = std::min(num_known + num_spec, budget);
     if (num_new <= 0) {
@@ -214,6 +227,14 @@ SchedulerOutput Scheduler::schedule() {
       if (kv_.allocate_slots(*req, num_new, nullptr, look)) {
         scheduled = true;
         break;
+      }
+      // Never with a step in flight: its requests' outputs are not in yet. The caller reports
+      // that step and schedules again (pages allocated above stay with their requests, which
+      // need them next step anyway).
+      if (ahead) {
+        SchedulerOutput deferred;
+        deferred.deferred = true;
+        return deferred;
       }
       // Out of pages: recompute-preempt the running request served last under the policy, among
       // those of req's partition (pages freed elsewhere are of no use to req). req is one of them.
@@ -294,23 +315,30 @@ SchedulerOutput Scheduler::schedule() {
     }
   }
 
+  out.finished_ids = std::move(finished_since_schedule_);
+  finished_since_schedule_.clear();
   out.requests.reserve(entries.size());
   for (const Entry& e : entries) {
-    const Request& req = *e.request;
+    Request& req = *e.request;
     ScheduledRequest s;
     s.request_id = req.request_id;
-    s.start_idx = req.num_computed_tokens;
+    s.start_idx = req.num_computed_tokens + req.num_inflight_tokens;
     s.token_ids.reserve(e.num_new_tokens);
     const int end = s.start_idx + e.num_new_tokens;
+    // Known tokens, then the in-flight samples (ids unknown here), then drafts.
+    const int known = req.num_tokens() + req.num_inflight_samples;
     for (int p = s.start_idx; p < std::min(end, req.num_tokens()); ++p)
       s.token_ids.push_back(req.token_at(p));
-    for (int p = req.num_tokens(); p < end; ++p)
-      s.token_ids.push_back(req.spec_token_ids[p - req.num_tokens()]);
-    s.num_spec_tokens = std::max(0, end - req.num_tokens());
+    for (int p = std::max(s.start_idx, req.num_tokens()); p < std::min(end, known); ++p)
+      s.token_ids.push_back(kPlaceholderToken);
+    for (int p = known; p < end; ++p) s.token_ids.push_back(req.spec_token_ids[p - known]);
+    s.num_spec_tokens = std::max(0, end - known);
     s.block_ids = kv_.block_ids(req.request_id);
-    s.will_sample = end >= req.num_tokens();
+    s.will_sample = end >= known;
     s.from_waiting = e.from_waiting;
     out.total_num_tokens += e.num_new_tokens;
+    req.num_inflight_tokens += e.num_new_tokens;
+    if (s.will_sample) ++req.num_inflight_samples;
     out.requests.push_back(std::move(s));
   }
   M3_CHECK(out.total_num_tokens <= config_.max_num_batched_tokens, "scheduled %d tokens",
@@ -354,6 +382,10 @@ std::vector<RequestUpdate> Scheduler::update_from_output(const SchedulerOutput& 
     M3_CHECK(
         req->num_computed_tokens == s.start_idx, "request %llu: computed %d, step started at %d",
         static_cast<unsigned long long>(req->request_id), req->num_computed_tokens, s.start_idx);
+    req->num_inflight_tokens -= s.num_new_tokens();
+    if (s.will_sample) --req->num_inflight_samples;
+    M3_CHECK(req->num_inflight_tokens >= 0 && req->num_inflight_samples >= 0,
+             "request %llu: step reported twice", static_cast<unsigned long long>(s.request_id));
     req->num_computed_tokens += s.num_new_tokens();
     req->spec_token_ids.clear();
     if (!s.will_sample) {

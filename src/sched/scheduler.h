@@ -73,9 +73,17 @@ class Scheduler {
   // Unknown or already finished ids are a no-op.
   void abort_request(uint64_t request_id);
 
-  SchedulerOutput schedule();
+  // The next step. `ahead` (async scheduling): the previous step's output has not been reported
+  // yet; each of its requests counts as having computed its tokens, and one that samples as
+  // having one more token whose id is unknown (kPlaceholderToken in token_ids, where the next
+  // position needs it). A request that this sample surely finishes by length is left out; one
+  // that finishes by a stop token is computed one step too many, and that step's output is
+  // dropped. A step that would have to preempt is not scheduled (deferred is set): preemption
+  // only ever happens with nothing in flight, as in the synchronous loop.
+  SchedulerOutput schedule(bool ahead = false);
   // Must follow every schedule() with that step's output (also an empty one: pending abort and
-  // length updates are delivered here). Returns updates for requests that sampled or finished.
+  // length updates are delivered here), in schedule order (a deferred output needs none).
+  // Returns updates for requests that sampled or finished.
   std::vector<RequestUpdate> update_from_output(const SchedulerOutput& scheduler_output,
                                                 const RunnerOutput& runner_output);
 
@@ -127,6 +135,9 @@ class Scheduler {
   int64_t partition_tokens() const;
   // Finishes a request that is not running (or already removed from running) and queues its update.
   void finish(Request* request, RequestStatus status, FinishReason reason);
+  // True when the request's tokens in flight, once appended, finish it by length (check_stop's
+  // length rule over the counts with the in-flight samples).
+  bool inflight_finishes_by_length(const Request& request) const;
   // Checks stop rules after appending one sampled token; returns the reason it finished, if any.
   FinishReason check_stop(Request& request, int32_t token) const;
   RequestUpdate make_update(const Request& request) const;

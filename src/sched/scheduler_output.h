@@ -14,10 +14,16 @@
 
 namespace m3::sched {
 
+// A ScheduledRequest::token_ids entry whose id is not known on the host yet: the token the step
+// in flight samples for this request (async scheduling). The runner has the backend read it from
+// that step's device-side samples.
+inline constexpr int32_t kPlaceholderToken = -1;
+
 struct ScheduledRequest {
   uint64_t request_id = 0;
   std::vector<int32_t> token_ids;  // tokens to compute this step, positions start_idx...
-  int start_idx = 0;               // == the request's num_computed_tokens before this step
+                                   // (kPlaceholderToken: sampled by the step in flight)
+  int start_idx = 0;  // == the request's num_computed_tokens (+ tokens in flight) before this step
   std::vector<int32_t> block_ids;  // the whole block table: page i holds positions [i*bs, (i+1)*bs)
   bool will_sample = false;        // this step reaches the last known token: sample one after it
   // The last num_spec_tokens of token_ids are draft tokens (speculative decoding) after the
@@ -52,6 +58,10 @@ struct SchedulerOutput {
   int total_num_tokens = 0;             // sum of num_new_tokens, <= max_num_batched_tokens
   std::vector<uint64_t> preempted_ids;  // preempted this step: pages freed, state to drop
   std::vector<uint64_t> finished_ids;   // finished (any reason) since the previous schedule()
+  // schedule(ahead) only: this step could not be scheduled without preempting (or the scheduler
+  // state needs the step in flight first); nothing was scheduled. Report the step in flight and
+  // schedule again.
+  bool deferred = false;
   bool empty() const { return requests.empty() && kv_offloads.empty() && kv_restores.empty(); }
 };
 

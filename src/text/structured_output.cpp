@@ -499,6 +499,8 @@ Result<std::shared_ptr<const CompiledStructure>> StructuredOutputCompiler::compi
       spec.param);
 }
 
+void StructuredOutputCompiler::warm_up() const {}  // nothing to warm without xgrammar
+
 #endif
 
 StructuredOutputCompiler::~StructuredOutputCompiler() = default;

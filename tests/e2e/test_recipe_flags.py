@@ -69,7 +69,7 @@ STARTS = [
      "--max-model-len 65536 --attention-backend TRITON_ATTN --async-scheduling "
      f"--max-num-batched-tokens 16384 {PARSERS}",
      {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_ENGINE_READY_TIMEOUT_S": "3600"},
-     ["--async-scheduling is ignored", "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"]),
+     ["VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"]),
     ("mi355x_high_concurrency", "--tensor-parallel-size 4 --block-size 128 --language-model-only "
      "--moe-backend aiter --max-num-batched-tokens 32768 --attention-backend TRITON_ATTN "
      f"--linear-backend emulation {PARSERS}", {"VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT": "0"},
@@ -80,7 +80,8 @@ STARTS = [
      "--language-model-only --enable-prefix-caching --attention-backend ROCM_AITER_UNIFIED_ATTN "
      f"--moe-backend aiter {PARSERS} --default-chat-template-kwargs '{{\"thinking_mode\":\"enabled\"}}' "
      "--max-num-seqs 64 --stream-interval 20", {},
-     ["--enable-chunked-prefill is ignored", "--compilation-config is ignored"]),
+     ["--enable-chunked-prefill is ignored",
+      "--compilation-config: CUDA graphs replay steps of exactly 3 sizes"]),
     ("dotted_attention_config", "--pipeline-parallel-size 1 --attention_config.backend FLASHINFER "
      "--attention_config.use_trtllm_attention true --no-enable-flashinfer-autotune --kv-cache-dtype auto",
      {}, ["--attention-config (backend, use_trtllm_attention) is ignored",

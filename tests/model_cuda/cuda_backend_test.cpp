@@ -145,6 +145,56 @@ TEST(CudaBackend, ConcurrentRequestsGiveTheSequentialTokens) {
     EXPECT_EQ(collect(*streams[i]), cases[i % cases.size()].want) << cases[i % cases.size()].name;
 }
 
+// Async scheduling on the GPU (the default there): decode steps launched behind the running
+// one, their inputs gathered from its samples on the device, give exactly the synchronous loop's
+// outputs: greedy tokens, seeded draws, logprobs (host-sampled rows), stop ids and lengths.
+TEST(CudaBackend, AsyncSchedulingGivesTheSynchronousOutputs) {
+  if (!no_gpu_reason().empty()) GTEST_SKIP() << "no usable GPU: " << no_gpu_reason();
+  CudaBackendOptions opts;
+  opts.gpu_memory_utilization = 0.05;
+  std::vector<engine::GenerateRequest> reqs;
+  for (const auto& g : greedy_cases()) reqs.push_back(g.request);
+  ASSERT_GE(reqs.size(), 2u);
+  for (int i = 0; i < 4; ++i) {
+    engine::GenerateRequest r = reqs[i % reqs.size()];
+    r.params.temperature = 0.8f + 0.1f * i;
+    r.params.seed = 5 + i;
+    r.params.max_tokens = 12 + i;
+    if (i == 1) r.params.logprobs = 2;  // sampled on the host: that step runs synchronously
+    if (i == 2) r.params.top_k = 20;
+    reqs.push_back(r);
+  }
+  {
+    engine::GenerateRequest r = reqs[0];
+    r.params.max_tokens = 20;
+    r.params.stop_token_ids = {reqs[0].prompt_token_ids[0], 7, 11};
+    r.params.ignore_eos = false;
+    reqs.push_back(r);
+  }
+  auto run = [&](bool async, int64_t* ahead) {
+    auto cfg = engine_config(opts);
+    cfg.max_num_seqs = 6;
+    cfg.max_num_batched_tokens = 64;
+    cfg.async_scheduling = async;
+    auto e = engine::Engine::create(cfg);
+    EXPECT_TRUE(e.has_value()) << e.error().message;
+    std::vector<std::shared_ptr<engine::RequestStream>> streams;
+    for (const auto& r : reqs) streams.push_back(*(*e)->submit(r));
+    std::vector<std::vector<int32_t>> out;
+    for (auto& s : streams) out.push_back(collect(*s));
+    *ahead = (*e)->stats().steps_launched_ahead;
+    EXPECT_EQ((*e)->model_info().async_scheduling, async);
+    return out;
+  };
+  int64_t ahead_sync = 0, ahead_async = 0;
+  const auto want = run(false, &ahead_sync);
+  const auto got = run(true, &ahead_async);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[i]) << "request " << i;
+  EXPECT_EQ(ahead_sync, 0);
+  EXPECT_GT(ahead_async, 10);
+}
+
 TEST(CudaBackend, ExplicitBytesGiveExactlyThatManyPages) {
   if (!no_gpu_reason().empty()) GTEST_SKIP() << "no usable GPU: " << no_gpu_reason();
   auto host = M3Model::load(kModel);

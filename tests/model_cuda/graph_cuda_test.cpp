@@ -110,3 +110,54 @@ TEST(CudaGraphs, ReplayEqualsEagerAtM3Shapes) {
 
 }  // namespace
 }  // namespace m3::model
+
+namespace m3::model {
+namespace {
+
+// --compilation-config cudagraph_capture_sizes: only the listed step sizes replay graphs; a
+// 3-sequence decode step with sizes {1, 2} runs eagerly (and still equals the eager model).
+TEST(CudaGraphs, OnlyTheListedStepSizesReplay) {
+  SKIP_WITHOUT_GPU();
+  const std::string dir = std::string(M3_SOURCE_DIR) + "/tests/golden/model/msa_small_blocks";
+  auto g = M3ModelCuda::load(dir);
+  auto e = M3ModelCuda::load(dir);
+  ASSERT_TRUE(g.has_value() && e.has_value());
+  const int64_t V = (*g)->config().vocab_size;
+  (*g)->set_graph_sizes({1, 2});
+  (*e)->set_use_graphs(false);
+  SequenceRunner rg(borrow_cuda_backend(**g, 400, 3)), re(borrow_cuda_backend(**e, 400, 3));
+  std::vector<std::vector<int32_t>> prompts = {random_ids(9, 4, V), random_ids(14, 5, V),
+                                               random_ids(6, 6, V)};
+  std::vector<SequenceChunk> chunks;
+  for (const auto& p : prompts) chunks.push_back({rg.add_sequence(), p, false});
+  for (size_t i = 0; i < prompts.size(); ++i) re.add_sequence();
+  ForwardResult og = rg.step(chunks), oe = re.step(chunks);
+  ASSERT_EQ(og.logits, oe.logits);
+  std::vector<int32_t> next(3);
+  for (int s = 0; s < 6; ++s) {
+    std::vector<SequenceChunk> dec;
+    for (int i = 0; i < 3; ++i) {
+      next[i] = argmax_row(oe.logits, i, V);
+      dec.push_back({i, std::span<const int32_t>(&next[i], 1), false});
+    }
+    og = rg.step(dec);
+    oe = re.step(dec);
+    ASSERT_EQ(og.logits, oe.logits) << "step " << s;
+  }
+  EXPECT_EQ((*g)->graph_replays(), 0) << "3-token steps are not a listed size";
+  // A 2-token step is: after its eager first run it is captured and replayed.
+  for (int s = 0; s < 4; ++s) {
+    std::vector<SequenceChunk> dec;
+    for (int i = 0; i < 2; ++i) {
+      next[i] = argmax_row(oe.logits, i, V);
+      dec.push_back({i, std::span<const int32_t>(&next[i], 1), false});
+    }
+    og = rg.step(dec);
+    oe = re.step(dec);
+    ASSERT_EQ(og.logits, oe.logits) << "2-token step " << s;
+  }
+  EXPECT_GE((*g)->graph_replays(), 2);
+}
+
+}  // namespace
+}  // namespace m3::model

@@ -117,8 +117,21 @@ struct FlashPrefill::Impl {
   size_t q16_cap = 0;
   uint16_t* o16 = nullptr;
   size_t o16_cap = 0;
+  // Recorded after each copy out of a pinned buffer: the next step (scheduled while this one
+  // runs, under async scheduling) waits for it before writing the buffer again.
+  cudaEvent_t rows_copied = nullptr, plan_copied = nullptr;
+
+  static void before_reuse(cudaEvent_t& ev) {
+    if (ev == nullptr) {
+      M3_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+      return;
+    }
+    M3_CUDA_CHECK(cudaEventSynchronize(ev));
+  }
 
   ~Impl() {
+    if (rows_copied != nullptr) cudaEventDestroy(rows_copied);
+    if (plan_copied != nullptr) cudaEventDestroy(plan_copied);
     cudaFree(int_ws);
     cudaFreeHost(pinned);
     cudaFree(float_ws);
@@ -152,6 +165,7 @@ void FlashPrefill::set_runs(const std::vector<Run>& runs, cudaStream_t stream) {
   int64_t rows = 0;
   for (const Run& r : runs) rows += r.num_tokens;
   // The batch row of every compact row.
+  Impl::before_reuse(m.rows_copied);
   if (m.rows_pinned_cap < static_cast<size_t>(rows)) {
     if (m.rows_pinned != nullptr) M3_CUDA_CHECK(cudaFreeHost(m.rows_pinned));
     m.rows_pinned_cap = std::max(static_cast<size_t>(rows), 2 * m.rows_pinned_cap);
@@ -164,6 +178,7 @@ void FlashPrefill::set_runs(const std::vector<Run>& runs, cudaStream_t stream) {
   grow(m.rows_dev, m.rows_cap, static_cast<size_t>(rows));
   M3_CUDA_CHECK(cudaMemcpyAsync(m.rows_dev, m.rows_pinned, rows * sizeof(int32_t),
                                 cudaMemcpyHostToDevice, stream));
+  M3_CUDA_CHECK(cudaEventRecord(m.rows_copied, stream));
   m.rows = rows;
 }
 
@@ -193,6 +208,7 @@ void plan_runs(FlashPrefill::Impl& m, int64_t num_qo_heads, int64_t num_kv_heads
       static_cast<size_t>((rows + 127) / 128 + batch) * static_cast<size_t>(num_qo_heads);
   const size_t int_bytes = (8 * works + num_sms + 1) * sizeof(int32_t) + 16 * 16;
   grow(m.int_ws, m.int_cap, int_bytes / sizeof(int32_t) + 1);
+  FlashPrefill::Impl::before_reuse(m.plan_copied);
   if (m.pinned_cap < int_bytes) {
     if (m.pinned != nullptr) M3_CUDA_CHECK(cudaFreeHost(m.pinned));
     m.pinned_cap = std::max(int_bytes, 2 * m.pinned_cap);
@@ -206,6 +222,7 @@ void plan_runs(FlashPrefill::Impl& m, int64_t num_qo_heads, int64_t num_kv_heads
       static_cast<uint32_t>(num_kv_heads), 128, 128, static_cast<uint32_t>(page_size),
       /*causal=*/true, /*enable_cuda_graph=*/false, /*sizeof_dtype_o=*/2, stream);
   M3_CHECK(err == cudaSuccess, "FlashInfer prefill plan: %s", cudaGetErrorString(err));
+  M3_CUDA_CHECK(cudaEventRecord(m.plan_copied, stream));
   const size_t elems = static_cast<size_t>(rows * num_qo_heads * 128);
   grow(m.q16, m.q16_cap, elems);
   grow(m.o16, m.o16_cap, elems);

@@ -281,7 +281,22 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) out_ids[blockIdx.x] = best_id;
 }
 
+__global__ void gather_ids_kernel(const int32_t* sampled, const int32_t* tokens,
+                                  const int32_t* slots, int64_t n, int32_t* ids) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) ids[tokens[i]] = sampled[slots[i]];
+}
+
 }  // namespace
+
+void gather_sampled_ids(const int32_t* sampled, const int32_t* tokens, const int32_t* slots,
+                        int64_t n, int32_t* ids, cudaStream_t stream) {
+  if (n <= 0) return;
+  const int threads = 128;
+  gather_ids_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, stream>>>(
+      sampled, tokens, slots, n, ids);
+  M3_CUDA_CHECK_LAUNCH("gather_sampled_ids");
+}
 
 void sample_rows(const float* logits, int64_t vocab, int64_t num_valid, const SampleRow* rows,
                  int64_t n, int32_t* out_ids, cudaStream_t stream) {

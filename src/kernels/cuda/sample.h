@@ -21,4 +21,9 @@ using cpu::SampleRow;
 void sample_rows(const float* logits, int64_t vocab, int64_t num_valid, const SampleRow* rows,
                  int64_t n, int32_t* out_ids, cudaStream_t stream);
 
+// Async scheduling: ids[tokens[i]] = sampled[slots[i]] for i < n (a step's decode inputs taken
+// from the ids the step before it sampled, without the host seeing them).
+void gather_sampled_ids(const int32_t* sampled, const int32_t* tokens, const int32_t* slots,
+                        int64_t n, int32_t* ids, cudaStream_t stream);
+
 }  // namespace m3::kernels::cuda

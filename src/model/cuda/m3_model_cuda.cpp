@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "core/check.h"
 #include "core/log.h"
@@ -382,8 +383,14 @@ void M3ModelCuda::upload_weights() {
 }
 
 M3ModelCuda::~M3ModelCuda() {
+  cudaStreamSynchronize(stream_.get());  // nothing launched may still read what is freed here
   clear_graphs();
   if (stage_ != nullptr) cudaFreeHost(stage_);
+  for (int i = 0; i < 2; ++i) {
+    if (ids_host_[i] != nullptr) cudaFreeHost(ids_host_[i]);
+    if (step_done_[i] != nullptr) cudaEventDestroy(step_done_[i]);
+  }
+  if (stage_copied_ != nullptr) cudaEventDestroy(stage_copied_);
 }
 
 void M3ModelCuda::clear_graphs() {
@@ -459,24 +466,67 @@ void M3ModelCuda::set_skip_collectives_for_timing(bool on) {
   ops_->set_skip_collectives(on);
 }
 
-template <class T>
-T* M3ModelCuda::upload_async(gpu::DeviceBuffer<T>& b, const T* host, size_t n) {
-  T* d = ops_->ensure(b, static_cast<int64_t>(n));
-  // From pageable memory the runtime stages the bytes before returning, so `host` may change
-  // right after; the copy itself is ordered on the stream before the kernels that read it.
-  if (n > 0)
-    M3_CUDA_CHECK(cudaMemcpyAsync(d, host, n * sizeof(T), cudaMemcpyHostToDevice, stream_.get()));
-  return d;
+void M3ModelCuda::set_graph_sizes(std::vector<int64_t> sizes) {
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  graph_sizes_ = std::move(sizes);
+  clear_graphs();
+}
+
+bool M3ModelCuda::graph_size(int64_t num_tokens) const {
+  if (num_tokens > kGraphMaxTokens) return false;
+  return graph_sizes_.empty() ||
+         std::binary_search(graph_sizes_.begin(), graph_sizes_.end(), num_tokens);
 }
 
 void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResult* out,
+                          bool capture_msa) {
+  M3_CHECK(launched_.empty(), "M3ModelCuda::forward with %zu launched steps not collected",
+           launched_.size());
+  const int slot = static_cast<int>(num_enqueued_ % 2);
+  enqueue(b, cache, out, capture_msa);
+  wait_step(slot, out);
+}
+
+void M3ModelCuda::launch(const ForwardBatch& b, KvCacheCuda& cache) {
+  M3_CHECK(launched_.size() < 2, "M3ModelCuda::launch: a third step before collect()");
+  launched_.emplace_back();
+  Launched& l = launched_.back();
+  l.slot = static_cast<int>(num_enqueued_ % 2);
+  enqueue(b, cache, &l.result, /*capture_msa=*/false);
+}
+
+void M3ModelCuda::collect(ForwardResult* out) {
+  M3_CHECK(!launched_.empty(), "M3ModelCuda::collect without a launched step");
+  Launched& l = launched_.front();
+  wait_step(l.slot, &l.result);
+  *out = std::move(l.result);
+  launched_.pop_front();
+}
+
+void M3ModelCuda::wait_step(int slot, ForwardResult* out) {
+  M3_CUDA_CHECK(cudaEventSynchronize(step_done_[slot]));
+  if (out != nullptr && ids_count_[slot] > 0)
+    out->sampled.assign(ids_host_[slot], ids_host_[slot] + ids_count_[slot]);
+}
+
+void M3ModelCuda::enqueue(const ForwardBatch& b, KvCacheCuda& cache, ForwardResult* out,
                           bool capture_msa) {
   const M3Config& cfg = config();
   const int64_t T = static_cast<int64_t>(b.token_ids.size());
   M3_CHECK(T > 0 && b.positions.size() == (size_t)T && b.seq_ids.size() == (size_t)T);
   M3_CHECK(!b.block_table_offsets.empty() && !b.block_table.empty());
   M3_CHECK(cache.page_size() == cfg.sparse_block_size);
+  M3_CHECK(b.prev_sample_tokens.size() == b.prev_sample_slots.size());
   cudaStream_t s = stream_.get();
+  // Step slot: its sampled-id buffers and its end event (steps alternate between two).
+  const int slot = static_cast<int>(num_enqueued_ % 2);
+  const int prev = 1 - slot;
+  ++num_enqueued_;
+  for (cudaEvent_t* ev : {&step_done_[0], &step_done_[1], &stage_copied_})
+    if (*ev == nullptr) M3_CUDA_CHECK(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
+  ids_count_[slot] = 0;
+  auto end_step = [&] { M3_CUDA_CHECK(cudaEventRecord(step_done_[slot], s)); };
   // A shard always computes the logits: the lm_head all-gather (and the MSA gather) are
   // collectives every rank joins. Ranks whose caller wants nothing fill a scratch result.
   ForwardResult scratch;
@@ -486,28 +536,61 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   // The step's host arrays, copied to the device once per step (outside any graph: a replay
   // reads them from these buffers).
   // One pinned staging buffer and one copy: [tokens | positions | seq_ids | block-table offsets |
-  // block table], each section at an offset that depends only on capT (fixed for every graph
-  // size), so a replayed graph finds this step's arrays where it captured the last ones.
+  // block table | logits rows | previous-sample tokens, slots | sample rows], the first four at
+  // offsets that depend only on capT (fixed for every graph size), so a replayed graph finds this
+  // step's arrays where it captured the last ones; the rest are read by the eager kernels after it.
   const int64_t capT = std::max<int64_t>(T, kGraphMaxTokens);
   const int64_t S1 = static_cast<int64_t>(b.block_table_offsets.size());
   M3_CHECK(S1 <= capT + 1, "%lld sequences for %lld tokens", static_cast<long long>(S1 - 1),
            static_cast<long long>(T));
+  const int64_t R = static_cast<int64_t>(b.logits_indices.size());
+  const int64_t np = static_cast<int64_t>(b.prev_sample_tokens.size());
+  const int64_t ns = static_cast<int64_t>(b.device_samples.size());
+  constexpr int64_t kRowWords = sizeof(ops::SampleRow) / sizeof(int32_t);
+  static_assert(sizeof(ops::SampleRow) % (2 * sizeof(int32_t)) == 0);
   const int64_t bt_at = 4 * capT + 1;
-  const size_t stage_n = static_cast<size_t>(bt_at) + b.block_table.size();
+  const int64_t rows_at = bt_at + static_cast<int64_t>(b.block_table.size());
+  const int64_t prev_at = rows_at + R;
+  const int64_t smp_at = (prev_at + 2 * np + 1) / 2 * 2;  // 8-byte aligned for SampleRow
+  const size_t stage_n = static_cast<size_t>(smp_at + ns * kRowWords);
+  // The previous step's copy out of stage_ must have run before it is overwritten (with async
+  // scheduling that step may still be running).
+  if (stage_pending_) M3_CUDA_CHECK(cudaEventSynchronize(stage_copied_));
   if (stage_cap_ < stage_n) {
     if (stage_ != nullptr) M3_CUDA_CHECK(cudaFreeHost(stage_));
     stage_cap_ = std::max(stage_n, 2 * stage_cap_);
     M3_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&stage_), stage_cap_ * sizeof(int32_t)));
   }
-  // The previous step's copy out of stage_ finished: forward() ends with a stream sync.
   std::copy(b.token_ids.begin(), b.token_ids.end(), stage_);
   std::copy(b.positions.begin(), b.positions.end(), stage_ + capT);
   std::copy(b.seq_ids.begin(), b.seq_ids.end(), stage_ + 2 * capT);
   std::copy(b.block_table_offsets.begin(), b.block_table_offsets.end(), stage_ + 3 * capT);
   std::copy(b.block_table.begin(), b.block_table.end(), stage_ + bt_at);
+  for (int32_t t : b.logits_indices)
+    M3_CHECK(t >= 0 && t < T, "logits index %d of %lld", t, static_cast<long long>(T));
+  std::copy(b.logits_indices.begin(), b.logits_indices.end(), stage_ + rows_at);
+  for (int64_t i = 0; i < np; ++i) {
+    M3_CHECK(b.prev_sample_tokens[i] >= 0 && b.prev_sample_tokens[i] < T &&
+                 b.prev_sample_slots[i] >= 0 && b.prev_sample_slots[i] < ids_count_[prev],
+             "previous sample %d for token %d (the step before sampled %lld)",
+             b.prev_sample_slots[i], b.prev_sample_tokens[i],
+             static_cast<long long>(ids_count_[prev]));
+  }
+  std::copy(b.prev_sample_tokens.begin(), b.prev_sample_tokens.end(), stage_ + prev_at);
+  std::copy(b.prev_sample_slots.begin(), b.prev_sample_slots.end(), stage_ + prev_at + np);
+  for (const auto& sr : b.device_samples)
+    M3_CHECK(sr.row >= 0 && sr.row < R, "device sample row %d of %lld", sr.row,
+             static_cast<long long>(R));
+  if (ns > 0) std::memcpy(stage_ + smp_at, b.device_samples.data(), ns * sizeof(ops::SampleRow));
   int32_t* dstage = ops_->ensure(step_, static_cast<int64_t>(stage_n));
   M3_CUDA_CHECK(
       cudaMemcpyAsync(dstage, stage_, stage_n * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  M3_CUDA_CHECK(cudaEventRecord(stage_copied_, s));
+  stage_pending_ = true;
+  // Async scheduling: decode inputs sampled by the step before, read where it left them.
+  if (np > 0)
+    ops::gather_sampled_ids(smp_ids_[prev].data(), dstage + prev_at, dstage + prev_at + np, np,
+                            dstage, s);
   const int32_t* tokens = dstage;
   ops::TokenLayout layout;
   layout.num_tokens = T;
@@ -518,8 +601,7 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   // Every listed sequence has at least one token: more tokens than sequences means a prefill
   // chunk or a verify run (the attention's query-tiled kernel).
   layout.multi_token_seqs = T > S1 - 1;
-  const bool graph_step =
-      !capture_msa && b.aux_layers.empty() && use_graphs_ && T <= kGraphMaxTokens;
+  const bool graph_step = !capture_msa && b.aux_layers.empty() && use_graphs_ && graph_size(T);
   if (flash_ != nullptr) {
     // An eager step's runs of several tokens go to FlashInfer when each is a chunk of
     // consecutive positions (a prefill or a verify run); otherwise none does.
@@ -574,52 +656,49 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   }
 
   if (!out) {
-    stream_.synchronize();  // the cache holds this step's tokens once forward returns
+    end_step();  // the cache holds this step's tokens once the step has ended
     return;
   }
-  const int64_t R = static_cast<int64_t>(b.logits_indices.size());
   const int64_t V = cfg.vocab_size;
   out->vocab_size = V;
   out->logits.clear();
   out->logits_rows.clear();
   out->sampled.clear();
   if (R == 0) {
-    stream_.synchronize();
+    end_step();
     return;
   }
-  for (int32_t t : b.logits_indices)
-    M3_CHECK(t >= 0 && t < T, "logits index %d of %lld", t, static_cast<long long>(T));
-  const int32_t* rows = upload_async(logit_rows_, b.logits_indices.data(), R);
+  const int32_t* rows = dstage + rows_at;
   float* logits = ops_->f32(Buf::kLogits, R * V);  // [R, vocab] f32
   fw_->logits(*ops_, rows, R, logits);
   if (discard) {
     // Grow what rank 0 grows to sample, so every rank's buffer generation stays the same.
-    if (!b.device_samples.empty()) {
-      ops_->ensure(smp_rows_, static_cast<int64_t>(b.device_samples.size()));
-      ops_->ensure(smp_ids_, static_cast<int64_t>(b.device_samples.size()));
-    }
-    stream_.synchronize();
+    if (ns > 0) ops_->ensure(smp_ids_[slot], ns);
+    end_step();
     return;
   }
-  const int64_t ns = static_cast<int64_t>(b.device_samples.size());
   if (ns == 0) {  // every row to the host
     out->logits.resize(R * V);
     M3_CUDA_CHECK(cudaMemcpyAsync(out->logits.data(), logits, R * V * sizeof(float),
                                   cudaMemcpyDeviceToHost, s));
-    stream_.synchronize();
+    end_step();
     return;
   }
   // Sample next to the logits; only token ids and the rows the host still needs come back.
-  for (const auto& sr : b.device_samples)
-    M3_CHECK(sr.row >= 0 && sr.row < R, "device sample row %d of %lld", sr.row,
-             static_cast<long long>(R));
-  const ops::SampleRow* d_rows = upload_async(smp_rows_, b.device_samples.data(), ns);
-  int32_t* d_ids = ops_->ensure(smp_ids_, ns);
+  const auto* d_rows = reinterpret_cast<const ops::SampleRow*>(dstage + smp_at);
+  int32_t* d_ids = ops_->ensure(smp_ids_[slot], ns);
   const int64_t valid = b.num_sampleable > 0 ? std::min<int64_t>(b.num_sampleable, V) : V;
   ops::sample_rows(logits, V, valid, d_rows, ns, d_ids, s);
-  out->sampled.resize(ns);
+  if (ids_host_cap_[slot] < static_cast<size_t>(ns)) {
+    // No copy into it is pending: the step that used this slot last has been waited for.
+    if (ids_host_[slot] != nullptr) M3_CUDA_CHECK(cudaFreeHost(ids_host_[slot]));
+    ids_host_cap_[slot] = std::max<size_t>(static_cast<size_t>(ns), 2 * ids_host_cap_[slot]);
+    M3_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&ids_host_[slot]),
+                                 ids_host_cap_[slot] * sizeof(int32_t)));
+  }
   M3_CUDA_CHECK(
-      cudaMemcpyAsync(out->sampled.data(), d_ids, ns * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+      cudaMemcpyAsync(ids_host_[slot], d_ids, ns * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+  ids_count_[slot] = ns;
   out->logits_rows = b.host_logits_rows;
   out->logits.resize(b.host_logits_rows.size() * V);
   for (size_t j = 0; j < b.host_logits_rows.size(); ++j) {
@@ -628,7 +707,7 @@ void M3ModelCuda::forward(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
     M3_CUDA_CHECK(cudaMemcpyAsync(out->logits.data() + j * V, logits + r * V, V * sizeof(float),
                                   cudaMemcpyDeviceToHost, s));
   }
-  stream_.synchronize();
+  end_step();
 }
 
 }  // namespace m3::model

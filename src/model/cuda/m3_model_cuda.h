@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <span>
@@ -95,6 +96,17 @@ class M3ModelCuda {
   // The embedding, logits and sampling run eagerly around it.
   void forward(const ForwardBatch& batch, KvCacheCuda& cache, ForwardResult* out,
                bool capture_msa = false);
+  // Async scheduling (runtime::ForwardBackend::launch): enqueues forward()'s work on the stream
+  // and returns without waiting, unless the step copies logits rows or aux states to the host
+  // (those copies go to pageable memory and wait); collect() waits for the oldest launched step
+  // and gives its result. The batch's prev_sample_tokens are filled on the device from the ids
+  // the previously enqueued step sampled. At most two steps launched and not collected.
+  void launch(const ForwardBatch& batch, KvCacheCuda& cache);
+  void collect(ForwardResult* out);
+  // The step sizes (token counts) that replay CUDA graphs: every size up to kGraphMaxTokens
+  // (256) when empty (the default), else exactly the listed ones (vLLM's
+  // cudagraph_capture_sizes; other sizes run eagerly: steps are not padded to a listed size).
+  void set_graph_sizes(std::vector<int64_t> sizes);
   // Graphs on (default) or off (--enforce-eager, or M3_ENFORCE_EAGER=1 in the environment).
   void set_use_graphs(bool on);
   // Attention data parallel only: the largest token count any rank has in the coming step (the
@@ -130,6 +142,11 @@ class M3ModelCuda {
   void replay_or_capture(const StepShape& shape, const int32_t* tokens,
                          const kernels::cpu::TokenLayout& layout);
   void clear_graphs();
+  bool graph_size(int64_t num_tokens) const;
+  // forward()'s work on the stream, ending with the step's event; the sampled ids go to the
+  // step's pinned buffer (wait_step copies them to out->sampled).
+  void enqueue(const ForwardBatch& batch, KvCacheCuda& cache, ForwardResult* out, bool capture_msa);
+  void wait_step(int slot, ForwardResult* out);
 
   M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host);
   // Shards: the communicator and its stream (CudaOps forks / joins the collectives).
@@ -148,9 +165,6 @@ class M3ModelCuda {
   MatRef upload(const MatRef& m);
   VecRef upload(const VecRef& v);
   VecRef upload_f32(const VecRef& v);  // widened to f32 on the host first (router bias)
-
-  template <class T>
-  T* upload_async(gpu::DeviceBuffer<T>& b, const T* host, size_t n);
 
   M3Config cfg_;
   std::unique_ptr<M3Model> host_;  // null for synthetic models
@@ -183,10 +197,24 @@ class M3ModelCuda {
   // where the build has no FlashInfer or M3_NO_FLASHINFER=1 is set.
   std::unique_ptr<kernels::cuda::FlashPrefill> flash_;
 
-  gpu::DeviceBuffer<int32_t> logit_rows_;  // the step's logits_indices on the device
-  // Device sampling: the step's SampleRow list and the sampled ids.
-  gpu::DeviceBuffer<kernels::cpu::SampleRow> smp_rows_;
-  gpu::DeviceBuffer<int32_t> smp_ids_;
+  // Device sampling: the sampled ids, one buffer per step slot (steps alternate, so a step's
+  // gather of the previous step's ids reads a buffer this step does not write).
+  gpu::DeviceBuffer<int32_t> smp_ids_[2];
+  // Per step slot: the sampled ids' pinned host copy, their count, the step's end.
+  int32_t* ids_host_[2] = {nullptr, nullptr};
+  size_t ids_host_cap_[2] = {0, 0};
+  int64_t ids_count_[2] = {0, 0};
+  cudaEvent_t step_done_[2] = {nullptr, nullptr};
+  cudaEvent_t stage_copied_ = nullptr;  // the last H2D copy out of stage_ has run
+  bool stage_pending_ = false;
+  uint64_t num_enqueued_ = 0;  // steps enqueued so far (slot = count % 2)
+  // Launched steps not collected: their results (filled as far as the host has them) and slots.
+  struct Launched {
+    ForwardResult result;
+    int slot = 0;
+  };
+  std::deque<Launched> launched_;
+  std::vector<int64_t> graph_sizes_;  // ascending; empty: every size up to kGraphMaxTokens
 };
 
 }  // namespace m3::model

@@ -52,6 +52,17 @@ class CudaBackend final : public ForwardBackend {
     model_->forward(batch, cache_, out, capture_msa);
   }
   bool samples_on_device() const override { return true; }
+  // Async scheduling: the step is enqueued on the model's stream and runs while the engine
+  // prepares the next one.
+  void launch(const ForwardBatch& batch) override {
+    M3_CUDA_CHECK(cudaSetDevice(device_));
+    model_->launch(batch, cache_);
+  }
+  void collect(ForwardResult* out) override {
+    M3_CUDA_CHECK(cudaSetDevice(device_));
+    model_->collect(out);
+  }
+  bool launch_overlaps() const override { return true; }
   std::string device_name() const override { return name_; }
   std::string kv_cache_flag() const override { return flag_; }
   void set_kv_cache_flag(std::string flag) { flag_ = std::move(flag); }
@@ -116,6 +127,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Mode
                                                           const CudaBackendOptions& opts) {
   M3_CHECK(model != nullptr);
   if (opts.enforce_eager) model->set_use_graphs(false);
+  if (!opts.cudagraph_capture_sizes.empty()) model->set_graph_sizes(opts.cudagraph_capture_sizes);
   const double util = opts.gpu_memory_utilization;
   M3_TRY_STATUS(check_gpu_memory_utilization(util));
   const int64_t page_bytes = KvCache::page_bytes(model->config());  // KvCacheCuda: same layout

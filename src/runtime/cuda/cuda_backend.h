@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "core/error.h"
 #include "model/m3_model.h"
@@ -36,6 +37,9 @@ struct CudaBackendOptions {
   // the pool is allocated, so the first request does not pay the scratch buffers' growth, the
   // GEMM and attention plans, or the pinned staging (serve / chat / generate: the step budget).
   int64_t warmup_tokens = 0;
+  // --compilation-config cudagraph_capture_sizes: the step sizes (tokens) that replay CUDA
+  // graphs (M3ModelCuda::set_graph_sizes); empty: every size up to 256.
+  std::vector<int64_t> cudagraph_capture_sizes;
   // Tensor- and data-parallel ranks: replay CUDA graphs (with the NCCL collectives captured)
   // for decode steps, as one GPU does. On by default since tp_cuda_test ran TP2 and TP2 + EP
   // graphs of MoE layers at M3's shapes (synthetic:layers=4) on 2 H200s, and dp_cuda_test DP2

@@ -143,6 +143,8 @@ Status make_rank_model(const M3Model& whole, ShardSpec spec, const CudaBackendOp
   if (!model) return tl::unexpected(model.error());
   rank.model = std::move(*model);
   if (opts.enforce_eager || !opts.parallel_graphs) rank.model->set_use_graphs(false);
+  if (!opts.cudagraph_capture_sizes.empty())
+    rank.model->set_graph_sizes(opts.cudagraph_capture_sizes);
   rank.model->set_skip_collectives_for_timing(opts.skip_collectives_for_timing);
   return {};
 }

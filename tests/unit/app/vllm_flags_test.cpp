@@ -466,6 +466,47 @@ TEST(VllmFlags, SpeculativeConfig) {
   EXPECT_FALSE(run({"--num-speculative-tokens", "3"}).plan.has_value());
 }
 
+TEST(VllmFlags, AsyncSchedulingAndCaptureSizes) {
+  EXPECT_FALSE(run({}).plan->async_scheduling.has_value());
+  EXPECT_EQ(run({"--async-scheduling"}).plan->async_scheduling, std::optional<bool>(true));
+  EXPECT_EQ(run({"--no-async-scheduling"}).plan->async_scheduling, std::optional<bool>(false));
+  auto both = run({"--async-scheduling", "--no-async-scheduling"});
+  ASSERT_FALSE(both.plan.has_value());
+  EXPECT_NE(both.plan.error().message.find("both given"), std::string::npos);
+
+  auto sizes = run({"--compilation-config",
+                    "{\"cudagraph_mode\": \"FULL_DECODE_ONLY\", \"cudagraph_capture_sizes\": "
+                    "[8, 1, 2, 4]}"});
+  ASSERT_TRUE(sizes.plan.has_value()) << sizes.plan.error().message;
+  EXPECT_EQ(sizes.plan->cudagraph_capture_sizes, (std::vector<int64_t>{8, 1, 2, 4}));
+  EXPECT_FALSE(sizes.plan->enforce_eager);
+  ASSERT_EQ(sizes.plan->notices.size(), 1u);
+  EXPECT_NE(sizes.plan->notices[0].find("exactly 4 sizes (up to 8 tokens)"), std::string::npos)
+      << sizes.plan->notices[0];
+  auto capped = run({"--compilation-config", "{\"max_cudagraph_capture_size\": 16}"});
+  ASSERT_TRUE(capped.plan.has_value());
+  EXPECT_EQ(capped.plan->cudagraph_capture_sizes.size(), 16u);
+  EXPECT_EQ(capped.plan->cudagraph_capture_sizes.back(), 16);
+  auto listed = run({"--cuda-graph-sizes", "1,2,4,8,16"});
+  ASSERT_TRUE(listed.plan.has_value()) << listed.plan.error().message;
+  EXPECT_EQ(listed.plan->cudagraph_capture_sizes, (std::vector<int64_t>{1, 2, 4, 8, 16}));
+  for (const char* bad :
+       {"{\"cudagraph_capture_sizes\": [0]}", "{\"cudagraph_capture_sizes\": [512]}",
+        "{\"cudagraph_capture_sizes\": []}", "{\"cudagraph_capture_sizes\": \"1,2\"}",
+        "{\"max_cudagraph_capture_size\": 0}"}) {
+    auto r = run({"--compilation-config", bad});
+    ASSERT_FALSE(r.plan.has_value()) << bad;
+    EXPECT_EQ(r.plan.error().param, "--compilation-config") << bad;
+  }
+  EXPECT_FALSE(run({"--cuda-graph-sizes", "1,x"}).plan.has_value());
+  // Keys m3serve has no use for are named in a notice.
+  auto other = run({"--compilation-config", "{\"cudagraph_capture_sizes\": [1], \"level\": 3}"});
+  ASSERT_TRUE(other.plan.has_value());
+  ASSERT_EQ(other.plan->notices.size(), 2u);
+  EXPECT_NE(other.plan->notices[1].find("--compilation-config level is ignored"), std::string::npos)
+      << other.plan->notices[1];
+}
+
 TEST(VllmFlags, HandledValues) {
   auto p = run({"--compilation-config", "{\"cudagraph_mode\": \"NONE\"}", "--seed", "7",
                 "--hf-overrides", "{\"a\": {\"b\": 1}}", "--override-generation-config",

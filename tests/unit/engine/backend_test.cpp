@@ -137,7 +137,10 @@ class DeviceSamplingBackend final : public runtime::ForwardBackend {
   bool samples_on_device() const override { return true; }
   void forward(const model::ForwardBatch& b, model::ForwardResult* out, bool capture) override {
     model::ForwardResult full;
-    inner_->forward(b, &full, capture);
+    model::ForwardBatch all_rows = b;  // the inner CPU backend returns every row's logits then
+    all_rows.device_samples.clear();
+    all_rows.host_logits_rows.clear();
+    inner_->forward(all_rows, &full, capture);
     const int64_t V = full.vocab_size;
     out->vocab_size = V;
     out->sampled.assign(b.device_samples.size(), -1);

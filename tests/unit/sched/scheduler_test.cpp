@@ -496,3 +496,92 @@ TEST(SchedulerConfig, ValidateNamesTheFlag) {
 
 }  // namespace
 }  // namespace m3::sched
+
+namespace m3::sched {
+namespace {
+
+// Async scheduling's driver: step N+1 is scheduled (ahead) before step N is reported; a deferred
+// step is scheduled again once step N is in. Returns every update in order.
+std::vector<RequestUpdate> run_pipelined(Scheduler& sched, int* num_deferred,
+                                         int* num_placeholders) {
+  std::vector<RequestUpdate> all;
+  SchedulerOutput cur = sched.schedule();
+  for (int step = 0; step < 10000 && sched.has_unfinished(); ++step) {
+    SchedulerOutput next = sched.schedule(/*ahead=*/true);
+    for (const auto& s : next.requests)
+      for (int32_t t : s.token_ids) *num_placeholders += t == kPlaceholderToken;
+    auto ups = sched.update_from_output(cur, fake_run(cur));
+    all.insert(all.end(), ups.begin(), ups.end());
+    if (next.deferred) {
+      ++*num_deferred;
+      expect_pages_balance(sched);  // nothing in flight here
+      next = sched.schedule();
+    }
+    cur = std::move(next);
+  }
+  auto ups = sched.update_from_output(cur, fake_run(cur));
+  all.insert(all.end(), ups.begin(), ups.end());
+  EXPECT_FALSE(sched.has_unfinished());
+  return all;
+}
+
+TEST(SchedulerAhead, PipelinedStepsGiveTheSynchronousOutputs) {
+  for (int num_blocks : {64, 7}) {  // roomy, and tight enough to preempt
+    auto add_all = [](Scheduler& s) {
+      for (uint64_t id = 1; id <= 5; ++id)
+        ASSERT_TRUE(s.add_request(make_request(id, iota_tokens(20 + 13 * id), 3 + 4 * id)));
+    };
+    Scheduler sync(config(num_blocks, 48, 16));
+    add_all(sync);
+    const auto want = outputs_of(run_to_end(sync));
+    Scheduler ahead(config(num_blocks, 48, 16));
+    add_all(ahead);
+    int deferred = 0, placeholders = 0;
+    const auto got = outputs_of(run_pipelined(ahead, &deferred, &placeholders));
+    EXPECT_EQ(got, want) << num_blocks << " pages";
+    EXPECT_GT(placeholders, 20) << "decode rows scheduled ahead read the sample in flight";
+    if (num_blocks == 7) {
+      EXPECT_GT(deferred, 0) << "a step that must preempt is deferred";
+      EXPECT_GT(ahead.stats().num_preemptions, 0);
+    }
+    EXPECT_EQ(ahead.kv_cache_manager().num_held_references(), 0);
+  }
+}
+
+TEST(SchedulerAhead, ARequestItsSampleInFlightFinishesIsNotScheduled) {
+  Scheduler s(config(16, 64, 16));
+  ASSERT_TRUE(s.add_request(make_request(1, iota_tokens(10), 2)));
+  ASSERT_TRUE(s.add_request(make_request(2, iota_tokens(12, 50), 5)));
+  SchedulerOutput prefill = s.schedule();
+  ASSERT_EQ(prefill.requests.size(), 2u);
+  // Ahead of the prefill step: both decode their first sample; neither is finished by it.
+  SchedulerOutput d1 = s.schedule(/*ahead=*/true);
+  ASSERT_EQ(d1.requests.size(), 2u);
+  for (const auto& r : d1.requests) {
+    EXPECT_EQ(r.token_ids, std::vector<int32_t>{kPlaceholderToken});
+    EXPECT_TRUE(r.will_sample);
+  }
+  EXPECT_EQ(d1.requests[0].start_idx, 10);
+  s.update_from_output(prefill, fake_run(prefill));
+  // Request 1's sample in flight is its 2nd and last token: the next step leaves it out.
+  SchedulerOutput d2 = s.schedule(/*ahead=*/true);
+  ASSERT_EQ(d2.requests.size(), 1u);
+  EXPECT_EQ(d2.requests[0].request_id, 2u);
+  EXPECT_EQ(d2.requests[0].start_idx, 13);
+  auto ups = s.update_from_output(d1, fake_run(d1));
+  ASSERT_EQ(ups.size(), 2u);
+  EXPECT_TRUE(ups[0].finished);
+  EXPECT_EQ(ups[0].finish_reason, FinishReason::kLength);
+  EXPECT_EQ(ups[0].num_output_tokens, 2);
+  EXPECT_FALSE(ups[1].finished);
+  // An abort while its step is in flight: that step's output is dropped, the pages are free.
+  s.abort_request(2);
+  auto last = s.update_from_output(d2, fake_run(d2));
+  ASSERT_EQ(last.size(), 1u);
+  EXPECT_EQ(last[0].finish_reason, FinishReason::kAbort);
+  EXPECT_FALSE(s.has_unfinished());
+  EXPECT_EQ(s.kv_cache_manager().num_held_references(), 0);
+}
+
+}  // namespace
+}  // namespace m3::sched
