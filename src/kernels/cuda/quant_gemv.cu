@@ -279,14 +279,12 @@ struct Group {
 };
 
 // Rows per CTA of the fast GEMV: each CTA reads x once for its rows, so more rows mean less x
-// traffic per weight byte; 4 token groups keep 4 rows (8 spill registers there).
-// M3_QUANT_GEMV_ROWS sets the rows of 1- and 2-token groups (measurements).
-#ifndef M3_QUANT_GEMV_ROWS
-#define M3_QUANT_GEMV_ROWS 4
-#endif
+// traffic per weight byte. bench_quant_gemv on the H200 (n = 1, M3's expert and q_proj shapes):
+// 8 rows cut the 4-bit formats' time by 1-21% (nvfp4 q_proj 35.0 -> 27.5 us) but cost fp8 up to
+// 14% on [3072, 6144]; groups of 2 and 4 tokens keep 4 rows (8 rows spill registers there).
 template <WeightQuant Q, int NT>
 constexpr int group_rows() {
-  return NT <= 2 ? M3_QUANT_GEMV_ROWS : 4;  // rows x kChunks loads in flight per thread
+  return Fmt<Q>::kFour && NT == 1 ? 8 : 4;  // rows x kChunks loads in flight per thread
 }
 
 // 4 codes -> 4 unscaled floats (element order) and the group's scale (see decode_unscaled).
