@@ -3,11 +3,13 @@
 // and must compute what the CPU model computes on the same checkpoint. Fixtures: the golden
 // checkpoints quantized at test time by tools/quant/quantize_checkpoint.py (as
 // tests/model/quant_golden_test does), each format, plus --quantization fp8_per_channel of the
-// bf16 golden. Covered paths: prefill of 300 tokens (linears dequantised into the workspace +
-// bf16 GEMM; the MoE's per-expert dequantise path above kMoeGemvMaxTokens), decode of one
-// sequence (the quantized GEMV, the grouped quantized expert GEMV, CUDA graphs replayed), and a
-// batch of 8 sequences (a 40-token step and 8-token decode steps: the dequantise path of the
-// linears with the grouped expert GEMV on groups of several positions).
+// bf16 golden. Covered paths: prefill of the longest golden prompt (190-200 tokens: linears
+// dequantised into the workspace + bf16 GEMM, experts through the grouped quantized GEMV; the
+// MoE's per-expert dequantise path above kMoeGemvMaxTokens is covered by quant_cuda_test's
+// moe_experts case only), decode of one sequence (the quantized GEMV, the grouped quantized
+// expert GEMV, CUDA graphs replayed), and a batch of 8 sequences (a 40-token step and 8-token
+// decode steps: the dequantise path of the linears with the grouped expert GEMV on groups of
+// several positions).
 //
 // Tolerance kGpuCpuTol (GPU vs CPU logprobs, every vocabulary entry): model_cuda_test's, with its
 // derivation: both sides compute the same fp32 products of the same dequantised values (the GPU
@@ -86,12 +88,15 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
 struct Case {
   std::string model, fmt;
 };
-void PrintTo(const Case& c, std::ostream* os) { *os << c.model << "_" << c.fmt; }
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.model << "_" << c.fmt;
+}
 
 std::vector<Case> cases() {
   std::vector<Case> r;
   for (const char* m : {"msa_small_blocks", "m3_ratio"})
-    for (const char* f : {"mxfp8", "nvfp4", "mxfp4", "mxfp4-ct", "fp8-channel"}) r.push_back({m, f});
+    for (const char* f : {"mxfp8", "nvfp4", "mxfp4", "mxfp4-ct", "fp8-channel"})
+      r.push_back({m, f});
   return r;
 }
 
@@ -136,8 +141,8 @@ TEST_P(QuantModelCuda, WeightsStayQuantizedOnTheGpu) {
       if (h.data == nullptr) continue;
       const size_t as_bf16 = h.quantized() ? static_cast<size_t>(h.rows * h.cols) * 2 : h.bytes();
       bf16_equiv += as_bf16;
-      mats += d.quantized() ? h.bytes()
-                            : static_cast<size_t>(d.rows * d.cols) * dtype_size(d.dtype);
+      mats +=
+          d.quantized() ? h.bytes() : static_cast<size_t>(d.rows * d.cols) * dtype_size(d.dtype);
       quantized += h.quantized();
       kept += d.quantized();
       if (d.quantized()) {
@@ -146,11 +151,12 @@ TEST_P(QuantModelCuda, WeightsStayQuantizedOnTheGpu) {
       }
     }
   }
-  std::printf("  %s/%s: %zu of %zu quantized linears held quantized; GPU weights %.3f MiB "
-              "(views as uploaded %.3f MiB); matrices %.3f MiB (%.3f MiB in an all-bf16 upload)\n",
-              GetParam().model.c_str(), GetParam().fmt.c_str(), kept, quantized,
-              model_->weight_bytes() / 1048576.0, as_uploaded / 1048576.0, mats / 1048576.0,
-              bf16_equiv / 1048576.0);
+  std::printf(
+      "  %s/%s: %zu of %zu quantized linears held quantized; GPU weights %.3f MiB "
+      "(views as uploaded %.3f MiB); matrices %.3f MiB (%.3f MiB in an all-bf16 upload)\n",
+      GetParam().model.c_str(), GetParam().fmt.c_str(), kept, quantized,
+      model_->weight_bytes() / 1048576.0, as_uploaded / 1048576.0, mats / 1048576.0,
+      bf16_equiv / 1048576.0);
   ASSERT_GT(quantized, 0u);
   const bool none_fit = GetParam().model == "m3_ratio" && GetParam().fmt == "mxfp4";
   if (none_fit) {
@@ -173,7 +179,8 @@ TEST_P(QuantModelCuda, WeightsStayQuantizedOnTheGpu) {
   }
 }
 
-// Prefill 300 tokens (MSA selections too), then 4 greedy decode steps, on both devices.
+// Prefill the longest golden prompt (at most 300 tokens; MSA selections too), then 4 greedy
+// decode steps, on both devices.
 TEST_P(QuantModelCuda, PrefillAndDecodeMatchTheCpu) {
   auto ids = golden::longest_prompt(golden_);
   if (ids.size() > 300) ids.resize(300);
@@ -210,10 +217,11 @@ TEST_P(QuantModelCuda, PrefillAndDecodeMatchTheCpu) {
     last = cd.logits;
   }
   EXPECT_GT(model_->graph_replays(), replays0) << "decode steps should replay a CUDA graph";
-  std::printf("  %s/%s: prefill %lld tokens max |logprob diff| %.3g (%lld MSA entries differ), "
-              "decode max %.3g\n",
-              GetParam().model.c_str(), GetParam().fmt.c_str(), static_cast<long long>(n),
-              lp_err, static_cast<long long>(msa_diff), dec_err);
+  std::printf(
+      "  %s/%s: prefill %lld tokens max |logprob diff| %.3g (%lld MSA entries differ), "
+      "decode max %.3g\n",
+      GetParam().model.c_str(), GetParam().fmt.c_str(), static_cast<long long>(n), lp_err,
+      static_cast<long long>(msa_diff), dec_err);
 }
 
 // 8 sequences: one 40-token step (5 prompt tokens each), then 3 decode steps of 8 tokens.
