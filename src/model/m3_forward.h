@@ -324,7 +324,7 @@ class M3Forward {
     bool contiguous = true;
     // Quantized experts go by views; a projection may differ in format from the others (a
     // shard's column slice off the block grid is dequantised to f32; the GPU model then uploads
-    // the layer's experts as bf16).
+    // the layer's experts as f32).
     const ExpertWeights& E0 = L.experts[0];
     for (const MatRef* p : {&E0.w1, &E0.w3, &E0.w2})
       if (p->quantized()) ew.quant = p->quant;
