@@ -5,8 +5,12 @@
 // as a fraction of the device copy bandwidth measured in the same run; per prefill, the FLOPs of
 // the GEMM and MoE parts over the layer time (a lower bound on their rate: attention, norms and
 // routing share the time). Usage: bench_layer [ctx=8192] [iters=20] [bf16|exact] [kv] [index]
+// [weights=bf16] [prefill=32768]
 // (the GEMM precision, `--gemm-precision` of serve, default bf16; the KV and index-K formats,
-// float32|bfloat16|fp8, default bfloat16 and the KV's, as `serve --device cuda` defaults).
+// float32|bfloat16|fp8, default bfloat16 and the KV's, as `serve --device cuda` defaults; the
+// weight formats, a comma list of synthetic:...,weights= values (bf16, fp8, mxfp8, nvfp4,
+// mxfp4), each measured in turn in the same run, with its weight bytes from the device views;
+// prefill: the longest prefill measured of 8K and 32K tokens, 0 none).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -52,6 +56,10 @@ ForwardBatch make_batch(int num_seqs, int64_t ctx, int new_tokens, int64_t pages
   return b;
 }
 
+int run_format(const M3Config& cfg, const std::string& fmt, m3::kernels::WeightQuant weights,
+               double bw, int64_t ctx, int iters, int64_t max_prefill,
+               m3::kernels::KvDtype kv_dtype, m3::kernels::KvDtype ik_dtype);
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -76,25 +84,47 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_layer: %s\n", dev.error().message.c_str());
     return 1;
   }
+  const std::string formats = argc > 6 ? argv[6] : "bf16";
+  const int64_t max_prefill = argc > 7 ? std::atoll(argv[7]) : 32768;
   // One layer that is both MoE and MSA (M3's layers 3..59).
   M3Config cfg = m3::model::synthetic_m3_config(1);
   cfg.layer_is_moe.assign(1, true);
   cfg.layer_is_sparse.assign(1, true);
   cfg.kv_cache_dtype = kv_dtype;
   cfg.index_cache_dtype = ik_dtype;
-  auto model = M3ModelCuda::synthetic(cfg, 1);
-  if (!model) {
-    std::fprintf(stderr, "bench_layer: %s\n", model.error().message.c_str());
-    return 1;
-  }
-  M3ModelCuda& m = **model;
   const double bw = copy_bandwidth();
   std::printf(
       "device: %s; copy bandwidth (read+write) %.0f GB/s; GEMM precision %s; KV %s, index-K "
       "%s\n",
       dev->name.c_str(), bw / 1e9, precision.c_str(), m3::kernels::kv_dtype_name(kv_dtype),
       m3::kernels::kv_dtype_name(ik_dtype));
+  size_t from = 0;
+  int rc = 0;
+  while (from <= formats.size()) {
+    const size_t comma = std::min(formats.find(',', from), formats.size());
+    const std::string fmt = formats.substr(from, comma - from);
+    from = comma + 1;
+    auto spec = m3::model::parse_synthetic_spec("synthetic:layers=1,weights=" + fmt);
+    if (!spec) {
+      std::fprintf(stderr, "bench_layer: %s\n", spec.error().message.c_str());
+      return 1;
+    }
+    rc |= run_format(cfg, fmt, spec->weights, bw, ctx, iters, max_prefill, kv_dtype, ik_dtype);
+  }
+  return rc;
+}
 
+namespace {
+
+int run_format(const M3Config& cfg, const std::string& fmt, m3::kernels::WeightQuant weights,
+               double bw, int64_t ctx, int iters, int64_t max_prefill,
+               m3::kernels::KvDtype kv_dtype, m3::kernels::KvDtype ik_dtype) {
+  auto model = M3ModelCuda::synthetic(cfg, 1, 0, nullptr, nullptr, nullptr, weights);
+  if (!model) {
+    std::fprintf(stderr, "bench_layer: %s\n", model.error().message.c_str());
+    return 1;
+  }
+  M3ModelCuda& m = **model;
   const double H = cfg.hidden_size, Ie = cfg.intermediate_size, E = cfg.num_local_experts,
                K = cfg.num_experts_per_tok;
   const double attn_params = (cfg.q_size() + 2.0 * cfg.kv_size() +
@@ -102,7 +132,23 @@ int main(int argc, char** argv) {
                                  H +
                              H * cfg.q_size();
   const double expert_params = 3.0 * Ie * H;
-  const double bytes_fixed = attn_params * 2 + E * H * 4 /*router f32*/ + expert_params * 2;
+  // Bytes a decode step reads of the weights, from the device views (codes and scales in a
+  // quantized format): attention and index projections, router, shared expert, and per routed
+  // expert its three matrices.
+  const m3::model::LayerWeights& L = m.device_weights().layers[0];
+  double fixed_w = 0;
+  for (const m3::kernels::MatRef* w :
+       {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.index_q_proj, &L.index_k_proj, &L.router,
+        &L.shared_gate, &L.shared_up, &L.shared_down})
+    fixed_w += static_cast<double>(w->bytes());
+  const double per_expert = static_cast<double>(L.experts[0].w1.bytes() + L.experts[0].w3.bytes() +
+                                                L.experts[0].w2.bytes());
+  const double bytes_fixed = fixed_w;
+  std::printf(
+      "\n## weights=%s: one layer holds %.2f GiB on the GPU (attention + router + shared "
+      "%.1f MB, one routed expert %.2f MB)\n",
+      fmt.c_str(), static_cast<double>(m.weight_bytes()) / (1 << 30), fixed_w / 1e6,
+      per_expert / 1e6);
   const int64_t page = cfg.sparse_block_size;
   const double kvb = static_cast<double>(m3::kernels::kv_dtype_size(kv_dtype));
   const double ikb = static_cast<double>(m3::kernels::kv_dtype_size(ik_dtype)) +
@@ -124,7 +170,7 @@ int main(int argc, char** argv) {
     const double dt = (now_s() - t0) / iters;
     // Experts read: expected distinct experts among B x top-k picks under uniform routing.
     const double experts = E * (1.0 - std::pow(1.0 - K / E, B));
-    const double wbytes = bytes_fixed + experts * expert_params * 2;
+    const double wbytes = bytes_fixed + experts * per_expert;
     const double blocks = std::min<double>(cfg.sparse_topk_blocks, (ctx + 1.0 + page - 1) / page);
     const double kv_bytes =
         B * (blocks * page * 2.0 * cfg.kv_size() * kvb + (ctx + 1.0) * cfg.index_head_dim * ikb +
@@ -134,10 +180,12 @@ int main(int argc, char** argv) {
                 100.0 * (wbytes + kv_bytes) / dt / bw);
   }
 
+  if (max_prefill < 8192) return 0;
   std::printf("\n# prefill: one sequence through one MoE+MSA layer\n");
   std::printf("%7s %10s %14s %14s %14s\n", "tokens", "ms", "GEMM+MoE TF", "TFLOP/s (lb)",
               "attn TF");
   for (int64_t T : {int64_t{8192}, int64_t{32768}}) {
+    if (T > max_prefill) break;
     const int64_t pages = (T + page - 1) / page;
     KvCacheCuda cache(cfg, pages);
     ForwardBatch b = make_batch(1, 0, static_cast<int>(T), pages, cfg.vocab_size);
@@ -158,3 +206,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace

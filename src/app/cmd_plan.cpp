@@ -176,12 +176,6 @@ int run_plan(const PlanArgs& a) {
                 p.weights_fit ? with_commas(p.max_model_len).c_str() : "weights do not fit");
   }
   std::printf("\n");
-  if (stored != WeightFormat::kBf16) {
-    std::printf(
-        "note: m3serve holds weights in bf16 today (serving %s weights in their own "
-        "format is issue #18), so 'served/GPU' is what decides the fit\n",
-        weight_format_name(stored));
-  }
   const std::string kv_flag =
       a.kv_cache_dtype == "auto" ? "" : " --kv-cache-dtype " + a.kv_cache_dtype;
   const std::string ik_flag =
@@ -202,7 +196,8 @@ int run_plan(const PlanArgs& a) {
   if (!any) {
     std::printf(
         "no strategy fits: more GPUs, --kv-cache-dtype fp8, a shorter --max-model-len or a "
-        "lower precision of the weights (issue #18) would\n");
+        "lower precision of the weights (--quantization fp8_per_channel, an MXFP8 / NVFP4 / MXFP4 "
+        "checkpoint) would\n");
     return 2;
   }
   return 0;

@@ -125,8 +125,9 @@ Result<std::vector<StrategyPlan>> plan_deployment(const model::M3Config& cfg, co
     auto plan = model::make_shard_plan(cfg, spec);
     if (!plan) return tl::unexpected(plan.error());
     p.weights_stored_gib = static_cast<double>(weight_bytes(cfg, *plan, in.stored)) / kGiB;
-    p.weights_served_gib =
-        static_cast<double>(weight_bytes(cfg, *plan, WeightFormat::kBf16)) / kGiB;
+    // The GPU holds quantized linears as stored (M3ModelCuda::upload_weights); M3's
+    // tensor-parallel column splits lie on the block grid, so a rank holds its slice as stored.
+    p.weights_served_gib = p.weights_stored_gib;
     const double left = in.gpu_memory_gib - in.reserve_gib - p.weights_served_gib;
     p.weights_fit = left > 0;
     p.kv_gib = p.weights_fit ? left * in.gpu_memory_utilization : 0.0;

@@ -38,7 +38,7 @@ struct StrategyPlan {
   Strategy strategy = Strategy::kTp;
   std::string name;               // "TP8", "TP8 + EP", "DP8 + EP"
   double weights_stored_gib = 0;  // per GPU, in the checkpoint's format
-  double weights_served_gib = 0;  // per GPU, as m3serve holds them today
+  double weights_served_gib = 0;  // per GPU, as m3serve holds them (the stored format)
   bool weights_fit = false;
   double kv_gib = 0;               // the KV pool per GPU
   int64_t kv_bytes_per_token = 0;  // per GPU
@@ -49,8 +49,8 @@ struct StrategyPlan {
   std::string launch;              // the `m3serve serve` flags of the strategy
 };
 
-// Bytes one rank holds of each tensor of m3_tensors(cfg) under `plan` in `format` (serving holds
-// bf16 weights today whatever the checkpoint stores: issue #18).
+// Bytes one rank holds of each tensor of m3_tensors(cfg) under `plan` in `format` (the GPU holds
+// quantized linears in their stored format, docs/QUANTIZATION.md).
 int64_t weight_bytes(const model::M3Config& cfg, const model::ShardPlan& plan, WeightFormat format);
 
 // The three strategies for `cfg` (with its KV formats set) on in.gpus GPUs. Errors: gpus < 1,

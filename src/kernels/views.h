@@ -315,12 +315,15 @@ struct MoeExpertWeights {
   const void* const* w1_of = nullptr;
   const void* const* w3_of = nullptr;
   const void* const* w2_of = nullptr;
-  // Quantized experts (docs/QUANTIZATION.md; the CPU op only): `quant` their one format, and
+  // Quantized experts (docs/QUANTIZATION.md): `quant` their one format, and
   // mats_of a host array of 3 * num_experts views, expert e's w1, w3, w2 at 3e, 3e + 1, 3e + 2
   // (each with its own scales and global scale). When mats_of is set the fields above are
   // ignored.
   WeightQuant quant = WeightQuant::kNone;
   const MatRef* mats_of = nullptr;
+  // The CUDA op's NVFP4 experts: their global scales on the device, f32 [3, num_experts]
+  // (w1's, w3's, w2's; null: every view's global_scale is the same). The CPU op reads mats_of.
+  const float* global_scales = nullptr;
   // Expert e's projection `base` (w1, w3 or w2) and its per-expert array.
   const void* expert(const void* base, const void* const* of, int64_t e) const {
     if (of != nullptr) return of[e];

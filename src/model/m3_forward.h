@@ -301,7 +301,7 @@ class M3Forward {
   struct MoeLayer {
     kernels::MoeExpertWeights ew;
     std::vector<const void*> w1_of, w3_of, w2_of;  // scattered experts (host weights only)
-    std::vector<MatRef> mats;  // quantized experts: w1, w3, w2 per expert (host weights only)
+    std::vector<MatRef> mats;                      // quantized experts: w1, w3, w2 per expert
     const float* bias = nullptr;
     std::vector<float> bias_f32;  // a bf16 bias widened (host weights only)
   };
@@ -322,11 +322,13 @@ class M3Forward {
     // weights) are read from the bases; others (a checkpoint read in place) by pointer arrays.
     const size_t per = static_cast<size_t>(ew.inter * ew.hidden) * dtype_size(ew.dtype);
     bool contiguous = true;
-    // Quantized experts (host weights only) go by views; a projection may differ in format from
-    // the others (a shard's column slice off the block grid is dequantised to f32).
+    // Quantized experts go by views; a projection may differ in format from the others (a
+    // shard's column slice off the block grid is dequantised to f32; the GPU model then uploads
+    // the layer's experts as f32).
     const ExpertWeights& E0 = L.experts[0];
     for (const MatRef* p : {&E0.w1, &E0.w3, &E0.w2})
       if (p->quantized()) ew.quant = p->quant;
+    ew.global_scales = L.expert_global_scales;  // device NVFP4 scales (GPU model only)
     for (int64_t e = 0; e < ew.num_experts; ++e) {
       const ExpertWeights& E = L.experts[e];
       M3_CHECK(E.w1.quant == E0.w1.quant && E.w3.quant == E0.w3.quant && E.w2.quant == E0.w2.quant,

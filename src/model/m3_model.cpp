@@ -133,9 +133,10 @@ Result<std::unique_ptr<M3Model>> M3Model::load(const std::string& model_dir,
       return make_error(ErrorCode::kUnsupported,
                         "--model " + model_dir +
                             ": synthetic weights=" + kernels::weight_quant_name(spec.weights) +
-                            " cannot be served yet: the GPU backend has no FP8/FP4 kernels "
-                            "(docs/QUANTIZATION.md); use weights=bf16 (its sizes are in `m3serve "
-                            "plan --model " +
+                            " is not served yet: serve/generate generate synthetic weights in "
+                            "bf16 only (bench/bench_layer measures the stored formats, "
+                            "docs/QUANTIZATION.md); use weights=bf16 (the format's sizes are in "
+                            "`m3serve plan --model " +
                             model_dir + "`)",
                         "--model");
     }

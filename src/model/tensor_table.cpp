@@ -266,6 +266,21 @@ void size_views(M3Weights& w, const M3Config& cfg, const std::vector<TensorSpec>
   }
 }
 
+bool uploads_quantized(const MatRef& m) {
+  return m.quantized() && m.rows > 0 && m.cols % 16 == 0;
+}
+
+bool experts_upload_quantized(const LayerWeights& L) {
+  if (L.experts.empty()) return false;
+  const kernels::WeightQuant q = L.experts[0].w1.quant;
+  if (q == kernels::WeightQuant::kNone) return false;
+  for (const ExpertWeights& e : L.experts) {
+    for (const MatRef* m : {&e.w1, &e.w3, &e.w2})
+      if (m->quant != q || !uploads_quantized(*m)) return false;
+  }
+  return true;
+}
+
 size_t view_bytes(const M3Weights& w, const std::vector<TensorSpec>& table, bool as_uploaded) {
   size_t n = 0;
   for (const TensorSpec& t : table) {
@@ -280,8 +295,18 @@ size_t view_bytes(const M3Weights& w, const std::vector<TensorSpec>& table, bool
     for (int64_t e = 0; e < t.count_in(w); ++e) {
       const MatRef& m = t.mat(w, e);
       if (m.data == nullptr) continue;
-      n += as_uploaded && m.quantized() ? static_cast<size_t>(m.rows * m.cols) * 2
-                                        : static_cast<size_t>(m.bytes());
+      // As uploaded: quantized matrices the GPU kernels cannot read, and every routed-expert
+      // projection of a MoE layer whose experts cannot all stay quantized, in f32.
+      bool widened = m.quantized() && !uploads_quantized(m);
+      if (t.experts > 0) {
+        const LayerWeights& L = w.layers[static_cast<size_t>(t.layer)];
+        bool any = false;
+        for (const ExpertWeights& x : L.experts)
+          any = any || x.w1.quantized() || x.w3.quantized() || x.w2.quantized();
+        widened = any && !experts_upload_quantized(L);
+      }
+      n += as_uploaded && widened ? static_cast<size_t>(m.rows * m.cols) * 4
+                                  : static_cast<size_t>(m.bytes());
     }
   }
   return n;

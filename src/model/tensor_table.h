@@ -130,9 +130,19 @@ TensorBlock shard_block(const TensorSpec& t, const M3Config& cfg, const ShardPla
 void size_views(M3Weights& w, const M3Config& cfg, const std::vector<TensorSpec>& table,
                 int64_t experts_per_layer);
 
+// Whether M3ModelCuda keeps a quantized matrix quantized on the GPU: its kernels
+// (kernels/cuda/quant.h quant_op_supported) read whole 16-column units, so cols % 16 == 0; other
+// quantized matrices are uploaded as their values in f32.
+bool uploads_quantized(const MatRef& m);
+// The same for a MoE layer's routed experts, which the GPU op reads as one format: every w1, w3
+// and w2 of the layer quantized in expert 0's w1 format and uploads_quantized (else the layer's
+// experts are all uploaded as f32).
+bool experts_upload_quantized(const LayerWeights& L);
+
 // Bytes of the table's views in `w` (the dtype of each view, a quantized view's codes and scales;
 // a tied lm_head, the embedding's own view, counted once). as_uploaded: as M3ModelCuda stores them
-// (device_f32 tensors at 4 bytes, quantized matrices dequantised to bf16).
+// (device_f32 tensors at 4 bytes, quantized matrices as codes and scales where uploads_quantized /
+// experts_upload_quantized, else dequantised to f32).
 size_t view_bytes(const M3Weights& w, const std::vector<TensorSpec>& table,
                   bool as_uploaded = false);
 

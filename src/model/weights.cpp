@@ -263,14 +263,11 @@ class Loader {
 
 }  // namespace
 
-MatRef dequantize_to_bf16(const MatRef& m, std::vector<uint16_t>& storage) {
+MatRef dequantize_to_f32(const MatRef& m, std::vector<float>& storage) {
   storage.resize(static_cast<size_t>(m.rows * m.cols));
-  std::vector<float> row(static_cast<size_t>(m.cols));
-  for (int64_t r = 0; r < m.rows; ++r) {
-    kernels::cpu::dequantize_row(m, r, row.data());
-    for (int64_t c = 0; c < m.cols; ++c) storage[r * m.cols + c] = f32_to_bf16(row[c]);
-  }
-  return MatRef{storage.data(), DType::kBF16, m.rows, m.cols};
+  for (int64_t r = 0; r < m.rows; ++r)
+    kernels::cpu::dequantize_row(m, r, storage.data() + r * m.cols);
+  return MatRef{storage.data(), DType::kF32, m.rows, m.cols};
 }
 
 Result<std::unique_ptr<M3Weights>> load_weights(std::shared_ptr<Checkpoint> ckpt,

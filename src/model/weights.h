@@ -41,6 +41,9 @@ struct LayerWeights {
   MatRef router;       // [experts, hidden], f32 in M3 checkpoints
   VecRef router_bias;  // [experts] f32 (n == 0 when use_routing_bias is false)
   std::vector<ExpertWeights> experts;
+  // The GPU model's NVFP4 experts: their global scales on the device, f32 [3, experts] (w1's,
+  // w3's, w2's; kernels::MoeExpertWeights::global_scales). Null on the host.
+  const float* expert_global_scales = nullptr;
   bool has_shared_expert = false;
   MatRef shared_gate, shared_up, shared_down;
 };
@@ -63,10 +66,10 @@ struct M3Weights {
   size_t online_source_bytes = 0;
 };
 
-// `m` (any format) as a bf16 matrix in `storage` (resized): each value dequantised exactly
-// (kernels::cpu::dequantize_row) and rounded to bf16. What the GPU upload holds of quantized
-// weights until quantized GPU kernels exist.
-MatRef dequantize_to_bf16(const MatRef& m, std::vector<uint16_t>& storage);
+// `m` (any format) as an f32 matrix in `storage` (resized): each value dequantised exactly
+// (kernels::cpu::dequantize_row). What the GPU upload holds of a quantized matrix its quantized
+// kernels cannot read (model/tensor_table.h uploads_quantized): the CPU's values, exactly.
+MatRef dequantize_to_f32(const MatRef& m, std::vector<float>& storage);
 
 // Loads and checks every text tensor the config implies (the tensor table, model/tensor_table.h,
 // in its order; a layer's routed experts expert by expert). Errors name the tensor, what was found

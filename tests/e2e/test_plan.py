@@ -28,7 +28,11 @@ def test_nothing_fits_and_bad_input(binary):
     assert one.returncode == 2
     assert "weights do not fit" in one.stdout and "no strategy fits" in one.stdout
     mx = plan(binary, "MiniMaxAI/MiniMax-M3-MXFP8", "--gpus", "8")
-    assert mx.returncode == 0 and "weights stored as mxfp8" in mx.stdout and "issue #18" in mx.stdout
+    assert mx.returncode == 0 and "weights stored as mxfp8" in mx.stdout
+    # The GPU holds MXFP8 as stored (issue #18): served = stored, about half of bf16's 99.6 GiB.
+    tp8 = next(l for l in mx.stdout.splitlines() if l.startswith("TP8 "))
+    stored, served = [float(v) for v in tp8.split()[1:5:2]]
+    assert stored == served and 45 < served < 60, tp8
     bad = plan(binary, "org/NoSuchModel")
     assert bad.returncode != 0 and "known variant" in bad.stderr
     q = plan(binary, "--quantization", "int3")

@@ -1,7 +1,11 @@
 // The quantized-weight GPU ops (kernels/cuda/quant.h) against their CPU twins: gemv_quant vs
 // kernels::cpu::linear over the same quantized MatRef, dequantize_bf16 vs dequantize_row rounded
 // to bf16 (bit for bit), for every format, row counts off the CTA's row tile, 1..9 tokens (token
-// groups of kGemvTokens and a partial one), up to M3's [3072, 6144] expert shape.
+// groups of kGemvTokens and a partial one), up to M3's [3072, 6144] expert shape. Then the ops
+// the model calls: dequantize_bf16_unscaled (exact in bf16), linear_quant (GEMV and dequantise +
+// GEMM sides of kQuantGemvMaxTokens) against cpu::linear, and moe_experts over quantized
+// experts (the grouped quantized GEMV and the per-expert dequantise path) against
+// cpu::moe_experts on the same views.
 // Tolerance of gemv_quant: both sides sum the same exact products (code x block scale; the
 // per-channel scale is applied to the GPU's row sum, one more rounding) in fp32 in different
 // orders, so |gpu - cpu| <= 2 * k * u * sum |x * w| (u = 2^-24), with a factor 2 of margin.
@@ -17,6 +21,7 @@
 #include "gpu/device_buffer.h"
 #include "gpu_test_util.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
 
 namespace m3::kernels {
@@ -132,6 +137,196 @@ TEST(QuantCuda, DequantizeBf16IsTheCpuDequantisationRounded) {
       for (int64_t c = 0; c < k; ++c) differ += got[r * k + c] != f32_to_bf16(row[c]);
     }
     EXPECT_EQ(differ, 0) << weight_quant_name(q);
+  }
+}
+
+// The unscaled dequantisation: w's values divided by its row factor, each exact in bf16 (so its
+// f32 value is the CPU's dequantize_row of the same codes with the factor set to 1, bit for bit).
+TEST(QuantCuda, DequantizeUnscaledIsExactInBf16) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 g(33);
+  for (WeightQuant q : kAll) {
+    const int64_t m = 45, k = 272;
+    HostQ h = make(q, m, k, g);
+    DeviceBuffer<uint8_t> dd(h.data), ds(h.scale);
+    MatRef dw = h.m;
+    dw.data = dd.data();
+    dw.scale = ds.data();
+    EXPECT_EQ(cuda::has_row_factor(dw), q == WeightQuant::kFp8Channel || q == WeightQuant::kNvfp4);
+    DeviceBuffer<uint16_t> out(static_cast<size_t>(m * k));
+    cuda::dequantize_bf16_unscaled(dw, out.data(), nullptr);
+    M3_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint16_t> got(static_cast<size_t>(m * k));
+    out.copy_to(got.data(), got.size());
+    // The CPU view without the factor: per-channel scales of 1, an NVFP4 global scale of 1.
+    MatRef unit = h.m;
+    std::vector<uint8_t> ones;
+    if (q == WeightQuant::kFp8Channel) {
+      ones.resize(h.scale.size());
+      const float one = 1.f;
+      for (int64_t r = 0; r < m; ++r) std::memcpy(ones.data() + 4 * r, &one, 4);
+      unit.scale = ones.data();
+    }
+    unit.global_scale = 1.f;
+    std::vector<float> row(static_cast<size_t>(k));
+    int64_t differ = 0;
+    for (int64_t r = 0; r < m; ++r) {
+      cpu::dequantize_row(unit, r, row.data());
+      for (int64_t c = 0; c < k; ++c) differ += bf16_to_f32(got[r * k + c]) != row[c];
+    }
+    EXPECT_EQ(differ, 0) << weight_quant_name(q);
+  }
+}
+
+// linear_quant on both sides of kQuantGemvMaxTokens, exact GEMM precision (x split into bf16
+// terms that carry all its bits): the dequantised values are exact in bf16 and the row factor
+// is one more rounding, so the bound is gemv_quant's (both sides sum exact products in fp32 in
+// different orders; the split's residual, 2^-26 of |x|, is far below it).
+TEST(QuantCuda, LinearQuantMatchesTheCpuLinear) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 g(34);
+  for (WeightQuant q : kAll) {
+    for (auto [m, k] : {std::pair<int64_t, int64_t>{37, 96}, {300, 512}}) {
+      const HostQ h = make(q, m, k, g);
+      DeviceBuffer<uint8_t> dd(h.data), ds(h.scale);
+      MatRef dw = h.m;
+      dw.data = dd.data();
+      dw.scale = ds.data();
+      for (int64_t n :
+           {int64_t{1}, cuda::kQuantGemvMaxTokens, cuda::kQuantGemvMaxTokens + 1, int64_t{64}}) {
+        const auto x = m3::testing::randn(static_cast<size_t>(n * k), g);
+        std::vector<float> want(static_cast<size_t>(n * m));
+        cpu::linear(x.data(), n, h.m, want.data());
+        DeviceBuffer<float> dx(x), dy(static_cast<size_t>(n * m));
+        const size_t wsb = cuda::linear_quant_workspace_bytes(n, dw);
+        EXPECT_EQ(wsb == 0, n <= cuda::kQuantGemvMaxTokens);
+        DeviceBuffer<uint8_t> ws(std::max<size_t>(wsb, 1));
+        cuda::linear_quant(dx.data(), n, dw, dy.data(), cuda::Workspace{ws.data(), wsb}, nullptr);
+        M3_CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<float> got(static_cast<size_t>(n * m));
+        dy.copy_to(got.data(), got.size());
+        std::vector<float> row(static_cast<size_t>(k));
+        int bad = 0;
+        for (int64_t r = 0; r < m; ++r) {
+          cpu::dequantize_row(h.m, r, row.data());
+          for (int64_t t = 0; t < n; ++t) {
+            double mag = 0;
+            for (int64_t c = 0; c < k; ++c) mag += std::fabs(x[t * k + c] * row[c]);
+            const double tol = 4 * k * kU * mag + 1e-30;
+            if (std::fabs(got[t * m + r] - want[t * m + r]) > tol && ++bad <= 3) {
+              ADD_FAILURE() << weight_quant_name(q) << " m " << m << " k " << k << " n " << n
+                            << " row " << r << " token " << t << ": " << got[t * m + r] << " vs "
+                            << want[t * m + r] << " (tol " << tol << ")";
+            }
+          }
+        }
+        EXPECT_EQ(bad, 0) << weight_quant_name(q) << " m " << m << " k " << k << " n " << n;
+      }
+    }
+  }
+}
+
+// moe_experts over quantized experts (the layout M3ModelCuda uploads: per projection the codes
+// of every expert back to back, the scales likewise; NVFP4 global scales per expert on the
+// device) against cpu::moe_experts over the host views. Paths: the grouped quantized GEMV
+// (n <= kMoeGemvMaxTokens; position groups of 1, 2 and 4) and the per-expert dequantise path
+// (n above it). Tolerance: each side computes gate/up/down in fp32 from the same exact products
+// in different orders (relative k * u of the magnitudes, k <= 256), swiglu_oai's slope is at
+// most ~ limit + beta = 8 and the combine adds k + 1 terms: 2^-12 of the token's largest
+// |output| covers that with margin for these sizes; a misread format (a scale off by 2^k, a
+// nibble swap, the wrong expert's matrix) moves outputs by O(1) of it.
+TEST(QuantCuda, MoeExpertsOverQuantizedWeightsMatchTheCpu) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 g(35);
+  const int64_t ne = 8, topk = 2;
+  const SwigluParams act{1.702f, 7.0f, 1.0f};
+  for (WeightQuant q : kAll) {
+    for (auto [hidden, inter] : {std::pair<int64_t, int64_t>{128, 256}, {64, 32}}) {
+      // Host experts, then one device buffer per projection for codes and one for scales.
+      std::vector<HostQ> hq;  // [3 * ne]: expert e's w1, w3, w2 at 3e..
+      for (int64_t e = 0; e < ne; ++e)
+        for (int p = 0; p < 3; ++p) {
+          hq.push_back(make(q, p == 2 ? hidden : inter, p == 2 ? inter : hidden, g));
+          if (q == WeightQuant::kNvfp4) hq.back().m.global_scale = 0.01f * (1 + e + 3 * p);
+        }
+      std::vector<MatRef> hmats, dmats(3 * ne);
+      for (const HostQ& h : hq) hmats.push_back(h.m);
+      std::vector<DeviceBuffer<uint8_t>> bufs;
+      std::vector<float> globals(3 * ne);
+      for (int p = 0; p < 3; ++p) {
+        const MatRef& f = hq[p].m;
+        std::vector<uint8_t> codes, scales;
+        for (int64_t e = 0; e < ne; ++e) {
+          const HostQ& h = hq[3 * e + p];
+          codes.insert(codes.end(), h.data.begin(), h.data.end());
+          scales.insert(scales.end(), h.scale.begin(), h.scale.end());
+          globals[p * ne + e] = h.m.global_scale;
+        }
+        bufs.emplace_back(codes);
+        bufs.emplace_back(scales);
+        const uint8_t* dc = bufs[bufs.size() - 2].data();
+        const uint8_t* dsc = bufs.back().data();
+        for (int64_t e = 0; e < ne; ++e) {
+          MatRef m = hq[3 * e + p].m;
+          m.data = dc + e * f.data_bytes();
+          m.scale = dsc + e * f.scale_bytes();
+          dmats[3 * e + p] = m;
+        }
+      }
+      DeviceBuffer<float> dglobals(globals);
+      MoeExpertWeights wh;
+      wh.num_experts = ne;
+      wh.inter = inter;
+      wh.hidden = hidden;
+      wh.quant = q;
+      wh.dtype = hq[0].m.dtype;
+      wh.mats_of = hmats.data();
+      MoeExpertWeights wd = wh;
+      wd.mats_of = dmats.data();
+      wd.global_scales = q == WeightQuant::kNvfp4 ? dglobals.data() : nullptr;
+      for (int64_t n :
+           {int64_t{1}, int64_t{3}, int64_t{5}, int64_t{40}, cuda::kMoeGemvMaxTokens + 44}) {
+        const std::string what = std::string(weight_quant_name(q)) + " hidden " +
+                                 std::to_string(hidden) + " inter " + std::to_string(inter) +
+                                 " n " + std::to_string(n);
+        const auto x = m3::testing::randn(static_cast<size_t>(n * hidden), g);
+        const auto shared = m3::testing::randn(static_cast<size_t>(n * hidden), g, 0.5f);
+        const auto logits = m3::testing::randn(static_cast<size_t>(n * ne), g, 2.f);
+        std::vector<int32_t> ids(n * topk);
+        std::vector<float> wts(n * topk);
+        cpu::router_topk(logits.data(), n, ne, nullptr, topk, 2.f, ids.data(), wts.data());
+        std::vector<float> want(n * hidden);
+        cpu::moe_experts(x.data(), n, ids.data(), wts.data(), topk, wh, act, shared.data(),
+                         want.data());
+        DeviceBuffer<float> dx(x), dout(shared), dw(wts);
+        DeviceBuffer<int32_t> dids(ids);
+        const cuda::MoePath path = cuda::moe_path(n, wd, dx.data());
+        EXPECT_EQ(path,
+                  n <= cuda::kMoeGemvMaxTokens ? cuda::MoePath::kGemv : cuda::MoePath::kPerExpert)
+            << what;
+        EXPECT_EQ(cuda::moe_experts_graph_safe(n, dx.data(), wd), path == cuda::MoePath::kGemv);
+        DeviceBuffer<uint8_t> work(cuda::moe_workspace_bytes(n, topk, wd));
+        cuda::moe_experts(dx.data(), n, dids.data(), dw.data(), topk, wd, act, dout.data(),
+                          dout.data(), work.data(), nullptr);
+        M3_CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<float> got(n * hidden);
+        dout.copy_to(got.data(), got.size());
+        int bad = 0;
+        for (int64_t t = 0; t < n; ++t) {
+          double big = 0;
+          for (int64_t c = 0; c < hidden; ++c)
+            big = std::max<double>(big, std::fabs(want[t * hidden + c]));
+          const double tol = big / 4096 + 1e-30;
+          for (int64_t c = 0; c < hidden; ++c) {
+            const double d = std::fabs(double(got[t * hidden + c]) - want[t * hidden + c]);
+            if (!(d <= tol) && ++bad <= 3)
+              ADD_FAILURE() << what << " token " << t << " col " << c << ": " << got[t * hidden + c]
+                            << " vs " << want[t * hidden + c] << " (tol " << tol << ")";
+          }
+        }
+        EXPECT_EQ(bad, 0) << what;
+      }
+    }
   }
 }
 

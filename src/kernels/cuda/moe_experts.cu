@@ -12,6 +12,7 @@
 #include "kernels/cuda/gemv.cuh"
 #include "kernels/cuda/moe_grouped.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/quant.h"
 
 namespace m3::kernels::cuda {
 
@@ -34,12 +35,14 @@ struct Layout {
   // few tokens (grouped GEMV)
   float* act;  // [P, inter] swiglu(gate, up) per position
   float* ye;   // [P, hidden] expert output per position
+  float* uq;   // [P, inter] up per position (quantized experts: gate and up run apart)
   // many tokens (per-expert linear)
   float* xe;      // [n, hidden] one expert's gathered tokens
   float* g;       // [n, inter]
   float* u;       // [n, inter]
   float* ye_e;    // [n, hidden]
   float* routed;  // [n, hidden]
+  uint16_t* wdq;  // [max(inter, hidden) * min(inter, hidden)] one dequantised expert matrix
   // many tokens (grouped GEMMs; shares its memory with the per-expert buffers: a call uses one)
   uint16_t* xb;              // [n, hidden] bf16(x)
   uint16_t* act16;           // [P, inter] bf16 swiglu(gate, up) per position
@@ -53,6 +56,7 @@ Layout layout_for(void* base, int64_t n, int64_t k, const MoeExpertWeights& w) {
   Layout l{};
   const int64_t P = n * k, ne = w.num_experts;
   const bool few = n <= kMoeGemvMaxTokens;
+  const bool quant = w.quant != WeightQuant::kNone;
   size_t off = 0;
   auto take = [&](size_t bytes) {
     void* p = base ? static_cast<uint8_t*>(base) + off : nullptr;
@@ -68,6 +72,7 @@ Layout layout_for(void* base, int64_t n, int64_t k, const MoeExpertWeights& w) {
   if (few) {
     l.act = static_cast<float*>(take(P * w.inter * sizeof(float)));
     l.ye = static_cast<float*>(take(P * w.hidden * sizeof(float)));
+    if (quant) l.uq = static_cast<float*>(take(P * w.inter * sizeof(float)));
   }
   // The many-token buffers are always laid out: the few-token path falls back to them when the
   // GEMV cannot read the weights' layout. The grouped GEMMs' buffers overlay them (a call runs
@@ -78,6 +83,7 @@ Layout layout_for(void* base, int64_t n, int64_t k, const MoeExpertWeights& w) {
   l.u = static_cast<float*>(take(n * w.inter * sizeof(float)));
   l.ye_e = static_cast<float*>(take(n * w.hidden * sizeof(float)));
   l.routed = static_cast<float*>(take(n * w.hidden * sizeof(float)));
+  if (quant) l.wdq = static_cast<uint16_t*>(take(w.inter * w.hidden * sizeof(uint16_t)));
   const size_t per_expert_end = off;
   off = region;
   const int64_t nc = std::min(n, kMoeGroupedChunk), Pc = nc * k;
@@ -294,10 +300,78 @@ void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
   }
 }
 
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// Quantized experts (w.mats_of): every projection of the one format, in a layout the quantized
+// GEMV reads.
+bool quant_layout_ok(const float* x, const MoeExpertWeights& w) {
+  for (int p = 0; p < 3; ++p) {
+    const MatRef& m = w.mats_of[p];
+    if (m.quant != w.quant || !quant_op_supported(m)) return false;
+  }
+  return aligned16(x);
+}
+
 bool gemv_layout_ok(const float* x, const MoeExpertWeights& w) {
+  if (w.quant != WeightQuant::kNone) return quant_layout_ok(x, w);
   const int64_t vec = w.dtype == DType::kBF16 ? 8 : 4;
-  auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  return w.hidden % vec == 0 && w.inter % vec == 0 && al(w.w1) && al(w.w3) && al(w.w2) && al(x);
+  return w.hidden % vec == 0 && w.inter % vec == 0 && aligned16(w.w1) && aligned16(w.w3) &&
+         aligned16(w.w2) && aligned16(x);
+}
+
+// Projection `proj` (0 w1, 1 w3, 2 w2) of quantized experts as the grouped GEMV reads it; checks
+// that the views lie back to back (codes and scales each at one stride).
+QuantExperts quant_experts(const MoeExpertWeights& w, int proj) {
+  QuantExperts q;
+  q.first = w.mats_of[proj];
+  const int64_t ne = w.num_experts;
+  auto at = [](const void* p) { return reinterpret_cast<intptr_t>(p); };
+  if (ne > 1) {
+    q.data_stride = at(w.mats_of[3 + proj].data) - at(q.first.data);
+    q.scale_stride = at(w.mats_of[3 + proj].scale) - at(q.first.scale);
+  }
+  bool same_global = true;
+  for (int64_t e = 0; e < ne; ++e) {
+    const MatRef& m = w.mats_of[3 * e + proj];
+    M3_CHECK(m.quant == q.first.quant && m.rows == q.first.rows && m.cols == q.first.cols &&
+                 at(m.data) == at(q.first.data) + e * q.data_stride &&
+                 at(m.scale) == at(q.first.scale) + e * q.scale_stride,
+             "moe_experts: quantized expert %lld (projection %d) is not laid out back to back "
+             "with expert 0 (one format and shape, codes and scales at fixed strides)",
+             static_cast<long long>(e), proj);
+    same_global = same_global && m.global_scale == q.first.global_scale;
+  }
+  if (q.first.quant == WeightQuant::kNvfp4 && !same_global) {
+    M3_CHECK(w.global_scales != nullptr,
+             "moe_experts: NVFP4 experts with different global scales need global_scales");
+    q.global_scales = w.global_scales + proj * ne;
+  }
+  return q;
+}
+
+// The grouped GEMV path over quantized experts: gate and up (two launches), swiglu, down.
+void experts_gemv_quant(const float* x, int64_t n, int64_t k, const MoeExpertWeights& w,
+                        const SwigluParams& act, const Layout& l, cudaStream_t stream);
+
+void experts_gemv_quant(const float* x, int64_t n, int64_t k, const MoeExpertWeights& w,
+                        const SwigluParams& act, const Layout& l, cudaStream_t stream) {
+  const int64_t P = n * k;
+  const int64_t slots = std::min(P, w.num_experts);
+  // Position groups for twice the mean positions per expert, at most the GEMV's 4 (one pass
+  // over an expert's weights serves that many; an expert with more loops, from L2 mostly).
+  const int64_t mean2 = (2 * P + w.num_experts - 1) / w.num_experts;
+  const int nt = gemv::nt_bucket(std::min<int64_t>({n, mean2, kGemvTokens}));
+  const QuantExperts w1 = quant_experts(w, 0), w3 = quant_experts(w, 1), w2 = quant_experts(w, 2);
+  gemv_quant_grouped(x, l.pair_token, w1, l.act, l.offsets, l.active, l.num_active, slots, nt,
+                     stream);
+  gemv_quant_grouped(x, l.pair_token, w3, l.uq, l.offsets, l.active, l.num_active, slots, nt,
+                     stream);
+  swiglu_kernel<<<grid_for(P * w.inter), 256, 0, stream>>>(l.act, l.uq, P * w.inter, act);
+  M3_CUDA_CHECK_LAUNCH("swiglu_kernel");
+  gemv_quant_grouped(l.act, nullptr, w2, l.ye, l.offsets, l.active, l.num_active, slots, nt,
+                     stream);
 }
 
 }  // namespace
@@ -344,13 +418,13 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
                       const float* weights, int64_t k, const MoeExpertWeights& w,
                       const SwigluParams& act, const float* shared, float* out, void* workspace,
                       cudaStream_t stream) {
-  M3_CHECK(w.dtype == DType::kBF16 || w.dtype == DType::kF32, "moe_experts: dtype %s",
+  const bool quant = w.quant != WeightQuant::kNone;
+  M3_CHECK(quant || w.dtype == DType::kBF16 || w.dtype == DType::kF32, "moe_experts: dtype %s",
            dtype_name(w.dtype));
   M3_CHECK(w.w1_of == nullptr && w.w3_of == nullptr && w.w2_of == nullptr,
            "moe_experts: the CUDA op takes only the contiguous expert layout");
-  M3_CHECK(w.quant == WeightQuant::kNone && w.mats_of == nullptr,
-           "moe_experts: the CUDA op takes bf16 or f32 experts (quantized experts are "
-           "dequantised at upload)");
+  M3_CHECK(quant == (w.mats_of != nullptr),
+           "moe_experts: quantized experts come as mats_of views (and only they)");
   M3_CHECK(w.num_experts > 0 && w.num_experts <= kMaxExperts,
            "moe_experts: %lld experts (max %lld)", static_cast<long long>(w.num_experts),
            static_cast<long long>(kMaxExperts));
@@ -399,7 +473,9 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
     return;
   }
   if (path == MoePath::kGemv) {
-    if (w.dtype == DType::kBF16)
+    if (quant)
+      experts_gemv_quant(x, n, k, w, act, l, stream);
+    else if (w.dtype == DType::kBF16)
       experts_gemv<uint16_t>(x, n, k, w, act, l, stream);
     else
       experts_gemv<float>(x, n, k, w, act, l, stream);
@@ -421,11 +497,24 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
     gather_rows_kernel<<<static_cast<unsigned>(m), 256, 0, stream>>>(x, l.pair_token + begin,
                                                                      w.hidden, l.xe);
     M3_CUDA_CHECK_LAUNCH("gather_rows_kernel");
-    linear(l.xe, m, expert_mat(w.w1, w.dtype, e, w.inter, w.hidden), l.g, stream);
-    linear(l.xe, m, expert_mat(w.w3, w.dtype, e, w.inter, w.hidden), l.u, stream);
+    if (quant) {
+      // One expert matrix at a time dequantised into the workspace (linear_quant), so the
+      // workspace holds one [inter, hidden] bf16 matrix whatever the expert count.
+      const Workspace wq{l.wdq, static_cast<size_t>(w.inter * w.hidden) * sizeof(uint16_t)};
+      linear_quant(l.xe, m, w.mats_of[3 * e], l.g, wq, stream);
+      linear_quant(l.xe, m, w.mats_of[3 * e + 1], l.u, wq, stream);
+    } else {
+      linear(l.xe, m, expert_mat(w.w1, w.dtype, e, w.inter, w.hidden), l.g, stream);
+      linear(l.xe, m, expert_mat(w.w3, w.dtype, e, w.inter, w.hidden), l.u, stream);
+    }
     swiglu_kernel<<<grid_for(m * w.inter), 256, 0, stream>>>(l.g, l.u, m * w.inter, act);
     M3_CUDA_CHECK_LAUNCH("swiglu_kernel");
-    linear(l.g, m, expert_mat(w.w2, w.dtype, e, w.hidden, w.inter), l.ye_e, stream);
+    if (quant) {
+      const Workspace wq{l.wdq, static_cast<size_t>(w.inter * w.hidden) * sizeof(uint16_t)};
+      linear_quant(l.g, m, w.mats_of[3 * e + 2], l.ye_e, wq, stream);
+    } else {
+      linear(l.g, m, expert_mat(w.w2, w.dtype, e, w.hidden, w.inter), l.ye_e, stream);
+    }
     scatter_add_rows_kernel<<<static_cast<unsigned>(m), 256, 0, stream>>>(
         l.ye_e, l.pair_token + begin, l.pair_weight + begin, w.hidden, l.routed);
     M3_CUDA_CHECK_LAUNCH("scatter_add_rows_kernel");

@@ -28,6 +28,21 @@ using kernels::Workspace;
 // GEMVs for a few tokens, cuBLASLt GEMMs above; see GemmPrecision).
 void linear(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream);
 
+// ---- quantized weights (the formats of kernels/views.h WeightQuant; kernels/cuda/quant.h) ----
+// Largest token count linear_quant and the MoE's per-expert path send to the quantized GEMV: one
+// pass over the weights serves up to quant.h's kGemvTokens = 4 tokens, n = 8 takes two, and from
+// n = 8 on dequantise + bf16 GEMM is faster (bench_quant_gemv, docs/PERFORMANCE.md).
+inline constexpr int64_t kQuantGemvMaxTokens = 4;
+// Bytes of workspace linear_quant needs for n tokens of w (0 where the GEMV serves them).
+size_t linear_quant_workspace_bytes(int64_t n, const MatRef& w);
+// y[n, w.rows] = x[n, w.cols] . w^T for a quantized w (quant_op_supported): up to
+// kQuantGemvMaxTokens tokens gemv_quant reads the codes as stored; above, ws receives
+// dequantize_bf16_unscaled(w) (exact in bf16), linear()'s tensor-core GEMM multiplies it under
+// the GEMM precision, and apply_row_factor applies the per-channel / global scale. ws.bytes >=
+// linear_quant_workspace_bytes(n, w).
+void linear_quant(const float* x, int64_t n, const MatRef& w, float* y, Workspace ws,
+                  cudaStream_t stream);
+
 // out[i, :] = table[ids[i], :] in fp32. An id out of range traps the kernel (a caller bug).
 void embedding(const MatRef& table, const int32_t* ids, int64_t n, float* out, cudaStream_t stream);
 
@@ -122,7 +137,12 @@ void set_gemm_precision(GemmPrecision p);
 GemmPrecision gemm_precision();
 
 // MoeExpertWeights (kernels/views.h): this op takes only the contiguous layout (the per-expert
-// arrays must be null). SwigluParams: the constants of swiglu_oai.
+// arrays must be null). SwigluParams: the constants of swiglu_oai. Quantized experts come as
+// mats_of (host array of device views) laid out back to back per projection (codes, and scales,
+// each at a fixed stride; M3ModelCuda's upload), with global_scales on the device for NVFP4: up
+// to kMoeGemvMaxTokens tokens a grouped GEMV per projection reads the codes as stored
+// (gemv_quant_grouped), above it the per-expert path dequantises each active expert's matrices
+// to bf16 in the workspace, one at a time, before its GEMM (linear_quant).
 
 // Up to this many tokens (bench_gemm_moe: n = 256 runs 2.7x faster grouped than per expert) the
 // experts run as grouped GEMVs with no host sync; above it, in the exact precision, the counts

@@ -5,8 +5,10 @@
 // quant_cuda_test.cpp compares them; bench/bench_quant_gemv.cpp measures them).
 // Invariant: a weight byte is read once per group of up to kGemvTokens tokens; codes decode
 // exactly and each 16- or 4-element group's dot product with x is multiplied by its block scale
-// (the CPU twin multiplies each element first: the sums differ by fp32 rounding only). Not yet
-// called by the model: M3ModelCuda still uploads quantized linears dequantised to bf16.
+// (the CPU twin multiplies each element first: the sums differ by fp32 rounding only). The
+// model reaches them through CudaOps::linear (kernels/cuda/ops.h linear_quant) and the MoE
+// experts (moe_experts.cu: gemv_quant_grouped for decode, dequantize_bf16_unscaled per expert for
+// prefill).
 #pragma once
 
 #include <cstdint>
@@ -31,5 +33,34 @@ void gemv_quant(const float* x, int64_t n, const MatRef& w, float* y, cudaStream
 
 // out [w.rows, w.cols] bf16 bits = w's values (kernels::cpu::dequantize_row) rounded to bf16.
 void dequantize_bf16(const MatRef& w, uint16_t* out, cudaStream_t stream);
+
+// The prefill path's exact form: out = w's values divided by their row factor (fp8_per_channel:
+// scale[r]; NVFP4: global_scale; MXFP8 / MXFP4: none), which bf16 holds exactly (an e4m3 value;
+// e2m1 x an e4m3 block scale has at most 6 significant bits; x 2^k), so a bf16 GEMM over them
+// followed by apply_row_factor is the fp32 product up to summation order.
+void dequantize_bf16_unscaled(const MatRef& w, uint16_t* out, cudaStream_t stream);
+// Whether w has a row factor dequantize_bf16_unscaled leaves out.
+bool has_row_factor(const MatRef& w);
+// y[t, r] *= w's row factor for t < n, r < w.rows (nothing where it has none).
+void apply_row_factor(float* y, int64_t n, const MatRef& w, cudaStream_t stream);
+
+// One projection (w1, w3 or w2) of an MoE layer's routed experts, quantized, laid out back to
+// back: expert e's codes at first.data + e * data_stride, its scales at first.scale +
+// e * scale_stride, its NVFP4 global scale global_scales[e] (device f32 [experts]; null: all
+// first.global_scale). `first` is expert 0's view.
+struct QuantExperts {
+  MatRef first;
+  int64_t data_stride = 0, scale_stride = 0;
+  const float* global_scales = nullptr;
+};
+
+// The grouped decode GEMV of the routed experts: for every active expert e (CTA row `slot` of
+// active[0, *num_active), `slots` >= the most that can be active) and each of its positions p in
+// [offsets[e], offsets[e + 1]): y[p, :] = x[x_rows[p]] . W_e^T (x_rows null: x[p]). Each weight
+// byte is read once per group of `nt` (1, 2 or 4) positions of its expert; the arithmetic is
+// gemv_quant's, so a position's result equals gemv_quant of its row on expert e's view.
+void gemv_quant_grouped(const float* x, const int32_t* x_rows, const QuantExperts& w, float* y,
+                        const int32_t* offsets, const int32_t* active, const int32_t* num_active,
+                        int64_t slots, int nt, cudaStream_t stream);
 
 }  // namespace m3::kernels::cuda

@@ -60,6 +60,12 @@ void CudaOps::moe_experts(const float* x, int64_t n, const int32_t* ids, const f
   ops::moe_experts(x, n, ids, weights, k, w, act, shared, out, work, s_);
 }
 
+void CudaOps::linear_quant(const float* x, int64_t n, const MatRef& w, float* y) {
+  const size_t need = ops::linear_quant_workspace_bytes(n, w);
+  void* ws = need > 0 ? ensure(quant_ws_, static_cast<int64_t>(need)) : nullptr;
+  ops::linear_quant(x, n, w, y, ops::Workspace{ws, need > 0 ? quant_ws_.size() : 0}, s_);
+}
+
 void CudaOps::download(int32_t* host, const int32_t* src, int64_t n) {
   if (n <= 0) return;
   M3_CUDA_CHECK(cudaMemcpyAsync(host, src, static_cast<size_t>(n) * sizeof(int32_t),

@@ -53,9 +53,22 @@ class CudaOps {
   template <class T>
   T* ensure(gpu::DeviceBuffer<T>& b, int64_t n);
 
+  // Quantized weights (w.quantized(): M3ModelCuda keeps them as stored) go to linear_quant:
+  // the quantized GEMV up to kernels::cuda::kQuantGemvMaxTokens tokens, else dequantise into
+  // quant_ws_ + the bf16 GEMM.
   void linear(const float* x, int64_t n, const MatRef& w, float* y) {
+    if (w.quantized()) {
+      linear_quant(x, n, w, y);
+      return;
+    }
     kernels::cuda::linear(x, n, w, y, s_);
   }
+  // Sizes the dequantisation workspace once for the largest quantized matrix (M3ModelCuda after
+  // the upload), so no step grows it.
+  void reserve_quant_workspace(size_t bytes) {
+    if (bytes > 0) ensure(quant_ws_, static_cast<int64_t>(bytes));
+  }
+  size_t quant_workspace_bytes() const { return quant_ws_.size(); }
   void embedding(const MatRef& table, const int32_t* ids, int64_t n, float* out) {
     kernels::cuda::embedding(table, ids, n, out, s_);
   }
@@ -126,6 +139,7 @@ class CudaOps {
   // model's stream waits for it.
   template <class F>
   void on_comm(F&& collective);
+  void linear_quant(const float* x, int64_t n, const MatRef& w, float* y);
 
   cudaStream_t s_;
   dist::Communicator* comm_ = nullptr;
@@ -136,8 +150,9 @@ class CudaOps {
   bool syncs_host_ = false;
   std::array<gpu::DeviceBuffer<float>, static_cast<size_t>(Buf::kCount)> f32_;
   std::array<gpu::DeviceBuffer<int32_t>, static_cast<size_t>(IBuf::kCount)> i32_;
-  gpu::DeviceBuffer<uint8_t> attn_ws_;  // attention / MSA workspace
-  gpu::DeviceBuffer<uint8_t> moe_ws_;   // moe_experts' workspace
+  gpu::DeviceBuffer<uint8_t> attn_ws_;   // attention / MSA workspace
+  gpu::DeviceBuffer<uint8_t> moe_ws_;    // moe_experts' workspace
+  gpu::DeviceBuffer<uint8_t> quant_ws_;  // linear_quant's dequantised bf16 matrix
 };
 
 template <class T>

@@ -22,6 +22,7 @@
 namespace m3::model {
 
 namespace ops = kernels::cuda;
+using kernels::WeightQuant;
 
 namespace {
 // Left free after the weights for the KV cache, scratch and the CUDA context's own needs.
@@ -77,8 +78,32 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::from_host(std::unique_ptr<M3Mo
   if (m->plan_.sharded()) m->attach_communicator(comm, comm_stream);
   m->upload_weights();
   m->fuse_attention_projections();
+  m->reserve_quant_workspace();
   m->init_forward();
   return m;
+}
+
+void M3ModelCuda::reserve_quant_workspace() {
+  // The prefill path of a quantized linear dequantises the whole matrix into one bf16 buffer
+  // (kernels::cuda::linear_quant): sized here for the largest, before the KV pool takes the free
+  // memory. (The routed experts' per-expert path has its own, in the MoE workspace.)
+  size_t most = 0;
+  auto see = [&](const MatRef& m) {
+    if (m.quantized() && m.data != nullptr)
+      most = std::max(most, static_cast<size_t>(m.rows * m.cols) * sizeof(uint16_t));
+  };
+  for (const MatRef& f : fused_proj_) see(f);
+  for (const LayerWeights& L : dev_.layers) {
+    for (const MatRef* m :
+         {&L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.index_q_proj, &L.index_k_proj,
+          &L.gate_proj, &L.up_proj, &L.down_proj, &L.shared_gate, &L.shared_up, &L.shared_down})
+      see(*m);
+  }
+  see(dev_.lm_head);
+  if (most == 0) return;
+  ops_->reserve_quant_workspace(most);
+  M3_LOG_INFO("quantized linears: %s of GPU workspace for their prefill dequantisation",
+              gib(ops_->quant_workspace_bytes()).c_str());
 }
 
 void M3ModelCuda::attach_communicator(dist::Communicator* comm, cudaStream_t comm_stream) {
@@ -97,8 +122,37 @@ void M3ModelCuda::init_forward() {
 Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg, uint64_t seed,
                                                             int device, const ShardPlan* shard,
                                                             dist::Communicator* comm,
-                                                            cudaStream_t comm_stream) {
+                                                            cudaStream_t comm_stream,
+                                                            WeightQuant weights) {
   M3_TRY(gpu::DeviceInfo info, gpu::probe_device(device));  // also makes `device` current
+  if (weights != WeightQuant::kNone) {
+    // A stored format: bf16 values generated as for weights=bf16, then quantized on the device
+    // (unsharded only: a rank's column slice would get other block scales than the whole).
+    if (shard != nullptr && shard->sharded()) {
+      return make_error(ErrorCode::kUnsupported,
+                        std::string("synthetic weights=") + weight_quant_name(weights) +
+                            " is generated for one GPU only; use weights=bf16 with tensor or data "
+                            "parallelism",
+                        "--model");
+    }
+    const auto plan = make_shard_plan(cfg, ShardSpec{});
+    M3_CHECK(plan.has_value());
+    const size_t need = static_cast<size_t>(synthetic_weight_bytes(cfg, *plan, weights));
+    if (need + kHeadroomBytes > info.free_bytes) {
+      return make_error(ErrorCode::kUnavailable,
+                        "synthetic:layers=" + std::to_string(cfg.num_hidden_layers) +
+                            ",weights=" + weight_quant_name(weights) + " needs " + gib(need) +
+                            " of GPU memory (plus " + gib(kHeadroomBytes) + " headroom) but " +
+                            info.name + " has " + gib(info.free_bytes) + " free; use fewer layers",
+                        "--model");
+    }
+    std::unique_ptr<M3ModelCuda> m(new M3ModelCuda(cfg, nullptr));
+    m->generate_weights(seed, weights);
+    m->fuse_attention_projections();
+    m->reserve_quant_workspace();
+    m->init_forward();
+    return m;
+  }
   if (shard != nullptr && shard->sharded()) {
     const size_t need = static_cast<size_t>(synthetic_weight_bytes(cfg, *shard));
     if (need + kHeadroomBytes > info.free_bytes) {
@@ -114,7 +168,7 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg,
     std::unique_ptr<M3ModelCuda> m(new M3ModelCuda(cfg, nullptr));
     m->plan_ = *shard;
     if (comm != nullptr) m->attach_communicator(comm, comm_stream);
-    m->generate_weights(seed);
+    m->generate_weights(seed, WeightQuant::kNone);
     m->fuse_attention_projections();
     m->init_forward();
     return m;
@@ -142,7 +196,7 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg,
                       "--model");
   }
   std::unique_ptr<M3ModelCuda> m(new M3ModelCuda(cfg, nullptr));
-  m->generate_weights(seed);
+  m->generate_weights(seed, WeightQuant::kNone);
   m->fuse_attention_projections();
   m->init_forward();
   return m;
@@ -165,28 +219,47 @@ M3ModelCuda::M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host)
 }
 
 MatRef M3ModelCuda::fuse_rows(const std::vector<MatRef*>& parts) {
+  if (parts.empty()) return MatRef{};
+  const MatRef& p0 = *parts[0];
   int64_t rows = 0;
-  bool ok = !parts.empty();
+  bool ok = true;
   for (MatRef* m : parts) {
-    ok = ok && m->data != nullptr && m->dtype == DType::kBF16 && m->cols == parts[0]->cols;
+    // One format (bf16, or one quantized format held quantized; NVFP4 with one global scale)
+    // and one width.
+    ok = ok && m->data != nullptr && m->dtype == p0.dtype && m->quant == p0.quant &&
+         m->cols == p0.cols && m->global_scale == p0.global_scale &&
+         (m->quantized() ? uploads_quantized(*m) : m->dtype == DType::kBF16);
     rows += m->rows;
   }
-  if (!ok) return MatRef{};  // e.g. f32 matrices: kept separate
-  // One matrix of the parts' rows back to back; the old buffers are released (each part is a
-  // whole tensor of its own allocation) and the views become row slices of the new one.
-  const size_t row_bytes = static_cast<size_t>(parts[0]->cols) * sizeof(uint16_t);
-  gpu::DeviceBuffer<uint8_t> fused(static_cast<size_t>(rows) * row_bytes);
-  size_t at = 0;
+  if (!ok) return MatRef{};  // e.g. f32 matrices, mixed formats: kept separate
+  // One matrix of the parts' rows back to back (codes, then the scales of every row at an
+  // aligned offset); the old buffers are released (each part is a whole tensor of its own
+  // allocation, starting at its data) and the views become row slices of the new one.
+  const size_t row_bytes = static_cast<size_t>(p0.row_bytes());
+  const size_t srow_bytes = static_cast<size_t>(p0.scale_row_bytes());
+  const size_t codes = static_cast<size_t>(rows) * row_bytes;
+  const size_t scale_at = (codes + 255) / 256 * 256;
+  gpu::DeviceBuffer<uint8_t> fused(scale_at + static_cast<size_t>(rows) * srow_bytes);
+  size_t at = 0, sat = scale_at;
   for (MatRef* m : parts) {
     const size_t bytes = static_cast<size_t>(m->rows) * row_bytes;
     M3_CUDA_CHECK(cudaMemcpy(fused.data() + at, m->data, bytes, cudaMemcpyDeviceToDevice));
+    if (m->quantized()) {
+      const size_t sb = static_cast<size_t>(m->rows) * srow_bytes;
+      M3_CUDA_CHECK(cudaMemcpy(fused.data() + sat, m->scale, sb, cudaMemcpyDeviceToDevice));
+      m->scale = fused.data() + sat;
+      sat += sb;
+    }
     for (auto& b : storage_) {
       if (b.data() == m->data) b = gpu::DeviceBuffer<uint8_t>();
     }
     m->data = fused.data() + at;
     at += bytes;
   }
-  MatRef r{fused.data(), DType::kBF16, rows, parts[0]->cols};
+  MatRef r = p0;
+  r.data = fused.data();
+  r.rows = rows;
+  if (p0.quantized()) r.scale = fused.data() + scale_at;
   storage_.push_back(std::move(fused));
   return r;
 }
@@ -202,10 +275,12 @@ void M3ModelCuda::fuse_attention_projections() {
       parts.push_back(&L.index_k_proj);
     }
     fused_proj_[li] = fuse_rows(parts);
-    // gate | up of the dense MLP or the shared expert (dense_mlp sees them adjacent).
+    // gate | up of the dense MLP or the shared expert (dense_mlp sees them adjacent; it fuses
+    // bf16 only, so quantized ones stay two matrices).
     if (cfg_.layer_is_moe[li]) {
-      if (L.has_shared_expert) fuse_rows({&L.shared_gate, &L.shared_up});
-    } else {
+      if (L.has_shared_expert && !L.shared_gate.quantized())
+        fuse_rows({&L.shared_gate, &L.shared_up});
+    } else if (!L.gate_proj.quantized()) {
       fuse_rows({&L.gate_proj, &L.up_proj});
     }
   }
@@ -221,7 +296,7 @@ void* M3ModelCuda::alloc_weight(size_t bytes) {
   return storage_.back().data();
 }
 
-void M3ModelCuda::generate_weights(uint64_t seed) {
+void M3ModelCuda::generate_weights(uint64_t seed, WeightQuant weights) {
   const M3Config& c = cfg_;
   const ShardPlan& p = plan_;  // the whole model unless this is a rank's shard
   cudaStream_t s = stream_.get();
@@ -256,6 +331,46 @@ void M3ModelCuda::generate_weights(uint64_t seed) {
       continue;
     }
     const TensorBlock b = shard_block(t, c, p);
+    const WeightQuant q = synthetic_format_of(t, weights);
+    if (q != WeightQuant::kNone) {
+      // The bf16 values of weights=bf16, quantized: codes of every expert back to back, then
+      // their scales (the layout upload_weights gives a checkpoint's quantized experts).
+      M3_CHECK(t.synthetic_dtype == DType::kBF16 && !t.vector, "%s: quantized synthetic tensor",
+               t.names[0].c_str());
+      const FillBlock fb{b.experts,   b.rows,      b.cols,      b.expert_begin, b.expert_count,
+                         b.row_begin, b.row_count, b.col_begin, b.col_count};
+      gpu::DeviceBuffer<uint16_t> tmp(b.size());
+      fill_uniform_bf16_block(tmp.data(), fb, bound(t), seed, id, s);
+      MatRef one;
+      one.quant = q;
+      one.dtype = kernels::weight_quant_is_4bit(q) ? DType::kU8 : DType::kF8E4M3;
+      one.rows = b.row_count;
+      one.cols = b.col_count;
+      // NVFP4: the values lie in [-bound, bound), so bound / (448 * 6) keeps every block scale
+      // within e4m3 (the checkpoints' amax / (448 * 6) rule with amax <= bound).
+      one.global_scale = q == WeightQuant::kNvfp4 ? bound(t) / (448.f * 6.f) : 1.f;
+      const int64_t ne = t.count_in(dev_) > 0 ? t.count_in(dev_) : 1;
+      const size_t db = static_cast<size_t>(one.data_bytes()),
+                   sb = static_cast<size_t>(one.scale_bytes());
+      const size_t scale_at = (db * ne + 255) / 256 * 256;
+      auto* base = static_cast<uint8_t*>(alloc_weight(scale_at + sb * ne));
+      quantize_bf16_rows(tmp.data(), ne * one.rows, one.cols, q, one.global_scale, base,
+                         base + scale_at, s);
+      stream_.synchronize();  // tmp is freed next
+      if (t.experts == 0) {
+        one.data = base;
+        one.scale = base + scale_at;
+        t.mat(dev_) = one;
+        continue;
+      }
+      for (int64_t e = 0; e < t.count_in(dev_); ++e) {
+        MatRef m = one;
+        m.data = base + e * db;
+        m.scale = base + scale_at + e * sb;
+        t.mat(dev_, e) = m;
+      }
+      continue;
+    }
     void* data = nullptr;
     if (t.synthetic_dtype == DType::kF32) {
       M3_CHECK(t.split == SplitDim::kReplicated && t.experts == 0, "%s: f32 tensors are whole",
@@ -291,9 +406,23 @@ MatRef M3ModelCuda::upload(const MatRef& m) {
   MatRef r = m;
   if (m.data == nullptr || m.rows * m.cols == 0) return r;
   if (m.quantized()) {
-    // No quantized GPU kernels yet (docs/QUANTIZATION.md): the format's values, rounded to bf16.
-    std::vector<uint16_t> host;
-    return upload(dequantize_to_bf16(m, host));
+    if (!uploads_quantized(m)) {
+      // A layout the quantized kernels cannot read (cols not a multiple of 16): the format's
+      // values in f32, exactly the CPU's (bf16 would round per-channel and NVFP4 values;
+      // counted and logged by upload_weights).
+      std::vector<float> host;
+      return upload(dequantize_to_f32(m, host));
+    }
+    // Codes and scales as stored, in one allocation (codes first: fuse_rows frees by data).
+    const size_t db = static_cast<size_t>(m.data_bytes()),
+                 sb = static_cast<size_t>(m.scale_bytes());
+    const size_t scale_at = (db + 255) / 256 * 256;
+    auto* base = static_cast<uint8_t*>(alloc_weight(scale_at + sb));
+    M3_CUDA_CHECK(cudaMemcpy(base, m.data, db, cudaMemcpyHostToDevice));
+    M3_CUDA_CHECK(cudaMemcpy(base + scale_at, m.scale, sb, cudaMemcpyHostToDevice));
+    r.data = base;
+    r.scale = base + scale_at;
+    return r;
   }
   const size_t bytes = static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype);
   storage_.emplace_back(bytes);
@@ -330,16 +459,17 @@ VecRef M3ModelCuda::upload_f32(const VecRef& v) {
 
 void M3ModelCuda::upload_weights() {
   const M3Weights& w = host_->weights();
-  size_t num_quantized = 0;
-  for (size_t q = 1; q < 5; ++q) num_quantized += w.num_quantized[q];
-  if (num_quantized > 0) {
-    M3_LOG_WARN(
-        "%zu quantized linears are dequantised to bf16 on the GPU (no FP8/FP4 GPU kernels yet, "
-        "docs/QUANTIZATION.md): the GPU holds and reads them as bf16",
-        num_quantized);
-  }
   const std::vector<TensorSpec> table = m3_tensors(cfg_);
   size_views(dev_, cfg_, table, plan_.num_experts);
+  // Quantized linears stay quantized on the GPU (codes and scales as stored) where the kernels
+  // read their layout; the others are counted here and uploaded as bf16.
+  size_t kept[5] = {0, 0, 0, 0, 0}, as_f32 = 0;
+  std::string why_f32;
+  auto note_f32 = [&](const std::string& name, const MatRef& m) {
+    if (as_f32++ == 0)
+      why_f32 =
+          name + " (" + weight_quant_name(m.quant) + ", " + std::to_string(m.cols) + " columns)";
+  };
   for (const TensorSpec& t : table) {
     if (t.vector) {
       // The router bias widened to f32: exactly what the CPU forward feeds router_topk.
@@ -351,34 +481,95 @@ void M3ModelCuda::upload_weights() {
       continue;
     }
     if (t.experts == 0) {
-      t.mat(dev_) = upload(t.mat(w));
+      const MatRef& src = t.mat(w);
+      if (src.quantized()) {
+        if (uploads_quantized(src)) {
+          ++kept[static_cast<size_t>(src.quant)];
+        } else {
+          note_f32(t.name("", 0, 0), src);
+        }
+      }
+      t.mat(dev_) = upload(src);
       continue;
     }
-    // Experts: one buffer per projection, expert e at e * rows * cols (what moe_experts reads).
+    // Experts: one buffer per projection, expert e at e * (its bytes) (what moe_experts reads):
+    // bf16/f32 elements, or quantized codes with the scales after them at a fixed stride.
     const int64_t n = t.count_in(w);
     M3_CHECK(n == t.count_in(dev_), "%s: %lld experts on the host, %lld planned",
              t.names[0].c_str(), static_cast<long long>(n),
              static_cast<long long>(t.count_in(dev_)));
     if (n == 0) continue;
     const MatRef& first = t.mat(w, 0);
-    // Quantized experts are uploaded as their values rounded to bf16 (no quantized GPU kernels
-    // yet, docs/QUANTIZATION.md).
-    const DType dt = first.quantized() ? DType::kBF16 : first.dtype;
-    const size_t per = static_cast<size_t>(first.rows * first.cols) * dtype_size(dt);
-    auto* base = static_cast<uint8_t*>(alloc_weight(per * static_cast<size_t>(n)));
-    std::vector<uint16_t> host;
+    const LayerWeights& HL = w.layers[static_cast<size_t>(t.layer)];
+    const bool keep = experts_upload_quantized(HL);
+    // Quantized experts in a mix the GPU op cannot read: every projection of the layer as its
+    // values in f32 (one dtype for the MoE op, the CPU's values exactly).
+    bool any_quant = false;
+    for (const ExpertWeights& e : HL.experts)
+      any_quant = any_quant || e.w1.quantized() || e.w3.quantized() || e.w2.quantized();
+    const bool widen = any_quant && !keep;
+    const DType dt = widen ? DType::kF32 : first.dtype;
+    const size_t per = keep ? static_cast<size_t>(first.data_bytes())
+                            : static_cast<size_t>(first.rows * first.cols) * dtype_size(dt);
+    const size_t sper = keep ? static_cast<size_t>(first.scale_bytes()) : 0;
+    const size_t codes = per * static_cast<size_t>(n);
+    const size_t scale_at = (codes + 255) / 256 * 256;
+    auto* base = static_cast<uint8_t*>(
+        alloc_weight(keep ? scale_at + sper * static_cast<size_t>(n) : codes));
+    std::vector<float> host;
     for (int64_t e = 0; e < n; ++e) {
       MatRef src = t.mat(w, e);
       M3_CHECK(src.dtype == first.dtype && src.quant == first.quant && src.rows == first.rows &&
                    src.cols == first.cols,
                "%s: expert %lld's shape or format differs from expert 0's",
                t.name("", 0, e).c_str(), static_cast<long long>(e));
-      if (src.quantized()) src = dequantize_to_bf16(src, host);
+      if (src.quantized() && keep) ++kept[static_cast<size_t>(src.quant)];
+      if (widen) {
+        if (src.quantized()) note_f32(t.name("", 0, e), src);
+        src = dequantize_to_f32(src, host);
+      }
       M3_CUDA_CHECK(cudaMemcpy(base + e * per, src.data, per, cudaMemcpyHostToDevice));
       MatRef& dst = t.mat(dev_, e);
       dst = src;
       dst.data = base + e * per;
+      if (keep) {
+        uint8_t* sdst = base + scale_at + e * sper;
+        M3_CUDA_CHECK(cudaMemcpy(sdst, src.scale, sper, cudaMemcpyHostToDevice));
+        dst.scale = sdst;
+      }
     }
+  }
+  // NVFP4 experts: each expert's global scale, on the device for the grouped GEMV.
+  for (LayerWeights& L : dev_.layers) {
+    if (L.experts.empty() || L.experts[0].w1.quant != WeightQuant::kNvfp4) continue;
+    const size_t ne = L.experts.size();
+    std::vector<float> g(3 * ne);
+    for (size_t e = 0; e < ne; ++e) {
+      g[e] = L.experts[e].w1.global_scale;
+      g[ne + e] = L.experts[e].w3.global_scale;
+      g[2 * ne + e] = L.experts[e].w2.global_scale;
+    }
+    auto* d = static_cast<float*>(alloc_weight(g.size() * sizeof(float)));
+    M3_CUDA_CHECK(cudaMemcpy(d, g.data(), g.size() * sizeof(float), cudaMemcpyHostToDevice));
+    L.expert_global_scales = d;
+  }
+  size_t num_kept = 0;
+  std::string held;
+  for (size_t q = 1; q < 5; ++q) {
+    if (kept[q] == 0) continue;
+    num_kept += kept[q];
+    held += (held.empty() ? "" : ", ") + std::to_string(kept[q]) + " " +
+            weight_quant_name(static_cast<WeightQuant>(q));
+  }
+  if (num_kept > 0)
+    M3_LOG_INFO("GPU weights: %s, quantized linears held as stored (%s)",
+                gib(weight_bytes_).c_str(), held.c_str());
+  if (as_f32 > 0) {
+    M3_LOG_WARN(
+        "%zu quantized linears are uploaded dequantised to f32 (the GPU's quantized kernels "
+        "need a multiple of 16 columns, and a MoE layer's experts all in one such format), "
+        "first %s: the GPU holds and reads them as f32",
+        as_f32, why_f32.c_str());
   }
 }
 

@@ -2,7 +2,8 @@
 // over the CUDA ops (model/cuda/cuda_ops.h), the same layer stack M3Model runs on the CPU ops.
 // What is the GPU's own: the weights on the device, the step's arrays staged in pinned memory,
 // CUDA graphs of the layers, and sampling next to the logits. Loading reuses M3Model::load (config,
-// checkpoint, weight checks) on the host, then uploads every weight once, bf16/f32 as stored;
+// checkpoint, weight checks) on the host, then uploads every weight once as stored (bf16/f32, and
+// quantized linears as their codes and scales where the quantized kernels read them);
 // synthetic() instead generates M3-shaped weights on the device (no host weights at all). The model
 // keeps its own M3Config. Called by the GPU backends of src/runtime/cuda (`serve`, `generate`),
 // runtime/cuda/cuda_backend.cpp and tests/model_cuda.
@@ -68,11 +69,13 @@ class M3ModelCuda {
   // each element drawn at its index in the whole tensor, so the ranks together hold exactly the
   // unsharded model's weights; a tensor-parallel shard then needs `comm` and `comm_stream` as
   // from_host() does before forward() (weights alone, e.g. for checksums, need neither).
-  static Result<std::unique_ptr<M3ModelCuda>> synthetic(const M3Config& cfg, uint64_t seed,
-                                                        int device = 0,
-                                                        const ShardPlan* shard = nullptr,
-                                                        dist::Communicator* comm = nullptr,
-                                                        cudaStream_t comm_stream = nullptr);
+  // `weights` (model/synthetic_model.h SyntheticSpec::weights; one GPU only): the linears in a
+  // stored format, the same bf16 values quantized on the device (quantize_bf16_rows) and held
+  // quantized like a checkpoint's.
+  static Result<std::unique_ptr<M3ModelCuda>> synthetic(
+      const M3Config& cfg, uint64_t seed, int device = 0, const ShardPlan* shard = nullptr,
+      dist::Communicator* comm = nullptr, cudaStream_t comm_stream = nullptr,
+      kernels::WeightQuant weights = kernels::WeightQuant::kNone);
 
   M3ModelCuda(const M3ModelCuda&) = delete;
   M3ModelCuda& operator=(const M3ModelCuda&) = delete;
@@ -154,13 +157,17 @@ class M3ModelCuda {
   // The forward over dev_ and fused_proj_, once both are final.
   void init_forward();
   void upload_weights();
-  void generate_weights(uint64_t seed);  // synthetic(): fills dev_ on the device
-  void* alloc_weight(size_t bytes);      // one weight allocation, counted in weight_bytes_
-  // Stores each layer's q|k|v(|index q|index k) projections as one bf16 matrix (fused_proj_);
-  // the per-projection views become its row slices.
+  // Sizes the ops' dequantisation workspace for the largest quantized matrix (none: nothing).
+  void reserve_quant_workspace();
+  // synthetic(): fills dev_ on the device (linears quantized to `weights` unless kNone).
+  void generate_weights(uint64_t seed, kernels::WeightQuant weights);
+  void* alloc_weight(size_t bytes);  // one weight allocation, counted in weight_bytes_
+  // Stores each layer's q|k|v(|index q|index k) projections as one matrix (fused_proj_), bf16
+  // or one quantized format; the per-projection views become its row slices.
   void fuse_attention_projections();
-  // Moves bf16 matrices of equal width into one allocation, rows back to back (null MatRef and
-  // nothing moved when a part is missing or not bf16).
+  // Moves matrices of equal width and one format (bf16, or a quantized one held quantized:
+  // codes back to back, then the scales) into one allocation, rows back to back (null MatRef
+  // and nothing moved when a part is missing or the formats differ).
   MatRef fuse_rows(const std::vector<MatRef*>& parts);
   MatRef upload(const MatRef& m);
   VecRef upload(const VecRef& v);

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include "core/check.h"
 #include "gpu/cuda_check.h"
@@ -121,6 +122,103 @@ void fill_uniform_f32(float* dst, size_t n, float bound, uint64_t seed, uint64_t
   M3_CHECK(dst != nullptr && bound >= 0.f);
   fill_f32_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dst, n, bound,
                                                           tensor_key(seed, tensor_id));
+  M3_CUDA_CHECK(cudaGetLastError());
+}
+
+namespace {
+
+using kernels::WeightQuant;
+
+__device__ __forceinline__ float bf16_at(const uint16_t* src, int64_t i) {
+  return __uint_as_float(static_cast<uint32_t>(src[i]) << 16);
+}
+__device__ __forceinline__ uint8_t to_e4m3(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+__device__ __forceinline__ float from_e4m3(uint8_t v) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(v), __NV_E4M3);
+  return __half2float(__half(h));
+}
+// E2M1 code of v (nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6; saturating), sign in bit 3.
+__device__ __forceinline__ uint32_t to_e2m1(float v) {
+  const float m = fabsf(v);
+  const uint32_t c = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) +
+                     (m >= 3.5f) + (m > 5.f);
+  return c | (v < 0.f && c != 0 ? 8u : 0u);
+}
+// E8M0 exponent byte of the smallest power of two s with amax / s <= emax (127: a zero block).
+__device__ __forceinline__ uint8_t e8m0_for(float amax, float emax) {
+  if (!(amax > 0.f)) return 127;
+  const int e = static_cast<int>(ceilf(log2f(amax / emax)));
+  return static_cast<uint8_t>(min(254, max(0, e + 127)));
+}
+
+// One CTA per row; each thread quantizes whole blocks (per channel: the row's amax first).
+__global__ void quantize_rows_kernel(const uint16_t* __restrict__ src, int64_t cols, WeightQuant q,
+                                     float global, int64_t row_bytes, int64_t scale_row_bytes,
+                                     uint8_t* __restrict__ data, uint8_t* __restrict__ scale) {
+  const int64_t r = blockIdx.x;
+  const uint16_t* x = src + r * cols;
+  uint8_t* d = data + r * row_bytes;
+  uint8_t* sc = scale + r * scale_row_bytes;
+  if (q == WeightQuant::kFp8Channel) {
+    __shared__ float red[kThreads / 32];
+    float amax = 0.f;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+      amax = fmaxf(amax, fabsf(bf16_at(x, c)));
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = amax;
+    __syncthreads();
+    amax = 0.f;
+    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, red[w]);
+    const float s = amax > 0.f ? amax / 448.f : 1.f;
+    if (threadIdx.x == 0) reinterpret_cast<float*>(sc)[0] = s;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) d[c] = to_e4m3(bf16_at(x, c) / s);
+    return;
+  }
+  const int64_t bs = q == WeightQuant::kNvfp4 ? 16 : 32;
+  const int64_t nb = (cols + bs - 1) / bs;
+  for (int64_t b = threadIdx.x; b < nb; b += blockDim.x) {
+    const int64_t c0 = b * bs, c1 = min(cols, c0 + bs);
+    float amax = 0.f;
+    for (int64_t c = c0; c < c1; ++c) amax = fmaxf(amax, fabsf(bf16_at(x, c)));
+    float inv;
+    if (q == WeightQuant::kNvfp4) {
+      const uint8_t s8 = to_e4m3(amax / 6.f / global);
+      sc[b] = s8;
+      const float s = from_e4m3(s8) * global;
+      inv = s > 0.f ? 1.f / s : 0.f;
+    } else {
+      const uint8_t e = e8m0_for(amax, q == WeightQuant::kMxfp8 ? 448.f : 6.f);
+      sc[b] = e;
+      inv = exp2f(127.f - static_cast<float>(e));
+    }
+    if (q == WeightQuant::kMxfp8) {
+      for (int64_t c = c0; c < c1; ++c) d[c] = to_e4m3(bf16_at(x, c) * inv);
+    } else {
+      for (int64_t c = c0; c < c1; c += 2) {
+        const uint32_t lo = to_e2m1(bf16_at(x, c) * inv);
+        const uint32_t hi = c + 1 < c1 ? to_e2m1(bf16_at(x, c + 1) * inv) : 0u;
+        d[c / 2] = static_cast<uint8_t>(lo | (hi << 4));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void quantize_bf16_rows(const uint16_t* src, int64_t rows, int64_t cols, WeightQuant format,
+                        float global_scale, uint8_t* data, uint8_t* scale, cudaStream_t stream) {
+  M3_CHECK(format != WeightQuant::kNone, "quantize_bf16_rows: no format");
+  M3_CHECK(rows <= 0x7fffffff, "quantize_bf16_rows: %lld rows", static_cast<long long>(rows));
+  if (rows == 0 || cols == 0) return;
+  kernels::MatRef m;
+  m.quant = format;
+  m.dtype = kernels::weight_quant_is_4bit(format) ? DType::kU8 : DType::kF8E4M3;
+  m.rows = rows;
+  m.cols = cols;
+  quantize_rows_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+      src, cols, format, global_scale, m.row_bytes(), m.scale_row_bytes(), data, scale);
   M3_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -11,6 +11,8 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/views.h"
+
 namespace m3::model {
 
 // dst[i] = bf16 (round to nearest even) of a uniform value in [-bound, bound).
@@ -42,6 +44,17 @@ struct FillBlock {
 // what fill_uniform_bf16 writes at those elements of the whole tensor.
 void fill_uniform_bf16_block(uint16_t* dst, const FillBlock& block, float bound, uint64_t seed,
                              uint64_t tensor_id, cudaStream_t stream);
+
+// Quantizes rows x cols bf16 values (row-major, device) into `format` (kernels/views.h
+// WeightQuant; not kNone) by the rules of tools/quant/quantize_checkpoint.py: per-channel fp8
+// scale amax_row / 448 (1 for a zero row); E8M0 block exponents ceil(log2(amax_block / emax))
+// (emax 448 for e4m3, 6 for e2m1); NVFP4 block scales e4m3(amax_block / 6 / global_scale); codes
+// rounded to nearest (e4m3 saturating). data: [rows, row_bytes], scale: [rows, scale_row_bytes]
+// as a MatRef of that format describes them. For synthetic weights of a stored format (the
+// caller picks global_scale, e.g. from the known bound of the values).
+void quantize_bf16_rows(const uint16_t* src, int64_t rows, int64_t cols,
+                        kernels::WeightQuant format, float global_scale, uint8_t* data,
+                        uint8_t* scale, cudaStream_t stream);
 
 // An order-independent 64-bit checksum of `bytes` bytes at device pointer `p` (the sum of a
 // mixing hash of each 8-byte word and its index; a tail shorter than 8 bytes is zero-padded).
