@@ -160,7 +160,8 @@ def main():
         u = args.url.replace("http://", "").rstrip("/")
         host, port = u.split(":")[0], int(u.split(":")[1])
     else:
-        max_len = max(lengths) + 4096 + 128
+        # Room for the prompt and its output token, within M3's 1M positions.
+        max_len = min(max(lengths) + 4096 + 128, 1 << 20)
         cmd = [args.m3serve, "serve", "--model", f"synthetic:layers={args.layers}", "--device",
                "cuda", "--port", str(port), "--max-model-len", str(max_len)] + args.extra_args.split()
         print("starting:", " ".join(cmd), flush=True)
