@@ -89,6 +89,7 @@ int run_chat(const ChatArgs& args) {
   if (!tpl) return fail(tpl.error().message);
   engine::EngineConfig ec;
   ec.async_scheduling = plan->async_scheduling;
+  ec.long_prefill_token_threshold = plan->long_prefill_token_threshold;
   ec.model_dir = a.model_dir;
   ec.max_num_seqs = 1;
   ec.quantization = quantization;

@@ -386,6 +386,7 @@ int run_serve(ServeArgs a) {
 
   engine::EngineConfig ec;
   ec.async_scheduling = plan->async_scheduling;
+  ec.long_prefill_token_threshold = plan->long_prefill_token_threshold;
   ec.model_dir = a.model_dir;  // a synthetic spec loads config-only (M3Model::load)
   ec.max_num_seqs = a.max_num_seqs;
   // The step budget: vLLM's default on a large GPU (8192) where steps are fast; smaller on the

@@ -129,8 +129,7 @@ const std::vector<VllmFlag> kTable = {
    "prefills share the step budget --max-num-batched-tokens", kBoth},
   {"--max-long-partial-prefills", true, FlagKind::kNoop, "",
    "prefills share the step budget --max-num-batched-tokens", kBoth},
-  {"--long-prefill-token-threshold", true, FlagKind::kNoop, "",
-   "prefills share the step budget --max-num-batched-tokens", kBoth},
+  {"--long-prefill-token-threshold", true, FlagKind::kHandled, "", "", kBoth},
   {"--stream-interval", true, FlagKind::kHandled, "", "", kServeOnly},
   {"--num-gpu-blocks-override", true, FlagKind::kRefused, "",
    "size the KV cache with --kv-cache-memory-bytes (or --gpu-memory-utilization)", kBoth},
@@ -1058,6 +1057,11 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
       help =
           "auto | bfloat16 | fp8 (fp8_e4m3) | float32: the KV cache format (docs/KV_CACHE.md). "
           "auto = bfloat16 on the GPU (float32 with --dtype float32), float32 on the CPU";
+    } else if (ln == "--long-prefill-token-threshold") {
+      help =
+          "Most prompt tokens one request gets per step (default 0: only "
+          "--max-num-batched-tokens limits a chunk); smaller chunks of a long prompt keep the "
+          "streams decoding beside it stepping, at some cost in its time to first token";
     } else if (ln == "--stream-interval") {
       help =
           "Tokens per streamed chunk (default 1): a stream's first token and its end are sent "
@@ -1269,6 +1273,15 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
         return bad(ln, "--max-logprobs " + value + " must be -1 (no limit) or a count >= 0");
       }
       plan.max_logprobs = n == -1 ? (1 << 30) : static_cast<int32_t>(n);
+    } else if (ln == "--long-prefill-token-threshold") {
+      const std::string t = trim(value);
+      char* end = nullptr;
+      const long n = std::strtol(t.c_str(), &end, 10);
+      if (t.empty() || *end != '\0' || n < 0 || n > (1L << 30)) {
+        return bad(ln, "--long-prefill-token-threshold '" + value +
+                           "' must be a token count >= 0 (0: no cap), e.g. 2048");
+      }
+      plan.long_prefill_token_threshold = static_cast<int>(n);
     } else if (ln == "--stream-interval") {
       const std::string t = trim(value);
       char* end = nullptr;

@@ -94,6 +94,7 @@ struct CompatPlan {
   bool log_requests = false;                 // --enable-log-requests
   std::optional<int32_t> max_logprobs;       // --max-logprobs (-1 given: a huge limit)
   int stream_interval = 1;                   // --stream-interval: tokens per streamed chunk
+  int long_prefill_token_threshold = 0;      // --long-prefill-token-threshold (0: no cap)
   bool log_stats = true;                     // --disable-log-stats: false
   bool access_log = true;                    // --disable-uvicorn-access-log: false
   double stats_interval_s = 10;              // VLLM_LOG_STATS_INTERVAL

@@ -698,6 +698,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   sched::SchedulerConfig sc;
   sc.max_num_seqs = config.max_num_seqs;
   sc.max_num_batched_tokens = config.max_num_batched_tokens;
+  sc.long_prefill_token_threshold = config.long_prefill_token_threshold;
   sc.max_model_len = static_cast<int>(max_len);
   sc.block_size = static_cast<int>(bs);
   sc.num_blocks = static_cast<int>(num_pages);

@@ -42,6 +42,7 @@ struct EngineConfig {
   std::string model_dir;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
+  int long_prefill_token_threshold = 0;  // --long-prefill-token-threshold (sched/scheduler.h)
   int max_model_len = 0;  // 0: the model's max_position_embeddings, capped by the KV pool
   int block_size = 128;   // must equal the model's sparse_block_size
   int64_t kv_cache_memory_bytes =

@@ -28,6 +28,10 @@ Status SchedulerConfig::validate() const {
   if (max_model_len < 1)
     return bad("--max-model-len is " + std::to_string(max_model_len) + "; it must be at least 1",
                "--max-model-len");
+  if (long_prefill_token_threshold < 0)
+    return bad("--long-prefill-token-threshold is " + std::to_string(long_prefill_token_threshold) +
+                   "; it must be 0 (no cap) or a token count",
+               "--long-prefill-token-threshold");
   if (block_size < 1)
     return bad("--block-size is " + std::to_string(block_size) +
                    "; it must be positive (128 for MiniMax-M3)",
@@ -213,7 +217,9 @@ SchedulerOutput Scheduler::schedule(bool ahead) {
     const int num_known = req->num_tokens() + req->num_inflight_samples -
                           (req->num_computed_tokens + req->num_inflight_tokens);
     const int num_spec = static_cast<int>(req->spec_token_ids.size());
-    const int num_new = std::min(num_known + num_spec, budget);
+    int num_new = std::min(num_known + num_spec, budget);
+    const int cap = config_.long_prefill_token_threshold;
+    if (cap > 0 && num_new > cap) num_new = cap;
     if (num_new <= 0) {
       ++i;
       continue;
@@ -289,6 +295,8 @@ SchedulerOutput Scheduler::schedule(bool ahead) {
       int num_new = req->num_tokens() - hit.num_computed_tokens;
       if (!config_.enable_chunked_prefill && num_new > budget) break;
       num_new = std::min(num_new, budget);
+      if (config_.long_prefill_token_threshold > 0)
+        num_new = std::min(num_new, config_.long_prefill_token_threshold);
       if (!kv_.allocate_slots(*req, num_new, &hit,
                               lookahead(*req, hit.num_computed_tokens, num_new))) {
         // A hit pins the request to the hit's partition. When that one is full but another

@@ -42,6 +42,10 @@ struct SchedulerConfig {
   // Speculative decoding: the most draft tokens a request carries (K). A step that samples also
   // gets pages for K positions past its tokens (where the draft writes its KV).
   int num_lookahead_tokens = 0;
+  // > 0: a request gets at most this many prompt tokens per step (vLLM's
+  // --long-prefill-token-threshold), so a long prompt's chunks stay short and the decoding
+  // streams beside it keep stepping; 0: only the step budget limits a chunk.
+  int long_prefill_token_threshold = 0;
 
   // Checks the values a user can set by flag; the message names the flag and the fix.
   Status validate() const;

@@ -536,6 +536,13 @@ TEST(VllmFlags, HandledValues) {
   EXPECT_EQ(run({}).plan->stream_interval, 1);
   for (const char* bad : {"0", "-3", "x", "5000"})
     EXPECT_FALSE(run({"--stream-interval", bad}).plan.has_value()) << bad;
+  const auto lp = run({"--long-prefill-token-threshold", "2048"});
+  ASSERT_TRUE(lp.plan.has_value());
+  EXPECT_EQ(lp.plan->long_prefill_token_threshold, 2048);
+  EXPECT_TRUE(lp.plan->notices.empty());  // applied (sched/scheduler.h), not a no-op
+  EXPECT_EQ(run({}).plan->long_prefill_token_threshold, 0);
+  for (const char* bad : {"-1", "x", ""})
+    EXPECT_FALSE(run({"--long-prefill-token-threshold", bad}).plan.has_value()) << bad;
 }
 
 TEST(VllmFlags, EnvironmentHonouredOrReportedOnce) {

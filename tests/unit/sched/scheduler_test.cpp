@@ -148,6 +148,36 @@ TEST(Scheduler, BudgetCutsARunningPrefillAndWaitingRequestsWait) {
   run_to_end(sched);
 }
 
+TEST(Scheduler, LongPrefillTokenThresholdCapsEachRequestsChunk) {
+  // vLLM's --long-prefill-token-threshold: at most 40 prompt tokens per request and step, while
+  // the step budget (256) would take them all; a decoding request beside it keeps one token per
+  // step, and a short prompt (<= 40) is not cut.
+  SchedulerConfig c = config(32, 256, 16);
+  c.long_prefill_token_threshold = 40;
+  Scheduler sched(c);
+  ASSERT_TRUE(sched.add_request(make_request(1, iota_tokens(30), 6)));
+  SchedulerOutput out = sched.schedule();
+  EXPECT_EQ(slices(out), (std::map<uint64_t, Slice>{{1, {0, 30, true}}}));
+  sched.update_from_output(out, fake_run(out));
+  ASSERT_TRUE(sched.add_request(make_request(2, iota_tokens(100, 5000), 2)));
+  const int chunks[] = {40, 40, 20};
+  int start = 0;
+  for (int step = 0; step < 3; ++step) {
+    out = sched.schedule();
+    EXPECT_EQ(slices(out), (std::map<uint64_t, Slice>{{1, {30 + step, 1, true}},
+                                                      {2, {start, chunks[step], step == 2}}}));
+    sched.update_from_output(out, fake_run(out));
+    start += chunks[step];
+    expect_pages_balance(sched);
+  }
+  run_to_end(sched);
+  // Negative values are refused by name.
+  c.long_prefill_token_threshold = -1;
+  const Status st = c.validate();
+  ASSERT_FALSE(st);
+  EXPECT_NE(st.error().message.find("--long-prefill-token-threshold"), std::string::npos);
+}
+
 TEST(Scheduler, MaxNumSeqsCapsRunningRequests) {
   SchedulerConfig c = config(64, 4096);
   c.max_num_seqs = 2;
