@@ -19,12 +19,16 @@ extern "C" {
 namespace m3::vision {
 
 namespace {
-Error bad(const std::string& msg) { return Error{ErrorCode::kInvalidArgument, msg, ""}; }
+Error bad(const std::string& msg) {
+  return Error{ErrorCode::kInvalidArgument, msg, ""};
+}
 }  // namespace
 
 #if !M3_HAVE_LIBAV
 
-bool video_decoding_available() { return false; }
+bool video_decoding_available() {
+  return false;
+}
 
 Result<DecodedVideo> decode_video(std::span<const uint8_t>, const FrameSampler&,
                                   const VideoLimits&) {
@@ -36,7 +40,9 @@ Result<DecodedVideo> decode_video(std::span<const uint8_t>, const FrameSampler&,
 
 #else
 
-bool video_decoding_available() { return true; }
+bool video_decoding_available() {
+  return true;
+}
 
 namespace {
 
@@ -70,7 +76,7 @@ int64_t mem_seek(void* opaque, int64_t offset, int whence) {
   auto* r = static_cast<MemReader*>(opaque);
   whence &= ~AVSEEK_FORCE;
   if (whence == AVSEEK_SIZE) return r->size;
-  int64_t p = whence == SEEK_SET ? offset
+  int64_t p = whence == SEEK_SET   ? offset
               : whence == SEEK_CUR ? r->pos + offset
               : whence == SEEK_END ? r->size + offset
                                    : -1;
@@ -136,9 +142,9 @@ Status open_pass(std::span<const uint8_t> bytes, Pass& p) {
   int rc = avformat_open_input(&fc, nullptr, nullptr, &opts);  // frees fc on failure
   av_dict_free(&opts);
   if (rc < 0) {
-    return tl::make_unexpected(bad(
-        "not a video file this server reads, or a truncated one (" + av_msg(rc) +
-        "); send MP4/MOV, WebM/MKV, AVI, MPEG-TS, FLV or Ogg with a codec libavcodec decodes"));
+    return tl::make_unexpected(
+        bad("not a video file this server reads, or a truncated one (" + av_msg(rc) +
+            "); send MP4/MOV, WebM/MKV, AVI, MPEG-TS, FLV or Ogg with a codec libavcodec decodes"));
   }
   p.fmt.reset(fc);
   rc = avformat_find_stream_info(fc, nullptr);
@@ -167,8 +173,8 @@ Status open_pass(std::span<const uint8_t> bytes, Pass& p) {
   p.dec->thread_count = 1;
   rc = avcodec_open2(p.dec.get(), codec, nullptr);
   if (rc < 0) {
-    return tl::make_unexpected(bad(std::string("cannot open the ") + codec->name +
-                                   " decoder: " + av_msg(rc)));
+    return tl::make_unexpected(
+        bad(std::string("cannot open the ") + codec->name + " decoder: " + av_msg(rc)));
   }
   return {};
 }
@@ -207,8 +213,8 @@ Result<int64_t> decode_all(Pass& p, const VideoLimits& lim, F&& on_frame) {
       if (r == AVERROR(EAGAIN)) break;
       if (r == AVERROR_EOF) return n;
       if (r < 0)
-        return tl::make_unexpected(
-            bad("corrupt or truncated video data at frame " + std::to_string(n) + ": " + av_msg(r)));
+        return tl::make_unexpected(bad("corrupt or truncated video data at frame " +
+                                       std::to_string(n) + ": " + av_msg(r)));
       if (n >= lim.max_decoded_frames) {
         return tl::make_unexpected(bad("the video has over " +
                                        std::to_string(lim.max_decoded_frames) +
@@ -228,9 +234,9 @@ Result<int64_t> decode_all(Pass& p, const VideoLimits& lim, F&& on_frame) {
 
 Result<RgbImage> to_rgb(const AVFrame* f, int64_t w, int64_t h) {
   if (f->width != w || f->height != h) {
-    return tl::make_unexpected(bad("the frame size changes mid-stream (" + std::to_string(w) +
-                                   "x" + std::to_string(h) + " -> " + std::to_string(f->width) +
-                                   "x" + std::to_string(f->height) + ")"));
+    return tl::make_unexpected(bad("the frame size changes mid-stream (" + std::to_string(w) + "x" +
+                                   std::to_string(h) + " -> " + std::to_string(f->width) + "x" +
+                                   std::to_string(f->height) + ")"));
   }
   RgbImage img;
   img.width = w;
@@ -248,13 +254,13 @@ Result<RgbImage> to_rgb(const AVFrame* f, int64_t w, int64_t h) {
       nullptr));
   if (!sws) {
     const char* name = av_get_pix_fmt_name(static_cast<AVPixelFormat>(f->format));
-    return tl::make_unexpected(bad(std::string("unsupported pixel format '") +
-                                   (name != nullptr ? name : "?") + "'"));
+    return tl::make_unexpected(
+        bad(std::string("unsupported pixel format '") + (name != nullptr ? name : "?") + "'"));
   }
   uint8_t* dst[4] = {img.rgb.data(), nullptr, nullptr, nullptr};
   int dst_stride[4] = {static_cast<int>(w * 3), 0, 0, 0};
-  const int rows = sws_scale(sws.get(), f->data, f->linesize, 0, static_cast<int>(h), dst,
-                             dst_stride);
+  const int rows =
+      sws_scale(sws.get(), f->data, f->linesize, 0, static_cast<int>(h), dst, dst_stride);
   if (rows != h) return tl::make_unexpected(bad("the pixel format conversion failed"));
   return img;
 }
@@ -278,11 +284,10 @@ Result<DecodedVideo> decode_video(std::span<const uint8_t> bytes, const FrameSam
   if (hd.width < 1 || hd.height < 1)
     return tl::make_unexpected(bad("the video stream has no frame size"));
   if (hd.width * hd.height > limits.max_frame_pixels) {
-    return tl::make_unexpected(bad("video frames of " + std::to_string(hd.width) + "x" +
-                                   std::to_string(hd.height) + " = " +
-                                   std::to_string(hd.width * hd.height) +
-                                   " pixels are over the decoder limit of " +
-                                   std::to_string(limits.max_frame_pixels)));
+    return tl::make_unexpected(
+        bad("video frames of " + std::to_string(hd.width) + "x" + std::to_string(hd.height) +
+            " = " + std::to_string(hd.width * hd.height) +
+            " pixels are over the decoder limit of " + std::to_string(limits.max_frame_pixels)));
   }
   AVRational rate = st->avg_frame_rate;  // PyAV's `average_rate`
   if (rate.num <= 0 || rate.den <= 0) rate = av_guess_frame_rate(p.fmt.get(), nullptr, nullptr);
@@ -303,10 +308,9 @@ Result<DecodedVideo> decode_video(std::span<const uint8_t> bytes, const FrameSam
   }
   if (hd.total_frames <= 0) return tl::make_unexpected(bad("the video has no frames"));
   if (hd.total_frames > limits.max_decoded_frames) {
-    return tl::make_unexpected(bad("the video has " + std::to_string(hd.total_frames) +
-                                   " frames, over the limit of " +
-                                   std::to_string(limits.max_decoded_frames) +
-                                   "; send a shorter clip"));
+    return tl::make_unexpected(
+        bad("the video has " + std::to_string(hd.total_frames) + " frames, over the limit of " +
+            std::to_string(limits.max_decoded_frames) + "; send a shorter clip"));
   }
   M3_TRY(out.indices, sample(hd.total_frames, hd.fps));
   if (out.indices.empty()) return tl::make_unexpected(bad("no frames were sampled"));

@@ -12,7 +12,8 @@
 //    1176 values per patch, temporal pairs outermost, each in merge-window order.
 //  * the prompt: per temporal pair g, "]<]{t:.1f} seconds[>[" (t = frame index
 //    indices[min(2g, n-1)] / video_fps) + "]<]start of image[>[" + N x "]<]video[>[" +
-//    "]<]end of image[>[", N = grid_h * grid_w / merge^2 (MiniMaxM3VLProcessor.replace_video_token).
+//    "]<]end of image[>[", N = grid_h * grid_w / merge^2
+//    (MiniMaxM3VLProcessor.replace_video_token).
 // Called by the server per video (HTTP thread); pure, thread-safe.
 // Invariant: pixels.grid_t == ceil(frames / temporal_patch_size); timestamps.size() == grid_t.
 #pragma once
@@ -28,7 +29,7 @@ namespace m3::vision {
 
 struct VideoProcessorConfig {
   ProcessorConfig frame{14, 2, 2, 4 * 28 * 28, 768 * 28 * 28};  // min 3136, max 602112 pixels
-  double fps = 1.0;                                              // frames sampled per second
+  double fps = 1.0;                                             // frames sampled per second
   int64_t min_frames = 4, max_frames = 768;
   int64_t total_pixels = static_cast<int64_t>(64000 * 28 * 28 * 0.9);  // all sampled frames
 };

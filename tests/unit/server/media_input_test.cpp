@@ -72,11 +72,62 @@ TEST(MediaInput, LimitsAndAvailability) {
   EXPECT_EQ(r.error().param, "messages[1].content[0]");
 }
 
+TEST(MediaInput, VideoLimits) {
+  MediaConfig cfg;
+  cfg.max_videos_per_prompt = 1;
+  engine::ModelInfo info;
+  info.image_input = true;
+  std::vector<MediaPart> parts = {MediaPart{"video", "data:,", "messages[0].content[0]"},
+                                  MediaPart{"video", "data:,", "messages[0].content[1]"}};
+  auto r = check_media_parts(parts, cfg, info);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_EQ(r.error().param, vision::video_decoding_available() ? "messages[0].content[1]"
+                                                                : "messages[0].content[0]");
+  EXPECT_NE(r.error().message.find(vision::video_decoding_available() ? "--limit-mm-per-prompt"
+                                                                      : "no video decoding"),
+            std::string::npos)
+      << r.error().message;
+  parts.resize(1);
+  EXPECT_EQ(check_media_parts(parts, cfg, info).has_value(), vision::video_decoding_available());
+  cfg.max_videos_per_prompt = 0;
+  EXPECT_FALSE(check_media_parts(parts, cfg, info).has_value());
+}
+
+TEST(MediaInput, VideoTextAndTokens) {
+  std::vector<PreparedVideo> v(2);
+  v[0].prompt_text = "<A>";
+  v[1].prompt_text = "<B>";
+  std::string p = "x]<]video[>[y]<]video[>[z";
+  ASSERT_TRUE(expand_video_text(p, v).has_value());
+  EXPECT_EQ(p, "x<A>y<B>z");
+  std::string one = "]<]video[>[";
+  auto r = expand_video_text(one, v);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("1 video placeholders for 2"), std::string::npos);
+  // Video 0: two frame pairs of 2 tokens, video 1: one pair of 3; 9 is the placeholder.
+  v[0].input.video = v[1].input.video = true;
+  v[0].input.grid_t = 2;
+  v[0].input.num_tokens = 4;
+  v[1].input.grid_t = 1;
+  v[1].input.num_tokens = 3;
+  std::vector<int32_t> ids = {1, 9, 9, 2, 9, 9, 3, 9, 9, 9, 4};
+  ASSERT_TRUE(locate_video_tokens(ids, v, 9).has_value());
+  EXPECT_EQ(v[0].input.group_offsets, (std::vector<int32_t>{1, 4}));
+  EXPECT_EQ(v[0].input.token_offset, 1);
+  EXPECT_EQ(v[1].input.group_offsets, (std::vector<int32_t>{7}));
+  EXPECT_EQ(v[0].input.spans(), (std::vector<std::pair<int32_t, int32_t>>{{1, 2}, {4, 2}}));
+  std::vector<int32_t> extra = ids;
+  extra.push_back(9);  // the placeholder also typed as text
+  EXPECT_FALSE(locate_video_tokens(extra, v, 9).has_value());
+  std::vector<int32_t> short_run = {1, 9, 2, 9, 9, 3, 9, 9, 9};
+  EXPECT_FALSE(locate_video_tokens(short_run, v, 9).has_value());
+}
+
 TEST(MediaInput, CacheIsAnLruBoundedByBytes) {
   auto img = [](size_t floats) {
-    auto p = std::make_shared<vision::ProcessedImage>();
-    p->pixel_values.resize(floats);
-    return std::shared_ptr<const vision::ProcessedImage>(p);
+    auto p = std::make_shared<ProcessedMedia>();
+    p->pixels.pixel_values.resize(floats);
+    return std::shared_ptr<const ProcessedMedia>(p);
   };
   MediaCache c(1000 * sizeof(float));
   c.put(1, 1, img(400));
