@@ -24,7 +24,9 @@ namespace {
 const std::string kRoot = std::string(M3_SOURCE_DIR) + "/tests/golden/vision";
 const std::string kModelDir = kRoot + "/model";
 
-nlohmann::json golden() { return model::golden::read_json(kRoot + "/video.json"); }
+nlohmann::json golden() {
+  return model::golden::read_json(kRoot + "/video.json");
+}
 
 engine::ModelInfo vision_info() {
   engine::ModelInfo info;
