@@ -110,7 +110,8 @@ endif()
 # libavcodec, libswscale, libavutil. Optional: a build without them (the GPU machine, whose
 # .gpu_deps/ does not carry them: they are large and pull in every codec library) refuses video
 # parts with a 400 that says so (M3_HAVE_LIBAV=0).
-if(PKG_CONFIG_FOUND)
+option(M3_VIDEO "Video input (needs libavformat, libavcodec, libswscale, libavutil)" ON)
+if(M3_VIDEO AND PKG_CONFIG_FOUND)
   pkg_check_modules(LIBAV QUIET IMPORTED_TARGET libavformat libavcodec libswscale libavutil)
 endif()
 if(TARGET PkgConfig::LIBAV)
