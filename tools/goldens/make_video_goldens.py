@@ -65,6 +65,9 @@ CASES = [
 ]
 # Model-case videos that are not processor goldens (dims a multiple of 28: the processor path).
 MODEL_VIDEOS = [("odd_pair.mov", "png", (56, 56), 5, 1)]
+# A lossy H.264 (yuv420p) clip: its YUV -> RGB conversion goes through each side's own swscale
+# build, so only closeness is expected; PyAV's rgb24 frames are stored raw (h264.rgb) for that.
+LOSSY = [("h264.mp4", "libx264", (64, 48), 8, 4)]
 
 
 def xxh64(b):
@@ -78,12 +81,12 @@ def make_videos(vid_dir):
 
     os.makedirs(vid_dir, exist_ok=True)
     rng = np.random.default_rng(SEED)
-    for name, codec, (w, h), n, fps in VIDEOS + MODEL_VIDEOS:
+    for name, codec, (w, h), n, fps in VIDEOS + MODEL_VIDEOS + LOSSY:
         path = os.path.join(vid_dir, name)
         with av.open(path, "w") as out:
             st = out.add_stream(codec, rate=fps)
             st.width, st.height = w, h
-            st.pix_fmt = "rgb24" if codec == "png" else "bgr0"
+            st.pix_fmt = {"png": "rgb24", "ffv1": "bgr0"}.get(codec, "yuv420p")
             yy, xx = np.mgrid[0:h, 0:w].astype(np.float64)
             # Smooth moving content plus a little texture (each resize tap matters) kept small
             # so the lossless files stay a few KB a frame.
@@ -98,7 +101,7 @@ def make_videos(vid_dir):
                 base[max(0, cy - 4):cy + 4, max(0, cx - 6):cx + 6] = (255, 255 - 20 * i % 255, 0)
                 frame = av.VideoFrame.from_ndarray(np.clip(base, 0, 255).astype(np.uint8), "rgb24")
                 if codec != "png":
-                    frame = frame.reformat(format="bgr0")
+                    frame = frame.reformat(format=st.pix_fmt)
                 for pkt in st.encode(frame):
                     out.mux(pkt)
             for pkt in st.encode():
@@ -178,6 +181,16 @@ def processor_goldens(vid_dir):
         )
         print(f"processor {key}: {w}x{h} x{meta.total_num_frames} @ {meta.fps} -> frames "
               f"{out[key]['frames_indices']} {rw}x{rh} grid {grid}", flush=True)
+    for name, *_ in LOSSY:
+        frames, meta = load(vid_dir, name, vp)
+        raw = np.ascontiguousarray(frames)
+        with open(os.path.join(vid_dir, name.rsplit(".", 1)[0] + ".rgb"), "wb") as f:
+            f.write(raw.tobytes())
+        out[name] = dict(file=name, lossy=True, width=int(raw.shape[2]), height=int(raw.shape[1]),
+                         total_num_frames=int(meta.total_num_frames), fps=float(meta.fps),
+                         frames_indices=[int(i) for i in meta.frames_indices],
+                         frames_xxh64=xxh64(raw.tobytes()))
+        print(f"lossy {name}: frames {out[name]['frames_indices']}", flush=True)
     return out
 
 
