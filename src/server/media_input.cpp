@@ -9,6 +9,7 @@
 
 #include "server/api_error.h"
 #include "vision/image_decode.h"
+#include "vision/image_resize.h"
 
 namespace m3::server {
 
@@ -83,13 +84,13 @@ Result<std::vector<uint8_t>> fetch_media_bytes(const MediaPart& part, const Medi
   const std::string where = part.param;
   auto starts = [&](const char* p) { return url.rfind(p, 0) == 0; };
   if (starts("http://") || starts("https://")) {
-    return invalid_param(where,
-                         where + ": remote " + part.kind +
-                             " URLs are not fetched (this server makes no network requests); send "
-                             "the " +
-                             part.kind +
-                             " inline as a data: URL, e.g. "
-                             "data:image/png;base64,...");
+    return invalid_param(
+        where,
+        where + ": remote " + part.kind +
+            " URLs are not fetched (this server makes no network requests); send "
+            "the " +
+            part.kind + " inline as a data: URL, e.g. " +
+            (part.kind == "video" ? "data:video/mp4;base64,..." : "data:image/png;base64,..."));
   }
   if (starts("data:")) {
     const size_t comma = url.find(',');
@@ -224,9 +225,24 @@ Result<std::vector<PreparedVideo>> prepare_videos(const std::vector<MediaPart>& 
   vision::VideoLimits lim;
   lim.max_frame_pixels = cfg.max_image_pixels;
   lim.max_decoded_frames = cfg.max_video_frames;
-  const vision::FrameSampler sample = [&vc](int64_t total,
-                                            double fps) -> Result<std::vector<int64_t>> {
-    return vision::sample_frame_indices(total, fps, vc);
+  // Sampling, then the frame size and the sampled-pixel budget from the header before any frame
+  // is converted; each kept frame is resized as soon as it is decoded.
+  std::pair<int64_t, int64_t> size{0, 0};
+  const vision::FrameSampler sample =
+      [&vc, &size](const vision::VideoHeader& hd) -> Result<std::vector<int64_t>> {
+    std::vector<int64_t> idx = vision::sample_frame_indices(hd.total_frames, hd.fps, vc);
+    M3_TRY(size, vision::video_frame_size(hd.height, hd.width, vc));
+    M3_TRY_STATUS(
+        vision::check_video_budget(static_cast<int64_t>(idx.size()), size.first, size.second, vc));
+    return idx;
+  };
+  const vision::FrameMap resize = [&size](vision::RgbImage f) -> Result<vision::RgbImage> {
+    if (f.height == size.first && f.width == size.second) return f;
+    vision::RgbImage r;
+    r.height = size.first;
+    r.width = size.second;
+    r.rgb = vision::resize_bicubic_aa(f.rgb.data(), f.height, f.width, 3, r.height, r.width);
+    return r;
   };
   std::vector<PreparedVideo> out;
   for (const auto& p : parts) {
@@ -237,9 +253,10 @@ Result<std::vector<PreparedVideo>> prepare_videos(const std::vector<MediaPart>& 
     const uint64_t k1 = h.high64 ^ 0x766964656f000000ULL;
     std::shared_ptr<const ProcessedMedia> m = cache != nullptr ? cache->get(h.low64, k1) : nullptr;
     if (!m) {
-      auto dec = vision::decode_video(bytes, sample, lim);
+      auto dec = vision::decode_video(bytes, sample, lim, resize);
       if (!dec) return invalid_param(p.param, p.param + ": " + dec.error().message);
-      auto proc = vision::preprocess_video(dec->frames, dec->indices, dec->header.fps, vc);
+      auto proc = vision::preprocess_video(dec->frames, dec->indices, dec->header.fps, vc,
+                                           dec->header.height, dec->header.width);
       if (!proc) return invalid_param(p.param, p.param + ": " + proc.error().message);
       m = std::make_shared<const ProcessedMedia>(
           ProcessedMedia{std::move(proc->pixels), std::move(proc->timestamps)});

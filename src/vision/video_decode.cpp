@@ -30,8 +30,8 @@ bool video_decoding_available() {
   return false;
 }
 
-Result<DecodedVideo> decode_video(std::span<const uint8_t>, const FrameSampler&,
-                                  const VideoLimits&) {
+Result<DecodedVideo> decode_video(std::span<const uint8_t>, const FrameSampler&, const VideoLimits&,
+                                  const FrameMap&) {
   return tl::make_unexpected(
       bad("this build has no video decoding (built without libavformat/libavcodec/libswscale; "
           "install libavformat-dev libavcodec-dev libswscale-dev libavutil-dev and rebuild), "
@@ -268,7 +268,7 @@ Result<RgbImage> to_rgb(const AVFrame* f, int64_t w, int64_t h) {
 }  // namespace
 
 Result<DecodedVideo> decode_video(std::span<const uint8_t> bytes, const FrameSampler& sample,
-                                  const VideoLimits& limits) {
+                                  const VideoLimits& limits, const FrameMap& map) {
   static std::once_flag quiet;
   std::call_once(quiet, [] { av_log_set_level(AV_LOG_QUIET); });  // errors come back as Errors
   if (bytes.empty()) return tl::make_unexpected(bad("the video is empty"));
@@ -312,12 +312,15 @@ Result<DecodedVideo> decode_video(std::span<const uint8_t> bytes, const FrameSam
         bad("the video has " + std::to_string(hd.total_frames) + " frames, over the limit of " +
             std::to_string(limits.max_decoded_frames) + "; send a shorter clip"));
   }
-  M3_TRY(out.indices, sample(hd.total_frames, hd.fps));
+  M3_TRY(out.indices, sample(hd));
   if (out.indices.empty()) return tl::make_unexpected(bad("no frames were sampled"));
   size_t next = 0;
   auto keep = [&](int64_t i, const AVFrame* f) -> Result<bool> {
     while (next < out.indices.size() && out.indices[next] == i) {
       M3_TRY(RgbImage img, to_rgb(f, hd.width, hd.height));
+      if (map) {
+        M3_TRY(img, map(std::move(img)));
+      }
       out.frames.push_back(std::move(img));
       ++next;
     }

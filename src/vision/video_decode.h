@@ -40,18 +40,22 @@ struct VideoHeader {
 struct DecodedVideo {
   VideoHeader header;
   std::vector<int64_t> indices;  // the sampled frame numbers, ascending
-  std::vector<RgbImage> frames;  // one per index
+  std::vector<RgbImage> frames;  // one per index (after the map, when one is given)
 };
 
-// (total_frames, fps) -> the frame numbers to keep (ascending, each in [0, total)); an Error
-// refuses the video (e.g. too many frames).
-using FrameSampler = std::function<Result<std::vector<int64_t>>(int64_t total, double fps)>;
+// The header -> the frame numbers to keep (ascending, each in [0, total_frames)); an Error
+// refuses the video before any frame is converted (e.g. too many sampled pixels).
+using FrameSampler = std::function<Result<std::vector<int64_t>>(const VideoHeader&)>;
+// Applied to each kept frame as soon as it is converted (e.g. the processor's resize), so only
+// one full-size frame is held at a time. May be empty.
+using FrameMap = std::function<Result<RgbImage>(RgbImage)>;
 
-// Decodes `bytes` and keeps the frames `sample` picks. Errors (kInvalidArgument): no libav in
-// this build, a container libav does not recognise, no video stream, an unsupported codec, a frame
-// over max_frame_pixels (both numbers), corrupt data (libav's message), fewer decodable frames
-// than the header promises (truncated), a frame size that changes mid-stream.
+// Decodes `bytes` and keeps the frames `sample` picks (through `map` when given). Errors
+// (kInvalidArgument): no libav in this build, a container libav does not recognise, no video
+// stream, an unsupported codec, a frame over max_frame_pixels (both numbers), corrupt data
+// (libav's message), fewer decodable frames than the header promises (truncated), a frame size
+// that changes mid-stream, and the sampler's or the map's errors.
 Result<DecodedVideo> decode_video(std::span<const uint8_t> bytes, const FrameSampler& sample,
-                                  const VideoLimits& limits);
+                                  const VideoLimits& limits, const FrameMap& map = nullptr);
 
 }  // namespace m3::vision

@@ -29,39 +29,60 @@ std::vector<int64_t> sample_frame_indices(int64_t total, double video_fps,
   return out;
 }
 
-Result<ProcessedVideo> preprocess_video(const std::vector<RgbImage>& frames,
-                                        const std::vector<int64_t>& indices, double video_fps,
-                                        const VideoProcessorConfig& cfg) {
+Result<std::pair<int64_t, int64_t>> video_frame_size(int64_t h, int64_t w,
+                                                     const VideoProcessorConfig& cfg) {
   const ProcessorConfig& pc = cfg.frame;
-  const int64_t ps = pc.patch_size, ms = pc.merge_size, tp = pc.temporal_patch_size;
-  if (frames.empty() || frames.size() != indices.size())
-    return make_error(ErrorCode::kInvalidArgument, "the video has no sampled frames");
-  const int64_t h = frames[0].height, w = frames[0].width;
-  M3_TRY(auto size, smart_resize(h, w, ps * ms, pc.min_pixels, pc.max_pixels));
-  const auto [rh, rw] = size;
-  if (rh < ps * ms || rw < ps * ms) {
+  const int64_t f = pc.patch_size * pc.merge_size;
+  M3_TRY(auto size, smart_resize(h, w, f, pc.min_pixels, pc.max_pixels));
+  if (size.first < f || size.second < f) {
     return make_error(ErrorCode::kInvalidArgument,
                       "video frames of " + std::to_string(w) + "x" + std::to_string(h) +
                           " resize to no patches; send a larger video");
   }
-  const int64_t nf = static_cast<int64_t>(frames.size());
-  const int64_t padded = (nf + tp - 1) / tp * tp;
+  return size;
+}
+
+Status check_video_budget(int64_t frames, int64_t rh, int64_t rw, const VideoProcessorConfig& cfg) {
+  const int64_t tp = cfg.frame.temporal_patch_size;
+  const int64_t padded = (frames + tp - 1) / tp * tp;
   if (padded * rh * rw > cfg.total_pixels) {
     return make_error(ErrorCode::kInvalidArgument,
-                      "the video is too large: " + std::to_string(nf) + " sampled frames of " +
+                      "the video is too large: " + std::to_string(frames) + " sampled frames of " +
                           std::to_string(rw) + "x" + std::to_string(rh) + " = " +
                           std::to_string(padded * rh * rw) + " pixels, over the limit of " +
                           std::to_string(cfg.total_pixels) + "; send a shorter or smaller clip");
   }
-  std::vector<std::vector<uint8_t>> resized;
-  resized.reserve(static_cast<size_t>(nf));
-  for (const RgbImage& f : frames) {
-    if (f.height != h || f.width != w)
-      return make_error(ErrorCode::kInvalidArgument, "the video's frames differ in size");
-    resized.push_back(resize_bicubic_aa(f.rgb.data(), h, w, 3, rh, rw));
-  }
+  return {};
+}
+
+Result<ProcessedVideo> preprocess_video(const std::vector<RgbImage>& frames,
+                                        const std::vector<int64_t>& indices, double video_fps,
+                                        const VideoProcessorConfig& cfg, int64_t src_h,
+                                        int64_t src_w) {
+  const ProcessorConfig& pc = cfg.frame;
+  const int64_t ps = pc.patch_size, tp = pc.temporal_patch_size;
+  if (frames.empty() || frames.size() != indices.size())
+    return make_error(ErrorCode::kInvalidArgument, "the video has no sampled frames");
+  const int64_t h = src_h > 0 ? src_h : frames[0].height;
+  const int64_t w = src_w > 0 ? src_w : frames[0].width;
+  M3_TRY(auto size, video_frame_size(h, w, cfg));
+  const auto [rh, rw] = size;
+  const int64_t nf = static_cast<int64_t>(frames.size());
+  const int64_t padded = (nf + tp - 1) / tp * tp;
+  M3_TRY_STATUS(check_video_budget(nf, rh, rw, cfg));
+  std::vector<std::vector<uint8_t>> resized(static_cast<size_t>(nf));
   std::vector<const uint8_t*> ptrs;
-  for (const auto& r : resized) ptrs.push_back(r.data());
+  for (int64_t i = 0; i < nf; ++i) {
+    const RgbImage& f = frames[static_cast<size_t>(i)];
+    if (f.height == rh && f.width == rw) {
+      ptrs.push_back(f.rgb.data());  // already resized (or needing none: the resize is a copy)
+    } else if (f.height == h && f.width == w) {
+      resized[static_cast<size_t>(i)] = resize_bicubic_aa(f.rgb.data(), h, w, 3, rh, rw);
+      ptrs.push_back(resized[static_cast<size_t>(i)].data());
+    } else {
+      return make_error(ErrorCode::kInvalidArgument, "the video's frames differ in size");
+    }
+  }
   while (static_cast<int64_t>(ptrs.size()) < padded) ptrs.push_back(ptrs.back());
   ProcessedVideo out;
   out.num_frames = nf;

@@ -38,18 +38,29 @@ struct VideoProcessorConfig {
 std::vector<int64_t> sample_frame_indices(int64_t total, double video_fps,
                                           const VideoProcessorConfig& cfg);
 
+// The size every frame of an h x w video is resized to (smart_resize at the video budget).
+// Errors: an aspect ratio over 200, frames that resize to no patches.
+Result<std::pair<int64_t, int64_t>> video_frame_size(int64_t h, int64_t w,
+                                                     const VideoProcessorConfig& cfg);
+
+// `frames` sampled frames of rh x rw (padded to whole temporal pairs) within total_pixels.
+Status check_video_budget(int64_t frames, int64_t rh, int64_t rw, const VideoProcessorConfig& cfg);
+
 struct ProcessedVideo {
   ProcessedImage pixels;                // grid_t temporal pairs
   std::vector<std::string> timestamps;  // per temporal pair, "%.1f" seconds
   int64_t num_frames = 0;               // sampled (before the repeat to a pair)
 };
 
-// frames: the sampled frames (same size), indices their frame numbers, video_fps the stream's.
-// Errors (kInvalidArgument): no frames, an aspect ratio over 200, frames that resize to no
-// patches, frames x resized pixels over total_pixels (both numbers).
+// frames: the sampled frames, indices their frame numbers, video_fps the stream's; src_h x
+// src_w the video's frame size (0: the frames' own), so frames may come already resized to
+// video_frame_size(src_h, src_w) (decode_video's map) or at the source size (resized here).
+// Errors (kInvalidArgument): no frames, video_frame_size's, check_video_budget's, frames of
+// another size.
 Result<ProcessedVideo> preprocess_video(const std::vector<RgbImage>& frames,
                                         const std::vector<int64_t>& indices, double video_fps,
-                                        const VideoProcessorConfig& cfg);
+                                        const VideoProcessorConfig& cfg, int64_t src_h = 0,
+                                        int64_t src_w = 0);
 
 // The text MiniMaxM3VLProcessor puts in place of the video's "]<]video[>[" placeholder.
 std::string video_prompt_text(const ProcessedVideo& v, int64_t merge_size);

@@ -43,8 +43,8 @@ nlohmann::json goldens() {
 }
 
 FrameSampler sampler(const VideoProcessorConfig& cfg) {
-  return [cfg](int64_t total, double fps) -> Result<std::vector<int64_t>> {
-    return sample_frame_indices(total, fps, cfg);
+  return [cfg](const VideoHeader& h) -> Result<std::vector<int64_t>> {
+    return sample_frame_indices(h.total_frames, h.fps, cfg);
   };
 }
 
@@ -112,6 +112,20 @@ TEST(VideoProcessor, MatchesHfProcessorByteForByte) {
     EXPECT_EQ(hex64(p->pixels.pixel_values.data(), p->pixels.pixel_values.size() * sizeof(float)),
               want["pixel_values_xxh64"].get<std::string>())
         << "pixel values differ from the HF video processor's";
+    // The server's way: each frame resized as it is decoded, then processed at the source size.
+    const FrameMap map = [&](RgbImage f) -> Result<RgbImage> {
+      RgbImage r;
+      r.height = rh;
+      r.width = rw;
+      r.rgb = resize_bicubic_aa(f.rgb.data(), f.height, f.width, 3, rh, rw);
+      return r;
+    };
+    auto v2 = decode_video(bytes, sampler(cfg), VideoLimits{}, map);
+    ASSERT_TRUE(v2.has_value()) << v2.error().message;
+    auto p2 = preprocess_video(v2->frames, v2->indices, v2->header.fps, cfg, v2->header.height,
+                               v2->header.width);
+    ASSERT_TRUE(p2.has_value()) << p2.error().message;
+    EXPECT_EQ(p2->pixels.pixel_values, p->pixels.pixel_values);
     ++checked;
   }
   std::printf("checked %d videos\n", checked);
