@@ -199,3 +199,53 @@ TEST(MediaInput, PreparesImagesThroughTheCache) {
 
 }  // namespace
 }  // namespace m3::server
+
+namespace m3::server {
+namespace {
+
+// prepare_videos' limits, each a 400 naming the part: the sampled-pixel budget (checked from the
+// header, before decoding), the decoder's frame-pixel limit, the frame count; the cache keys
+// videos apart from images.
+TEST(MediaInput, PreparesVideosWithinTheirLimits) {
+  if (!vision::video_decoding_available()) GTEST_SKIP() << "built without libav";
+  const std::string dir = std::string(M3_SOURCE_DIR) + "/tests/golden/vision/videos";
+  engine::ModelInfo info;
+  info.image_input = true;
+  std::vector<MediaPart> parts = {MediaPart{"video", "file://" + dir + "/pair.mov", "m[0].c[3]"}};
+  auto refused = [&](const MediaConfig& cfg, const char* what) {
+    auto r = prepare_videos(parts, cfg, info, nullptr);
+    ASSERT_FALSE(r.has_value()) << what;
+    EXPECT_EQ(r.error().param, "m[0].c[3]");
+    EXPECT_NE(r.error().message.find(what), std::string::npos) << r.error().message;
+  };
+  MediaConfig cfg;
+  cfg.allowed_local_media_path = dir;
+  cfg.video.total_pixels = 6 * 84 * 56 - 1;  // pair.mov samples 6 frames of 84x56
+  refused(cfg, "too large");
+  cfg = MediaConfig{};
+  cfg.allowed_local_media_path = dir;
+  cfg.max_image_pixels = 1000;
+  refused(cfg, "over the decoder limit");
+  cfg = MediaConfig{};
+  cfg.allowed_local_media_path = dir;
+  cfg.max_video_frames = 11;
+  refused(cfg, "over the limit of 11");
+  cfg = MediaConfig{};
+  cfg.allowed_local_media_path = dir;
+  MediaCache cache(int64_t{1} << 30);
+  auto a = prepare_videos(parts, cfg, info, &cache);
+  ASSERT_TRUE(a.has_value()) << a.error().message;
+  ASSERT_EQ(a->size(), 1u);
+  EXPECT_TRUE((*a)[0].input.video);
+  EXPECT_EQ((*a)[0].input.grid_t, 3);
+  EXPECT_EQ((*a)[0].input.num_tokens, 18);
+  EXPECT_NE((*a)[0].prompt_text.find("]<]4.0 seconds[>["), std::string::npos);
+  auto b = prepare_videos(parts, cfg, info, &cache);
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(cache.hits(), 1);
+  EXPECT_EQ((*b)[0].input.patches, (*a)[0].input.patches);
+  EXPECT_EQ((*b)[0].prompt_text, (*a)[0].prompt_text);
+}
+
+}  // namespace
+}  // namespace m3::server
