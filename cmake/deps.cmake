@@ -106,6 +106,20 @@ if(TARGET PkgConfig::LIBJPEG)
 else()
   message(STATUS "image decoders: static libjpeg, libpng, libwebp from ${M3_GPU_DEPS}")
 endif()
+# Video decoding of the vision input (src/vision/video_decode.cpp): Debian's libavformat,
+# libavcodec, libswscale, libavutil. Optional: a build without them (the GPU machine, whose
+# .gpu_deps/ does not carry them: they are large and pull in every codec library) refuses video
+# parts with a 400 that says so (M3_HAVE_LIBAV=0).
+option(M3_VIDEO "Video input (needs libavformat, libavcodec, libswscale, libavutil)" ON)
+if(M3_VIDEO AND PKG_CONFIG_FOUND)
+  pkg_check_modules(LIBAV QUIET IMPORTED_TARGET libavformat libavcodec libswscale libavutil)
+endif()
+if(TARGET PkgConfig::LIBAV)
+  message(STATUS "video decoding: libavformat ${LIBAV_libavformat_VERSION}, libavcodec "
+                 "${LIBAV_libavcodec_VERSION}")
+else()
+  message(STATUS "video decoding: off (no libavformat/libavcodec/libswscale/libavutil)")
+endif()
 # xgrammar (structured outputs) from its PyPI sdist: tools/setup.sh unpacks it into .deps/, and
 # tools/gpu_deps.sh copies the parts the build needs into .gpu_deps/ for the GPU machine. Built
 # as a static library with its own flags, its Python bindings off. Without it, m3serve builds

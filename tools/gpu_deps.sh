@@ -45,6 +45,9 @@ copy_lib libzmq.so.5 libsodium.so.23 libpgm-5.3.so.0 libnorm.so.1
 # Image decoders (src/vision): libjpeg-turbo, libpng (+ zlib), libwebp headers + static archives.
 copy_inc jpeglib.h jmorecfg.h jerror.h png.h pngconf.h pnglibconf.h zlib.h zconf.h webp
 copy_lib libjpeg.a libpng16.a libz.a libwebp.a
+# Video decoding (libavformat/libavcodec/libswscale) is not copied: those shared libraries pull in
+# every codec library Debian links them with (tens of MB). The GPU build has no video input and
+# answers video_url parts with a 400 that says so (cmake/deps.cmake, M3_HAVE_LIBAV=0).
 need "$inc/x86_64-linux-gnu/jconfig.h"  # multiarch header: into the include root
 cp -L "$inc/x86_64-linux-gnu/jconfig.h" "$dest/include/jconfig.h"
 # xgrammar's sources (structured outputs), from the sdist tools/setup.sh unpacked into .deps/:

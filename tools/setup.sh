@@ -6,7 +6,8 @@ if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
 need_apt=0
 for p in cmake ninja-build g++ pkg-config python3 python3-pip nlohmann-json3-dev \
          libcli11-dev libexpected-dev libpcre2-dev libutf8proc-dev libxxhash-dev libgtest-dev \
-         libgmock-dev ccache curl clang-format libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libjpeg62-turbo-dev libpng-dev zlib1g-dev libwebp-dev; do
+         libgmock-dev ccache curl clang-format libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libjpeg62-turbo-dev libpng-dev zlib1g-dev libwebp-dev \
+         libavformat-dev libavcodec-dev libswscale-dev libavutil-dev; do
   dpkg -s "$p" >/dev/null 2>&1 || need_apt=1
 done
 if [ "$need_apt" = 1 ]; then
@@ -15,7 +16,8 @@ if [ "$need_apt" = 1 ]; then
     cmake ninja-build g++ pkg-config python3 python3-pip nlohmann-json3-dev \
     libcli11-dev libexpected-dev libpcre2-dev libutf8proc-dev libxxhash-dev libgtest-dev \
     libgmock-dev ccache curl clang-format libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libjpeg62-turbo-dev \
-    libpng-dev zlib1g-dev libwebp-dev >/dev/null
+    libpng-dev zlib1g-dev libwebp-dev libavformat-dev libavcodec-dev libswscale-dev libavutil-dev \
+    >/dev/null
 fi
 # Python oracles and the real OpenAI / Anthropic clients and openai-agents for the tests (no
 # torch: the model goldens are committed, made by tools/goldens/make_model_goldens.py on the GPU

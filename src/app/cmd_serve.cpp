@@ -33,6 +33,7 @@
 #include "model/config_overrides.h"
 #include "model/quantization.h"
 #include "server/http_server.h"
+#include "vision/video_decode.h"
 
 namespace m3::app {
 
@@ -426,6 +427,12 @@ int run_serve(ServeArgs a) {
   sc.api_keys = a.api_keys;
   sc.allowed_origins = plan->allowed_origins;
   if (plan->mm_limit_images) sc.media.max_images_per_prompt = *plan->mm_limit_images;
+  if (plan->mm_limit_videos) sc.media.max_videos_per_prompt = *plan->mm_limit_videos;
+  if (!vision::video_decoding_available()) {
+    std::fprintf(stderr,
+                 "m3serve: note: this build has no video decoding (built without libavformat/"
+                 "libavcodec/libswscale); video_url parts get a 400\n");
+  }
   if (plan->mm_cache_gb)
     sc.media.processor_cache_bytes = static_cast<int64_t>(*plan->mm_cache_gb * (1 << 30));
   sc.media.allowed_local_media_path = plan->allowed_local_media_path;

@@ -1025,7 +1025,9 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
           "JSON object merged into config.json before it is read, e.g. "
           "'{\"text_config\": {\"max_position_embeddings\": 262144}}'";
     } else if (ln == "--limit-mm-per-prompt") {
-      help = "JSON object of per-prompt limits, e.g. '{\"image\": 4}' (video: not supported yet)";
+      help =
+          "JSON object of per-prompt limits, e.g. '{\"image\": 4, \"video\": 1}' (defaults: 16 "
+          "images, 4 videos)";
     } else if (ln == "--mm-processor-cache-gb") {
       help = "GiB of processed images cached by content hash (default 4; 0: off)";
     } else if (ln == "--mm-processor-cache-type") {
@@ -1166,10 +1168,7 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
         if (it.key() == "image") {
           plan.mm_limit_images = n;
         } else if (it.key() == "video") {
-          if (n > 0) {
-            plan.notices.push_back("--limit-mm-per-prompt video " + std::to_string(n) +
-                                   ": video input is not supported yet; video parts get a 400");
-          }
+          plan.mm_limit_videos = n;  // cmd_serve says so when this build cannot decode video
         } else {
           return bad(ln, "--limit-mm-per-prompt: \"" + it.key() +
                              "\" is not a modality of MiniMax-M3 (image, video)");

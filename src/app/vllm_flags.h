@@ -103,6 +103,7 @@ struct CompatPlan {
   std::string root_path;
   // Image input (issue #20), applied to the server's MediaConfig.
   std::optional<int> mm_limit_images;    // --limit-mm-per-prompt '{"image": N}'
+  std::optional<int> mm_limit_videos;    // --limit-mm-per-prompt '{"video": M}'
   std::optional<double> mm_cache_gb;     // --mm-processor-cache-gb
   std::string allowed_local_media_path;  // --allowed-local-media-path ("" none)
 };

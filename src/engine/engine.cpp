@@ -200,27 +200,32 @@ Status EngineImpl::check_images(const GenerateRequest& req) const {
   for (size_t i = 0; i < req.images.size(); ++i) {
     const ImageInput& im = req.images[i];
     const int64_t np = im.grid_t * im.grid_h * im.grid_w;
-    const std::string which = "image " + std::to_string(i);
+    const std::string which = (im.video ? "video " : "image ") + std::to_string(i);
+    const int32_t placeholder = im.video ? info.video_token_id : info.image_token_id;
     if (im.grid_t < 1 || im.grid_h < 1 || im.grid_w < 1 || im.grid_h % info.vision_merge_size ||
         im.grid_w % info.vision_merge_size || np / m2 != im.num_tokens ||
-        static_cast<int64_t>(im.patches.size()) != np * row) {
+        static_cast<int64_t>(im.patches.size()) != np * row ||
+        (im.video && static_cast<int64_t>(im.group_offsets.size()) != im.grid_t) ||
+        (!im.video && !im.group_offsets.empty())) {
       return make_error(ErrorCode::kInvalidArgument,
                         which + ": its patch grid does not match its token count", "messages");
     }
-    if (im.token_offset < end_prev || im.token_offset + im.num_tokens > n_prompt) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        which + ": its placeholder tokens lie outside the prompt", "messages");
-    }
-    for (int32_t j = 0; j < im.num_tokens; ++j) {
-      if (req.prompt_token_ids[im.token_offset + j] != info.image_token_id) {
+    for (const auto& [start, count] : im.spans()) {
+      if (start < end_prev || start + count > n_prompt) {
         return make_error(ErrorCode::kInvalidArgument,
-                          which + ": prompt token " + std::to_string(im.token_offset + j) +
-                              " is not the image placeholder " +
-                              std::to_string(info.image_token_id),
-                          "messages");
+                          which + ": its placeholder tokens lie outside the prompt", "messages");
       }
+      for (int32_t j = 0; j < count; ++j) {
+        if (req.prompt_token_ids[start + j] != placeholder) {
+          return make_error(ErrorCode::kInvalidArgument,
+                            which + ": prompt token " + std::to_string(start + j) + " is not the " +
+                                (im.video ? "video" : "image") + " placeholder " +
+                                std::to_string(placeholder),
+                            "messages");
+        }
+      }
+      end_prev = start + count;
     }
-    end_prev = im.token_offset + im.num_tokens;
   }
   return {};
 }
@@ -290,9 +295,11 @@ void EngineImpl::admit(Pending& p) {
     for (const ImageInput& im : p.req.images)
       all_hash = (all_hash ^ im.content_hash) * 0x9e3779b97f4a7c15ULL + 1;
     for (const ImageInput& im : p.req.images) {
-      st.image_spans.push_back({im.token_offset, im.num_tokens});
-      r->content_spans.push_back(
-          {im.token_offset, im.num_tokens, images_attend_across ? all_hash : im.content_hash});
+      for (const auto& [start, count] : im.spans()) {
+        st.image_spans.push_back({start, count});
+        r->content_spans.push_back(
+            {start, count, images_attend_across ? all_hash : im.content_hash});
+      }
     }
     st.images = std::move(p.req.images);
   }
@@ -735,6 +742,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   info.image_input = backend->supports_image_input();
   if (!info.image_input) info.image_refusal = backend->image_refusal();
   info.image_token_id = static_cast<int32_t>(bc.vision.image_token_index);
+  info.video_token_id = static_cast<int32_t>(bc.vision.video_token_index);
   info.vision_patch_size = bc.vision.patch_size;
   info.vision_temporal_patch_size = bc.vision.temporal_patch_size;
   info.vision_merge_size = bc.vision.spatial_merge_size;

@@ -177,18 +177,35 @@ struct ModelInfo {
   bool image_input = false;
   std::string image_refusal;
   int32_t image_token_id = -1;  // the placeholder token the images' embeddings replace
+  int32_t video_token_id = -1;  // the placeholder token the videos' embeddings replace
   int64_t vision_patch_size = 14, vision_temporal_patch_size = 2, vision_merge_size = 2;
 };
 
 // One image of a request: the processor's patch rows (vision/image_processor.h) and the prompt
 // tokens its embeddings replace. The prompt holds num_tokens image_token_id tokens from
 // token_offset on; num_tokens == grid_t*grid_h*grid_w / merge^2.
+// A video (video = true) is one of these too: its placeholder is ModelInfo::video_token_id and
+// its tokens come as grid_t runs of num_tokens / grid_t (one per temporal pair of frames, with
+// the timestamp text between them) starting at group_offsets[g] (token_offset ==
+// group_offsets[0]). The tower runs a request's images as one call and its videos as another,
+// as transformers' get_image_features / get_video_features do.
 struct ImageInput {
   int64_t grid_t = 1, grid_h = 0, grid_w = 0;
   std::vector<float> patches;  // [grid_t*grid_h*grid_w, channels*temporal*patch*patch] f32
   int32_t token_offset = 0;
   int32_t num_tokens = 0;
   uint64_t content_hash = 0;  // of the image's bytes: the prefix-cache key of its tokens
+  bool video = false;
+  std::vector<int32_t> group_offsets;  // video only: grid_t run starts, ascending
+
+  // The prompt spans {first position, tokens} of its placeholder tokens, in order.
+  std::vector<std::pair<int32_t, int32_t>> spans() const {
+    if (!video || group_offsets.empty()) return {{token_offset, num_tokens}};
+    std::vector<std::pair<int32_t, int32_t>> out;
+    const int32_t per = num_tokens / static_cast<int32_t>(group_offsets.size());
+    for (int32_t o : group_offsets) out.push_back({o, per});
+    return out;
+  }
 };
 
 struct TokenLogprobOut {

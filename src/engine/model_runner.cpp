@@ -142,10 +142,25 @@ void ModelRunner::prepare(LaunchedStep& step, const sched::SchedulerOutput& out,
       for (const auto& [start, count] : st.image_spans)
         touches |= start < r.start_idx + n && start + count > r.start_idx;
       if (touches) {
-        std::vector<model::VisionImage> imgs;
+        // Images in one tower call and videos in another (transformers' get_image_features /
+        // get_video_features), then the rows back in prompt order.
+        std::vector<model::VisionImage> imgs, vids;
         for (const ImageInput& im : st.images)
-          imgs.push_back({im.grid_t, im.grid_h, im.grid_w, im.patches.data()});
-        backend_->encode_images(imgs, &st.image_embeds);
+          (im.video ? vids : imgs).push_back({im.grid_t, im.grid_h, im.grid_w, im.patches.data()});
+        std::vector<float> e_img, e_vid;
+        if (!imgs.empty()) backend_->encode_images(imgs, &e_img);
+        if (!vids.empty()) backend_->encode_images(vids, &e_vid);
+        st.image_embeds.clear();
+        size_t at_img = 0, at_vid = 0;
+        for (const ImageInput& im : st.images) {
+          const size_t len = static_cast<size_t>(im.num_tokens) * static_cast<size_t>(H);
+          const std::vector<float>& src = im.video ? e_vid : e_img;
+          size_t& at = im.video ? at_vid : at_img;
+          M3_CHECK(at + len <= src.size(), "the tower returned fewer rows than tokens");
+          st.image_embeds.insert(st.image_embeds.end(), src.begin() + static_cast<ptrdiff_t>(at),
+                                 src.begin() + static_cast<ptrdiff_t>(at + len));
+          at += len;
+        }
         ++num_image_encodes_;
         st.images.clear();
         st.images.shrink_to_fit();

@@ -80,6 +80,16 @@ Result<ChatJob> HttpServerImpl::start_chat(const ChatRequest& r,
   job.gen = std::make_shared<Generation>(engine_, cfg_.stream_interval);
   PromptData pd;
   M3_TRY_STATUS(check_text_fits(rendered.prompt.size(), "messages"));
+  // Videos first: their expansion is text (timestamps between the frame pairs), put into the
+  // rendered prompt before tokenizing, as the HF processor does.
+  std::vector<PreparedVideo> videos;
+  const bool has_video = std::any_of(r.media.begin(), r.media.end(),
+                                     [](const MediaPart& m) { return m.kind == "video"; });
+  if (has_video) {
+    M3_TRY(videos, prepare_videos(r.media, cfg_.media, engine_.model_info(), media_cache_.get()));
+    M3_TRY_STATUS(expand_video_text(rendered.prompt, videos));
+    M3_TRY_STATUS(check_text_fits(rendered.prompt.size(), "messages"));
+  }
   pd.ids = assets_.tokenizer->encode(rendered.prompt);
   M3_TRY_STATUS(truncate_prompt(pd.ids, r.common));
   if (!r.media.empty()) {
@@ -88,6 +98,14 @@ Result<ChatJob> HttpServerImpl::start_chat(const ChatRequest& r,
            prepare_images(r.media, cfg_.media, engine_.model_info(), media_cache_.get()));
     M3_TRY_STATUS(expand_image_placeholders(pd.ids, images, engine_.model_info().image_token_id,
                                             image_start_ids_, image_end_ids_));
+    if (has_video) {
+      M3_TRY_STATUS(locate_video_tokens(pd.ids, videos, engine_.model_info().video_token_id));
+      for (auto& v : videos) images.push_back(std::move(v.input));
+      std::stable_sort(images.begin(), images.end(),
+                       [](const engine::ImageInput& a, const engine::ImageInput& b) {
+                         return a.token_offset < b.token_offset;
+                       });
+    }
     pd.images = std::move(images);
   }
   job.gen->prompts.push_back(std::move(pd));

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "core/error.h"
@@ -45,5 +46,12 @@ Result<std::pair<int64_t, int64_t>> smart_resize(int64_t height, int64_t width, 
                                                  int64_t min_pixels, int64_t max_pixels);
 
 Result<ProcessedImage> preprocess_image(const RgbImage& img, const ProcessorConfig& cfg);
+
+// The normalised patch rows of resized frames ([rh, rw, 3] uint8 each; frames.size() a multiple
+// of temporal_patch_size): frames.size() / temporal groups, each in merge-window order, into
+// dst (groups * (rh/patch) * (rw/patch) rows of row_size floats). Shared by images (one frame
+// repeated) and videos (vision/video_processor.h).
+void write_patch_rows(std::span<const uint8_t* const> frames, int64_t rh, int64_t rw,
+                      const ProcessorConfig& cfg, float* dst);
 
 }  // namespace m3::vision

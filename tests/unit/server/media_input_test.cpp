@@ -72,11 +72,62 @@ TEST(MediaInput, LimitsAndAvailability) {
   EXPECT_EQ(r.error().param, "messages[1].content[0]");
 }
 
+TEST(MediaInput, VideoLimits) {
+  MediaConfig cfg;
+  cfg.max_videos_per_prompt = 1;
+  engine::ModelInfo info;
+  info.image_input = true;
+  std::vector<MediaPart> parts = {MediaPart{"video", "data:,", "messages[0].content[0]"},
+                                  MediaPart{"video", "data:,", "messages[0].content[1]"}};
+  auto r = check_media_parts(parts, cfg, info);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_EQ(r.error().param, vision::video_decoding_available() ? "messages[0].content[1]"
+                                                                : "messages[0].content[0]");
+  EXPECT_NE(r.error().message.find(vision::video_decoding_available() ? "--limit-mm-per-prompt"
+                                                                      : "no video decoding"),
+            std::string::npos)
+      << r.error().message;
+  parts.resize(1);
+  EXPECT_EQ(check_media_parts(parts, cfg, info).has_value(), vision::video_decoding_available());
+  cfg.max_videos_per_prompt = 0;
+  EXPECT_FALSE(check_media_parts(parts, cfg, info).has_value());
+}
+
+TEST(MediaInput, VideoTextAndTokens) {
+  std::vector<PreparedVideo> v(2);
+  v[0].prompt_text = "<A>";
+  v[1].prompt_text = "<B>";
+  std::string p = "x]<]video[>[y]<]video[>[z";
+  ASSERT_TRUE(expand_video_text(p, v).has_value());
+  EXPECT_EQ(p, "x<A>y<B>z");
+  std::string one = "]<]video[>[";
+  auto r = expand_video_text(one, v);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("1 video placeholders for 2"), std::string::npos);
+  // Video 0: two frame pairs of 2 tokens, video 1: one pair of 3; 9 is the placeholder.
+  v[0].input.video = v[1].input.video = true;
+  v[0].input.grid_t = 2;
+  v[0].input.num_tokens = 4;
+  v[1].input.grid_t = 1;
+  v[1].input.num_tokens = 3;
+  std::vector<int32_t> ids = {1, 9, 9, 2, 9, 9, 3, 9, 9, 9, 4};
+  ASSERT_TRUE(locate_video_tokens(ids, v, 9).has_value());
+  EXPECT_EQ(v[0].input.group_offsets, (std::vector<int32_t>{1, 4}));
+  EXPECT_EQ(v[0].input.token_offset, 1);
+  EXPECT_EQ(v[1].input.group_offsets, (std::vector<int32_t>{7}));
+  EXPECT_EQ(v[0].input.spans(), (std::vector<std::pair<int32_t, int32_t>>{{1, 2}, {4, 2}}));
+  std::vector<int32_t> extra = ids;
+  extra.push_back(9);  // the placeholder also typed as text
+  EXPECT_FALSE(locate_video_tokens(extra, v, 9).has_value());
+  std::vector<int32_t> short_run = {1, 9, 2, 9, 9, 3, 9, 9, 9};
+  EXPECT_FALSE(locate_video_tokens(short_run, v, 9).has_value());
+}
+
 TEST(MediaInput, CacheIsAnLruBoundedByBytes) {
   auto img = [](size_t floats) {
-    auto p = std::make_shared<vision::ProcessedImage>();
-    p->pixel_values.resize(floats);
-    return std::shared_ptr<const vision::ProcessedImage>(p);
+    auto p = std::make_shared<ProcessedMedia>();
+    p->pixels.pixel_values.resize(floats);
+    return std::shared_ptr<const ProcessedMedia>(p);
   };
   MediaCache c(1000 * sizeof(float));
   c.put(1, 1, img(400));
@@ -144,6 +195,56 @@ TEST(MediaInput, PreparesImagesThroughTheCache) {
   EXPECT_EQ((*r)[0].content_hash, (*r)[1].content_hash);
   EXPECT_EQ((*r)[0].patches, (*r)[1].patches);
   EXPECT_EQ(cache.hits(), 1);  // the second part came from the cache
+}
+
+}  // namespace
+}  // namespace m3::server
+
+namespace m3::server {
+namespace {
+
+// prepare_videos' limits, each a 400 naming the part: the sampled-pixel budget (checked from the
+// header, before decoding), the decoder's frame-pixel limit, the frame count; the cache keys
+// videos apart from images.
+TEST(MediaInput, PreparesVideosWithinTheirLimits) {
+  if (!vision::video_decoding_available()) GTEST_SKIP() << "built without libav";
+  const std::string dir = std::string(M3_SOURCE_DIR) + "/tests/golden/vision/videos";
+  engine::ModelInfo info;
+  info.image_input = true;
+  std::vector<MediaPart> parts = {MediaPart{"video", "file://" + dir + "/pair.mov", "m[0].c[3]"}};
+  auto refused = [&](const MediaConfig& cfg, const char* what) {
+    auto r = prepare_videos(parts, cfg, info, nullptr);
+    ASSERT_FALSE(r.has_value()) << what;
+    EXPECT_EQ(r.error().param, "m[0].c[3]");
+    EXPECT_NE(r.error().message.find(what), std::string::npos) << r.error().message;
+  };
+  MediaConfig cfg;
+  cfg.allowed_local_media_path = dir;
+  cfg.video.total_pixels = 6 * 84 * 56 - 1;  // pair.mov samples 6 frames of 84x56
+  refused(cfg, "too large");
+  cfg = MediaConfig{};
+  cfg.allowed_local_media_path = dir;
+  cfg.max_image_pixels = 1000;
+  refused(cfg, "over the decoder limit");
+  cfg = MediaConfig{};
+  cfg.allowed_local_media_path = dir;
+  cfg.max_video_frames = 11;
+  refused(cfg, "over the limit of 11");
+  cfg = MediaConfig{};
+  cfg.allowed_local_media_path = dir;
+  MediaCache cache(int64_t{1} << 30);
+  auto a = prepare_videos(parts, cfg, info, &cache);
+  ASSERT_TRUE(a.has_value()) << a.error().message;
+  ASSERT_EQ(a->size(), 1u);
+  EXPECT_TRUE((*a)[0].input.video);
+  EXPECT_EQ((*a)[0].input.grid_t, 3);
+  EXPECT_EQ((*a)[0].input.num_tokens, 18);
+  EXPECT_NE((*a)[0].prompt_text.find("]<]4.0 seconds[>["), std::string::npos);
+  auto b = prepare_videos(parts, cfg, info, &cache);
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(cache.hits(), 1);
+  EXPECT_EQ((*b)[0].input.patches, (*a)[0].input.patches);
+  EXPECT_EQ((*b)[0].prompt_text, (*a)[0].prompt_text);
 }
 
 }  // namespace
