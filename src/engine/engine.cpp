@@ -263,8 +263,12 @@ Status EngineImpl::check_kv_transfer(const GenerateRequest& req) const {
                ": send the same prompt the prefill worker computed");
   if (req.params.prompt_logprobs >= 0)
     return bad("prompt_logprobs needs the prompt computed here; drop it or do_remote_prefill");
-  if (!req.images.empty())
-    return bad("image input with do_remote_prefill is not supported yet; send it to one worker");
+  if (!req.images.empty()) {
+    const bool video =
+        std::any_of(req.images.begin(), req.images.end(), [](const auto& im) { return im.video; });
+    return bad(std::string(video ? "video" : "image") +
+               " input with do_remote_prefill is not supported yet; send it to one worker");
+  }
   return {};
 }
 
