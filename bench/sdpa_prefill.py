@@ -4,30 +4,21 @@
 The same shapes: 64 q heads over 4 KV heads of 128 (GQA 16), bf16, one sequence; a prefill from
 scratch of N tokens (is_causal) and the last 8192-token chunk of an N-token prompt over its
 prefix (an explicit bottom-right causal mask is what that shape needs; SDPA's is_causal is
-top-left, so the chunk runs with attn_mask = the causal band, which may take a slower backend:
-the backend used is printed). TFLOP/s by the same count as bench_prefill_attn (4 x heads x 128 x
+top-left, so the chunk runs with attn_mask = the causal band, which takes a slower backend than
+the unmasked from-scratch shape). TFLOP/s by the same count as bench_prefill_attn (4 x heads x 128 x
 the keys each query attends to). Usage: python3 bench/sdpa_prefill.py [iters=5]
 [lengths=8192,32768,131072]
 """
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sdpa_reference import time_ms  # noqa: E402  (the same warm loop and CUDA events)
+
 HEADS, KV_HEADS, DIM, CHUNK = 64, 4, 128, 8192
-
-
-def time_ms(fn, iters):
-    fn()
-    fn()
-    a = torch.cuda.Event(enable_timing=True)
-    b = torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
 
 
 def main():

@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "engine/engine.h"
+#include "model/engine_golden_util.h"
 #include "model/golden_util.h"
 #include "server/media_input.h"
 #include "text/tokenizer.h"
@@ -132,52 +133,22 @@ TEST(VideoGolden, WholeModelThroughEngine) {
       const int64_t encodes_before = (*eng)->stats().image_encodes;
       auto s = (*eng)->submit(std::move(req));
       ASSERT_TRUE(s.has_value()) << s.error().message;
-      std::vector<int32_t> toks;
-      std::vector<float> lps;
-      std::optional<std::vector<std::optional<engine::TokenLogprobOut>>> plp;
-      for (;;) {
-        auto o = (*s)->next(std::chrono::seconds(60));
-        ASSERT_TRUE(o.has_value());
-        for (size_t i = 0; i < o->new_token_ids.size(); ++i) {
-          toks.push_back(o->new_token_ids[i]);
-          lps.push_back(o->logprobs[i].logprob);
-        }
-        if (o->prompt_logprobs) plp = o->prompt_logprobs;
-        if (o->finished) {
-          ASSERT_NE(o->finish_reason, "error") << o->error;
-          if (pass == 2) {
-            EXPECT_GT(o->num_cached_tokens, first_media + 8);
-          }
-          const int64_t encodes = (*eng)->stats().image_encodes - encodes_before;
-          EXPECT_EQ(encodes, o->num_cached_tokens >= media_end ? 0 : 1);
-          if (pass == 3) {
-            EXPECT_LE(o->num_cached_tokens, first_media);
-          }
-          break;
-        }
+      const model::golden::EngineRun run = model::golden::collect(**s);
+      ASSERT_FALSE(run.timed_out);
+      const engine::RequestOutput& o = run.last;
+      ASSERT_NE(o.finish_reason, "error") << o.error;
+      if (pass == 2) {
+        EXPECT_GT(o.num_cached_tokens, first_media + 8);
       }
-      const auto& gr = c["greedy"];
-      size_t compared = 0;
-      for (size_t i = 0; i < gr.size() && i < toks.size(); ++i) {
-        const double margin = gr[i]["top"][0][1].get<double>() - gr[i]["top"][1][1].get<double>();
-        if (margin < model::golden::kGreedyMarginFloor) break;
-        ASSERT_EQ(toks[i], gr[i]["token"].get<int32_t>()) << "greedy token " << i;
-        EXPECT_NEAR(lps[i], gr[i]["logprob"].get<double>(), model::golden::kLogprobTol) << i;
-        ++compared;
+      const int64_t encodes = (*eng)->stats().image_encodes - encodes_before;
+      EXPECT_EQ(encodes, o.num_cached_tokens >= media_end ? 0 : 1);
+      if (pass == 3) {
+        EXPECT_LE(o.num_cached_tokens, first_media);
       }
-      EXPECT_GE(compared, 4u);
-      if (pass == 0) {
-        ASSERT_TRUE(plp.has_value());
-        const auto& want = c["prompt_logprobs"];
-        ASSERT_EQ(plp->size(), want.size() + 1);
-        double worst = 0;
-        for (size_t i = 0; i < want.size(); ++i) {
-          ASSERT_TRUE((*plp)[i + 1].has_value());
-          worst =
-              std::max(worst, std::fabs((*plp)[i + 1]->logprob - want[i]["logprob"].get<double>()));
-        }
-        EXPECT_LE(worst, model::golden::kLogprobTol);
-      }
+      const int compared = model::golden::compare_greedy(run, c["greedy"]);
+      ASSERT_GE(compared, 0);
+      EXPECT_GE(compared, 4);
+      if (pass == 0) model::golden::expect_prompt_logprobs(run, c["prompt_logprobs"]);
     }
   }
 }

@@ -18,6 +18,7 @@
 #include "vision/image_resize.h"
 #include "vision/video_decode.h"
 #include "vision/video_processor.h"
+#include "vision_test_util.h"
 
 namespace m3::vision {
 namespace {
@@ -26,16 +27,8 @@ const std::string kDir = std::string(M3_SOURCE_DIR) + "/tests/golden/vision";
 constexpr int kLossyMaxDiff = 3;
 constexpr double kLossyMeanDiff = 0.5;
 
-std::vector<uint8_t> read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
-
-std::string hex64(const void* p, size_t n) {
-  char buf[17];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(XXH64(p, n, 0)));
-  return buf;
-}
+using test::hex64;
+using test::read_file;
 
 nlohmann::json goldens() {
   std::ifstream f(kDir + "/video.json");
