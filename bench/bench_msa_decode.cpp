@@ -13,7 +13,8 @@
 // Pages: each sequence's pages are one contiguous run of the pool, as vLLM's anchor lays them out
 // (and as a fresh pool hands them out); `shuffled` scatters them over the whole pool instead.
 // Usage: bench_msa_decode [iters=20] [max_context=1048576] [shuffled]. Exits 1 where no GPU is
-// usable.
+// usable. M3_BENCH_FORMATS=float32,bfloat16,fp8_e4m3 (a subset, by KV format name) and
+// M3_BENCH_CONTEXTS=8192,1048576 (a subset of the contexts) narrow a run (profiling, quick reruns).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -85,6 +86,14 @@ double graph_ms(cudaStream_t s, int iters, F fn) {
   M3_CUDA_CHECK(cudaGraphExecDestroy(exec));
   M3_CUDA_CHECK(cudaGraphDestroy(graph));
   return ms;
+}
+
+// Whether `item` is in the comma-separated list of environment variable `var` (unset: every item).
+bool listed(const char* var, const std::string& item) {
+  const char* v = std::getenv(var);
+  if (v == nullptr || *v == '\0') return true;
+  const std::string list = std::string(",") + v + ",";
+  return list.find("," + item + ",") != std::string::npos;
 }
 
 }  // namespace
@@ -196,7 +205,7 @@ int main(int argc, char** argv) {
   };
   std::vector<int64_t> contexts;
   for (int64_t ctx : {int64_t{8192}, int64_t{131072}, int64_t{524288}, int64_t{1048576}})
-    if (ctx <= max_ctx) contexts.push_back(ctx);
+    if (ctx <= max_ctx && listed("M3_BENCH_CONTEXTS", std::to_string(ctx))) contexts.push_back(ctx);
 
   std::printf("\nMSA decode, one layer (us; ceiling = bytes at the copy bandwidth); pages %s\n",
               shuffled ? "shuffled over the pool" : "contiguous per sequence");
@@ -209,6 +218,7 @@ int main(int argc, char** argv) {
   };
   std::vector<Dense> dense_rows;
   for (const Mode& m : modes) {
+    if (!listed("M3_BENCH_FORMATS", kv_dtype_name(m.kv))) continue;
     fill(m);
     const gk::KvPages cache = view(m);
     for (int64_t batch : {int64_t{1}, max_batch}) {

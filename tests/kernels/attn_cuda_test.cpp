@@ -328,6 +328,10 @@ TEST(AttnCudaMsa, LongContextExactIds) {
   // 256K tokens (2048 blocks) and 64K in one batch: many score CTAs per token.
   run_msa(MsaCase{128, 4, 128, 16, 0, 1, {262144, 65536 + 77}, false, 64}, 121);
   run_msa(MsaCase{128, 4, 128, 16, 0, 1, {65536}, false, 1}, 122);  // heavy ties
+  // Just past 512 blocks with heavy ties, and 8750 blocks (beyond 1M tokens of 128-token pages)
+  // with an initial forced block.
+  run_msa(MsaCase{128, 4, 128, 16, 0, 1, {65536 + 128}, false, 1}, 123);
+  run_msa(MsaCase{16, 2, 128, 16, 1, 1, {140000}, false, 64}, 124);
 }
 
 TEST(AttnCudaMsa, OddGeometriesAndForcedBlocks) {

@@ -462,9 +462,10 @@ constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = kMmaWarps * detail::kWarp;
 constexpr int kMmaTile = 16;  // keys per warp step
 constexpr int kMmaDim = 128;
-constexpr int kMmaRows = 16;          // heads per CTA (the MMA's M)
-constexpr int kMaxClusterSplits = 8;  // the portable cluster size
-constexpr int kMmaMaxPages = 1024;    // a split's page list staged in shared memory
+constexpr int kMmaRows = 16;           // heads per CTA (the MMA's M)
+constexpr int kPortableCluster = 8;    // the portable cluster size
+constexpr int kMaxClusterSplits = 16;  // Hopper's non-portable maximum, where it schedules
+constexpr int kMmaMaxPages = 1024;     // a split's page list staged in shared memory
 
 template <class T>
 struct MmaAttnSmem {
@@ -479,7 +480,7 @@ struct MmaAttnSmem {
       kMmaWarps * kWarpBytes > kAfterBytes ? kMmaWarps* kWarpBytes : kAfterBytes;
 };
 
-// kCluster: the splits of a (token, kv head) are one thread-block cluster (gridDim.y <= 8 CTAs);
+// kCluster: the splits of a (token, kv head) are one thread-block cluster (gridDim.y <= 16 CTAs);
 // they merge through distributed shared memory and CTA 0 writes the output (no combine kernel,
 // no workspace).
 template <class T, bool kCluster>
@@ -527,6 +528,20 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int64_t first = tile0 + warp;
   const int my_tiles =
       first < tile1 ? static_cast<int>((tile1 - first + kMmaWarps - 1) / kMmaWarps) : 0;
+
+  // Q fragments of the 8 k-steps: rows r and r + 8 (heads of the group; 0 past it). Loaded
+  // first: their global reads overlap the page lookups below.
+  const float* qg = q + (t * num_heads + g * group) * D;
+  uint32_t qa[KSteps][4];
+  auto qv = [&](int h, int i) { return h < group ? detail::round_bf16(qg[h * D + i]) : 0.f; };
+#pragma unroll
+  for (int ks = 0; ks < KSteps; ++ks) {
+    const int b = detail::kv_k_base<E>(ks, cq);
+    qa[ks][0] = M::pack(qv(r, b), qv(r, b + 1));
+    qa[ks][1] = M::pack(qv(r + 8, b), qv(r + 8, b + 1));
+    qa[ks][2] = M::pack(qv(r, b + 2), qv(r, b + 3));
+    qa[ks][3] = M::pack(qv(r + 8, b + 2), qv(r + 8, b + 3));
+  }
 
   // The pages of the split's virtual blocks, looked up once into shared memory (where they fit):
   // the loop then finds a key's row without a dependent global load. vpage = physical page
@@ -606,18 +621,6 @@ __global__ void __launch_bounds__(kMmaThreads)
     issue(i, row);
   }
 
-  // Q fragments of the 8 k-steps: rows r and r + 8 (heads of the group; 0 past it).
-  const float* qg = q + (t * num_heads + g * group) * D;
-  uint32_t qa[KSteps][4];
-  auto qv = [&](int h, int i) { return h < group ? detail::round_bf16(qg[h * D + i]) : 0.f; };
-#pragma unroll
-  for (int ks = 0; ks < KSteps; ++ks) {
-    const int b = detail::kv_k_base<E>(ks, cq);
-    qa[ks][0] = M::pack(qv(r, b), qv(r, b + 1));
-    qa[ks][1] = M::pack(qv(r + 8, b), qv(r + 8, b + 1));
-    qa[ks][2] = M::pack(qv(r, b + 2), qv(r, b + 3));
-    qa[ks][3] = M::pack(qv(r + 8, b + 2), qv(r + 8, b + 3));
-  }
   const float smul = kFp8 ? scale * c.k_scale : scale;
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows r, r + 8
@@ -860,6 +863,48 @@ int choose_splits(int64_t num_tokens, const KvPages& c, int64_t max_blocks, int6
   return static_cast<int>(std::max<int64_t>(s, 1));
 }
 
+// The largest cluster the selected-block splits of the tensor-core kernel may form on this device:
+// 16 (Hopper's non-portable size: half the tiles per warp of 8 at batch 1, where the kernel is
+// latency-bound) when the function accepts it and cudaOccupancyMaxActiveClusters finds room for
+// one, else the portable 8. Decided once per device and K/V type; the smem limit is raised here.
+template <class TT>
+int cluster_limit_of() {
+  static std::atomic<uint64_t> known{0}, wide{0};
+  int dev = 0;
+  M3_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = uint64_t{1} << (dev & 63);
+  if (!(known.load(std::memory_order_acquire) & bit)) {
+    auto kernel = attention_mma_kernel<TT, true>;
+    constexpr int smem = MmaAttnSmem<TT>::kBytes;
+    M3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    bool ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+              cudaSuccess;
+    if (ok) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(1, kMaxClusterSplits);
+      cfg.blockDim = dim3(kMmaThreads);
+      cfg.dynamicSmemBytes = smem;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = 1;
+      attr[0].val.clusterDim.y = kMaxClusterSplits;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      int clusters = 0;
+      ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+    }
+    (void)cudaGetLastError();  // a refused attribute or query leaves no sticky error
+    if (ok) wide.fetch_or(bit, std::memory_order_acq_rel);
+    known.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  return (wide.load(std::memory_order_acquire) & bit) ? kMaxClusterSplits : kPortableCluster;
+}
+
+int cluster_limit(KvDtype kv) {
+  return kv == KvDtype::kFp8 ? cluster_limit_of<uint8_t>() : cluster_limit_of<uint16_t>();
+}
+
 size_t split_bytes(int64_t num_tokens, int64_t num_heads, int64_t d, int splits) {
   if (splits <= 1) return 0;
   return sizeof(float) * static_cast<size_t>(num_tokens * num_heads * splits * (d + 2));
@@ -930,11 +975,11 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
   if (split_grid_supported(cache, group)) {
     int splits = choose_splits(T, cache, blocks ? max_blocks : 0, max_kv_len);
     // The tensor-core path merges the splits of the selected blocks (few keys: a second kernel
-    // would cost more than they do) inside a cluster of up to 8; dense rows go through the
-    // workspace and the combine kernel.
+    // would cost more than they do) inside a cluster of up to 16 (cluster_limit); dense rows go
+    // through the workspace and the combine kernel.
     bool cluster = false;
     if (cache.kv_dtype != KvDtype::kF32 && splits > 1 && blocks != nullptr) {
-      splits = std::min(splits, kMaxClusterSplits);
+      splits = std::min(splits, cluster_limit(cache.kv_dtype));
       cluster = true;
     }
     const size_t per_split = split_bytes(T, num_heads, cache.head_dim, 2) / 2;
