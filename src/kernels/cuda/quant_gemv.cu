@@ -181,6 +181,39 @@ __device__ __forceinline__ int64_t x_row(const Args& a, int64_t p) {
   return a.x_rows != nullptr ? static_cast<int64_t>(a.x_rows[p]) : p;
 }
 
+// The end of one token group of both GEMV kernels: each warp's partial sums across its lanes,
+// then the warps' partials summed per (row, token), times the per-channel scale for
+// fp8_per_channel, into y. Ends with a barrier (part[] is rewritten by the next group).
+template <WeightQuant Q, int R, int NT>
+__device__ __forceinline__ void store_group(float (&acc)[R][NT], float (&part)[kWarps][R][NT],
+                                            const Args& a, const Work& wk, int64_t r0, int64_t pg,
+                                            int nt) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float v = acc[r][t];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) part[warp][r][t] = v;
+    }
+  __syncthreads();
+  if (threadIdx.x < R * NT) {
+    const int r = threadIdx.x / NT, t = threadIdx.x % NT;
+    if (r0 + r < a.m && t < nt) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) v += part[w][r][t];
+      if constexpr (Q == WeightQuant::kFp8Channel) {
+        v *= reinterpret_cast<const float*>(wk.scale)[r0 + r];
+      }
+      a.y[(pg + t) * a.m + r0 + r] = v;
+    }
+  }
+  __syncthreads();
+}
+
 template <WeightQuant Q, int NT, bool kGrouped>
 __global__ void __launch_bounds__(kThreads) gemv_quant_kernel(Args a) {
   using F = Fmt<Q>;
@@ -238,30 +271,7 @@ __global__ void __launch_bounds__(kThreads) gemv_quant_kernel(Args a) {
         }
       }
     }
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        float v = acc[r][t];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) part[warp][r][t] = v;
-      }
-    __syncthreads();
-    if (threadIdx.x < R * NT) {
-      const int r = threadIdx.x / NT, t = threadIdx.x % NT;
-      if (r0 + r < a.m && t < nt) {
-        float v = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) v += part[w][r][t];
-        if constexpr (Q == WeightQuant::kFp8Channel) {
-          v *= reinterpret_cast<const float*>(wk.scale)[r0 + r];
-        }
-        a.y[(pg + t) * a.m + r0 + r] = v;
-      }
-    }
-    __syncthreads();  // part[] is rewritten by the next group
+    store_group<Q, R, NT>(acc, part, a, wk, r0, pg, nt);
   }
 }
 
@@ -375,29 +385,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_group_kernel(Args a) {
         }
       }
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        float v = acc[r][t];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) part[warp][r][t] = v;
-      }
-    __syncthreads();
-    if (threadIdx.x < R * NT) {
-      const int r = threadIdx.x / NT, t = threadIdx.x % NT;
-      if (r0 + r < a.m && t < nt) {
-        float v = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) v += part[w][r][t];
-        if constexpr (Q == WeightQuant::kFp8Channel) {
-          v *= reinterpret_cast<const float*>(wk.scale)[r0 + r];
-        }
-        a.y[(pg + t) * a.m + r0 + r] = v;
-      }
-    }
-    __syncthreads();  // part[] is rewritten by the next group
+    store_group<Q, R, NT>(acc, part, a, wk, r0, pg, nt);
   }
 }
 
