@@ -428,6 +428,11 @@ int run_serve(ServeArgs a) {
   sc.allowed_origins = plan->allowed_origins;
   if (plan->mm_limit_images) sc.media.max_images_per_prompt = *plan->mm_limit_images;
   if (plan->mm_limit_videos) sc.media.max_videos_per_prompt = *plan->mm_limit_videos;
+  if (plan->mm_min_pixels) sc.media.image.min_pixels = *plan->mm_min_pixels;
+  if (plan->mm_max_pixels) sc.media.image.max_pixels = *plan->mm_max_pixels;
+  if (plan->mm_video_fps) sc.media.video.fps = *plan->mm_video_fps;
+  if (plan->mm_min_frames) sc.media.video.min_frames = *plan->mm_min_frames;
+  if (plan->mm_max_frames) sc.media.video.max_frames = *plan->mm_max_frames;
   if (!vision::video_decoding_available()) {
     std::fprintf(stderr,
                  "m3serve: note: this build has no video decoding (built without libavformat/"

@@ -9,6 +9,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +17,8 @@
 #include <span>
 
 #include "model/quantization.h"
+#include "vision/image_processor.h"
+#include "vision/video_processor.h"
 
 extern char** environ;
 
@@ -27,9 +30,10 @@ constexpr bool kServeOnly = true;
 constexpr bool kBoth = false;
 
 // Shared reasons, so the same feature is described the same way under every flag.
-constexpr std::string_view kWhyMm =
-    "m3serve's image processor runs the MiniMax-M3 defaults (transformers' MiniMaxM3VL "
-    "processor) and its decoders take no options: drop the flag";
+constexpr std::string_view kWhyMediaIo =
+    "m3serve's decoders (libjpeg, libpng, libwebp, libav) take no options; video frame sampling "
+    "is set with --mm-processor-kwargs '{\"fps\": 2, \"min_frames\": 4, \"max_frames\": 64}' "
+    "and the image pixel budget with '{\"max_pixels\": N}': drop the flag";
 constexpr std::string_view kWhySpec =
     "vLLM removed this flag; give the draft in --speculative-config, e.g. '{\"method\": "
     "\"eagle3\", \"model\": \"DIR\", \"num_speculative_tokens\": 3}'";
@@ -186,9 +190,9 @@ const std::vector<VllmFlag> kTable = {
    "the vision tower runs m3serve's own attention kernel (no attention backends to pick)", kBoth},
   {"--mm-processor-cache-type", true, FlagKind::kHandled, "", "", kBoth},
   {"--mm-processor-cache-gb", true, FlagKind::kHandled, "", "", kBoth},
-  {"--mm-processor-kwargs", true, FlagKind::kRefused, "", kWhyMm, kBoth},
+  {"--mm-processor-kwargs", true, FlagKind::kHandled, "", "", kBoth},
   {"--limit-mm-per-prompt", true, FlagKind::kHandled, "", "", kBoth},
-  {"--media-io-kwargs", true, FlagKind::kRefused, "", kWhyMm, kBoth},
+  {"--media-io-kwargs", true, FlagKind::kRefused, "", kWhyMediaIo, kBoth},
   {"--allowed-local-media-path", true, FlagKind::kHandled, "", "", kServeOnly},
   {"--allowed-media-domains", true, FlagKind::kNoop, "",
    "m3serve fetches no remote media: http(s) image URLs get a 400; send data: URLs",
@@ -358,6 +362,82 @@ Result<json> parse_json_object(const std::string& flag, const std::string& text,
         flag + " must be a JSON object, e.g. '" + example + "'; got: " + text.substr(0, 200), flag);
   }
   return j;
+}
+
+// --mm-processor-kwargs: the keys of transformers' MiniMaxM3VL image and video processors that
+// m3serve's processor honours. Values are checked here (the server applies them).
+Status parse_mm_processor_kwargs(const json& j, CompatPlan& plan) {
+  const std::string flag = "--mm-processor-kwargs";
+  constexpr const char* kKnown =
+      "min_pixels, max_pixels, size {shortest_edge, longest_edge} (images), fps, min_frames, "
+      "max_frames (videos)";
+  auto count = [&](const json& v, const std::string& key, int64_t lo) -> Result<int64_t> {
+    if (!v.is_number_integer() || v.get<int64_t>() < lo || v.get<int64_t>() > (int64_t{1} << 40))
+      return bad(flag, flag + ": \"" + key + "\" must be an integer >= " + std::to_string(lo));
+    return v.get<int64_t>();
+  };
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& k = it.key();
+    if (k == "min_pixels") {
+      M3_TRY(plan.mm_min_pixels, count(it.value(), k, 1));
+    } else if (k == "max_pixels") {
+      M3_TRY(plan.mm_max_pixels, count(it.value(), k, 1));
+    } else if (k == "size") {
+      if (!it.value().is_object()) {
+        return bad(flag, flag +
+                             ": \"size\" must be an object with shortest_edge / longest_edge "
+                             "(pixel counts, as transformers' processor takes them)");
+      }
+      for (auto e = it.value().begin(); e != it.value().end(); ++e) {
+        if (e.key() == "shortest_edge") {
+          M3_TRY(plan.mm_min_pixels, count(e.value(), "size.shortest_edge", 1));
+        } else if (e.key() == "longest_edge") {
+          M3_TRY(plan.mm_max_pixels, count(e.value(), "size.longest_edge", 1));
+        } else {
+          return bad(flag, flag + ": \"size." + e.key() +
+                               "\" is unknown; accepted: shortest_edge, longest_edge");
+        }
+      }
+    } else if (k == "fps") {
+      if (!it.value().is_number() || !(it.value().get<double>() > 0) ||
+          it.value().get<double>() > 1000) {
+        return bad(flag, flag + ": \"fps\" must be a number of frames per second in (0, 1000]");
+      }
+      plan.mm_video_fps = it.value().get<double>();
+    } else if (k == "min_frames") {
+      M3_TRY(plan.mm_min_frames, count(it.value(), k, 1));
+    } else if (k == "max_frames") {
+      M3_TRY(plan.mm_max_frames, count(it.value(), k, 1));
+    } else {
+      return bad(flag, flag + ": \"" + k +
+                           "\" is not a MiniMax-M3 processor option m3serve knows; " +
+                           "accepted: " + kKnown);
+    }
+  }
+  const int64_t lo = plan.mm_min_pixels.value_or(vision::ProcessorConfig{}.min_pixels);
+  const int64_t hi = plan.mm_max_pixels.value_or(vision::ProcessorConfig{}.max_pixels);
+  if (lo > hi) {
+    return bad(flag, flag + ": min_pixels " + std::to_string(lo) + " is above max_pixels " +
+                         std::to_string(hi));
+  }
+  const vision::VideoProcessorConfig vd;
+  const int64_t flo = plan.mm_min_frames.value_or(vd.min_frames);
+  const int64_t fhi = plan.mm_max_frames.value_or(vd.max_frames);
+  if (flo > fhi) {
+    return bad(flag, flag + ": min_frames " + std::to_string(flo) + " is above max_frames " +
+                         std::to_string(fhi));
+  }
+  std::string what;
+  if (plan.mm_min_pixels || plan.mm_max_pixels)
+    what += "images resized within " + std::to_string(lo) + ".." + std::to_string(hi) + " pixels";
+  if (plan.mm_video_fps || plan.mm_min_frames || plan.mm_max_frames) {
+    char fps[32];
+    std::snprintf(fps, sizeof(fps), "%g", plan.mm_video_fps.value_or(vd.fps));
+    what += std::string(what.empty() ? "" : "; ") + "videos sampled at " + fps + " fps, " +
+            std::to_string(flo) + ".." + std::to_string(fhi) + " frames";
+  }
+  if (!what.empty()) plan.notices.push_back(flag + ": " + what);
+  return {};
 }
 
 // A list flag given as JSON ('["a","b"]') or as plain words.
@@ -1028,6 +1108,10 @@ void add_vllm_flags(CLI::App* sub, VllmFlagValues& v, VllmCommand cmd) {
       help =
           "JSON object of per-prompt limits, e.g. '{\"image\": 4, \"video\": 1}' (defaults: 16 "
           "images, 4 videos)";
+    } else if (ln == "--mm-processor-kwargs") {
+      help =
+          "JSON object of MiniMax-M3 processor options: min_pixels / max_pixels (or size "
+          "{shortest_edge, longest_edge}) for images, fps / min_frames / max_frames for videos";
     } else if (ln == "--mm-processor-cache-gb") {
       help = "GiB of processed images cached by content hash (default 4; 0: off)";
     } else if (ln == "--mm-processor-cache-type") {
@@ -1174,6 +1258,9 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
                              "\" is not a modality of MiniMax-M3 (image, video)");
         }
       }
+    } else if (ln == "--mm-processor-kwargs") {
+      M3_TRY(json j, parse_json_object(ln, value, "{\"max_pixels\": 1003520, \"fps\": 2}"));
+      M3_TRY_STATUS(parse_mm_processor_kwargs(j, plan));
     } else if (ln == "--mm-processor-cache-gb") {
       const std::string t = trim(value);
       char* end = nullptr;

@@ -101,10 +101,15 @@ struct CompatPlan {
   std::vector<std::string> allowed_origins;  // CORS, applied (ServerConfig::allowed_origins)
   bool allow_credentials = false;
   std::string root_path;
-  // Image input (issue #20), applied to the server's MediaConfig.
-  std::optional<int> mm_limit_images;    // --limit-mm-per-prompt '{"image": N}'
-  std::optional<int> mm_limit_videos;    // --limit-mm-per-prompt '{"video": M}'
-  std::optional<double> mm_cache_gb;     // --mm-processor-cache-gb
+  // Image and video input (issue #20), applied to the server's MediaConfig.
+  std::optional<int> mm_limit_images;  // --limit-mm-per-prompt '{"image": N}'
+  std::optional<int> mm_limit_videos;  // --limit-mm-per-prompt '{"video": M}'
+  std::optional<double> mm_cache_gb;   // --mm-processor-cache-gb
+  // --mm-processor-kwargs (the MiniMax-M3 processor's own keyword arguments): the image pixel
+  // budget and the video sampling; unset: the processor's defaults.
+  std::optional<int64_t> mm_min_pixels, mm_max_pixels;
+  std::optional<double> mm_video_fps;
+  std::optional<int64_t> mm_min_frames, mm_max_frames;
   std::string allowed_local_media_path;  // --allowed-local-media-path ("" none)
 };
 

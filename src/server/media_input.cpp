@@ -182,7 +182,7 @@ Result<std::vector<engine::ImageInput>> prepare_images(const std::vector<MediaPa
                                                        const MediaConfig& cfg,
                                                        const engine::ModelInfo& info,
                                                        MediaCache* cache) {
-  vision::ProcessorConfig pc;
+  vision::ProcessorConfig pc = cfg.image;
   pc.patch_size = info.vision_patch_size;
   pc.temporal_patch_size = info.vision_temporal_patch_size;
   pc.merge_size = info.vision_merge_size;

@@ -35,6 +35,7 @@ struct MediaConfig {
   int max_videos_per_prompt = 4;                     // --limit-mm-per-prompt '{"video": M}'
   int64_t processor_cache_bytes = int64_t{4} << 30;  // --mm-processor-cache-gb (0: off)
   int64_t max_image_pixels = int64_t{64} << 20;      // decoder limit (width * height; video frames)
+  vision::ProcessorConfig image;                     // pixel budget (--mm-processor-kwargs)
   vision::VideoProcessorConfig video;                // sampling, frame budget, total_pixels
   int64_t max_video_frames = 1 << 17;                // frames a video may have (decoded or not)
 };

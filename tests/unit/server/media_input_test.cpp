@@ -195,6 +195,17 @@ TEST(MediaInput, PreparesImagesThroughTheCache) {
   EXPECT_EQ((*r)[0].content_hash, (*r)[1].content_hash);
   EXPECT_EQ((*r)[0].patches, (*r)[1].patches);
   EXPECT_EQ(cache.hits(), 1);  // the second part came from the cache
+
+  // A smaller pixel budget (--mm-processor-kwargs '{"min_pixels": 784, "max_pixels": 3136}'):
+  // smart_resize brings 112x84 within 3136 pixels in multiples of 28 (56x28), so fewer tokens.
+  MediaConfig small = cfg;
+  small.image.min_pixels = 784;
+  small.image.max_pixels = 3136;
+  auto s = prepare_images({parts[0]}, small, info, nullptr);
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ((*s)[0].grid_h, 2);
+  EXPECT_EQ((*s)[0].grid_w, 4);
+  EXPECT_EQ((*s)[0].num_tokens, 2);
 }
 
 }  // namespace
