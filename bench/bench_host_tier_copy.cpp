@@ -102,18 +102,21 @@ int main(int argc, char** argv) {
   };
   const double ceil_h2d = raw(cudaMemcpyHostToDevice), ceil_d2h = raw(cudaMemcpyDeviceToHost);
   M3_CUDA_CHECK(cudaFreeHost(host));
-  std::printf("%s: %lld-token prefix of synthetic:layers=%lld, %s KV: %lld pages x %lld B = %.1f MB\n",
-              dev->name.c_str(), static_cast<long long>(tokens), static_cast<long long>(layers),
-              kvs.c_str(), static_cast<long long>(pages),
-              static_cast<long long>((*tier)->page_bytes()), bytes / 1e6);
+  std::printf(
+      "%s: %lld-token prefix of synthetic:layers=%lld, %s KV: %lld pages x %lld B = %.1f MB\n",
+      dev->name.c_str(), static_cast<long long>(tokens), static_cast<long long>(layers),
+      kvs.c_str(), static_cast<long long>(pages), static_cast<long long>((*tier)->page_bytes()),
+      bytes / 1e6);
   std::printf("  pinned ceiling (one copy):  host->device %.1f GB/s, device->host %.1f GB/s\n",
               ceil_h2d, ceil_d2h);
-  std::printf("  one run (%lld copies):      restore %.1f GB/s (%.0f%%), offload %.1f GB/s (%.0f%%)\n",
-              static_cast<long long>(copies_run), res_run, 100 * res_run / ceil_h2d, off_run,
-              100 * off_run / ceil_d2h);
-  std::printf("  scattered (%lld copies):  restore %.1f GB/s (%.0f%%), offload %.1f GB/s (%.0f%%)\n",
-              static_cast<long long>(copies_scat), res_scat, 100 * res_scat / ceil_h2d, off_scat,
-              100 * off_scat / ceil_d2h);
+  std::printf(
+      "  one run (%lld copies):      restore %.1f GB/s (%.0f%%), offload %.1f GB/s (%.0f%%)\n",
+      static_cast<long long>(copies_run), res_run, 100 * res_run / ceil_h2d, off_run,
+      100 * off_run / ceil_d2h);
+  std::printf(
+      "  scattered (%lld copies):  restore %.1f GB/s (%.0f%%), offload %.1f GB/s (%.0f%%)\n",
+      static_cast<long long>(copies_scat), res_scat, 100 * res_scat / ceil_h2d, off_scat,
+      100 * off_scat / ceil_d2h);
   std::printf("  restore of the prefix: %.2f ms (one run)\n", bytes / (res_run * 1e9) * 1e3);
   return 0;
 }

@@ -71,8 +71,8 @@ std::vector<std::vector<ArrayView>> arrays_of(model::KvCacheCuda& cache) {
 
 std::vector<uint8_t> read_page(const ArrayView& a, int64_t page) {
   std::vector<uint8_t> b(static_cast<size_t>(a.page_bytes));
-  M3_CUDA_CHECK(cudaMemcpy(b.data(), a.base + page * a.page_bytes, b.size(),
-                           cudaMemcpyDeviceToHost));
+  M3_CUDA_CHECK(
+      cudaMemcpy(b.data(), a.base + page * a.page_bytes, b.size(), cudaMemcpyDeviceToHost));
   return b;
 }
 
@@ -97,8 +97,8 @@ TEST(HostKvTierCuda, CopiesRoundTripEveryArrayForEveryFormatPair) {
   gpu::Stream compute;
   for (KvDtype kv : {KvDtype::kF32, KvDtype::kBf16, KvDtype::kFp8}) {
     for (KvDtype ik : {KvDtype::kF32, KvDtype::kBf16, KvDtype::kFp8}) {
-      SCOPED_TRACE(std::string(kernels::kv_dtype_name(kv)) + " KV, " +
-                   kernels::kv_dtype_name(ik) + " index-K");
+      SCOPED_TRACE(std::string(kernels::kv_dtype_name(kv)) + " KV, " + kernels::kv_dtype_name(ik) +
+                   " index-K");
       model::M3Config cfg = *base;
       cfg.kv_cache_dtype = kv;
       cfg.index_cache_dtype = ik;
@@ -109,8 +109,8 @@ TEST(HostKvTierCuda, CopiesRoundTripEveryArrayForEveryFormatPair) {
       const auto arrays = arrays_of(cache);
       int64_t num_arrays = 0;
       for (const auto& l : arrays) num_arrays += static_cast<int64_t>(l.size());
-      EXPECT_EQ(num_arrays, 2 * cfg.num_hidden_layers + cfg.num_sparse_layers() *
-                                                            (ik == KvDtype::kFp8 ? 2 : 1));
+      EXPECT_EQ(num_arrays, 2 * cfg.num_hidden_layers +
+                                cfg.num_sparse_layers() * (ik == KvDtype::kFp8 ? 2 : 1));
       scramble(cache, 17);
       // Pages 2..4 -> slots 0..2 are one run; 7 -> 5 and 9 -> 3 are runs of one.
       const std::vector<HostPageCopy> out = {{9, 3}, {2, 0}, {7, 5}, {3, 1}, {4, 2}};
@@ -132,8 +132,8 @@ TEST(HostKvTierCuda, CopiesRoundTripEveryArrayForEveryFormatPair) {
         for (size_t a = 0; a < arrays[l].size(); ++a)
           for (const HostPageCopy& c : out) {
             const int64_t pb = arrays[l][a].page_bytes;
-            EXPECT_EQ(std::memcmp((*tier)->host_slot(static_cast<int64_t>(l),
-                                                     static_cast<int>(a), c.host_slot),
+            EXPECT_EQ(std::memcmp((*tier)->host_slot(static_cast<int64_t>(l), static_cast<int>(a),
+                                                     c.host_slot),
                                   before[l][a].data() + c.device_page * pb, pb),
                       0)
                 << "layer " << l << " array " << a << " page " << c.device_page;
@@ -200,8 +200,8 @@ std::vector<Golden> golden_cases() {
   const json golden = json::parse(f);
   std::vector<Golden> out;
   for (const auto& c : golden["cases"]) {
-    out.push_back({c["prompt_ids"].get<std::vector<int32_t>>(),
-                   c["greedy_ids"].get<std::vector<int32_t>>()});
+    out.push_back(
+        {c["prompt_ids"].get<std::vector<int32_t>>(), c["greedy_ids"].get<std::vector<int32_t>>()});
   }
   return out;
 }

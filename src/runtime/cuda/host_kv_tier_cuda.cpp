@@ -68,18 +68,17 @@ Result<std::unique_ptr<HostKvTierCuda>> HostKvTierCuda::create(model::KvCacheCud
   }
   const double bytes = static_cast<double>(num_slots) * static_cast<double>(t->page_bytes_);
   const auto t0 = std::chrono::steady_clock::now();
-  const cudaError_t err =
-      cudaHostAlloc(reinterpret_cast<void**>(&t->pinned_),
-                    static_cast<size_t>(num_slots) * static_cast<size_t>(t->page_bytes_),
-                    cudaHostAllocPortable);
+  const cudaError_t err = cudaHostAlloc(
+      reinterpret_cast<void**>(&t->pinned_),
+      static_cast<size_t>(num_slots) * static_cast<size_t>(t->page_bytes_), cudaHostAllocPortable);
   if (err != cudaSuccess) {
     cudaGetLastError();  // not sticky: clear it so later calls do not report it
     t->pinned_ = nullptr;
     return make_error(ErrorCode::kInvalidArgument,
                       "cannot pin " + gib(bytes) + " of host memory for the host KV tier (" +
                           std::to_string(num_slots) + " pages of " +
-                          std::to_string(t->page_bytes_) + " bytes; cudaHostAlloc: " +
-                          cudaGetErrorString(err) +
+                          std::to_string(t->page_bytes_) +
+                          " bytes; cudaHostAlloc: " + cudaGetErrorString(err) +
                           "); lower kv_connector_extra_config.cpu_bytes_to_use in "
                           "--kv-transfer-config (or --kv-offloading-size), or free host memory",
                       "--kv-transfer-config");
@@ -158,8 +157,8 @@ void HostKvTierCuda::synchronize() const {
 
 const uint8_t* HostKvTierCuda::host_slot(int64_t layer, int array, int64_t slot) const {
   M3_CHECK(layer >= 0 && layer < num_layers() && array >= 0 &&
-               array < static_cast<int>(layers_[static_cast<size_t>(layer)].size()) &&
-               slot >= 0 && slot < num_slots_,
+               array < static_cast<int>(layers_[static_cast<size_t>(layer)].size()) && slot >= 0 &&
+               slot < num_slots_,
            "host_slot(%lld, %d, %lld)", static_cast<long long>(layer), array,
            static_cast<long long>(slot));
   const Array& a = layers_[static_cast<size_t>(layer)][static_cast<size_t>(array)];
