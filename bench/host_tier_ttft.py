@@ -7,7 +7,9 @@ prefix once, floods the device pool with other prompts so the prefix is evicted,
 the prefix (a different last token) and times the first streamed token. Prints one line per run
 and the ratio. Usage:
   python3 bench/host_tier_ttft.py [--bin build/release/bin/m3serve] [--model models/demo]
-      [--prefix-tokens 8192] [--repeats 3] [-- extra serve flags, e.g. --device cuda]
+      [--prefix-tokens 8192] [--repeats 3] [--device cpu|cuda] [-- extra serve flags]
+On the H200 (issue #21's numbers): --model synthetic:layers=4 --device cuda --prefix-tokens 32768
+(the prompts' token ids stay below 2010, inside every model's vocabulary).
 """
 import argparse
 import json
@@ -28,7 +30,8 @@ def start(binary, model, args):
         p.kill()
         raise SystemExit(f"m3serve did not start: {line!r}")
     bpt = int(re.search(r"(\d+) B/token", line).group(1))
-    return p, f"http://127.0.0.1:{m.group(1)}", bpt
+    page = int(re.search(r"pages of (\d+)", line).group(1))
+    return p, f"http://127.0.0.1:{m.group(1)}", bpt, page
 
 
 def ttft(base, prompt):
@@ -54,14 +57,14 @@ def ttft(base, prompt):
 
 def run(binary, model, n, repeats, tier, extra):
     # Probe the bytes per token, then size the device pool to hold the prefix once plus a little.
-    p, base, bpt = start(binary, model, ["--max-model-len", str(n + 256)] + extra)
+    p, base, bpt, bs = start(binary, model, ["--max-model-len", str(n + 256)] + extra)
     p.terminate()
     p.wait()
-    pages = (n + 127) // 128 + 2
-    args = ["--max-model-len", str(n + 256), "--kv-cache-memory-bytes", str(pages * 128 * bpt)]
+    pages = (n + 256 + bs - 1) // bs
+    args = ["--max-model-len", str(n + 256), "--kv-cache-memory-bytes", str(pages * bs * bpt)]
     if tier:
-        args += ["--kv-offloading-size", str(4 * pages * 128 * bpt / (1 << 30))]
-    p, base, _ = start(binary, model, args + extra)
+        args += ["--kv-offloading-size", str(4 * pages * bs * bpt / (1 << 30))]
+    p, base, _, _ = start(binary, model, args + extra)
     try:
         times = []
         for rep in range(repeats):
@@ -85,11 +88,14 @@ def main():
     ap.add_argument("--model", default="models/demo")
     ap.add_argument("--prefix-tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default=None, help="serve --device (cpu, cuda); default serve's")
     ap.add_argument("extra", nargs="*")
     a = ap.parse_args()
-    restored = run(a.bin, a.model, a.prefix_tokens, a.repeats, True, a.extra)
-    recomputed = run(a.bin, a.model, a.prefix_tokens, a.repeats, False, a.extra)
-    print(f"re-sent {a.prefix_tokens}-token prefix, median TTFT: restored from host "
+    extra = (["--device", a.device] if a.device else []) + a.extra
+    restored = run(a.bin, a.model, a.prefix_tokens, a.repeats, True, extra)
+    recomputed = run(a.bin, a.model, a.prefix_tokens, a.repeats, False, extra)
+    print(f"re-sent {a.prefix_tokens}-token prefix{' on ' + a.device if a.device else ''}, "
+          f"median TTFT: restored from host "
           f"{restored * 1000:.1f} ms, recomputed {recomputed * 1000:.1f} ms "
           f"({recomputed / restored:.1f}x)")
 

@@ -589,10 +589,14 @@ void EngineImpl::loop_async() {
         if (!ahead.deferred) {
           start_kv_loads(ahead);
           observe_step(ahead);
-          if (!ahead.requests.empty())
+          if (!ahead.requests.empty()) {
             next = runner->launch(std::move(ahead), states);
-          else
+          } else {
+            // Host KV tier copies without a forward (ordered after the step in flight).
+            if (!ahead.kv_offloads.empty() || !ahead.kv_restores.empty())
+              runner->execute(ahead, states);
             empty_ahead = true;
+          }
         }
       }
       {
@@ -612,7 +616,7 @@ void EngineImpl::loop_async() {
     sched::SchedulerOutput so = scheduler->schedule();
     start_kv_loads(so);
     observe_step(so);
-    if (!so.requests.empty() && so.kv_offloads.empty() && so.kv_restores.empty()) {
+    if (!so.requests.empty()) {
       inflight = runner->launch(std::move(so), states);
       continue;
     }
@@ -827,8 +831,6 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
       why_not = "the " + backend->device_name() + " backend samples on the host only";
     else if (spec)
       why_not = "speculative decoding verifies its drafts on the host each step";
-    else if (host_slots > 0)
-      why_not = "the host KV tier copies pages between steps";
     else if (config.pd)
       why_not = "P/D disaggregation (NixlConnector) runs with the synchronous loop";
     if (on && !why_not.empty()) {

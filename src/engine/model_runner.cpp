@@ -27,21 +27,25 @@ ModelRunner::ModelRunner(std::unique_ptr<runtime::ForwardBackend> backend, int64
   M3_CHECK(backend_ != nullptr);
 }
 
+void ModelRunner::copy_host_kv_pages(const sched::SchedulerOutput& out) {
+  if (out.kv_offloads.empty() && out.kv_restores.empty()) return;
+  // The host tier's copies come first: offloaded pages are rewritten by this step's forward,
+  // restored ones are read by it. (A GPU backend enqueues them on its copy stream, after the
+  // steps launched before, and the step's layers wait for them.)
+  auto convert = [](const std::vector<sched::KvPageCopy>& in) {
+    std::vector<runtime::HostPageCopy> c;
+    c.reserve(in.size());
+    for (const auto& x : in) c.push_back({x.device_page, x.host_slot});
+    return c;
+  };
+  const auto offloads = convert(out.kv_offloads);
+  const auto restores = convert(out.kv_restores);
+  backend_->copy_host_kv_pages(offloads, restores);
+}
+
 sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
                                          std::unordered_map<uint64_t, RunnerRequestState>& states) {
-  if (!out.kv_offloads.empty() || !out.kv_restores.empty()) {
-    // The host tier's copies come first: offloaded pages are rewritten by this step's forward,
-    // restored ones are read by it.
-    auto convert = [](const std::vector<sched::KvPageCopy>& in) {
-      std::vector<runtime::HostPageCopy> c;
-      c.reserve(in.size());
-      for (const auto& x : in) c.push_back({x.device_page, x.host_slot});
-      return c;
-    };
-    const auto offloads = convert(out.kv_offloads);
-    const auto restores = convert(out.kv_restores);
-    backend_->copy_host_kv_pages(offloads, restores);
-  }
+  copy_host_kv_pages(out);
   if (out.requests.empty()) return {};
   LaunchedStep step;
   prepare(step, out, states, /*async=*/false);
@@ -52,10 +56,10 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
 
 std::unique_ptr<LaunchedStep> ModelRunner::launch(
     sched::SchedulerOutput out, std::unordered_map<uint64_t, RunnerRequestState>& states) {
-  M3_CHECK(!out.requests.empty() && out.kv_offloads.empty() && out.kv_restores.empty(),
-           "runner: launch() of a step without requests or with host KV copies");
+  M3_CHECK(!out.requests.empty(), "runner: launch() of a step without requests");
   auto step = std::make_unique<LaunchedStep>();
   step->out = std::move(out);
+  copy_host_kv_pages(step->out);  // first: a GPU's copies run while the batch is prepared
   prepare(*step, step->out, states, /*async=*/true);
   backend_->launch(step->batch);
   step->launched = true;

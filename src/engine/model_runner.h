@@ -104,15 +104,16 @@ class ModelRunner {
     backend_->encode_images(images, embeds);
   }
 
-  // Runs the step; returns the sampled tokens for requests with will_sample.
+  // Runs the step (its host KV tier copies first; a step of copies only runs just those);
+  // returns the sampled tokens for requests with will_sample.
   sched::RunnerOutput execute(const sched::SchedulerOutput& out,
                               std::unordered_map<uint64_t, RunnerRequestState>& states);
   // Async scheduling: whether the backend can launch steps (ForwardBackend::launch).
   bool can_launch() const { return backend_->samples_on_device(); }
   // Builds the step and launches it on the backend without waiting; kPlaceholderToken entries
   // read the samples of the step launched before it (which must have sampled those requests on
-  // the device). `out` must have requests and no host KV tier copies. Steps finish in launch
-  // order.
+  // the device). `out` must have requests; its host KV tier copies are handed to the backend
+  // first (ForwardBackend::copy_host_kv_pages). Steps finish in launch order.
   std::unique_ptr<LaunchedStep> launch(sched::SchedulerOutput out,
                                        std::unordered_map<uint64_t, RunnerRequestState>& states);
   // Waits for a launched step and returns its sampled tokens (requests whose state is gone by
@@ -121,6 +122,8 @@ class ModelRunner {
                              std::unordered_map<uint64_t, RunnerRequestState>& states);
 
  private:
+  // The step's host KV tier copies to the backend (nothing when it has none).
+  void copy_host_kv_pages(const sched::SchedulerOutput& out);
   // The step's batch, device samples and masks (filler started) into `step`.
   void prepare(LaunchedStep& step, const sched::SchedulerOutput& out,
                std::unordered_map<uint64_t, RunnerRequestState>& states, bool async);

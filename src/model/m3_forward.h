@@ -221,6 +221,9 @@ class M3Forward {
           pa.ik = ik;
         }
       }
+      // The host KV tier's copies of this layer (a GPU backend overlaps them with the layers
+      // before): this step's first access of the layer's pages.
+      if constexpr (requires { ops.wait_kv_layer(li); }) ops.wait_kv_layer(li);
       ops.attn_prep(pa, pages, layout);
       if (sparse) {
         const int64_t topk = cfg_.sparse_topk_blocks;

@@ -15,7 +15,8 @@ using namespace m3::model;  // the model this runtime runs
 Status ForwardBackend::enable_host_kv_tier(int64_t /*num_slots*/) {
   return make_error(ErrorCode::kUnsupported,
                     "the host KV tier (--kv-transfer-config offloading, --kv-offloading-size) is "
-                    "implemented for the single-rank CPU backend only so far; the " +
+                    "implemented for the single-rank CPU backend and one GPU "
+                    "(--tensor-parallel-size 1, --data-parallel-size 1) so far; the " +
                         device_name() +
                         " backend keeps its KV cache on the device: drop the offloading flag",
                     "--kv-transfer-config");

@@ -2,7 +2,9 @@
 OffloadingConnector JSON (or `--kv-offloading-size`) gives the server a second, larger page pool
 in host memory. Prefix-cache pages evicted from the device pool are copied there and come back on
 a prefix hit: the re-sent prompt reports its full blocks as cached and generates exactly what the
-first, fully computed run did; /metrics counts the offloaded and restored pages.
+first, fully computed run did; /metrics counts the offloaded and restored pages. The tier test
+runs twice: with the synchronous loop and with --async-scheduling (steps with copies launched
+like any other, engine/model_runner.h).
 """
 
 import json
@@ -32,14 +34,16 @@ def prompts():
     return a, flood
 
 
-@pytest.fixture(scope="module")
-def tier_server(binary, model_dir):
+@pytest.fixture(scope="module", params=["sync", "async"])
+def tier_server(request, binary, model_dir):
     cfg = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"cpu_bytes_to_use": int(pool_bytes(model_dir, 32))}}
     # 6 device pages: two 3-page prompts fill them, so older prefixes are evicted at once.
     s = Server(binary, model_dir, ["--max-model-len", "512", "--max-num-seqs", "2",
                                    "--kv-cache-memory-bytes", pool_bytes(model_dir, 6),
-                                   "--kv-transfer-config", json.dumps(cfg)])
+                                   "--kv-transfer-config", json.dumps(cfg)]
+               + (["--async-scheduling"] if request.param == "async" else []))
+    s.mode = request.param
     yield s
     s.stop()
 
@@ -47,6 +51,7 @@ def tier_server(binary, model_dir):
 def test_evicted_prefix_is_restored_from_host(tier_server):
     s = tier_server
     assert any("host KV tier: 32 pages (4096 tokens)" in l for l in s.log), "".join(s.log)
+    assert any("async scheduling on" in l for l in s.log) == (s.mode == "async"), "".join(s.log)
     assert metric(s, "vllm:host_kv_cache_pages") == 32
     a, flood = prompts()
     tokens, logprobs, cached = generate(s, a)

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -45,6 +46,14 @@ class CudaOps {
   cudaStream_t stream() const { return s_; }
   uint64_t generation() const { return generation_; }
   bool syncs_host() const { return syncs_host_; }
+  // The host KV tier (runtime/cuda/host_kv_tier_cuda.h): per layer, an event the stream waits
+  // for before the layer first touches its KV pages (M3Forward::run_layers calls
+  // wait_kv_layer(l) before attn_prep). Empty: no wait. Never set while capturing a graph.
+  void set_kv_layer_waits(std::vector<cudaEvent_t> events) { kv_waits_ = std::move(events); }
+  void wait_kv_layer(int64_t layer) {
+    if (layer < static_cast<int64_t>(kv_waits_.size()))
+      M3_CUDA_CHECK(cudaStreamWaitEvent(s_, kv_waits_[static_cast<size_t>(layer)], 0));
+  }
   void clear_syncs_host() { syncs_host_ = false; }
 
   float* f32(Buf b, int64_t n) { return ensure(f32_[static_cast<size_t>(b)], n); }
@@ -148,6 +157,7 @@ class CudaOps {
   bool skip_collectives_ = false;
   uint64_t generation_ = 1;  // bumped whenever a buffer is reallocated
   bool syncs_host_ = false;
+  std::vector<cudaEvent_t> kv_waits_;
   std::array<gpu::DeviceBuffer<float>, static_cast<size_t>(Buf::kCount)> f32_;
   std::array<gpu::DeviceBuffer<int32_t>, static_cast<size_t>(IBuf::kCount)> i32_;
   gpu::DeviceBuffer<uint8_t> attn_ws_;   // attention / MSA workspace

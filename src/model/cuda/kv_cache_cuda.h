@@ -25,6 +25,7 @@ class KvCacheCuda {
 
   int64_t num_pages() const { return num_pages_; }
   int64_t page_size() const { return page_size_; }
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // Layer i's pages; the pointers inside are device pointers.
   kernels::cpu::KvPages layer(int64_t i);
   int64_t total_bytes() const { return total_bytes_; }

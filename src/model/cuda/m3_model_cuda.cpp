@@ -687,6 +687,13 @@ void M3ModelCuda::launch(const ForwardBatch& b, KvCacheCuda& cache) {
   enqueue(b, cache, &l.result, /*capture_msa=*/false);
 }
 
+void M3ModelCuda::wait_for_kv_copies(std::vector<cudaEvent_t> layer_events) {
+  M3_CHECK(static_cast<int64_t>(layer_events.size()) == cfg_.num_hidden_layers,
+           "wait_for_kv_copies: %zu events for %lld layers", layer_events.size(),
+           static_cast<long long>(cfg_.num_hidden_layers));
+  kv_copy_waits_ = std::move(layer_events);
+}
+
 void M3ModelCuda::collect(ForwardResult* out) {
   M3_CHECK(!launched_.empty(), "M3ModelCuda::collect without a launched step");
   Launched& l = launched_.front();
@@ -834,10 +841,19 @@ void M3ModelCuda::enqueue(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   }
   // (A data-parallel rank's MoE runs world x dp_rows_ rows: above the grouped path's limit its
   // eager run synchronises the host, and the shape is then never captured.)
+  // Host KV tier copies this step depends on (wait_for_kv_copies): an eager step waits for each
+  // layer's copies just before that layer touches its pages, so the later layers' copies run
+  // under the earlier layers' compute; a graph step (a captured graph cannot wait on events
+  // recorded outside it) waits for all of them first.
+  std::vector<cudaEvent_t> kv_waits = std::move(kv_copy_waits_);
+  kv_copy_waits_.clear();
   if (graph_step) {
+    for (cudaEvent_t e : kv_waits) M3_CUDA_CHECK(cudaStreamWaitEvent(s, e, 0));
     replay_or_capture(shape, tokens, layout);
   } else {
+    ops_->set_kv_layer_waits(std::move(kv_waits));
     run_layers(shape, tokens, layout, capture_msa ? out : nullptr, naux > 0 ? &aux : nullptr);
+    ops_->set_kv_layer_waits({});
   }
   if (out != nullptr && naux > 0) {
     out->aux_hidden.resize(static_cast<size_t>(T * naux * cfg.hidden_size));

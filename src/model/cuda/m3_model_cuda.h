@@ -106,6 +106,13 @@ class M3ModelCuda {
   // the previously enqueued step sampled. At most two steps launched and not collected.
   void launch(const ForwardBatch& batch, KvCacheCuda& cache);
   void collect(ForwardResult* out);
+  // The host KV tier: the next enqueued step (forward or launch) waits, layer by layer, for
+  // these events (one per layer, recorded by runtime::HostKvTierCuda after that layer's copies)
+  // before it first touches the layer's pages; a step that replays a CUDA graph waits for all
+  // of them before the graph. Consumed by that step.
+  void wait_for_kv_copies(std::vector<cudaEvent_t> layer_events);
+  // The stream every step's work is enqueued on (the tier's copies are ordered after it).
+  cudaStream_t stream() const { return stream_.get(); }
   // The step sizes (token counts) that replay CUDA graphs: every size up to kGraphMaxTokens
   // (256) when empty (the default), else exactly the listed ones (vLLM's
   // cudagraph_capture_sizes; other sizes run eagerly: steps are not padded to a listed size).
@@ -221,7 +228,8 @@ class M3ModelCuda {
     int slot = 0;
   };
   std::deque<Launched> launched_;
-  std::vector<int64_t> graph_sizes_;  // ascending; empty: every size up to kGraphMaxTokens
+  std::vector<cudaEvent_t> kv_copy_waits_;  // wait_for_kv_copies, for the next enqueue
+  std::vector<int64_t> graph_sizes_;        // ascending; empty: every size up to kGraphMaxTokens
 };
 
 }  // namespace m3::model

@@ -12,6 +12,7 @@
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/kv_cache.h"
+#include "runtime/cuda/host_kv_tier_cuda.h"
 #include "runtime/kv_budget.h"
 #include "runtime/sequence_runner.h"
 
@@ -70,10 +71,28 @@ class CudaBackend final : public ForwardBackend {
   // draft head runs on the host (engine/spec_decode.h).
   std::string speculative_refusal() const override { return ""; }
 
+  // Pinned host slots behind the pool (runtime/cuda/host_kv_tier_cuda.h).
+  Status enable_host_kv_tier(int64_t num_slots) override {
+    M3_CUDA_CHECK(cudaSetDevice(device_));
+    M3_TRY(tier_, HostKvTierCuda::create(cache_, num_slots));
+    return {};
+  }
+  // Enqueued on the tier's copy stream after every step launched so far; the next step waits
+  // for layer l's copies before its layer l touches the pages (M3ModelCuda::wait_for_kv_copies).
+  void copy_host_kv_pages(std::span<const HostPageCopy> offloads,
+                          std::span<const HostPageCopy> restores) override {
+    if (offloads.empty() && restores.empty()) return;
+    M3_CHECK(tier_ != nullptr, "host KV copies without a tier");
+    M3_CUDA_CHECK(cudaSetDevice(device_));
+    tier_->enqueue(offloads, restores, model_->stream());
+    model_->wait_for_kv_copies(tier_->layer_events());
+  }
+
  private:
   std::unique_ptr<M3ModelCuda> owned_;
   M3ModelCuda* model_;
   KvCacheCuda cache_;
+  std::unique_ptr<HostKvTierCuda> tier_;  // after cache_: destroyed (and synchronised) first
   int device_;
   std::string name_;
   std::string flag_ = "--gpu-memory-utilization";
