@@ -1013,6 +1013,7 @@ Status review_kv_transfer_config(const std::string& value, CompatPlan& plan) {
   if (!extra.is_object())
     return bad(flag, flag + " kv_connector_extra_config must be a JSON object");
   std::optional<int64_t> bytes;
+  bool lazy = false;  // vLLM's default: store every computed block
   for (auto it = extra.begin(); it != extra.end(); ++it) {
     const std::string& k = it.key();
     if (k == "cpu_bytes_to_use") {
@@ -1024,15 +1025,16 @@ Status review_kv_transfer_config(const std::string& value, CompatPlan& plan) {
     } else if (k == "lazy_offload") {
       if (!it.value().is_boolean())
         return bad(flag, flag + " kv_connector_extra_config.lazy_offload must be true or false");
-      if (!it.value().get<bool>()) {
-        plan.notices.push_back(flag +
-                               " lazy_offload false: m3serve copies a page to the host tier when "
-                               "the device pool evicts it (as lazy_offload true), not after "
-                               "every step");
-      }
+      lazy = it.value().get<bool>();
     } else {
       ignored.push_back("kv_connector_extra_config." + k);
     }
+  }
+  if (!lazy) {
+    plan.notices.push_back(flag +
+                           " lazy_offload false (vLLM's default when not given): m3serve copies "
+                           "a page to the host tier when the device pool evicts it (as "
+                           "lazy_offload true), not after every step");
   }
   if (!bytes) {
     if (connector == "OffloadingConnector") {

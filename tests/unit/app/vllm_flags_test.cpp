@@ -203,6 +203,12 @@ const std::vector<RecipeCase> kRecipe = {
      {},
      "\"fps\" must be",
      ""},
+    {"offload_lazy_default",
+     "--kv-transfer-config '{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": "
+     "\"kv_both\", \"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 1073741824}}'",
+     {},
+     "",
+     "lazy_offload false (vLLM's default when not given)"},
     {"vision_media_io_kwargs",
      "--media-io-kwargs '{\"video\": {\"num_frames\": 8}}'",
      {},
