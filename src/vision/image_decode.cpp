@@ -50,6 +50,85 @@ void jpeg_warning(j_common_ptr cinfo, int level) {
   if (level < 0 && cinfo->err->msg_code == JWRN_JPEG_EOF) e->truncated = true;
 }
 
+}  // namespace
+
+int exif_orientation(std::span<const uint8_t> app1) {
+  // "Exif\0\0", then a TIFF header (II or MM byte order, 42, the first IFD's offset) and IFD0's
+  // entries of 12 bytes: tag 0x0112 (Orientation), type SHORT, count 1, the value inline.
+  static const uint8_t kExif[6] = {'E', 'x', 'i', 'f', 0, 0};
+  if (app1.size() < 6 + 8 || std::memcmp(app1.data(), kExif, 6) != 0) return 1;
+  const std::span<const uint8_t> t = app1.subspan(6);
+  const bool le = t[0] == 'I' && t[1] == 'I';
+  if (!le && !(t[0] == 'M' && t[1] == 'M')) return 1;
+  auto u16 = [&](size_t o) -> uint32_t {
+    return le ? t[o] | (t[o + 1] << 8) : (t[o] << 8) | t[o + 1];
+  };
+  auto u32 = [&](size_t o) -> uint32_t {
+    return le ? u16(o) | (u16(o + 2) << 16) : (u16(o) << 16) | u16(o + 2);
+  };
+  if (u16(2) != 42) return 1;
+  const size_t ifd = u32(4);
+  if (ifd + 2 > t.size()) return 1;
+  const uint32_t n = u16(ifd);
+  for (uint32_t i = 0; i < n; ++i) {
+    const size_t e = ifd + 2 + size_t{12} * i;
+    if (e + 12 > t.size()) return 1;
+    if (u16(e) != 0x0112) continue;
+    if (u16(e + 2) != 3 || u32(e + 4) != 1) return 1;  // not one SHORT: ignored, as unknown
+    const uint32_t v = u16(e + 8);
+    return v >= 1 && v <= 8 ? static_cast<int>(v) : 1;
+  }
+  return 1;
+}
+
+RgbImage apply_exif_orientation(RgbImage img, int orientation) {
+  if (orientation <= 1 || orientation > 8) return img;
+  const int64_t H = img.height, W = img.width;
+  const bool swap = orientation >= 5;  // the transposing ones
+  RgbImage out;
+  out.height = swap ? W : H;
+  out.width = swap ? H : W;
+  out.rgb.resize(img.rgb.size());
+  for (int64_t r = 0; r < out.height; ++r) {
+    for (int64_t c = 0; c < out.width; ++c) {
+      int64_t sr = r, sc = c;  // the source pixel of output (r, c)
+      switch (orientation) {
+        case 2:
+          sc = W - 1 - c;
+          break;  // mirrored left-right
+        case 3:
+          sr = H - 1 - r;
+          sc = W - 1 - c;
+          break;  // rotated 180
+        case 4:
+          sr = H - 1 - r;
+          break;  // mirrored top-bottom
+        case 5:
+          sr = c;
+          sc = r;
+          break;  // transposed
+        case 6:
+          sr = H - 1 - c;
+          sc = r;
+          break;  // turned 90 clockwise to show upright
+        case 7:
+          sr = H - 1 - c;
+          sc = W - 1 - r;
+          break;  // transversed
+        case 8:
+          sr = c;
+          sc = W - 1 - r;
+          break;  // turned 90 counter-clockwise
+      }
+      std::memcpy(&out.rgb[static_cast<size_t>((r * out.width + c) * 3)],
+                  &img.rgb[static_cast<size_t>((sr * W + sc) * 3)], 3);
+    }
+  }
+  return out;
+}
+
+namespace {
+
 Result<RgbImage> decode_jpeg(std::span<const uint8_t> bytes, int64_t max_pixels) {
   jpeg_decompress_struct cinfo;
   JpegErr err;
@@ -67,7 +146,14 @@ Result<RgbImage> decode_jpeg(std::span<const uint8_t> bytes, int64_t max_pixels)
   }
   jpeg_create_decompress(&cinfo);
   jpeg_mem_src(&cinfo, bytes.data(), static_cast<unsigned long>(bytes.size()));
+  jpeg_save_markers(&cinfo, JPEG_APP0 + 1, 0xffff);  // APP1: EXIF (the orientation)
   jpeg_read_header(&cinfo, TRUE);
+  int orientation = 1;
+  for (jpeg_saved_marker_ptr m = cinfo.marker_list; m != nullptr; m = m->next) {
+    if (m->marker == JPEG_APP0 + 1 && orientation == 1)
+      orientation = exif_orientation({m->data, m->data_length});
+  }
+  img->orientation = orientation;
   if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
     jpeg_destroy_decompress(&cinfo);
     return tl::unexpected(bad("CMYK JPEG images are not supported; convert the image to RGB"));
@@ -90,7 +176,9 @@ Result<RgbImage> decode_jpeg(std::span<const uint8_t> bytes, int64_t max_pixels)
   jpeg_finish_decompress(&cinfo);
   jpeg_destroy_decompress(&cinfo);
   if (truncated) return tl::unexpected(bad("corrupt or truncated JPEG data"));
-  return std::move(*img);
+  // Upright, as transformers' load_image (PIL's ImageOps.exif_transpose) shows a photo.
+  const int o = img->orientation;
+  return apply_exif_orientation(std::move(*img), o);
 }
 
 // ---- PNG: libpng's error handler longjmps through png_jmpbuf ----

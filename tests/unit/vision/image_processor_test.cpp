@@ -34,6 +34,34 @@ nlohmann::json goldens() {
   return nlohmann::json::parse(f);
 }
 
+// JPEG EXIF orientation (tools/goldens/make_exif_images.py): the same picture tagged 1..8
+// decodes upright, byte for byte as PIL's ImageOps.exif_transpose gives it.
+TEST(ImageProcessor, JpegExifOrientationMatchesPilExifTranspose) {
+  std::ifstream f(std::string(M3_SOURCE_DIR) + "/tests/golden/vision/exif.json");
+  const auto g = nlohmann::json::parse(f);
+  ASSERT_EQ(g["images"].size(), 8u);
+  for (const auto& [name, want] : g["images"].items()) {
+    SCOPED_TRACE(name);
+    const auto bytes =
+        read_file(std::string(M3_SOURCE_DIR) + "/tests/golden/vision/images/" + name);
+    ASSERT_FALSE(bytes.empty());
+    auto img = decode_image(bytes, 1 << 26);
+    ASSERT_TRUE(img.has_value()) << img.error().message;
+    EXPECT_EQ(img->width, want["width"].get<int64_t>());
+    EXPECT_EQ(img->height, want["height"].get<int64_t>());
+    EXPECT_EQ(hex64(img->rgb.data(), img->rgb.size()), want["rgb_xxh64"].get<std::string>());
+  }
+  // Payloads that are not an orientation leave the image as stored.
+  const uint8_t not_exif[] = {'J', 'F', 'I', 'F', 0, 0, 'I', 'I', 42, 0, 8, 0, 0, 0};
+  EXPECT_EQ(exif_orientation(not_exif), 1);
+  const uint8_t truncated[] = {'E', 'x', 'i', 'f', 0, 0, 'M', 'M', 0, 42, 0, 0, 0, 8, 0, 5};
+  EXPECT_EQ(exif_orientation(truncated), 1);  // 5 entries promised, none present
+  // Big-endian TIFF, Orientation = 6.
+  const uint8_t be6[] = {'E',  'x',  'i', 'f', 0, 0, 'M', 'M', 0, 42, 0, 0, 0, 8, 0, 1,
+                         0x01, 0x12, 0,   3,   0, 0, 0,   1,   0, 6,  0, 0, 0, 0, 0, 0};
+  EXPECT_EQ(exif_orientation(be6), 6);
+}
+
 TEST(ImageProcessor, MatchesHfProcessorByteForByte) {
   const auto g = goldens();
   ASSERT_GE(g["images"].size(), std::getenv("M3_VISION_GOLDEN_DIR") ? 1u : 8u);

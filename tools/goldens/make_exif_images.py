@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Writes the EXIF-orientation test images and their expected pixels.
+
+tests/golden/vision/images/exif_<k>.jpg for orientation k = 1..8: the same 37x23 picture
+(asymmetric, so every flip and rotation differs) saved once as a JPEG, then copied with an EXIF
+APP1 segment carrying Orientation = k. tests/golden/vision/exif.json records, for each, the size
+and the xxh64 of the RGB pixels PIL gives after ImageOps.exif_transpose (how transformers'
+load_image turns a photo upright), which m3serve's decoder must reproduce byte for byte.
+
+Usage: python3 tools/goldens/make_exif_images.py  (needs pillow, numpy, xxhash)
+"""
+import io
+import json
+import os
+import platform
+import struct
+
+import numpy as np
+import PIL
+import xxhash
+from PIL import Image, ImageOps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUT = os.path.join(ROOT, "tests", "golden", "vision")
+
+
+def app1_orientation(k):
+    """An EXIF APP1 segment (little-endian TIFF, one IFD entry: Orientation = k)."""
+    ifd = struct.pack("<H", 1) + struct.pack("<HHIHH", 0x0112, 3, 1, k, 0) + struct.pack("<I", 0)
+    tiff = b"II*\x00" + struct.pack("<I", 8) + ifd
+    payload = b"Exif\x00\x00" + tiff
+    return b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload
+
+
+def main():
+    h, w = 23, 37
+    y, x = np.mgrid[0:h, 0:w]
+    rgb = np.stack([(x * 7) % 256, (y * 11) % 256, ((x + 2 * y) * 5) % 256], -1).astype(np.uint8)
+    rgb[:5, :9] = [250, 20, 20]  # a red corner block marks the top-left
+    buf = io.BytesIO()
+    Image.fromarray(rgb, "RGB").save(buf, format="JPEG", quality=95, subsampling=0)
+    base = buf.getvalue()
+    assert base[:2] == b"\xff\xd8"
+    cases = {}
+    for k in range(1, 9):
+        data = base[:2] + app1_orientation(k) + base[2:]
+        name = f"exif_{k}.jpg"
+        with open(os.path.join(OUT, "images", name), "wb") as f:
+            f.write(data)
+        im = Image.open(io.BytesIO(data))
+        assert im.getexif().get(0x0112) == k
+        up = ImageOps.exif_transpose(im).convert("RGB")
+        arr = np.asarray(up)
+        cases[name] = {
+            "orientation": k,
+            "width": up.size[0],
+            "height": up.size[1],
+            "rgb_xxh64": xxhash.xxh64(arr.tobytes(), seed=0).hexdigest(),
+        }
+    meta = {
+        "generator": "tools/goldens/make_exif_images.py",
+        "versions": {"python": platform.python_version(), "pillow": PIL.__version__,
+                     "numpy": np.__version__, "xxhash": xxhash.VERSION},
+        "images": cases,
+    }
+    with open(os.path.join(OUT, "exif.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
