@@ -552,7 +552,8 @@ void EngineImpl::start_kv_loads(sched::SchedulerOutput& so) {
     auto rl = remote_loads.find(l.request_id);
     M3_CHECK(pd && rl != remote_loads.end(), "request %llu loads remote KV without a peer",
              static_cast<unsigned long long>(l.request_id));
-    pd->start_load(l.request_id, std::move(l.block_ids), std::move(rl->second));
+    l.block_ids.erase(l.block_ids.begin(), l.block_ids.begin() + l.first_block);
+    pd->start_load(l.request_id, std::move(l.block_ids), std::move(rl->second), l.first_block);
     remote_loads.erase(rl);
   }
 }

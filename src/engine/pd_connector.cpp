@@ -7,6 +7,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -103,7 +104,8 @@ struct PdConnector::Remote {
 
 struct PdConnector::Load {
   uint64_t id = 0;
-  std::vector<int32_t> pages;
+  std::vector<int32_t> pages;  // local pages of blocks first, first + 1, ...
+  size_t first = 0;
   KvTransferParams params;
   std::shared_ptr<Remote> remote;
   void* xfer = nullptr;
@@ -208,10 +210,11 @@ KvTransferParams PdConnector::hold(uint64_t request_id, const std::vector<int32_
 }
 
 void PdConnector::start_load(uint64_t request_id, std::vector<int32_t> local_pages,
-                             KvTransferParams remote) {
+                             KvTransferParams remote, int first_block) {
   auto l = std::make_unique<Load>();
   l->id = request_id;
   l->pages = std::move(local_pages);
+  l->first = static_cast<size_t>(std::max(0, first_block));
   l->params = std::move(remote);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -361,13 +364,13 @@ std::string PdConnector::connect_remote(const KvTransferParams& p, std::shared_p
 void PdConnector::begin(Load& load) {
   const KvTransferParams& p = load.params;
   std::string err = connect_remote(p, &load.remote);
-  if (err.empty() && p.remote_block_ids.size() < load.pages.size()) {
+  if (err.empty() && p.remote_block_ids.size() < load.first + load.pages.size()) {
     err = "the prefill worker sent " + std::to_string(p.remote_block_ids.size()) +
-          " pages for a prompt of " + std::to_string(load.pages.size()) + " pages";
+          " pages for a prompt of " + std::to_string(load.first + load.pages.size()) + " pages";
   }
   if (err.empty()) {
     const int64_t np = load.remote->regions.empty() ? 0 : load.remote->regions[0].num_pages;
-    for (size_t i = 0; i < load.pages.size() && err.empty(); ++i)
+    for (size_t i = load.first; i < load.first + load.pages.size() && err.empty(); ++i)
       if (p.remote_block_ids[i] < 0 || p.remote_block_ids[i] >= np)
         err = "remote page " + std::to_string(p.remote_block_ids[i]) +
               " is outside the prefill "
@@ -387,9 +390,9 @@ void PdConnector::begin(Load& load) {
     const size_t pb = static_cast<size_t>(L.page_bytes);
     for (size_t i = 0; i < load.pages.size(); ++i) {
       local.push_back({reinterpret_cast<uintptr_t>(L.base) + load.pages[i] * pb, pb});
-      remote.push_back(
-          {reinterpret_cast<uintptr_t>(R.base) + static_cast<size_t>(p.remote_block_ids[i]) * pb,
-           pb});
+      remote.push_back({reinterpret_cast<uintptr_t>(R.base) +
+                            static_cast<size_t>(p.remote_block_ids[load.first + i]) * pb,
+                        pb});
     }
   }
   auto x =

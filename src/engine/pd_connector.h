@@ -54,9 +54,11 @@ class PdConnector {
 
   // Producer (engine thread): the request's pages are held; returns the response's params.
   KvTransferParams hold(uint64_t request_id, const std::vector<int32_t>& pages);
-  // Consumer (engine thread): read `remote`'s pages into `local_pages` (the request's block
-  // table, one page per block_size prompt tokens).
-  void start_load(uint64_t request_id, std::vector<int32_t> local_pages, KvTransferParams remote);
+  // Consumer (engine thread): read `remote`'s pages into `local_pages`: the request's block table
+  // (one page per block_size prompt tokens) from block `first_block` on (the blocks before it
+  // are a local prefix-cache hit), so local page i takes the remote page of block first_block + i.
+  void start_load(uint64_t request_id, std::vector<int32_t> local_pages, KvTransferParams remote,
+                  int first_block = 0);
 
   struct Events {
     std::vector<uint64_t> released;  // held pages that may be freed (read, or expired)

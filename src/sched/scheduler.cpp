@@ -284,11 +284,25 @@ SchedulerOutput Scheduler::schedule(bool ahead) {
       Request* req = waiting_.front();
       if (req->load_remote_kv && req->num_preemptions == 0) {
         // Pages for the whole prompt, to be filled by the prefill worker; no compute this step.
-        if (!kv_.allocate_slots(*req, req->num_prompt_tokens())) break;  // waits for pages
+        // Full blocks this worker already caches (a shared prefix) stay and are not read; at
+        // least the prompt's last block is read (its read also tells the producer to let go).
+        ComputedBlocks hit = kv_.get_computed_blocks(*req);
+        const int bs = kv_.block_size();
+        const int nblocks = (req->num_prompt_tokens() + bs - 1) / bs;
+        // Device hits only (host tier hits would be restores racing the read).
+        const int keep = std::min({static_cast<int>(hit.block_ids.size()),
+                                   hit.num_computed_tokens / bs, std::max(0, nblocks - 1)});
+        hit.block_ids.resize(static_cast<size_t>(keep));
+        hit.host_slots.clear();
+        hit.num_computed_tokens = keep * bs;
+        if (keep == 0) hit.partition = -1;
+        if (!kv_.allocate_slots(*req, req->num_prompt_tokens() - keep * bs, &hit))
+          break;  // waits for pages
         waiting_.pop_front();
         req->status = RequestStatus::kWaitingForRemoteKv;
+        req->num_computed_tokens = keep * bs;  // what a failed read falls back to
         loading_.push_back(req);
-        out.kv_loads.push_back({req->request_id, kv_.block_ids(req->request_id)});
+        out.kv_loads.push_back({req->request_id, kv_.block_ids(req->request_id), keep});
         continue;
       }
       ComputedBlocks hit = kv_.get_computed_blocks(*req);
@@ -470,7 +484,8 @@ void Scheduler::finish_remote_kv(uint64_t request_id, bool loaded) {
   if (it == requests_.end() || it->second->status != RequestStatus::kWaitingForRemoteKv) return;
   Request* req = it->second.get();
   loading_.erase(std::find(loading_.begin(), loading_.end(), req));
-  req->num_computed_tokens = loaded ? req->num_prompt_tokens() - 1 : 0;
+  // A failed read recomputes the prompt after the blocks that were already here.
+  if (loaded) req->num_computed_tokens = req->num_prompt_tokens() - 1;
   if (loaded) kv_.cache_blocks(*req, req->num_computed_tokens);
   // The tokens read from the prefill worker count as cached (vLLM counts external hits too).
   req->num_cached_tokens = req->num_computed_tokens;

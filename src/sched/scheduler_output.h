@@ -44,7 +44,10 @@ struct KvPageCopy {
 // engine reads them in and then calls Scheduler::finish_remote_kv.
 struct KvLoad {
   uint64_t request_id = 0;
-  std::vector<int32_t> block_ids;
+  std::vector<int32_t> block_ids;  // the request's whole block table
+  // Leading blocks already here (a local prefix-cache hit): only blocks from this one on are
+  // read from the prefill worker.
+  int32_t first_block = 0;
 };
 
 struct SchedulerOutput {

@@ -137,6 +137,26 @@ def test_outputs_through_prefill_and_decode_equal_a_single_worker(pd):
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == out["usage"]["prompt_tokens"] - 1
 
 
+def test_decode_worker_reads_only_what_it_does_not_cache(pd):
+    """The same long prompt twice: the second time the decode worker holds its full pages in its
+    own prefix cache and reads only the last page; the output still equals a single worker's."""
+    single, p, c = pd
+    text = " ".join(f"lanterns {i} over harbours" for i in range(90))
+    body = {"model": MODEL_NAME, "prompt": text, "max_tokens": 10, "temperature": 0,
+            "return_token_ids": True}
+    ref = post(single.base, "/v1/completions", body)
+    reads = []
+    for _ in range(2):
+        pages0 = metric(c, "pd_kv_pages_read_total")
+        out = post(c.base, "/v1/completions", dict(body, kv_transfer_params=prefill(p, body)))
+        assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+        n = out["usage"]["prompt_tokens"]
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1, out["usage"]
+        reads.append(metric(c, "pd_kv_pages_read_total") - pages0)
+    assert n > 2 * BS, n
+    assert reads == [-(-n // BS), 1], (reads, n)
+
+
 def test_decoding_uses_the_pages_read(pd):
     """Swap the page lists of two prompts of equal page count: the decode worker then reads the
     other prompt's KV, and its output departs from the single worker's. (A decode worker that
@@ -187,7 +207,9 @@ def test_prefill_worker_gone_before_the_read_recomputes(pd, binary):
     ref = post(single.base, "/v1/completions", body)
     out = post(c.base, "/v1/completions", dict(body, kv_transfer_params=kv))
     assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
-    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed here
+    # Computed here after the full pages this worker already cached of PROMPTS[2] (same start).
+    cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached % BS == 0 and cached < out["usage"]["prompt_tokens"] - 1, out["usage"]
     assert metric(c, "pd_kv_loads_total", 'outcome="failed"') == failed0 + 1
     assert any("computing its prompt here" in line for line in c.log), "".join(c.log)[-2000:]
     assert metric(c, "kv_cache_usage_perc") == 0  # no pages left behind

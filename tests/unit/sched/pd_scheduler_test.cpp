@@ -134,6 +134,50 @@ TEST(PdScheduler, ConsumerDecodesOnlyTheLastPromptTokenAfterALoad) {
   EXPECT_EQ(s.kv_cache_manager().block_pool().num_free_blocks(), 16);
 }
 
+// A consumer that already caches the prompt's leading full blocks (a shared prefix) keeps them and
+// reads only the rest; a failed read then recomputes from the first block it did not have.
+TEST(PdScheduler, ConsumerReadsOnlyBlocksItDoesNotCache) {
+  for (bool loaded : {true, false}) {
+    SCOPED_TRACE(loaded ? "read" : "read failed");
+    Scheduler s(config(16, 64));
+    // A local request caches 40 tokens: blocks 0 and 1 full (32 tokens).
+    ASSERT_TRUE(s.add_request(make_request(1, iota_tokens(40), 1)));
+    SchedulerOutput out = s.schedule();
+    const std::vector<int32_t> local = s.kv_cache_manager().block_ids(1);
+    s.update_from_output(out, fake_run(out));
+    ASSERT_FALSE(s.has_unfinished());
+    // The remote request shares those 32 tokens, then goes on to 50 tokens (4 blocks).
+    std::vector<int32_t> prompt = iota_tokens(32);
+    for (int32_t t : iota_tokens(18, 5000)) prompt.push_back(t);
+    auto r = make_request(2, prompt, 2);
+    r->load_remote_kv = true;
+    ASSERT_TRUE(s.add_request(std::move(r)));
+    out = s.schedule();
+    ASSERT_EQ(out.kv_loads.size(), 1u);
+    const KvLoad& l = out.kv_loads[0];
+    EXPECT_EQ(l.first_block, 2);
+    ASSERT_EQ(l.block_ids.size(), 4u);
+    EXPECT_EQ(l.block_ids[0], local[0]);  // the cached pages themselves
+    EXPECT_EQ(l.block_ids[1], local[1]);
+    const std::vector<int32_t> pages = l.block_ids;
+    s.update_from_output(out, fake_run(out));
+    expect_refs(s, {pages});
+    s.finish_remote_kv(2, loaded);
+    out = s.schedule();
+    ASSERT_EQ(out.requests.size(), 1u);
+    EXPECT_EQ(out.requests[0].start_idx, loaded ? 49 : 32);
+    int cached = -1;
+    while (true) {
+      for (const RequestUpdate& u : s.update_from_output(out, fake_run(out)))
+        cached = u.num_cached_tokens;
+      if (!s.has_unfinished()) break;
+      out = s.schedule();
+    }
+    EXPECT_EQ(cached, loaded ? 49 : 32);
+    EXPECT_EQ(s.kv_cache_manager().block_pool().num_free_blocks(), 16);
+  }
+}
+
 TEST(PdScheduler, FailedLoadRecomputesThePrompt) {
   Scheduler s(config(16, 16));
   auto r = make_request(3, iota_tokens(40), 2);
