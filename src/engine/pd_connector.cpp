@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <random>
 #include <sstream>
 
@@ -294,12 +295,8 @@ void PdConnector::producer_loop() {
   }
 }
 
-std::string PdConnector::connect_remote(const KvTransferParams& p, std::shared_ptr<Remote>* out) {
-  auto it = remotes_.find(p.remote_engine_id);
-  if (it != remotes_.end()) {
-    *out = it->second;
-    return "";
-  }
+std::string PdConnector::fetch_metadata(const KvTransferParams& p, std::string* head,
+                                        std::string* md) const {
   const std::string where = p.remote_host + ":" + std::to_string(p.remote_port);
   if (std::string why = probe_tcp(p.remote_host, p.remote_port, 2000); !why.empty())
     return "the prefill worker's side channel " + where + " is not reachable (" + why +
@@ -310,19 +307,23 @@ std::string PdConnector::connect_remote(const KvTransferParams& p, std::shared_p
   zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
   zmq_setsockopt(s, ZMQ_RCVTIMEO, &ms, sizeof ms);
   zmq_setsockopt(s, ZMQ_SNDTIMEO, &ms, sizeof ms);
-  std::string head, md;
   bool more = false;
   std::string err;
   if (zmq_connect(s, ("tcp://" + where).c_str()) != 0) {
     err = "cannot connect to the prefill worker's side channel " + where + " (" +
           zmq_strerror(zmq_errno()) + ")";
   } else if (zmq_send(s, kMetaRequest, std::strlen(kMetaRequest), 0) < 0 ||
-             !recv_frame(s, &head, &more) || !more || !recv_frame(s, &md, &more)) {
+             !recv_frame(s, head, &more) || !more || !recv_frame(s, md, &more)) {
     err = "the prefill worker's side channel " + where + " did not answer within " +
           std::to_string(static_cast<int>(cfg_.side_channel_timeout_s)) + " s";
   }
   zmq_close(s);
-  if (!err.empty()) return err;
+  return err;
+}
+
+std::string PdConnector::install_remote(const KvTransferParams& p, const std::string& head,
+                                        const std::string& md, std::shared_ptr<Remote>* out) {
+  const std::string where = p.remote_host + ":" + std::to_string(p.remote_port);
   std::istringstream in(head);
   std::string magic, engine;
   auto r = std::make_shared<Remote>();
@@ -359,6 +360,17 @@ std::string PdConnector::connect_remote(const KvTransferParams& p, std::shared_p
   remotes_[p.remote_engine_id] = r;
   *out = r;
   return "";
+}
+
+std::string PdConnector::connect_remote(const KvTransferParams& p, std::shared_ptr<Remote>* out) {
+  auto it = remotes_.find(p.remote_engine_id);
+  if (it != remotes_.end()) {
+    *out = it->second;
+    return "";
+  }
+  std::string head, md;
+  if (std::string err = fetch_metadata(p, &head, &md); !err.empty()) return err;
+  return install_remote(p, head, md, out);
 }
 
 void PdConnector::begin(Load& load) {
@@ -433,22 +445,77 @@ void PdConnector::finish(Load& load, bool ok, const std::string& why) {
   if (wake_) wake_();
 }
 
+// A prefill worker's metadata fetched on its own thread (its side channel may take up to
+// side_channel_timeout_s to answer, or never: other peers' loads go on meanwhile), and the loads
+// that wait for it. The thread touches only its own fields (and the const config and ZeroMQ
+// context); the consumer thread installs the result.
+struct PdConnector::Fetch {
+  KvTransferParams params;  // where to ask (the first waiting load's peer)
+  std::string head, md, err;
+  std::atomic<bool> done{false};
+  std::thread thread;
+  std::vector<std::unique_ptr<Load>> loads;
+};
+
 void PdConnector::consumer_loop() {
   std::vector<std::unique_ptr<Load>> inflight;
+  std::map<std::string, std::unique_ptr<Fetch>> fetching;  // by engine id @ host:port
   while (true) {
     std::deque<std::unique_ptr<Load>> fresh;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (inflight.empty())
+      if (inflight.empty() && fetching.empty())
         cv_.wait(lock, [&] { return stop_ || !queued_.empty(); });
       else
         cv_.wait_for(lock, std::chrono::microseconds(200), [&] { return stop_.load(); });
       if (stop_) break;
       fresh.swap(queued_);
     }
-    for (auto& l : fresh) {
+    auto start = [&](std::unique_ptr<Load> l) {
       begin(*l);
       if (l->xfer != nullptr) inflight.push_back(std::move(l));
+    };
+    for (auto& l : fresh) {
+      const KvTransferParams& p = l->params;
+      if (remotes_.count(p.remote_engine_id) != 0) {
+        start(std::move(l));
+        continue;
+      }
+      const std::string key =
+          p.remote_engine_id + "@" + p.remote_host + ":" + std::to_string(p.remote_port);
+      auto f = fetching.find(key);
+      if (f != fetching.end()) {
+        f->second->loads.push_back(std::move(l));
+        continue;
+      }
+      auto fetch = std::make_unique<Fetch>();
+      fetch->params = p;
+      fetch->loads.push_back(std::move(l));
+      Fetch* raw = fetch.get();
+      raw->thread = std::thread([this, raw] {
+        raw->err = fetch_metadata(raw->params, &raw->head, &raw->md);
+        raw->done = true;
+        cv_.notify_all();
+      });
+      fetching.emplace(key, std::move(fetch));
+    }
+    for (auto f = fetching.begin(); f != fetching.end();) {
+      Fetch& fe = *f->second;
+      if (!fe.done) {
+        ++f;
+        continue;
+      }
+      fe.thread.join();
+      std::shared_ptr<Remote> r;
+      const std::string err =
+          fe.err.empty() ? install_remote(fe.params, fe.head, fe.md, &r) : fe.err;
+      for (auto& l : fe.loads) {
+        if (err.empty())
+          start(std::move(l));  // begin() finds the peer installed
+        else
+          finish(*l, false, err);
+      }
+      f = fetching.erase(f);
     }
     const auto now = Clock::now();
     for (size_t i = 0; i < inflight.size();) {
@@ -471,8 +538,10 @@ void PdConnector::consumer_loop() {
       inflight.erase(inflight.begin() + static_cast<std::ptrdiff_t>(i));
     }
   }
-  // Shutting down: cancel reads into pages the engine is about to free.
+  // Shutting down: cancel reads into pages the engine is about to free; metadata fetches end
+  // within their timeout.
   for (auto& l : inflight) agent_->release(l->xfer);
+  for (auto& f : fetching) f.second->thread.join();
 }
 
 }  // namespace m3::engine

@@ -9,7 +9,8 @@
 //   pages itself (one-sided) and NIXL notifies us, which releases them; so does the deadline.
 // - consumer (kv_consumer / kv_both): a request with do_remote_prefill is admitted with pages for
 //   its prompt (sched: load_remote_kv); start_load() fetches the peer's metadata (cached per
-//   engine id), READs every region of every page into ours, and reports the outcome.
+//   engine id; each peer's first fetch on its own thread, so a hung peer delays only its own
+//   loads), READs every region of every page into ours, and reports the outcome.
 // The engine thread polls take_events() and applies them to the scheduler. Invariant: every
 // start_load() produces exactly one loaded event (ok or not) unless shutdown() came first, and no
 // READ into our pages is in flight after shutdown() returns.
@@ -80,10 +81,16 @@ class PdConnector {
   PdConnector() = default;
   struct Remote;  // a producer we read from
   struct Load;    // one request's read
+  struct Fetch;   // a peer's metadata being fetched (consumer_loop)
   void producer_loop();
   void consumer_loop();
   // Fetches (or finds) the peer's metadata; "" on success, else why not.
   std::string connect_remote(const KvTransferParams& p, std::shared_ptr<Remote>* out);
+  // connect_remote's halves: the side-channel exchange (any thread; touches no mutable state)
+  // and the check + NIXL registration of its answer (the consumer thread).
+  std::string fetch_metadata(const KvTransferParams& p, std::string* head, std::string* md) const;
+  std::string install_remote(const KvTransferParams& p, const std::string& head,
+                             const std::string& md, std::shared_ptr<Remote>* out);
   void begin(Load& load);
   void finish(Load& load, bool ok, const std::string& why);
   void push_loaded(uint64_t id, bool ok);

@@ -145,6 +145,69 @@ TEST_F(PdPair, ReadsExactlyTheNamedPagesAndReleasesThem) {
   EXPECT_EQ(consumer->stats().num_pages_read, 3);
 }
 
+// first_block: the consumer already holds the prompt's first blocks; only the rest are read, each
+// from the producer's page of the same block.
+TEST_F(PdPair, ReadsFromFirstBlockOn) {
+  KvTransferParams p = producer->hold(50, {6, 4, 3});
+  FakePool before = cons_pool;
+  consumer->start_load(11, {5}, p, /*first_block=*/2);  // block 2 -> our page 5
+  std::vector<std::pair<uint64_t, bool>> loaded;
+  ASSERT_TRUE(wait_for([&] {
+    auto e = consumer->take_events();
+    loaded.insert(loaded.end(), e.loaded.begin(), e.loaded.end());
+    return !loaded.empty();
+  }));
+  EXPECT_EQ(loaded, (std::vector<std::pair<uint64_t, bool>>{{11, true}}));
+  for (size_t r = 0; r < cons_pool.regions.size(); ++r) {
+    const size_t pb = static_cast<size_t>(cons_pool.regions[r].page_bytes);
+    EXPECT_EQ(std::memcmp(cons_pool.page(r, 5), prod_pool.page(r, 3), pb), 0) << "region " << r;
+    for (int pg : {0, 1, 2, 3, 4, 6, 7})
+      EXPECT_EQ(std::memcmp(cons_pool.page(r, pg), before.page(r, pg), pb), 0)
+          << "region " << r << " untouched page " << pg;
+  }
+  EXPECT_EQ(consumer->stats().num_pages_read, 1);
+}
+
+// A peer that accepts the connection but never answers holds up only its own loads: another
+// peer's load queued after it completes while the hung fetch is still waiting.
+TEST_F(PdPair, HungPeerDoesNotDelayOtherPeers) {
+  const int mute = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t alen = sizeof addr;
+  ASSERT_EQ(::bind(mute, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(mute, 4), 0);
+  ASSERT_EQ(::getsockname(mute, reinterpret_cast<sockaddr*>(&addr), &alen), 0);
+  KvTransferParams good = producer->hold(60, {1, 2});
+  KvTransferParams hung = good;
+  hung.remote_engine_id = "m3-hung";
+  hung.remote_host = "127.0.0.1";
+  hung.remote_port = ntohs(addr.sin_port);
+  consumer->start_load(21, {0, 1}, hung);
+  std::this_thread::sleep_for(20ms);  // its fetch is under way
+  const auto t0 = std::chrono::steady_clock::now();
+  consumer->start_load(22, {2, 3}, good);
+  std::vector<std::pair<uint64_t, bool>> loaded;
+  ASSERT_TRUE(wait_for([&] {
+    auto e = consumer->take_events();
+    loaded.insert(loaded.end(), e.loaded.begin(), e.loaded.end());
+    return !loaded.empty();
+  }));
+  // The good load came first (the hung one waits for its 1 s side-channel timeout).
+  EXPECT_EQ(loaded.front(), std::make_pair(uint64_t{22}, true));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 900ms);
+  ASSERT_TRUE(wait_for(
+      [&] {
+        auto e = consumer->take_events();
+        loaded.insert(loaded.end(), e.loaded.begin(), e.loaded.end());
+        return loaded.size() >= 2;
+      },
+      5s));
+  EXPECT_EQ(loaded.back(), std::make_pair(uint64_t{21}, false));
+  ::close(mute);
+}
+
 TEST_F(PdPair, UnreadPagesExpire) {
   producer->hold(1, {0});
   std::vector<uint64_t> released;
