@@ -433,6 +433,7 @@ int run_serve(ServeArgs a) {
   if (plan->mm_video_fps) sc.media.video.fps = *plan->mm_video_fps;
   if (plan->mm_min_frames) sc.media.video.min_frames = *plan->mm_min_frames;
   if (plan->mm_max_frames) sc.media.video.max_frames = *plan->mm_max_frames;
+  if (plan->video_timeout_s) sc.media.video_timeout_s = *plan->video_timeout_s;
   if (!vision::video_decoding_available()) {
     std::fprintf(stderr,
                  "m3serve: note: this build has no video decoding (built without libavformat/"

@@ -1454,6 +1454,15 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
       (port ? nixl_port : nixl_timeout) = v;
       continue;
     }
+    if (name == "VLLM_VIDEO_FETCH_TIMEOUT") {
+      char* end = nullptr;
+      const double v = std::strtod(val.c_str(), &end);
+      if (val.empty() || *end != '\0' || !(v > 0) || v > 86400) {
+        return bad(name, name + "='" + val + "' is not a positive number of seconds");
+      }
+      plan.video_timeout_s = v;  // m3serve fetches nothing: the bound of decoding a video part
+      continue;
+    }
     if (name == "VLLM_LOG_STATS_INTERVAL") {
       char* end = nullptr;
       const double v = std::strtod(val.c_str(), &end);
@@ -1484,7 +1493,7 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
         " ignored: vLLM kernel and runtime switches have no effect on "
         "m3serve (honoured: VLLM_API_KEY, VLLM_ALLOW_LONG_MAX_MODEL_LEN, "
         "VLLM_LOGGING_LEVEL, VLLM_LOG_STATS_INTERVAL, VLLM_NIXL_SIDE_CHANNEL_HOST, "
-        "VLLM_NIXL_SIDE_CHANNEL_PORT, VLLM_NIXL_ABORT_REQUEST_TIMEOUT)");
+        "VLLM_NIXL_SIDE_CHANNEL_PORT, VLLM_NIXL_ABORT_REQUEST_TIMEOUT, VLLM_VIDEO_FETCH_TIMEOUT)");
   }
   return plan;
 }

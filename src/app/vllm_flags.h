@@ -110,7 +110,8 @@ struct CompatPlan {
   std::optional<int64_t> mm_min_pixels, mm_max_pixels;
   std::optional<double> mm_video_fps;
   std::optional<int64_t> mm_min_frames, mm_max_frames;
-  std::string allowed_local_media_path;  // --allowed-local-media-path ("" none)
+  std::optional<double> video_timeout_s;  // VLLM_VIDEO_FETCH_TIMEOUT: decoding one video part
+  std::string allowed_local_media_path;   // --allowed-local-media-path ("" none)
 };
 
 // Environment variables as `NAME=value` strings (environ, or a test's list).

@@ -225,6 +225,7 @@ Result<std::vector<PreparedVideo>> prepare_videos(const std::vector<MediaPart>& 
   vision::VideoLimits lim;
   lim.max_frame_pixels = cfg.max_image_pixels;
   lim.max_decoded_frames = cfg.max_video_frames;
+  lim.max_seconds = cfg.video_timeout_s;
   // Sampling, then the frame size and the sampled-pixel budget from the header before any frame
   // is converted; each kept frame is resized as soon as it is decoded.
   std::pair<int64_t, int64_t> size{0, 0};

@@ -38,6 +38,7 @@ struct MediaConfig {
   vision::ProcessorConfig image;                     // pixel budget (--mm-processor-kwargs)
   vision::VideoProcessorConfig video;                // sampling, frame budget, total_pixels
   int64_t max_video_frames = 1 << 17;                // frames a video may have (decoded or not)
+  double video_timeout_s = 30;                       // decode wall time (VLLM_VIDEO_FETCH_TIMEOUT)
 };
 
 // A processed image or video: its patch rows and, for a video, the timestamp of each temporal

@@ -1,6 +1,8 @@
 #include "vision/video_decode.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -182,7 +184,8 @@ Status open_pass(std::span<const uint8_t> bytes, Pass& p) {
 // Decodes every frame of the pass's stream in order, calling on_frame(index, frame) for each;
 // on_frame returns false to stop early. Errors: corrupt data, over max_decoded_frames.
 template <class F>
-Result<int64_t> decode_all(Pass& p, const VideoLimits& lim, F&& on_frame) {
+Result<int64_t> decode_all(Pass& p, const VideoLimits& lim,
+                           std::chrono::steady_clock::time_point deadline, F&& on_frame) {
   std::unique_ptr<AVPacket, PacketDel> pkt(av_packet_alloc());
   std::unique_ptr<AVFrame, FrameDel> frame(av_frame_alloc());
   if (!pkt || !frame) return tl::make_unexpected(bad("out of memory decoding the video"));
@@ -219,6 +222,13 @@ Result<int64_t> decode_all(Pass& p, const VideoLimits& lim, F&& on_frame) {
         return tl::make_unexpected(bad("the video has over " +
                                        std::to_string(lim.max_decoded_frames) +
                                        " frames; send a shorter clip"));
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        char s[32];
+        std::snprintf(s, sizeof s, "%g", lim.max_seconds);
+        return tl::make_unexpected(
+            bad(std::string("decoding the video took over ") + s +
+                " s (the limit VLLM_VIDEO_FETCH_TIMEOUT sets); send a shorter or smaller clip"));
       }
       M3_TRY(bool more, on_frame(n, frame.get()));
       av_frame_unref(frame.get());
@@ -272,6 +282,9 @@ Result<DecodedVideo> decode_video(std::span<const uint8_t> bytes, const FrameSam
   static std::once_flag quiet;
   std::call_once(quiet, [] { av_log_set_level(AV_LOG_QUIET); });  // errors come back as Errors
   if (bytes.empty()) return tl::make_unexpected(bad("the video is empty"));
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(limits.max_seconds));
   Pass p;
   M3_TRY_STATUS(open_pass(bytes, p));
   const AVStream* st = p.fmt->streams[p.stream];
@@ -298,7 +311,7 @@ Result<DecodedVideo> decode_video(std::span<const uint8_t> bytes, const FrameSam
   if (hd.total_frames <= 0) {
     // No count in the header (e.g. Matroska): count by decoding, then decode again.
     auto count_only = [](int64_t, const AVFrame*) -> Result<bool> { return true; };
-    M3_TRY(int64_t counted, decode_all(p, limits, count_only));
+    M3_TRY(int64_t counted, decode_all(p, limits, deadline, count_only));
     hd.total_frames = counted;
     p.dec.reset();  // in this order: the demuxer reads through the I/O context
     p.fmt.reset();
@@ -326,7 +339,7 @@ Result<DecodedVideo> decode_video(std::span<const uint8_t> bytes, const FrameSam
     }
     return next < out.indices.size();
   };
-  M3_TRY(int64_t decoded, decode_all(p, limits, keep));
+  M3_TRY(int64_t decoded, decode_all(p, limits, deadline, keep));
   if (next < out.indices.size()) {
     return tl::make_unexpected(bad("corrupt or truncated video: the header promises " +
                                    std::to_string(hd.total_frames) + " frames, " +

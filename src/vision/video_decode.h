@@ -28,6 +28,7 @@ bool video_decoding_available();
 struct VideoLimits {
   int64_t max_frame_pixels = int64_t{64} << 20;  // width * height of one frame
   int64_t max_decoded_frames = 1 << 17;          // frames read from the stream, sampled or not
+  double max_seconds = 30;  // wall time for the whole decode (vLLM's VLLM_VIDEO_FETCH_TIMEOUT)
 };
 
 struct VideoHeader {

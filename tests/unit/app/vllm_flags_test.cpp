@@ -590,6 +590,15 @@ TEST(VllmFlags, EnvironmentHonouredOrReportedOnce) {
   ASSERT_EQ(p.plan->notices.size(), 1u) << all_notices(*p.plan);
   EXPECT_NE(p.plan->notices[0].find("VLLM_A, VLLM_B are ignored"), std::string::npos);
   EXPECT_TRUE(run({}, {}).plan->notices.empty());
+  // VLLM_VIDEO_FETCH_TIMEOUT bounds the decoding of a video part (m3serve fetches nothing).
+  auto v = run({}, {"VLLM_VIDEO_FETCH_TIMEOUT=5"});
+  ASSERT_TRUE(v.plan.has_value());
+  EXPECT_EQ(v.plan->video_timeout_s.value_or(0), 5.0);
+  EXPECT_TRUE(v.plan->notices.empty());
+  auto bad = run({}, {"VLLM_VIDEO_FETCH_TIMEOUT=soon"});
+  ASSERT_FALSE(bad.plan.has_value());
+  EXPECT_NE(bad.plan.error().message.find("VLLM_VIDEO_FETCH_TIMEOUT='soon' is not a positive"),
+            std::string::npos);
 }
 
 TEST(VllmArgv, Normalisation) {

@@ -212,6 +212,9 @@ TEST(VideoDecode, RefusesBadInput) {
   VideoLimits few;
   few.max_decoded_frames = 5;
   refused(mov, few, "over the limit of 5");
+  VideoLimits slow;
+  slow.max_seconds = 1e-9;  // over before the first frame
+  refused(mov, slow, "decoding the video took over 1e-09 s (the limit VLLM_VIDEO_FETCH_TIMEOUT");
   // A codec libavcodec does not know: the AVI's FourCC renamed.
   auto unknown = avi;
   for (size_t i = 0; i + 4 <= unknown.size(); ++i)
