@@ -44,9 +44,9 @@ std::unique_ptr<M3Model> demo() {
 }
 
 struct Pair {
-  std::unique_ptr<M3Model> host;       // the CPU draft's target (shared embedding, LM head)
-  std::unique_ptr<M3ModelCuda> gpu;    // the GPU draft's target
-  std::unique_ptr<Eagle3Draft> cpu;    // the CPU draft
+  std::unique_ptr<M3Model> host;         // the CPU draft's target (shared embedding, LM head)
+  std::unique_ptr<M3ModelCuda> gpu;      // the GPU draft's target
+  std::unique_ptr<Eagle3Draft> cpu;      // the CPU draft
   std::unique_ptr<Eagle3DraftCuda> dev;  // the same weights on the GPU
 };
 
@@ -175,8 +175,8 @@ void compare(Pair& p, const std::vector<float>& aux, const std::vector<int32_t>&
       std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
       if (sorted[0] - sorted[1] <= 2 * ltol) continue;  // a near tie may flip
       const int64_t best = std::max_element(l, l + V) - l;
-      EXPECT_EQ(static_cast<int32_t>(best), r.argmax_tokens[row]) << "step " << step << " row "
-                                                                   << row;
+      EXPECT_EQ(static_cast<int32_t>(best), r.argmax_tokens[row])
+          << "step " << step << " row " << row;
       ++compared;
     }
     EXPECT_GE(compared, 1) << "step " << step << ": every row a near tie";
@@ -235,7 +235,8 @@ TEST_F(Eagle3Cuda, RandomGqaDraftMatchesTheCpuDraft) {
 }
 
 TEST_F(Eagle3Cuda, SyntheticDraftsHaveM3Shapes) {
-  const M3Config cfg = synthetic_m3_config(1);  // one layer: the draft needs only the target's embedding and LM head
+  const M3Config cfg =
+      synthetic_m3_config(1);  // one layer: the draft needs only the target's embedding and LM head
   auto g = M3ModelCuda::synthetic(cfg, 1, 0);
   ASSERT_TRUE(g.has_value()) << g.error().message;
   for (const char* name : {"synthetic:mha", "synthetic:gqa"}) {

@@ -187,7 +187,9 @@ void Eagle3DraftCuda::init_forward() {
   fw_ = std::make_unique<Eagle3Forward<CudaOps>>(cfg_, dev_);
 }
 
-int64_t Eagle3DraftCuda::kv_page_bytes() const { return KvCache::page_bytes(cache_cfg_); }
+int64_t Eagle3DraftCuda::kv_page_bytes() const {
+  return KvCache::page_bytes(cache_cfg_);
+}
 
 int64_t Eagle3DraftCuda::kv_bytes_per_token() const {
   return kv_page_bytes() / cache_cfg_.sparse_block_size;
@@ -333,8 +335,7 @@ std::vector<std::vector<int32_t>> Eagle3DraftCuda::propose(const std::vector<Dra
   }
   std::memcpy(stage_, w.data(), w.size() * sizeof(int32_t));
   int32_t* d = ops_->ensure(step_, static_cast<int64_t>(w.size()));
-  M3_CUDA_CHECK(
-      cudaMemcpyAsync(d, stage_, w.size() * sizeof(int32_t), cudaMemcpyHostToDevice, st));
+  M3_CUDA_CHECK(cudaMemcpyAsync(d, stage_, w.size() * sizeof(int32_t), cudaMemcpyHostToDevice, st));
   int64_t max_r = 1, max_t = 1, max_hidden = 1;
   for (const StepPlan& pl : plans) {
     max_r = std::max(max_r, pl.R);

@@ -88,11 +88,11 @@ class Eagle3DraftCuda final : public DraftProposer {
   int32_t* stage_ = nullptr;
   size_t stage_cap_ = 0;
   gpu::DeviceBuffer<int32_t> step_;
-  gpu::DeviceBuffer<float> hidden_;            // a step's hidden input rows
-  gpu::DeviceBuffer<int32_t> tokens_;          // a draft step's input ids (device-made)
-  gpu::DeviceBuffer<int32_t> ids_, mapped_;    // greedy draft ids per row; as target ids
+  gpu::DeviceBuffer<float> hidden_;                    // a step's hidden input rows
+  gpu::DeviceBuffer<int32_t> tokens_;                  // a draft step's input ids (device-made)
+  gpu::DeviceBuffer<int32_t> ids_, mapped_;            // greedy draft ids per row; as target ids
   gpu::DeviceBuffer<kernels::cpu::SampleRow> greedy_;  // rows 0..n-1, temperature 0
-  int32_t* out_host_ = nullptr;                // pinned: every step's mapped ids
+  int32_t* out_host_ = nullptr;                        // pinned: every step's mapped ids
   size_t out_host_cap_ = 0;
 };
 
