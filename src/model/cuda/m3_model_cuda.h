@@ -111,7 +111,8 @@ class M3ModelCuda {
   // before it first touches the layer's pages; a step that replays a CUDA graph waits for all
   // of them before the graph. Consumed by that step.
   void wait_for_kv_copies(std::vector<cudaEvent_t> layer_events);
-  // The stream every step's work is enqueued on (the tier's copies are ordered after it).
+  // The stream every step's work is enqueued on (the tier's copies are ordered after it; a
+  // device draft enqueues its steps on it, after the target's).
   cudaStream_t stream() const { return stream_.get(); }
   // The step sizes (token counts) that replay CUDA graphs: every size up to kGraphMaxTokens
   // (256) when empty (the default), else exactly the listed ones (vLLM's
@@ -132,8 +133,6 @@ class M3ModelCuda {
   // Benchmarks only: tensor-parallel collectives become no-ops (wrong results; bench/bench_tp
   // times a step without its communication). Set before the first forward.
   void set_skip_collectives_for_timing(bool on);
-  // The model's stream (a device draft enqueues its steps on it, after the target's).
-  cudaStream_t stream() const { return stream_.get(); }
   // Speculative decoding: the aux hidden states of the last step that asked for them with
   // ForwardBatch::aux_on_device, [its tokens, aux_layers * hidden] f32 on the device, valid until
   // the next step; aux_state_rows() is that step's token count (0: none).
