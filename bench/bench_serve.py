@@ -59,6 +59,35 @@ def step_bytes(layers, concurrency, context, kv_elem_bytes=2):
     return total + kv
 
 
+def draft_step_bytes(kv_heads, concurrency, context):
+    """Bytes one EAGLE-3 draft step of `concurrency` sequences reads, for the synthetic draft of
+    M3's shapes (model/eagle3_draft.h synthetic_eagle3_config: hidden H, 48 heads x 128, kv_heads
+    KV heads, MLP 4H, fc 3H -> H): its own bf16 weights, the shared LM head (the target's, read
+    again every draft step), the embedding rows and its bf16 KV of `context` tokens per
+    sequence."""
+    q, kv = 48 * D, kv_heads * D
+    own = (3 * H * H + (q + 2 * kv) * 2 * H + H * q + 3 * H * 4 * H) * BF16 + 4 * H * 4
+    return own + VOCAB * H * BF16 + concurrency * H * BF16 + concurrency * context * 2 * kv * BF16
+
+
+def spec_cycle_bytes(layers, concurrency, context, k, kv_heads):
+    """Bytes of one speculation cycle: the target's verify step over C x (1 + K) tokens (the
+    routed experts' distinct count grows with the rows) and K draft steps (the context pass
+    over the verified positions and K - 1 one-token steps)."""
+    return (step_bytes(layers, concurrency * (k + 1), context)
+            - (concurrency * k) * H * BF16  # the verify rows share their sequences' KV reads
+            + k * draft_step_bytes(kv_heads, concurrency, context))
+
+
+def parse_spec(cfg):
+    """(K, acceptance length, KV heads) of a --speculative-config JSON, or None."""
+    if not cfg:
+        return None
+    j = json.loads(cfg)
+    kv = {"synthetic:mha": 48, "synthetic:gqa": 3}.get(j.get("model", ""))
+    return (int(j["num_speculative_tokens"]), float(j.get("synthetic_acceptance_length", 0)), kv)
+
+
 def measure_bandwidth(bench_cuda_ops):
     """Device copy bandwidth in GB/s (read + write), and how it was measured."""
     try:
@@ -224,6 +253,12 @@ def main():
     ap.add_argument("--bandwidth-gbs", type=float, help="copy bandwidth to use for the ceiling")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--ready-timeout", type=float, default=300)
+    ap.add_argument("--speculative-config", action="append", default=[],
+                    help="serve also with this --speculative-config JSON (repeatable; each is one "
+                    "more server after the one without speculation), e.g. '{\"method\": "
+                    "\"eagle3\", \"model\": \"synthetic:gqa\", \"num_speculative_tokens\": 3, "
+                    "\"rejection_sample_method\": \"synthetic\", "
+                    "\"synthetic_acceptance_length\": 2.78}'")
     ap.add_argument("--compare-async", action="store_true",
                     help="run every level twice, on a server with async scheduling (the default) "
                     "and on one with --no-async-scheduling, and print both")
@@ -234,15 +269,23 @@ def main():
     if bw is None and not a.url:
         bw, bw_how = measure_bandwidth(a.bench_cuda_ops)  # before the server takes the GPU
 
-    variants = [("", a.extra_args)]
+    variants = [("", a.extra_args, None)]
     if a.compare_async:
         if a.url:
             sys.exit("bench_serve: --compare-async starts its own servers; drop --url")
-        variants = [("async scheduling (default)", a.extra_args),
-                    ("--no-async-scheduling", (a.extra_args + " --no-async-scheduling").strip())]
+        variants = [("async scheduling (default)", a.extra_args, None),
+                    ("--no-async-scheduling", (a.extra_args + " --no-async-scheduling").strip(),
+                     None)]
+    if a.speculative_config:
+        if a.url:
+            sys.exit("bench_serve: --speculative-config starts its own servers; drop --url")
+        if not variants[0][0]:
+            variants[0] = ("no speculation", a.extra_args, None)
+        for cfg in a.speculative_config:
+            variants.append((f"--speculative-config {cfg}", a.extra_args, cfg))
     tables = []
-    for label, extra in variants:
-        tables.append((label, serve_levels(a, levels, bw, extra)))
+    for label, extra, spec in variants:
+        tables.append((label, serve_levels(a, levels, bw, extra, spec)))
     print()
     served = a.model or f"synthetic:layers={a.layers}"
     print(f"m3serve serve --model {served} --device {a.device}: prompt {a.prompt_len} "
@@ -253,7 +296,7 @@ def main():
     for label, rows in tables:
         if label:
             print(f"-- {label}")
-        print(f"{'C':>4} {'out tok/s':>10} {'TPOT ms':>9} {'TTFT ms':>9} {'GB/step':>8} "
+        print(f"{'C':>4} {'out tok/s':>10} {'TPOT ms':>9} {'TTFT ms':>9} {'GB/cycle':>8} "
               f"{'ceil tok/s':>11} {'ceil TPOT ms':>13} {'TPOT/ceil':>10} {'retries':>8}")
         for r in rows:
             ratio = r["mean_tpot_ms"] / r["ceiling_tpot_ms"] if r.get("ceiling_tpot_ms") else float("nan")
@@ -269,8 +312,9 @@ def main():
                        "rows": tables[0][1]}, f, indent=1)
 
 
-def serve_levels(a, levels, bw, extra_args):
-    """Starts a server (unless --url) with `extra_args` and measures every level on it."""
+def serve_levels(a, levels, bw, extra_args, spec=None):
+    """Starts a server (unless --url) with `extra_args` (and `spec` as its --speculative-config)
+    and measures every level on it."""
     proc = None
     if a.url:
         u = urllib.parse.urlparse(a.url)
@@ -281,6 +325,8 @@ def serve_levels(a, levels, bw, extra_args):
         cmd = [a.m3serve, "serve", "--model", served, "--device", a.device,
                "--host", host, "--port", str(port), "--max-num-seqs", str(max(levels)),
                "--max-model-len", str(a.prompt_len + a.max_tokens + 128)] + extra_args.split()
+        if spec:
+            cmd += ["--speculative-config", spec]
         print("bench_serve: starting", " ".join(cmd), flush=True)
         proc = subprocess.Popen(cmd)
     try:
@@ -293,10 +339,18 @@ def serve_levels(a, levels, bw, extra_args):
             r = run_level(host, port, model, prompt_ids, a.max_tokens, c)
             ctx = a.prompt_len + a.max_tokens // 2  # mean context over the decode
             r["step_gb"] = step_bytes(a.layers, c, ctx) / 1e9
+            tokens_per_step = 1.0
+            sp = parse_spec(spec)
+            if sp and sp[1] > 0 and sp[2]:
+                # Speculation at a synthetic acceptance length L: one cycle (verify + K draft
+                # steps) yields L tokens per sequence.
+                k, length, kv_heads = sp
+                r["step_gb"] = spec_cycle_bytes(a.layers, c, ctx, k, kv_heads) / 1e9
+                tokens_per_step = length
             if bw:
                 step_s = r["step_gb"] / bw
-                r["ceiling_tpot_ms"] = 1e3 * step_s
-                r["ceiling_tok_per_s"] = c / step_s
+                r["ceiling_tpot_ms"] = 1e3 * step_s / tokens_per_step
+                r["ceiling_tok_per_s"] = c * tokens_per_step / step_s
             rows.append(r)
             print(json.dumps(r), flush=True)
     finally:

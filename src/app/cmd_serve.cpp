@@ -311,7 +311,8 @@ int run_serve(ServeArgs a) {
   }
   auto backend_factory =  // probes the GPU for cuda
       make_backend_factory(a.device, *kv_bytes, *max_model_len, choice->spec.seed,
-                           a.max_num_batched_tokens > 0 ? a.max_num_batched_tokens : 8192);
+                           a.max_num_batched_tokens > 0 ? a.max_num_batched_tokens : 8192,
+                           plan->speculative ? plan->speculative->model : std::string());
   if (!backend_factory) return fail(backend_factory.error().message);
   auto kv_format = resolve_kv_format(a.device);
   if (!kv_format) return fail(kv_format.error().message);

@@ -118,7 +118,8 @@ void apply_gemm_precision(const std::string& value) {
 Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
                                                     int64_t kv_cache_memory_bytes,
                                                     int64_t max_model_len, uint64_t synthetic_seed,
-                                                    int64_t warmup_tokens) {
+                                                    int64_t warmup_tokens,
+                                                    const std::string& draft_model) {
   const double util = a.gpu_memory_utilization;
   M3_TRY_STATUS(runtime::check_gpu_memory_utilization(util));
   M3_TRY_STATUS(validate_parallel(a.parallel, a.device));
@@ -147,6 +148,7 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
   opts.cudagraph_capture_sizes = a.cudagraph_capture_sizes;
   opts.dp_kv_partitions = a.dp_kv_partitions;
   opts.warmup_tokens = warmup_tokens;
+  opts.draft_model = draft_model;
   if (a.parallel.tensor_parallel_size > 1) {
     // One GPU per rank: refuse a size above the GPU count before the checkpoint is read.
     const int tp = a.parallel.tensor_parallel_size;
@@ -182,6 +184,7 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
   (void)max_model_len;
   (void)synthetic_seed;
   (void)warmup_tokens;
+  (void)draft_model;
   return make_error(ErrorCode::kUnavailable,
                     "--device cuda: this m3serve was built without CUDA support; rebuild with "
                     "-DM3_CUDA=ON on a machine with the CUDA toolkit, or use --device cpu",

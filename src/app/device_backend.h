@@ -68,10 +68,10 @@ void add_device_options(CLI::App* sub, DeviceArgs& a);
 // build without CUDA, no usable GPU.
 // warmup_tokens: the single-GPU backend runs one prefill step of that many tokens at start
 // (runtime/cuda/cuda_backend.h; the step budget, --max-num-batched-tokens).
-Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
-                                                    int64_t kv_cache_memory_bytes,
-                                                    int64_t max_model_len = 0,
-                                                    uint64_t synthetic_seed = 0,
-                                                    int64_t warmup_tokens = 8192);
+// draft_model: the --speculative-config draft, which the single-GPU backend loads with its KV
+// pool (CudaBackendOptions::draft_model).
+Result<engine::BackendFactory> make_backend_factory(
+    const DeviceArgs& a, int64_t kv_cache_memory_bytes, int64_t max_model_len = 0,
+    uint64_t synthetic_seed = 0, int64_t warmup_tokens = 8192, const std::string& draft_model = "");
 
 }  // namespace m3::app

@@ -745,12 +745,23 @@ Status review_speculative_config(const std::string& value, const EnvList& env, C
                          std::to_string(engine::kMaxSpeculativeTokens) + "; 3 in the recipe)");
   }
   std::string notice;
-  auto resolved = resolve_model_argument(c.model, env, &notice);
-  if (!resolved) return bad(flag, flag + " model: " + resolved.error().message);
-  c.model = *resolved;
-  if (!notice.empty()) plan.notices.push_back(notice);
+  // model::is_synthetic_draft's rule, spelled here: this file links without the model library.
+  const bool synthetic_draft = c.model.rfind("synthetic:", 0) == 0;
+  if (synthetic_draft) {
+    // synthetic:mha / synthetic:gqa: random draft weights of M3's shapes on the GPU (the backend
+    // checks the name; model/eagle3_draft.h).
+    plan.notices.push_back(flag + " model " + c.model +
+                           ": a SYNTHETIC draft of random weights, for benchmarks only (its "
+                           "proposals are noise; pair it with rejection_sample_method "
+                           "synthetic to time speculation at a fixed acceptance length)");
+  } else {
+    auto resolved = resolve_model_argument(c.model, env, &notice);
+    if (!resolved) return bad(flag, flag + " model: " + resolved.error().message);
+    c.model = *resolved;
+    if (!notice.empty()) plan.notices.push_back(notice);
+  }
   std::error_code ec;
-  if (!std::filesystem::is_directory(c.model, ec)) {
+  if (!synthetic_draft && !std::filesystem::is_directory(c.model, ec)) {
     return bad(flag, flag + " model " + c.model +
                          " is not a directory; give the EAGLE-3 draft's local directory");
   }

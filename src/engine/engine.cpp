@@ -649,14 +649,9 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   model->set_kv_cache_format(config.kv_cache_dtype, config.index_cache_dtype);
   const model::M3Config& mc = model->config();
   M3_TRY_STATUS(model::check_kv_block_size(mc, config.block_size));
-  // The draft shares the target's embedding and LM head: keep the host weights it reads.
+  // A host draft shares the target's embedding and LM head: keep the host weights it reads
+  // (null for a synthetic model, whose draft the GPU backend makes from its device weights).
   const std::shared_ptr<const model::M3Weights> target_weights = model->base_weights();
-  if (config.speculative.enabled() && !model->has_weights()) {
-    return make_error(ErrorCode::kUnsupported,
-                      "speculative decoding needs the target's weights on the host; " +
-                          config.model_dir + " is a synthetic (config-only) model",
-                      "--speculative-config");
-  }
   const int64_t bs = mc.sparse_block_size;
   const int64_t page_bytes = model::KvCache::page_bytes(mc);
   int64_t max_len = config.max_model_len > 0 ? config.max_model_len : mc.max_position_embeddings;
@@ -726,7 +721,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
   if (config.speculative.enabled()) {
     const std::string why = backend->speculative_refusal();
     if (!why.empty()) return make_error(ErrorCode::kUnsupported, why, "--speculative-config");
-    M3_TRY(spec, SpecDecoder::create(config.speculative, bc, target_weights, num_pages));
+    M3_TRY(spec, SpecDecoder::create(config.speculative, *backend, target_weights));
     sc.num_lookahead_tokens = config.speculative.num_speculative_tokens;
   }
 
@@ -835,7 +830,13 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
     else if (config.pd)
       why_not = "P/D disaggregation (NixlConnector) runs with the synchronous loop";
     if (on && !why_not.empty()) {
-      if (asked) M3_LOG_WARN("--async-scheduling is off: %s", why_not.c_str());
+      if (asked) {
+        M3_LOG_WARN("--async-scheduling is off: %s", why_not.c_str());
+      } else {
+        // Off although the backend defaults to it: said once, never silently.
+        M3_LOG_INFO("async scheduling off (the %s backend's default): %s",
+                    backend->device_name().c_str(), why_not.c_str());
+      }
       on = false;
     }
     impl->async = on;

@@ -87,7 +87,10 @@ void ModelRunner::prepare(LaunchedStep& step, const sched::SchedulerOutput& out,
   std::vector<Want>& want = step.want;
   want.assign(out.requests.size(), Want{});
   b.block_table_offsets.push_back(0);
-  if (spec_) b.aux_layers = spec_->aux_layers();
+  if (spec_) {
+    b.aux_layers = spec_->aux_layers();
+    b.aux_on_device = spec_->aux_on_device();  // the device draft reads them where they are
+  }
   for (size_t i = 0; i < out.requests.size(); ++i) {
     const sched::ScheduledRequest& r = out.requests[i];
     auto it = states.find(r.request_id);

@@ -21,6 +21,7 @@
 #include "model/config.h"
 #include "model/eagle3_draft.h"
 #include "model/weights.h"
+#include "runtime/forward_backend.h"
 
 namespace m3::engine {
 
@@ -52,26 +53,24 @@ struct SpecDecodeStats {
 // The chance of accepting each draft so that 1 + a + a^2 + ... + a^k == length (k drafts).
 double synthetic_accept_probability(double length, int k);
 
-// One request's part of a draft pass: its verified positions of this step and what to propose.
-struct DraftSeq {
-  uint64_t request_id = 0;
-  std::span<const int32_t> block_table;  // the request's pages (the target's page ids)
-  int first_row = 0;                 // its first token's row in the target step (aux hidden rows)
-  int start_pos = 0;                 // position of that token
-  int num_valid = 0;                 // verified positions [start_pos, start_pos + num_valid)
-  std::vector<int32_t> next_tokens;  // [num_valid]: the token after each of those positions
-  int num_propose = 0;               // draft tokens to propose after the last one (0: none)
-  int capacity = 0;                  // positions its pages hold
-};
+// One request's part of a draft pass (model/eagle3_draft.h).
+using model::DraftSeq;
 
 class SpecDecoder {
  public:
-  // Loads the draft (Eagle3Draft::load) with `num_pages` KV pages, the target's page ids.
+  // Loads the draft on the host (Eagle3Draft::load) with `num_pages` KV pages, the target's
+  // page ids.
   static Result<std::unique_ptr<SpecDecoder>> create(
       const SpeculativeConfig& cfg, const model::M3Config& target,
       std::shared_ptr<const model::M3Weights> target_weights, int64_t num_pages);
+  // The draft where `backend` runs it (ForwardBackend::make_draft: on the GPU for the CUDA
+  // backend, else on the host) with the backend's page count.
+  static Result<std::unique_ptr<SpecDecoder>> create(
+      const SpeculativeConfig& cfg, runtime::ForwardBackend& backend,
+      std::shared_ptr<const model::M3Weights> target_weights);
   // Over a draft made elsewhere (tests).
   SpecDecoder(const SpeculativeConfig& cfg, std::unique_ptr<model::Eagle3Draft> draft);
+  SpecDecoder(const SpeculativeConfig& cfg, std::unique_ptr<model::DraftProposer> draft);
 
   const SpeculativeConfig& config() const { return cfg_; }
   int num_speculative_tokens() const { return cfg_.num_speculative_tokens; }
@@ -80,8 +79,12 @@ class SpecDecoder {
   // For the start-up line: method, K, verification, the draft's shape.
   std::string summary() const;
 
-  // Runs the draft over `seqs` (the aux hidden states [T, aux * hidden] of the target step) and
-  // returns per seq its proposals (num_propose tokens or fewer where pages run out).
+  // True: the draft reads the target's aux states on the device (the batch then asks for
+  // ForwardBatch::aux_on_device and propose() gets no host copy).
+  bool aux_on_device() const { return draft_->aux_on_device(); }
+  // Runs the draft over `seqs` (the aux hidden states [T, aux * hidden] of the target step, on
+  // the host unless aux_on_device()) and returns per seq its proposals (num_propose tokens or
+  // fewer where pages run out).
   std::vector<std::vector<int32_t>> propose(const std::vector<DraftSeq>& seqs,
                                             std::span<const float> aux_hidden);
 
@@ -97,7 +100,7 @@ class SpecDecoder {
 
  private:
   SpeculativeConfig cfg_;
-  std::unique_ptr<model::Eagle3Draft> draft_;
+  std::unique_ptr<model::DraftProposer> draft_;
   double accept_prob_ = 0.0;
   ProposalOverride override_;
   mutable std::mutex mu_;

@@ -148,6 +148,36 @@ Result<Eagle3Config> load_eagle3_config(const std::string& dir, const M3Config& 
   return c;
 }
 
+bool is_synthetic_draft(const std::string& model) {
+  return model.rfind("synthetic:", 0) == 0;
+}
+
+Result<Eagle3Config> synthetic_eagle3_config(const std::string& model, const M3Config& target) {
+  const bool mha = model == "synthetic:mha", gqa = model == "synthetic:gqa";
+  if (!mha && !gqa) {
+    return tl::unexpected(bad("the synthetic draft '" + model +
+                              "' is unknown; use synthetic:mha or synthetic:gqa (benchmarks "
+                              "only: random weights of M3's draft shapes)"));
+  }
+  Eagle3Config c;
+  c.hidden_size = target.hidden_size;
+  c.target_hidden_size = target.hidden_size;
+  c.head_dim = 128;
+  c.num_attention_heads = std::max<int64_t>(1, target.hidden_size / c.head_dim);
+  // GQA: 16x fewer KV heads where the head count allows, else one.
+  c.num_key_value_heads = mha ? c.num_attention_heads
+                              : (c.num_attention_heads % 16 == 0 ? c.num_attention_heads / 16 : 1);
+  c.intermediate_size = 4 * target.hidden_size;
+  c.vocab_size = target.vocab_size;
+  c.draft_vocab_size = target.vocab_size;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 10000.0;
+  const int64_t L = target.num_hidden_layers;
+  for (int64_t l : {int64_t{2}, L / 2, L - 3})
+    c.aux_layer_ids.push_back(static_cast<int32_t>(std::clamp<int64_t>(l, 0, L)));
+  return c;
+}
+
 int64_t Eagle3Draft::kv_bytes_per_token() const {
   return KvCache::page_bytes(cache_cfg_) / cache_cfg_.sparse_block_size;
 }
@@ -210,6 +240,20 @@ void Eagle3Draft::forward(const DraftBatch& b, DraftResult* out) {
 Result<std::unique_ptr<Eagle3Draft>> Eagle3Draft::load(
     const std::string& dir, const M3Config& target, std::shared_ptr<const M3Weights> target_weights,
     int64_t num_pages) {
+  if (target_weights == nullptr || target_weights->embed_tokens.data == nullptr) {
+    return tl::unexpected(Error{ErrorCode::kUnsupported,
+                                "the EAGLE-3 draft on the host shares the target's embedding and "
+                                "LM head, but this target has no host weights (a synthetic "
+                                "model); run the draft on the GPU backend (--device cuda)",
+                                "--speculative-config"});
+  }
+  M3_TRY(Eagle3Checkpoint ck, load_eagle3_checkpoint(dir, target, std::move(target_weights)));
+  return std::make_unique<Eagle3Draft>(std::move(ck.config), std::move(ck.weights),
+                                       target.sparse_block_size, num_pages);
+}
+
+Result<Eagle3Checkpoint> load_eagle3_checkpoint(const std::string& dir, const M3Config& target,
+                                                std::shared_ptr<const M3Weights> target_weights) {
   M3_TRY(Eagle3Config c, load_eagle3_config(dir, target));
   const std::string src = dir + "/config.json";
   if (c.vocab_size != target.vocab_size) {
@@ -303,11 +347,9 @@ Result<std::unique_ptr<Eagle3Draft>> Eagle3Draft::load(
                               "), whose embedding and LM head it shares: use a draft trained "
                               "for this model"));
   }
-  if (!w->own_embed || !w->own_lm_head) {
-    M3_CHECK(target_weights != nullptr && target_weights->embed_tokens.data != nullptr,
-             "EAGLE-3 draft: the target's embedding is not on the host");
-  }
-  if (!w->own_embed) w->embed_tokens = target_weights->embed_tokens;
+  const bool host_target =
+      target_weights != nullptr && target_weights->embed_tokens.data != nullptr;
+  if (!w->own_embed && host_target) w->embed_tokens = target_weights->embed_tokens;
   if (!w->own_lm_head) {
     if (c.draft_vocab_size != c.vocab_size) {
       return tl::unexpected(bad("the draft has a vocabulary of " +
@@ -316,7 +358,7 @@ Result<std::unique_ptr<Eagle3Draft>> Eagle3Draft::load(
                                 "target's LM head has " +
                                 std::to_string(target.vocab_size) + " rows"));
     }
-    w->lm_head = target_weights->lm_head;
+    if (host_target) w->lm_head = target_weights->lm_head;
   }
   if (c.draft_vocab_size != c.vocab_size) {
     M3_TRY(const TensorInfo* d2t, cp.get(find("d2t"), {c.draft_vocab_size}, {DType::kI64}));
@@ -332,8 +374,112 @@ Result<std::unique_ptr<Eagle3Draft>> Eagle3Draft::load(
       w->draft_to_target[i] = static_cast<int32_t>(t);
     }
   }
-  return std::make_unique<Eagle3Draft>(std::move(c), std::move(w), target.sparse_block_size,
-                                       num_pages);
+  Eagle3Checkpoint out;
+  out.config = std::move(c);
+  out.weights = std::move(w);
+  return out;
+}
+
+namespace {
+
+class HostProposer final : public DraftProposer {
+ public:
+  explicit HostProposer(std::unique_ptr<Eagle3Draft> d) : draft_(std::move(d)) {}
+  const Eagle3Config& config() const override { return draft_->config(); }
+  int64_t kv_bytes_per_token() const override { return draft_->kv_bytes_per_token(); }
+  std::string where() const override { return "host"; }
+
+  std::vector<std::vector<int32_t>> propose(const std::vector<DraftSeq>& seqs,
+                                            std::span<const float> aux_hidden, int k) override {
+    const Eagle3Config& dc = draft_->config();
+    const int64_t aux_w = static_cast<int64_t>(dc.aux_layer_ids.size()) * dc.target_hidden_size;
+    const int64_t H = dc.hidden_size;
+    std::vector<std::vector<int32_t>> out(seqs.size());
+    // Context pass: every verified position of the step, with the target's aux states.
+    DraftBatch b;
+    b.hidden_is_aux = true;
+    b.block_table_offsets.push_back(0);
+    std::vector<int> last_row(seqs.size(), -1);  // row of each seq's last position in b
+    std::vector<int> logits_of(seqs.size(), -1);
+    int32_t s_idx = 0;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const DraftSeq& s = seqs[i];
+      if (s.num_valid <= 0) continue;
+      M3_CHECK(static_cast<int>(s.next_tokens.size()) == s.num_valid);
+      b.block_table.insert(b.block_table.end(), s.block_table.begin(), s.block_table.end());
+      b.block_table_offsets.push_back(static_cast<int32_t>(b.block_table.size()));
+      for (int j = 0; j < s.num_valid; ++j) {
+        b.token_ids.push_back(s.next_tokens[j]);
+        b.positions.push_back(s.start_pos + j);
+        b.seq_ids.push_back(s_idx);
+        const float* h = aux_hidden.data() + static_cast<int64_t>(s.first_row + j) * aux_w;
+        M3_CHECK(static_cast<size_t>((s.first_row + j + 1) * aux_w) <= aux_hidden.size(),
+                 "draft: aux hidden row %d outside the step", s.first_row + j);
+        b.hidden.insert(b.hidden.end(), h, h + aux_w);
+      }
+      last_row[i] = static_cast<int>(b.token_ids.size()) - 1;
+      if (s.num_propose > 0) {
+        logits_of[i] = static_cast<int>(b.logits_indices.size());
+        b.logits_indices.push_back(last_row[i]);
+      }
+      ++s_idx;
+    }
+    if (b.token_ids.empty()) return out;
+    DraftResult r;
+    draft_->forward(b, &r);
+    // Autoregressive draft steps: each proposing seq feeds its last proposal and the draft's
+    // own pre-norm output back in, one position further.
+    std::vector<std::vector<float>> h(seqs.size());
+    std::vector<int> pos(seqs.size(), 0);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (logits_of[i] < 0) continue;
+      out[i].push_back(r.argmax_tokens[logits_of[i]]);
+      h[i].assign(r.prenorm.begin() + static_cast<int64_t>(last_row[i]) * H,
+                  r.prenorm.begin() + static_cast<int64_t>(last_row[i] + 1) * H);
+      pos[i] = seqs[i].start_pos + seqs[i].num_valid;  // where the first proposal's KV goes
+    }
+    for (int step = 1; step < k; ++step) {
+      DraftBatch d;
+      d.hidden_is_aux = false;
+      d.block_table_offsets.push_back(0);
+      std::vector<size_t> who;
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        const DraftSeq& s = seqs[i];
+        if (static_cast<int>(out[i].size()) != step || step >= s.num_propose ||
+            pos[i] >= s.capacity)
+          continue;
+        d.block_table.insert(d.block_table.end(), s.block_table.begin(), s.block_table.end());
+        d.block_table_offsets.push_back(static_cast<int32_t>(d.block_table.size()));
+        d.token_ids.push_back(out[i].back());
+        d.positions.push_back(pos[i]);
+        d.seq_ids.push_back(static_cast<int32_t>(who.size()));
+        d.hidden.insert(d.hidden.end(), h[i].begin(), h[i].end());
+        d.logits_indices.push_back(static_cast<int32_t>(who.size()));
+        who.push_back(i);
+      }
+      if (who.empty()) break;
+      DraftResult dr;
+      draft_->forward(d, &dr);
+      for (size_t w = 0; w < who.size(); ++w) {
+        const size_t i = who[w];
+        out[i].push_back(dr.argmax_tokens[w]);
+        h[i].assign(dr.prenorm.begin() + static_cast<int64_t>(w) * H,
+                    dr.prenorm.begin() + static_cast<int64_t>(w + 1) * H);
+        ++pos[i];
+      }
+    }
+    return out;
+  }
+
+ private:
+  std::unique_ptr<Eagle3Draft> draft_;
+};
+
+}  // namespace
+
+std::unique_ptr<DraftProposer> host_draft_proposer(std::unique_ptr<Eagle3Draft> draft) {
+  M3_CHECK(draft != nullptr);
+  return std::make_unique<HostProposer>(std::move(draft));
 }
 
 }  // namespace m3::model

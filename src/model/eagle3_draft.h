@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -91,6 +92,64 @@ struct DraftResult {
   std::vector<int32_t> argmax_tokens;  // per logits row, a target id (greedy drafting)
 };
 
+// One request's part of a draft pass (engine/spec_decode.h builds them after each target step):
+// its verified positions of this step and what to propose after them.
+struct DraftSeq {
+  uint64_t request_id = 0;
+  std::span<const int32_t> block_table;  // the request's pages (the target's page ids)
+  int first_row = 0;                 // its first token's row in the target step (aux hidden rows)
+  int start_pos = 0;                 // position of that token
+  int num_valid = 0;                 // verified positions [start_pos, start_pos + num_valid)
+  std::vector<int32_t> next_tokens;  // [num_valid]: the token after each of those positions
+  int num_propose = 0;               // draft tokens to propose after the last one (0: none)
+  int capacity = 0;                  // positions its pages hold
+};
+
+// What runs an EAGLE-3 draft for the engine: the host draft (host_draft_proposer below, the CPU
+// ops) or a backend's device draft (model/cuda/eagle3_draft_cuda.h). propose() runs the context
+// pass over every seq's verified positions (the target's aux states there), then up to k - 1
+// autoregressive draft steps, and returns per seq its greedy proposals (num_propose tokens, fewer
+// where its pages run out), as target ids.
+class DraftProposer {
+ public:
+  virtual ~DraftProposer() = default;
+  virtual const Eagle3Config& config() const = 0;
+  virtual int64_t kv_bytes_per_token() const = 0;
+  // Where it runs, for the start-up line ("host" or e.g. "cuda:0").
+  virtual std::string where() const = 0;
+  // True: it reads the target step's aux states where the backend left them on the device
+  // (ForwardBatch::aux_on_device), and propose()'s aux_hidden is empty.
+  virtual bool aux_on_device() const { return false; }
+  // aux_hidden: [target step tokens, aux * target_hidden] f32 on the host (empty when
+  // aux_on_device()).
+  virtual std::vector<std::vector<int32_t>> propose(const std::vector<DraftSeq>& seqs,
+                                                    std::span<const float> aux_hidden, int k) = 0;
+};
+
+// An EAGLE-3 checkpoint read and checked against the target (load_eagle3_checkpoint).
+struct Eagle3Checkpoint {
+  Eagle3Config config;
+  std::unique_ptr<Eagle3Weights> weights;
+};
+// Reads the draft in `dir` for `target`: its config, its tensors (host views into the mapped
+// checkpoint) and, where the draft shares them, the target's embedding and LM head from
+// `target_weights` (null: left empty for a caller that fills them, the GPU draft from the
+// target's device weights). Errors: see Eagle3Draft::load.
+Result<Eagle3Checkpoint> load_eagle3_checkpoint(const std::string& dir, const M3Config& target,
+                                                std::shared_ptr<const M3Weights> target_weights);
+
+// Benchmark drafts of M3's shapes with random weights (no checkpoint): `synthetic:mha` and
+// `synthetic:gqa` as the speculative config's "model". Only a backend that holds the target's
+// weights on a device makes them (the CUDA backend).
+bool is_synthetic_draft(const std::string& model);
+// The config of such a draft for `target`: one Llama layer of the target's hidden size, 48 heads
+// x 128 (MHA; gqa: 3 KV heads, a 16x smaller draft KV), intermediate 4 x hidden, the target's
+// vocabulary, embedding and LM head shared, aux layers (2, L/2, L-3). With M3's hidden 6144 and
+// vocab 200064 that is 3.29 B parameters with the shared embedding and LM head (m3-model.md §5.2
+// reports ~3.3 B; the real head counts and intermediate size are unpublished, these are ours).
+// Errors: an unknown name (the accepted ones listed).
+Result<Eagle3Config> synthetic_eagle3_config(const std::string& model, const M3Config& target);
+
 class Eagle3Draft {
  public:
   // Loads the draft in `dir` for `target` (its config, and the weights the draft shares).
@@ -110,6 +169,8 @@ class Eagle3Draft {
   int64_t kv_bytes_per_token() const;
   // Runs one step; not reentrant (one engine thread).
   void forward(const DraftBatch& batch, DraftResult* out);
+  // The host weights (tests compare the GPU draft's numbers over the same ones).
+  const Eagle3Weights& weights() const { return *w_; }
 
  private:
   Eagle3Config cfg_;
@@ -119,5 +180,9 @@ class Eagle3Draft {
   std::unique_ptr<CpuOps> ops_;
   std::unique_ptr<Eagle3Forward<CpuOps>> fw_;
 };
+
+// The draft on the host CPU ops as a DraftProposer (the CPU backend's, and any backend without a
+// device draft): the context pass and each draft step are one Eagle3Draft::forward each.
+std::unique_ptr<DraftProposer> host_draft_proposer(std::unique_ptr<Eagle3Draft> draft);
 
 }  // namespace m3::model

@@ -61,6 +61,9 @@ struct ForwardBatch {
   // Speculative decoding (EAGLE-3): target layers whose input residual stream comes back in
   // ForwardResult::aux_hidden for every token of the step (model/m3_forward.h AuxCapture).
   std::vector<int32_t> aux_layers;
+  // With aux_layers: the states stay in the backend's device memory for its device draft
+  // (runtime::ForwardBackend::make_draft) and ForwardResult::aux_hidden stays empty.
+  bool aux_on_device = false;
 };
 
 struct ForwardResult {

@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "kernels/cpu/sample.h"
+#include "model/eagle3_draft.h"
 #include "model/kv_cache.h"
 
 namespace m3::runtime {
@@ -26,6 +27,19 @@ void ForwardBackend::copy_host_kv_pages(std::span<const HostPageCopy> offloads,
                                         std::span<const HostPageCopy> restores) {
   M3_CHECK(offloads.empty() && restores.empty(), "%s backend: host KV copies without a tier",
            device_name().c_str());
+}
+
+Result<std::unique_ptr<DraftProposer>> ForwardBackend::make_draft(
+    const std::string& model, std::shared_ptr<const M3Weights> target_weights) {
+  if (is_synthetic_draft(model)) {
+    return make_error(ErrorCode::kUnsupported,
+                      "the synthetic draft '" + model +
+                          "' (random weights, benchmarks only) is generated on the GPU; serve "
+                          "on one GPU (--device cuda) or give an EAGLE-3 draft directory",
+                      "--speculative-config");
+  }
+  M3_TRY(auto draft, Eagle3Draft::load(model, config(), std::move(target_weights), num_pages()));
+  return host_draft_proposer(std::move(draft));
 }
 
 void ForwardBackend::launch(const ForwardBatch& batch) {

@@ -17,6 +17,7 @@
 #include "core/check.h"
 #include "core/error.h"
 #include "model/config.h"
+#include "model/eagle3_draft.h"
 #include "model/m3_model.h"
 #include "model/vision_tower.h"
 
@@ -86,12 +87,19 @@ class ForwardBackend {
   virtual void copy_host_kv_pages(std::span<const HostPageCopy> offloads,
                                   std::span<const HostPageCopy> restores);
   // Speculative decoding: "" when forward() honours ForwardBatch::aux_layers (the target's aux
-  // hidden states for an EAGLE-3 draft, which runs on the host), else why not.
+  // hidden states for an EAGLE-3 draft, make_draft()), else why not.
   virtual std::string speculative_refusal() const {
     return "speculative decoding is not implemented on the " + device_name() +
            " backend yet; serve --speculative-config on one GPU (--tensor-parallel-size 1) or "
            "on the CPU backend (--device cpu)";
   }
+  // The EAGLE-3 draft `model` (its directory; or synthetic:mha / synthetic:gqa, benchmark drafts
+  // of random weights, where the backend can make them) for this backend's target, with its own
+  // KV cache of num_pages() pages over the same page ids. Default: the draft on the host CPU ops
+  // (Eagle3Draft::load), sharing the target's host embedding and LM head `target_weights`.
+  // Errors: Eagle3Draft::load's; a synthetic draft (host: refused naming --device cuda).
+  virtual Result<std::unique_ptr<model::DraftProposer>> make_draft(
+      const std::string& model, std::shared_ptr<const model::M3Weights> target_weights);
   // The KV pool's arrays (K, V, index-K, index-K scales of every layer, in that order), for a
   // transfer engine to read or write pages directly (P/D disaggregation). Empty: this backend
   // cannot share its pages that way (the caller refuses the feature by name).

@@ -287,7 +287,24 @@ __global__ void gather_ids_kernel(const int32_t* sampled, const int32_t* tokens,
   if (i < n) ids[tokens[i]] = sampled[slots[i]];
 }
 
+__global__ void gather_mapped_ids_kernel(const int32_t* ids, const int32_t* rows, int64_t n,
+                                         const int32_t* map, int32_t* out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int32_t id = ids[rows != nullptr ? rows[i] : i];
+  out[i] = map != nullptr ? map[id] : id;
+}
+
 }  // namespace
+
+void gather_mapped_ids(const int32_t* ids, const int32_t* rows, int64_t n, const int32_t* map,
+                       int32_t* out, cudaStream_t stream) {
+  if (n <= 0) return;
+  const int threads = 128;
+  gather_mapped_ids_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0,
+                             stream>>>(ids, rows, n, map, out);
+  M3_CUDA_CHECK_LAUNCH("gather_mapped_ids");
+}
 
 void gather_sampled_ids(const int32_t* sampled, const int32_t* tokens, const int32_t* slots,
                         int64_t n, int32_t* ids, cudaStream_t stream) {

@@ -26,4 +26,10 @@ void sample_rows(const float* logits, int64_t vocab, int64_t num_valid, const Sa
 void gather_sampled_ids(const int32_t* sampled, const int32_t* tokens, const int32_t* slots,
                         int64_t n, int32_t* ids, cudaStream_t stream);
 
+// Speculative drafting: out[i] = map[ids[rows[i]]] for i < n (rows null: ids[i]; map null:
+// no mapping), the draft's greedy ids gathered into the next draft step's inputs and mapped
+// from its vocabulary to the target's (an EAGLE-3 draft's d2t).
+void gather_mapped_ids(const int32_t* ids, const int32_t* rows, int64_t n, const int32_t* map,
+                       int32_t* out, cudaStream_t stream);
+
 }  // namespace m3::kernels::cuda

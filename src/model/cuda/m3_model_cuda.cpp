@@ -595,15 +595,21 @@ void M3ModelCuda::set_use_graphs(bool on) {
   if (!on) clear_graphs();
 }
 
+const float* M3ModelCuda::aux_states() const {
+  return ops_->f32(Buf::kAux, 0);
+}
+
 void M3ModelCuda::replay_or_capture(const StepShape& shape, const int32_t* tokens,
-                                    const ops::TokenLayout& layout) {
+                                    const ops::TokenLayout& layout, const AuxCapture* aux) {
   cudaStream_t s = stream_.get();
   if (graphs_.size() > kMaxGraphs) clear_graphs();
   // A data-parallel rank's MoE collectives are sized by the step's largest per-rank row count:
   // part of the key.
   const int64_t dp_rows = fw_->dp_step_rows();
+  // Aux copies of a device draft's layers: the layer set is fixed for the model's life (one
+  // draft), so its count tells the graphs apart.
   GraphEntry& e = graphs_[{shape.num_tokens, shape.max_kv_len, shape.cache->id(), dp_rows,
-                           layout.multi_token_seqs}];
+                           layout.multi_token_seqs, aux != nullptr ? aux->n : 0}];
   if (e.exec && e.generation == ops_->generation()) {
     M3_CUDA_CHECK(cudaGraphLaunch(e.exec, s));
     ++graph_replays_;
@@ -614,7 +620,7 @@ void M3ModelCuda::replay_or_capture(const StepShape& shape, const int32_t* token
     // the capture will use, so nothing allocates or synchronises inside the capture. A shape
     // whose eager run synchronised the host (the MoE's per-expert path) is never captured.
     ops_->clear_syncs_host();
-    run_layers(shape, tokens, layout, nullptr);
+    run_layers(shape, tokens, layout, nullptr, aux);
     e.seen = true;
     e.seen_generation = ops_->generation();
     if (ops_->syncs_host()) e.never = true;
@@ -626,7 +632,7 @@ void M3ModelCuda::replay_or_capture(const StepShape& shape, const int32_t* token
   }
   const uint64_t gen = ops_->generation();
   M3_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-  run_layers(shape, tokens, layout, nullptr);
+  run_layers(shape, tokens, layout, nullptr, aux);
   cudaGraph_t g = nullptr;
   M3_CUDA_CHECK(cudaStreamEndCapture(s, &g));
   M3_CHECK(gen == ops_->generation(), "a scratch buffer grew while capturing a CUDA graph");
@@ -799,7 +805,10 @@ void M3ModelCuda::enqueue(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   // Every listed sequence has at least one token: more tokens than sequences means a prefill
   // chunk or a verify run (the attention's query-tiled kernel).
   layout.multi_token_seqs = T > S1 - 1;
-  const bool graph_step = !capture_msa && b.aux_layers.empty() && use_graphs_ && graph_size(T);
+  // Aux states copied to the host run eagerly; kept on the device (a device draft) the copies
+  // are captured with the layers.
+  const bool graph_step =
+      !capture_msa && (b.aux_layers.empty() || b.aux_on_device) && use_graphs_ && graph_size(T);
   if (flash_ != nullptr) {
     // An eager step's runs of several tokens go to FlashInfer when each is a chunk of
     // consecutive positions (a prefill or a verify run); otherwise none does.
@@ -831,8 +840,9 @@ void M3ModelCuda::enqueue(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   }
   const StepShape shape{T, max_kv_len, &cache};
   // Speculative decoding: the residual streams entering the draft's aux layers, copied out of
-  // the layer loop into a device buffer and then to out->aux_hidden. Such steps run eagerly (the
-  // graphs are captured without the copies).
+  // the layer loop into a device buffer (Buf::kAux). A device draft reads them there
+  // (aux_on_device: captured into the graphs with the layers); else they go to out->aux_hidden
+  // and the step runs eagerly (the copy to pageable host memory waits).
   const int64_t naux = static_cast<int64_t>(b.aux_layers.size());
   AuxCapture aux;
   if (naux > 0) {
@@ -849,13 +859,14 @@ void M3ModelCuda::enqueue(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   kv_copy_waits_.clear();
   if (graph_step) {
     for (cudaEvent_t e : kv_waits) M3_CUDA_CHECK(cudaStreamWaitEvent(s, e, 0));
-    replay_or_capture(shape, tokens, layout);
+    replay_or_capture(shape, tokens, layout, naux > 0 ? &aux : nullptr);
   } else {
     ops_->set_kv_layer_waits(std::move(kv_waits));
     run_layers(shape, tokens, layout, capture_msa ? out : nullptr, naux > 0 ? &aux : nullptr);
     ops_->set_kv_layer_waits({});
   }
-  if (out != nullptr && naux > 0) {
+  aux_rows_ = naux > 0 && b.aux_on_device ? T : 0;
+  if (out != nullptr && naux > 0 && !b.aux_on_device) {
     out->aux_hidden.resize(static_cast<size_t>(T * naux * cfg.hidden_size));
     M3_CUDA_CHECK(cudaMemcpyAsync(out->aux_hidden.data(), aux.out,
                                   out->aux_hidden.size() * sizeof(float), cudaMemcpyDeviceToHost,

@@ -111,7 +111,8 @@ class M3ModelCuda {
   // before it first touches the layer's pages; a step that replays a CUDA graph waits for all
   // of them before the graph. Consumed by that step.
   void wait_for_kv_copies(std::vector<cudaEvent_t> layer_events);
-  // The stream every step's work is enqueued on (the tier's copies are ordered after it).
+  // The stream every step's work is enqueued on (the tier's copies are ordered after it; a
+  // device draft enqueues its steps on it, after the target's).
   cudaStream_t stream() const { return stream_.get(); }
   // The step sizes (token counts) that replay CUDA graphs: every size up to kGraphMaxTokens
   // (256) when empty (the default), else exactly the listed ones (vLLM's
@@ -132,6 +133,11 @@ class M3ModelCuda {
   // Benchmarks only: tensor-parallel collectives become no-ops (wrong results; bench/bench_tp
   // times a step without its communication). Set before the first forward.
   void set_skip_collectives_for_timing(bool on);
+  // Speculative decoding: the aux hidden states of the last step that asked for them with
+  // ForwardBatch::aux_on_device, [its tokens, aux_layers * hidden] f32 on the device, valid until
+  // the next step; aux_state_rows() is that step's token count (0: none).
+  const float* aux_states() const;
+  int64_t aux_state_rows() const { return aux_rows_; }
   int64_t graph_replays() const { return graph_replays_; }
   int64_t graph_captures() const { return graph_captures_; }
   ~M3ModelCuda();
@@ -150,7 +156,7 @@ class M3ModelCuda {
                   const kernels::cpu::TokenLayout& layout, ForwardResult* msa_out,
                   const AuxCapture* aux = nullptr);
   void replay_or_capture(const StepShape& shape, const int32_t* tokens,
-                         const kernels::cpu::TokenLayout& layout);
+                         const kernels::cpu::TokenLayout& layout, const AuxCapture* aux);
   void clear_graphs();
   bool graph_size(int64_t num_tokens) const;
   // forward()'s work on the stream, ending with the step's event; the sampled ids go to the
@@ -199,8 +205,10 @@ class M3ModelCuda {
     uint64_t seen_generation = 0;
   };
   // Keyed by (tokens, key-count bucket, cache id, data-parallel MoE rows (0 unless DP), whether
-  // some sequence has several tokens: the attention then launches its query-tiled kernel too).
-  std::map<std::tuple<int64_t, int64_t, uint64_t, int64_t, bool>, GraphEntry> graphs_;
+  // some sequence has several tokens: the attention then launches its query-tiled kernel too,
+  // the aux layers copied out for a device draft (0: none; the copies are part of the graph)).
+  std::map<std::tuple<int64_t, int64_t, uint64_t, int64_t, bool, int64_t>, GraphEntry> graphs_;
+  int64_t aux_rows_ = 0;  // aux_state_rows()
   // The step's host arrays, staged in pinned memory and copied in one transfer to step_.
   int32_t* stage_ = nullptr;
   size_t stage_cap_ = 0;

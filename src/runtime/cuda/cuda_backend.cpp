@@ -9,6 +9,7 @@
 #include "core/log.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
+#include "model/cuda/eagle3_draft_cuda.h"
 #include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/kv_cache.h"
@@ -67,9 +68,39 @@ class CudaBackend final : public ForwardBackend {
   std::string device_name() const override { return name_; }
   std::string kv_cache_flag() const override { return flag_; }
   void set_kv_cache_flag(std::string flag) { flag_ = std::move(flag); }
-  // One GPU: the target's aux hidden states come back with the step (M3ModelCuda::forward); the
-  // draft head runs on the host (engine/spec_decode.h).
+  // One GPU: the target's aux hidden states stay on the device (M3ModelCuda::aux_states) and
+  // the draft head runs there too (model/cuda/eagle3_draft_cuda.h).
   std::string speculative_refusal() const override { return ""; }
+  void set_draft(std::unique_ptr<Eagle3DraftCuda> d) { draft_ = std::move(d); }
+  Result<std::unique_ptr<DraftProposer>> make_draft(
+      const std::string& model, std::shared_ptr<const M3Weights> /*target_weights*/) override {
+    M3_CUDA_CHECK(cudaSetDevice(device_));
+    std::unique_ptr<Eagle3DraftCuda> d;
+    if (draft_ != nullptr && draft_->name() == model) {
+      d = std::move(draft_);
+    } else {
+      // Not loaded with the pool (CudaBackendOptions::draft_model): its KV pages come out of
+      // the memory the pool left free.
+      M3_TRY(d, Eagle3DraftCuda::load(model, *model_, device_));
+      const double need = static_cast<double>(d->kv_page_bytes()) * num_pages();
+      size_t free_b = 0, total_b = 0;
+      M3_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+      if (need > 0.9 * static_cast<double>(free_b)) {
+        return make_error(ErrorCode::kInvalidArgument,
+                          "the EAGLE-3 draft's KV cache (" + mib(need) + " for the pool's " +
+                              std::to_string(num_pages()) + " pages) does not fit in the " +
+                              mib(static_cast<double>(free_b)) + " left on " + name_ + "; lower " +
+                              flag_ + " so the pool leaves room for it",
+                          "--speculative-config");
+      }
+      d->allocate_kv(num_pages());
+      M3_LOG_INFO("EAGLE-3 draft on %s: weights %s, KV cache %s (%lld pages)", name_.c_str(),
+                  mib(static_cast<double>(d->weight_bytes())).c_str(),
+                  mib(static_cast<double>(d->kv_bytes())).c_str(),
+                  static_cast<long long>(num_pages()));
+    }
+    return std::unique_ptr<DraftProposer>(std::move(d));
+  }
 
   // Pinned host slots behind the pool (runtime/cuda/host_kv_tier_cuda.h).
   Status enable_host_kv_tier(int64_t num_slots) override {
@@ -96,6 +127,7 @@ class CudaBackend final : public ForwardBackend {
   int device_;
   std::string name_;
   std::string flag_ = "--gpu-memory-utilization";
+  std::unique_ptr<Eagle3DraftCuda> draft_;  // loaded with the pool, until make_draft()
 };
 
 // One prefill step of t tokens of a dummy sequence over the first pages (no sequence owns any
@@ -149,7 +181,16 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Mode
   if (!opts.cudagraph_capture_sizes.empty()) model->set_graph_sizes(opts.cudagraph_capture_sizes);
   const double util = opts.gpu_memory_utilization;
   M3_TRY_STATUS(check_gpu_memory_utilization(util));
-  const int64_t page_bytes = KvCache::page_bytes(model->config());  // KvCacheCuda: same layout
+  // The EAGLE-3 draft's weights first, so the free memory below is what both caches share.
+  std::unique_ptr<Eagle3DraftCuda> draft;
+  if (!opts.draft_model.empty()) {
+    M3_TRY(draft,
+           Eagle3DraftCuda::load(opts.draft_model, *model, opts.device, opts.synthetic_seed + 1));
+  }
+  const int64_t target_page_bytes = KvCache::page_bytes(model->config());  // KvCacheCuda: same
+  // One page id is a page of the target's cache and one of the draft's.
+  const int64_t draft_page_bytes = draft ? draft->kv_page_bytes() : 0;
+  const int64_t page_bytes = target_page_bytes + draft_page_bytes;
   // Free memory now that the weights are resident (probe also reads cudaMemGetInfo).
   M3_TRY(gpu::DeviceInfo info, gpu::probe_device(opts.device));
   const double free_bytes = static_cast<double>(info.free_bytes);
@@ -191,13 +232,25 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Mode
   facts.sized_by = explicit_bytes ? "--kv-cache-memory-bytes " + mib(budget) : source;
   facts.flag = explicit_bytes ? "--kv-cache-memory-bytes" : "--gpu-memory-utilization";
   M3_TRY_STATUS(check_max_model_len_fits(opts.max_model_len, facts));
+  const std::string page_str = draft ? mib(static_cast<double>(page_bytes)) + " (target " +
+                                           mib(static_cast<double>(target_page_bytes)) +
+                                           " + EAGLE-3 draft " +
+                                           mib(static_cast<double>(draft_page_bytes)) + ")"
+                                     : mib(static_cast<double>(page_bytes));
   M3_LOG_INFO("KV cache on %s: %s (%s) = %lld pages of %s = %lld tokens", where.c_str(),
               mib(static_cast<double>(num_pages) * static_cast<double>(page_bytes)).c_str(),
-              source.c_str(), static_cast<long long>(num_pages),
-              mib(static_cast<double>(page_bytes)).c_str(), static_cast<long long>(tokens));
+              source.c_str(), static_cast<long long>(num_pages), page_str.c_str(),
+              static_cast<long long>(tokens));
+  if (draft) {
+    draft->allocate_kv(num_pages);
+    M3_LOG_INFO("EAGLE-3 draft %s on %s: weights %s, KV cache %s", opts.draft_model.c_str(),
+                where.c_str(), mib(static_cast<double>(draft->weight_bytes())).c_str(),
+                mib(static_cast<double>(draft->kv_bytes())).c_str());
+  }
   auto backend =
       std::make_unique<CudaBackend>(std::move(model), nullptr, num_pages, opts.device, where);
   backend->set_kv_cache_flag(flag);
+  if (draft) backend->set_draft(std::move(draft));
   if (opts.warmup_tokens > 0) {
     int64_t t = std::min(opts.warmup_tokens, tokens);
     if (opts.max_model_len > 0) t = std::min(t, opts.max_model_len);

@@ -51,6 +51,12 @@ struct CudaBackendOptions {
   // allocates whole (drivers that hand out pages themselves, e.g. SequencePages in tests and
   // bench_tp).
   bool dp_kv_partitions = true;
+  // Speculative decoding (single GPU): the EAGLE-3 draft (--speculative-config "model": a
+  // directory, or synthetic:mha / synthetic:gqa) loaded onto the GPU right after the target, so
+  // the KV pool's page count is sized for the target's page plus the draft's page (both caches
+  // hold every page id) and the start-up line shows both; ForwardBackend::make_draft then hands
+  // it out. Empty: a draft asked for later is loaded then, into what the pool left free.
+  std::string draft_model;
   // Benchmarks only (bench/bench_tp.cpp): the TP ranks skip every collective, so a step's time
   // without communication can be set against the real one. The results are wrong; never set by
   // a serving path.

@@ -470,6 +470,12 @@ TEST(VllmFlags, SpeculativeConfig) {
   EXPECT_TRUE(syn.plan->speculative->synthetic);
   EXPECT_DOUBLE_EQ(syn.plan->speculative->synthetic_acceptance_length, 2.78);
   EXPECT_NE(all_notices(*syn.plan).find("BENCHMARK ONLY"), std::string::npos);
+  // A synthetic draft (random weights on the GPU) is no directory; it is named as benchmark-only.
+  auto sd =
+      spec("\"method\": \"eagle3\", \"model\": \"synthetic:gqa\", \"num_speculative_tokens\": 3");
+  ASSERT_TRUE(sd.plan.has_value()) << sd.plan.error().message;
+  EXPECT_EQ(sd.plan->speculative->model, "synthetic:gqa");
+  EXPECT_NE(all_notices(*sd.plan).find("SYNTHETIC draft"), std::string::npos);
 
   auto refused = [&](const std::string& body, const std::vector<std::string>& needles) {
     auto p = spec(body);

@@ -646,5 +646,29 @@ TEST(SpecDecodeEngine, BadDraftsAreRefusedWithBothNumbers) {
          "LlamaForCausalLM");
 }
 
+// The synthetic benchmark drafts are made on the GPU only: the CPU backend refuses them by name,
+// and a synthetic (config-only) target's host draft is refused naming --device cuda.
+TEST(SpecDecodeEngine, SyntheticDraftsAndTargetsNeedTheGpu) {
+  auto m = model::M3Model::load(kModel);
+  ASSERT_TRUE(m.has_value());
+  EngineConfig cfg;
+  cfg.model_dir = kModel;
+  cfg.block_size = static_cast<int>((*m)->config().sparse_block_size);
+  cfg.max_num_seqs = 4;
+  cfg.kv_cache_memory_bytes = 4 << 20;
+  cfg.speculative.method = "eagle3";
+  cfg.speculative.model = "synthetic:gqa";
+  cfg.speculative.num_speculative_tokens = 3;
+  auto e = Engine::create(cfg);
+  ASSERT_FALSE(e.has_value());
+  EXPECT_NE(e.error().message.find("synthetic:gqa"), std::string::npos) << e.error().message;
+  EXPECT_NE(e.error().message.find("--device cuda"), std::string::npos) << e.error().message;
+  const std::string dir = ::testing::TempDir() + "/draft_synth_target";
+  testing::write_draft(dir, testing::shape_for((*m)->config()));
+  auto d = model::Eagle3Draft::load(dir, (*m)->config(), nullptr, 4);
+  ASSERT_FALSE(d.has_value());
+  EXPECT_NE(d.error().message.find("--device cuda"), std::string::npos) << d.error().message;
+}
+
 }  // namespace
 }  // namespace m3::engine

@@ -145,5 +145,35 @@ TEST(Eagle3Draft, OneTokenAtATimeEqualsOneChunk) {
   EXPECT_EQ(ri.argmax_tokens, rc.argmax_tokens);
 }
 
+// The synthetic benchmark drafts' shapes (model/eagle3_draft.h): M3's hidden and vocabulary,
+// 48 x 128 heads, MHA or 3 KV heads, MLP 4 x hidden; 3.29 B parameters with the shared
+// embedding and LM head (m3-model.md §5.2: ~3.3 B).
+TEST(Eagle3Draft, SyntheticDraftsHaveM3Shapes) {
+  M3Config t;
+  t.hidden_size = 6144;
+  t.vocab_size = 200064;
+  t.num_hidden_layers = 60;
+  for (const char* name : {"synthetic:mha", "synthetic:gqa"}) {
+    ASSERT_TRUE(is_synthetic_draft(name));
+    auto c = synthetic_eagle3_config(name, t);
+    ASSERT_TRUE(c.has_value()) << c.error().message;
+    const bool mha = std::string(name) == "synthetic:mha";
+    EXPECT_EQ(c->num_attention_heads, 48);
+    EXPECT_EQ(c->head_dim, 128);
+    EXPECT_EQ(c->num_key_value_heads, mha ? 48 : 3);
+    EXPECT_EQ(c->aux_layer_ids, (std::vector<int32_t>{2, 30, 57}));
+    const int64_t H = 6144, kv = c->num_key_value_heads * 128;
+    const int64_t own = 3 * H * H + (H + 2 * kv) * 2 * H + H * H + 3 * H * c->intermediate_size;
+    const double total = static_cast<double>(own + 2 * t.vocab_size * H);
+    if (mha) {
+      EXPECT_NEAR(total / 1e9, 3.29, 0.01);
+    }
+  }
+  EXPECT_FALSE(is_synthetic_draft("models/demo-eagle3"));
+  auto bad = synthetic_eagle3_config("synthetic:mqa", t);
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_NE(bad.error().message.find("synthetic:mha or synthetic:gqa"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace m3::model

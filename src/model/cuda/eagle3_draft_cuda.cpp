@@ -1,0 +1,450 @@
+#include "model/cuda/eagle3_draft_cuda.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/check.h"
+#include "core/log.h"
+#include "gpu/cuda_check.h"
+#include "kernels/cuda/sample.h"
+#include "model/cuda/cuda_ops.h"
+#include "model/cuda/m3_model_cuda.h"
+#include "model/cuda/synthetic_weights.h"
+#include "model/eagle3_forward.h"
+
+namespace m3::model {
+
+namespace ops = kernels::cuda;
+using kernels::MatRef;
+using kernels::VecRef;
+
+Eagle3DraftCuda::Eagle3DraftCuda(Eagle3Config cfg, M3ModelCuda& target, int device)
+    : cfg_(std::move(cfg)), target_(target), device_(device) {
+  cache_cfg_.num_hidden_layers = 1;
+  cache_cfg_.num_attention_heads = cfg_.num_attention_heads;
+  cache_cfg_.num_key_value_heads = cfg_.num_key_value_heads;
+  cache_cfg_.head_dim = cfg_.head_dim;
+  cache_cfg_.hidden_size = cfg_.hidden_size;
+  cache_cfg_.sparse_block_size = target.config().sparse_block_size;
+  cache_cfg_.layer_is_sparse = {false};
+  cache_cfg_.layer_is_moe = {false};
+  // bf16 K/V: the serving default's KV format (the CPU draft keeps f32).
+  cache_cfg_.kv_cache_dtype = kernels::KvDtype::kBf16;
+}
+
+Eagle3DraftCuda::Eagle3DraftCuda(Eagle3Config cfg, const Eagle3Weights& host, M3ModelCuda& target,
+                                 int device)
+    : Eagle3DraftCuda(std::move(cfg), target, device) {
+  M3_CUDA_CHECK(cudaSetDevice(device_));
+  dev_.fc = upload(host.fc);
+  dev_.q_proj = upload(host.q_proj);
+  dev_.k_proj = upload(host.k_proj);
+  dev_.v_proj = upload(host.v_proj);
+  dev_.o_proj = upload(host.o_proj);
+  dev_.gate_proj = upload(host.gate_proj);
+  dev_.up_proj = upload(host.up_proj);
+  dev_.down_proj = upload(host.down_proj);
+  dev_.input_norm = upload(host.input_norm);
+  dev_.hidden_norm = upload(host.hidden_norm);
+  dev_.post_attention_norm = upload(host.post_attention_norm);
+  dev_.final_norm = upload(host.final_norm);
+  dev_.own_embed = host.own_embed;
+  dev_.own_lm_head = host.own_lm_head;
+  if (host.own_embed) dev_.embed_tokens = upload(host.embed_tokens);
+  if (host.own_lm_head) dev_.lm_head = upload(host.lm_head);
+  share_target();
+  if (!host.draft_to_target.empty()) d2t_ = gpu::DeviceBuffer<int32_t>(host.draft_to_target);
+  init_forward();
+}
+
+Eagle3DraftCuda::~Eagle3DraftCuda() {
+  cudaStreamSynchronize(target_.stream());  // nothing launched may still read what is freed
+  if (stage_ != nullptr) cudaFreeHost(stage_);
+  if (out_host_ != nullptr) cudaFreeHost(out_host_);
+}
+
+Result<std::unique_ptr<Eagle3DraftCuda>> Eagle3DraftCuda::load(const std::string& model,
+                                                               M3ModelCuda& target, int device,
+                                                               uint64_t seed) {
+  const M3Config& tc = target.config();
+  size_t free_b = 0, total_b = 0;
+  M3_CUDA_CHECK(cudaSetDevice(device));
+  M3_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  auto fits = [&](const Eagle3Config& c, bool own_embed, bool own_head) -> Status {
+    const int64_t H = c.hidden_size, q = c.num_attention_heads * c.head_dim,
+                  kv = c.num_key_value_heads * c.head_dim;
+    int64_t n = H * static_cast<int64_t>(c.aux_layer_ids.size()) * c.target_hidden_size +
+                (q + 2 * kv) * 2 * H + H * q + 3 * H * c.intermediate_size;
+    if (own_embed) n += c.vocab_size * H;
+    if (own_head) n += c.draft_vocab_size * H;
+    const double need = static_cast<double>(n) * 2.0;  // bf16
+    if (need > static_cast<double>(free_b)) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "the EAGLE-3 draft's weights (" + std::to_string(need / (1 << 20)) +
+                            " MiB in bf16) do not fit in the " +
+                            std::to_string(static_cast<double>(free_b) / (1 << 20)) +
+                            " MiB free on cuda:" + std::to_string(device) +
+                            " after the target's weights",
+                        "--speculative-config");
+    }
+    return {};
+  };
+  if (is_synthetic_draft(model)) {
+    M3_TRY(Eagle3Config c, synthetic_eagle3_config(model, tc));
+    M3_TRY_STATUS(fits(c, false, false));
+    std::unique_ptr<Eagle3DraftCuda> d(new Eagle3DraftCuda(std::move(c), target, device));
+    d->name_ = model;
+    d->generate(seed);
+    d->share_target();
+    d->init_forward();
+    return d;
+  }
+  // A host target keeps its embedding for the checks (and a host draft); the GPU draft reads
+  // the device copies either way.
+  std::shared_ptr<const M3Weights> host_w =
+      target.host() != nullptr ? target.host()->base_weights() : nullptr;
+  M3_TRY(Eagle3Checkpoint ck, load_eagle3_checkpoint(model, tc, host_w));
+  M3_TRY_STATUS(fits(ck.config, ck.weights->own_embed, ck.weights->own_lm_head));
+  auto d = std::make_unique<Eagle3DraftCuda>(std::move(ck.config), *ck.weights, target, device);
+  d->name_ = model;
+  return d;
+}
+
+void* Eagle3DraftCuda::alloc(size_t bytes) {
+  storage_.emplace_back(bytes);
+  weight_bytes_ += bytes;
+  return storage_.back().data();
+}
+
+MatRef Eagle3DraftCuda::upload(const MatRef& m) {
+  MatRef r = m;
+  if (m.data == nullptr || m.rows * m.cols == 0) return r;
+  M3_CHECK(!m.quantized(), "EAGLE-3 draft: quantized draft weights are not supported");
+  const size_t bytes = static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype);
+  void* p = alloc(bytes);
+  M3_CUDA_CHECK(cudaMemcpy(p, m.data, bytes, cudaMemcpyHostToDevice));
+  r.data = p;
+  return r;
+}
+
+VecRef Eagle3DraftCuda::upload(const VecRef& v) {
+  VecRef r = v;
+  if (v.data == nullptr || v.n == 0) return r;
+  const size_t bytes = static_cast<size_t>(v.n) * dtype_size(v.dtype);
+  void* p = alloc(bytes);
+  M3_CUDA_CHECK(cudaMemcpy(p, v.data, bytes, cudaMemcpyHostToDevice));
+  r.data = p;
+  return r;
+}
+
+void Eagle3DraftCuda::generate(uint64_t seed) {
+  const int64_t H = cfg_.hidden_size, q = cfg_.num_attention_heads * cfg_.head_dim,
+                kv = cfg_.num_key_value_heads * cfg_.head_dim, I = cfg_.intermediate_size;
+  const int64_t in_fc = static_cast<int64_t>(cfg_.aux_layer_ids.size()) * cfg_.target_hidden_size;
+  cudaStream_t s = target_.stream();
+  uint64_t id = 0x5eed'0000;  // tensor ids apart from the target's (its table indices)
+  // As M3ModelCuda::synthetic: uniform with std 1/sqrt(fan_in), so activations stay O(1).
+  auto mat = [&](int64_t rows, int64_t cols) {
+    auto* p = static_cast<uint16_t*>(alloc(static_cast<size_t>(rows * cols) * 2));
+    fill_uniform_bf16(p, static_cast<size_t>(rows * cols),
+                      std::sqrt(3.0f) / std::sqrt(static_cast<float>(cols)), seed, ++id, s);
+    return MatRef{p, DType::kBF16, rows, cols};
+  };
+  // Norm weights w - 1 near 0 (the scale near 1, still exercised).
+  auto norm = [&](int64_t n) {
+    auto* p = static_cast<float*>(alloc(static_cast<size_t>(n) * sizeof(float)));
+    fill_uniform_f32(p, static_cast<size_t>(n), 0.1f, seed, ++id, s);
+    return VecRef{p, DType::kF32, n};
+  };
+  dev_.fc = mat(H, in_fc);
+  dev_.q_proj = mat(q, 2 * H);
+  dev_.k_proj = mat(kv, 2 * H);
+  dev_.v_proj = mat(kv, 2 * H);
+  dev_.o_proj = mat(H, q);
+  dev_.gate_proj = mat(I, H);
+  dev_.up_proj = mat(I, H);
+  dev_.down_proj = mat(H, I);
+  dev_.input_norm = norm(H);
+  dev_.hidden_norm = norm(H);
+  dev_.post_attention_norm = norm(H);
+  dev_.final_norm = norm(H);
+  M3_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void Eagle3DraftCuda::share_target() {
+  const M3Weights& t = target_.device_weights();
+  if (!dev_.own_embed) dev_.embed_tokens = t.embed_tokens;
+  if (!dev_.own_lm_head) dev_.lm_head = t.lm_head;
+  M3_CHECK(dev_.embed_tokens.data != nullptr && dev_.lm_head.data != nullptr,
+           "EAGLE-3 draft: the target's device embedding or LM head is missing");
+  M3_CHECK(!dev_.lm_head.quantized() && !dev_.embed_tokens.quantized(),
+           "EAGLE-3 draft: a quantized embedding or LM head");
+}
+
+void Eagle3DraftCuda::init_forward() {
+  ops_ = std::make_unique<CudaOps>(target_.stream());
+  fw_ = std::make_unique<Eagle3Forward<CudaOps>>(cfg_, dev_);
+}
+
+int64_t Eagle3DraftCuda::kv_page_bytes() const {
+  return KvCache::page_bytes(cache_cfg_);
+}
+
+int64_t Eagle3DraftCuda::kv_bytes_per_token() const {
+  return kv_page_bytes() / cache_cfg_.sparse_block_size;
+}
+
+void Eagle3DraftCuda::allocate_kv(int64_t num_pages) {
+  M3_CHECK(cache_ == nullptr, "EAGLE-3 draft: allocate_kv twice");
+  M3_CUDA_CHECK(cudaSetDevice(device_));
+  cache_ = std::make_unique<KvCacheCuda>(cache_cfg_, num_pages);
+}
+
+namespace {
+
+// Where each array of one draft step sits in the staged words.
+struct StepPlan {
+  int64_t T = 0, S = 0, R = 0;
+  int64_t tok_at = -1;  // context pass only: its input ids
+  int64_t pos_at = 0, seq_at = 0, bto_at = 0, bt_at = 0, rows_at = 0;
+  int64_t src_at = 0;     // hidden source rows: aux rows (context), prev step's rows (drafts)
+  int64_t srcid_at = -1;  // drafts: each token's row among the previous step's ids
+  int64_t out_at = 0;     // its ids' offset in the mapped ids of all steps
+  int64_t max_kv_len = 0;
+};
+
+}  // namespace
+
+std::vector<std::vector<int32_t>> Eagle3DraftCuda::propose(const std::vector<DraftSeq>& seqs,
+                                                           std::span<const float> /*aux_hidden*/,
+                                                           int k) {
+  M3_CHECK(cache_ != nullptr, "EAGLE-3 draft: propose() before allocate_kv()");
+  M3_CUDA_CHECK(cudaSetDevice(device_));
+  const int64_t H = cfg_.hidden_size, Vd = cfg_.draft_vocab_size;
+  const int64_t aux_w = static_cast<int64_t>(cfg_.aux_layer_ids.size()) * cfg_.target_hidden_size;
+  const int64_t aux_rows = target_.aux_state_rows();
+  std::vector<std::vector<int32_t>> out(seqs.size());
+  std::vector<int32_t> w;  // the staged words
+  std::vector<StepPlan> plans;
+  // Per seq: its logits row and token row in the step just planned (-1: not in it).
+  std::vector<int64_t> row_of(seqs.size(), -1), tok_of(seqs.size(), -1), pos(seqs.size(), 0);
+  // Per step and seq: the row of its id in that step (the proposals, read back at the end).
+  std::vector<std::vector<int64_t>> got;
+  int64_t total_r = 0;
+  auto push = [&](const std::vector<int32_t>& v) {
+    const int64_t at = static_cast<int64_t>(w.size());
+    w.insert(w.end(), v.begin(), v.end());
+    return at;
+  };
+  {  // The context pass: every verified position, with the target's aux states there.
+    std::vector<int32_t> tok, p, sq, bto{0}, bt, rows, src;
+    int32_t s_idx = 0;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const DraftSeq& s = seqs[i];
+      if (s.num_valid <= 0) continue;
+      M3_CHECK(static_cast<int>(s.next_tokens.size()) == s.num_valid);
+      bt.insert(bt.end(), s.block_table.begin(), s.block_table.end());
+      bto.push_back(static_cast<int32_t>(bt.size()));
+      for (int j = 0; j < s.num_valid; ++j) {
+        M3_CHECK(s.first_row + j < aux_rows, "draft: aux row %d of a %lld-token target step",
+                 s.first_row + j, static_cast<long long>(aux_rows));
+        tok.push_back(s.next_tokens[j]);
+        p.push_back(s.start_pos + j);
+        sq.push_back(s_idx);
+        src.push_back(s.first_row + j);
+      }
+      tok_of[i] = static_cast<int64_t>(tok.size()) - 1;
+      if (s.num_propose > 0) {
+        row_of[i] = static_cast<int64_t>(rows.size());
+        rows.push_back(static_cast<int32_t>(tok_of[i]));
+        pos[i] = s.start_pos + s.num_valid;  // where the first proposal's KV goes
+      }
+      ++s_idx;
+    }
+    if (tok.empty()) return out;
+    StepPlan pl;
+    pl.T = static_cast<int64_t>(tok.size());
+    pl.S = s_idx;
+    pl.R = static_cast<int64_t>(rows.size());
+    pl.max_kv_len = *std::max_element(p.begin(), p.end()) + 1;
+    pl.tok_at = push(tok);
+    pl.pos_at = push(p);
+    pl.seq_at = push(sq);
+    pl.bto_at = push(bto);
+    pl.bt_at = push(bt);
+    pl.rows_at = push(rows);
+    pl.src_at = push(src);
+    pl.out_at = total_r;
+    total_r += pl.R;
+    plans.push_back(pl);
+    got.push_back(row_of);
+  }
+  // The draft steps: each proposing seq's last id and the draft's own pre-norm row, one
+  // position further (who takes part is known on the host: pages, num_propose).
+  for (int step = 1; step < k && plans.back().R > 0; ++step) {
+    std::vector<int32_t> p, sq, bto{0}, bt, rows, src, srcid;
+    std::vector<int64_t> nrow(seqs.size(), -1);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const DraftSeq& s = seqs[i];
+      if (row_of[i] < 0 || step >= s.num_propose || pos[i] >= s.capacity) continue;
+      bt.insert(bt.end(), s.block_table.begin(), s.block_table.end());
+      bto.push_back(static_cast<int32_t>(bt.size()));
+      const int32_t t = static_cast<int32_t>(p.size());
+      p.push_back(static_cast<int32_t>(pos[i]));
+      sq.push_back(t);
+      rows.push_back(t);
+      src.push_back(static_cast<int32_t>(tok_of[i]));
+      srcid.push_back(static_cast<int32_t>(row_of[i]));
+      nrow[i] = t;
+    }
+    if (p.empty()) break;
+    StepPlan pl;
+    pl.T = pl.S = pl.R = static_cast<int64_t>(p.size());
+    pl.max_kv_len = *std::max_element(p.begin(), p.end()) + 1;
+    pl.pos_at = push(p);
+    pl.seq_at = push(sq);
+    pl.bto_at = push(bto);
+    pl.bt_at = push(bt);
+    pl.rows_at = push(rows);
+    pl.src_at = push(src);
+    pl.srcid_at = push(srcid);
+    pl.out_at = total_r;
+    total_r += pl.R;
+    plans.push_back(pl);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      row_of[i] = tok_of[i] = nrow[i];
+      if (nrow[i] >= 0) ++pos[i];
+    }
+    got.push_back(nrow);
+  }
+  if (total_r == 0) {
+    // Nothing to propose: the context pass still writes the verified positions' KV.
+    plans.resize(1);
+  }
+
+  cudaStream_t st = target_.stream();
+  // Stage every step's arrays in one transfer.
+  if (stage_cap_ < w.size()) {
+    if (stage_ != nullptr) {
+      M3_CUDA_CHECK(cudaStreamSynchronize(st));
+      M3_CUDA_CHECK(cudaFreeHost(stage_));
+    }
+    stage_cap_ = std::max(w.size(), 2 * stage_cap_);
+    M3_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&stage_), stage_cap_ * sizeof(int32_t)));
+  }
+  std::memcpy(stage_, w.data(), w.size() * sizeof(int32_t));
+  int32_t* d = ops_->ensure(step_, static_cast<int64_t>(w.size()));
+  M3_CUDA_CHECK(cudaMemcpyAsync(d, stage_, w.size() * sizeof(int32_t), cudaMemcpyHostToDevice, st));
+  int64_t max_r = 1, max_t = 1, max_hidden = 1;
+  for (const StepPlan& pl : plans) {
+    max_r = std::max(max_r, pl.R);
+    max_t = std::max(max_t, pl.T);
+    max_hidden = std::max(max_hidden, pl.T * (pl.tok_at >= 0 ? aux_w : H));
+  }
+  float* hid = ops_->ensure(hidden_, max_hidden);
+  int32_t* toks = ops_->ensure(tokens_, max_t);
+  int32_t* ids = ops_->ensure(ids_, max_r);
+  int32_t* mapped = ops_->ensure(mapped_, std::max<int64_t>(total_r, 1));
+  if (greedy_.size() < static_cast<size_t>(max_r)) {
+    std::vector<kernels::cpu::SampleRow> g(static_cast<size_t>(std::max<int64_t>(max_r, 64)));
+    for (size_t r = 0; r < g.size(); ++r) {
+      g[r].row = static_cast<int32_t>(r);
+      g[r].temperature = 0.f;  // greedy: the argmax, ties to the lower id (as the CPU draft)
+    }
+    M3_CUDA_CHECK(cudaStreamSynchronize(st));
+    greedy_ = gpu::DeviceBuffer<kernels::cpu::SampleRow>(g);
+  }
+  const kernels::KvPages pages = cache_->layer(0);
+  const int32_t* map = d2t_.size() > 0 ? d2t_.data() : nullptr;
+  for (size_t si = 0; si < plans.size(); ++si) {
+    const StepPlan& pl = plans[si];
+    kernels::TokenLayout layout;
+    layout.num_tokens = pl.T;
+    layout.positions = d + pl.pos_at;
+    layout.seq_ids = d + pl.seq_at;
+    layout.block_table_offsets = d + pl.bto_at;
+    layout.block_table = d + pl.bt_at;
+    layout.multi_token_seqs = pl.T > pl.S;
+    const int32_t* tokens = nullptr;
+    if (si == 0) {
+      // hidden: the target's aux rows of these positions [T, aux * target_hidden]
+      ops_->gather_rows(target_.aux_states(), d + pl.src_at, pl.T, aux_w, hid);
+      tokens = d + pl.tok_at;
+    } else {
+      // hidden: the previous step's pre-norm rows; tokens: its greedy ids (target ids)
+      ops_->gather_rows(ops_->f32(Buf::kX, 0), d + pl.src_at, pl.T, H, hid);
+      ops::gather_mapped_ids(mapped + plans[si - 1].out_at, d + pl.srcid_at, pl.T, nullptr, toks,
+                             st);
+      tokens = toks;
+    }
+    float* logits = pl.R > 0 ? ops_->f32(Buf::kLogits, pl.R * Vd) : nullptr;
+    fw_->run(*ops_, tokens, layout, pages, hid, si == 0, pl.max_kv_len, d + pl.rows_at, pl.R,
+             logits);
+    if (pl.R == 0) continue;
+    ops::sample_rows(logits, Vd, Vd, greedy_.data(), pl.R, ids, st);
+    ops::gather_mapped_ids(ids, nullptr, pl.R, map, mapped + pl.out_at, st);
+  }
+  if (total_r == 0) {
+    M3_CUDA_CHECK(cudaStreamSynchronize(st));
+    return out;
+  }
+  if (out_host_cap_ < static_cast<size_t>(total_r)) {
+    M3_CUDA_CHECK(cudaStreamSynchronize(st));
+    if (out_host_ != nullptr) M3_CUDA_CHECK(cudaFreeHost(out_host_));
+    out_host_cap_ = std::max<size_t>(static_cast<size_t>(total_r), 2 * out_host_cap_);
+    M3_CUDA_CHECK(
+        cudaMallocHost(reinterpret_cast<void**>(&out_host_), out_host_cap_ * sizeof(int32_t)));
+  }
+  M3_CUDA_CHECK(cudaMemcpyAsync(out_host_, mapped, static_cast<size_t>(total_r) * sizeof(int32_t),
+                                cudaMemcpyDeviceToHost, st));
+  M3_CUDA_CHECK(cudaStreamSynchronize(st));
+  for (size_t si = 0; si < plans.size(); ++si)
+    for (size_t i = 0; i < seqs.size(); ++i)
+      if (got[si][i] >= 0) out[i].push_back(out_host_[plans[si].out_at + got[si][i]]);
+  return out;
+}
+
+void Eagle3DraftCuda::forward_for_test(const DraftBatch& b, std::vector<float>* prenorm,
+                                       std::vector<float>* logits) {
+  M3_CHECK(cache_ != nullptr, "EAGLE-3 draft: forward_for_test() before allocate_kv()");
+  M3_CUDA_CHECK(cudaSetDevice(device_));
+  cudaStream_t st = target_.stream();
+  const int64_t T = static_cast<int64_t>(b.token_ids.size()), H = cfg_.hidden_size;
+  const int64_t R = static_cast<int64_t>(b.logits_indices.size()), Vd = cfg_.draft_vocab_size;
+  std::vector<int32_t> w;
+  auto push = [&](const std::vector<int32_t>& v) {
+    const int64_t at = static_cast<int64_t>(w.size());
+    w.insert(w.end(), v.begin(), v.end());
+    return at;
+  };
+  const int64_t tok_at = push(b.token_ids), pos_at = push(b.positions), seq_at = push(b.seq_ids),
+                bto_at = push(b.block_table_offsets), bt_at = push(b.block_table),
+                rows_at = push(b.logits_indices);
+  int32_t* d = ops_->ensure(step_, static_cast<int64_t>(w.size()));
+  M3_CUDA_CHECK(cudaMemcpy(d, w.data(), w.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  float* hid = ops_->ensure(hidden_, static_cast<int64_t>(b.hidden.size()));
+  M3_CUDA_CHECK(
+      cudaMemcpy(hid, b.hidden.data(), b.hidden.size() * sizeof(float), cudaMemcpyHostToDevice));
+  kernels::TokenLayout layout;
+  layout.num_tokens = T;
+  layout.positions = d + pos_at;
+  layout.seq_ids = d + seq_at;
+  layout.block_table_offsets = d + bto_at;
+  layout.block_table = d + bt_at;
+  layout.multi_token_seqs = T > static_cast<int64_t>(b.block_table_offsets.size()) - 1;
+  const int64_t max_pos = *std::max_element(b.positions.begin(), b.positions.end());
+  float* lg = R > 0 ? ops_->f32(Buf::kLogits, R * Vd) : nullptr;
+  fw_->run(*ops_, d + tok_at, layout, cache_->layer(0), hid, b.hidden_is_aux, max_pos + 1,
+           d + rows_at, R, lg);
+  prenorm->resize(static_cast<size_t>(T * H));
+  M3_CUDA_CHECK(cudaMemcpyAsync(prenorm->data(), ops_->f32(Buf::kX, 0),
+                                prenorm->size() * sizeof(float), cudaMemcpyDeviceToHost, st));
+  logits->resize(static_cast<size_t>(R * Vd));
+  if (R > 0)
+    M3_CUDA_CHECK(cudaMemcpyAsync(logits->data(), lg, logits->size() * sizeof(float),
+                                  cudaMemcpyDeviceToHost, st));
+  M3_CUDA_CHECK(cudaStreamSynchronize(st));
+}
+
+}  // namespace m3::model
