@@ -147,8 +147,8 @@ TEST(VisionCudaOps, AttentionSegmentsMatchesCpu) {
     std::vector<int64_t> seg;
   };
   // M3's 16 x 80 over three images of different sizes; a tiny head dim; one long segment.
-  for (const Case& c : {Case{16, 80, {0, 64, 100, 356}}, Case{2, 8, {0, 5, 6, 30}},
-                        Case{4, 80, {0, 1200}}}) {
+  for (const Case& c :
+       {Case{16, 80, {0, 64, 100, 356}}, Case{2, 8, {0, 5, 6, 30}}, Case{4, 80, {0, 1200}}}) {
     const int64_t n = c.seg.back(), w = c.heads * c.d;
     const auto q = testing::randn(n * w, g), k = testing::randn(n * w, g),
                v = testing::randn(n * w, g);
@@ -167,14 +167,13 @@ TEST(VisionCudaOps, AttentionSegmentsMatchesCpu) {
         const size_t bytes = kc::attention_segments_workspace_bytes(n, c.heads, c.d, rows, longest);
         DeviceBuffer<uint8_t> ws(bytes);
         dout.fill_bytes(0xff);
-        kc::attention_segments(dq.data(), dk.data(), dv.data(), n, c.heads, c.d, c.seg.data(),
-                               nseg, scale, kernels::Workspace{ws.data(), bytes}, dout.data(),
-                               nullptr);
+        kc::attention_segments(dq.data(), dk.data(), dv.data(), n, c.heads, c.d, c.seg.data(), nseg,
+                               scale, kernels::Workspace{ws.data(), bytes}, dout.data(), nullptr);
         const double err = max_abs(dout.to_host(), want);
         std::printf("attention_segments heads %lld d %lld %s rows %lld: max |err| %.3g\n",
                     static_cast<long long>(c.heads), static_cast<long long>(c.d),
-                    p == kc::GemmPrecision::kExact ? "exact" : "bf16",
-                    static_cast<long long>(rows), err);
+                    p == kc::GemmPrecision::kExact ? "exact" : "bf16", static_cast<long long>(rows),
+                    err);
         EXPECT_LE(err, p == kc::GemmPrecision::kExact ? kOpTol : kAttnBf16Tol);
       }
     }
@@ -235,8 +234,7 @@ TEST(VisionTowerCuda, MatchesCpuTowerAndTransformers) {
     std::vector<vision::ProcessedImage> imgs;
     for (const auto& n : c["images"]) imgs.push_back(load_image(n.get<std::string>()));
     std::vector<model::VisionImage> vi;
-    for (const auto& p : imgs)
-      vi.push_back({p.grid_t, p.grid_h, p.grid_w, p.pixel_values.data()});
+    for (const auto& p : imgs) vi.push_back({p.grid_t, p.grid_h, p.grid_w, p.pixel_values.data()});
     std::vector<float> want_e, want_h;
     cpu->encode(vi, &want_e, &want_h);
     {
@@ -259,8 +257,8 @@ TEST(VisionTowerCuda, MatchesCpuTowerAndTransformers) {
       tower->encode(vi, &e, &h);
       const double re = max_abs(e, want_e) / max_abs(want_e),
                    rh = max_abs(h, want_h) / max_abs(want_h);
-      std::printf("GPU tower bf16: vs CPU embeds %.3g, hidden %.3g (relative to max |value|)\n",
-                  re, rh);
+      std::printf("GPU tower bf16: vs CPU embeds %.3g, hidden %.3g (relative to max |value|)\n", re,
+                  rh);
       EXPECT_LE(re, kTowerBf16Rel);
       EXPECT_LE(rh, kTowerBf16Rel);
     }
@@ -272,14 +270,14 @@ TEST(VisionTowerCuda, MatchesCpuTowerAndTransformers) {
 TEST(VisionTowerCuda, VideoShapesAndReferenceLayoutMatchCpu) {
   SKIP_WITHOUT_GPU();
   PrecisionScope ps(kc::GemmPrecision::kExact);
-  for (auto layout : {model::VisionRopeLayout::kTransformers, model::VisionRopeLayout::kReference}) {
+  for (auto layout :
+       {model::VisionRopeLayout::kTransformers, model::VisionRopeLayout::kReference}) {
     auto cfg = model::load_config(kModelDir);
     ASSERT_TRUE(cfg.has_value());
     cfg->vision.rope_layout = layout;
     auto ck = model::Checkpoint::open(kModelDir);
     ASSERT_TRUE(ck.has_value());
-    auto cpu =
-        model::VisionTower::load(std::make_shared<model::Checkpoint>(std::move(*ck)), *cfg);
+    auto cpu = model::VisionTower::load(std::make_shared<model::Checkpoint>(std::move(*ck)), *cfg);
     ASSERT_TRUE(cpu.has_value()) << cpu.error().message;
     gpu::Stream stream;
     auto tower = model::VisionTowerCuda::upload(*cfg, (*cpu)->weights(), stream.get());
@@ -323,8 +321,8 @@ TEST(VisionCudaEngine, ImagePromptsMatchTransformers) {
     const int32_t image_id = g["image_token_index"];
     for (int pass = 0; pass < 2; ++pass) {  // pass 1 hits the prefix cache of pass 0's pages
       for (const auto& c : g["cases"]) {
-        SCOPED_TRACE(c["name"].get<std::string>() + " budget " + std::to_string(budget) +
-                     " pass " + std::to_string(pass));
+        SCOPED_TRACE(c["name"].get<std::string>() + " budget " + std::to_string(budget) + " pass " +
+                     std::to_string(pass));
         engine::GenerateRequest req;
         req.prompt_token_ids = c["prompt_ids"].get<std::vector<int32_t>>();
         int32_t pos = 0;

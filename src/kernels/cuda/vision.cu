@@ -81,8 +81,9 @@ __global__ void rope_cos_sin_kernel(float* x, int64_t num_heads, int64_t head_di
 
 // rows x cols f32 -> bf16 for q, k, v at once (rows of width `cols`).
 __global__ void to_bf16_kernel(const float* __restrict__ a, const float* __restrict__ b,
-                               const float* __restrict__ c, int64_t n, __nv_bfloat16* __restrict__ ab,
-                               __nv_bfloat16* __restrict__ bb, __nv_bfloat16* __restrict__ cb) {
+                               const float* __restrict__ c, int64_t n,
+                               __nv_bfloat16* __restrict__ ab, __nv_bfloat16* __restrict__ bb,
+                               __nv_bfloat16* __restrict__ cb) {
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     ab[e] = __float2bfloat16_rn(a[e]);
@@ -257,15 +258,14 @@ void attention_segments(const float* q, const float* k, const float* v, int64_t 
                "(%lld keys, %lld rows, head_dim %lld)",
                static_cast<long long>(len), static_cast<long long>(rows),
                static_cast<long long>(head_dim));
-      __nv_bfloat16* probs =
-          bf16 ? reinterpret_cast<__nv_bfloat16*>(
-                     reinterpret_cast<uint8_t*>(scores) +
-                     static_cast<size_t>(num_heads * rows * len) * sizeof(float))
-               : nullptr;
+      __nv_bfloat16* probs = bf16 ? reinterpret_cast<__nv_bfloat16*>(
+                                        reinterpret_cast<uint8_t*>(scores) +
+                                        static_cast<size_t>(num_heads * rows * len) * sizeof(float))
+                                  : nullptr;
       const int64_t nrows = num_heads * rows;
       M3_CHECK(nrows <= 0x7fffffff);
-      softmax_rows_kernel<<<static_cast<unsigned>(nrows), kThreads, 0, stream>>>(scores, len,
-                                                                                 scale, probs);
+      softmax_rows_kernel<<<static_cast<unsigned>(nrows), kThreads, 0, stream>>>(scores, len, scale,
+                                                                                 probs);
       M3_CUDA_CHECK_LAUNCH("softmax_rows_kernel");
       // Column-major O_hᵀ [head_dim, rows] (ld = width) = V_h stored [head_dim, len] · Pᵀ
       // stored [len, rows] (ld = len).

@@ -41,8 +41,8 @@ const float* VisionCudaOps::upload(VBuf b, const std::vector<float>& host) {
   float* p = f32(b, static_cast<int64_t>(host.size()));
   // Pageable source: the call returns once the bytes are staged, so `host` may go right after.
   if (!host.empty())
-    M3_CUDA_CHECK(cudaMemcpyAsync(p, host.data(), host.size() * sizeof(float),
-                                  cudaMemcpyHostToDevice, s_));
+    M3_CUDA_CHECK(
+        cudaMemcpyAsync(p, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, s_));
   return p;
 }
 
@@ -57,8 +57,8 @@ void VisionCudaOps::download(std::vector<float>& host, const float* src, int64_t
 void VisionCudaOps::copy(float* dst, const float* src, int64_t n) {
   // The forward copies the processor's patch rows (host) into a device buffer with this too.
   if (n > 0)
-    M3_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float),
-                                  cudaMemcpyDefault, s_));
+    M3_CUDA_CHECK(
+        cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDefault, s_));
 }
 
 void VisionCudaOps::linear(const float* x, int64_t n, const MatRef& w, float* y) {
@@ -155,20 +155,34 @@ std::unique_ptr<VisionTowerCuda> VisionTowerCuda::upload(const M3Config& cfg,
   for (size_t i = 0; i < h.layers.size(); ++i) {
     const VisionLayerWeights& s = h.layers[i];
     VisionLayerWeights& L = d.layers[i];
-    for (auto [dst, src] : {std::pair{&L.ln1_w, &s.ln1_w}, {&L.ln1_b, &s.ln1_b},
-                            {&L.ln2_w, &s.ln2_w}, {&L.ln2_b, &s.ln2_b}, {&L.q_b, &s.q_b},
-                            {&L.k_b, &s.k_b}, {&L.v_b, &s.v_b}, {&L.o_b, &s.o_b},
-                            {&L.fc1_b, &s.fc1_b}, {&L.fc2_b, &s.fc2_b}})
+    for (auto [dst, src] : {std::pair{&L.ln1_w, &s.ln1_w},
+                            {&L.ln1_b, &s.ln1_b},
+                            {&L.ln2_w, &s.ln2_w},
+                            {&L.ln2_b, &s.ln2_b},
+                            {&L.q_b, &s.q_b},
+                            {&L.k_b, &s.k_b},
+                            {&L.v_b, &s.v_b},
+                            {&L.o_b, &s.o_b},
+                            {&L.fc1_b, &s.fc1_b},
+                            {&L.fc2_b, &s.fc2_b}})
       *dst = t->put(*src);
-    for (auto [dst, src] : {std::pair{&L.q, &s.q}, {&L.k, &s.k}, {&L.v, &s.v}, {&L.o, &s.o},
-                            {&L.fc1, &s.fc1}, {&L.fc2, &s.fc2}})
+    for (auto [dst, src] : {std::pair{&L.q, &s.q},
+                            {&L.k, &s.k},
+                            {&L.v, &s.v},
+                            {&L.o, &s.o},
+                            {&L.fc1, &s.fc1},
+                            {&L.fc2, &s.fc2}})
       *dst = t->put(*src);
   }
-  for (auto [dst, src] : {std::pair{&d.proj1, &h.proj1}, {&d.proj2, &h.proj2},
-                          {&d.merge1, &h.merge1}, {&d.merge2, &h.merge2}})
+  for (auto [dst, src] : {std::pair{&d.proj1, &h.proj1},
+                          {&d.proj2, &h.proj2},
+                          {&d.merge1, &h.merge1},
+                          {&d.merge2, &h.merge2}})
     *dst = t->put(*src);
-  for (auto [dst, src] : {std::pair{&d.proj1_b, &h.proj1_b}, {&d.proj2_b, &h.proj2_b},
-                          {&d.merge1_b, &h.merge1_b}, {&d.merge2_b, &h.merge2_b}})
+  for (auto [dst, src] : {std::pair{&d.proj1_b, &h.proj1_b},
+                          {&d.proj2_b, &h.proj2_b},
+                          {&d.merge1_b, &h.merge1_b},
+                          {&d.merge2_b, &h.merge2_b}})
     *dst = t->put(*src);
   t->finish();
   return t;
@@ -179,9 +193,8 @@ int64_t VisionTowerCuda::weight_bytes(const M3Config& cfg) {
   if (!v.present) return 0;
   const int64_t Hv = v.hidden_size, I = v.intermediate_size, P = v.projector_hidden_size,
                 H = cfg.hidden_size, m2 = v.spatial_merge_size * v.spatial_merge_size;
-  const int64_t mats = Hv * v.patch_row_size() +
-                       v.num_hidden_layers * (4 * Hv * Hv + 2 * Hv * I) + P * Hv + H * P +
-                       P * m2 * H + H * P;
+  const int64_t mats = Hv * v.patch_row_size() + v.num_hidden_layers * (4 * Hv * Hv + 2 * Hv * I) +
+                       P * Hv + H * P + P * m2 * H + H * P;
   const int64_t vecs = 2 * Hv + v.num_hidden_layers * (4 * Hv + 4 * Hv + I + Hv) +
                        (v.projector_bias ? 2 * (P + H) : 0);
   return 2 * mats + 4 * vecs;  // bf16 matrices; vectors at most f32
