@@ -178,14 +178,14 @@ int main(int argc, char** argv) {
   const double flops = gemm_flops + attn_flops;
   std::printf("%s; image %ldx%ld -> %ldx%ld px, %ld patches, %ld tokens per image\n",
               dev->name.c_str(), w, h, p->resized_w, p->resized_h, n, nt);
-  std::printf("per image: %.1f GFLOP (%.1f GEMM, %.1f attention)\n", flops / 1e9,
-              gemm_flops / 1e9, attn_flops / 1e9);
+  std::printf("per image: %.1f GFLOP (%.1f GEMM, %.1f attention)\n", flops / 1e9, gemm_flops / 1e9,
+              attn_flops / 1e9);
   const double ceil_big = gemm_tflops(8192, 8192, 8192, s);
   const double ceil_fc1 = gemm_tflops(n, I, Hv, s);
   std::printf("bf16 GEMM ceiling: 8192^3 %.0f TFLOP/s; the tower's fc1 (%ld x %ld x %ld) %.0f\n",
               ceil_big, n, I, Hv, ceil_fc1);
-  std::vector<model::VisionImage> four(4, {p->grid_t, p->grid_h, p->grid_w,
-                                           p->pixel_values.data()});
+  std::vector<model::VisionImage> four(4,
+                                       {p->grid_t, p->grid_h, p->grid_w, p->pixel_values.data()});
   for (auto prec : {kc::GemmPrecision::kBf16, kc::GemmPrecision::kExact}) {
     kc::set_gemm_precision(prec);
     const char* pname = prec == kc::GemmPrecision::kBf16 ? "bf16" : "exact";
@@ -211,8 +211,9 @@ int main(int argc, char** argv) {
     // The attention alone (one image, one layer's shape) to show its share.
     {
       const int64_t width = Hv;
-      gpu::DeviceBuffer<float> q(static_cast<size_t>(n * width)), kk(static_cast<size_t>(n * width)),
-          vv(static_cast<size_t>(n * width)), o(static_cast<size_t>(n * width));
+      gpu::DeviceBuffer<float> q(static_cast<size_t>(n * width)),
+          kk(static_cast<size_t>(n * width)), vv(static_cast<size_t>(n * width)),
+          o(static_cast<size_t>(n * width));
       q.fill_bytes(0x3c);
       kk.fill_bytes(0x3c);
       vv.fill_bytes(0x3c);
@@ -224,9 +225,10 @@ int main(int argc, char** argv) {
         kc::attention_segments(q.data(), kk.data(), vv.data(), n, heads, d, seg, 1, 0.1f,
                                kernels::Workspace{ws.data(), bytes}, o.data(), s);
       });
-      std::printf("%-5s attention of one layer (%ld patches, %ld x %ld): %.3f ms = %.0f TFLOP/s; "
-                  "x %ld layers = %.2f ms\n",
-                  pname, n, heads, d, ms, 4.0 * n * n * Hv / (ms * 1e-3) / 1e12, L, ms * L);
+      std::printf(
+          "%-5s attention of one layer (%ld patches, %ld x %ld): %.3f ms = %.0f TFLOP/s; "
+          "x %ld layers = %.2f ms\n",
+          pname, n, heads, d, ms, 4.0 * n * n * Hv / (ms * 1e-3) / 1e12, L, ms * L);
     }
   }
   if (ttft_layers > 0) ttft(ttft_layers, *p, reps);
