@@ -533,7 +533,8 @@ RunFn register_serve(CLI::App& app) {
   sub->add_option(
       "--model", a->model_flag,
       "Model directory (same as the positional argument), or synthetic:layers=N[,seed=S] "
-      "(M3's shapes, weights generated on the GPU; needs --device cuda)");
+      "[,vision=1] (M3's shapes, weights generated on the GPU; vision=1 adds a tower of M3's "
+      "vision shapes; needs --device cuda)");
   sub->add_option("--tokenizer", a->tokenizer,
                   "Directory with tokenizer.json, chat template and generation_config.json "
                   "(default: the model's; for a synthetic model, the demo model's)");

@@ -140,7 +140,12 @@ Result<std::unique_ptr<M3Model>> M3Model::load(const std::string& model_dir,
                             model_dir + "`)",
                         "--model");
     }
-    return config_only(synthetic_m3_config(spec.layers));
+    M3Config cfg = synthetic_m3_config(spec.layers);
+    if (spec.vision && !opts.language_model_only) {
+      cfg.has_vision_config = true;  // M3's vision_config (model/config.h defaults)
+      cfg.vision.present = true;
+    }
+    return config_only(std::move(cfg));
   }
   M3_TRY(M3Config cfg, load_config(model_dir));
   // The checkpoint's declared quantization against --quantization, before any tensor is read.

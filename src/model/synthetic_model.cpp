@@ -12,7 +12,8 @@ namespace m3::model {
 namespace {
 
 constexpr const char* kForm =
-    "synthetic:layers=N[,seed=S][,weights=bf16|fp8|mxfp8|nvfp4|mxfp4] with 1 <= N <= 60";
+    "synthetic:layers=N[,seed=S][,weights=bf16|fp8|mxfp8|nvfp4|mxfp4][,vision=0|1] with 1 <= N <= "
+    "60";
 
 Result<uint64_t> parse_u64(std::string_view spec, std::string_view key, std::string_view text) {
   const std::string s(text);
@@ -44,7 +45,7 @@ Result<SyntheticSpec> parse_synthetic_spec(std::string_view model) {
   }
   std::string_view rest = model.substr(kSyntheticPrefix.size());
   SyntheticSpec out;
-  bool have_layers = false, have_seed = false, have_weights = false;
+  bool have_layers = false, have_seed = false, have_weights = false, have_vision = false;
   while (!rest.empty()) {
     const size_t comma = rest.find(',');
     const std::string_view item = rest.substr(0, comma);
@@ -89,9 +90,18 @@ Result<SyntheticSpec> parse_synthetic_spec(std::string_view model) {
                           "--model");
       }
       have_weights = true;
+    } else if (key == "vision" && !have_vision) {
+      if (value != "0" && value != "1") {
+        return make_error(ErrorCode::kInvalidArgument,
+                          "--model " + spec + ": vision=" + std::string(value) +
+                              " must be 0 or 1 (" + kForm + ")",
+                          "--model");
+      }
+      out.vision = value == "1";
+      have_vision = true;
     } else {
       const bool dup = (key == "layers" && have_layers) || (key == "seed" && have_seed) ||
-                       (key == "weights" && have_weights);
+                       (key == "weights" && have_weights) || (key == "vision" && have_vision);
       return make_error(ErrorCode::kInvalidArgument,
                         "--model " + spec + ": " +
                             (dup ? "'" + std::string(key) + "' is given twice"

@@ -28,6 +28,10 @@ struct SyntheticSpec {
   // mxfp4 = the routed experts in 4 bits and the other linears MXFP8. Byte counts and `m3serve
   // plan` follow it; serving one is refused until the GPU has FP8/FP4 kernels.
   kernels::WeightQuant weights = kernels::WeightQuant::kNone;
+  // vision=1: the config gets M3's vision_config (hidden 1280, 32 layers, 16 x 80 heads, MLP
+  // 5120, projector 6144; the shipped reference RoPE layout) and the GPU backend generates a
+  // tower of those shapes (model/cuda/vision_cuda.h), so image input runs at M3's shapes.
+  bool vision = false;
 };
 
 inline constexpr std::string_view kSyntheticPrefix = "synthetic:";

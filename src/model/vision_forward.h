@@ -4,7 +4,9 @@
 // segments, out_proj, GELU MLP), the projector (1280 -> P -> H, GELU) and the 2x2 patch merge
 // (4 consecutive rows concatenated -> P -> H). `Ops` is model/vision_tower.cpp's VisionCpuOps
 // today (the kernels/cpu/vision.h ops on host memory); a CUDA ops class with the same members
-// is what the GPU path needs. Invariant: run() reads only its arguments and the weights.
+// is what the GPU path needs (model/cuda/vision_cuda.h's VisionCudaOps). Invariant: run()'s
+// results depend only on its arguments and the weights; it keeps the RoPE tables of the last
+// call's grids (the same image sizes recur), so it is not reentrant.
 #pragma once
 
 #include <cmath>
@@ -105,10 +107,16 @@ class VisionForward {
     float* x = ops.f32(VBuf::kX, n * Hv);
     ops.linear(pix, n, w_.patch_embed, x);
     ops.layer_norm(x, n, Hv, w_.pre_ln_w, w_.pre_ln_b, eps, x);
-    std::vector<float> cos, sin;
-    rope_tables(images, cos, sin);
-    const float* dcos = ops.upload(VBuf::kCos, cos);
-    const float* dsin = ops.upload(VBuf::kSin, sin);
+    // The tables depend only on the grids: recomputed when they change (host trigonometry of
+    // ~2e5 values at 2304 patches, which the GPU would otherwise wait for).
+    std::vector<int64_t> key;
+    for (const auto& im : images) key.insert(key.end(), {im.grid_t, im.grid_h, im.grid_w});
+    if (key != rope_key_) {
+      rope_tables(images, rope_cos_, rope_sin_);
+      rope_key_ = std::move(key);
+    }
+    const float* dcos = ops.upload(VBuf::kCos, rope_cos_);
+    const float* dsin = ops.upload(VBuf::kSin, rope_sin_);
     float* a = ops.f32(VBuf::kA, n * Hv);
     float* q = ops.f32(VBuf::kQ, n * Hv);
     float* k = ops.f32(VBuf::kK, n * Hv);
@@ -154,6 +162,8 @@ class VisionForward {
   const M3Config& cfg_;
   const M3VisionConfig& v_;
   const VisionWeights& w_;
+  mutable std::vector<int64_t> rope_key_;  // (t, h, w) of each image of the last call
+  mutable std::vector<float> rope_cos_, rope_sin_;
 };
 
 }  // namespace m3::model

@@ -70,6 +70,8 @@ class VisionTower {
               std::vector<float>* tower_hidden = nullptr) const;
 
   const M3Config& config() const { return cfg_; }
+  // The weights as loaded (host views; the GPU tower uploads them).
+  const VisionWeights& weights() const { return *w_; }
 
  private:
   M3Config cfg_;

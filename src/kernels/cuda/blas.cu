@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -161,6 +162,82 @@ bool matmul(const void* wdata, bool f32, const void* xdata, int64_t n, int64_t m
   return true;
 }
 
+// Plans of gemm_strided_batched, keyed by every field of the call and the alignments.
+struct BatchedKey {
+  int device;
+  blas::BatchedGemm g;
+  uint32_t align_a, align_b, align_c;
+  auto tie() const {
+    return std::tie(device, g.trans_a, g.trans_b, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.stride_a,
+                    g.stride_b, g.stride_c, g.batch, g.bf16, align_a, align_b, align_c);
+  }
+  bool operator<(const BatchedKey& o) const { return tie() < o.tie(); }
+};
+std::map<BatchedKey, Plan> g_batched_plans;
+
+// The alignment every batch member keeps: that of the base and of the stride in bytes.
+uint32_t batched_alignment(const void* p, int64_t stride_elems, size_t elem) {
+  const uint32_t a = alignment(p);
+  const uint32_t s = alignment(reinterpret_cast<const void*>(static_cast<uintptr_t>(stride_elems) *
+                                                             static_cast<uintptr_t>(elem)));
+  return stride_elems == 0 ? a : std::min(a, s);
+}
+
+const Plan& batched_plan_for(const BatchedKey& key, cublasLtHandle_t lt) {
+  std::lock_guard<std::mutex> lock(g_plan_mutex);
+  auto it = g_batched_plans.find(key);
+  if (it != g_batched_plans.end()) return it->second;
+  const blas::BatchedGemm& g = key.g;
+  Plan p;
+  const cudaDataType_t in_t = g.bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  M3_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  M3_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  M3_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  // Stored shapes: A is [m, k] or (transposed) [k, m], B [k, n] or [n, k], column-major.
+  M3_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&p.a, in_t, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda));
+  M3_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&p.b, in_t, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb));
+  M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, g.m, g.n, g.ldc));
+  const int32_t batch = static_cast<int32_t>(g.batch);
+  const cublasLtMatrixLayout_t layouts[3] = {p.a, p.b, p.c};
+  const int64_t strides[3] = {g.stride_a, g.stride_b, g.stride_c};
+  for (int i = 0; i < 3; ++i) {
+    M3_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                     &batch, sizeof batch));
+    M3_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+        layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i], sizeof strides[i]));
+  }
+  cublasLtMatmulPreference_t pref = nullptr;
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const size_t ws = kMaxWorkspace;
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_a, sizeof key.align_a));
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_b, sizeof key.align_b));
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c, sizeof key.align_c));
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof key.align_c));
+  cublasLtMatmulHeuristicResult_t res = {};
+  int found = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+  if (st == CUBLAS_STATUS_SUCCESS && found > 0 && res.state == CUBLAS_STATUS_SUCCESS) {
+    p.ok = true;
+    p.algo = res.algo;
+    p.workspace = res.workspaceSize;
+  }
+  return g_batched_plans.emplace(key, p).first->second;
+}
+
 // x [count] f32 -> `terms` bf16 arrays, `stride` apart: t0 = bf16(x), t1 = bf16(x - t0), ...
 // (each difference is exact in fp32, so x = Σ terms up to the last one's rounding).
 __global__ void split_bf16_kernel(const float* __restrict__ x, int64_t count, int64_t stride,
@@ -233,6 +310,25 @@ void* pool_alloc(size_t bytes, cudaStream_t stream) {
 
 void pool_free(void* p, cudaStream_t stream) {
   if (p != nullptr) M3_CUDA_CHECK(cudaFreeAsync(p, stream));
+}
+
+bool gemm_strided_batched(const BatchedGemm& g, const void* a, const void* b, float* c,
+                          cudaStream_t stream) {
+  if (g.m == 0 || g.n == 0 || g.batch == 0) return true;
+  M3_CHECK(g.k > 0 && g.batch <= INT32_MAX, "gemm_strided_batched: k %lld, batch %lld",
+           static_cast<long long>(g.k), static_cast<long long>(g.batch));
+  DeviceState& ds = device_state();
+  const size_t el = g.bf16 ? 2 : 4;
+  const BatchedKey key{current_device(), g, batched_alignment(a, g.stride_a, el),
+                       batched_alignment(b, g.stride_b, el), batched_alignment(c, g.stride_c, 4)};
+  const Plan& p = batched_plan_for(key, ds.lt);
+  if (!p.ok) return false;
+  void* ws = p.workspace > 0 ? pool_alloc(p.workspace, stream) : nullptr;
+  const float alpha = 1.f, beta = 0.f;
+  M3_CUBLAS_CHECK(cublasLtMatmul(ds.lt, p.desc, &alpha, a, p.a, b, p.b, &beta, c, p.c, c, p.c,
+                                 &p.algo, ws, p.workspace, stream));
+  if (ws) pool_free(ws, stream);
+  return true;
 }
 
 bool gemm_bf16(const void* xb, int64_t n, const cpu::MatRef& w, float* y, float beta,

@@ -61,6 +61,22 @@ bool gemm(const float* x, int64_t n, const cpu::MatRef& w, float* y, cudaStream_
 bool gemm_bf16(const void* xb, int64_t n, const cpu::MatRef& w, float* y, float beta,
                cudaStream_t stream);
 
+// A strided-batched GEMM in cuBLASLt's column-major terms: C_i[m, n] = op(A_i)[m, k] . op(B_i)
+// [k, n] for i < batch, X_i = X + i * stride_x elements, fp32 accumulation and fp32 C. A and B
+// are bf16 (bf16 = true: the tensor cores) or f32 (exact fp32, no TF32). The vision tower's
+// attention (kernels/cuda/vision.cu) multiplies every head of a segment in one call this way.
+struct BatchedGemm {
+  bool trans_a = false, trans_b = false;
+  int64_t m = 0, n = 0, k = 0;
+  int64_t lda = 0, ldb = 0, ldc = 0;
+  int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+  int64_t batch = 1;
+  bool bf16 = true;
+};
+// Returns false, enqueuing nothing, where cuBLASLt offers no algorithm for the layout.
+bool gemm_strided_batched(const BatchedGemm& g, const void* a, const void* b, float* c,
+                          cudaStream_t stream);
+
 // Multiprocessors of the current device (cached).
 int num_sms();
 

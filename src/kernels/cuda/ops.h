@@ -206,6 +206,10 @@ void embedding_vocab_slice(const MatRef& table, int64_t vocab_begin, int64_t voc
 // dst[i, :] = src[rows[i], :] for i < n (rows: device ids), cols floats per row.
 void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t cols, float* dst,
                  cudaStream_t stream);
+// dst[rows[i], :] = values[i, :] for i < n (rows: device ids; the image embeddings over their
+// placeholder rows), cols floats per row.
+void scatter_rows(float* dst, const int32_t* rows, int64_t n, int64_t cols, const float* values,
+                  cudaStream_t stream);
 // x[i] += y[i] for i < n.
 void add_inplace(float* x, const float* y, int64_t n, cudaStream_t stream);
 // rows x width floats from src (rows src_stride floats apart) to dst (dst_stride apart).

@@ -1,6 +1,6 @@
-// gather_rows, add_inplace, copy_rows_2d, fill_zero and copy (kernels/cuda/ops.h). Grid-stride
-// loops over the elements; __fadd_rn keeps the CPU op's rounding (nvcc would otherwise contract
-// adds).
+// gather_rows, scatter_rows, add_inplace, copy_rows_2d, fill_zero and copy (kernels/cuda/ops.h).
+// Grid-stride loops over the elements; __fadd_rn keeps the CPU op's rounding (nvcc would otherwise
+// contract adds).
 #include "kernels/cuda/ops.h"
 
 #include <algorithm>
@@ -29,6 +29,16 @@ __global__ void gather_rows_kernel(const float* __restrict__ src, const int32_t*
   }
 }
 
+__global__ void scatter_rows_kernel(float* __restrict__ dst, const int32_t* __restrict__ rows,
+                                    int64_t n, int64_t cols, const float* __restrict__ values) {
+  const int64_t total = n * cols;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = e / cols, c = e % cols;
+    dst[static_cast<int64_t>(rows[i]) * cols + c] = values[e];
+  }
+}
+
 __global__ void add_inplace_kernel(float* __restrict__ x, const float* __restrict__ y, int64_t n) {
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -42,6 +52,13 @@ void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t cols,
   if (n == 0 || cols == 0) return;
   gather_rows_kernel<<<blocks_for(n * cols), kThreads, 0, stream>>>(src, rows, n, cols, dst);
   M3_CUDA_CHECK_LAUNCH("gather_rows_kernel");
+}
+
+void scatter_rows(float* dst, const int32_t* rows, int64_t n, int64_t cols, const float* values,
+                  cudaStream_t stream) {
+  if (n == 0 || cols == 0) return;
+  scatter_rows_kernel<<<blocks_for(n * cols), kThreads, 0, stream>>>(dst, rows, n, cols, values);
+  M3_CUDA_CHECK_LAUNCH("scatter_rows_kernel");
 }
 
 void add_inplace(float* x, const float* y, int64_t n, cudaStream_t stream) {

@@ -134,6 +134,10 @@ class CudaOps {
     kernels::cuda::copy_rows_2d(dst, dst_stride, src, src_stride, width, rows, s_);
   }
   void fill_zero(float* x, int64_t n) { kernels::cuda::fill_zero(x, n, s_); }
+  // x[rows[i], :] = values[i, :] (image embeddings over their placeholder rows; device arrays).
+  void scatter_rows(float* x, const int32_t* rows, int64_t n, int64_t cols, const float* values) {
+    kernels::cuda::scatter_rows(x, rows, n, cols, values, s_);
+  }
   void copy(float* dst, const float* src, int64_t n) { kernels::cuda::copy(dst, src, n, s_); }
   // Device to host, then a stream sync (eager steps only: the MSA capture).
   void download(int32_t* host, const int32_t* src, int64_t n);

@@ -15,6 +15,7 @@
 #include "kernels/cuda/sample.h"
 #include "model/cuda/cuda_ops.h"
 #include "model/cuda/synthetic_weights.h"
+#include "model/cuda/vision_cuda.h"
 #include "model/m3_forward.h"
 #include "model/synthetic_model.h"
 #include "model/tensor_table.h"
@@ -64,7 +65,11 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::from_host(std::unique_ptr<M3Mo
   }
   M3_TRY(gpu::DeviceInfo info, gpu::probe_device(device));  // also makes `device` current
   // What upload_weights will allocate: every tensor of the table as this rank's views hold it.
-  const size_t need = view_bytes(host->weights(), m3_tensors(host->config()), /*as_uploaded=*/true);
+  const size_t need =
+      view_bytes(host->weights(), m3_tensors(host->config()), /*as_uploaded=*/true) +
+      (host->vision() != nullptr
+           ? static_cast<size_t>(VisionTowerCuda::weight_bytes(host->config()))
+           : 0);
   if (need + kHeadroomBytes > info.free_bytes) {
     return make_error(ErrorCode::kUnavailable,
                       "the model's weights need " + gib(need) + " of GPU memory (plus " +
@@ -77,6 +82,11 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::from_host(std::unique_ptr<M3Mo
   std::unique_ptr<M3ModelCuda> m(new M3ModelCuda(std::move(cfg), std::move(host)));
   if (m->plan_.sharded()) m->attach_communicator(comm, comm_stream);
   m->upload_weights();
+  // The tower on one GPU only: the sharded backends refuse image input.
+  if (!m->plan_.sharded() && m->host_->vision() != nullptr) {
+    m->vision_ = VisionTowerCuda::upload(m->cfg_, m->host_->vision()->weights(), m->stream_.get());
+    M3_LOG_INFO("vision tower on cuda:%d: %s", device, gib(m->vision_->device_bytes()).c_str());
+  }
   m->fuse_attention_projections();
   m->reserve_quant_workspace();
   m->init_forward();
@@ -199,7 +209,17 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg,
   m->generate_weights(seed, WeightQuant::kNone);
   m->fuse_attention_projections();
   m->init_forward();
+  if (cfg.vision.present) {
+    m->vision_ = VisionTowerCuda::synthetic(m->cfg_, seed, m->stream_.get());
+    M3_LOG_INFO("synthetic vision tower on cuda:%d: %s", device,
+                gib(m->vision_->device_bytes()).c_str());
+  }
   return m;
+}
+
+void M3ModelCuda::encode_images(std::span<const VisionImage> images, std::vector<float>* embeds) {
+  M3_CHECK(vision_ != nullptr, "encode_images on a GPU model without its vision tower");
+  vision_->encode(images, embeds);
 }
 
 M3ModelCuda::M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host)
@@ -646,8 +666,8 @@ void M3ModelCuda::replay_or_capture(const StepShape& shape, const int32_t* token
 
 void M3ModelCuda::run_layers(const StepShape& shape, const int32_t* tokens,
                              const ops::TokenLayout& layout, ForwardResult* msa_out,
-                             const AuxCapture* aux) {
-  fw_->run_layers(*ops_, tokens, layout, *shape.cache, shape.max_kv_len, msa_out, nullptr, aux);
+                             const AuxCapture* aux, const EmbedOverride* emb) {
+  fw_->run_layers(*ops_, tokens, layout, *shape.cache, shape.max_kv_len, msa_out, emb, aux);
 }
 
 void M3ModelCuda::set_dp_step_rows(int64_t max_rows) {
@@ -756,7 +776,14 @@ void M3ModelCuda::enqueue(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   const int64_t rows_at = bt_at + static_cast<int64_t>(b.block_table.size());
   const int64_t prev_at = rows_at + R;
   const int64_t smp_at = (prev_at + 2 * np + 1) / 2 * 2;  // 8-byte aligned for SampleRow
-  const size_t stage_n = static_cast<size_t>(smp_at + ns * kRowWords);
+  const int64_t ne = static_cast<int64_t>(b.embed_rows.size());
+  M3_CHECK(b.embed_values.size() == static_cast<size_t>(ne * cfg.hidden_size),
+           "embed_values holds %zu floats for %lld rows", b.embed_values.size(),
+           static_cast<long long>(ne));
+  for (int32_t r : b.embed_rows)
+    M3_CHECK(r >= 0 && r < T, "embed row %d of %lld", r, static_cast<long long>(T));
+  const int64_t emb_at = smp_at + ns * kRowWords;
+  const size_t stage_n = static_cast<size_t>(emb_at + ne);
   // The previous step's copy out of stage_ must have run before it is overwritten (with async
   // scheduling that step may still be running).
   if (stage_pending_) M3_CUDA_CHECK(cudaEventSynchronize(stage_copied_));
@@ -786,6 +813,7 @@ void M3ModelCuda::enqueue(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
     M3_CHECK(sr.row >= 0 && sr.row < R, "device sample row %d of %lld", sr.row,
              static_cast<long long>(R));
   if (ns > 0) std::memcpy(stage_ + smp_at, b.device_samples.data(), ns * sizeof(ops::SampleRow));
+  std::copy(b.embed_rows.begin(), b.embed_rows.end(), stage_ + emb_at);
   int32_t* dstage = ops_->ensure(step_, static_cast<int64_t>(stage_n));
   M3_CUDA_CHECK(
       cudaMemcpyAsync(dstage, stage_, stage_n * sizeof(int32_t), cudaMemcpyHostToDevice, s));
@@ -805,10 +833,20 @@ void M3ModelCuda::enqueue(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   // Every listed sequence has at least one token: more tokens than sequences means a prefill
   // chunk or a verify run (the attention's query-tiled kernel).
   layout.multi_token_seqs = T > S1 - 1;
+  // Image embeddings: their rows in the staged array, their values copied to the device (a
+  // pageable copy, staged before the call returns, so `b` need not outlive launch()).
+  EmbedOverride emb;
+  if (ne > 0) {
+    float* vals = ops_->ensure(embed_values_, ne * cfg.hidden_size);
+    M3_CUDA_CHECK(cudaMemcpyAsync(vals, b.embed_values.data(),
+                                  b.embed_values.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                  s));
+    emb = EmbedOverride{dstage + emb_at, vals, ne};
+  }
   // Aux states copied to the host run eagerly; kept on the device (a device draft) the copies
-  // are captured with the layers.
-  const bool graph_step =
-      !capture_msa && (b.aux_layers.empty() || b.aux_on_device) && use_graphs_ && graph_size(T);
+  // are captured with the layers. Steps with image embeddings run eagerly.
+  const bool graph_step = !capture_msa && (b.aux_layers.empty() || b.aux_on_device) && ne == 0 &&
+                          use_graphs_ && graph_size(T);
   if (flash_ != nullptr) {
     // An eager step's runs of several tokens go to FlashInfer when each is a chunk of
     // consecutive positions (a prefill or a verify run); otherwise none does.
@@ -862,7 +900,8 @@ void M3ModelCuda::enqueue(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
     replay_or_capture(shape, tokens, layout, naux > 0 ? &aux : nullptr);
   } else {
     ops_->set_kv_layer_waits(std::move(kv_waits));
-    run_layers(shape, tokens, layout, capture_msa ? out : nullptr, naux > 0 ? &aux : nullptr);
+    run_layers(shape, tokens, layout, capture_msa ? out : nullptr, naux > 0 ? &aux : nullptr,
+               ne > 0 ? &emb : nullptr);
     ops_->set_kv_layer_waits({});
   }
   aux_rows_ = naux > 0 && b.aux_on_device ? T : 0;

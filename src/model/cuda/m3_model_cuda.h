@@ -38,9 +38,11 @@
 #include "model/weights.h"
 
 namespace m3::model {
-struct AuxCapture;  // model/m3_forward.h
+struct AuxCapture;     // model/m3_forward.h
+struct EmbedOverride;  // model/m3_forward.h
 
 class CudaOps;
+class VisionTowerCuda;
 template <class Ops>
 class M3Forward;
 
@@ -87,6 +89,14 @@ class M3ModelCuda {
     return validate_prompt_ids(cfg_, ids);
   }
   size_t weight_bytes() const { return weight_bytes_; }
+  // Image input: the vision tower on this GPU (model/cuda/vision_cuda.h), uploaded from the
+  // host model's tower (null when it was loaded with --language-model-only or has none) or, for
+  // a synthetic model whose config has cfg.vision, generated. encode_images() runs it on the
+  // model's stream (after any launched step) and returns the embeddings on the host; forward()
+  // then takes them through ForwardBatch::embed_rows / embed_values.
+  bool has_vision() const { return vision_ != nullptr; }
+  const VisionTowerCuda* vision() const { return vision_.get(); }
+  void encode_images(std::span<const VisionImage> images, std::vector<float>* embeds);
   // The device views of every weight (device pointers), e.g. for checksums in tests.
   const M3Weights& device_weights() const { return dev_; }
   // What this model holds of the whole (the unsharded plan unless built from a shard); a
@@ -154,13 +164,14 @@ class M3ModelCuda {
   // sync unless msa_out, or the MoE has more tokens than its graph-safe grouped path takes).
   void run_layers(const StepShape& shape, const int32_t* tokens,
                   const kernels::cpu::TokenLayout& layout, ForwardResult* msa_out,
-                  const AuxCapture* aux = nullptr);
+                  const AuxCapture* aux = nullptr, const EmbedOverride* emb = nullptr);
   void replay_or_capture(const StepShape& shape, const int32_t* tokens,
                          const kernels::cpu::TokenLayout& layout, const AuxCapture* aux);
   void clear_graphs();
   bool graph_size(int64_t num_tokens) const;
   // forward()'s work on the stream, ending with the step's event; the sampled ids go to the
-  // step's pinned buffer (wait_step copies them to out->sampled).
+  // step's pinned buffer (wait_step copies them to out->sampled). A step with embed_rows runs
+  // eagerly (its embedding overrides are not part of a captured graph).
   void enqueue(const ForwardBatch& batch, KvCacheCuda& cache, ForwardResult* out, bool capture_msa);
   void wait_step(int slot, ForwardResult* out);
 
@@ -213,6 +224,8 @@ class M3ModelCuda {
   int32_t* stage_ = nullptr;
   size_t stage_cap_ = 0;
   gpu::DeviceBuffer<int32_t> step_;
+  gpu::DeviceBuffer<float> embed_values_;  // the step's image embeddings (ForwardBatch)
+  std::unique_ptr<VisionTowerCuda> vision_;
   bool use_graphs_ = true;
   int64_t graph_replays_ = 0, graph_captures_ = 0;
   // FlashInfer's prefill for the eager steps' prefill runs (kernels/cuda/attn_flash.h); null

@@ -119,6 +119,20 @@ class CudaBackend final : public ForwardBackend {
     model_->wait_for_kv_copies(tier_->layer_events());
   }
 
+  // Image input: the tower on this GPU (M3ModelCuda::encode_images); forward() takes the
+  // embeddings through ForwardBatch::embed_rows (such steps run eagerly).
+  bool supports_image_input() const override { return model_->has_vision(); }
+  std::string image_refusal() const override {
+    if (!model_->config().vision.present)
+      return "this model has no vision tower (config.json has no vision_config)";
+    return "the vision tower is not loaded (the server runs with --language-model-only)";
+  }
+  void encode_images(std::span<const model::VisionImage> images,
+                     std::vector<float>* embeds) override {
+    M3_CUDA_CHECK(cudaSetDevice(device_));
+    model_->encode_images(images, embeds);
+  }
+
  private:
   std::unique_ptr<M3ModelCuda> owned_;
   M3ModelCuda* model_;

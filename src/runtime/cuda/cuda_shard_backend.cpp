@@ -50,6 +50,11 @@ class ShardedCudaBackend final : public ForwardBackend {
   int64_t num_pages() const override { return ranks_[0].cache->num_pages(); }
   bool samples_on_device() const override { return true; }
   std::string device_name() const override { return name_; }
+  std::string image_refusal() const override {
+    return "image input is not implemented with --tensor-parallel-size above 1 on GPUs yet; "
+           "serve images on one GPU (drop --tensor-parallel-size) or on the CPU backend "
+           "(--device cpu)";
+  }
   std::string kv_cache_flag() const override { return flag_; }
 
   void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) override {

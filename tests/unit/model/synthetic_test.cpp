@@ -34,6 +34,32 @@ TEST(SyntheticSpec, ParsesLayersAndSeed) {
   EXPECT_EQ(b->seed, 77u);
   EXPECT_TRUE(model::is_synthetic_model("synthetic:layers=1"));
   EXPECT_FALSE(model::is_synthetic_model("/models/synthetic:layers=1"));
+  EXPECT_FALSE(a->vision);
+}
+
+// vision=1: M3's vision_config on the config-only host (the GPU backend generates the tower);
+// --language-model-only leaves it out.
+TEST(SyntheticSpec, VisionGivesM3VisionConfig) {
+  auto s = parse_synthetic_spec("synthetic:layers=2,vision=1");
+  ASSERT_TRUE(s) << s.error().message;
+  EXPECT_TRUE(s->vision);
+  model::LoadOptions lo;
+  lo.language_model_only = false;
+  auto m = model::M3Model::load("synthetic:layers=2,vision=1", lo);
+  ASSERT_TRUE(m) << m.error().message;
+  const auto& v = (*m)->config().vision;
+  EXPECT_TRUE(v.present);
+  EXPECT_EQ(v.hidden_size, 1280);
+  EXPECT_EQ(v.num_hidden_layers, 32);
+  EXPECT_EQ(v.head_dim(), 80);
+  EXPECT_EQ(v.projector_hidden_size, 6144);
+  lo.language_model_only = true;
+  auto t = model::M3Model::load("synthetic:layers=2,vision=1", lo);
+  ASSERT_TRUE(t) << t.error().message;
+  EXPECT_FALSE((*t)->config().vision.present);
+  auto plain = model::M3Model::load("synthetic:layers=2", model::LoadOptions{});
+  ASSERT_TRUE(plain);
+  EXPECT_FALSE((*plain)->config().vision.present);
 }
 
 TEST(SyntheticSpec, RefusesBadSpecsNamingThePart) {
@@ -55,6 +81,8 @@ TEST(SyntheticSpec, RefusesBadSpecsNamingThePart) {
       {"synthetic:layers=4,seed=99999999999999999999999", "not a non-negative integer"},
       {"synthetic:layers=4,weights=int4", "weights=int4 is unknown; use bf16, fp8, mxfp8"},
       {"synthetic:layers=4,weights=fp8,weights=fp8", "given twice"},
+      {"synthetic:layers=4,vision=yes", "vision=yes must be 0 or 1"},
+      {"synthetic:layers=4,vision=1,vision=1", "given twice"},
   };
   for (const auto& c : cases) {
     auto r = parse_synthetic_spec(c.spec);
