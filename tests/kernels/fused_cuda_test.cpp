@@ -107,7 +107,8 @@ struct PrepPtrs {
   int64_t in_stride;
 };
 
-gk::AttnPrepArgs prep_args(const Geometry& G, bool sparse, const PrepPtrs& p, double theta) {
+gk::AttnPrepArgs prep_args(const Geometry& G, bool sparse, const PrepPtrs& p, double theta,
+                           bool qk_norm = true) {
   gk::AttnPrepArgs a;
   a.q = p.q;
   a.q_out = p.q_out;
@@ -117,8 +118,10 @@ gk::AttnPrepArgs prep_args(const Geometry& G, bool sparse, const PrepPtrs& p, do
   a.num_kv_heads = G.nkv;
   a.head_dim = G.d;
   a.rot_dim = G.rot;
-  a.q_norm = {p.qn, DType::kBF16, G.d};
-  a.k_norm = {p.kn, DType::kBF16, G.d};
+  if (qk_norm) {  // else none (a layer without QK-norm: an EAGLE-3 draft's)
+    a.q_norm = {p.qn, DType::kBF16, G.d};
+    a.k_norm = {p.kn, DType::kBF16, G.d};
+  }
   if (sparse) {
     a.iq = p.iq;
     a.iq_out = p.iq_out;
@@ -138,7 +141,7 @@ gk::AttnPrepArgs prep_args(const Geometry& G, bool sparse, const PrepPtrs& p, do
 // Sequences with `lens` tokens already in the cache and `news` new tokens each this step; the
 // same arguments through cpu::attn_prep and gk::attn_prep, packed or `fused`.
 void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vector<int>& news,
-                bool sparse, uint32_t seed, bool fused = false) {
+                bool sparse, uint32_t seed, bool fused = false, bool qk_norm = true) {
   std::mt19937 g(seed);
   // Pages: each sequence owns enough consecutive pages for lens + news tokens.
   std::vector<int32_t> offsets{0}, table, positions, seq_ids;
@@ -208,7 +211,7 @@ void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vect
     cpu::KvPages pc = cpu::KvPages::fp32(ck_c.data(), cv_c.data(), sparse ? cik_c.data() : nullptr,
                                          num_pages, G.page, G.nkv, G.d, sparse ? G.di : 0);
     cpu::TokenLayout lc{T, positions.data(), seq_ids.data(), offsets.data(), table.data()};
-    cpu::attn_prep(prep_args(G, sparse, p, theta), pc, lc);
+    cpu::attn_prep(prep_args(G, sparse, p, theta, qk_norm), pc, lc);
     if (fused) {
       std::copy_n(qo_c.data(), T * cq, q_c.data());
       if (sparse) std::copy_n(iqo_c.data(), T * ciq, iq_c.data());
@@ -229,7 +232,7 @@ void check_prep(const Geometry& G, const std::vector<int>& lens, const std::vect
                                          num_pages, G.page, G.nkv, G.d, sparse ? G.di : 0);
     cpu::TokenLayout lg{T, dpos.data(), dseq.data(), doff.data(), dtab.data()};
     Stream s;
-    gk::attn_prep(prep_args(G, sparse, p, theta), pg, lg, s.get());
+    gk::attn_prep(prep_args(G, sparse, p, theta, qk_norm), pg, lg, s.get());
     s.synchronize();
   }
   if (fused) {
@@ -267,6 +270,9 @@ TEST(CudaFused, AttnPrepMatchesCpuAtOddGeometries) {
   check_prep({6, 3, 40, 16, 3, 24, 24, 4}, {0, 9}, {10, 1}, true, 5);  // GQA 2, full index rot
   check_prep({8, 8, 64, 0, 8, 32, 8, 16}, {3}, {40}, true, 6);         // no rotary on heads
   check_prep({16, 2, 256, 256, 2, 512, 64, 8}, {0}, {9}, true, 7);     // wide heads
+  // No QK-norm, RoPE over the whole head (an EAGLE-3 draft's Llama layer), packed and fused.
+  check_prep({12, 3, 128, 128, 0, 128, 0, 16}, {0, 20}, {9, 1}, false, 11, false, false);
+  check_prep({12, 3, 128, 128, 0, 128, 0, 16}, {5}, {4}, false, 12, true, false);
 }
 
 }  // namespace

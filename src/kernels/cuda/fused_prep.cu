@@ -47,21 +47,26 @@ struct Freqs {
   float af = 1.f;  // YaRN's attention factor on cos and sin (1 without scaling)
 };
 
-// One vector of `dim` floats: Gemma RMSNorm with `w`, then RoPE over its first `rot` dims at
-// position p; element i of the result goes to emit(i, value) (dst may alias src).
+// One vector of `dim` floats: Gemma RMSNorm with `w` (none when w is null: a layer without
+// QK-norm, e.g. an EAGLE-3 draft's), then RoPE over its first `rot` dims at position p; element i
+// of the result goes to emit(i, value) (dst may alias src).
 template <class Emit>
 __device__ void norm_rope(const float* src, int64_t dim, const void* w, bool w_bf16, float eps,
                           int64_t rot, const float* inv_freq, float af, float p, float* buf,
                           float* red, Emit emit) {
-  float ss = 0.f;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-    const float v = src[i];
-    ss = fmaf(v, v, ss);
+  if (w == nullptr) {  // uniform over the block
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) buf[i] = src[i];
+  } else {
+    float ss = 0.f;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+      const float v = src[i];
+      ss = fmaf(v, v, ss);
+    }
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+      buf[i] = (src[i] * inv) * (1.0f + load_weight(w, w_bf16, i));
   }
-  ss = block_sum(ss, red);
-  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
-    buf[i] = (src[i] * inv) * (1.0f + load_weight(w, w_bf16, i));
   __syncthreads();
   const int64_t half = rot / 2;
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -198,7 +203,12 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
            "attn_prep: head dims %lld/%lld", static_cast<long long>(a.head_dim),
            static_cast<long long>(a.index_dim));
   M3_CHECK(a.rot_dim % 2 == 0 && a.rot_dim <= a.head_dim && a.rot_dim / 2 <= kMaxRopeHalf);
-  M3_CHECK(a.q_norm.n == a.head_dim && a.k_norm.n == a.head_dim);
+  // QK-norm weights of head_dim each, or none at all (the CPU op's rule).
+  const bool qk_norm = a.q_norm.n != 0 || a.k_norm.n != 0;
+  M3_CHECK(!qk_norm || (a.q_norm.n == a.head_dim && a.k_norm.n == a.head_dim),
+           "attn_prep: q/k norm weights of %lld/%lld entries for head_dim %lld",
+           static_cast<long long>(a.q_norm.n), static_cast<long long>(a.k_norm.n),
+           static_cast<long long>(a.head_dim));
   M3_CHECK(cache.num_kv_heads == a.num_kv_heads && cache.head_dim == a.head_dim);
   M3_CHECK(a.q != nullptr && a.q_out != nullptr && a.k != nullptr && a.v != nullptr);
   // In place only when packed: a fused row would be overwritten while other blocks read it.
@@ -224,6 +234,7 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
   const int64_t slots = a.num_q_heads + a.num_kv_heads + (index ? a.num_index_heads + 1 : 0);
   AttnPrepArgs args = a;
   if (!index) args.num_index_heads = 0;
+  if (!qk_norm) args.q_norm.data = args.k_norm.data = nullptr;  // norm_rope skips the norm
   attn_prep_kernel<<<dim3(static_cast<unsigned>(layout.num_tokens), static_cast<unsigned>(slots)),
                      kPrepThreads, 0, stream>>>(args, cache, layout, f, 1.0f / cache.k_scale,
                                                 1.0f / cache.v_scale);
