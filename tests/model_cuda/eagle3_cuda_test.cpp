@@ -149,8 +149,13 @@ void compare(Pair& p, const std::vector<float>& aux, const std::vector<int32_t>&
     b.seq_ids.push_back(0);
     b.logits_indices.push_back(i);
   }
-  b.block_table_offsets = {0, 1};
-  b.block_table = {1};  // not page 0: the table is honoured
+  // Pages 1, 2, ... (not from page 0: the table is honoured), enough for the chunk and the draft
+  // steps after it.
+  const int64_t bs = p.host->config().sparse_block_size;
+  std::vector<int32_t> table;
+  for (int64_t pg = 0; pg * bs < S + 3; ++pg) table.push_back(static_cast<int32_t>(pg + 1));
+  b.block_table_offsets = {0, static_cast<int32_t>(table.size())};
+  b.block_table = table;
   for (int step = 0; step < 3; ++step) {
     DraftResult r;
     p.cpu->forward(b, &r);
@@ -186,8 +191,8 @@ void compare(Pair& p, const std::vector<float>& aux, const std::vector<int32_t>&
     d.token_ids = {r.argmax_tokens.back()};
     d.positions = {b.positions.back() + 1};
     d.seq_ids = {0};
-    d.block_table_offsets = {0, 1};
-    d.block_table = {1};
+    d.block_table_offsets = b.block_table_offsets;
+    d.block_table = b.block_table;
     d.hidden.assign(r.prenorm.end() - H, r.prenorm.end());
     d.logits_indices = {0};
     b = d;
