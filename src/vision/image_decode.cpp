@@ -140,6 +140,7 @@ Result<RgbImage> decode_jpeg(std::span<const uint8_t> bytes, int64_t max_pixels)
   err.truncated = false;
   // What must survive a longjmp is on the heap (no locals are modified after setjmp).
   auto img = std::make_unique<RgbImage>();
+  auto cmyk_row = std::make_unique<std::vector<uint8_t>>();  // a CMYK file's row
   if (setjmp(err.jump)) {
     jpeg_destroy_decompress(&cinfo);
     return tl::unexpected(bad(std::string("corrupt JPEG: ") + err.message));
@@ -154,23 +155,38 @@ Result<RgbImage> decode_jpeg(std::span<const uint8_t> bytes, int64_t max_pixels)
       orientation = exif_orientation({m->data, m->data_length});
   }
   img->orientation = orientation;
-  if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
-    jpeg_destroy_decompress(&cinfo);
-    return tl::unexpected(bad("CMYK JPEG images are not supported; convert the image to RGB"));
-  }
+  // CMYK (and YCCK, which libjpeg turns into CMYK): read as CMYK, then PIL's conversion below.
+  const bool cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
   auto ok = check_size(cinfo.image_width, cinfo.image_height, max_pixels, "JPEG");
   if (!ok) {
     jpeg_destroy_decompress(&cinfo);
     return tl::unexpected(ok.error());
   }
-  cinfo.out_color_space = JCS_RGB;  // grey is replicated, as PIL's convert("RGB")
+  cinfo.out_color_space = cmyk ? JCS_CMYK : JCS_RGB;  // grey is replicated, as PIL's convert("RGB")
   jpeg_start_decompress(&cinfo);
   img->width = cinfo.output_width;
   img->height = cinfo.output_height;
   img->rgb.resize(static_cast<size_t>(img->width * img->height * 3));
+  if (cmyk) cmyk_row->resize(static_cast<size_t>(img->width * 4));
   while (cinfo.output_scanline < cinfo.output_height) {
-    JSAMPROW row = img->rgb.data() + static_cast<size_t>(cinfo.output_scanline) * img->width * 3;
+    uint8_t* out = img->rgb.data() + static_cast<size_t>(cinfo.output_scanline) * img->width * 3;
+    JSAMPROW row = cmyk ? cmyk_row->data() : out;
     jpeg_read_scanlines(&cinfo, &row, 1);
+    if (cmyk) {
+      // PIL reads a CMYK JPEG's samples inverted (Adobe's convention, "CMYK;I") and converts to
+      // RGB as channel = (255 - k) - (c * (255 - k)) / 255, rounded its way (MULDIV255). With the
+      // stored samples s (inverted: c = 255 - s_c, k = 255 - s_k) that is s_k - muldiv(255 - s_c,
+      // s_k).
+      const uint8_t* in = cmyk_row->data();
+      for (int64_t x = 0; x < img->width; ++x, in += 4, out += 3) {
+        const int nk = in[3];
+        for (int ch = 0; ch < 3; ++ch) {
+          const int t = (255 - in[ch]) * nk + 128;
+          const int v = nk - (((t >> 8) + t) >> 8);
+          out[ch] = static_cast<uint8_t>(v < 0 ? 0 : (v > 255 ? 255 : v));
+        }
+      }
+    }
   }
   const bool truncated = err.truncated;
   jpeg_finish_decompress(&cinfo);

@@ -41,8 +41,9 @@ const char* image_format_name(ImageFormat f);
 
 // Decodes `bytes`. max_pixels bounds width * height before any pixel is decoded (a decompression
 // bomb is refused from its header). Errors (kInvalidArgument): an unknown format (names the
-// supported ones), a corrupt or truncated file (the decoder's message), CMYK JPEGs, an image over
-// max_pixels (both numbers).
+// supported ones), a corrupt or truncated file (the decoder's message), an image over max_pixels
+// (both numbers). CMYK / YCCK JPEGs are converted as PIL converts them (Adobe-inverted samples,
+// PIL's CMYK -> RGB arithmetic).
 Result<RgbImage> decode_image(std::span<const uint8_t> bytes, int64_t max_pixels);
 
 }  // namespace m3::vision

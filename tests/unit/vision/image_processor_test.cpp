@@ -34,12 +34,13 @@ nlohmann::json goldens() {
   return nlohmann::json::parse(f);
 }
 
-// JPEG EXIF orientation (tools/goldens/make_exif_images.py): the same picture tagged 1..8
-// decodes upright, byte for byte as PIL's ImageOps.exif_transpose gives it.
-TEST(ImageProcessor, JpegExifOrientationMatchesPilExifTranspose) {
-  std::ifstream f(std::string(M3_SOURCE_DIR) + "/tests/golden/vision/exif.json");
+// tools/goldens/make_decoder_images.py: JPEG EXIF orientation (the same picture tagged 1..8
+// decodes upright, byte for byte as PIL's ImageOps.exif_transpose gives it) and a CMYK JPEG (as
+// PIL's convert("RGB")).
+TEST(ImageProcessor, JpegExifOrientationAndCmykMatchPil) {
+  std::ifstream f(std::string(M3_SOURCE_DIR) + "/tests/golden/vision/decoder.json");
   const auto g = nlohmann::json::parse(f);
-  ASSERT_EQ(g["images"].size(), 8u);
+  ASSERT_EQ(g["images"].size(), 9u);
   for (const auto& [name, want] : g["images"].items()) {
     SCOPED_TRACE(name);
     const auto bytes =

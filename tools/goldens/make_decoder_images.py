@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Writes the EXIF-orientation test images and their expected pixels.
+"""Writes the image-decoder test images and their expected pixels (tests/golden/vision/decoder.json).
 
-tests/golden/vision/images/exif_<k>.jpg for orientation k = 1..8: the same 37x23 picture
-(asymmetric, so every flip and rotation differs) saved once as a JPEG, then copied with an EXIF
-APP1 segment carrying Orientation = k. tests/golden/vision/exif.json records, for each, the size
-and the xxh64 of the RGB pixels PIL gives after ImageOps.exif_transpose (how transformers'
-load_image turns a photo upright), which m3serve's decoder must reproduce byte for byte.
+- images/exif_<k>.jpg for orientation k = 1..8: the same 37x23 picture (asymmetric, so every
+  flip and rotation differs) saved once as a JPEG, then copied with an EXIF APP1 segment
+  carrying Orientation = k. Expected: the RGB pixels PIL gives after ImageOps.exif_transpose
+  (how vLLM's loader and transformers' load_image turn a photo upright).
+- images/cmyk.jpg: a CMYK JPEG with a non-zero black channel. Expected: PIL's convert("RGB").
+Each entry records the size and the xxh64 of the RGB bytes, which m3serve's decoder must
+reproduce byte for byte.
 
-Usage: python3 tools/goldens/make_exif_images.py  (needs pillow, numpy, xxhash)
+Usage: python3 tools/goldens/make_decoder_images.py  (needs pillow, numpy, xxhash)
 """
 import io
 import json
@@ -57,13 +59,23 @@ def main():
             "height": up.size[1],
             "rgb_xxh64": xxhash.xxh64(arr.tobytes(), seed=0).hexdigest(),
         }
+    y, x = np.mgrid[0:29, 0:43]
+    cmyk = np.stack([(x * 5) % 256, (y * 9) % 256, ((x + y) * 3) % 256, (x * y) % 200], -1)
+    name = "cmyk.jpg"
+    Image.fromarray(cmyk.astype(np.uint8), "CMYK").save(
+        os.path.join(OUT, "images", name), quality=95)
+    im = Image.open(os.path.join(OUT, "images", name))
+    assert im.mode == "CMYK"
+    arr = np.asarray(im.convert("RGB"))
+    cases[name] = {"orientation": 1, "width": arr.shape[1], "height": arr.shape[0],
+                   "rgb_xxh64": xxhash.xxh64(arr.tobytes(), seed=0).hexdigest()}
     meta = {
-        "generator": "tools/goldens/make_exif_images.py",
+        "generator": "tools/goldens/make_decoder_images.py",
         "versions": {"python": platform.python_version(), "pillow": PIL.__version__,
                      "numpy": np.__version__, "xxhash": xxhash.VERSION},
         "images": cases,
     }
-    with open(os.path.join(OUT, "exif.json"), "w") as f:
+    with open(os.path.join(OUT, "decoder.json"), "w") as f:
         json.dump(meta, f, indent=1)
         f.write("\n")
 
