@@ -423,6 +423,7 @@ int run_serve(ServeArgs a) {
 
   server::ServerConfig sc;
   sc.host = a.host;
+  sc.uds = plan->uds;
   sc.port = a.port;
   sc.served_model_names = a.served_model_names;
   sc.api_keys = a.api_keys;
@@ -468,10 +469,12 @@ int run_serve(ServeArgs a) {
     return fail(st.error().message);
   }
   const auto& info = eng->model_info();
+  const std::string listening = !sc.uds.empty()
+                                    ? "unix:" + sc.uds
+                                    : "http://" + a.host + ":" + std::to_string(http->bound_port());
   std::printf(
       "m3serve %s: serving %s as '%s' (%s) on %s | KV cache: %lld tokens (%lld pages of %d, "
-      "%s%s%s, %lld B/token) | max-model-len %d | prefix caching %s%s%s | listening on "
-      "http://%s:%d\n",
+      "%s%s%s, %lld B/token) | max-model-len %d | prefix caching %s%s%s | listening on %s\n",
       M3_VERSION, a.model_dir.c_str(), a.served_model_names[0].c_str(), info.summary.c_str(),
       info.device.c_str(), static_cast<long long>(info.kv_tokens),
       static_cast<long long>(info.num_kv_blocks), info.block_size, info.kv_cache_dtype.c_str(),
@@ -479,7 +482,7 @@ int run_serve(ServeArgs a) {
       static_cast<long long>(info.kv_bytes_per_token), info.max_model_len,
       ec.enable_prefix_caching ? "on" : "off",
       info.speculative.empty() ? "" : " | speculative decoding: ", info.speculative.c_str(),
-      a.host.c_str(), http->bound_port());
+      listening.c_str());
   std::fflush(stdout);
   if (info.num_host_kv_pages > 0) {
     std::fprintf(stderr, "m3serve: host KV tier: %lld pages (%lld tokens) in host memory\n",

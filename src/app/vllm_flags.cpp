@@ -295,8 +295,7 @@ const std::vector<VllmFlag> kTable = {
    "TLS is not built in; put a TLS-terminating proxy in front", kServeOnly},
   {"--enable-ssl-refresh", false, FlagKind::kRefused, "",
    "TLS is not built in; put a TLS-terminating proxy in front", kServeOnly},
-  {"--uds", true, FlagKind::kRefused, "",
-   "m3serve listens on TCP only: use --host and --port", kServeOnly},
+  {"--uds", true, FlagKind::kHandled, "", "", kServeOnly},
   {"--middleware", true, FlagKind::kRefused, "",
    "m3serve cannot load Python ASGI middleware; put a proxy in front", kServeOnly},
   {"--tool-server", true, FlagKind::kRefused, "",
@@ -1410,6 +1409,13 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
                                ": CORS preflights are answered with GET, POST, OPTIONS and the "
                                "headers the browser asks for");
       }
+    } else if (ln == "--uds") {
+      const std::string path = trim(value);
+      if (path.empty() || path.size() >= 108) {  // sockaddr_un's sun_path, with its NUL
+        return bad(ln, "--uds '" + value +
+                           "' is not a Unix socket path (1 to 107 bytes), e.g. --uds /tmp/m3.sock");
+      }
+      plan.uds = path;
     } else if (ln == "--root-path") {
       plan.root_path = trim(value);
       plan.notices.push_back("--root-path " + value +

@@ -10,6 +10,8 @@
 #include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -161,6 +163,8 @@ std::string peer_address(const sockaddr_storage& ss) {
     inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, buf, sizeof buf);
   } else if (ss.ss_family == AF_INET6) {
     inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr, buf, sizeof buf);
+  } else if (ss.ss_family == AF_UNIX) {
+    return "unix";  // local clients of a --uds socket share one per-client budget
   }
   return buf;
 }
@@ -208,6 +212,7 @@ class HttpFrontImpl {
   std::function<bool(const HttpRequest&)> is_inline;
   int listen_fd = -1, epoll_fd = -1, wake_fd = -1;
   int port = 0;
+  std::string unix_path;  // bind_unix: the socket file, removed at the end
   std::atomic<bool> stopping{false};
   std::atomic<bool> running{false};
 
@@ -230,6 +235,22 @@ class HttpFrontImpl {
     for (int fd : {listen_fd, epoll_fd, wake_fd}) {
       if (fd >= 0) ::close(fd);
     }
+    if (!unix_path.empty()) ::unlink(unix_path.c_str());
+  }
+
+  // The event loop's descriptors around the bound listener.
+  Status arm() {
+    epoll_fd = ::epoll_create1(EPOLL_CLOEXEC);
+    wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (epoll_fd < 0 || wake_fd < 0)
+      return make_error(ErrorCode::kIo, std::string("epoll/eventfd: ") + std::strerror(errno));
+    epoll_event e{};
+    e.events = EPOLLIN;
+    e.data.fd = listen_fd;
+    ::epoll_ctl(epoll_fd, EPOLL_CTL_ADD, listen_fd, &e);
+    e.data.fd = wake_fd;
+    ::epoll_ctl(epoll_fd, EPOLL_CTL_ADD, wake_fd, &e);
+    return {};
   }
 
   void wake() {
@@ -989,17 +1010,56 @@ Status HttpFront::bind(const std::string& host, int port) {
   getsockname(d.listen_fd, reinterpret_cast<sockaddr*>(&ss), &sl);
   d.port = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
                                     : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
-  d.epoll_fd = ::epoll_create1(EPOLL_CLOEXEC);
-  d.wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (d.epoll_fd < 0 || d.wake_fd < 0)
-    return make_error(ErrorCode::kIo, std::string("epoll/eventfd: ") + std::strerror(errno));
-  epoll_event e{};
-  e.events = EPOLLIN;
-  e.data.fd = d.listen_fd;
-  ::epoll_ctl(d.epoll_fd, EPOLL_CTL_ADD, d.listen_fd, &e);
-  e.data.fd = d.wake_fd;
-  ::epoll_ctl(d.epoll_fd, EPOLL_CTL_ADD, d.wake_fd, &e);
-  return {};
+  return d.arm();
+}
+
+Status HttpFront::bind_unix(const std::string& path) {
+  auto& d = *impl_;
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof sa.sun_path) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--uds '" + path + "' is not a Unix socket path (1 to " +
+                          std::to_string(sizeof sa.sun_path - 1) + " bytes)",
+                      "--uds");
+  }
+  std::memcpy(sa.sun_path, path.data(), path.size());
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "--uds " + path + " exists and is not a socket; choose another path",
+                        "--uds");
+    }
+    // A socket file: in use if something answers there, else left by a process that is gone.
+    const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const bool live =
+        probe >= 0 && ::connect(probe, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) == 0;
+    if (probe >= 0) ::close(probe);
+    if (live) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "--uds " + path +
+                            ": another process listens on this socket; stop it or choose "
+                            "another path",
+                        "--uds");
+    }
+    ::unlink(path.c_str());
+  }
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return make_error(ErrorCode::kIo, std::string("socket: ") + std::strerror(errno));
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) != 0 ||
+      ::listen(fd, SOMAXCONN) != 0) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    return make_error(ErrorCode::kInvalidArgument,
+                      "cannot listen on the Unix socket " + path + ": " + why +
+                          "; check that its directory exists and is writable",
+                      "--uds");
+  }
+  d.listen_fd = fd;
+  d.unix_path = path;
+  d.port = 0;
+  return d.arm();
 }
 
 int HttpFront::port() const {

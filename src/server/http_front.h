@@ -61,6 +61,9 @@ class HttpFront {
   // Listens on host:port (port 0 picks one). A port in use is an error ("address in use"):
   // the socket is never shared (no SO_REUSEPORT).
   Status bind(const std::string& host, int port);
+  // Listens on a Unix domain socket instead (vLLM's --uds): a stale socket file at `path` is
+  // replaced, any other file is refused; the file is removed when the front is destroyed.
+  Status bind_unix(const std::string& path);
   int port() const;
   // Runs the loop and the workers until stop(); blocks the calling thread.
   Status run();

@@ -241,6 +241,7 @@ HttpServer::~HttpServer() {
 
 Status HttpServer::bind() {
   auto& c = impl_->cfg_;
+  if (!c.uds.empty()) return impl_->front_->bind_unix(c.uds);
   if (c.port < 0 || c.port > 65535) {
     return make_error(ErrorCode::kInvalidArgument,
                       "--port " + std::to_string(c.port) + " is not a TCP port (0..65535)",

@@ -28,6 +28,7 @@ namespace m3::server {
 struct ServerConfig {
   std::string host = "0.0.0.0";
   int port = 8000;
+  std::string uds;  // non-empty: listen on this Unix domain socket (host and port unused)
   std::vector<std::string> served_model_names;  // [0] is reported in responses
   std::vector<std::string> api_keys;            // empty: no auth; any one of them admits
   bool parse_reasoning = true;                  // --reasoning-parser minimax_m3

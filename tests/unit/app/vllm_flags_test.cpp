@@ -209,6 +209,15 @@ const std::vector<RecipeCase> kRecipe = {
      {},
      "",
      "lazy_offload false (vLLM's default when not given)"},
+    {"uds", "--uds /tmp/m3.sock", {}, "", ""},
+    {"uds_too_long",
+     "--uds "
+     "/tmp/"
+     "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+     "xxxxxxxxxxxxxxxxxxxxxxxxxxx",
+     {},
+     "is not a Unix socket path",
+     ""},
     {"vision_media_io_kwargs",
      "--media-io-kwargs '{\"video\": {\"num_frames\": 8}}'",
      {},
