@@ -424,6 +424,7 @@ int run_serve(ServeArgs a) {
   server::ServerConfig sc;
   sc.host = a.host;
   sc.uds = plan->uds;
+  if (!plan->response_role.empty()) sc.response_role = plan->response_role;
   sc.port = a.port;
   sc.served_model_names = a.served_model_names;
   sc.api_keys = a.api_keys;

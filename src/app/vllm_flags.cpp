@@ -275,8 +275,7 @@ const std::vector<VllmFlag> kTable = {
    kServeOnly},
   {"--trust-request-chat-template", false, FlagKind::kNoop, "",
    "requests cannot replace the chat template here", kServeOnly},
-  {"--response-role", true, FlagKind::kRefused, "assistant",
-   "the response role is always \"assistant\"", kServeOnly},
+  {"--response-role", true, FlagKind::kHandled, "", "", kServeOnly},
   {"--api-server-count", true, FlagKind::kNoop, "",
    "one process serves HTTP on --http-threads worker threads", kServeOnly},
   {"--disable-fastapi-docs", false, FlagKind::kNoop, "",
@@ -1409,6 +1408,10 @@ Result<CompatPlan> review_vllm_flags(const VllmFlagValues& v, VllmCommand cmd,
                                ": CORS preflights are answered with GET, POST, OPTIONS and the "
                                "headers the browser asks for");
       }
+    } else if (ln == "--response-role") {
+      const std::string role = trim(value);
+      if (role.empty()) return bad(ln, "--response-role needs a role name, e.g. assistant");
+      plan.response_role = role;
     } else if (ln == "--uds") {
       const std::string path = trim(value);
       if (path.empty() || path.size() >= 108) {  // sockaddr_un's sun_path, with its NUL

@@ -101,7 +101,8 @@ struct CompatPlan {
   std::vector<std::string> allowed_origins;  // CORS, applied (ServerConfig::allowed_origins)
   bool allow_credentials = false;
   std::string root_path;
-  std::string uds;  // --uds: listen on this Unix socket instead of --host / --port
+  std::string uds;            // --uds: listen on this Unix socket instead of --host / --port
+  std::string response_role;  // --response-role ("" : assistant)
   // Image and video input (issue #20), applied to the server's MediaConfig.
   std::optional<int> mm_limit_images;  // --limit-mm-per-prompt '{"image": N}'
   std::optional<int> mm_limit_videos;  // --limit-mm-per-prompt '{"video": M}'

@@ -29,6 +29,7 @@ struct ServerConfig {
   std::string host = "0.0.0.0";
   int port = 8000;
   std::string uds;  // non-empty: listen on this Unix domain socket (host and port unused)
+  std::string response_role = "assistant";      // --response-role: chat replies' role
   std::vector<std::string> served_model_names;  // [0] is reported in responses
   std::vector<std::string> api_keys;            // empty: no auth; any one of them admits
   bool parse_reasoning = true;                  // --reasoning-parser minimax_m3

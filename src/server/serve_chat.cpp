@@ -174,13 +174,12 @@ Result<ChatJob> HttpServerImpl::start_chat(const ChatRequest& r,
     co.tool_options.id_prefix = "call_" + random_id(20) + "_";
     base.chat = co;
   }
-  // vLLM's chat `echo`: the reply continues the final message when that message has the
-  // reply's role (assistant after a generation prompt, else the final message's own role).
-  if (r.echo) {
+  // The reply's role: --response-role after a generation prompt, else the final message's own
+  // role. vLLM's chat `echo`: the reply continues the final message when it has that role.
+  {
     const auto& last = r.messages.back();
-    const std::string role =
-        r.add_generation_prompt ? "assistant" : last["role"].get<std::string>();
-    if (last["role"] == role && last["content"].is_string())
+    job.role = r.add_generation_prompt ? cfg_.response_role : last["role"].get<std::string>();
+    if (r.echo && last["role"] == job.role && last["content"].is_string())
       job.echo = last["content"].get<std::string>();
   }
   M3_TRY_STATUS(submit_all(*job.gen, sp, r.common, base, request_id));
@@ -252,7 +251,7 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
     Json choices = Json::array();
     for (const auto& s : gen->slots) {
       Json msg;
-      msg["role"] = "assistant";
+      msg["role"] = job->role;
       const bool has_calls = !s.out->tool_calls().empty();
       const std::string text = job->echo + s.out->text();
       msg["content"] = (text.empty() && has_calls) ? Json(nullptr) : Json(text);
@@ -303,7 +302,7 @@ void HttpServerImpl::handle_chat(const HttpRequest& req, HttpResponse& res) {
     // The role comes first, before any token, in every choice (with the echoed text, and the
     // prompt's token ids when return_token_ids).
     for (const auto& s : gen->slots) {
-      const Json first = {{"role", "assistant"}, {"content", job->echo}};
+      const Json first = {{"role", job->role}, {"content", job->echo}};
       if (!chunk(s, first, nullptr, nullptr, nullptr, token_ids ? Json::array() : Json(nullptr),
                  token_ids ? Json{{"prompt_token_ids", gen->prompts[0].ids}} : Json(nullptr))) {
         gen->abort_all();

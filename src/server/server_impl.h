@@ -57,6 +57,9 @@ struct ChatJob {
   text::ThinkingMode thinking_mode = text::ThinkingMode::kAdaptive;
   // Chat `echo` (/v1/chat/completions only): the final message's content the reply continues.
   std::string echo;
+  // The reply's role (vLLM's): --response-role after a generation prompt, else the final
+  // message's role (add_generation_prompt false continues that message).
+  std::string role = "assistant";
   UsageCounts usage() const;
 };
 
