@@ -106,6 +106,14 @@ if(TARGET PkgConfig::LIBJPEG)
 else()
   message(STATUS "image decoders: static libjpeg, libpng, libwebp from ${M3_GPU_DEPS}")
 endif()
+# GIF images (the first frame, as PIL loads it): Debian's giflib. Optional: without it (the GPU
+# machine's .gpu_deps/ does not carry it) GIF parts get a 400 that says so (M3_HAVE_GIF=0).
+find_package(GIF QUIET)
+if(TARGET GIF::GIF)
+  message(STATUS "GIF images: giflib ${GIF_VERSION}")
+else()
+  message(STATUS "GIF images: off (no giflib)")
+endif()
 # Video decoding of the vision input (src/vision/video_decode.cpp): Debian's libavformat,
 # libavcodec, libswscale, libavutil. Optional: a build without them (the GPU machine, whose
 # .gpu_deps/ does not carry them: they are large and pull in every codec library) refuses video

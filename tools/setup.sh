@@ -7,7 +7,7 @@ need_apt=0
 for p in cmake ninja-build g++ pkg-config python3 python3-pip nlohmann-json3-dev \
          libcli11-dev libexpected-dev libpcre2-dev libutf8proc-dev libxxhash-dev libgtest-dev \
          libgmock-dev ccache curl clang-format libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libjpeg62-turbo-dev libpng-dev zlib1g-dev libwebp-dev \
-         libavformat-dev libavcodec-dev libswscale-dev libavutil-dev; do
+         libavformat-dev libavcodec-dev libswscale-dev libavutil-dev libgif-dev; do
   dpkg -s "$p" >/dev/null 2>&1 || need_apt=1
 done
 if [ "$need_apt" = 1 ]; then
@@ -16,7 +16,7 @@ if [ "$need_apt" = 1 ]; then
     cmake ninja-build g++ pkg-config python3 python3-pip nlohmann-json3-dev \
     libcli11-dev libexpected-dev libpcre2-dev libutf8proc-dev libxxhash-dev libgtest-dev \
     libgmock-dev ccache curl clang-format libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libjpeg62-turbo-dev \
-    libpng-dev zlib1g-dev libwebp-dev libavformat-dev libavcodec-dev libswscale-dev libavutil-dev \
+    libpng-dev zlib1g-dev libwebp-dev libavformat-dev libavcodec-dev libswscale-dev libavutil-dev libgif-dev \
     >/dev/null
 fi
 # Python oracles and the real OpenAI / Anthropic clients and openai-agents for the tests (no

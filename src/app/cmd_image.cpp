@@ -93,7 +93,7 @@ RunFn register_image(CLI::App& app) {
       "process-image",
       "Run the MiniMax-M3 image processor (as transformers' MiniMaxM3VLImageProcessor) on "
       "image files and print the grid and a hash of the pixel values");
-  sub->add_option("files", args->files, "JPEG, PNG or WebP files")->required()->take_all();
+  sub->add_option("files", args->files, "JPEG, PNG, WebP or GIF files")->required()->take_all();
   sub->add_option("--out", args->out_dir,
                   "Write each image's float32 pixel values to DIR/<name>.f32");
   sub->add_option("--min-pixels", args->min_pixels, "smart_resize's min_pixels")

@@ -10,6 +10,9 @@
 #include <jerror.h>
 #include <png.h>
 #include <webp/decode.h>
+#if M3_HAVE_GIF
+#include <gif_lib.h>
+#endif
 
 namespace m3::vision {
 namespace {
@@ -300,6 +303,111 @@ Result<RgbImage> decode_webp(std::span<const uint8_t> bytes, int64_t max_pixels)
   return img;
 }
 
+#if M3_HAVE_GIF
+// ---- GIF (giflib): the first frame, as PIL's GifImagePlugin loads frame 0 and convert("RGB")
+// maps it. The canvas is the logical screen, filled with the frame's transparent index when it
+// has one, else index 0; the frame's rows go to their offset (interlaced rows in pass order);
+// indices map through the frame's local colour table, else the global one, else are grey
+// levels (PIL's mode "L"); indices past a table's end get PIL's palette filler (i, i, i).
+struct GifReader {
+  std::span<const uint8_t> bytes;
+  size_t pos = 0;
+};
+
+int gif_read_mem(GifFileType* g, GifByteType* out, int n) {
+  auto* r = static_cast<GifReader*>(g->UserData);
+  const size_t k = std::min(static_cast<size_t>(std::max(n, 0)), r->bytes.size() - r->pos);
+  std::memcpy(out, r->bytes.data() + r->pos, k);
+  r->pos += k;
+  return static_cast<int>(k);
+}
+
+struct GifCloser {
+  void operator()(GifFileType* g) const {
+    int e = 0;
+    DGifCloseFile(g, &e);
+  }
+};
+
+Result<RgbImage> decode_gif(std::span<const uint8_t> bytes, int64_t max_pixels) {
+  GifReader reader{bytes, 0};
+  int err = 0;
+  std::unique_ptr<GifFileType, GifCloser> g(DGifOpen(&reader, gif_read_mem, &err));
+  auto fail = [&](const char* what) {
+    const int code = g ? g->Error : err;
+    const char* msg = GifErrorString(code);
+    return tl::unexpected(bad(std::string("corrupt GIF (") + what + "): " + (msg ? msg : "?")));
+  };
+  if (!g) return fail("header");
+  const int64_t W = g->SWidth, H = g->SHeight;
+  if (auto ok = check_size(W, H, max_pixels, "GIF"); !ok) return tl::unexpected(ok.error());
+  int transparent = -1;  // from the graphic control extension before the first frame
+  for (;;) {
+    GifRecordType rt = UNDEFINED_RECORD_TYPE;
+    if (DGifGetRecordType(g.get(), &rt) == GIF_ERROR) return fail("record");
+    if (rt == TERMINATE_RECORD_TYPE) return tl::unexpected(bad("the GIF has no image"));
+    if (rt == EXTENSION_RECORD_TYPE) {
+      int code = 0;
+      GifByteType* ext = nullptr;
+      if (DGifGetExtension(g.get(), &code, &ext) == GIF_ERROR) return fail("extension");
+      if (code == GRAPHICS_EXT_FUNC_CODE && ext != nullptr && ext[0] >= 4 && (ext[1] & 1))
+        transparent = ext[4];
+      while (ext != nullptr)
+        if (DGifGetExtensionNext(g.get(), &ext) == GIF_ERROR) return fail("extension");
+      continue;
+    }
+    if (rt != IMAGE_DESC_RECORD_TYPE) continue;
+    if (DGifGetImageDesc(g.get()) == GIF_ERROR) return fail("image descriptor");
+    const GifImageDesc& d = g->Image;
+    const int64_t fx = d.Left, fy = d.Top, fw = d.Width, fh = d.Height;
+    if (fw < 1 || fh < 1 || fw * fh > max_pixels)
+      return tl::unexpected(bad("the GIF's first frame has no pixels or too many"));
+    std::vector<uint8_t> idx(static_cast<size_t>(W * H),
+                             static_cast<uint8_t>(transparent >= 0 ? transparent : 0));
+    std::vector<GifPixelType> line(static_cast<size_t>(fw));
+    auto put_row = [&](int64_t r) {
+      const int64_t y = fy + r;
+      if (y < 0 || y >= H) return;
+      for (int64_t x = 0; x < fw; ++x)
+        if (fx + x >= 0 && fx + x < W)
+          idx[static_cast<size_t>(y * W + fx + x)] = line[static_cast<size_t>(x)];
+    };
+    if (d.Interlace) {
+      static const int kStart[4] = {0, 4, 2, 1}, kStep[4] = {8, 8, 4, 2};
+      for (int pass = 0; pass < 4; ++pass)
+        for (int64_t r = kStart[pass]; r < fh; r += kStep[pass]) {
+          if (DGifGetLine(g.get(), line.data(), static_cast<int>(fw)) == GIF_ERROR)
+            return fail("image data");
+          put_row(r);
+        }
+    } else {
+      for (int64_t r = 0; r < fh; ++r) {
+        if (DGifGetLine(g.get(), line.data(), static_cast<int>(fw)) == GIF_ERROR)
+          return fail("image data");
+        put_row(r);
+      }
+    }
+    const ColorMapObject* cm = d.ColorMap != nullptr ? d.ColorMap : g->SColorMap;
+    RgbImage img;
+    img.width = W;
+    img.height = H;
+    img.rgb.resize(static_cast<size_t>(W * H * 3));
+    for (size_t i = 0; i < idx.size(); ++i) {
+      const int v = idx[i];
+      uint8_t* o = &img.rgb[i * 3];
+      if (cm != nullptr && v < cm->ColorCount) {
+        o[0] = cm->Colors[v].Red;
+        o[1] = cm->Colors[v].Green;
+        o[2] = cm->Colors[v].Blue;
+      } else {
+        o[0] = o[1] = o[2] = static_cast<uint8_t>(v);
+      }
+    }
+    return img;
+  }
+}
+#endif
+
 }  // namespace
 
 ImageFormat sniff_image_format(std::span<const uint8_t> b) {
@@ -309,7 +417,14 @@ ImageFormat sniff_image_format(std::span<const uint8_t> b) {
   if (b.size() >= 12 && std::memcmp(b.data(), "RIFF", 4) == 0 &&
       std::memcmp(b.data() + 8, "WEBP", 4) == 0)
     return ImageFormat::kWebp;
+  if (b.size() >= 6 &&
+      (std::memcmp(b.data(), "GIF87a", 6) == 0 || std::memcmp(b.data(), "GIF89a", 6) == 0))
+    return ImageFormat::kGif;
   return ImageFormat::kUnknown;
+}
+
+bool gif_decoding_available() {
+  return M3_HAVE_GIF != 0;
 }
 
 const char* image_format_name(ImageFormat f) {
@@ -320,6 +435,8 @@ const char* image_format_name(ImageFormat f) {
       return "PNG";
     case ImageFormat::kWebp:
       return "WebP";
+    case ImageFormat::kGif:
+      return "GIF";
     default:
       return "unknown";
   }
@@ -333,10 +450,19 @@ Result<RgbImage> decode_image(std::span<const uint8_t> bytes, int64_t max_pixels
       return decode_png(bytes, max_pixels);
     case ImageFormat::kWebp:
       return decode_webp(bytes, max_pixels);
+    case ImageFormat::kGif:
+#if M3_HAVE_GIF
+      return decode_gif(bytes, max_pixels);
+#else
+      return make_error(ErrorCode::kInvalidArgument,
+                        "GIF images need a build with giflib (libgif-dev), which this one lacks; "
+                        "send the image as PNG");
+#endif
     default:
       return make_error(ErrorCode::kInvalidArgument,
-                        bytes.empty() ? "the image is empty"
-                                      : "unsupported image format (supported: JPEG, PNG, WebP)");
+                        bytes.empty()
+                            ? "the image is empty"
+                            : "unsupported image format (supported: JPEG, PNG, WebP, GIF)");
   }
 }
 

@@ -33,7 +33,7 @@ int exif_orientation(std::span<const uint8_t> app1);
 // rotate 90 counter-clockwise); 5-8 swap width and height. Other values: unchanged.
 RgbImage apply_exif_orientation(RgbImage img, int orientation);
 
-enum class ImageFormat { kUnknown, kJpeg, kPng, kWebp };
+enum class ImageFormat { kUnknown, kJpeg, kPng, kWebp, kGif };
 
 // The format from the file's magic bytes (kUnknown when none matches).
 ImageFormat sniff_image_format(std::span<const uint8_t> bytes);
@@ -45,5 +45,7 @@ const char* image_format_name(ImageFormat f);
 // (both numbers). CMYK / YCCK JPEGs are converted as PIL converts them (Adobe-inverted samples,
 // PIL's CMYK -> RGB arithmetic).
 Result<RgbImage> decode_image(std::span<const uint8_t> bytes, int64_t max_pixels);
+// Whether this build reads GIF (giflib; optional: without it GIF images are refused by name).
+bool gif_decoding_available();
 
 }  // namespace m3::vision

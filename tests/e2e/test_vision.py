@@ -118,8 +118,10 @@ def test_bad_images_are_400s_naming_the_part(vclient):
     for i in range(80, len(corrupt), 5):
         corrupt[i] ^= 0x33
     bad_request(vclient, two(data_url("exact.png", bytes(corrupt))), part, "PNG")
-    bad_request(vclient, two("data:image/gif;base64," + base64.b64encode(b"GIF89a\x01\x00\x01\x00").decode()),
+    bad_request(vclient, two("data:image/bmp;base64," + base64.b64encode(b"BM:\x00\x00\x00\x00").decode()),
                 part, "unsupported image format")
+    bad_request(vclient, two("data:image/gif;base64," + base64.b64encode(b"GIF89a\x01\x00\x01\x00").decode()),
+                part, "GIF")
     bad_request(vclient, two("data:image/png,not-base64"), part, "not base64")
     bad_request(vclient, two("data:image/png;base64,***"), part, "not valid base64")
     bad_request(vclient, two("https://example.com/cat.png"), part, "data: URL")

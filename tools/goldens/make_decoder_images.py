@@ -6,6 +6,8 @@
   carrying Orientation = k. Expected: the RGB pixels PIL gives after ImageOps.exif_transpose
   (how vLLM's loader and transformers' load_image turn a photo upright).
 - images/cmyk.jpg: a CMYK JPEG with a non-zero black channel. Expected: PIL's convert("RGB").
+- images/gif_*.gif: GIFs (interlaced and not, a transparent index, an animation, grey levels).
+  Expected: PIL's Image.open (frame 0) + convert("RGB").
 Each entry records the size and the xxh64 of the RGB bytes, which m3serve's decoder must
 reproduce byte for byte.
 
@@ -69,6 +71,27 @@ def main():
     arr = np.asarray(im.convert("RGB"))
     cases[name] = {"orientation": 1, "width": arr.shape[1], "height": arr.shape[0],
                    "rgb_xxh64": xxhash.xxh64(arr.tobytes(), seed=0).hexdigest()}
+    def gif(name, im, **kw):
+        path = os.path.join(OUT, "images", name)
+        im.save(path, format="GIF", **kw)
+        back = Image.open(path)
+        arr = np.asarray(back.convert("RGB"))
+        cases[name] = {"orientation": 1, "width": arr.shape[1], "height": arr.shape[0],
+                       "rgb_xxh64": xxhash.xxh64(arr.tobytes(), seed=0).hexdigest()}
+
+    pic = Image.fromarray(rgb, "RGB")
+    gif("gif_interlaced.gif", pic.convert("P", palette=Image.ADAPTIVE, colors=50))  # 23 rows: interlaced
+    gif("gif_plain.gif", pic.crop((0, 0, 20, 12)).convert("P", palette=Image.ADAPTIVE, colors=7),
+        interlace=False)
+    gif("gif_transparent.gif", pic.convert("P", palette=Image.ADAPTIVE, colors=16), transparency=3)
+    frames = [pic.convert("P", palette=Image.ADAPTIVE, colors=32),
+              pic.transpose(Image.FLIP_LEFT_RIGHT).convert("P", palette=Image.ADAPTIVE, colors=32)]
+    path = os.path.join(OUT, "images", "gif_anim.gif")
+    frames[0].save(path, format="GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    arr = np.asarray(Image.open(path).convert("RGB"))
+    cases["gif_anim.gif"] = {"orientation": 1, "width": arr.shape[1], "height": arr.shape[0],
+                             "rgb_xxh64": xxhash.xxh64(arr.tobytes(), seed=0).hexdigest()}
+    gif("gif_grey.gif", pic.convert("L"))
     meta = {
         "generator": "tools/goldens/make_decoder_images.py",
         "versions": {"python": platform.python_version(), "pillow": PIL.__version__,
