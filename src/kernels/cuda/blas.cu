@@ -102,6 +102,34 @@ struct Plan {
 std::mutex g_plan_mutex;
 std::map<PlanKey, Plan> g_plans;
 
+// The plan's algorithm from cuBLASLt's heuristic for its descriptors, within kMaxWorkspace and
+// the operands' alignments (p.ok stays false when there is none).
+void pick_algo(Plan& p, cublasLtHandle_t lt, uint32_t align_a, uint32_t align_b, uint32_t align_c) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const size_t ws = kMaxWorkspace;
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a));
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b));
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof align_c));
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof align_c));
+  cublasLtMatmulHeuristicResult_t res = {};
+  int found = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
+  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+  if (st == CUBLAS_STATUS_SUCCESS && found > 0 && res.state == CUBLAS_STATUS_SUCCESS) {
+    p.ok = true;
+    p.algo = res.algo;
+    p.workspace = res.workspaceSize;
+  }
+}
+
 // Row-major y[n, m] = x[n, k] · W[m, k]ᵀ is column-major yᵀ[m, n] = op(A)·B with A = W seen as
 // column-major [k, m] (transposed), B = x seen as column-major [k, n].
 const Plan& plan_for(const PlanKey& key, cublasLtHandle_t lt) {
@@ -119,29 +147,7 @@ const Plan& plan_for(const PlanKey& key, cublasLtHandle_t lt) {
   M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, in_t, key.k, key.m, key.k));
   M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, in_t, key.k, key.n, key.k));
   M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, key.m, key.n, key.m));
-  cublasLtMatmulPreference_t pref = nullptr;
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const size_t ws = kMaxWorkspace;
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_a, sizeof key.align_a));
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_b, sizeof key.align_b));
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c, sizeof key.align_c));
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof key.align_c));
-  cublasLtMatmulHeuristicResult_t res = {};
-  int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
-  if (st == CUBLAS_STATUS_SUCCESS && found > 0 && res.state == CUBLAS_STATUS_SUCCESS) {
-    p.ok = true;
-    p.algo = res.algo;
-    p.workspace = res.workspaceSize;
-  }
+  pick_algo(p, lt, key.align_a, key.align_b, key.align_c);
   // A shape without an algorithm is remembered too (ok = false), so it is not asked again.
   return g_plans.emplace(key, p).first->second;
 }
@@ -212,29 +218,7 @@ const Plan& batched_plan_for(const BatchedKey& key, cublasLtHandle_t lt) {
     M3_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
         layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i], sizeof strides[i]));
   }
-  cublasLtMatmulPreference_t pref = nullptr;
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const size_t ws = kMaxWorkspace;
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_a, sizeof key.align_a));
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_b, sizeof key.align_b));
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c, sizeof key.align_c));
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof key.align_c));
-  cublasLtMatmulHeuristicResult_t res = {};
-  int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
-  M3_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
-  if (st == CUBLAS_STATUS_SUCCESS && found > 0 && res.state == CUBLAS_STATUS_SUCCESS) {
-    p.ok = true;
-    p.algo = res.algo;
-    p.workspace = res.workspaceSize;
-  }
+  pick_algo(p, lt, key.align_a, key.align_b, key.align_c);
   return g_batched_plans.emplace(key, p).first->second;
 }
 
