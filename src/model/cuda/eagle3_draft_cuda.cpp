@@ -9,6 +9,7 @@
 #include "gpu/cuda_check.h"
 #include "kernels/cuda/sample.h"
 #include "model/cuda/cuda_ops.h"
+#include "model/cuda/device_weights.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/cuda/synthetic_weights.h"
 #include "model/eagle3_forward.h"
@@ -112,30 +113,15 @@ Result<std::unique_ptr<Eagle3DraftCuda>> Eagle3DraftCuda::load(const std::string
 }
 
 void* Eagle3DraftCuda::alloc(size_t bytes) {
-  storage_.emplace_back(bytes);
-  weight_bytes_ += bytes;
-  return storage_.back().data();
+  return device_alloc(storage_, &weight_bytes_, bytes);
 }
 
 MatRef Eagle3DraftCuda::upload(const MatRef& m) {
-  MatRef r = m;
-  if (m.data == nullptr || m.rows * m.cols == 0) return r;
-  M3_CHECK(!m.quantized(), "EAGLE-3 draft: quantized draft weights are not supported");
-  const size_t bytes = static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype);
-  void* p = alloc(bytes);
-  M3_CUDA_CHECK(cudaMemcpy(p, m.data, bytes, cudaMemcpyHostToDevice));
-  r.data = p;
-  return r;
+  return device_copy(storage_, &weight_bytes_, m, "EAGLE-3 draft");
 }
 
 VecRef Eagle3DraftCuda::upload(const VecRef& v) {
-  VecRef r = v;
-  if (v.data == nullptr || v.n == 0) return r;
-  const size_t bytes = static_cast<size_t>(v.n) * dtype_size(v.dtype);
-  void* p = alloc(bytes);
-  M3_CUDA_CHECK(cudaMemcpy(p, v.data, bytes, cudaMemcpyHostToDevice));
-  r.data = p;
-  return r;
+  return device_copy(storage_, &weight_bytes_, v);
 }
 
 void Eagle3DraftCuda::generate(uint64_t seed) {

@@ -14,6 +14,7 @@
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/sample.h"
 #include "model/cuda/cuda_ops.h"
+#include "model/cuda/device_weights.h"
 #include "model/cuda/synthetic_weights.h"
 #include "model/cuda/vision_cuda.h"
 #include "model/m3_forward.h"
@@ -311,9 +312,7 @@ void M3ModelCuda::fuse_attention_projections() {
 }
 
 void* M3ModelCuda::alloc_weight(size_t bytes) {
-  storage_.emplace_back(bytes);
-  weight_bytes_ += bytes;
-  return storage_.back().data();
+  return device_alloc(storage_, &weight_bytes_, bytes);
 }
 
 void M3ModelCuda::generate_weights(uint64_t seed, WeightQuant weights) {
@@ -444,37 +443,18 @@ MatRef M3ModelCuda::upload(const MatRef& m) {
     r.scale = base + scale_at;
     return r;
   }
-  const size_t bytes = static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype);
-  storage_.emplace_back(bytes);
-  storage_.back().copy_from(static_cast<const uint8_t*>(m.data), bytes);
-  weight_bytes_ += bytes;
-  r.data = storage_.back().data();
-  return r;
+  return device_copy(storage_, &weight_bytes_, m, "M3ModelCuda");
 }
 
 VecRef M3ModelCuda::upload(const VecRef& v) {
-  VecRef r = v;
-  if (v.data == nullptr || v.n == 0) return r;
-  const size_t bytes = static_cast<size_t>(v.n) * dtype_size(v.dtype);
-  storage_.emplace_back(bytes);
-  storage_.back().copy_from(static_cast<const uint8_t*>(v.data), bytes);
-  weight_bytes_ += bytes;
-  r.data = storage_.back().data();
-  return r;
+  return device_copy(storage_, &weight_bytes_, v);
 }
 
 VecRef M3ModelCuda::upload_f32(const VecRef& v) {
-  VecRef r = v;
-  if (v.data == nullptr || v.n == 0) return r;
+  if (v.data == nullptr || v.n == 0) return v;
   std::vector<float> f(v.n);
   v.to_f32(f.data());  // exactly what the CPU forward feeds router_topk
-  const size_t bytes = f.size() * sizeof(float);
-  storage_.emplace_back(bytes);
-  storage_.back().copy_from(reinterpret_cast<const uint8_t*>(f.data()), bytes);
-  weight_bytes_ += bytes;
-  r.data = storage_.back().data();
-  r.dtype = DType::kF32;
-  return r;
+  return device_copy(storage_, &weight_bytes_, VecRef{f.data(), DType::kF32, v.n});
 }
 
 void M3ModelCuda::upload_weights() {

@@ -8,6 +8,7 @@
 #include "gpu/cuda_check.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/vision.h"
+#include "model/cuda/device_weights.h"
 #include "model/cuda/synthetic_weights.h"
 #include "model/vision_forward.h"
 
@@ -113,28 +114,15 @@ VisionTowerCuda::VisionTowerCuda(const M3Config& cfg, cudaStream_t stream)
 VisionTowerCuda::~VisionTowerCuda() = default;
 
 void* VisionTowerCuda::alloc(size_t bytes) {
-  storage_.emplace_back(bytes);
-  bytes_ += bytes;
-  return storage_.back().data();
+  return device_alloc(storage_, &bytes_, bytes);
 }
 
 MatRef VisionTowerCuda::put(const MatRef& m) {
-  MatRef r = m;
-  if (m.data == nullptr || m.rows * m.cols == 0) return r;
-  M3_CHECK(!m.quantized(), "vision tower weights are bf16 or f32");
-  const size_t bytes = static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype);
-  r.data = alloc(bytes);
-  storage_.back().copy_from(static_cast<const uint8_t*>(m.data), bytes);
-  return r;
+  return device_copy(storage_, &bytes_, m, "vision tower");
 }
 
 VecRef VisionTowerCuda::put(const VecRef& v) {
-  VecRef r = v;
-  if (v.data == nullptr || v.n == 0) return r;
-  const size_t bytes = static_cast<size_t>(v.n) * dtype_size(v.dtype);
-  r.data = alloc(bytes);
-  storage_.back().copy_from(static_cast<const uint8_t*>(v.data), bytes);
-  return r;
+  return device_copy(storage_, &bytes_, v);
 }
 
 void VisionTowerCuda::finish() {
