@@ -10,11 +10,17 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <fstream>
+#include <functional>
+#include <iterator>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "engine/engine.h"
 #include "model/golden_util.h"
+#include "vision/image_decode.h"
+#include "vision/image_processor.h"
 
 namespace m3::model::golden {
 
@@ -67,6 +73,44 @@ inline int compare_greedy(const EngineRun& run, const nlohmann::json& greedy) {
     ++compared;
   }
   return compared;
+}
+
+// A golden image (tests/golden/vision/images/NAME) through the decoder and the processor.
+inline vision::ProcessedImage load_golden_image(const std::string& name) {
+  std::ifstream f(std::string(M3_SOURCE_DIR) + "/tests/golden/vision/images/" + name,
+                  std::ios::binary);
+  std::vector<uint8_t> bytes{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+  auto img = vision::decode_image(bytes, 1 << 26);
+  EXPECT_TRUE(img.has_value());
+  auto p = vision::preprocess_image(*img, vision::ProcessorConfig{});
+  EXPECT_TRUE(p.has_value());
+  return std::move(*p);
+}
+
+// A golden case's images (`names`, in prompt order) as the engine's inputs: each at the next run
+// of `image_id` in `prompt`, its content hash the name's plus `hash_salt` (a salt stands for other
+// content behind the same placeholder ids).
+inline std::vector<engine::ImageInput> golden_image_inputs(const std::vector<int32_t>& prompt,
+                                                           const nlohmann::json& names,
+                                                           int32_t image_id,
+                                                           uint64_t hash_salt = 0) {
+  std::vector<engine::ImageInput> out;
+  int32_t pos = 0;
+  for (const auto& n : names) {
+    vision::ProcessedImage p = load_golden_image(n.get<std::string>());
+    engine::ImageInput im;
+    im.grid_t = p.grid_t;
+    im.grid_h = p.grid_h;
+    im.grid_w = p.grid_w;
+    im.num_tokens = static_cast<int32_t>(vision::num_image_tokens(p, 2));
+    while (prompt[pos] != image_id) ++pos;
+    im.token_offset = pos;
+    pos += im.num_tokens;
+    im.patches = std::move(p.pixel_values);
+    im.content_hash = std::hash<std::string>{}(n.get<std::string>()) + hash_salt;
+    out.push_back(std::move(im));
+  }
+  return out;
 }
 
 // Prompt logprobs (position 0 has none) within kLogprobTol of the golden's `want`.

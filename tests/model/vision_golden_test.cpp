@@ -39,15 +39,7 @@ nlohmann::json golden() {
   return model::golden::read_json(kModelDir + "/golden.json");
 }
 
-vision::ProcessedImage load_image(const std::string& name) {
-  std::ifstream f(kRoot + "/images/" + name, std::ios::binary);
-  std::vector<uint8_t> bytes{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-  auto img = vision::decode_image(bytes, 1 << 26);
-  EXPECT_TRUE(img.has_value());
-  auto p = vision::preprocess_image(*img, vision::ProcessorConfig{});
-  EXPECT_TRUE(p.has_value());
-  return std::move(*p);
-}
+using model::golden::load_golden_image;
 
 double max_abs_diff(const std::vector<float>& got, const nlohmann::json& want, size_t* n) {
   double worst = 0;
@@ -69,7 +61,7 @@ struct Encoded {
 
 Encoded encode(const model::VisionTower& tower, const nlohmann::json& c) {
   std::vector<vision::ProcessedImage> imgs;
-  for (const auto& n : c["images"]) imgs.push_back(load_image(n.get<std::string>()));
+  for (const auto& n : c["images"]) imgs.push_back(load_golden_image(n.get<std::string>()));
   std::vector<model::VisionImage> vi;
   for (const auto& p : imgs) vi.push_back({p.grid_t, p.grid_h, p.grid_w, p.pixel_values.data()});
   Encoded e;
@@ -134,21 +126,8 @@ TEST(VisionGolden, WholeModelThroughEngine) {
       SCOPED_TRACE(c["name"].get<std::string>() + " pass " + std::to_string(pass));
       engine::GenerateRequest req;
       req.prompt_token_ids = c["prompt_ids"].get<std::vector<int32_t>>();
-      int32_t pos = 0;
-      for (const auto& n : c["images"]) {
-        vision::ProcessedImage p = load_image(n.get<std::string>());
-        engine::ImageInput im;
-        im.grid_t = p.grid_t;
-        im.grid_h = p.grid_h;
-        im.grid_w = p.grid_w;
-        im.num_tokens = static_cast<int32_t>(vision::num_image_tokens(p, 2));
-        while (req.prompt_token_ids[pos] != image_id) ++pos;
-        im.token_offset = pos;
-        pos += im.num_tokens;
-        im.patches = std::move(p.pixel_values);
-        im.content_hash = std::hash<std::string>{}(n.get<std::string>()) + (pass == 3 ? 1 : 0);
-        req.images.push_back(std::move(im));
-      }
+      req.images = model::golden::golden_image_inputs(req.prompt_token_ids, c["images"], image_id,
+                                                      pass == 3 ? 1 : 0);
       req.params.temperature = 0.f;
       req.params.max_tokens = static_cast<int>(c["greedy"].size());
       req.params.ignore_eos = true;
@@ -225,20 +204,8 @@ TEST(VisionGolden, TensorParallelRanksTakeImages) {
     ASSERT_TRUE((*eng)->model_info().image_input);
     engine::GenerateRequest req;
     req.prompt_token_ids = c["prompt_ids"].get<std::vector<int32_t>>();
-    int32_t pos = 0;
-    for (const auto& n : c["images"]) {
-      vision::ProcessedImage p = load_image(n.get<std::string>());
-      engine::ImageInput im;
-      im.grid_t = p.grid_t;
-      im.grid_h = p.grid_h;
-      im.grid_w = p.grid_w;
-      im.num_tokens = static_cast<int32_t>(vision::num_image_tokens(p, 2));
-      while (req.prompt_token_ids[pos] != g["image_token_index"].get<int32_t>()) ++pos;
-      im.token_offset = pos;
-      pos += im.num_tokens;
-      im.patches = std::move(p.pixel_values);
-      req.images.push_back(std::move(im));
-    }
+    req.images = model::golden::golden_image_inputs(req.prompt_token_ids, c["images"],
+                                                    g["image_token_index"].get<int32_t>());
     req.params.temperature = 0.f;
     req.params.max_tokens = 4;
     req.params.ignore_eos = true;
@@ -268,7 +235,7 @@ TEST(VisionGolden, EngineRefusesMismatchedImages) {
   ec.block_size = 8;
   auto eng = engine::Engine::create(ec);
   ASSERT_TRUE(eng.has_value());
-  vision::ProcessedImage p = load_image("exact.png");  // 12 tokens
+  vision::ProcessedImage p = load_golden_image("exact.png");  // 12 tokens
   auto make = [&](int32_t offset, int32_t n_tokens, int32_t n_placeholders) {
     engine::GenerateRequest req;
     req.prompt_token_ids.assign(4, 5);

@@ -202,15 +202,7 @@ nlohmann::json golden() {
   return model::golden::read_json(kModelDir + "/golden.json");
 }
 
-vision::ProcessedImage load_image(const std::string& name) {
-  std::ifstream f(kRoot + "/images/" + name, std::ios::binary);
-  std::vector<uint8_t> bytes{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-  auto img = vision::decode_image(bytes, 1 << 26);
-  EXPECT_TRUE(img.has_value());
-  auto p = vision::preprocess_image(*img, vision::ProcessorConfig{});
-  EXPECT_TRUE(p.has_value());
-  return std::move(*p);
-}
+using model::golden::load_golden_image;
 
 std::vector<float> flat(const nlohmann::json& rows) {
   std::vector<float> out;
@@ -233,7 +225,7 @@ TEST(VisionTowerCuda, MatchesCpuTowerAndTransformers) {
   for (const auto& c : g["cases"]) {
     SCOPED_TRACE(c["name"].get<std::string>());
     std::vector<vision::ProcessedImage> imgs;
-    for (const auto& n : c["images"]) imgs.push_back(load_image(n.get<std::string>()));
+    for (const auto& n : c["images"]) imgs.push_back(load_golden_image(n.get<std::string>()));
     std::vector<model::VisionImage> vi;
     for (const auto& p : imgs) vi.push_back({p.grid_t, p.grid_h, p.grid_w, p.pixel_values.data()});
     std::vector<float> want_e, want_h;
@@ -326,21 +318,8 @@ TEST(VisionCudaEngine, ImagePromptsMatchTransformers) {
                      std::to_string(pass));
         engine::GenerateRequest req;
         req.prompt_token_ids = c["prompt_ids"].get<std::vector<int32_t>>();
-        int32_t pos = 0;
-        for (const auto& n : c["images"]) {
-          vision::ProcessedImage p = load_image(n.get<std::string>());
-          engine::ImageInput im;
-          im.grid_t = p.grid_t;
-          im.grid_h = p.grid_h;
-          im.grid_w = p.grid_w;
-          im.num_tokens = static_cast<int32_t>(vision::num_image_tokens(p, 2));
-          while (req.prompt_token_ids[pos] != image_id) ++pos;
-          im.token_offset = pos;
-          pos += im.num_tokens;
-          im.patches = std::move(p.pixel_values);
-          im.content_hash = std::hash<std::string>{}(n.get<std::string>());
-          req.images.push_back(std::move(im));
-        }
+        req.images =
+            model::golden::golden_image_inputs(req.prompt_token_ids, c["images"], image_id);
         req.params.temperature = 0.f;
         req.params.max_tokens = static_cast<int>(c["greedy"].size());
         req.params.ignore_eos = true;
