@@ -80,13 +80,9 @@ class ShardedCpuBackend final : public ForwardBackend {
     return shards_[0]->vision() != nullptr && !shards_[0]->shard_plan().data_sharded();
   }
   std::string image_refusal() const override {
-    if (shards_[0]->vision() == nullptr) {
-      return shards_[0]->config().vision.present
-                 ? "the vision tower is not loaded (the server runs with --language-model-only)"
-                 : "this model has no vision tower (config.json has no vision_config)";
-    }
-    return "image input is not implemented with --data-parallel-size yet; use "
-           "--tensor-parallel-size or one rank";
+    if (shards_[0]->vision() == nullptr) return missing_tower_refusal(shards_[0]->config());
+    return "the data-parallel CPU split (--data-parallel-size) does not carry image embeddings; "
+           "serve images with --tensor-parallel-size or one rank";
   }
   void encode_images(std::span<const VisionImage> images, std::vector<float>* embeds) override {
     shards_[0]->encode_images(images, embeds);

@@ -125,11 +125,7 @@ class CpuBackend final : public ForwardBackend {
   std::string speculative_refusal() const override { return ""; }
   std::string kv_cache_flag() const override { return "--kv-cache-memory-bytes"; }
   bool supports_image_input() const override { return model_->vision() != nullptr; }
-  std::string image_refusal() const override {
-    if (!model_->config().vision.present)
-      return "this model has no vision tower (config.json has no vision_config)";
-    return "the vision tower is not loaded (the server runs with --language-model-only)";
-  }
+  std::string image_refusal() const override { return missing_tower_refusal(model_->config()); }
   void encode_images(std::span<const model::VisionImage> images,
                      std::vector<float>* embeds) override {
     model_->encode_images(images, embeds);

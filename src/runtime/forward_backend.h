@@ -107,6 +107,13 @@ class ForwardBackend {
   // Image input: whether forward() honours ForwardBatch::embed_rows and encode_images() runs the
   // model's vision tower; when false, image_refusal() says why (for the 400 the server sends).
   virtual bool supports_image_input() const { return false; }
+  // Why a backend whose model has no tower loaded refuses images: none in the checkpoint, or
+  // --language-model-only.
+  static std::string missing_tower_refusal(const model::M3Config& cfg) {
+    return cfg.vision.present
+               ? "the vision tower is not loaded (the server runs with --language-model-only)"
+               : "this model has no vision tower (config.json has no vision_config)";
+  }
   virtual std::string image_refusal() const {
     return "image input is not implemented on the " + device_name() +
            " backend yet; serve on the CPU backend (--device cpu) for images";

@@ -15,8 +15,7 @@ kernels::MatRef device_copy(DeviceStore& store, size_t* counted, const kernels::
                             const char* owner) {
   kernels::MatRef r = m;
   if (m.data == nullptr || m.rows * m.cols == 0) return r;
-  M3_CHECK(!m.quantized(), "%s: quantized weights are not uploaded here (bf16 or f32 only)",
-           owner);
+  M3_CHECK(!m.quantized(), "%s: quantized weights are not uploaded here (bf16 or f32 only)", owner);
   const size_t bytes = static_cast<size_t>(m.rows * m.cols) * dtype_size(m.dtype);
   r.data = device_alloc(store, counted, bytes);
   store.back().copy_from(static_cast<const uint8_t*>(m.data), bytes);

@@ -122,11 +122,7 @@ class CudaBackend final : public ForwardBackend {
   // Image input: the tower on this GPU (M3ModelCuda::encode_images); forward() takes the
   // embeddings through ForwardBatch::embed_rows (such steps run eagerly).
   bool supports_image_input() const override { return model_->has_vision(); }
-  std::string image_refusal() const override {
-    if (!model_->config().vision.present)
-      return "this model has no vision tower (config.json has no vision_config)";
-    return "the vision tower is not loaded (the server runs with --language-model-only)";
-  }
+  std::string image_refusal() const override { return missing_tower_refusal(model_->config()); }
   void encode_images(std::span<const model::VisionImage> images,
                      std::vector<float>* embeds) override {
     M3_CUDA_CHECK(cudaSetDevice(device_));

@@ -58,8 +58,9 @@ class DataParallelCudaBackend final : public ForwardBackend {
   bool samples_on_device() const override { return true; }
   std::string device_name() const override { return pool_.where; }
   std::string image_refusal() const override {
-    return "image input is not implemented with --data-parallel-size above 1 on GPUs yet; serve "
-           "images on one GPU (drop --data-parallel-size) or on the CPU backend (--device cpu)";
+    return "the data-parallel GPU backend (--data-parallel-size above 1) does not run the vision "
+           "tower; serve images on one GPU (drop --data-parallel-size) or on the CPU backend "
+           "(--device cpu)";
   }
   std::string kv_cache_flag() const override { return pool_.flag; }
 

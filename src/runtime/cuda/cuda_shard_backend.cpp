@@ -51,9 +51,9 @@ class ShardedCudaBackend final : public ForwardBackend {
   bool samples_on_device() const override { return true; }
   std::string device_name() const override { return name_; }
   std::string image_refusal() const override {
-    return "image input is not implemented with --tensor-parallel-size above 1 on GPUs yet; "
-           "serve images on one GPU (drop --tensor-parallel-size) or on the CPU backend "
-           "(--device cpu)";
+    return "the tensor-parallel GPU backend (--tensor-parallel-size above 1) does not run the "
+           "vision tower; serve images on one GPU (drop --tensor-parallel-size) or on the CPU "
+           "backend (--device cpu)";
   }
   std::string kv_cache_flag() const override { return flag_; }
 
