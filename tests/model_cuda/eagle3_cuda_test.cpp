@@ -178,13 +178,22 @@ void compare(Pair& p, const std::vector<float>& aux, const std::vector<int32_t>&
       const float* l = lg.data() + row * V;
       std::vector<float> sorted(l, l + V);
       std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
-      if (sorted[0] - sorted[1] <= 2 * ltol) continue;  // a near tie may flip
+      if (sorted[0] - sorted[1] <= 2 * ltol) {
+        // A near tie may flip, but the CPU's pick must be one of the GPU's near-best.
+        EXPECT_GE(l[r.argmax_tokens[row]], sorted[0] - 2 * ltol)
+            << "step " << step << " row " << row << ": the CPU's token is not near the GPU's best";
+        continue;
+      }
       const int64_t best = std::max_element(l, l + V) - l;
       EXPECT_EQ(static_cast<int32_t>(best), r.argmax_tokens[row])
           << "step " << step << " row " << row;
       ++compared;
     }
-    EXPECT_GE(compared, 1) << "step " << step << ": every row a near tie";
+    // The context chunk has many rows: most must be clear of ties. A one-row draft step may be
+    // a near tie (then only the check above applies).
+    if (R > 1) {
+      EXPECT_GE(compared, 1) << "step " << step << ": every row a near tie";
+    }
     // Next: one draft step from the last row, at the next position.
     DraftBatch d;
     d.hidden_is_aux = false;
