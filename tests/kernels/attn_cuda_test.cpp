@@ -229,6 +229,7 @@ struct MsaCase {
   std::vector<int64_t> lens;
   bool all_positions;  // every position of every sequence (prefill); else a sample (decode)
   int range;           // index values are multiples of 1/8 in [-range/8, range/8]
+  bool mixed = false;  // with all_positions: odd sequences decode (their last position only)
 };
 
 enum class MsaWs { kFull, kTwoTokens, kNone };
@@ -252,7 +253,9 @@ void run_msa(const MsaCase& c, uint32_t seed, MsaWs ws_kind = MsaWs::kFull,
   for (size_t s = 0; s < c.lens.size(); ++s) {
     const int64_t len = c.lens[s];
     std::vector<int64_t> ps;
-    if (c.all_positions) {
+    if (c.all_positions && c.mixed && s % 2 == 1) {
+      ps = {len - 1};
+    } else if (c.all_positions) {
       ps.resize(len);
       std::iota(ps.begin(), ps.end(), 0);
     } else {
@@ -273,6 +276,8 @@ void run_msa(const MsaCase& c, uint32_t seed, MsaWs ws_kind = MsaWs::kFull,
                          want.data());
 
   DevicePaged D(P);
+  // A prefill step as the model marks it: chunks' tokens take the query-tiled scorer.
+  D.layout.multi_token_seqs = c.all_positions;
   DeviceBuffer<float> diq(iq);
   const int64_t mkl = P.max_kv_len();
   size_t bytes = gk::msa_select_workspace_bytes(T, c.ni, D.pages, mkl);
@@ -611,6 +616,16 @@ TEST(AttnCudaKvDtype, MsaIdsEqualCpuTwin) {
     run_msa(narrow, 402, MsaWs::kFull, ikd);
     run_msa(m3, 403, MsaWs::kTwoTokens, ikd);
     run_msa(MsaCase{128, 4, 128, 16, 0, 1, {2600, 300}, true, 64}, 404, MsaWs::kFull, ikd);
+    // The query-tiled prefill scorer: tiles spanning two sequences, decode tokens (alone in
+    // their sequence) between prefill chunks, token chunks of the workspace, narrow values
+    // (ties), 32- and 64-token pages, an initial forced block and 2 local blocks, 8 heads.
+    run_msa(MsaCase{128, 4, 128, 16, 0, 1, {2600, 9000, 70, 4100, 3000}, true, 64, true}, 412,
+            MsaWs::kFull, ikd);
+    run_msa(MsaCase{128, 4, 128, 16, 0, 1, {2600, 9000, 70, 4100}, true, 2, true}, 413,
+            MsaWs::kTwoTokens, ikd);
+    run_msa(MsaCase{32, 4, 128, 16, 1, 2, {1500, 700}, true, 16}, 414, MsaWs::kFull, ikd);
+    run_msa(MsaCase{64, 8, 128, 8, 0, 1, {2000, 3000}, true, 64, true}, 415, MsaWs::kFull, ikd);
+    run_msa(MsaCase{128, 3, 128, 16, 0, 1, {5000}, true, 64}, 416, MsaWs::kFull, ikd);
     run_msa(MsaCase{128, 4, 128, 16, 0, 1, {262144, 65536 + 77}, false, 64}, 405, MsaWs::kFull,
             ikd);
     run_msa(MsaCase{128, 4, 128, 16, 0, 1, {65536}, false, 1}, 406, MsaWs::kFull, ikd);

@@ -8,7 +8,10 @@
 // without a workspace use msa_fused_kernel (scores in shared memory, same top-k). A bf16 / fp8
 // index-K (query rounded to bf16, fp8 rows times their per-token scale) is scanned by
 // msa_score_mma_kernel on tensor cores where the geometry allows (index dim 128, <= 8 heads), by
-// the generic and fused kernels, templated on the element type, elsewhere.
+// the generic and fused kernels, templated on the element type, elsewhere. In a step with prefill
+// chunks (TokenLayout::multi_token_seqs) their tokens are scored by msa_score_tiled_kernel (a
+// tile of tokens shares each index-K block through shared memory) and ranked one warp per row
+// by msa_topk_warp_kernel; the kernels above keep the tokens alone in their sequence.
 #include <algorithm>
 
 #include "kernels/cuda/attn_common.cuh"
@@ -296,7 +299,7 @@ template <class T>
 __global__ void __launch_bounds__(kMmaScoreThreads)
     msa_score_mma_kernel(const float* __restrict__ iq, int64_t ni, KvPages c, TokenLayout L,
                          int64_t topk, int64_t init_blocks, int64_t local_blocks, int64_t nb_stride,
-                         float* __restrict__ scores) {
+                         bool skip_multi, float* __restrict__ scores) {
   using S = ScoreMma<T>;
   using M = typename S::M;
   constexpr int E = S::E;
@@ -306,6 +309,7 @@ __global__ void __launch_bounds__(kMmaScoreThreads)
   const int nwarps = blockDim.x / kWarp;
   const int r = lane / 4, cq = lane % 4;
   const int64_t t = blockIdx.x;
+  if (skip_multi && detail::in_multi_run(L, t)) return;  // scored by msa_score_tiled_kernel
   const int32_t p = L.positions[t], s = L.seq_ids[t];
   const int64_t nb = p / bs + 1;
   const ScoreRange rg = score_range(nb, topk, init_blocks, local_blocks, blockIdx.y, gridDim.y);
@@ -420,6 +424,208 @@ bool mma_score_supported(const KvPages& c, int64_t ni) {
   return c.page_size >= unit && c.page_size % unit == 0;
 }
 
+// ---- (a') scores of prefill tokens, query-tiled ----
+
+// A prefill chunk's tokens all scan the same earlier blocks, so the per-token scan above reads
+// each index-K block once per token (L2-bound: ~24 TFLOP/s at 32K tokens). Here one CTA takes a
+// tile of kQtColumns (token, index head) columns (256 / NIP consecutive tokens) and streams the
+// blocks of their sequence through shared memory once for all of them: S[keys x columns] =
+// IK·IQ^T on m16n8k16 MMAs, each warp owning 32 columns (4 n-tiles, q fragments in registers)
+// and every key of the block, then the per-block maximum per column. Blocks arrive by cp.async
+// in two stages (rows as 16-byte chunks XOR-swizzled by the key's low 3 bits for conflict-free
+// ldmatrix); an fp8 block is widened to f16 in shared memory (exact) and its rows' scales applied
+// to the products, as the per-token kernel does. Tokens of a tile that belong to different
+// sequences get one pass per run (attn_prefill.cu's rule); tokens alone in their sequence are
+// left to the per-token kernel (in_multi_run). grid.y splits each tile's block range.
+constexpr int kQtWarps = 8;
+constexpr int kQtThreads = kQtWarps * kWarp;
+constexpr int kQtColumns = kQtWarps * 32;
+constexpr int kQtDim = 128;
+constexpr int kQtMaxKeys = 128;  // page_size (= block) bound: one block per stage
+
+template <class T>
+struct QtSmem {
+  static constexpr int kRawBytes = kQtMaxKeys * kQtDim * int(sizeof(T));  // one stage
+  static constexpr int kWideBytes = sizeof(T) == 1 ? kQtMaxKeys * kQtDim * 2 : 0;
+  static constexpr int kBytes = 2 * kRawBytes + kWideBytes;
+};
+
+__device__ __forceinline__ int qt_swz(int key, int c) {  // 16-bit rows of 128: 16 chunks
+  return key * (kQtDim * 2) + ((c ^ (key & 7)) << 4);
+}
+
+// 168-180 registers (one CTA per SM); capping them for two CTAs per SM spilled and ran 5%
+// slower on the H200.
+template <class T, int NIP>
+__global__ void __launch_bounds__(kQtThreads)
+    msa_score_tiled_kernel(const float* __restrict__ iq, int64_t ni, KvPages c, TokenLayout L,
+                           int64_t topk, int64_t init_blocks, int64_t local_blocks,
+                           int64_t nb_stride, float* __restrict__ scores) {
+  using M = detail::MmaOf<T>;
+  constexpr bool kFp8 = sizeof(T) == 1;
+  constexpr int TPC = kQtColumns / NIP;  // tokens per CTA
+  constexpr int KSteps = kQtDim / 16;
+  constexpr int RawChunks = kQtDim * int(sizeof(T)) / 16;  // 16-byte chunks of a stored row
+  extern __shared__ __align__(128) unsigned char qt_smem[];
+  __shared__ int32_t tok_seq[TPC], tok_hi[TPC];  // hi: end of the token's scored range
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int r = lane / 4, cq = lane % 4;
+  const int bs = static_cast<int>(c.page_size);
+  const int64_t ntok = L.num_tokens;
+  const int64_t ntile = (ntok + TPC - 1) / TPC;
+  const int64_t tile = ntile - 1 - static_cast<int64_t>(blockIdx.x);  // longest rows first
+  const int64_t t0 = tile * TPC;
+  for (int i = threadIdx.x; i < TPC; i += blockDim.x) {
+    const int64_t t = t0 + i;
+    int32_t s = -1, hi = 0;
+    if (t < ntok && detail::in_multi_run(L, t)) {
+      const int64_t nb = L.positions[t] / bs + 1;
+      M3_DEVICE_CHECK(nb <= nb_stride, "msa_select: position %d beyond max_kv_len (%lld blocks)",
+                      L.positions[t], static_cast<long long>(nb_stride));
+      s = L.seq_ids[t];
+      // Scored blocks [init, nb - local) when the token selects among more than topk.
+      hi = nb > topk ? static_cast<int32_t>(nb - local_blocks > 0 ? nb - local_blocks : 0) : 0;
+    }
+    tok_seq[i] = s;
+    tok_hi[i] = hi;
+  }
+  // B fragments of the warp's 4 n-tiles: column n = token (n / NIP), head (n % NIP) (0 past ni).
+  uint32_t qb[4][KSteps][2];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const int col = warp * 32 + nt * 8 + r;
+    const int64_t t = t0 + col / NIP;
+    const int h = col % NIP;
+    const bool ok = t < ntok && h < ni;
+    const float* qh = iq + (t * ni + h) * kQtDim;
+    auto qv = [&](int i) { return ok ? detail::round_bf16(qh[i]) : 0.f; };
+#pragma unroll
+    for (int ks = 0; ks < KSteps; ++ks) {
+      qb[nt][ks][0] = M::pack(qv(ks * 16 + 2 * cq), qv(ks * 16 + 2 * cq + 1));
+      qb[nt][ks][1] = M::pack(qv(ks * 16 + 2 * cq + 8), qv(ks * 16 + 2 * cq + 9));
+    }
+  }
+  __syncthreads();
+  const T* ikb = c.ik_as<T>();
+  unsigned char* raw = qt_smem;                              // two stages
+  unsigned char* wide = qt_smem + 2 * QtSmem<T>::kRawBytes;  // fp8 only
+  const int mtiles = bs / 16;
+  for (int i0 = 0; i0 < TPC;) {
+    const int32_t s = tok_seq[i0];
+    int i1 = i0 + 1;
+    while (i1 < TPC && tok_seq[i1] == s) ++i1;
+    if (s < 0) {
+      i0 = i1;
+      continue;
+    }
+    int32_t hi_all = 0;
+    for (int i = i0; i < i1; ++i) hi_all = max(hi_all, tok_hi[i]);
+    const int64_t lo_all = init_blocks;
+    // This CTA's share of the blocks [lo_all, hi_all).
+    int64_t b0 = lo_all, b1 = hi_all;
+    if (b1 > b0) {
+      const int64_t per = (b1 - b0 + gridDim.y - 1) / gridDim.y;
+      b0 = lo_all + blockIdx.y * per;
+      b1 = b0 + per < hi_all ? b0 + per : static_cast<int64_t>(hi_all);
+    }
+    const int32_t* table = L.block_table + L.block_table_offsets[s];
+    auto load = [&](int64_t b, int stage) {
+      const T* src = ikb + static_cast<int64_t>(table[b]) * bs * kQtDim;
+      unsigned char* dst = raw + stage * QtSmem<T>::kRawBytes;
+      for (int e = threadIdx.x; e < bs * RawChunks; e += blockDim.x) {
+        const int key = e / RawChunks, ch = e % RawChunks;
+        // bf16: swizzled in place; fp8: plain rows, widened (and swizzled) after.
+        const int off = kFp8 ? e * 16 : qt_swz(key, ch);
+        detail::cp_async16(dst + off, reinterpret_cast<const uint4*>(src + key * kQtDim) + ch);
+      }
+      detail::cp_async_commit();
+    };
+    if (b0 < b1) load(b0, 0);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int stage = static_cast<int>((b - b0) & 1);
+      if (b + 1 < b1) {
+        load(b + 1, stage ^ 1);
+        detail::cp_async_wait<1>();
+      } else {
+        detail::cp_async_wait<0>();
+      }
+      __syncthreads();
+      const unsigned char* tilep = raw + stage * QtSmem<T>::kRawBytes;
+      if constexpr (kFp8) {
+        // 16 codes -> 16 f16 (two 16-byte chunks of the swizzled layout).
+        for (int e = threadIdx.x; e < bs * RawChunks; e += blockDim.x) {
+          const int key = e / RawChunks, ch = e % RawChunks;
+          const uint4 v = *reinterpret_cast<const uint4*>(tilep + e * 16);
+          uint32_t h[8];
+          M::unpack(v, h);
+          *reinterpret_cast<uint4*>(wide + qt_swz(key, 2 * ch)) =
+              make_uint4(h[0], h[1], h[2], h[3]);
+          *reinterpret_cast<uint4*>(wide + qt_swz(key, 2 * ch + 1)) =
+              make_uint4(h[4], h[5], h[6], h[7]);
+        }
+        __syncthreads();
+        tilep = wide;
+      }
+      const int64_t page = table[b];
+      float mx[4][2];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) mx[nt][0] = mx[nt][1] = -INFINITY;
+      for (int mt = 0; mt < mtiles; ++mt) {
+        float d[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
+        // ldmatrix x4: lanes 0-7 rows 0-7 / chunk 2ks, 8-15 rows 8-15 / 2ks, 16-23 rows 0-7 /
+        // 2ks+1, 24-31 rows 8-15 / 2ks+1: registers a0..a3 of the A fragment.
+        const int lrow = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int ks = 0; ks < KSteps; ++ks) {
+          uint32_t a[4];
+          detail::ldmatrix_x4(detail::smem_addr(tilep + qt_swz(lrow, 2 * ks + (lane >> 4))), a[0],
+                              a[1], a[2], a[3]);
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) M::mma(d[nt], a, qb[nt][ks][0], qb[nt][ks][1]);
+        }
+        float s_lo = 1.f, s_hi = 1.f;
+        if constexpr (kFp8) {
+          s_lo = __ldg(c.ik_scale + page * bs + mt * 16 + r);
+          s_hi = __ldg(c.ik_scale + page * bs + mt * 16 + r + 8);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          mx[nt][0] = fmaxf(mx[nt][0], fmaxf(s_lo * d[nt][0], s_hi * d[nt][2]));
+          mx[nt][1] = fmaxf(mx[nt][1], fmaxf(s_lo * d[nt][1], s_hi * d[nt][3]));
+        }
+      }
+      // Max over the 8 row groups (lanes with one cq), then lanes 0-3 write their columns.
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int off = 4; off < kWarp; off <<= 1)
+            mx[nt][j] = fmaxf(mx[nt][j], __shfl_xor_sync(0xffffffffu, mx[nt][j], off));
+      if (r == 0) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int col = warp * 32 + nt * 8 + 2 * cq + j;
+            const int ti = col / NIP, h = col % NIP;
+            if (ti >= i0 && ti < i1 && h < ni && b < tok_hi[ti])
+              scores[((t0 + ti) * ni + h) * nb_stride + b] = mx[nt][j];
+          }
+      }
+      __syncthreads();  // the stage is reloaded two blocks on
+    }
+    i0 = i1;
+  }
+}
+
+bool tiled_score_supported(const KvPages& c, int64_t ni) {
+  return c.ik_dtype != KvDtype::kF32 && ni >= 1 && ni <= 8 && c.index_dim == kQtDim &&
+         c.page_size >= 16 && c.page_size <= kQtMaxKeys && c.page_size % 16 == 0;
+}
+
 // ---- (b) top-k ----
 
 struct TopkShared {
@@ -506,31 +712,108 @@ __device__ __forceinline__ bool write_all_blocks(int64_t nb, int64_t topk, int32
   return true;
 }
 
+// Prefill rows (tokens in_multi_run) with at most kWarpTopkMaxBlocks blocks: one warp per
+// (token, index head) instead of a 1024-thread CTA. The keys go to the warp's shared memory;
+// topk rounds each take the warp's largest key (the lower id on equal keys: the radix select's
+// order, forced blocks keyed +inf) and clear it; the winners are written in ascending order by
+// rank. A prefill step has one row per token and head, each over few blocks, so the CTA radix
+// select's passes and barriers cost more than the ranking itself.
+constexpr int kWarpTopkWarps = 4;
+constexpr int64_t kWarpTopkMaxBlocks = 2048;
+
+__device__ __forceinline__ bool warp_topk_row(const TokenLayout& L, int64_t t, int64_t bs,
+                                              int64_t topk) {
+  return topk <= kWarp && detail::in_multi_run(L, t) &&
+         L.positions[t] / bs + 1 <= kWarpTopkMaxBlocks;
+}
+
+__global__ void __launch_bounds__(kWarpTopkWarps* kWarp)
+    msa_topk_warp_kernel(int64_t ni, TokenLayout L, int64_t bs, int64_t topk, int64_t init_blocks,
+                         int64_t local_blocks, int64_t nb_stride, int64_t key_cap,
+                         const float* __restrict__ scores, int32_t* __restrict__ out) {
+  extern __shared__ uint32_t warp_keys[];  // [kWarpTopkWarps][key_cap]
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarpTopkWarps + warp;
+  if (w >= L.num_tokens * ni) return;
+  const int64_t t = w / ni;
+  if (!warp_topk_row(L, t, bs, topk)) return;  // the CTA kernel's row
+  const int64_t nb = L.positions[t] / bs + 1;
+  int32_t* o = out + w * topk;
+  if (nb <= topk) {
+    for (int64_t i = lane; i < topk; i += kWarp) o[i] = i < nb ? static_cast<int32_t>(i) : -1;
+    return;
+  }
+  M3_DEVICE_CHECK(nb <= nb_stride, "msa_select: position %d beyond max_kv_len (%lld blocks)",
+                  L.positions[t], static_cast<long long>(nb_stride));
+  uint32_t* keys = warp_keys + warp * key_cap;  // nb <= key_cap: nb <= nb_stride
+  const float* sc = scores + w * nb_stride;
+  const int64_t hi_forced = nb - local_blocks;
+  for (int64_t b = lane; b < nb; b += kWarp)
+    keys[b] = (b < init_blocks || b >= hi_forced) ? forced_key() : order_key(sc[b]);
+  __syncwarp();
+  int32_t mine = -1;  // lane k: the k-th winner
+  for (int k = 0; k < topk; ++k) {
+    uint32_t bk = 0u;  // below every score's key (a taken key is 0)
+    int32_t bid = 0x7fffffff;
+    for (int64_t b = lane; b < nb; b += kWarp) {
+      const uint32_t kb = keys[b];
+      if (kb > bk) {  // ascending b: the lane's lowest id among its equal keys
+        bk = kb;
+        bid = static_cast<int32_t>(b);
+      }
+    }
+#pragma unroll
+    for (int off = kWarp / 2; off > 0; off >>= 1) {
+      const uint32_t ok = __shfl_xor_sync(0xffffffffu, bk, off);
+      const int32_t oid = __shfl_xor_sync(0xffffffffu, bid, off);
+      if (ok > bk || (ok == bk && oid < bid)) {
+        bk = ok;
+        bid = oid;
+      }
+    }
+    if (lane == k) mine = bid;
+    if (lane == bid % kWarp) keys[bid] = 0u;
+    __syncwarp();
+  }
+  int rank = 0;
+  for (int j = 0; j < topk; ++j) {
+    const int32_t other = __shfl_sync(0xffffffffu, mine, j);
+    rank += other < mine ? 1 : 0;
+  }
+  if (lane < topk) o[rank] = mine;
+}
+
 // keys_in_smem: the token's keys are converted once into shared memory [nb_stride] (else every
 // pass reads the score row from global memory).
 __global__ void __launch_bounds__(kTopkThreads)
     msa_topk_kernel(int64_t ni, TokenLayout L, int64_t bs, int64_t topk, int64_t init_blocks,
-                    int64_t local_blocks, int64_t nb_stride, bool keys_in_smem,
+                    int64_t local_blocks, int64_t nb_stride, bool keys_in_smem, bool skip_warp_rows,
                     const float* __restrict__ scores, int32_t* __restrict__ out) {
   extern __shared__ uint32_t topk_keys[];
   __shared__ TopkShared sh;
-  const int64_t w = blockIdx.x, t = w / ni;
-  const int64_t nb = L.positions[t] / bs + 1;
-  int32_t* o = out + w * topk;
-  if (write_all_blocks(nb, topk, o)) return;
-  M3_DEVICE_CHECK(nb <= nb_stride, "msa_select: position %d beyond max_kv_len (%lld blocks)",
-                  L.positions[t], static_cast<long long>(nb_stride));
-  const float* sc = scores + w * nb_stride;
-  const int64_t hi_forced = nb - local_blocks;
-  auto key = [&](int64_t b) {
-    return (b < init_blocks || b >= hi_forced) ? forced_key() : order_key(sc[b]);
-  };
-  if (keys_in_smem) {
-    for (int64_t b = threadIdx.x; b < nb; b += blockDim.x) topk_keys[b] = key(b);
-    __syncthreads();
-    radix_topk([&](int64_t b) { return topk_keys[b]; }, nb, topk, o, sh);
-  } else {
-    radix_topk(key, nb, topk, o, sh);
+  // Rows in a grid-stride loop: with skip_warp_rows most rows of a prefill step are the warp
+  // kernel's, and a CTA per row would be launched only to leave.
+  for (int64_t w = blockIdx.x; w < L.num_tokens * ni; w += gridDim.x) {
+    const int64_t t = w / ni;
+    if (skip_warp_rows && warp_topk_row(L, t, bs, topk)) continue;  // msa_topk_warp_kernel's
+    const int64_t nb = L.positions[t] / bs + 1;
+    int32_t* o = out + w * topk;
+    if (write_all_blocks(nb, topk, o)) continue;
+    M3_DEVICE_CHECK(nb <= nb_stride, "msa_select: position %d beyond max_kv_len (%lld blocks)",
+                    L.positions[t], static_cast<long long>(nb_stride));
+    const float* sc = scores + w * nb_stride;
+    const int64_t hi_forced = nb - local_blocks;
+    auto key = [&](int64_t b) {
+      return (b < init_blocks || b >= hi_forced) ? forced_key() : order_key(sc[b]);
+    };
+    if (keys_in_smem) {
+      for (int64_t b = threadIdx.x; b < nb; b += blockDim.x) topk_keys[b] = key(b);
+      __syncthreads();
+      radix_topk([&](int64_t b) { return topk_keys[b]; }, nb, topk, o, sh);
+    } else {
+      radix_topk(key, nb, topk, o, sh);
+    }
+    __syncthreads();  // the next row reuses the shared keys and histograms
   }
 }
 
@@ -639,6 +922,34 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
       if (mma) {
         detail::dispatch_kv(cache.ik_dtype, [&]<class TI>() {
           if constexpr (sizeof(TI) < 4) {
+            // Prefill chunks: their tokens' scores from the query-tiled kernel; the per-token
+            // kernel then takes only the tokens alone in their sequence.
+            const bool tiled = layout.multi_token_seqs && tiled_score_supported(cache, ni);
+            if (tiled) {
+              auto launch = [&]<int NIP>(auto kernel) {
+                constexpr int smem = QtSmem<TI>::kBytes;
+                static std::atomic<uint64_t> attr_set{0};
+                detail::raise_smem_limit_once(attr_set, kernel, smem);
+                static const int qocc = [&] {
+                  int b = 0;
+                  M3_CUDA_CHECK(
+                      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kQtThreads, smem));
+                  return std::max(b, 1);
+                }();
+                const int64_t ntile = (n + kQtColumns / NIP - 1) / (kQtColumns / NIP);
+                const int64_t want = 2 * qocc * static_cast<int64_t>(detail::num_sms());
+                int64_t ychunks = ntile < want ? want / ntile : 1;
+                ychunks = std::max<int64_t>(1, std::min<int64_t>({ychunks, nb_stride, 65535}));
+                kernel<<<dim3(static_cast<unsigned>(ntile), static_cast<unsigned>(ychunks)),
+                         kQtThreads, smem, stream>>>(iq_n, ni, cache, sub, topk, init_blocks,
+                                                     local_blocks, nb_stride, scores);
+                M3_CUDA_CHECK_LAUNCH("msa_score_tiled_kernel");
+              };
+              if (ni <= 4)
+                launch.template operator()<4>(msa_score_tiled_kernel<TI, 4>);
+              else
+                launch.template operator()<8>(msa_score_tiled_kernel<TI, 8>);
+            }
             // One full wave: as many CTAs as fit on the GPU at once, spread over the tokens.
             static const int occ = [] {
               int b = 0;
@@ -651,7 +962,7 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
             mchunks = std::max<int64_t>(1, std::min<int64_t>({mchunks, nb_stride, 65535}));
             const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(mchunks));
             msa_score_mma_kernel<TI><<<grid, kMmaScoreThreads, 0, stream>>>(
-                iq_n, ni, cache, sub, topk, init_blocks, local_blocks, nb_stride, scores);
+                iq_n, ni, cache, sub, topk, init_blocks, local_blocks, nb_stride, tiled, scores);
             M3_CUDA_CHECK_LAUNCH("msa_score_mma_kernel");
           }
         });
@@ -676,8 +987,29 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
         });
       }
     }
-    msa_topk_kernel<<<static_cast<unsigned>(n * ni), kTopkThreads, topk_smem, stream>>>(
-        ni, sub, bs, topk, init_blocks, local_blocks, nb_stride, keys_in_smem, scores,
+    // Prefill rows over few blocks: a warp each (msa_topk_warp_kernel); the CTA radix select
+    // takes the rest.
+    const bool warp_rows = layout.multi_token_seqs && topk <= 32;
+    const int64_t rows = n * ni;
+    if (warp_rows) {
+      // Shared keys sized to the step's longest row (more warps resident at short contexts).
+      const int64_t key_cap = std::min(nb_stride, kWarpTopkMaxBlocks);
+      const int smem = static_cast<int>(sizeof(uint32_t) * kWarpTopkWarps * key_cap);
+      static std::atomic<uint64_t> warp_attr_set{0};
+      detail::raise_smem_limit_once(
+          warp_attr_set, msa_topk_warp_kernel,
+          static_cast<int>(sizeof(uint32_t) * kWarpTopkWarps * kWarpTopkMaxBlocks));
+      msa_topk_warp_kernel<<<static_cast<unsigned>((rows + kWarpTopkWarps - 1) / kWarpTopkWarps),
+                             kWarpTopkWarps * kWarp, smem, stream>>>(
+          ni, sub, bs, topk, init_blocks, local_blocks, nb_stride, key_cap, scores,
+          out + t0 * ni * topk);
+      M3_CUDA_CHECK_LAUNCH("msa_topk_warp_kernel");
+    }
+    // With warp rows: at most two waves of CTAs, looping over the rows (most only skip).
+    const int64_t radix_ctas =
+        warp_rows ? std::min<int64_t>(rows, 4 * static_cast<int64_t>(detail::num_sms())) : rows;
+    msa_topk_kernel<<<static_cast<unsigned>(radix_ctas), kTopkThreads, topk_smem, stream>>>(
+        ni, sub, bs, topk, init_blocks, local_blocks, nb_stride, keys_in_smem, warp_rows, scores,
         out + t0 * ni * topk);
     M3_CUDA_CHECK_LAUNCH("msa_topk_kernel");
   }

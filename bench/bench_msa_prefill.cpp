@@ -1,0 +1,196 @@
+// MSA prefill of one M3 sparse layer on the GPU (kernels/cuda/ops.h), issue #16 item 2: a prompt
+// of N tokens from scratch (positions 0..N-1, one sequence, its pages one contiguous run) at
+// M3's shapes (64 q / 4 KV heads x 128, one shared index-K head of 128 with 4 index-q heads,
+// 128-token pages = MSA blocks, top-16, local block forced), per cache format (bf16 K/V + bf16
+// index-K, fp8 + fp8 with per-tensor K/V and per-token index-K scales): the time of the block
+// selection (index scores over every earlier block + top-k) and of the block-sparse attention
+// over the selected blocks, as ms and TFLOP/s counted as vLLM's anchor counts them
+// (../shared/anchors/vllm_msa: index = 2 x 4 heads x 128 x the keys each query scores;
+// sparse = 4 x 64 heads x 128 x 128 x the blocks each query selected, whole tiles). The dense
+// bf16 GEMM rate (cuBLASLt 8192^3) is printed as the tensor-core ceiling from the same run.
+// "top-k ms": the selection with every block forced (nothing scored), i.e. the top-k's share.
+// Usage: bench_msa_prefill [iters=3] [lengths=8192,32768,131072]. Exits 1 where no GPU is usable.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+#include "core/dtype.h"
+#include "gpu/cuda_check.h"
+#include "gpu/device.h"
+#include "gpu/device_buffer.h"
+#include "kernels/cuda/blas.h"
+#include "kernels/cuda/ops.h"
+
+namespace {
+
+namespace gk = m3::kernels::cuda;
+using m3::bench::time_ms;
+using m3::gpu::DeviceBuffer;
+using m3::kernels::kv_dtype_name;
+using m3::kernels::kv_dtype_size;
+using m3::kernels::KvDtype;
+
+constexpr int64_t kPage = 128, kKvHeads = 4, kHeads = 64, kDim = 128, kIndexHeads = 4,
+                  kIndexDim = 128, kTopk = 16;
+
+// `bytes` bytes of device memory filled by tiling a 16 MiB block of N(0, 1) values in `dt`
+// (fp8: divided by `scale` first).
+void fill_random(void* dst, size_t bytes, KvDtype dt, float scale, std::mt19937& g) {
+  const size_t n = (size_t{16} << 20) / kv_dtype_size(dt);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<uint8_t> h(n * kv_dtype_size(dt));
+  for (size_t i = 0; i < n; ++i) {
+    const float x = nd(g);
+    if (dt == KvDtype::kBf16) {
+      const uint16_t b = m3::f32_to_bf16(x);
+      std::memcpy(h.data() + 2 * i, &b, 2);
+    } else {
+      h[i] = m3::f32_to_fp8_e4m3(x / scale);
+    }
+  }
+  for (size_t off = 0; off < bytes; off += h.size())
+    M3_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(dst) + off, h.data(),
+                             std::min(h.size(), bytes - off), cudaMemcpyHostToDevice));
+}
+
+template <class T>
+void fill_normal(DeviceBuffer<T>& b, std::mt19937& g) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<T> block(std::min<size_t>(b.size(), size_t{1} << 22));
+  for (auto& x : block) x = nd(g);
+  for (size_t at = 0; at < b.size(); at += block.size())
+    M3_CUDA_CHECK(cudaMemcpy(b.data() + at, block.data(),
+                             std::min(block.size(), b.size() - at) * sizeof(T),
+                             cudaMemcpyHostToDevice));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int iters = argc > 1 ? std::atoi(argv[1]) : 3;
+  std::vector<int64_t> lengths = {8192, 32768, 131072};
+  if (argc > 2) {
+    lengths.clear();
+    std::stringstream ss(argv[2]);
+    std::string item;
+    while (std::getline(ss, item, ',')) lengths.push_back(std::atoll(item.c_str()));
+  }
+  auto dev = m3::gpu::probe_device(0);
+  if (!dev) {
+    std::fprintf(stderr, "bench_msa_prefill: %s\n", dev.error().message.c_str());
+    return 1;
+  }
+  int64_t max_n = 0;
+  for (int64_t n : lengths) max_n = std::max(max_n, n);
+  const int64_t pages = (max_n + kPage - 1) / kPage;
+  std::printf(
+      "device: %s, %d SMs; MSA prefill of one layer: %lld q / %lld kv heads x %lld, index %lld x "
+      "%lld, page %lld, top-%lld, local block forced\n",
+      dev->name.c_str(), dev->num_sms, (long long)kHeads, (long long)kKvHeads, (long long)kDim,
+      (long long)kIndexHeads, (long long)kIndexDim, (long long)kPage, (long long)kTopk);
+  m3::gpu::Stream stream;
+  const cudaStream_t s = stream.get();
+
+  // The tensor-core ceiling: a bf16 8192^3 GEMM through cuBLASLt.
+  {
+    const int64_t n = 8192;
+    DeviceBuffer<uint16_t> a(static_cast<size_t>(n * n)), b(static_cast<size_t>(n * n));
+    DeviceBuffer<float> c(static_cast<size_t>(n * n));
+    M3_CUDA_CHECK(cudaMemset(a.data(), 0x3c, a.size() * 2));
+    M3_CUDA_CHECK(cudaMemset(b.data(), 0x3c, b.size() * 2));
+    const gk::MatRef wr{b.data(), m3::DType::kBF16, n, n};
+    const double ms = time_ms(s, 5, [&] {
+      if (!gk::blas::gemm_bf16(a.data(), n, wr, c.data(), 0.f, s)) std::abort();
+    });
+    std::printf("ceiling: cuBLASLt bf16 8192^3 (fp32 out) %.0f TFLOP/s\n",
+                2.0 * n * n * n / (ms * 1e-3) / 1e12);
+  }
+
+  const size_t kv_elems = static_cast<size_t>(pages * kPage * kKvHeads * kDim);
+  const size_t ik_elems = static_cast<size_t>(pages * kPage * kIndexDim);
+  DeviceBuffer<uint8_t> kb(kv_elems * 2), vb(kv_elems * 2), ikb(ik_elems * 2);
+  DeviceBuffer<float> ik_scale(pages * kPage);
+  DeviceBuffer<float> q(static_cast<size_t>(max_n * kHeads * kDim)),
+      iq(static_cast<size_t>(max_n * kIndexHeads * kIndexDim)),
+      out(static_cast<size_t>(max_n * kHeads * kDim));
+  DeviceBuffer<int32_t> sel(static_cast<size_t>(max_n * kIndexHeads * kTopk));
+  std::mt19937 g(5);
+  fill_normal(q, g);
+  fill_normal(iq, g);
+  {
+    std::vector<float> sc(ik_scale.size(), 1.f / 32);
+    ik_scale.copy_from(sc.data(), sc.size());
+  }
+  const float k_scale = 0.05f, v_scale = 0.05f;
+  const float scale = 1.f / std::sqrt(static_cast<float>(kDim));
+
+  std::printf("%-10s %8s | %10s %9s %10s | %10s %9s | %10s\n", "kv/idx-K", "tokens", "select ms",
+              "TFLOP/s", "(top-k ms)", "sparse ms", "TFLOP/s", "MSA ms");
+  for (KvDtype dt : {KvDtype::kBf16, KvDtype::kFp8}) {
+    fill_random(kb.data(), kv_elems * kv_dtype_size(dt), dt, k_scale, g);
+    fill_random(vb.data(), kv_elems * kv_dtype_size(dt), dt, v_scale, g);
+    fill_random(ikb.data(), ik_elems * kv_dtype_size(dt), dt, 1.f / 32, g);
+    gk::KvPages cache =
+        gk::KvPages::fp32(nullptr, nullptr, nullptr, pages, kPage, kKvHeads, kDim, kIndexDim);
+    cache.k = kb.data();
+    cache.v = vb.data();
+    cache.ik = ikb.data();
+    cache.ik_scale = dt == KvDtype::kFp8 ? ik_scale.data() : nullptr;
+    cache.kv_dtype = cache.ik_dtype = dt;
+    cache.k_scale = dt == KvDtype::kFp8 ? k_scale : 1.f;
+    cache.v_scale = dt == KvDtype::kFp8 ? v_scale : 1.f;
+    for (int64_t n : lengths) {
+      std::vector<int32_t> pos(n), seqs(n, 0), off = {0, static_cast<int32_t>((n + kPage - 1) / kPage)};
+      std::vector<int32_t> table(off[1]);
+      for (int64_t i = 0; i < n; ++i) pos[i] = static_cast<int32_t>(i);
+      for (int32_t i = 0; i < off[1]; ++i) table[i] = i;
+      DeviceBuffer<int32_t> dpos(pos), dseq(seqs), doff(off), dtab(table);
+      gk::TokenLayout layout{n, dpos.data(), dseq.data(), doff.data(), dtab.data()};
+      layout.multi_token_seqs = true;  // a prefill chunk, as the model marks it
+      const size_t ws_bytes =
+          std::max(gk::msa_select_workspace_bytes(n, kIndexHeads, cache, n),
+                   gk::attention_workspace_bytes(n, kHeads, cache, kTopk, n));
+      DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 1));
+      const gk::Workspace w{ws.data(), ws_bytes};
+      auto select = [&] {
+        gk::msa_select_blocks(iq.data(), kIndexHeads, cache, layout, kTopk, 0, 1, n, w,
+                              sel.data(), s);
+      };
+      // The top-k alone: every block forced local (local_blocks past the sequence), so nothing
+      // is scored and the top-k ranks the same number of keys.
+      auto topk_only = [&] {
+        gk::msa_select_blocks(iq.data(), kIndexHeads, cache, layout, kTopk, 0, n / kPage + 2, n, w,
+                              sel.data(), s);
+      };
+      auto sparse = [&] {
+        gk::attention_paged(q.data(), kHeads, cache, layout, sel.data(), kTopk, scale, n, w,
+                            out.data(), s);
+      };
+      const int it = n >= 131072 ? std::max(1, iters / 2) : iters;
+      const double t_sel = time_ms(s, it, select);
+      const double t_topk = time_ms(s, it, topk_only);
+      select();  // the selection the sparse attention reads
+      const double t_att = time_ms(s, it, sparse);
+      // FLOPs as the anchor counts them: every earlier key scored by 4 index heads; 16 (or all
+      // earlier, when fewer) whole 128-key tiles attended by 64 heads.
+      double f_sel = 0, f_att = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        f_sel += 2.0 * kIndexHeads * kIndexDim * double(i + 1);
+        f_att += 4.0 * kHeads * kDim * kPage * double(std::min<int64_t>(kTopk, i / kPage + 1));
+      }
+      char name[32];
+      std::snprintf(name, sizeof name, "%s/%s", kv_dtype_name(dt), kv_dtype_name(dt));
+      std::printf("%-10s %8lld | %10.3f %9.1f %10.3f | %10.3f %9.1f | %10.3f\n", name,
+                  (long long)n, t_sel, f_sel / (t_sel * 1e-3) / 1e12, t_topk, t_att,
+                  f_att / (t_att * 1e-3) / 1e12, t_sel + t_att);
+    }
+  }
+  return 0;
+}
