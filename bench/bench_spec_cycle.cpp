@@ -80,6 +80,7 @@ class TimedDraft final : public model::DraftProposer {
   const model::Eagle3Config& config() const override { return d_->config(); }
   int64_t kv_bytes_per_token() const override { return d_->kv_bytes_per_token(); }
   std::string where() const override { return d_->where(); }
+  bool aux_on_device() const override { return d_->aux_on_device(); }
   std::vector<std::vector<int32_t>> propose(const std::vector<model::DraftSeq>& seqs,
                                             std::span<const float> aux, int k) override {
     const auto t0 = Clock::now();
@@ -171,12 +172,13 @@ void run_cycles(Setup& su, int C, int K, int prompt_len, int max_tokens, const c
   const double total = t_sched + t_exec + t_update;
   const double per = 1.0 / static_cast<double>(std::max<int64_t>(steps, 1));
   const double tok_per_req = static_cast<double>(tokens) * per / C;
-  std::printf("%s, C=%d: %lld decode cycles, %.2f tokens per request per cycle (acceptance "
-              "length %.2f), %.3f ms per cycle = %.3f ms per output token of a request\n",
-              label, C, static_cast<long long>(steps), tok_per_req,
-              1.0 + static_cast<double>(ss.num_accepted_tokens - s0.num_accepted_tokens) /
-                        static_cast<double>(std::max<int64_t>(ss.num_drafts - s0.num_drafts, 1)),
-              total * per, total * per / std::max(tok_per_req, 1e-9));
+  std::printf(
+      "%s, C=%d: %lld decode cycles, %.2f tokens per request per cycle (acceptance "
+      "length %.2f), %.3f ms per cycle = %.3f ms per output token of a request\n",
+      label, C, static_cast<long long>(steps), tok_per_req,
+      1.0 + static_cast<double>(ss.num_accepted_tokens - s0.num_accepted_tokens) /
+                static_cast<double>(std::max<int64_t>(ss.num_drafts - s0.num_drafts, 1)),
+      total * per, total * per / std::max(tok_per_req, 1e-9));
   auto line = [&](const char* what, double ms) {
     std::printf("  %-46s %8.3f ms/cycle %5.1f%%\n", what, ms * per,
                 100.0 * ms / std::max(total, 1e-9));
@@ -250,8 +252,9 @@ int main(int argc, char** argv) {
   if (argc >= 2 && std::string(argv[1]) == "--cuda") {
 #ifdef M3_BENCH_CUDA
     if (argc < 4) {
-      std::fprintf(stderr, "usage: bench_spec_cycle --cuda synthetic:layers=N synthetic:gqa "
-                           "[C list=1,16,64] [K=3] [max_tokens=128]\n");
+      std::fprintf(stderr,
+                   "usage: bench_spec_cycle --cuda synthetic:layers=N synthetic:gqa "
+                   "[C list=1,16,64] [K=3] [max_tokens=128]\n");
       return 2;
     }
     const std::string target = argv[2], draft = argv[3];
@@ -291,10 +294,10 @@ int main(int argc, char** argv) {
     su.num_pages = static_cast<int>(std::min<int64_t>(tbo->num_pages(), 1 << 20));
     su.max_model_len = prompt_len + max_tokens + 128;
     auto spec = std::make_unique<engine::SpecDecoder>(spec_config(draft, K), std::move(tdo));
-    std::printf("bench_spec_cycle: %s + %s on %s, K=%d, synthetic acceptance 2.78, greedy, "
-                "prompt %d, %d output tokens\n",
-                target.c_str(), draft.c_str(), tbo->device_name().c_str(), K, prompt_len,
-                max_tokens);
+    std::printf(
+        "bench_spec_cycle: %s + %s on %s, K=%d, synthetic acceptance 2.78, greedy, "
+        "prompt %d, %d output tokens\n",
+        target.c_str(), draft.c_str(), tbo->device_name().c_str(), K, prompt_len, max_tokens);
     su.runner = std::make_unique<engine::ModelRunner>(std::move(tbo), 200064, std::move(spec),
                                                       su.max_model_len);
     run_cycles(su, 1, K, prompt_len, 16, "warm-up");  // graphs and plans of the first sizes
@@ -337,12 +340,13 @@ int main(int argc, char** argv) {
   auto spec = std::make_unique<engine::SpecDecoder>(spec_config(draft_dir, K), std::move(tdo));
   auto tbo = std::make_unique<TimedBackend>(runtime::borrow_cpu_backend(**m, su.num_pages));
   su.tb = tbo.get();
-  std::printf("bench_spec_cycle: %s + %s on the CPU, K=%d, synthetic acceptance 2.78, greedy, "
-              "prompt %d, %d output tokens, vocab %lld\n",
-              model_dir.c_str(), draft_dir.c_str(), K, prompt_len, max_tokens,
-              static_cast<long long>(cfg.vocab_size));
-  su.runner = std::make_unique<engine::ModelRunner>(std::move(tbo), cfg.vocab_size,
-                                                    std::move(spec), su.max_model_len);
+  std::printf(
+      "bench_spec_cycle: %s + %s on the CPU, K=%d, synthetic acceptance 2.78, greedy, "
+      "prompt %d, %d output tokens, vocab %lld\n",
+      model_dir.c_str(), draft_dir.c_str(), K, prompt_len, max_tokens,
+      static_cast<long long>(cfg.vocab_size));
+  su.runner = std::make_unique<engine::ModelRunner>(std::move(tbo), cfg.vocab_size, std::move(spec),
+                                                    su.max_model_len);
   run_both(su, C, K, prompt_len, max_tokens);
   host_verify_alone(C, K);
   return 0;
