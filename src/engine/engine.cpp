@@ -826,7 +826,9 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineConfig& config) {
     if (!backend->samples_on_device())
       why_not = "the " + backend->device_name() + " backend samples on the host only";
     else if (spec)
-      why_not = "speculative decoding verifies its drafts on the host each step";
+      why_not =
+          "speculative decoding decides each step's tokens and drafts on the host from the "
+          "step before";
     else if (config.pd)
       why_not = "P/D disaggregation (NixlConnector) runs with the synchronous loop";
     if (on && !why_not.empty()) {

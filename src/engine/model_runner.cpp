@@ -187,13 +187,16 @@ void ModelRunner::prepare(LaunchedStep& step, const sched::SchedulerOutput& out,
     }
   }
   // Rows the device can sample (no penalties or logprobs need the raw row on the host); the
-  // rest of the rows come back as logits.
+  // rest of the rows come back as logits. A request's verify rows are sampled there too when
+  // its verification needs only the draw it would make without drafts at each row (greedy, or
+  // synthetic acceptance): one device sample per row, consecutive from device_slot[i].
   const bool on_device = backend_->samples_on_device();
   std::vector<int32_t>& device_slot = step.device_slot;
   device_slot.assign(out.requests.size(), -1);
   for (size_t i = 0; i < out.requests.size(); ++i) {
     if (want[i].sample_row < 0) continue;
     const RunnerRequestState& st = states.at(out.requests[i].request_id);
+    // (Drafts: the next step's tokens and drafts are decided on the host from this one's.)
     if (!on_device || st.params.needs_host_sampling() || st.constraint ||
         !want[i].verify_rows.empty())
       step.host_samples = true;
@@ -206,24 +209,25 @@ void ModelRunner::prepare(LaunchedStep& step, const sched::SchedulerOutput& out,
       if (want[i].sample_row < 0) continue;
       RunnerRequestState& st = states.at(out.requests[i].request_id);
       const SamplingParams& p = st.params;
-      if (p.needs_host_sampling() || st.constraint || !want[i].verify_rows.empty()) {
+      const bool verifies = !want[i].verify_rows.empty();
+      if (p.needs_host_sampling() || st.constraint || (verifies && !device_verifies(p))) {
         for (int32_t vr : want[i].verify_rows) host_row[vr] = true;
         host_row[want[i].sample_row] = true;
         continue;
       }
-      kernels::cpu::SampleRow sr;
-      sr.row = want[i].sample_row;
-      sr.temperature = p.temperature;
-      sr.top_p = p.top_p;
-      sr.top_k = p.top_k;
-      sr.min_p = p.min_p;
-      sr.seed = st.seed;
       // The output index of this token: the tokens the host has, and those still in flight.
-      sr.step = st.history.size() - static_cast<size_t>(st.num_prompt_tokens) +
-                static_cast<size_t>(st.num_pending_samples);
-      ++st.num_pending_samples;
+      const uint64_t first = st.history.size() - static_cast<size_t>(st.num_prompt_tokens) +
+                             static_cast<size_t>(st.num_pending_samples);
       device_slot[i] = static_cast<int32_t>(b.device_samples.size());
-      b.device_samples.push_back(sr);
+      if (verifies) {
+        // Row j decides output index first + j (each accepted draft moves the next draw on).
+        for (size_t j = 0; j < want[i].verify_rows.size(); ++j)
+          b.device_samples.push_back(
+              Sampler::draw_row(p, st.seed, first + j, want[i].verify_rows[j]));
+        continue;
+      }
+      b.device_samples.push_back(Sampler::draw_row(p, st.seed, first, want[i].sample_row));
+      ++st.num_pending_samples;
     }
     for (size_t r = 0; r < host_row.size(); ++r)
       if (host_row[r]) b.host_logits_rows.push_back(static_cast<int32_t>(r));
@@ -292,7 +296,10 @@ sched::RunnerOutput ModelRunner::finish_with(
     }
     if (want[i].sample_row < 0) continue;
     if (!want[i].verify_rows.empty()) {
-      ro.sampled.push_back({r.request_id, verify(r, want[i].verify_rows, st, logits_row, V)});
+      // Device-verified: the draw of each verify row came back (consecutive samples).
+      const int32_t* drawn = device_slot[i] >= 0 ? res.sampled.data() + device_slot[i] : nullptr;
+      ro.sampled.push_back(
+          {r.request_id, verify(r, want[i].verify_rows, st, logits_row, drawn, V)});
       continue;
     }
     if (device_slot[i] >= 0) {
@@ -326,45 +333,60 @@ sched::RunnerOutput ModelRunner::finish_with(
   return ro;
 }
 
+bool ModelRunner::device_verifies(const SamplingParams& p) const {
+  // Greedy: a draft is accepted iff it is the argmax; synthetic: accepted at random, else the
+  // ordinary draw. Either needs the row's draw only, which the device sampler makes bit for bit
+  // as the host would (no penalties or masks: needs_host_sampling() is false here).
+  return spec_ != nullptr && (p.temperature <= 0.f || spec_->config().synthetic);
+}
+
 std::vector<int32_t> ModelRunner::verify(const sched::ScheduledRequest& r,
                                          const std::vector<int32_t>& rows, RunnerRequestState& st,
                                          const std::function<float*(int32_t)>& logits_row,
-                                         int64_t V) {
+                                         const int32_t* drawn, int64_t V) {
   const int k = r.num_spec_tokens, n = r.num_new_tokens();
   const SamplingParams& p = st.params;
   std::vector<int32_t> toks;
   std::vector<double> probs;
   int accepted = 0;
   for (int j = 0; j <= k; ++j) {
-    std::span<float> lr(logits_row(rows[j]), V);
-    std::vector<float> raw;
-    if (p.logprobs >= 0) raw.assign(lr.begin(), lr.end());
     std::span<const int32_t> gen(st.history.data() + st.num_prompt_tokens,
                                  st.history.size() - st.num_prompt_tokens);
     const uint64_t step = gen.size();  // the output index decided here, as without drafts
     const int32_t draft = j < k ? r.token_ids[n - k + j] : -1;
+    // Benchmark mode: accepted at random whatever the target says.
+    const bool synthetic_accept =
+        draft >= 0 && spec_->config().synthetic &&
+        kernels::cpu::sample_uniform(st.seed, step, V + 1) < spec_->accept_probability();
     int32_t tok = 0;
-    if (draft >= 0 && spec_->config().synthetic &&
-        kernels::cpu::sample_uniform(st.seed, step, V + 1) < spec_->accept_probability()) {
-      tok = draft;  // benchmark mode: accepted whatever the target says
-    } else if (draft < 0 || p.temperature <= 0.f || spec_->config().synthetic) {
-      // The bonus token, a greedy row (the draft is accepted iff it is the argmax, so the
-      // output is exactly the one without speculation) or a synthetic rejection: the draw the
-      // request would make without drafts.
-      SampleRng rng{st.seed, step};
-      tok = Sampler::sample(lr, p, st.history, gen, rng, num_sampleable_);
+    if (drawn != nullptr) {
+      // Sampled on the device with this row's draw (seed, step) (prepare()).
+      tok = synthetic_accept ? draft : drawn[j];
     } else {
-      // Rejection sampling against the greedy draft (one-hot): the token is distributed as the
-      // target's processed distribution (penalties, temperature, top_k/top_p/min_p).
-      Sampler::prepare(lr, p, st.history, gen, num_sampleable_);
-      Sampler::probs(lr, p, num_sampleable_, &probs);
-      bool ok = false;
-      tok = Sampler::rejection_sample(probs, {}, draft,
-                                      kernels::cpu::sample_uniform(st.seed, step, V + 1),
-                                      kernels::cpu::sample_uniform(st.seed, step, V + 2), &ok);
+      std::span<float> lr(logits_row(rows[j]), V);
+      std::vector<float> raw;
+      if (p.logprobs >= 0) raw.assign(lr.begin(), lr.end());
+      if (synthetic_accept) {
+        tok = draft;
+      } else if (draft < 0 || p.temperature <= 0.f || spec_->config().synthetic) {
+        // The bonus token, a greedy row (the draft is accepted iff it is the argmax, so the
+        // output is exactly the one without speculation) or a synthetic rejection: the draw the
+        // request would make without drafts.
+        SampleRng rng{st.seed, step};
+        tok = Sampler::sample(lr, p, st.history, gen, rng, num_sampleable_);
+      } else {
+        // Rejection sampling against the greedy draft (one-hot): the token is distributed as
+        // the target's processed distribution (penalties, temperature, top_k/top_p/min_p).
+        Sampler::prepare(lr, p, st.history, gen, num_sampleable_);
+        Sampler::probs(lr, p, num_sampleable_, &probs);
+        bool ok = false;
+        tok = Sampler::rejection_sample(probs, {}, draft,
+                                        kernels::cpu::sample_uniform(st.seed, step, V + 1),
+                                        kernels::cpu::sample_uniform(st.seed, step, V + 2), &ok);
+      }
+      if (p.logprobs >= 0)
+        st.step_logprobs.push_back(to_out(Sampler::logprobs(raw, tok, p.logprobs)));
     }
-    if (p.logprobs >= 0)
-      st.step_logprobs.push_back(to_out(Sampler::logprobs(raw, tok, p.logprobs)));
     st.history.push_back(tok);
     toks.push_back(tok);
     if (tok != draft) break;

@@ -131,11 +131,17 @@ class ModelRunner {
   sched::RunnerOutput finish_with(LaunchedStep& step, const sched::SchedulerOutput& out,
                                   model::ForwardResult& res,
                                   std::unordered_map<uint64_t, RunnerRequestState>& states);
+  // Whether a drafting request of these params is verified from the device's draws alone
+  // (greedy, or synthetic acceptance; the caller has checked it needs no host sampling).
+  bool device_verifies(const SamplingParams& p) const;
   // Verifies a request's drafts against its logits rows (the last known token's, then one per
-  // draft): returns 1 + the accepted drafts' count tokens, appended to st.history.
+  // draft), or against `drawn` (not null: the device's draw of each of those rows, for a request
+  // device_verifies() takes): returns 1 + the accepted drafts' count tokens, appended to
+  // st.history.
   std::vector<int32_t> verify(const sched::ScheduledRequest& r, const std::vector<int32_t>& rows,
                               RunnerRequestState& st,
-                              const std::function<float*(int32_t)>& logits_row, int64_t V);
+                              const std::function<float*(int32_t)>& logits_row,
+                              const int32_t* drawn, int64_t V);
   // The draft over the step's verified positions; sets each sampled request's proposals.
   void propose(const sched::SchedulerOutput& out,
                std::unordered_map<uint64_t, RunnerRequestState>& states,

@@ -62,9 +62,10 @@ int32_t Sampler::sample(std::span<float> logits, const SamplingParams& p,
   return token;
 }
 
-kernels::cpu::SampleRow Sampler::draw_row(const SamplingParams& p, uint64_t seed, uint64_t step) {
+kernels::cpu::SampleRow Sampler::draw_row(const SamplingParams& p, uint64_t seed, uint64_t step,
+                                          int32_t logits_row) {
   kernels::cpu::SampleRow row;
-  row.row = 0;
+  row.row = logits_row;
   row.temperature = p.temperature;
   row.top_p = p.top_p;
   row.top_k = p.top_k;

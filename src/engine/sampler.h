@@ -67,8 +67,9 @@ class Sampler {
   static int32_t rejection_sample(std::span<const double> target, std::span<const double> draft,
                                   int32_t draft_token, double u_accept, double u_residual,
                                   bool* accepted);
-  // The SampleRow of a draw (seed, step) of `p` (kernels/cpu/sample.h).
-  static kernels::cpu::SampleRow draw_row(const SamplingParams& p, uint64_t seed, uint64_t step);
+  // The SampleRow of a draw (seed, step) of `p` (kernels/cpu/sample.h) from logits row `row`.
+  static kernels::cpu::SampleRow draw_row(const SamplingParams& p, uint64_t seed, uint64_t step,
+                                          int32_t logits_row = 0);
 
   // Sets -inf where the masks of `p` (allowed_token_ids, bad_words) and `allowed` forbid a token
   // among the first `num_valid` ids and adds logit_bias. Returns false, leaving `logits`

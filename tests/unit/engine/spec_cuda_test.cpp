@@ -1,8 +1,9 @@
 // Speculative decoding on the CUDA backend (label gpu; skips where no GPU is usable): the demo
 // model on one GPU with its EAGLE-3 draft (models/demo-eagle3; the target's verify chunks, the
 // aux hidden states and the draft head all on the GPU) gives the greedy tokens of the same GPU
-// engine without drafts, accepts drafts (acceptance length > 2 at K=3), and its acceptance
-// length on a fixed greedy prompt set equals the CPU engine's.
+// engine without drafts, accepts drafts (acceptance length > 2 at K=3), its acceptance length on
+// a fixed greedy prompt set equals the CPU engine's, and greedy verify rows sampled on the device
+// (only token ids come back) give exactly the tokens of the same rows verified on the host.
 //
 // Tolerance: a verify step scores 1 + K tokens in one chunk where the plain engine scores one,
 // so the GPU kernels sum in another order; a step whose top-2 logprob gap in the plain run is
@@ -10,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <fstream>
 
 #include "engine/engine.h"
@@ -139,6 +141,87 @@ TEST(SpecDecodeCuda, AcceptanceLengthEqualsTheCpuEngines) {
   EXPECT_NEAR(lg, lc, (tc == tg ? 0.02 : 0.10) * lc)
       << (tc == tg ? "same tokens" : "tokens differ");
   EXPECT_GT(lg, 2.0);
+}
+
+// The CUDA backend, counting the logits rows it returned to the host and the rows it sampled.
+class CountingBackend final : public runtime::ForwardBackend {
+ public:
+  explicit CountingBackend(std::unique_ptr<runtime::ForwardBackend> b) : b_(std::move(b)) {}
+  const model::M3Config& config() const override { return b_->config(); }
+  int64_t num_pages() const override { return b_->num_pages(); }
+  void forward(const model::ForwardBatch& batch, model::ForwardResult* out,
+               bool capture_msa) override {
+    b_->forward(batch, out, capture_msa);
+    host_rows += static_cast<int64_t>(out->logits.size()) / out->vocab_size;
+    device_rows += static_cast<int64_t>(batch.device_samples.size());
+  }
+  bool samples_on_device() const override { return b_->samples_on_device(); }
+  std::string device_name() const override { return b_->device_name(); }
+  std::string kv_cache_flag() const override { return b_->kv_cache_flag(); }
+  std::string speculative_refusal() const override { return b_->speculative_refusal(); }
+  Result<std::unique_ptr<model::DraftProposer>> make_draft(
+      const std::string& model, std::shared_ptr<const model::M3Weights> w) override {
+    return b_->make_draft(model, std::move(w));
+  }
+  std::atomic<int64_t> host_rows{0}, device_rows{0};  // written by the engine thread
+
+ private:
+  std::unique_ptr<runtime::ForwardBackend> b_;
+};
+
+TEST(SpecDecodeCuda, DeviceVerifiedGreedyRowsGiveTheHostVerifiedTokens) {
+  // One engine, each prompt twice, one request at a time: with logprobs (its verify rows come
+  // back as logits and are verified by the host sampler) and without (drawn by the device
+  // sampler next to the logits; only ids come back). The verify steps compute the same logits
+  // either way and both argmaxes take the lower id on ties, so the tokens are identical.
+  SKIP_WITHOUT_GPU();
+  std::ifstream in(kRepo + "/tests/golden/eagle3/demo_draft.json");
+  const auto ids = nlohmann::json::parse(in)["tokens"].get<std::vector<int32_t>>();
+  EngineConfig cfg = gpu_config(true);
+  CountingBackend* counter = nullptr;
+  auto factory = cfg.backend_factory;
+  cfg.backend_factory = [factory, &counter](
+                            std::unique_ptr<model::M3Model> host,
+                            int64_t n) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+    M3_TRY(auto b, factory(std::move(host), n));
+    auto c = std::make_unique<CountingBackend>(std::move(b));
+    counter = c.get();
+    return std::unique_ptr<runtime::ForwardBackend>(std::move(c));
+  };
+  auto e = Engine::create(cfg);
+  ASSERT_TRUE(e.has_value()) << e.error().message;
+  ASSERT_NE(counter, nullptr);
+  for (size_t n : {7u, 13u, 19u}) {
+    GenerateRequest r;
+    r.prompt_token_ids.assign(ids.begin(), ids.begin() + n);
+    r.params.temperature = 0.f;
+    r.params.max_tokens = 40;
+    r.params.ignore_eos = true;
+    GenerateRequest host_r = r;
+    host_r.params.logprobs = 0;  // the sampled token's logprob: the rows go to the host
+    const SpecDecodeStats s0 = (*e)->stats().spec_decode;
+    const int64_t h0 = counter->host_rows;
+    auto a = (*e)->submit(host_r);
+    ASSERT_TRUE(a.has_value());
+    const auto ca = testing::collect(**a);
+    const SpecDecodeStats s1 = (*e)->stats().spec_decode;
+    const int64_t h1 = counter->host_rows, d1 = counter->device_rows;
+    auto b = (*e)->submit(r);
+    ASSERT_TRUE(b.has_value());
+    const auto cb = testing::collect(**b);
+    const SpecDecodeStats s2 = (*e)->stats().spec_decode;
+    EXPECT_EQ(cb.tokens, ca.tokens) << "prompt of " << n;
+    EXPECT_EQ(ca.tokens.size(), 40u);
+    EXPECT_EQ(s2.num_drafts - s1.num_drafts, s1.num_drafts - s0.num_drafts) << "prompt of " << n;
+    EXPECT_EQ(s2.num_accepted_tokens - s1.num_accepted_tokens,
+              s1.num_accepted_tokens - s0.num_accepted_tokens)
+        << "prompt of " << n;
+    EXPECT_GT(s2.num_drafts - s1.num_drafts, 0);
+    EXPECT_GT(h1 - h0, 0) << "the logprobs request's rows came back";
+    EXPECT_EQ(counter->host_rows - h1, 0) << "a device-verified row came back as logits";
+    EXPECT_GT(counter->device_rows - d1, s2.num_drafts - s1.num_drafts)
+        << "verify rows sampled on the device";
+  }
 }
 
 }  // namespace

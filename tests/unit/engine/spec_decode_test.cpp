@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <map>
 #include <random>
 #include <unordered_map>
@@ -132,8 +133,13 @@ class Driver {
  public:
   Driver(const model::M3Model& m, std::unique_ptr<SpecDecoder> spec, int num_pages, int budget,
          bool prefix_caching = true, int max_num_seqs = 8)
-      : runner_(runtime::borrow_cpu_backend(m, num_pages), m.config().vocab_size, std::move(spec),
-                256) {
+      : Driver(m, runtime::borrow_cpu_backend(m, num_pages), std::move(spec), num_pages, budget,
+               prefix_caching, max_num_seqs) {}
+  // Over a given backend of num_pages pages (for m).
+  Driver(const model::M3Model& m, std::unique_ptr<runtime::ForwardBackend> backend,
+         std::unique_ptr<SpecDecoder> spec, int num_pages, int budget, bool prefix_caching = true,
+         int max_num_seqs = 8)
+      : runner_(std::move(backend), m.config().vocab_size, std::move(spec), 256) {
     sched::SchedulerConfig sc;
     sc.max_num_seqs = max_num_seqs;
     sc.max_num_batched_tokens = budget;
@@ -515,6 +521,138 @@ TEST(SpecDecode, SampledRequestsKeepTheTargetsJointDistribution) {
   const double q999 = df * std::pow(1 - 2 / (9 * df) + z * std::sqrt(2 / (9 * df)), 3);
   EXPECT_LT(chi, q999) << cells << " cells, " << sd->stats().num_accepted_tokens << " of "
                        << sd->stats().num_draft_tokens << " drafts accepted";
+}
+
+// ---------------------------------------------------------------- verification on the device
+
+// The CPU backend, counting per step the logits rows it returned to the host and the rows its
+// sampler drew (the GPU backend's device sampler, kernels/cuda/sample.h, has this CPU op as its
+// oracle). `device` false: a backend without device sampling (every row to the host, every draw
+// by the runner's host sampler), the reference the device path must reproduce.
+class CountingBackend final : public runtime::ForwardBackend {
+ public:
+  CountingBackend(const model::M3Model& m, int num_pages, bool device)
+      : b_(runtime::borrow_cpu_backend(m, num_pages)), device_(device) {}
+  const model::M3Config& config() const override { return b_->config(); }
+  int64_t num_pages() const override { return b_->num_pages(); }
+  void forward(const model::ForwardBatch& batch, model::ForwardResult* out,
+               bool capture_msa) override {
+    b_->forward(batch, out, capture_msa);
+    host_rows += static_cast<int64_t>(out->logits.size()) / out->vocab_size;
+    device_rows += static_cast<int64_t>(batch.device_samples.size());
+  }
+  bool samples_on_device() const override { return device_; }
+  std::string device_name() const override { return "cpu"; }
+  std::string kv_cache_flag() const override { return "--kv-cache-memory-bytes"; }
+  std::string speculative_refusal() const override { return ""; }
+  int64_t host_rows = 0, device_rows = 0;
+
+ private:
+  std::unique_ptr<runtime::ForwardBackend> b_;
+  bool device_;
+};
+
+TEST(SpecDecode, GreedyAndSyntheticVerifyRowsAreSampledOnTheDeviceWithTheHostsTokens) {
+  // Verification from the device's draws (greedy: the argmax; synthetic: the ordinary draw
+  // after a random rejection) gives the tokens, acceptance counts and finish reasons of host
+  // verification over full logits rows, and no verify row of those requests comes back as
+  // logits; requests that need the row (exact rejection sampling, logprobs) keep it.
+  auto m = model::M3Model::load(kModel);
+  ASSERT_TRUE(m.has_value()) << m.error().message;
+  const int V = static_cast<int>((*m)->config().vocab_size);
+  std::map<uint64_t, std::vector<int32_t>> prompts, full;
+  const int n_out = 19;
+  for (uint64_t id = 1; id <= 4; ++id) {
+    prompts[id] = testing::random_prompt(6 + 5 * static_cast<int>(id), 700 + id, V);
+    full[id] = prompts[id];
+    const auto ref = testing::reference_greedy(**m, prompts[id], n_out);
+    full[id].insert(full[id].end(), ref.begin(), ref.end());
+  }
+  struct Case {
+    const char* name;
+    bool synthetic;
+    std::function<SamplingParams(uint64_t)> params;
+    bool all_on_device;  // every row drawn by the backend's sampler, none to the host
+  };
+  auto greedy = [](uint64_t) {
+    SamplingParams p;
+    p.temperature = 0.f;
+    p.max_tokens = n_out;
+    return p;
+  };
+  auto sampled = [](uint64_t id) {
+    SamplingParams p;
+    p.temperature = 0.9f;
+    p.top_k = 6;
+    p.top_p = 0.95f;
+    p.seed = 40 + id;
+    p.max_tokens = n_out;
+    return p;
+  };
+  auto mixed = [&](uint64_t id) {
+    if (id == 2) return sampled(id);  // exact rejection sampling: its rows to the host
+    SamplingParams p = greedy(id);
+    if (id == 3) p.logprobs = 1;  // the row's logprobs: to the host
+    return p;
+  };
+  const std::vector<Case> cases = {{"greedy, exact", false, greedy, true},
+                                   {"greedy, synthetic", true, greedy, true},
+                                   {"sampled, synthetic", true, sampled, true},
+                                   {"mixed, exact", false, mixed, false}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::map<uint64_t, Result1> got[2];
+    SpecDecodeStats stats[2];
+    int64_t host_rows[2], device_rows[2];
+    for (int device = 0; device < 2; ++device) {
+      auto spec = random_spec(**m, 3, 64, ::testing::TempDir() + "/draft_device_verify");
+      ASSERT_NE(spec, nullptr);
+      if (c.synthetic) {
+        SpeculativeConfig sc = spec->config();
+        sc.synthetic = true;
+        sc.synthetic_acceptance_length = 2.5;
+        auto s = SpecDecoder::create(sc, (*m)->config(), (*m)->base_weights(), 64);
+        ASSERT_TRUE(s.has_value()) << s.error().message;
+        spec = std::move(*s);
+      }
+      spec->set_proposal_override(oracle(full, V));  // (the synthetic cases accept at random)
+      SpecDecoder* sd = spec.get();
+      auto backend = std::make_unique<CountingBackend>(**m, 64, device == 1);
+      CountingBackend* cb = backend.get();
+      Driver d(**m, std::move(backend), std::move(spec), 64, 64);
+      for (const auto& [id, pr] : prompts) d.add(id, pr, c.params(id));
+      got[device] = d.run();
+      stats[device] = sd->stats();
+      host_rows[device] = cb->host_rows;
+      device_rows[device] = cb->device_rows;
+    }
+    for (const auto& [id, pr] : prompts) {
+      EXPECT_EQ(got[1][id].tokens, got[0][id].tokens) << "request " << id;
+      EXPECT_EQ(got[1][id].reason, sched::FinishReason::kLength) << "request " << id;
+      EXPECT_EQ(got[1][id].logprobs.size(), got[0][id].logprobs.size()) << "request " << id;
+      if (!c.synthetic && c.params(id).temperature <= 0.f) {
+        EXPECT_EQ(got[1][id].tokens,
+                  std::vector<int32_t>(full[id].begin() + pr.size(), full[id].end()))
+            << "request " << id << ": not the target's greedy output";
+      }
+    }
+    EXPECT_GT(stats[1].num_drafts, 0);
+    EXPECT_EQ(stats[1].num_drafts, stats[0].num_drafts);
+    EXPECT_EQ(stats[1].num_accepted_tokens, stats[0].num_accepted_tokens);
+    EXPECT_LT(stats[1].num_accepted_tokens, stats[1].num_draft_tokens);  // some rejected
+    EXPECT_EQ(device_rows[0], 0);
+    EXPECT_GT(host_rows[0], 0);
+    EXPECT_GT(device_rows[1], 0);
+    if (c.all_on_device) {
+      EXPECT_EQ(host_rows[1], 0) << "a verify row came back as logits";
+      // Every row the host path had is drawn on the device instead (the same rows).
+      EXPECT_EQ(device_rows[1], host_rows[0]);
+    } else {
+      EXPECT_GT(host_rows[1], 0) << "the sampled request's and the logprobs' rows";
+      EXPECT_LT(host_rows[1], host_rows[0]) << "the greedy request's rows stay on the device";
+      EXPECT_EQ(device_rows[1] + host_rows[1], host_rows[0]);
+    }
+  }
 }
 
 // ---------------------------------------------------------------- the engine, a draft on disk
