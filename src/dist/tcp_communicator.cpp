@@ -51,8 +51,8 @@ std::string hello_what(int rank) {
 }  // namespace
 
 Result<std::unique_ptr<TcpCommunicator>> TcpCommunicator::create(TcpStore& store,
-                                                                  const std::string& prefix,
-                                                                  int rank, int world) {
+                                                                 const std::string& prefix,
+                                                                 int rank, int world) {
   if (world < 1 || rank < 0 || rank >= world) {
     return make_error(ErrorCode::kInvalidArgument,
                       "TCP rank " + std::to_string(rank) + " is outside a group of " +
@@ -177,10 +177,11 @@ bool TcpCommunicator::exchange(uint32_t op, const std::vector<Part>& sends,
         who.push_back(-static_cast<int>(i) - 1);
       }
     }
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                          deadline - SteadyClock::now())
-                          .count();
-    const int rc = ::poll(fds.data(), fds.size(), static_cast<int>(std::clamp<int64_t>(left, 0, 1000)));
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - SteadyClock::now())
+            .count();
+    const int rc =
+        ::poll(fds.data(), fds.size(), static_cast<int>(std::clamp<int64_t>(left, 0, 1000)));
     if (rc < 0 && errno != EINTR) {
       fail(who[0] >= 0 ? outs[who[0]].peer : ins[-who[0] - 1].peer,
            std::string("poll failed: ") + std::strerror(errno));
@@ -204,8 +205,8 @@ bool TcpCommunicator::exchange(uint32_t op, const std::vector<Part>& sends,
         Out& o = outs[who[f]];
         const int fd = fds[f].fd;
         while (o.done < kH + o.h.bytes) {
-          const char* p = o.done < kH ? reinterpret_cast<const char*>(&o.h) + o.done
-                                      : o.data + (o.done - kH);
+          const char* p =
+              o.done < kH ? reinterpret_cast<const char*>(&o.h) + o.done : o.data + (o.done - kH);
           const int64_t n = o.done < kH ? kH - o.done : o.h.bytes - (o.done - kH);
           const ssize_t k = ::send(fd, p, static_cast<size_t>(n), MSG_NOSIGNAL | MSG_DONTWAIT);
           if (k < 0) {
@@ -221,8 +222,8 @@ bool TcpCommunicator::exchange(uint32_t op, const std::vector<Part>& sends,
         In& in = ins[-who[f] - 1];
         const int fd = fds[f].fd;
         while (in.done < kH + in.bytes) {
-          char* p = in.done < kH ? reinterpret_cast<char*>(&in.h) + in.done
-                                 : in.data + (in.done - kH);
+          char* p =
+              in.done < kH ? reinterpret_cast<char*>(&in.h) + in.done : in.data + (in.done - kH);
           const int64_t n = in.done < kH ? kH - in.done : in.bytes - (in.done - kH);
           const ssize_t k = ::recv(fd, p, static_cast<size_t>(n), MSG_DONTWAIT);
           if (k == 0) {

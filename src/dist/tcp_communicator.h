@@ -31,9 +31,8 @@ class TcpCommunicator final : public Communicator {
   // Joins group `prefix` (a store key prefix every rank of the group shares) as `rank` of
   // `world`. Blocks until the mesh is connected. Errors: a peer that does not appear within the
   // store's timeout (naming the rank), a listen/connect failure.
-  static Result<std::unique_ptr<TcpCommunicator>> create(TcpStore& store,
-                                                         const std::string& prefix, int rank,
-                                                         int world);
+  static Result<std::unique_ptr<TcpCommunicator>> create(TcpStore& store, const std::string& prefix,
+                                                         int rank, int world);
   // Each collective gives up on a peer that makes no progress for timeout_s (default: the
   // store's timeout).
   void set_timeout_s(double s) { timeout_s_ = s; }

@@ -226,8 +226,7 @@ Status recv_all(const Socket& s, void* data, size_t n, SteadyClock::time_point d
       continue;
     }
     const ssize_t k = ::recv(s.fd(), p, n, MSG_DONTWAIT);
-    if (k == 0)
-      return make_error(ErrorCode::kUnavailable, what + " closed the connection");
+    if (k == 0) return make_error(ErrorCode::kUnavailable, what + " closed the connection");
     if (k < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
       return make_error(ErrorCode::kUnavailable,

@@ -205,8 +205,7 @@ Result<std::string> TcpStore::get(const std::string& key) {
                 std::chrono::duration<double>(SteadyClock::now() - t0).count());
   return make_error(ErrorCode::kUnavailable,
                     "waited " + std::string(secs) + " s for '" + key +
-                        "' in the rendezvous store on " + opts_.host + ":" +
-                        std::to_string(port_) +
+                        "' in the rendezvous store on " + opts_.host + ":" + std::to_string(port_) +
                         " and no process set it: every node of the group (--nnodes) must be "
                         "started with the same --master-addr / --master-port (M3_DIST_TIMEOUT_S "
                         "sets the wait)",
