@@ -123,14 +123,13 @@ Status decode_step(const std::string& bytes, ForwardBatch* b, bool* capture_msa)
   Reader r(bytes);
   uint32_t magic = 0;
   uint8_t capture = 0, aux_dev = 0;
-  const bool ok = r.pod(&magic) && magic == kStepMagic && r.pod(&capture) &&
-                  r.vec(&b->token_ids) && r.vec(&b->positions) && r.vec(&b->seq_ids) &&
-                  r.vec(&b->block_table_offsets) && r.vec(&b->block_table) &&
-                  r.vec(&b->logits_indices) && r.vec(&b->device_samples) &&
-                  r.vec(&b->host_logits_rows) && r.pod(&b->num_sampleable) &&
-                  r.vec(&b->prev_sample_tokens) && r.vec(&b->prev_sample_slots) &&
-                  r.vec(&b->embed_rows) && r.vec(&b->embed_values) && r.vec(&b->aux_layers) &&
-                  r.pod(&aux_dev) && r.done();
+  const bool ok = r.pod(&magic) && magic == kStepMagic && r.pod(&capture) && r.vec(&b->token_ids) &&
+                  r.vec(&b->positions) && r.vec(&b->seq_ids) && r.vec(&b->block_table_offsets) &&
+                  r.vec(&b->block_table) && r.vec(&b->logits_indices) &&
+                  r.vec(&b->device_samples) && r.vec(&b->host_logits_rows) &&
+                  r.pod(&b->num_sampleable) && r.vec(&b->prev_sample_tokens) &&
+                  r.vec(&b->prev_sample_slots) && r.vec(&b->embed_rows) &&
+                  r.vec(&b->embed_values) && r.vec(&b->aux_layers) && r.pod(&aux_dev) && r.done();
   if (!ok) {
     return make_error(ErrorCode::kFormat,
                       "a step from node 0 is malformed (" + std::to_string(bytes.size()) +
@@ -158,8 +157,8 @@ Result<std::unique_ptr<NodeGroup>> NodeGroup::join(const MultiNodeSpec& spec,
   if (spec.node_rank == 0) {
     M3_TRY_STATUS(store.set("m3/layout", layout));
     M3_TRY(dist::Socket listener, dist::tcp_listen(spec.master_addr, 0, kFlags));
-    M3_TRY_STATUS(store.set("m3/steps", spec.master_addr + ":" +
-                                            std::to_string(dist::bound_port(listener))));
+    M3_TRY_STATUS(
+        store.set("m3/steps", spec.master_addr + ":" + std::to_string(dist::bound_port(listener))));
     g->followers_.resize(spec.nnodes);
     g->follower_names_.resize(spec.nnodes);
     M3_LOG_INFO("node 0: waiting for %d more node(s) on %s:%d", spec.nnodes - 1,
@@ -211,7 +210,8 @@ Result<std::unique_ptr<NodeGroup>> NodeGroup::join(const MultiNodeSpec& spec,
             static_cast<uint32_t>(msg.size())};
     M3_TRY_STATUS(dist::send_all(g->leader_, &h, sizeof h, deadline, "node 0"));
     M3_TRY_STATUS(dist::send_all(g->leader_, msg.data(), msg.size(), deadline, "node 0"));
-    if (!msg.empty()) return make_error(ErrorCode::kInvalidArgument, "this node " + msg, "--nnodes");
+    if (!msg.empty())
+      return make_error(ErrorCode::kInvalidArgument, "this node " + msg, "--nnodes");
   }
   return g;
 }
@@ -283,8 +283,9 @@ Status NodeGroup::send_step(const std::string& payload) {
   const FrameHead h{kStep, 0, payload.size()};
   for (size_t n = 1; n < followers_.size(); ++n) {
     Status st = dist::send_all(followers_[n], &h, sizeof h, deadline, follower_names_[n]);
-    if (st) st = dist::send_all(followers_[n], payload.data(), payload.size(), deadline,
-                                follower_names_[n]);
+    if (st)
+      st = dist::send_all(followers_[n], payload.data(), payload.size(), deadline,
+                          follower_names_[n]);
     if (!st) {
       set_lost(st.error().message + " (the node is lost)");
       return st;
@@ -401,9 +402,8 @@ Status run_headless(ForwardBackend& local, NodeGroup& group) {
     local.forward(batch, &scratch, capture_msa);
     ++steps;
     if (std::string why = local.fault(); !why.empty()) {
-      return make_error(ErrorCode::kUnavailable,
-                        "node " + std::to_string(group.spec().node_rank) +
-                            "'s ranks lost the group: " + why);
+      return make_error(ErrorCode::kUnavailable, "node " + std::to_string(group.spec().node_rank) +
+                                                     "'s ranks lost the group: " + why);
     }
   }
 }

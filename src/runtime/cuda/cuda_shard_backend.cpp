@@ -235,6 +235,7 @@ Result<CudaNodeRanks> make_cuda_node_ranks(std::unique_ptr<M3Model> host,
 }
 #endif
 
+#ifndef M3_HAS_NCCL
 Error no_nccl(int tp) {
   return Error{ErrorCode::kUnavailable,
                "--tensor-parallel-size " + std::to_string(tp) +
@@ -242,6 +243,7 @@ Error no_nccl(int tp) {
                    "without it (install libnccl-dev and rebuild), or use --device cpu",
                "--tensor-parallel-size"};
 }
+#endif
 
 }  // namespace
 
