@@ -316,6 +316,28 @@ int run_serve(ServeArgs a) {
   if (!backend_factory) return fail(backend_factory.error().message);
   auto kv_format = resolve_kv_format(a.device);
   if (!kv_format) return fail(kv_format.error().message);
+  if (a.device.parallel.headless) {
+    // A node R > 0 of a group over processes: no API server, tokenizer or engine; its ranks run
+    // the steps node 0 sends (app/device_backend.h run_headless_node).
+    signal(SIGPIPE, SIG_IGN);
+    engine::EngineConfig hc;
+    hc.model_dir = a.model_dir;
+    hc.language_model_only = a.language_model_only;
+    hc.quantization = plan->quantization;
+    hc.kv_cache_dtype = kv_format->kv;
+    hc.index_cache_dtype = kv_format->index;
+    const auto& p = a.device.parallel;
+    std::fprintf(stderr,
+                 "m3serve %s: node %d of %d (--headless): ranks %d-%d of --tensor-parallel-size "
+                 "%d; joining node 0 at %s:%d\n",
+                 M3_VERSION, p.node_rank, p.nnodes, p.node_rank * p.tensor_parallel_size / p.nnodes,
+                 (p.node_rank + 1) * p.tensor_parallel_size / p.nnodes - 1, p.tensor_parallel_size,
+                 p.master_addr.c_str(), p.master_port);
+    auto st = run_headless_node(a.device, hc, *kv_bytes, *max_model_len, choice->spec.seed);
+    if (!st) return fail(st.error().message);
+    std::fprintf(stderr, "m3serve: node %d: node 0 shut down; exiting\n", p.node_rank);
+    return 0;
+  }
   server::OrderedJson default_kwargs = server::OrderedJson::object();
   if (!a.default_chat_template_kwargs.empty()) {
     default_kwargs = server::OrderedJson::parse(a.default_chat_template_kwargs, nullptr, false);
@@ -618,6 +640,10 @@ RunFn register_serve(CLI::App& app) {
       ->check(CLI::Range(0.1, 3600.0))
       ->capture_default_str();
   add_device_options(sub, a->device);
+  sub->add_flag("--headless", a->device.parallel.headless,
+                "A node R > 0 of --nnodes: no API server; runs its ranks of each step node 0 "
+                "sends (node 0 at --master-addr:--master-port), until node 0 shuts down");
+  a->device.serve_command = true;
   add_vllm_flags(sub, a->vllm, VllmCommand::kServe);
   return [a, sub, log_level] {
     a->gemm_precision_given = sub->get_option("--gemm-precision")->count() > 0;

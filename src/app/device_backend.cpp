@@ -122,7 +122,7 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
                                                     const std::string& draft_model) {
   const double util = a.gpu_memory_utilization;
   M3_TRY_STATUS(runtime::check_gpu_memory_utilization(util));
-  M3_TRY_STATUS(validate_parallel(a.parallel, a.device));
+  M3_TRY_STATUS(validate_parallel(a.parallel, a.device, a.serve_command));
   // cpu: the engine's default backend, or the tensor-parallel one.
   if (a.device == "cpu")
     return wrap_backend_factory(a.parallel, engine::BackendFactory{}, a.dp_kv_partitions);
@@ -149,6 +149,20 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
   opts.dp_kv_partitions = a.dp_kv_partitions;
   opts.warmup_tokens = warmup_tokens;
   opts.draft_model = draft_model;
+  if (a.parallel.nnodes > 1) {
+    // Node 0 of tensor parallel over processes (validate_parallel: TP only, even split): this
+    // node's tp / nnodes ranks on its GPUs, one NCCL group over all nodes.
+    const int tp = a.parallel.tensor_parallel_size;
+    const bool ep = a.parallel.enable_expert_parallel;
+    const runtime::MultiNodeSpec nodes = multi_node_spec(a.parallel);
+    M3_TRY_STATUS(runtime::check_tensor_parallel_devices(tp / nodes.nnodes));
+    return engine::BackendFactory(
+        [opts, tp, ep, nodes](
+            std::unique_ptr<model::M3Model> host,
+            int64_t /*cpu_num_pages*/) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+          return runtime::make_cuda_multi_node_backend(std::move(host), opts, tp, ep, nodes);
+        });
+  }
   if (a.parallel.tensor_parallel_size > 1) {
     // One GPU per rank: refuse a size above the GPU count before the checkpoint is read.
     const int tp = a.parallel.tensor_parallel_size;
@@ -190,6 +204,60 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
                     "-DM3_CUDA=ON on a machine with the CUDA toolkit, or use --device cpu",
                     "--device");
 #endif
+}
+
+Status run_headless_node(const DeviceArgs& a, const engine::EngineConfig& ec,
+                         int64_t kv_cache_memory_bytes, int64_t max_model_len,
+                         uint64_t synthetic_seed) {
+  M3_TRY_STATUS(validate_parallel(a.parallel, a.device, /*serve_command=*/true));
+  M3_CHECK(a.parallel.headless && a.parallel.nnodes > 1 && a.parallel.node_rank > 0);
+  if (a.device != "cpu" && a.device != "cuda") {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--device '" + a.device + "' is unknown; use cpu or cuda", "--device");
+  }
+#ifdef M3_HAS_CUDA
+  runtime::CudaBackendOptions opts;
+  if (a.device == "cuda") {
+    M3_TRY_STATUS(runtime::check_gpu_memory_utilization(a.gpu_memory_utilization));
+    apply_gemm_precision(a.gemm_precision);
+    auto probe = gpu::probe_device(0);
+    if (!probe) {
+      return make_error(ErrorCode::kUnavailable, "--device cuda: " + probe.error().message,
+                        "--device");
+    }
+    M3_TRY_STATUS(runtime::check_tensor_parallel_devices(a.parallel.tensor_parallel_size /
+                                                         a.parallel.nnodes));
+    opts.gpu_memory_utilization = a.gpu_memory_utilization;
+    opts.kv_cache_memory_bytes = kv_cache_memory_bytes;
+    opts.max_model_len = max_model_len;
+    opts.synthetic_seed = synthetic_seed;
+    opts.enforce_eager = a.enforce_eager;
+    opts.cudagraph_capture_sizes = a.cudagraph_capture_sizes;
+  }
+#else
+  (void)kv_cache_memory_bytes;
+  (void)max_model_len;
+  (void)synthetic_seed;
+  if (a.device == "cuda") {
+    return make_error(ErrorCode::kUnavailable,
+                      "--device cuda: this m3serve was built without CUDA support; rebuild with "
+                      "-DM3_CUDA=ON on a machine with the CUDA toolkit, or use --device cpu",
+                      "--device");
+  }
+#endif
+  model::LoadOptions lo;
+  lo.language_model_only = ec.language_model_only;
+  lo.quantization = ec.quantization;
+  M3_TRY(auto model, model::M3Model::load(ec.model_dir, lo));
+  model->set_kv_cache_format(ec.kv_cache_dtype, ec.index_cache_dtype);
+  const runtime::MultiNodeSpec nodes = multi_node_spec(a.parallel);
+  const int tp = a.parallel.tensor_parallel_size;
+  const bool ep = a.parallel.enable_expert_parallel;
+#ifdef M3_HAS_CUDA
+  if (a.device == "cuda")
+    return runtime::run_cuda_headless_node(std::move(model), opts, tp, ep, nodes);
+#endif
+  return runtime::run_cpu_headless_node(std::move(model), tp, ep, nodes);
 }
 
 }  // namespace m3::app

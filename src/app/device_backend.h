@@ -36,6 +36,8 @@ struct DeviceArgs {
   // Attention DP: one page-id partition per rank (the engine's scheduler keeps a sequence in
   // one); off for drivers that hand out one page-id space themselves (`generate`).
   bool dp_kv_partitions = true;
+  // `serve` (the only command that takes --nnodes > 1 and --headless).
+  bool serve_command = false;
 };
 
 // Registers --gemm-precision on `sub` (serve, chat and generate share it).
@@ -73,5 +75,14 @@ void add_device_options(CLI::App* sub, DeviceArgs& a);
 Result<engine::BackendFactory> make_backend_factory(
     const DeviceArgs& a, int64_t kv_cache_memory_bytes, int64_t max_model_len = 0,
     uint64_t synthetic_seed = 0, int64_t warmup_tokens = 8192, const std::string& draft_model = "");
+
+// `serve --headless` on a node R > 0 of a group over --nnodes (runtime/multi_node.h): loads the
+// model as the engine would (ec.model_dir, ec.quantization, ec.language_model_only, the KV
+// formats), joins node 0 at --master-addr:--master-port, builds this node's ranks (threads over
+// TCP communicators on the CPU, NCCL on GPUs) and runs node 0's steps until node 0 shuts down
+// (ok) or the group breaks (the error says why). Errors also: validate_parallel's, the model's.
+Status run_headless_node(const DeviceArgs& a, const engine::EngineConfig& ec,
+                         int64_t kv_cache_memory_bytes, int64_t max_model_len,
+                         uint64_t synthetic_seed);
 
 }  // namespace m3::app

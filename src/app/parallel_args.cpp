@@ -2,6 +2,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "dist/tcp_socket.h"
 #include "model/m3_model.h"
 #include "runtime/forward_backend.h"
 
@@ -21,13 +22,14 @@ void add_parallel_options(CLI::App* sub, ParallelArgs& a) {
                   "per rank over NCCL; not combined with --tensor-parallel-size yet)")
       ->capture_default_str();
   sub->add_option("--nnodes", a.nnodes,
-                  "Nodes in the group (only 1 for now; see "
-                  "docs/MULTI_NODE.md)")
+                  "serve: processes (nodes) the --tensor-parallel-size ranks are split over, "
+                  "size / nnodes each; node 0 serves the API, the others run with --headless "
+                  "(docs/MULTI_NODE.md)")
       ->capture_default_str();
   sub->add_option("--node-rank", a.node_rank, "This node's rank in [0, --nnodes)")
       ->capture_default_str();
   sub->add_option("--master-addr", a.master_addr,
-                  "Address of node 0, where the ranks rendezvous (multi-node)")
+                  "Address of node 0, where the nodes rendezvous (node 0 listens there)")
       ->capture_default_str();
   sub->add_option("--master-port", a.master_port, "TCP port of the rendezvous on node 0")
       ->capture_default_str();
@@ -39,7 +41,7 @@ Status bad(const std::string& msg, const std::string& flag) {
 }
 }  // namespace
 
-Status validate_parallel(const ParallelArgs& a, const std::string& device) {
+Status validate_parallel(const ParallelArgs& a, const std::string& device, bool serve_command) {
   if (a.tensor_parallel_size < 1)
     return bad("--tensor-parallel-size must be >= 1, got " + std::to_string(a.tensor_parallel_size),
                "--tensor-parallel-size");
@@ -57,12 +59,6 @@ Status validate_parallel(const ParallelArgs& a, const std::string& device) {
                "--master-port");
   if (a.master_addr.empty())
     return bad("--master-addr is empty; give node 0's host name or IP address", "--master-addr");
-  if (a.nnodes > 1)
-    return make_error(ErrorCode::kUnsupported,
-                      "--nnodes " + std::to_string(a.nnodes) +
-                          ": running across nodes is not implemented yet; run one node "
-                          "(--nnodes 1) and see docs/MULTI_NODE.md for the plan",
-                      "--nnodes");
   if (a.data_parallel_size > 1 && a.tensor_parallel_size > 1)
     return make_error(ErrorCode::kUnsupported,
                       "--data-parallel-size " + std::to_string(a.data_parallel_size) +
@@ -70,10 +66,56 @@ Status validate_parallel(const ParallelArgs& a, const std::string& device) {
                           std::to_string(a.tensor_parallel_size) +
                           " is not implemented yet; use one of them (docs/MULTI_NODE.md)",
                       "--data-parallel-size");
+  if (a.headless && a.nnodes == 1)
+    return bad(
+        "--headless is for nodes 1 .. N-1 of a group of --nnodes N > 1 (no API server); "
+        "drop it, or give --nnodes and --node-rank (docs/MULTI_NODE.md)",
+        "--headless");
+  if (a.nnodes > 1) {
+    const std::string n = std::to_string(a.nnodes);
+    if (!serve_command)
+      return make_error(ErrorCode::kUnsupported,
+                        "--nnodes " + n +
+                            " works with `m3serve serve` only (node 0 serves, the others run "
+                            "--headless); run this command on one node (docs/MULTI_NODE.md)",
+                        "--nnodes");
+    if (a.data_parallel_size > 1)
+      return make_error(ErrorCode::kUnsupported,
+                        "--data-parallel-size over several nodes (--nnodes " + n +
+                            ") is not implemented yet; split the model with "
+                            "--tensor-parallel-size over the nodes (docs/MULTI_NODE.md)",
+                        "--data-parallel-size");
+    if (a.tensor_parallel_size < a.nnodes || a.tensor_parallel_size % a.nnodes != 0)
+      return bad("--tensor-parallel-size " + std::to_string(a.tensor_parallel_size) +
+                     " does not split evenly over --nnodes " + n +
+                     " (each node holds size / nnodes ranks, as vLLM splits them): use a "
+                     "multiple of " +
+                     n,
+                 "--tensor-parallel-size");
+    if (a.node_rank == 0 && a.headless)
+      return bad(
+          "--headless on --node-rank 0: node 0 runs the API server, scheduler and engine; "
+          "drop --headless there and give it to the other nodes",
+          "--headless");
+    if (a.node_rank > 0 && !a.headless)
+      return bad("--node-rank " + std::to_string(a.node_rank) +
+                     " runs no API server: add --headless (node 0 serves; docs/MULTI_NODE.md)",
+                 "--headless");
+  }
   // --device cuda --tensor-parallel-size N or --data-parallel-size N: one GPU per rank over
   // NCCL (app/device_backend.cpp checks the GPU count), with or without --enable-expert-parallel.
   (void)device;
   return {};
+}
+
+runtime::MultiNodeSpec multi_node_spec(const ParallelArgs& a) {
+  runtime::MultiNodeSpec s;
+  s.nnodes = a.nnodes;
+  s.node_rank = a.node_rank;
+  s.master_addr = a.master_addr;
+  s.master_port = a.master_port;
+  s.timeout_s = dist::dist_timeout_s();
+  return s;
 }
 
 engine::BackendFactory wrap_backend_factory(const ParallelArgs& a,
@@ -82,6 +124,16 @@ engine::BackendFactory wrap_backend_factory(const ParallelArgs& a,
   if (!wants_sharding(a)) return device_factory;
   const int tp = a.tensor_parallel_size, dp = a.data_parallel_size;
   const bool ep = a.enable_expert_parallel;
+  if (a.nnodes > 1) {
+    // Node 0 of a group over processes (validate_parallel: serve, TP only, even split).
+    const runtime::MultiNodeSpec nodes = multi_node_spec(a);
+    return engine::BackendFactory(
+        [tp, ep, nodes](std::unique_ptr<model::M3Model> host,
+                        int64_t cpu_num_pages) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
+          return runtime::make_cpu_multi_node_backend(std::move(host), cpu_num_pages, tp, ep,
+                                                      nodes);
+        });
+  }
   return engine::BackendFactory(
       [tp, ep, dp, dp_kv_partitions](
           std::unique_ptr<model::M3Model> host,

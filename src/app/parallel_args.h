@@ -3,9 +3,11 @@
 // --node-rank, --master-addr, --master-port. Registers them, validates them, and wraps a device's
 // backend factory so the engine gets the tensor- or data-parallel CPU backend
 // (runtime::make_cpu_sharded_backend) when asked.
-// Invariant: what is not implemented yet (data and tensor parallel together, more than one node)
-// is refused here with one line, before the weights are read. --device cuda
-// --tensor-parallel-size N and --data-parallel-size N are wired in app/device_backend.cpp.
+// Invariant: what is not implemented yet (data and tensor parallel together, data parallel over
+// nodes, several nodes outside `serve`) is refused here with one line, before the weights are
+// read. --device cuda --tensor-parallel-size N and --data-parallel-size N are wired in
+// app/device_backend.cpp; --nnodes M (tensor parallel over M processes, runtime/multi_node.h) for
+// both devices there and in wrap_backend_factory.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +15,7 @@
 
 #include "core/error.h"
 #include "engine/engine.h"
+#include "runtime/multi_node.h"
 
 namespace CLI {
 class App;
@@ -28,14 +31,21 @@ struct ParallelArgs {
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  bool headless = false;  // serve --headless: a node R > 0 without the API server
 };
 
 void add_parallel_options(CLI::App* sub, ParallelArgs& a);
 
 // Errors (one line each, naming the flag): sizes < 1, --node-rank outside [0, --nnodes), a port
-// outside [1, 65535], an empty --master-addr, and what is not implemented yet: --nnodes > 1 (the
-// message points at docs/MULTI_NODE.md) and DP and TP both > 1 (on any `device`).
-Status validate_parallel(const ParallelArgs& a, const std::string& device);
+// outside [1, 65535], an empty --master-addr, DP and TP both > 1 (on any `device`), and with
+// --nnodes > 1: a command other than serve (`serve_command` false), --data-parallel-size > 1, a
+// --tensor-parallel-size that does not split evenly over the nodes, --headless on node 0 or a
+// node R > 0 without it (the messages point at docs/MULTI_NODE.md).
+Status validate_parallel(const ParallelArgs& a, const std::string& device,
+                         bool serve_command = false);
+
+// The multi-node spec of these flags (runtime/multi_node.h; the timeout from M3_DIST_TIMEOUT_S).
+runtime::MultiNodeSpec multi_node_spec(const ParallelArgs& a);
 
 // True when the flags ask for more than one rank.
 inline bool wants_sharding(const ParallelArgs& a) {

@@ -38,9 +38,9 @@ constexpr std::string_view kWhySpec =
     "vLLM removed this flag; give the draft in --speculative-config, e.g. '{\"method\": "
     "\"eagle3\", \"model\": \"DIR\", \"num_speculative_tokens\": 3}'";
 constexpr std::string_view kWhyMultiNode =
-    "multi-node and multi-process serving are coming (issue #22); today one m3serve process "
-    "serves all its GPUs: run it on one node with --tensor-parallel-size or "
-    "--data-parallel-size (see docs/MULTI_NODE.md)";
+    "data parallel over several nodes is coming (issue #22); today split the model over nodes "
+    "with --tensor-parallel-size N --nnodes M --node-rank R --master-addr A --master-port P "
+    "(--headless on nodes R > 0), or run --data-parallel-size on one node (docs/MULTI_NODE.md)";
 constexpr std::string_view kWhyKernels =
     "m3serve runs its own attention, MSA and MoE kernels (plain C++ on the CPU, sm_90a CUDA on "
     "the GPU); there is no backend to choose";
@@ -208,7 +208,6 @@ const std::vector<VllmFlag> kTable = {
   {"--pipeline-parallel-size", true, FlagKind::kComing, "1",
    "pipeline parallelism is coming with multi-node serving (issue #22); today split the model "
    "with --tensor-parallel-size, or --data-parallel-size with --enable-expert-parallel", kBoth},
-  {"--headless", false, FlagKind::kComing, "", kWhyMultiNode, kServeOnly},
   {"--data-parallel-address", true, FlagKind::kComing, "", kWhyMultiNode, kBoth},
   {"--data-parallel-rpc-port", true, FlagKind::kComing, "", kWhyMultiNode, kBoth},
   {"--data-parallel-size-local", true, FlagKind::kComing, "", kWhyMultiNode, kBoth},

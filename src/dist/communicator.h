@@ -1,6 +1,7 @@
 // Communicator: the collectives the sharded forward needs (tensor / expert / attention-data
 // parallelism), for one rank of a group of world_size() ranks. Implementations: CpuCommunicator
-// (ranks are threads of one process, host memory; the CPU sharded forward and its tests) and
+// (ranks are threads of one process, host memory; the CPU sharded forward and its tests),
+// TcpCommunicator (ranks in separate processes or nodes, host memory over TCP) and
 // NcclCommunicator (one GPU per rank, device memory, ordered on the communicator's CUDA stream).
 // Invariant: every rank of a group calls the same collectives in the same order with the same
 // sizes; a mismatch is a bug (the CPU one checks what it can with M3_CHECK). Buffers are host
@@ -41,6 +42,9 @@ class Communicator {
   virtual void broadcast(int32_t* data, int64_t n, int root) = 0;
   // Returns when every rank has entered it (NCCL: when the stream's prior work is done on all).
   virtual void barrier() = 0;
+  // Empty while the group works; else why it no longer does (the TCP communicator between
+  // processes: a lost peer; its collectives then return at once with zeros, never hang).
+  virtual std::string fault() const { return ""; }
 };
 
 }  // namespace m3::dist

@@ -145,6 +145,13 @@ class EngineImpl {
   // image's embeddings then depend on all of them, so its cache key is the hash of them all.
   bool images_attend_across = false;
 
+  // The backend's fault (a lost node), once seen by the loop: every request then ends with an
+  // error naming it, and new ones are refused (guarded by mu).
+  std::string fault;
+  // When the backend reports a fault: ends every live request with an error naming it; true
+  // when it did (the step just run is then not reported).
+  bool fail_on_fault();
+
   void loop();
   // Async scheduling's loop (EngineConfig::async_scheduling).
   void loop_async();
@@ -354,6 +361,44 @@ void EngineImpl::finish_abort(uint64_t id) {
   --num_unfinished;
 }
 
+bool EngineImpl::fail_on_fault() {
+  const std::string why = runner->fault();
+  if (why.empty()) return false;
+  const std::string msg =
+      "the model's ranks on another node are lost (" + why +
+      "); this server cannot run steps any more: restart every node of the group";
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    first = fault.empty();
+    if (first) fault = msg;
+  }
+  if (first) M3_LOG_ERROR("%s", msg.c_str());
+  healthy = false;
+  std::vector<uint64_t> ids;
+  for (auto& [id, l] : live) ids.push_back(id);
+  for (uint64_t id : ids) {
+    auto it = live.find(id);
+    scheduler->abort_request(id);
+    RequestOutput o;
+    o.finished = true;
+    o.finish_reason = "error";
+    o.error = msg;
+    o.num_prompt_tokens = it->second.num_prompt_tokens;
+    it->second.stream->push(std::move(o));
+    {
+      std::lock_guard<std::mutex> lock(stats_mu);
+      ++stats.requests_finished_error;
+    }
+    live.erase(it);
+    states.erase(id);
+    remote_loads.erase(id);
+    --num_unfinished;
+  }
+  refresh_stats();
+  return true;
+}
+
 void EngineImpl::publish(const std::vector<sched::RequestUpdate>& updates) {
   const auto now = Clock::now();
   std::lock_guard<std::mutex> slock(stats_mu);
@@ -537,6 +582,9 @@ void EngineImpl::loop() {
     observe_step(so);
     sched::RunnerOutput ro;
     if (!so.empty()) ro = runner->execute(so, states);
+    // A step that ran while a node was lost has no result: its requests fail instead (the
+    // scheduler drops them at the next schedule()).
+    if (!so.empty() && fail_on_fault()) continue;
     report(so, ro);
     if (so.empty()) {
       // Nothing could run (all waiting for pages that running requests hold cannot happen, but
@@ -581,6 +629,13 @@ void EngineImpl::loop_async() {
       }
       return;
     }
+    if (inflight && !runner->fault().empty()) {
+      // A lost node: nothing more is launched; the step in flight is dropped.
+      runner->finish(*inflight, states);
+      inflight.reset();
+      fail_on_fault();
+      continue;
+    }
     if (inflight) {
       std::unique_ptr<LaunchedStep> next;
       bool empty_ahead = false;
@@ -605,6 +660,12 @@ void EngineImpl::loop_async() {
         ++(next ? stats.steps_launched_ahead : stats.steps_not_overlapped);
       }
       const sched::RunnerOutput ro = runner->finish(*inflight, states);
+      if (!runner->fault().empty()) {
+        if (next) runner->finish(*next, states);
+        inflight.reset();
+        fail_on_fault();
+        continue;
+      }
       report(inflight->out, ro);
       if (empty_ahead) report(ahead, {});
       inflight = std::move(next);
@@ -623,6 +684,9 @@ void EngineImpl::loop_async() {
     }
     sched::RunnerOutput ro;
     if (!so.empty()) ro = runner->execute(so, states);
+    // A step that ran while a node was lost has no result: its requests fail instead (the
+    // scheduler drops them at the next schedule()).
+    if (!so.empty() && fail_on_fault()) continue;
     report(so, ro);
     if (so.empty()) {
       std::unique_lock<std::mutex> lock(mu);
@@ -974,6 +1038,7 @@ Result<std::shared_ptr<RequestStream>> Engine::submit(GenerateRequest req) {
     if (e.stopping) {
       return make_error(ErrorCode::kUnavailable, "the server is shutting down");
     }
+    if (!e.fault.empty()) return make_error(ErrorCode::kUnavailable, e.fault);
     e.incoming.push_back({id, std::move(req), stream, Clock::now()});
     ++e.num_unfinished;
   }
@@ -1019,7 +1084,8 @@ EngineStats Engine::stats() const {
 }
 
 bool Engine::healthy() const {
-  return impl_->healthy && impl_->accepting;
+  // A lost node turns /health to 503 at once, even while no step runs.
+  return impl_->healthy && impl_->accepting && impl_->runner->fault().empty();
 }
 
 void Engine::shutdown(bool drain) {

@@ -51,6 +51,7 @@ sched::RunnerOutput ModelRunner::execute(const sched::SchedulerOutput& out,
   prepare(step, out, states, /*async=*/false);
   model::ForwardResult res;
   backend_->forward(step.batch, &res, /*capture_msa=*/false);
+  if (!backend_->fault().empty()) return {};  // no usable result: the engine fails the step
   return finish_with(step, out, res, states);
 }
 
@@ -77,6 +78,7 @@ sched::RunnerOutput ModelRunner::finish(LaunchedStep& step,
   model::ForwardResult res;
   backend_->collect(&res);
   step.launched = false;
+  if (!backend_->fault().empty()) return {};  // no usable result: the engine fails the step
   return finish_with(step, step.out, res, states);
 }
 

@@ -97,6 +97,9 @@ class ModelRunner {
   const SpecDecoder* spec_decoder() const { return spec_.get(); }
 
   const runtime::ForwardBackend& backend() const { return *backend_; }
+  // The backend's fault() (a lost node): after it turns non-empty, execute() and finish()
+  // return no tokens and nothing more may be launched. Thread-safe.
+  std::string fault() const { return backend_->fault(); }
   int64_t num_pages() const { return backend_->num_pages(); }
   int64_t num_image_encodes() const { return num_image_encodes_; }
   // The vision tower over one request's images (the backend's; supports_image_input() only).

@@ -70,6 +70,10 @@ class ForwardBackend {
   // True when launch() returns while the step still runs (a GPU stream): async scheduling then
   // overlaps the host's work with the device's and is on by default.
   virtual bool launch_overlaps() const { return false; }
+  // Empty while the backend can run steps; else why it no longer can (ranks on another node
+  // were lost: runtime/multi_node.h). Thread-safe. A step during which it became non-empty has
+  // no usable result: the engine fails its requests with this text instead of reading it.
+  virtual std::string fault() const { return ""; }
   // For logs and the start-up line, e.g. "cpu" or "cuda:0 (NVIDIA H200)".
   virtual std::string device_name() const = 0;
   // The command-line flag that sizes this backend's KV cache, named in "too small" errors.
@@ -155,5 +159,23 @@ std::unique_ptr<ForwardBackend> borrow_cpu_backend(const M3Model& model, int64_t
 Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(
     std::unique_ptr<M3Model> model, int64_t num_pages, int tensor_parallel_size,
     bool expert_parallel, int data_parallel_size = 1, bool dp_kv_partitions = false);
+
+struct MultiNodeSpec;  // runtime/multi_node.h
+
+// Tensor parallel over several processes (runtime/multi_node.h, `nodes.nnodes` > 1): node 0's
+// backend for the engine: this node's tensor_parallel_size / nnodes ranks as threads over
+// TcpCommunicators, the others on the nodes that join at nodes.master_addr:master_port, all with
+// `num_pages` pages. Blocks until every node has joined. Errors: make_cpu_sharded_backend's, a
+// split that is not even over the nodes, --data-parallel-size > 1, the rendezvous' (naming the
+// flags), a node whose model or flags differ.
+Result<std::unique_ptr<ForwardBackend>> make_cpu_multi_node_backend(std::unique_ptr<M3Model> model,
+                                                                    int64_t num_pages,
+                                                                    int tensor_parallel_size,
+                                                                    bool expert_parallel,
+                                                                    const MultiNodeSpec& nodes);
+// A node R > 0 (--headless): joins the group, builds its ranks with node 0's page count and runs
+// the steps node 0 sends until it shuts down (ok) or the group breaks (the error says why).
+Status run_cpu_headless_node(std::unique_ptr<M3Model> model, int tensor_parallel_size,
+                             bool expert_parallel, const MultiNodeSpec& nodes);
 
 }  // namespace m3::runtime

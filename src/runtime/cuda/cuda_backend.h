@@ -106,6 +106,26 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
                                                                   int tensor_parallel_size,
                                                                   bool expert_parallel = false);
 
+struct MultiNodeSpec;  // runtime/multi_node.h
+
+// Tensor parallel over several processes (nodes.nnodes > 1, runtime/multi_node.h): node 0's
+// backend for the engine. This node holds ranks [node_rank * L, (node_rank + 1) * L) of the
+// tensor_parallel_size, L = size / nnodes, on its GPUs 0 .. L-1 as threads (as
+// make_cuda_sharded_backend), one NCCL group over all nodes bootstrapped with rank 0's
+// ncclUniqueId from the rendezvous store; the pool is the smallest page count any GPU of any node
+// allows. Blocks until every node joined. Errors: make_cuda_sharded_backend's, an uneven split,
+// the rendezvous' (naming the flags), a node whose model or flags differ.
+Result<std::unique_ptr<ForwardBackend>> make_cuda_multi_node_backend(std::unique_ptr<M3Model> host,
+                                                                     const CudaBackendOptions& opts,
+                                                                     int tensor_parallel_size,
+                                                                     bool expert_parallel,
+                                                                     const MultiNodeSpec& nodes);
+// A node R > 0 (--headless) of that group: joins, builds its ranks and runs node 0's steps until
+// it shuts down (ok) or the group breaks (the error says why).
+Status run_cuda_headless_node(std::unique_ptr<M3Model> host, const CudaBackendOptions& opts,
+                              int tensor_parallel_size, bool expert_parallel,
+                              const MultiNodeSpec& nodes);
+
 // Ok when this machine has at least `data_parallel_size` GPUs; else an error naming both counts
 // and --data-parallel-size.
 Status check_data_parallel_devices(int data_parallel_size);

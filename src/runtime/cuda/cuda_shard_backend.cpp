@@ -5,6 +5,8 @@
 // M3ModelCuda::forward on the same batch (the collectives pair up); rank 0's logits / samples
 // are returned, the others compute them and drop them.
 #include <algorithm>
+#include <climits>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "model/kv_cache.h"
 #include "runtime/cuda/cuda_backend.h"
 #include "runtime/cuda/rank_group.h"
+#include "runtime/multi_node.h"
 #ifdef M3_HAS_NCCL
 #include "dist/nccl_communicator.h"
 #endif
@@ -138,6 +141,138 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
   release.ranks = nullptr;
   return std::unique_ptr<ForwardBackend>(
       new ShardedCudaBackend(std::move(ranks), pool.where, pool.flag));
+#endif
+}
+
+}  // namespace m3::runtime
+
+namespace m3::runtime {
+
+namespace {
+
+#ifdef M3_HAS_NCCL
+// This node's ranks of a tensor-parallel group over nodes (cuda_backend.h
+// make_cuda_multi_node_backend): the rendezvous, rank 0's NCCL id through the store, the local
+// ranks on GPUs 0 .. L-1, the pool agreed over all nodes.
+struct CudaNodeRanks {
+  std::unique_ptr<NodeGroup> group;
+  std::unique_ptr<ForwardBackend> backend;
+};
+Result<CudaNodeRanks> make_cuda_node_ranks(std::unique_ptr<M3Model> host,
+                                           const CudaBackendOptions& opts, int tp, bool ep,
+                                           const MultiNodeSpec& nodes) {
+  const std::string flag = "--tensor-parallel-size";
+  M3_TRY_STATUS(rank_group::check_group_args(tp, flag, opts));
+  M3_TRY_STATUS(check_node_split(tp, nodes, flag));
+  const int local = tp / nodes.nnodes;
+  const int first = nodes.node_rank * local;
+  M3_TRY_STATUS(rank_group::check_gpus_for_ranks(
+      local, flag, " per node (this node holds --tensor-parallel-size / --nnodes ranks)"));
+  const M3Config cfg = host->config();
+  ShardSpec probe;
+  probe.world = tp;
+  probe.expert_parallel = ep;
+  M3_TRY(ShardPlan plan0, make_shard_plan(cfg, probe));
+  const std::string layout =
+      std::string("cuda | ") + cfg.summary() + " | KV " +
+      kernels::kv_dtype_name(cfg.kv_cache_dtype) + ", index-K " +
+      kernels::kv_dtype_name(cfg.index_cache_dtype) + " | tensor parallel " + std::to_string(tp) +
+      (ep ? " + expert parallel" : "") + " over " + std::to_string(nodes.nnodes) + " nodes" +
+      (host->has_weights() ? "" : " | synthetic seed " + std::to_string(opts.synthetic_seed));
+  CudaNodeRanks out;
+  M3_TRY(out.group, NodeGroup::join(nodes, layout));
+  // Rank 0 makes the NCCL id; the store hands its 128 bytes to every other node.
+  ncclUniqueId id;
+  if (nodes.node_rank == 0) {
+    M3_TRY(id, dist::make_nccl_unique_id());
+    M3_TRY_STATUS(out.group->store().set(
+        "m3/nccl_id", std::string(reinterpret_cast<const char*>(&id), sizeof id)));
+  } else {
+    M3_TRY(std::string bytes, out.group->store().get("m3/nccl_id"));
+    if (bytes.size() != sizeof id)
+      return make_error(ErrorCode::kFormat, "node 0's NCCL id has " + std::to_string(bytes.size()) +
+                                                " bytes, not " + std::to_string(sizeof id));
+    std::memcpy(&id, bytes.data(), sizeof id);
+  }
+  std::shared_ptr<const M3Model> whole(std::move(host));
+  auto build = [&](int l, rank_group::CudaRank& rank) -> Status {
+    ShardSpec spec;
+    spec.rank = first + l;
+    spec.world = tp;
+    spec.expert_parallel = ep;
+    return rank_group::make_rank_model(*whole, spec, opts, rank);
+  };
+  M3_TRY(std::vector<rank_group::CudaRank> ranks,
+         rank_group::start_nccl_ranks(local, tp, first, id, build));
+  whole.reset();
+  struct Release {
+    std::vector<rank_group::CudaRank>* ranks;
+    ~Release() {
+      if (ranks != nullptr) rank_group::release_ranks(*ranks);
+    }
+  } release{&ranks};
+  const int64_t page_bytes = KvCache::page_bytes(cfg, plan0.num_kv_heads);
+  M3_TRY(
+      rank_group::RankPool pool,
+      rank_group::size_rank_pool(
+          cfg, page_bytes, opts, local,
+          "tensor parallel " + std::to_string(tp) + ", ranks " + std::to_string(first) + "-" +
+              std::to_string(first + local - 1) + " of node " + std::to_string(nodes.node_rank)));
+  // Every node must hold the same page ids: the smallest pool of any GPU of any node.
+  M3_TRY(pool.num_pages, out.group->agree_pages(pool.num_pages));
+  M3_LOG_INFO("%s", plan0.describe(cfg).c_str());
+  rank_group::log_rank_pool(cfg, pool);
+  for (int l = 0; l < local; ++l) {
+    M3_CUDA_CHECK(cudaSetDevice(l));
+    ranks[l].cache = std::make_unique<KvCacheCuda>(cfg, pool.num_pages,
+                                                   ranks[l].model->shard_plan().num_kv_heads);
+  }
+  release.ranks = nullptr;
+  out.backend = std::unique_ptr<ForwardBackend>(
+      new ShardedCudaBackend(std::move(ranks), pool.where, pool.flag));
+  M3_TRY_STATUS(out.group->ready());
+  return out;
+}
+#endif
+
+#ifndef M3_HAS_NCCL
+Error no_nccl(int tp) {
+  return Error{ErrorCode::kUnavailable,
+               "--tensor-parallel-size " + std::to_string(tp) +
+                   " with --nnodes and --device cuda needs NCCL, and this m3serve was built "
+                   "without it (install libnccl-dev and rebuild), or use --device cpu",
+               "--tensor-parallel-size"};
+}
+#endif
+
+}  // namespace
+
+Result<std::unique_ptr<ForwardBackend>> make_cuda_multi_node_backend(std::unique_ptr<M3Model> host,
+                                                                     const CudaBackendOptions& opts,
+                                                                     int tp, bool ep,
+                                                                     const MultiNodeSpec& nodes) {
+  M3_CHECK(host != nullptr && nodes.node_rank == 0);
+#ifdef M3_HAS_NCCL
+  M3_TRY(CudaNodeRanks r, make_cuda_node_ranks(std::move(host), opts, tp, ep, nodes));
+  return make_leader_backend(std::move(r.backend), std::move(r.group));
+#else
+  (void)opts;
+  (void)ep;
+  return tl::unexpected(no_nccl(tp));
+#endif
+}
+
+Status run_cuda_headless_node(std::unique_ptr<M3Model> host, const CudaBackendOptions& opts, int tp,
+                              bool ep, const MultiNodeSpec& nodes) {
+  M3_CHECK(host != nullptr && nodes.node_rank > 0);
+#ifdef M3_HAS_NCCL
+  M3_TRY(CudaNodeRanks r, make_cuda_node_ranks(std::move(host), opts, tp, ep, nodes));
+  M3_LOG_INFO("node %d: serving node 0's steps (headless)", nodes.node_rank);
+  return run_headless(*r.backend, *r.group);
+#else
+  (void)opts;
+  (void)ep;
+  return tl::unexpected(no_nccl(tp));
 #endif
 }
 

@@ -130,7 +130,7 @@ void release_ranks(std::vector<CudaRank>& ranks) {
 Status make_rank_model(const M3Model& whole, ShardSpec spec, const CudaBackendOptions& opts,
                        CudaRank& rank) {
   spec.comm = rank.comm.get();
-  const int r = rank.comm->rank();
+  const int r = rank.comm->device();  // the global rank is spec.rank; over nodes they differ
   Result<std::unique_ptr<M3ModelCuda>> model = tl::unexpected(Error{});
   if (!whole.has_weights()) {
     M3_TRY(ShardPlan plan, make_shard_plan(whole.config(), spec));
@@ -152,13 +152,19 @@ Status make_rank_model(const M3Model& whole, ShardSpec spec, const CudaBackendOp
 Result<std::vector<CudaRank>> start_nccl_ranks(
     int world, const std::function<Status(int r, CudaRank& rank)>& build) {
   M3_TRY(ncclUniqueId id, dist::make_nccl_unique_id());
-  std::vector<CudaRank> ranks(world);
-  std::vector<Status> status(world);
+  return start_nccl_ranks(world, world, 0, id, build);
+}
+
+Result<std::vector<CudaRank>> start_nccl_ranks(
+    int local, int world, int first, const ncclUniqueId& id,
+    const std::function<Status(int l, CudaRank& rank)>& build) {
+  std::vector<CudaRank> ranks(local);
+  std::vector<Status> status(local);
   {
     std::vector<std::thread> init;
-    for (int r = 0; r < world; ++r) {
+    for (int r = 0; r < local; ++r) {
       init.emplace_back([&, r] {
-        auto comm = dist::NcclCommunicator::create(r, world, r, id);
+        auto comm = dist::NcclCommunicator::create(first + r, world, r, id);
         if (!comm) {
           status[r] = tl::unexpected(comm.error());
           return;
@@ -169,7 +175,7 @@ Result<std::vector<CudaRank>> start_nccl_ranks(
     }
     for (auto& t : init) t.join();
   }
-  for (int r = 0; r < world; ++r) {
+  for (int r = 0; r < local; ++r) {
     if (!status[r]) {
       release_ranks(ranks);
       return tl::unexpected(status[r].error());

@@ -80,9 +80,9 @@ struct CudaRank {
 void release_ranks(std::vector<CudaRank>& ranks);
 
 // Rank rank.comm->rank()'s model (spec: the rank's ShardSpec without its communicator): its shard
-// of `whole` uploaded to its GPU, or for a config-only (synthetic) `whole` its slices generated
-// there from opts.synthetic_seed; CUDA graphs off when opts.enforce_eager or !parallel_graphs,
-// and skip_collectives_for_timing applied. Errors: the shard's or the upload's.
+// of `whole` uploaded to its GPU (rank.comm->device()), or for a config-only (synthetic) `whole`
+// its slices generated there from opts.synthetic_seed; CUDA graphs off when opts.enforce_eager or
+// !parallel_graphs, and skip_collectives_for_timing applied. Errors: the shard's or the upload's.
 Status make_rank_model(const M3Model& whole, ShardSpec spec, const CudaBackendOptions& opts,
                        CudaRank& rank);
 
@@ -92,6 +92,12 @@ Status make_rank_model(const M3Model& whole, ShardSpec spec, const CudaBackendOp
 // rank made so far released; the caller sizes the pool and makes the caches afterwards.
 Result<std::vector<CudaRank>> start_nccl_ranks(
     int world, const std::function<Status(int r, CudaRank& rank)>& build);
+// The same for this process's `local` ranks [first, first + local) of a group of `world` over
+// several processes that share `id` (rank 0's, handed out by the rendezvous store): local rank l
+// runs on GPU l as global rank first + l; build(l, rank) as above.
+Result<std::vector<CudaRank>> start_nccl_ranks(
+    int local, int world, int first, const ncclUniqueId& id,
+    const std::function<Status(int l, CudaRank& rank)>& build);
 #endif
 
 }  // namespace m3::runtime::rank_group

@@ -57,6 +57,7 @@ const std::vector<std::pair<std::string, bool>> kNative = {
     {"--node-rank", true},
     {"--master-addr", true},
     {"--master-port", true},
+    {"--headless", false},
     {"--gemm-precision", true},
     {"--enforce-eager", false},
 };
@@ -323,7 +324,7 @@ const std::vector<RecipeCase> kRecipe = {
     {"multinode_headless",
      "--tensor-parallel-size 8 --nnodes 2 --node-rank 1 --headless",
      {},
-     "issue #22",
+     "",
      ""},
     {"kv_offload",
      "--kv-transfer-config '{\"kv_connector\":\"SimpleCPUOffloadConnector\"}'",
