@@ -159,11 +159,19 @@ inline constexpr int64_t kMoeGemvMaxTokens = 256;
 // outputs per pick, ~135 KB per token at M3's shapes).
 inline constexpr int64_t kMoeGroupedMinTokens = 8;
 inline constexpr int64_t kMoeGroupedChunk = 8192;
+// From kMoeWgmmaMinTokens tokens, on an sm_90 device in a build with the CUTLASS headers
+// (.deps/flashinfer), the grouped GEMMs run on Hopper's wgmma/TMA engine
+// (moe_grouped_sm90.cu: CUTLASS's ptr-array grouped GEMM, gate|up, a SwiGLU pass, down), in the
+// same chunks and still without a host sync; below it, or without it, the mma.sync kernels.
+inline constexpr int64_t kMoeWgmmaMinTokens = 512;
 
 // The engines of moe_experts: kGemv (grouped GEMVs, exact fp32 arithmetic), kGrouped (grouped
-// bf16 tensor-core GEMMs), kPerExpert (one host sync, then linear() per active expert under
-// the GEMM precision). kAuto picks as described above; the bench and tests force the others.
-enum class MoePath { kAuto, kGemv, kGrouped, kPerExpert };
+// bf16 tensor-core GEMMs on mma.sync), kGroupedWgmma (the same on wgmma/TMA, where
+// moe_wgmma_available()), kPerExpert (one host sync, then linear() per active expert under the
+// GEMM precision). kAuto picks as described above; the bench and tests force the others.
+enum class MoePath { kAuto, kGemv, kGrouped, kGroupedWgmma, kPerExpert };
+// Whether this build has the wgmma engine and the current device runs it (sm_90).
+bool moe_wgmma_available();
 MoePath moe_path(int64_t n, const MoeExpertWeights& w, const float* x);
 
 // Whether moe_experts over n tokens of x runs without a host sync (the grouped GEMV or GEMM
@@ -187,7 +195,8 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
                  const MoeExpertWeights& w, const SwigluParams& act, const float* shared,
                  float* out, void* workspace, cudaStream_t stream);
 // The same through a chosen engine (kGemv needs n <= kMoeGemvMaxTokens and a GEMV layout,
-// kGrouped a layout moe_path would give it; otherwise it aborts naming the reason).
+// kGrouped a layout moe_path would give it, kGroupedWgmma that too, moe_wgmma_available() and
+// a 16-byte aligned x; otherwise it aborts naming the reason).
 void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* ids,
                       const float* weights, int64_t k, const MoeExpertWeights& w,
                       const SwigluParams& act, const float* shared, float* out, void* workspace,
