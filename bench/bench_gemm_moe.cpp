@@ -263,6 +263,31 @@ int main(int argc, char** argv) {
           (long long)n, prec_name(run.prec), engine, touched.size(), ms, gbs,
           100.0 * gbs / copy_gbs, ems, etf, 100.0 * etf / gemm_tf);
     }
+    // The wgmma engine's compiled tile configurations and raster orders (variant 0 above).
+    if (wgmma) {
+      gk::set_gemm_precision(gk::GemmPrecision::kBf16);
+      std::printf("\nwgmma grouped GEMM variants: routed experts alone\n");
+      for (int64_t n : {int64_t{1024}, int64_t{8192}, int64_t{32768}}) {
+        auto x = f32_values(n * h, 14);
+        auto rlog = f32_values(n * ne, 15 + n, 3.f);
+        DeviceBuffer<float> wts(n * k), out(n * h);
+        DeviceBuffer<int32_t> ids(n * k);
+        DeviceBuffer<uint8_t> work(gk::moe_workspace_bytes(n, k, ew));
+        gk::router_topk(rlog.data(), n, ne, nullptr, k, 2.5f, ids.data(), wts.data(), s);
+        for (int v = 0; v < gk::moe_wgmma_variants(); ++v) {
+          gk::set_moe_wgmma_variant(v);
+          const double ems = time_ms(s, iters, [&] {
+            gk::moe_experts_with(gk::MoePath::kGroupedWgmma, x.data(), n, ids.data(), wts.data(), k,
+                                 ew, act, nullptr, out.data(), work.data(), s);
+          });
+          const double etf = 2.0 * n * k * 3 * h * inter / (ems * 1e-3) / 1e12;
+          std::printf("  n=%-5lld variant %d (%s): %8.4f ms = %6.1f TFLOP/s (%5.1f%%)\n",
+                      (long long)n, v, gk::moe_wgmma_variant_name(v), ems, etf,
+                      100.0 * etf / gemm_tf);
+        }
+        gk::set_moe_wgmma_variant(0);
+      }
+    }
     gk::set_gemm_precision(gk::GemmPrecision::kExact);
   }
   return 0;

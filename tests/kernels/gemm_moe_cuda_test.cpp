@@ -568,9 +568,30 @@ TEST(CudaMoe, GroupedWgmmaAtPrefillSizes) {
   const MoeSetup s = make_moe({128, 4, 256, 64, DType::kBF16}, 34);
   const DeviceBuffer<float> x(8);
   for (int64_t n : {int64_t{8192}, int64_t{32768}}) {
-    ASSERT_EQ(gk::moe_path(n, s.dev(), x.data()), gk::MoePath::kGroupedWgmma);
+    {
+      PrecisionGuard guard;
+      gk::set_gemm_precision(gk::GemmPrecision::kBf16);
+      ASSERT_EQ(gk::moe_path(n, s.dev(), x.data()), gk::MoePath::kGroupedWgmma);
+    }
     run_moe(s, n, gk::GemmPrecision::kBf16, 1500 + n);
   }
+}
+
+TEST(CudaMoe, GroupedWgmmaEveryVariant) {
+  SKIP_WITHOUT_GPU();
+  if (!gk::moe_wgmma_available()) GTEST_SKIP() << "no wgmma grouped GEMM in this build / device";
+  // Each compiled tile configuration and raster order (the default is variant 0, covered above)
+  // on uneven loads, an expert parallel rank and partial tiles in both dims.
+  const MoeSetup s = make_moe({128, 4, 1024, 384, DType::kBF16}, 35);
+  const MoeSetup t = make_moe({12, 3, 200, 72, DType::kBF16}, 36);
+  for (int v = 1; v < gk::moe_wgmma_variants(); ++v) {
+    SCOPED_TRACE(gk::moe_wgmma_variant_name(v));
+    gk::set_moe_wgmma_variant(v);
+    run_moe(s, 700, gk::GemmPrecision::kBf16, 1600 + v, 1, gk::MoePath::kGroupedWgmma);
+    run_moe(s, 300, gk::GemmPrecision::kBf16, 1700 + v, 3, gk::MoePath::kGroupedWgmma);
+    run_moe(t, 400, gk::GemmPrecision::kBf16, 1800 + v, 1, gk::MoePath::kGroupedWgmma);
+  }
+  gk::set_moe_wgmma_variant(0);
 }
 
 TEST(CudaMoe, GroupedGemmChunksLongInputs) {

@@ -423,6 +423,18 @@ bool moe_wgmma_available() {
   return moe_grouped::sm90_usable();
 }
 
+int moe_wgmma_variants() {
+  return moe_grouped::sm90_variants();
+}
+
+const char* moe_wgmma_variant_name(int v) {
+  return moe_grouped::sm90_variant_name(v);
+}
+
+void set_moe_wgmma_variant(int v) {
+  moe_grouped::set_sm90_variant(v);
+}
+
 MoePath moe_path(int64_t n, const MoeExpertWeights& w, const float* x) {
   const bool grouped = gemm_precision() == GemmPrecision::kBf16 && moe_grouped::supports(w);
   if (grouped && n >= kMoeWgmmaMinTokens && aligned16(x) && moe_wgmma_available())

@@ -53,8 +53,15 @@ void down(const uint16_t* act, const Tile* tiles, const int32_t* num_tiles, int6
 // Whether this build has it, and whether it has it and the current device is sm_90.
 bool sm90_built();
 bool sm90_usable();
-// Device bytes of its group arrays and CUTLASS's workspace for ne experts (the current device).
+// Device bytes of its group arrays and CUTLASS's workspace for ne experts (the current device,
+// any variant).
 size_t sm90_workspace_bytes(int64_t ne);
+// Its compiled tile configurations x raster orders ("variants"; 0 without the engine), their
+// names, and the one calls use (process-wide: M3_MOE_WGMMA_VARIANT at first use, else 0).
+int sm90_variants();
+const char* sm90_variant_name(int v);
+void set_sm90_variant(int v);
+int sm90_variant();
 // The routed experts' GEMMs over the positions grouped by offsets [ne + 1] (P picks, of which
 // the offsets[ne] first are this rank's positions): xg [P, hidden] =
 // bf16(x[pair_token[p]]), gu [P, 2 inter] bf16 (gate | up), act [P, inter] bf16 swiglu, ye

@@ -172,6 +172,13 @@ inline constexpr int64_t kMoeWgmmaMinTokens = 512;
 enum class MoePath { kAuto, kGemv, kGrouped, kGroupedWgmma, kPerExpert };
 // Whether this build has the wgmma engine and the current device runs it (sm_90).
 bool moe_wgmma_available();
+// The wgmma engine's compiled tile configurations x raster orders (0 without it), their names,
+// and the one it runs (process-wide; set it before work is enqueued): the environment's
+// M3_MOE_WGMMA_VARIANT at first use (an index, anything else is refused) or 0.
+// bench_gemm_moe times each and the tests run each.
+int moe_wgmma_variants();
+const char* moe_wgmma_variant_name(int v);
+void set_moe_wgmma_variant(int v);
 MoePath moe_path(int64_t n, const MoeExpertWeights& w, const float* x);
 
 // Whether moe_experts over n tokens of x runs without a host sync (the grouped GEMV or GEMM
