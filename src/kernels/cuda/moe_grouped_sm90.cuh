@@ -37,8 +37,8 @@ struct Config {
 };
 
 // The configurations of this build, in moe_grouped_sm90_t*.cu.
-extern const Config kSwap256x128;      // D^T = W X^T, 256 weight rows x 128 tokens, cooperative
-extern const Config kTokens128x256;    // D = X W^T, 128 tokens x 256 weight rows, cooperative
+extern const Config kSwap256x128;     // D^T = W X^T, 256 weight rows x 128 tokens, cooperative
+extern const Config kTokens128x256;   // D = X W^T, 128 tokens x 256 weight rows, cooperative
 extern const Config kTokens64x256Pp;  // D = X W^T, 64 tokens x 256 weight rows, ping-pong
 
 }  // namespace m3::kernels::cuda::moe_grouped::sm90

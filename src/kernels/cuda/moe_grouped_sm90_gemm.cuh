@@ -13,12 +13,12 @@
 #include <algorithm>
 #include <cstdint>
 
-#include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/epilogue/thread/linear_combination.h>
-#include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cute/tensor.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/dispatch_policy.hpp>
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
@@ -38,11 +38,14 @@ template <class ElementD, class Tile, class Cluster, bool kPingpong, bool kSwap>
 struct GroupedGemm {
   using LayoutA = cutlass::layout::RowMajor;     // [M][K]
   using LayoutB = cutlass::layout::ColumnMajor;  // [N][K]
-  using LayoutD = std::conditional_t<kSwap, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-  using MainSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
-  using EpiSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using LayoutD =
+      std::conditional_t<kSwap, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using MainSchedule =
+      std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpiSchedule =
+      std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
   static constexpr int kAlignAB = 8;
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -51,8 +54,8 @@ struct GroupedGemm {
       ElementD, LayoutD*, kAlignD, EpiSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignAB, Bf16,
-      LayoutB*, kAlignAB, float, Tile, Cluster,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignAB, Bf16, LayoutB*,
+      kAlignAB, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       MainSchedule>::CollectiveOp;
@@ -73,8 +76,8 @@ struct GroupedGemm {
     StrideD* sd;
   };
   static size_t array_bytes(int64_t groups) {
-    const size_t per = sizeof(Mnk) + 3 * sizeof(void*) + sizeof(StrideA) + sizeof(StrideB) +
-                       sizeof(StrideD);
+    const size_t per =
+        sizeof(Mnk) + 3 * sizeof(void*) + sizeof(StrideA) + sizeof(StrideB) + sizeof(StrideD);
     return static_cast<size_t>(groups) * per + 7 * 256;
   }
   static Arrays carve(uint8_t*& p, int64_t groups) {

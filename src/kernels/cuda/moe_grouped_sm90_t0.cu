@@ -5,8 +5,8 @@
 #include "kernels/cuda/moe_grouped_sm90_gemm.cuh"
 
 namespace m3::kernels::cuda::moe_grouped::sm90 {
-const Config kSwap256x128 =
-    Experts<cute::Shape<cute::_256, cute::_128, cute::_64>, cute::Shape<cute::_2, cute::_1, cute::_1>,
-            false, true>::config("swap 256w x 128t coop, cluster 2x1");
+const Config kSwap256x128 = Experts<cute::Shape<cute::_256, cute::_128, cute::_64>,
+                                    cute::Shape<cute::_2, cute::_1, cute::_1>, false,
+                                    true>::config("swap 256w x 128t coop, cluster 2x1");
 }  // namespace m3::kernels::cuda::moe_grouped::sm90
 #endif
