@@ -3,8 +3,9 @@
 // per second) and a plain bf16 cuBLASLt 8192^3 GEMM. Prints the GEMV bandwidth (GB/s of weight
 // bytes) at n = 1 and 8, GEMV vs cuBLASLt around the threshold, cuBLASLt TFLOP/s at n = 8192 and
 // 32768 in both GEMM precisions, and the MoE block (router + shared expert + 128 experts top-4)
-// at n = 1 to 8192 in each engine (grouped GEMV, grouped GEMM, per-expert cuBLASLt) with the
-// bytes of the experts it touched per second and the routed experts' TFLOP/s.
+// at n = 1 to 32768 in each engine (grouped GEMV, grouped GEMM on mma.sync and on wgmma,
+// per-expert cuBLASLt) with the bytes of the experts it touched per second and the routed
+// experts' TFLOP/s.
 // Usage: bench_gemm_moe [iters=20] [quick]. Exits 1 with the probe's message where no GPU is
 // usable.
 #include <algorithm>
@@ -201,13 +202,27 @@ int main(int argc, char** argv) {
                         {128, gk::GemmPrecision::kBf16, gk::MoePath::kAuto},
                         {256, gk::GemmPrecision::kExact, gk::MoePath::kAuto},
                         {256, gk::GemmPrecision::kBf16, gk::MoePath::kAuto},
+                        {256, gk::GemmPrecision::kBf16, gk::MoePath::kGroupedWgmma},
+                        {512, gk::GemmPrecision::kBf16, gk::MoePath::kGrouped},
+                        {512, gk::GemmPrecision::kBf16, gk::MoePath::kGroupedWgmma},
                         {1024, gk::GemmPrecision::kExact, gk::MoePath::kAuto},
-                        {1024, gk::GemmPrecision::kBf16, gk::MoePath::kAuto},
+                        {1024, gk::GemmPrecision::kBf16, gk::MoePath::kGrouped},
+                        {1024, gk::GemmPrecision::kBf16, gk::MoePath::kGroupedWgmma},
+                        {2048, gk::GemmPrecision::kBf16, gk::MoePath::kGrouped},
+                        {2048, gk::GemmPrecision::kBf16, gk::MoePath::kGroupedWgmma},
                         {8192, gk::GemmPrecision::kBf16, gk::MoePath::kPerExpert},
-                        {8192, gk::GemmPrecision::kBf16, gk::MoePath::kAuto},
-                        {32768, gk::GemmPrecision::kBf16, gk::MoePath::kAuto}};
+                        {8192, gk::GemmPrecision::kBf16, gk::MoePath::kGrouped},
+                        {8192, gk::GemmPrecision::kBf16, gk::MoePath::kGroupedWgmma},
+                        {32768, gk::GemmPrecision::kBf16, gk::MoePath::kGrouped},
+                        {32768, gk::GemmPrecision::kBf16, gk::MoePath::kGroupedWgmma}};
+    // Before / after in one run: the mma.sync grouped GEMM (kGrouped) beside the wgmma one
+    // (kGroupedWgmma; what kAuto takes from kMoeWgmmaMinTokens tokens where it is built).
+    const bool wgmma = gk::moe_wgmma_available();
+    if (!wgmma)
+      std::printf("  (this build or device has no wgmma grouped GEMM: its rows are skipped)\n");
     for (const Run& run : runs) {
       const int64_t n = run.n;
+      if (run.path == gk::MoePath::kGroupedWgmma && !wgmma) continue;
       gk::set_gemm_precision(run.prec);
       const gk::MoePath path = run.path;
       auto x = f32_values(n * h, 14);
@@ -222,8 +237,8 @@ int main(int argc, char** argv) {
         gk::linear(x.data(), n, gk::MatRef{su.data(), DType::kBF16, inter, h}, u.data(), s);
         gk::swiglu_oai(g.data(), u.data(), n, inter, act.alpha, act.limit, act.beta, g.data(), s);
         gk::linear(g.data(), n, gk::MatRef{sd.data(), DType::kBF16, h, inter}, out.data(), s);
-        gk::moe_experts(x.data(), n, ids.data(), wts.data(), k, ew, act, out.data(), out.data(),
-                        work.data(), s);
+        gk::moe_experts_with(path, x.data(), n, ids.data(), wts.data(), k, ew, act, out.data(),
+                             out.data(), work.data(), s);
       };
       const double ms = time_ms(s, iters, block);
       const auto hid = ids.to_host();
@@ -235,17 +250,43 @@ int main(int argc, char** argv) {
                              out.data(), work.data(), s);
       });
       const gk::MoePath taken = path == gk::MoePath::kAuto ? gk::moe_path(n, ew, x.data()) : path;
-      const char* engine = taken == gk::MoePath::kGemv      ? "gemv"
-                           : taken == gk::MoePath::kGrouped ? "grouped gemm"
-                                                            : "per-expert";
+      const char* engine = taken == gk::MoePath::kGemv           ? "gemv"
+                           : taken == gk::MoePath::kGrouped      ? "grouped gemm"
+                           : taken == gk::MoePath::kGroupedWgmma ? "grouped wgmma"
+                                                                 : "per-expert";
       // Routed experts' useful FLOPs: gate, up and down over the n * k picks.
       const double etf = 2.0 * n * k * 3 * h * inter / (ems * 1e-3) / 1e12;
       std::printf(
-          "  n=%-5lld %-5s %-12s %3zu experts touched: block %8.4f ms, %6.0f GB/s of weights "
+          "  n=%-5lld %-5s %-13s %3zu experts touched: block %8.4f ms, %6.0f GB/s of weights "
           "(%5.1f%% of copy); routed experts alone %8.4f ms = %6.1f TFLOP/s (%5.1f%% of the "
           "bf16 GEMM ceiling)\n",
           (long long)n, prec_name(run.prec), engine, touched.size(), ms, gbs,
           100.0 * gbs / copy_gbs, ems, etf, 100.0 * etf / gemm_tf);
+    }
+    // The wgmma engine's compiled tile configurations and raster orders (variant 0 above).
+    if (wgmma) {
+      gk::set_gemm_precision(gk::GemmPrecision::kBf16);
+      std::printf("\nwgmma grouped GEMM variants: routed experts alone\n");
+      for (int64_t n : {int64_t{1024}, int64_t{8192}, int64_t{32768}}) {
+        auto x = f32_values(n * h, 14);
+        auto rlog = f32_values(n * ne, 15 + n, 3.f);
+        DeviceBuffer<float> wts(n * k), out(n * h);
+        DeviceBuffer<int32_t> ids(n * k);
+        DeviceBuffer<uint8_t> work(gk::moe_workspace_bytes(n, k, ew));
+        gk::router_topk(rlog.data(), n, ne, nullptr, k, 2.5f, ids.data(), wts.data(), s);
+        for (int v = 0; v < gk::moe_wgmma_variants(); ++v) {
+          gk::set_moe_wgmma_variant(v);
+          const double ems = time_ms(s, iters, [&] {
+            gk::moe_experts_with(gk::MoePath::kGroupedWgmma, x.data(), n, ids.data(), wts.data(), k,
+                                 ew, act, nullptr, out.data(), work.data(), s);
+          });
+          const double etf = 2.0 * n * k * 3 * h * inter / (ems * 1e-3) / 1e12;
+          std::printf("  n=%-5lld variant %d (%s): %8.4f ms = %6.1f TFLOP/s (%5.1f%%)\n",
+                      (long long)n, v, gk::moe_wgmma_variant_name(v), ems, etf,
+                      100.0 * etf / gemm_tf);
+        }
+        gk::set_moe_wgmma_variant(0);
+      }
     }
     gk::set_gemm_precision(gk::GemmPrecision::kExact);
   }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Unpacks the headers of FlashInfer's Hopper prefill kernel (kernels/cuda/attn_flash.cu) into
+# Unpacks the headers of FlashInfer's Hopper prefill kernel (kernels/cuda/attn_flash.cu; its
+# CUTLASS also builds the wgmma grouped MoE GEMM, kernels/cuda/moe_grouped_sm90*.cu) into
 # .deps/flashinfer (git-ignored) from the flashinfer-python wheel on PyPI: its include/, the
 # CUTLASS it bundles (include/ and tools/util/include) and its libcu++ (newer than CUDA 13.0's),
 # and packs them as .deps/flashinfer.tar.xz (~3 MB) for the GPU machine, where

@@ -340,11 +340,16 @@ MoeSetup make_moe(const MoeCase& c, uint64_t seed) {
 // The tolerance scale of the MoE: mag[t, c] = Σ_j |wt_j| · Σ_i |w2[c, i]| |act_i| over t's
 // picks with an id >= 0 (ids global, every expert in `s`), act from the CPU ops (gate/up
 // linear, swiglu_oai) grouped per expert. Only the bound: the expected values are cpu::moe_experts.
+// sens (optional): the same sum over sens_i = |u_i| |glu(g_i)| + 1.2 |u_i + beta| |g_i| in place
+// of |act_i|, the first-order change of act_i when g_i and u_i are each off by one part in 1
+// (|d glu / dg| <= 1.1 everywhere; clamping only lowers it): the bound of rounding gate and up
+// to bf16 before the SwiGLU (the wgmma engine), 2^-9 of it.
 std::vector<double> moe_mag(const MoeSetup& s, const std::vector<float>& x, int64_t n,
                             const std::vector<int32_t>& ids, const std::vector<float>& wts,
-                            const gk::SwigluParams& a) {
+                            const gk::SwigluParams& a, std::vector<double>* sens = nullptr) {
   const auto& c = s.c;
   std::vector<double> mag(n * c.hidden, 0.0);
+  if (sens) sens->assign(n * c.hidden, 0.0);
   for (int64_t e = 0; e < c.ne; ++e) {
     std::vector<int32_t> toks;
     std::vector<float> tw;
@@ -362,18 +367,31 @@ std::vector<double> moe_mag(const MoeSetup& s, const std::vector<float>& x, int6
                 xe.begin() + i * c.hidden);
     cpu::linear(xe.data(), m, s.host(1, e), g.data());
     cpu::linear(xe.data(), m, s.host(3, e), u.data());
+    std::vector<float> sg(sens ? g.size() : 0);
+    for (size_t i = 0; i < sg.size(); ++i) {
+      const double gc = std::min<double>(g[i], a.limit);
+      const double glu = gc / (1.0 + std::exp(-a.alpha * gc));
+      sg[i] = static_cast<float>(std::fabs(u[i]) * std::fabs(glu) +
+                                 1.2 * std::fabs(u[i] + a.beta) * std::fabs(g[i]));
+    }
     cpu::swiglu_oai(g.data(), u.data(), m, c.inter, a.alpha, a.limit, a.beta, g.data());
-    // |w2|·|act| for the tolerance.
+    // |w2|·|act| (and |w2|·sens) for the tolerance.
     std::vector<float> absg(g.size()), absw2(c.hidden * c.inter), yabs(m * c.hidden);
     for (size_t i = 0; i < g.size(); ++i) absg[i] = std::fabs(g[i]);
     const auto& w2 = s.w2;
     for (int64_t i = 0; i < c.hidden * c.inter; ++i)
       absw2[i] = std::fabs(w2[e * c.hidden * c.inter + i]);
-    cpu::linear(absg.data(), m, cpu::MatRef{absw2.data(), DType::kF32, c.hidden, c.inter},
-                yabs.data());
+    const cpu::MatRef absw2_ref{absw2.data(), DType::kF32, c.hidden, c.inter};
+    cpu::linear(absg.data(), m, absw2_ref, yabs.data());
     for (int64_t i = 0; i < m; ++i)
       for (int64_t col = 0; col < c.hidden; ++col)
         mag[toks[i] * c.hidden + col] += std::fabs(tw[i]) * yabs[i * c.hidden + col];
+    if (sens) {
+      cpu::linear(sg.data(), m, absw2_ref, yabs.data());
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t col = 0; col < c.hidden; ++col)
+          (*sens)[toks[i] * c.hidden + col] += std::fabs(tw[i]) * yabs[i * c.hidden + col];
+    }
   }
   return mag;
 }
@@ -391,7 +409,9 @@ void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed
                             " inter=" + std::to_string(c.inter) + " " + m3::dtype_name(c.dt) +
                             " n=" + std::to_string(n) +
                             (prec == gk::GemmPrecision::kExact ? " exact" : " bf16") +
-                            (path == gk::MoePath::kGrouped ? " grouped" : "");
+                            (path == gk::MoePath::kGrouped        ? " grouped"
+                             : path == gk::MoePath::kGroupedWgmma ? " wgmma"
+                                                                  : "");
   PrecisionGuard guard;
   gk::set_gemm_precision(prec);
   Stream stream;
@@ -453,7 +473,9 @@ void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed
     std::vector<int32_t> mine = ids;
     for (auto& e : mine)
       if (e < first || e >= first + count) e = -1;
-    const auto mag = moe_mag(s, x, n, mine, wts, act);
+    const bool wgmma = taken == gk::MoePath::kGroupedWgmma;
+    std::vector<double> sens;
+    const auto mag = moe_mag(s, x, n, mine, wts, act, wgmma ? &sens : nullptr);
     const auto got = out.to_host();
     // gate/up are exact on both sides (eighths); swiglu differs by expf's few ulps (8u relative
     // covers them); the down projection sums `inter` products in another order (8·sqrt(inter)·u
@@ -461,15 +483,18 @@ void run_moe(const MoeSetup& s, int64_t n, gk::GemmPrecision prec, uint64_t seed
     // linear_tol); the combine adds k + 1 terms in the same order (fma contraction may differ:
     // (k + 1)·u of the magnitudes).
     // The per-expert path (many tokens, or a layout the GEMV cannot read) may run split GEMMs;
-    // the grouped GEMMs round act to bf16 (as the bf16 precision's single split term).
+    // the grouped GEMMs round act to bf16 (as the bf16 precision's single split term); the
+    // wgmma engine rounds gate and up to bf16 too (2^-9 of sens, doubled for the second order).
     const bool per_expert = taken == gk::MoePath::kPerExpert;
-    const double split = taken == gk::MoePath::kGrouped       ? split_rel(gk::GemmPrecision::kBf16)
+    const bool grouped = taken == gk::MoePath::kGrouped || wgmma;
+    const double split = grouped                              ? split_rel(gk::GemmPrecision::kBf16)
                          : !per_expert || c.dt == DType::kF32 ? 0.0
                                                               : split_rel(prec);
     const double rel = 8 * kU + 8 * std::sqrt(double(c.inter)) * kU + split + (c.k + 1) * kU;
     int64_t bad = 0;
     for (size_t i = 0; i < got.size(); ++i) {
-      const double tol = rel * mag[i] + (c.k + 1) * kU * std::fabs(want[i]) + 1e-30;
+      const double tol = rel * mag[i] + (c.k + 1) * kU * std::fabs(want[i]) +
+                         (wgmma ? std::ldexp(sens[i], -8) : 0.0) + 1e-30;
       if (!(std::fabs(double(got[i]) - want[i]) <= tol) && ++bad <= 5)
         ADD_FAILURE() << what << ": element " << i << " gpu " << got[i] << " cpu " << want[i]
                       << " tol " << tol;
@@ -516,6 +541,59 @@ TEST(CudaMoe, GroupedGemmMatchesCpu) {
     run_moe(t, n, gk::GemmPrecision::kBf16, 950 + n, 1, gk::MoePath::kGrouped);
 }
 
+TEST(CudaMoe, GroupedWgmmaMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  if (!gk::moe_wgmma_available()) GTEST_SKIP() << "no wgmma grouped GEMM in this build / device";
+  // The Hopper engine forced over the same cases as the mma.sync one: uneven expert loads,
+  // idle experts (n = 1, 8: most of the 128 get no token), expert parallel ranks (picks of
+  // other ranks: fewer positions than picks), M3's expert matrices, and dims that are no
+  // multiple of its 256 x 128 tile (inter 72, hidden 200: partial weight and token tiles).
+  const MoeSetup s = make_moe({128, 4, 1024, 384, DType::kBF16}, 31);
+  for (int64_t n : {1, 8, 64, 300, 1000, 3000})
+    run_moe(s, n, gk::GemmPrecision::kBf16, 1100 + n, 1, gk::MoePath::kGroupedWgmma);
+  for (int world : {2, 8})
+    run_moe(s, 600, gk::GemmPrecision::kBf16, 1200 + world, world, gk::MoePath::kGroupedWgmma);
+  const MoeSetup r = make_moe({8, 4, 6144, 3072, DType::kBF16}, 32);
+  run_moe(r, 600, gk::GemmPrecision::kBf16, 1300, 1, gk::MoePath::kGroupedWgmma);
+  const MoeSetup t = make_moe({12, 3, 200, 72, DType::kBF16}, 33);
+  for (int64_t n : {5, 400})
+    run_moe(t, n, gk::GemmPrecision::kBf16, 1400 + n, 1, gk::MoePath::kGroupedWgmma);
+}
+
+TEST(CudaMoe, GroupedWgmmaAtPrefillSizes) {
+  SKIP_WITHOUT_GPU();
+  if (!gk::moe_wgmma_available()) GTEST_SKIP() << "no wgmma grouped GEMM in this build / device";
+  // 8K and 32K tokens over 128 experts top-4 (what kAuto gives the engine at prefill; 32K runs
+  // as 4 chunks), small matrices so the CPU reference stays quick.
+  const MoeSetup s = make_moe({128, 4, 256, 64, DType::kBF16}, 34);
+  const DeviceBuffer<float> x(8);
+  for (int64_t n : {int64_t{8192}, int64_t{32768}}) {
+    {
+      PrecisionGuard guard;
+      gk::set_gemm_precision(gk::GemmPrecision::kBf16);
+      ASSERT_EQ(gk::moe_path(n, s.dev(), x.data()), gk::MoePath::kGroupedWgmma);
+    }
+    run_moe(s, n, gk::GemmPrecision::kBf16, 1500 + n);
+  }
+}
+
+TEST(CudaMoe, GroupedWgmmaEveryVariant) {
+  SKIP_WITHOUT_GPU();
+  if (!gk::moe_wgmma_available()) GTEST_SKIP() << "no wgmma grouped GEMM in this build / device";
+  // Each compiled tile configuration and raster order (the default is variant 0, covered above)
+  // on uneven loads, an expert parallel rank and partial tiles in both dims.
+  const MoeSetup s = make_moe({128, 4, 1024, 384, DType::kBF16}, 35);
+  const MoeSetup t = make_moe({12, 3, 200, 72, DType::kBF16}, 36);
+  for (int v = 1; v < gk::moe_wgmma_variants(); ++v) {
+    SCOPED_TRACE(gk::moe_wgmma_variant_name(v));
+    gk::set_moe_wgmma_variant(v);
+    run_moe(s, 700, gk::GemmPrecision::kBf16, 1600 + v, 1, gk::MoePath::kGroupedWgmma);
+    run_moe(s, 300, gk::GemmPrecision::kBf16, 1700 + v, 3, gk::MoePath::kGroupedWgmma);
+    run_moe(t, 400, gk::GemmPrecision::kBf16, 1800 + v, 1, gk::MoePath::kGroupedWgmma);
+  }
+  gk::set_moe_wgmma_variant(0);
+}
+
 TEST(CudaMoe, GroupedGemmChunksLongInputs) {
   SKIP_WITHOUT_GPU();
   // More tokens than one chunk of the workspace: independent chunks, the same result.
@@ -535,6 +613,13 @@ TEST(CudaMoe, PathChoice) {
   EXPECT_EQ(gk::moe_path(gk::kMoeGroupedMinTokens, s.dev(), x.data()), gk::MoePath::kGrouped);
   EXPECT_EQ(gk::moe_path(gk::kMoeGemvMaxTokens + 1, s.dev(), x.data()), gk::MoePath::kGrouped);
   EXPECT_TRUE(gk::moe_experts_graph_safe(gk::kMoeGemvMaxTokens + 1, x.data(), s.dev()));
+  // From kMoeWgmmaMinTokens the Hopper engine where it is built (and x is 16-byte aligned).
+  const gk::MoePath many =
+      gk::moe_wgmma_available() ? gk::MoePath::kGroupedWgmma : gk::MoePath::kGrouped;
+  EXPECT_EQ(gk::moe_path(gk::kMoeWgmmaMinTokens - 1, s.dev(), x.data()), gk::MoePath::kGrouped);
+  EXPECT_EQ(gk::moe_path(gk::kMoeWgmmaMinTokens, s.dev(), x.data()), many);
+  EXPECT_EQ(gk::moe_path(gk::kMoeWgmmaMinTokens, s.dev(), x.data() + 1), gk::MoePath::kGrouped);
+  EXPECT_TRUE(gk::moe_experts_graph_safe(gk::kMoeWgmmaMinTokens, x.data(), s.dev()));
   EXPECT_EQ(gk::moe_path(gk::kMoeGemvMaxTokens, odd.dev(), x.data()), gk::MoePath::kPerExpert);
   EXPECT_EQ(gk::moe_path(500, odd.dev(), x.data()), gk::MoePath::kPerExpert);
   EXPECT_EQ(gk::moe_path(500, f32.dev(), x.data()), gk::MoePath::kPerExpert);
@@ -620,6 +705,12 @@ TEST(CudaMoe, DecodePathHasNoHostSync) {
 TEST(CudaMoe, GroupedGemmPathHasNoHostSync) {
   SKIP_WITHOUT_GPU();
   capture_moe_step(gk::kMoeGemvMaxTokens + 44, gk::GemmPrecision::kBf16);
+}
+
+TEST(CudaMoe, GroupedWgmmaPathHasNoHostSync) {
+  SKIP_WITHOUT_GPU();
+  if (!gk::moe_wgmma_available()) GTEST_SKIP() << "no wgmma grouped GEMM in this build / device";
+  capture_moe_step(gk::kMoeWgmmaMinTokens + 44, gk::GemmPrecision::kBf16);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // The routed experts of an MoE layer on the GPU (moe_experts in ops.h): device-side grouping of
 // the router's picks by expert, then grouped GEMVs (few tokens), grouped tensor-core GEMMs (many
-// tokens under GemmPrecision::kBf16, moe_grouped.cu), both without a host sync, or, for many
+// tokens under GemmPrecision::kBf16: moe_grouped.cu on mma.sync, moe_grouped_sm90.cu on
+// wgmma/TMA from kMoeWgmmaMinTokens), all without a host sync, or, for many
 // tokens in the exact precision, one read-back of the per-expert counts and linear() per active
 // expert over its gathered tokens. All end in the CPU model's combine order: routed = 0, then
 // += weight * out per expert in ascending id; out = shared + routed.
@@ -49,6 +50,13 @@ struct Layout {
   float* gye;                // [P, hidden] expert output per position
   moe_grouped::Tile* tiles;  // [max_tiles]
   int32_t* num_tiles;        // [1]
+  // many tokens (the wgmma engine; overlays the same region as the two above)
+  uint16_t* wact16;  // [P, inter] bf16 swiglu(gate, up) per position
+  uint16_t* xg;      // [P, hidden] bf16 x gathered per position
+  uint16_t* gu;      // [P, 2 inter] bf16 gate | up per position
+  float* wye;        // [P, hidden] expert output per position (overlays xg and gu)
+  void* sm90_ws;     // group arrays + CUTLASS's workspace
+  size_t sm90_ws_bytes;
   size_t bytes;
 };
 
@@ -94,7 +102,21 @@ Layout layout_for(void* base, int64_t n, int64_t k, const MoeExpertWeights& w) {
   l.tiles = static_cast<moe_grouped::Tile*>(
       take(moe_grouped::max_tiles(Pc, ne, bm) * sizeof(moe_grouped::Tile)));
   l.num_tiles = static_cast<int32_t*>(take(sizeof(int32_t)));
-  l.bytes = std::max(off, per_expert_end);
+  const size_t mma_end = off;
+  off = region;
+  if (moe_grouped::sm90_built()) {
+    l.wact16 = static_cast<uint16_t*>(take(Pc * w.inter * sizeof(uint16_t)));
+    const size_t overlay = off;
+    l.xg = static_cast<uint16_t*>(take(Pc * w.hidden * sizeof(uint16_t)));
+    l.gu = static_cast<uint16_t*>(take(Pc * 2 * w.inter * sizeof(uint16_t)));
+    const size_t gathered_end = off;
+    off = overlay;
+    l.wye = static_cast<float*>(take(Pc * w.hidden * sizeof(float)));
+    off = std::max(off, gathered_end);
+    l.sm90_ws_bytes = moe_grouped::sm90_workspace_bytes(ne);
+    l.sm90_ws = take(l.sm90_ws_bytes);
+  }
+  l.bytes = std::max({off, mma_end, per_expert_end});
   return l;
 }
 
@@ -394,11 +416,29 @@ void moe_localize_ids(int32_t* ids, int64_t n, int64_t first, int64_t count, cud
 
 bool moe_experts_graph_safe(int64_t n, const float* x, const MoeExpertWeights& w) {
   const MoePath path = moe_path(n, w, x);
-  return path == MoePath::kGemv || path == MoePath::kGrouped;
+  return path == MoePath::kGemv || path == MoePath::kGrouped || path == MoePath::kGroupedWgmma;
+}
+
+bool moe_wgmma_available() {
+  return moe_grouped::sm90_usable();
+}
+
+int moe_wgmma_variants() {
+  return moe_grouped::sm90_variants();
+}
+
+const char* moe_wgmma_variant_name(int v) {
+  return moe_grouped::sm90_variant_name(v);
+}
+
+void set_moe_wgmma_variant(int v) {
+  moe_grouped::set_sm90_variant(v);
 }
 
 MoePath moe_path(int64_t n, const MoeExpertWeights& w, const float* x) {
   const bool grouped = gemm_precision() == GemmPrecision::kBf16 && moe_grouped::supports(w);
+  if (grouped && n >= kMoeWgmmaMinTokens && aligned16(x) && moe_wgmma_available())
+    return MoePath::kGroupedWgmma;
   if (grouped && n >= kMoeGroupedMinTokens) return MoePath::kGrouped;
   if (n <= kMoeGemvMaxTokens && gemv_layout_ok(x, w)) return MoePath::kGemv;
   return grouped ? MoePath::kGrouped : MoePath::kPerExpert;
@@ -437,7 +477,12 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
     M3_CHECK(n <= kMoeGemvMaxTokens && gemv_layout_ok(x, w),
              "moe_experts: the grouped GEMV cannot take %lld tokens of this layout",
              static_cast<long long>(n));
-  if (path == MoePath::kGrouped) {
+  if (path == MoePath::kGroupedWgmma)
+    M3_CHECK(moe_wgmma_available() && aligned16(x),
+             "moe_experts: the wgmma grouped GEMM needs a build with the CUTLASS headers "
+             "(.deps/flashinfer), an sm_90 GPU and a 16-byte aligned x; MoePath::kGrouped runs "
+             "without them");
+  if (path == MoePath::kGrouped || path == MoePath::kGroupedWgmma) {
     M3_CHECK(moe_grouped::supports(w), "moe_experts: the grouped GEMM cannot read this layout");
     if (n > kMoeGroupedChunk) {
       // Chunks of tokens are independent MoE calls; the workspace holds one chunk.
@@ -459,6 +504,14 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
       l.pair_token, l.pair_weight, l.pair_pos);
   M3_CUDA_CHECK_LAUNCH("moe_route_kernel");
 
+  if (path == MoePath::kGroupedWgmma) {
+    moe_grouped::sm90_experts(x, l.pair_token, P, l.offsets, w, act, l.xg, l.gu, l.wact16, l.wye,
+                              l.sm90_ws, l.sm90_ws_bytes, stream);
+    moe_combine_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(
+        l.wye, l.pair_pos, l.pair_weight, static_cast<int>(k), w.hidden, shared, out);
+    M3_CUDA_CHECK_LAUNCH("moe_combine_kernel");
+    return;
+  }
   if (path == MoePath::kGrouped) {
     const int bm = moe_grouped::tile_rows(P, ne);
     const int64_t tiles = moe_grouped::max_tiles(P, ne, bm);

@@ -48,4 +48,28 @@ void gate_up(const uint16_t* xb, const int32_t* pair_token, const Tile* tiles,
 void down(const uint16_t* act, const Tile* tiles, const int32_t* num_tiles, int64_t max_tiles,
           int bm, const MoeExpertWeights& w, float* ye, cudaStream_t stream);
 
+// ---- The Hopper engine (moe_grouped_sm90.cu): CUTLASS's ptr-array grouped GEMM (TMA, wgmma,
+// warp-specialised persistent CTAs), built where the CUTLASS headers are (M3_MOE_SM90).
+// Whether this build has it, and whether it has it and the current device is sm_90.
+bool sm90_built();
+bool sm90_usable();
+// Device bytes of its group arrays and CUTLASS's workspace for ne experts (the current device,
+// any variant).
+size_t sm90_workspace_bytes(int64_t ne);
+// Its compiled tile configurations x raster orders ("variants"; 0 without the engine), their
+// names, and the one calls use (process-wide: M3_MOE_WGMMA_VARIANT at first use, else 0).
+int sm90_variants();
+const char* sm90_variant_name(int v);
+void set_sm90_variant(int v);
+int sm90_variant();
+// The routed experts' GEMMs over the positions grouped by offsets [ne + 1] (P picks, of which
+// the offsets[ne] first are this rank's positions): xg [P, hidden] =
+// bf16(x[pair_token[p]]), gu [P, 2 inter] bf16 (gate | up), act [P, inter] bf16 swiglu, ye
+// [P, hidden] f32 = act · w2[e]^T. ye may overlay xg and gu (they are dead once act is
+// written); workspace: sm90_workspace_bytes(ne).
+void sm90_experts(const float* x, const int32_t* pair_token, int64_t P, const int32_t* offsets,
+                  const MoeExpertWeights& w, const SwigluParams& act, uint16_t* xg, uint16_t* gu,
+                  uint16_t* act16, float* ye, void* workspace, size_t workspace_bytes,
+                  cudaStream_t stream);
+
 }  // namespace m3::kernels::cuda::moe_grouped

@@ -159,11 +159,28 @@ inline constexpr int64_t kMoeGemvMaxTokens = 256;
 // outputs per pick, ~135 KB per token at M3's shapes).
 inline constexpr int64_t kMoeGroupedMinTokens = 8;
 inline constexpr int64_t kMoeGroupedChunk = 8192;
+// From kMoeWgmmaMinTokens tokens, on an sm_90 device in a build with the CUTLASS headers
+// (.deps/flashinfer), the grouped GEMMs run on Hopper's wgmma/TMA engine
+// (moe_grouped_sm90.cu: CUTLASS's ptr-array grouped GEMM, gate|up, a SwiGLU pass, down), in the
+// same chunks and still without a host sync; below it, or without it, the mma.sync kernels
+// (bench_gemm_moe, routed experts at M3's shapes: n = 512 3.59 ms against mma.sync's 3.52,
+// n = 1024 3.69 against 3.68, n = 2048 3.91 against 5.43, n = 8192 8.73 against 13.9).
+inline constexpr int64_t kMoeWgmmaMinTokens = 1024;
 
 // The engines of moe_experts: kGemv (grouped GEMVs, exact fp32 arithmetic), kGrouped (grouped
-// bf16 tensor-core GEMMs), kPerExpert (one host sync, then linear() per active expert under
-// the GEMM precision). kAuto picks as described above; the bench and tests force the others.
-enum class MoePath { kAuto, kGemv, kGrouped, kPerExpert };
+// bf16 tensor-core GEMMs on mma.sync), kGroupedWgmma (the same on wgmma/TMA, where
+// moe_wgmma_available()), kPerExpert (one host sync, then linear() per active expert under the
+// GEMM precision). kAuto picks as described above; the bench and tests force the others.
+enum class MoePath { kAuto, kGemv, kGrouped, kGroupedWgmma, kPerExpert };
+// Whether this build has the wgmma engine and the current device runs it (sm_90).
+bool moe_wgmma_available();
+// The wgmma engine's compiled tile configurations x raster orders (0 without it), their names,
+// and the one it runs (process-wide; set it before work is enqueued): the environment's
+// M3_MOE_WGMMA_VARIANT at first use (an index, anything else is refused) or 0.
+// bench_gemm_moe times each and the tests run each.
+int moe_wgmma_variants();
+const char* moe_wgmma_variant_name(int v);
+void set_moe_wgmma_variant(int v);
 MoePath moe_path(int64_t n, const MoeExpertWeights& w, const float* x);
 
 // Whether moe_experts over n tokens of x runs without a host sync (the grouped GEMV or GEMM
@@ -187,7 +204,8 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
                  const MoeExpertWeights& w, const SwigluParams& act, const float* shared,
                  float* out, void* workspace, cudaStream_t stream);
 // The same through a chosen engine (kGemv needs n <= kMoeGemvMaxTokens and a GEMV layout,
-// kGrouped a layout moe_path would give it; otherwise it aborts naming the reason).
+// kGrouped a layout moe_path would give it, kGroupedWgmma that too, moe_wgmma_available() and
+// a 16-byte aligned x; otherwise it aborts naming the reason).
 void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* ids,
                       const float* weights, int64_t k, const MoeExpertWeights& w,
                       const SwigluParams& act, const float* shared, float* out, void* workspace,
