@@ -147,21 +147,21 @@ int main(int argc, char** argv) {
     cache.k_scale = dt == KvDtype::kFp8 ? k_scale : 1.f;
     cache.v_scale = dt == KvDtype::kFp8 ? v_scale : 1.f;
     for (int64_t n : lengths) {
-      std::vector<int32_t> pos(n), seqs(n, 0), off = {0, static_cast<int32_t>((n + kPage - 1) / kPage)};
+      std::vector<int32_t> pos(n), seqs(n, 0),
+          off = {0, static_cast<int32_t>((n + kPage - 1) / kPage)};
       std::vector<int32_t> table(off[1]);
       for (int64_t i = 0; i < n; ++i) pos[i] = static_cast<int32_t>(i);
       for (int32_t i = 0; i < off[1]; ++i) table[i] = i;
       DeviceBuffer<int32_t> dpos(pos), dseq(seqs), doff(off), dtab(table);
       gk::TokenLayout layout{n, dpos.data(), dseq.data(), doff.data(), dtab.data()};
       layout.multi_token_seqs = true;  // a prefill chunk, as the model marks it
-      const size_t ws_bytes =
-          std::max(gk::msa_select_workspace_bytes(n, kIndexHeads, cache, n),
-                   gk::attention_workspace_bytes(n, kHeads, cache, kTopk, n));
+      const size_t ws_bytes = std::max(gk::msa_select_workspace_bytes(n, kIndexHeads, cache, n),
+                                       gk::attention_workspace_bytes(n, kHeads, cache, kTopk, n));
       DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 1));
       const gk::Workspace w{ws.data(), ws_bytes};
       auto select = [&] {
-        gk::msa_select_blocks(iq.data(), kIndexHeads, cache, layout, kTopk, 0, 1, n, w,
-                              sel.data(), s);
+        gk::msa_select_blocks(iq.data(), kIndexHeads, cache, layout, kTopk, 0, 1, n, w, sel.data(),
+                              s);
       };
       // The top-k alone: every block forced local (local_blocks past the sequence), so nothing
       // is scored and the top-k ranks the same number of keys.
@@ -187,8 +187,8 @@ int main(int argc, char** argv) {
       }
       char name[32];
       std::snprintf(name, sizeof name, "%s/%s", kv_dtype_name(dt), kv_dtype_name(dt));
-      std::printf("%-10s %8lld | %10.3f %9.1f %10.3f | %10.3f %9.1f | %10.3f\n", name,
-                  (long long)n, t_sel, f_sel / (t_sel * 1e-3) / 1e12, t_topk, t_att,
+      std::printf("%-10s %8lld | %10.3f %9.1f %10.3f | %10.3f %9.1f | %10.3f\n", name, (long long)n,
+                  t_sel, f_sel / (t_sel * 1e-3) / 1e12, t_topk, t_att,
                   f_att / (t_att * 1e-3) / 1e12, t_sel + t_att);
     }
   }
