@@ -177,8 +177,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
         const int64_t kk = it * kSeg + lane * V;
 #pragma unroll
         for (int r = 0; r < kLoadRows; ++r)
-          if (kk < klen && row_ok[r])
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow[r] + kc + kk));
+          if (kk < klen && row_ok[r]) asm volatile("prefetch.L2 [%0];" ::"l"(wrow[r] + kc + kk));
       }
       __syncthreads();  // the previous chunk's reads of xs are done
       const int q_per_tok = static_cast<int>(p.kc / 4);
@@ -254,17 +253,17 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
   }
 }
 
-// Warps per CTA (8, 4 or 2) for `warp_tasks` row groups (kLoadRows rows each, one per warp)
-// that fill the GPU at least once: the CTAs are spread over the SMs, so the step lasts as long as
-// the busiest SM's share, ceil(ctas / sms) CTAs. Picks the size whose busiest SM carries the
-// least beyond the mean (M3's 6144-row GEMVs: 192 CTAs of 8 warps leave 60 SMs with two and 72
-// with one, 73% of the mean; 384 of 4 warps give three or two, 97%); a smaller CTA only for a
-// gain of 2% or more (each CTA stages x again). Only the CTA shape changes: each row's sum is
+// Warps per CTA (max_warps, its halves, down to 2) for `warp_tasks` row groups (kLoadRows rows
+// each, one per warp) that fill the GPU at least once: the CTAs are spread over the SMs, so the
+// step lasts as long as the busiest SM's share, ceil(ctas / sms) CTAs. Picks the size whose busiest
+// SM carries the least beyond the mean (M3's 6144-row GEMVs: 192 CTAs of 8 warps leave 60 SMs with
+// two and 72 with one, 73% of the mean; 384 of 4 warps give three or two, 97%); a smaller CTA only
+// for a gain of 2% or more (each CTA stages x again). Only the CTA shape changes: each row's sum is
 // the same whatever the choice.
-inline int balanced_warps(int64_t warp_tasks, int sms) {
-  int best = kThreads / 32;
+inline int balanced_warps(int64_t warp_tasks, int sms, int max_warps = kThreads / 32) {
+  int best = max_warps;
   double best_eff = -1.0;
-  for (int w = kThreads / 32; w >= 2; w /= 2) {
+  for (int w = max_warps; w >= 2; w /= 2) {
     const int64_t ctas = (warp_tasks + w - 1) / w;
     const int64_t per_sm = (ctas + sms - 1) / sms;
     const double eff = static_cast<double>(warp_tasks) / (static_cast<double>(sms) * per_sm * w);

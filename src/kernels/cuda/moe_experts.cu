@@ -345,7 +345,10 @@ void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
   // Token groups sized for twice the mean tokens per expert, at most 8 (registers): most
   // experts then run one group; one with more tokens loops (re-reading its rows, mostly from L2).
   const int64_t mean2 = (2 * P + w.num_experts - 1) / w.num_experts;
-  const int nt = gemv::nt_bucket(std::min<int64_t>({n, mean2, 8}));
+  // The shared expert's slot holds all n tokens: its group covers them (n <= 2, see
+  // moe_fuses_shared), so its weights are read once.
+  const int nt =
+      std::max(gemv::nt_bucket(std::min<int64_t>({n, mean2, 8})), s ? gemv::nt_bucket(n) : 1);
   const int warps = gemv::kThreads / 32;
   {
     gemv::Params p;
@@ -664,7 +667,9 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
 
 bool moe_fuses_shared(int64_t n, const float* x, const MoeExpertWeights& w,
                       const MoeSharedExpert& s) {
-  if (w.quant != WeightQuant::kNone || moe_path(n, w, x) != MoePath::kGemv) return false;
+  if (n > kMoeSharedFusedMaxTokens || w.quant != WeightQuant::kNone ||
+      moe_path(n, w, x) != MoePath::kGemv)
+    return false;
   auto same = [&](const MatRef& m, int64_t rows, int64_t cols) {
     return m.quant == WeightQuant::kNone && m.dtype == w.dtype && m.rows == rows &&
            m.cols == cols && aligned16(m.data);

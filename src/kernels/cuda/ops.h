@@ -224,8 +224,11 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
                       const SwigluParams& act, const float* shared, float* out, void* workspace,
                       cudaStream_t stream);
 
-// Whether moe_experts_shared can run `s` inside the grouped GEMVs of n tokens: the kGemv
-// path, unquantized experts, and s of the routed experts' dtype and shapes (16-byte aligned).
+// Whether moe_experts_shared can run `s` inside the grouped GEMVs of n tokens: at most
+// kMoeSharedFusedMaxTokens tokens (one token group of the GEMV holds them all, so the shared
+// weights are read once; more tokens would re-read them per group), the kGemv path, unquantized
+// experts, and s of the routed experts' dtype and shapes (16-byte aligned).
+inline constexpr int64_t kMoeSharedFusedMaxTokens = 2;
 bool moe_fuses_shared(int64_t n, const float* x, const MoeExpertWeights& w,
                       const MoeSharedExpert& s);
 // moe_experts with `shared` = down(swiglu(gate(x), up(x))) of the shared expert `s`, computed
