@@ -549,6 +549,8 @@ void run_moe(MoePath path, const float* x, int64_t n, const int32_t* ids, const 
            "moe_experts: %lld experts (max %lld)", static_cast<long long>(w.num_experts),
            static_cast<long long>(kMaxExperts));
   M3_CHECK(k > 0 && k <= kMaxTopK, "moe_experts: top-%lld", static_cast<long long>(k));
+  M3_CHECK(sx == nullptr || (path == MoePath::kGemv && !quant && shared == nullptr),
+           "moe_experts: the shared expert runs inside the grouped GEMVs only");
   if (n == 0) return;
   const int64_t P = n * k;
   M3_CHECK(P <= 0x7fffffff && n <= 0x7fffffff);
@@ -586,9 +588,7 @@ void run_moe(MoePath path, const float* x, int64_t n, const int32_t* ids, const 
   if (path == MoePath::kGroupedWgmma) {
     moe_grouped::sm90_experts(x, l.pair_token, P, l.offsets, w, act, l.xg, l.gu, l.wact16, l.wye,
                               l.sm90_ws, l.sm90_ws_bytes, stream);
-    moe_combine_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(
-        l.wye, l.pair_pos, l.pair_weight, static_cast<int>(k), w.hidden, shared, out);
-    M3_CUDA_CHECK_LAUNCH("moe_combine_kernel");
+    combine(l.wye, l, n, k, w.hidden, shared, out, stream);
     return;
   }
   if (path == MoePath::kGrouped) {
@@ -602,8 +602,6 @@ void run_moe(MoePath path, const float* x, int64_t n, const int32_t* ids, const 
     combine(l.gye, l, n, k, w.hidden, shared, out, stream);
     return;
   }
-  M3_CHECK(sx == nullptr || (path == MoePath::kGemv && !quant && shared == nullptr),
-           "moe_experts: the shared expert runs inside the grouped GEMVs only");
   if (path == MoePath::kGemv) {
     if (quant)
       experts_gemv_quant(x, n, k, w, act, l, stream);
