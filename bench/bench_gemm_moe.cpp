@@ -230,8 +230,25 @@ int main(int argc, char** argv) {
       DeviceBuffer<float> logits(n * ne), wts(n * k), g(n * inter), u(n * inter), out(n * h);
       DeviceBuffer<int32_t> ids(n * k);
       DeviceBuffer<uint8_t> work(gk::moe_workspace_bytes(n, k, ew));
+      // As M3Forward runs it: at decode sizes the router GEMV + top-k in one launch and the
+      // shared expert inside the grouped expert GEMVs (router_fused, moe_experts_shared).
+      const gk::MatRef rm{router.data(), DType::kF32, ne, h};
+      const m3::kernels::MoeSharedExpert sx{gk::MatRef{sg.data(), DType::kBF16, inter, h},
+                                            gk::MatRef{su.data(), DType::kBF16, inter, h},
+                                            gk::MatRef{sd.data(), DType::kBF16, h, inter}};
+      const bool fused = gk::router_fused_supported(n, rm, k, x.data()) &&
+                         gk::moe_fuses_shared(n, x.data(), ew, sx);
+      DeviceBuffer<unsigned> counter(1);
+      counter.fill_bytes(0);
       auto block = [&] {
-        gk::linear(x.data(), n, gk::MatRef{router.data(), DType::kF32, ne, h}, logits.data(), s);
+        if (fused) {
+          gk::router_fused(x.data(), n, rm, nullptr, k, 2.5f, logits.data(), ids.data(), wts.data(),
+                           counter.data(), s);
+          gk::moe_experts_shared(x.data(), n, ids.data(), wts.data(), k, ew, sx, act, out.data(),
+                                 work.data(), s);
+          return;
+        }
+        gk::linear(x.data(), n, rm, logits.data(), s);
         gk::router_topk(rlog.data(), n, ne, nullptr, k, 2.5f, ids.data(), wts.data(), s);
         gk::linear(x.data(), n, gk::MatRef{sg.data(), DType::kBF16, inter, h}, g.data(), s);
         gk::linear(x.data(), n, gk::MatRef{su.data(), DType::kBF16, inter, h}, u.data(), s);
@@ -257,11 +274,11 @@ int main(int argc, char** argv) {
       // Routed experts' useful FLOPs: gate, up and down over the n * k picks.
       const double etf = 2.0 * n * k * 3 * h * inter / (ems * 1e-3) / 1e12;
       std::printf(
-          "  n=%-5lld %-5s %-13s %3zu experts touched: block %8.4f ms, %6.0f GB/s of weights "
+          "  n=%-5lld %-5s %-13s %3zu experts touched: block%s %8.4f ms, %6.0f GB/s of weights "
           "(%5.1f%% of copy); routed experts alone %8.4f ms = %6.1f TFLOP/s (%5.1f%% of the "
           "bf16 GEMM ceiling)\n",
-          (long long)n, prec_name(run.prec), engine, touched.size(), ms, gbs,
-          100.0 * gbs / copy_gbs, ems, etf, 100.0 * etf / gemm_tf);
+          (long long)n, prec_name(run.prec), engine, touched.size(), fused ? " (fused)" : "", ms,
+          gbs, 100.0 * gbs / copy_gbs, ems, etf, 100.0 * etf / gemm_tf);
     }
     // The wgmma engine's compiled tile configurations and raster orders (variant 0 above).
     if (wgmma) {

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include <nvtx3/nvToolsExt.h>
+
 #include "bench_util.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
@@ -165,9 +167,14 @@ int run_format(const M3Config& cfg, const std::string& fmt, m3::kernels::WeightQ
     ForwardBatch b = make_batch(B, ctx, 1, pages_per_seq, cfg.vocab_size);
     m.forward(b, cache, nullptr);  // warm-up (scratch allocation)
     m.forward(b, cache, nullptr);
+    // An NVTX range per batch size, so a profiler can take one batch's steps
+    // (nsys --cuda-graph-trace=node, ncu --nvtx --nvtx-include "decode b=1/").
+    const std::string range = "decode b=" + std::to_string(B);
+    nvtxRangePushA(range.c_str());
     const double t0 = now_s();
     for (int i = 0; i < iters; ++i) m.forward(b, cache, nullptr);
     const double dt = (now_s() - t0) / iters;
+    nvtxRangePop();
     // Experts read: expected distinct experts among B x top-k picks under uniform routing.
     const double experts = E * (1.0 - std::pow(1.0 - K / E, B));
     const double wbytes = bytes_fixed + experts * per_expert;

@@ -344,6 +344,12 @@ struct MoeExpertWeights {
   }
 };
 
+// An MoE layer's shared expert (gate, up: [inter, hidden]; down: [hidden, inter]), for a
+// backend that runs it beside the routed experts (kernels/cuda moe_experts_shared).
+struct MoeSharedExpert {
+  MatRef gate, up, down;
+};
+
 // SwiGLU-OAI constants (see swiglu_oai).
 struct SwigluParams {
   float alpha = 1.702f, limit = 7.0f, beta = 1.0f;

@@ -439,28 +439,37 @@ class M3Forward {
       return;
     }
     const LayerWeights& L = w_.layers[li];
-    if (L.has_shared_expert) {
-      dense_mlp(ops, L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // out = shared
-      routed_experts(ops, li, x, n, out, out);
-    } else {
-      routed_experts(ops, li, x, n, nullptr, out);
-    }
+    routed_experts(ops, li, x, n, L.has_shared_expert, out);
   }
 
-  // Router + this rank's experts over n rows of x: out = shared (when non-null) + routed.
-  void routed_experts(Ops& ops, int64_t li, const float* x, int64_t n, const float* shared,
+  // Router + this rank's experts over n rows of x: out = routed, plus the layer's shared expert
+  // with `with_shared` (inside the routed experts' GEMVs where the backend can: CudaOps'
+  // moe_experts_shared; else dense_mlp first).
+  void routed_experts(Ops& ops, int64_t li, const float* x, int64_t n, bool with_shared,
                       float* out) const {
     const LayerWeights& L = w_.layers[li];
     const int64_t ne = cfg_.num_local_experts, k = cfg_.num_experts_per_tok;
     // Router in fp32 (the router weight is f32 in M3 checkpoints), bias for selection only.
     float* logits = ops.f32(Buf::kRouterLogits, n * ne);  // [n, experts] f32
-    ops.linear(x, n, L.router, logits);
     int32_t* ids = ops.i32(IBuf::kRouteIds, n * k);
     float* wts = ops.f32(Buf::kRouteW, n * k);
     const float* bias = nullptr;
     const kernels::MoeExpertWeights ew = moe_weights(li, &bias);
-    ops.router_topk(logits, n, ne, bias, k, static_cast<float>(cfg_.routed_scaling_factor), ids,
-                    wts);
+    const float scale = static_cast<float>(cfg_.routed_scaling_factor);
+    bool routed = false;
+    // The GEMV and the top-k in one launch for a decode step's few rows (CudaOps).
+    if constexpr (requires {
+                    ops.router_fused(x, n, L.router, bias, k, scale, logits, ids, wts);
+                  }) {
+      if (ops.router_fuses(n, L.router, k, x)) {
+        ops.router_fused(x, n, L.router, bias, k, scale, logits, ids, wts);
+        routed = true;
+      }
+    }
+    if (!routed) {
+      ops.linear(x, n, L.router, logits);
+      ops.router_topk(logits, n, ne, bias, k, scale, ids, wts);
+    }
     // Expert parallel: this rank holds experts [expert_begin, + num_experts); picks of the
     // others become -1 and add nothing here (the all-reduce after the block adds the other
     // ranks'; under data parallelism the reduce-scatter in moe_dp).
@@ -473,7 +482,21 @@ class M3Forward {
     const kernels::SwigluParams act{static_cast<float>(cfg_.swiglu_alpha),
                                     static_cast<float>(cfg_.swiglu_limit),
                                     static_cast<float>(cfg_.swiglu_beta)};
-    ops.moe_experts(x, n, ids, wts, k, ew, act, shared, out);
+    if (!with_shared) {
+      ops.moe_experts(x, n, ids, wts, k, ew, act, nullptr, out);
+      return;
+    }
+    if constexpr (requires(kernels::MoeSharedExpert sx) {
+                    ops.moe_experts_shared(x, n, ids, wts, k, ew, sx, act, out);
+                  }) {
+      const kernels::MoeSharedExpert sx{L.shared_gate, L.shared_up, L.shared_down};
+      if (ops.moe_fuses_shared(n, x, ew, sx)) {
+        ops.moe_experts_shared(x, n, ids, wts, k, ew, sx, act, out);
+        return;
+      }
+    }
+    dense_mlp(ops, L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // out = shared
+    ops.moe_experts(x, n, ids, wts, k, ew, act, out, out);
   }
 
   // Attention data parallel: every rank's tokens meet every rank's experts. The rows are padded
@@ -496,7 +519,7 @@ class M3Forward {
     ops.all_gather(send, nmax * h, all);  // all: [W * nmax, hidden]
     // Router (replicated) + this rank's experts (EP: its whole experts; else its intermediate
     // slice of every expert) over every rank's rows: partial sums the reduce-scatter completes.
-    routed_experts(ops, li, all, W * nmax, nullptr, routed);
+    routed_experts(ops, li, all, W * nmax, false, routed);
     ops.reduce_scatter_sum(routed, nmax * h, send);  // send: [nmax, hidden]
     if (n == 0) return;  // a rank without tokens this step only joins the collectives
     if (L.has_shared_expert) {

@@ -51,7 +51,7 @@ TEST(CudaFused, AddRmsnormGemmaMatchesCpu) {
   SKIP_WITHOUT_GPU();
   std::mt19937 g(1);
   for (int64_t rows : {1, 7, 64}) {
-    for (int64_t dim : {6144, 100, 1}) {
+    for (int64_t dim : {6144, 100, 1, 10240}) {
       auto x = randn(rows * dim, g, 3.f), y = randn(rows * dim, g);
       const auto wf = randn(dim, g, 0.1f);
       const auto wb = to_bf16(wf);

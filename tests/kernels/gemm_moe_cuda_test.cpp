@@ -697,6 +697,100 @@ void capture_moe_step(int64_t n, gk::GemmPrecision prec) {
   cudaGraphDestroy(graph);
 }
 
+// The shared expert inside the grouped GEMVs (moe_experts_shared) against the separate path it
+// replaces: linear(gate), linear(up), swiglu_oai, then moe_experts with that output as `shared`.
+// Both are the GEMV's fp32 arithmetic with the same per-row sums, so the bits must agree; with
+// two tokens each row must also equal that token alone (a row depends on its own token only).
+TEST(CudaMoe, SharedExpertInsideTheGemvsMatchesTheSeparatePath) {
+  SKIP_WITHOUT_GPU();
+  PrecisionGuard guard;
+  const MoeSetup s = make_moe({128, 4, 1024, 384, DType::kBF16}, 31);
+  const MoeSetup sh = make_moe({1, 1, 1024, 384, DType::kBF16}, 32);  // the shared expert
+  const auto& c = s.c;
+  const m3::kernels::MoeSharedExpert sx{gk::MatRef{sh.d1.data(), c.dt, c.inter, c.hidden},
+                                        gk::MatRef{sh.d3.data(), c.dt, c.inter, c.hidden},
+                                        gk::MatRef{sh.d2.data(), c.dt, c.hidden, c.inter}};
+  const gk::SwigluParams act{1.702f, 7.0f, 1.0f};
+  const gk::MoeExpertWeights wd = s.dev();
+  Stream stream;
+  std::mt19937 g(33);
+  // One step of n tokens through the fused op (ids/weights from router_topk).
+  struct Step {
+    std::vector<float> x;
+    DeviceBuffer<int32_t> ids;
+    DeviceBuffer<float> wts;
+  };
+  auto make_step = [&](int64_t n) {
+    Step st;
+    st.x = randn(n * c.hidden, g, 1.f);
+    const auto logits = randn(n * c.ne, g, 2.f);
+    DeviceBuffer<float> dl(logits);
+    st.ids = DeviceBuffer<int32_t>(n * c.k);
+    st.wts = DeviceBuffer<float>(n * c.k);
+    gk::router_topk(dl.data(), n, c.ne, nullptr, c.k, 2.5f, st.ids.data(), st.wts.data(),
+                    stream.get());
+    stream.synchronize();
+    return st;
+  };
+  auto fused = [&](const float* dx, int64_t n, const int32_t* ids, const float* wts) {
+    EXPECT_TRUE(gk::moe_fuses_shared(n, dx, wd, sx)) << "n=" << n;
+    DeviceBuffer<uint8_t> work(gk::moe_workspace_bytes(n, c.k, wd));
+    DeviceBuffer<float> out(n * c.hidden);
+    out.fill_bytes(0xff);
+    gk::moe_experts_shared(dx, n, ids, wts, c.k, wd, sx, act, out.data(), work.data(),
+                           stream.get());
+    stream.synchronize();
+    return out.to_host();
+  };
+  auto separate = [&](const float* dx, int64_t n, const int32_t* ids, const float* wts) {
+    DeviceBuffer<float> gt(n * c.inter), up(n * c.inter), out(n * c.hidden);
+    gk::linear(dx, n, sx.gate, gt.data(), stream.get());
+    gk::linear(dx, n, sx.up, up.data(), stream.get());
+    gk::swiglu_oai(gt.data(), up.data(), n, c.inter, act.alpha, act.limit, act.beta, gt.data(),
+                   stream.get());
+    gk::linear(gt.data(), n, sx.down, out.data(), stream.get());  // out = shared
+    DeviceBuffer<uint8_t> work(gk::moe_workspace_bytes(n, c.k, wd));
+    gk::moe_experts_with(gk::MoePath::kGemv, dx, n, ids, wts, c.k, wd, act, out.data(), out.data(),
+                         work.data(), stream.get());
+    stream.synchronize();
+    return out.to_host();
+  };
+  for (auto prec : {gk::GemmPrecision::kExact, gk::GemmPrecision::kBf16}) {
+    gk::set_gemm_precision(prec);
+    for (int64_t n : {1, 2}) {
+      const std::string what =
+          "n=" + std::to_string(n) + (prec == gk::GemmPrecision::kExact ? " exact" : " bf16");
+      Step st = make_step(n);
+      DeviceBuffer<float> dx(st.x);
+      const auto got = fused(dx.data(), n, st.ids.data(), st.wts.data());
+      {  // linear() is the GEMV too at n <= 2: the same bits
+        const auto want = separate(dx.data(), n, st.ids.data(), st.wts.data());
+        EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << what;
+      }
+      for (int64_t t = 0; t < n; ++t) {  // each token alone, through the separate path
+        DeviceBuffer<float> x1(
+            std::vector<float>(st.x.begin() + t * c.hidden, st.x.begin() + (t + 1) * c.hidden));
+        const auto want = separate(x1.data(), 1, st.ids.data() + t * c.k, st.wts.data() + t * c.k);
+        EXPECT_EQ(0, std::memcmp(got.data() + t * c.hidden, want.data(), c.hidden * sizeof(float)))
+            << what << " token " << t;
+      }
+    }
+  }
+  // Where it does not apply, the model keeps the separate path.
+  gk::set_gemm_precision(gk::GemmPrecision::kBf16);
+  DeviceBuffer<float> xs(300 * c.hidden);
+  EXPECT_FALSE(gk::moe_fuses_shared(300, xs.data(), wd, sx)) << "300 tokens: the grouped GEMMs";
+  EXPECT_FALSE(gk::moe_fuses_shared(gk::kMoeSharedFusedMaxTokens + 1, xs.data(), wd, sx))
+      << "3 tokens: the shared weights would be read once per token group";
+  m3::kernels::MoeSharedExpert half = sx;
+  half.gate.rows = half.up.rows = c.inter / 2;
+  half.down.cols = c.inter / 2;
+  EXPECT_FALSE(gk::moe_fuses_shared(1, xs.data(), wd, half)) << "a narrower shared expert";
+  m3::kernels::MoeSharedExpert f32 = sx;
+  f32.down.dtype = DType::kF32;
+  EXPECT_FALSE(gk::moe_fuses_shared(1, xs.data(), wd, f32)) << "another dtype";
+}
+
 TEST(CudaMoe, DecodePathHasNoHostSync) {
   SKIP_WITHOUT_GPU();
   capture_moe_step(8, gk::GemmPrecision::kExact);

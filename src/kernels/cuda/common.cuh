@@ -67,6 +67,61 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return r;
 }
 
+// One row of a Gemma RMSNorm held in registers (kRowVec float4 per thread; see norm_row_fits):
+// a decode step's row is one CTA, so every load is issued at once instead of in a serial loop.
+// With kAdd, the row is x + y and is written back to x first (the residual add). out may alias
+// x: every read of the row is done before block_sum returns.
+inline constexpr int kRowVec = 2;
+inline constexpr int kRowThreadsMax = 1024;
+inline bool norm_row_fits(int64_t dim, const void* a, const void* b, const void* c) {
+  auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return dim > 0 && dim % 4 == 0 && dim / 4 <= int64_t{kRowVec} * kRowThreadsMax && al(a) &&
+         al(b) && al(c);
+}
+inline int norm_row_threads(int64_t dim) {
+  const int64_t per = (dim / 4 + kRowVec - 1) / kRowVec;
+  return static_cast<int>((per + kWarp - 1) / kWarp * kWarp);
+}
+template <bool kAdd>
+__device__ __forceinline__ void rmsnorm_row_vec(float* x, const float* y, int64_t dim,
+                                                const void* w, bool w_bf16, float eps, float* out,
+                                                float* red) {
+  const int64_t nv = dim / 4;
+  float4 v[kRowVec];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < kRowVec; ++j) {
+    const int64_t i = threadIdx.x + j * static_cast<int64_t>(blockDim.x);
+    if (i < nv) {
+      v[j] = reinterpret_cast<const float4*>(x)[i];
+      if (kAdd) {
+        const float4 b = reinterpret_cast<const float4*>(y)[i];
+        v[j] = make_float4(v[j].x + b.x, v[j].y + b.y, v[j].z + b.z, v[j].w + b.w);
+        reinterpret_cast<float4*>(x)[i] = v[j];
+      }
+      ss = fmaf(v[j].x, v[j].x, ss);
+      ss = fmaf(v[j].y, v[j].y, ss);
+      ss = fmaf(v[j].z, v[j].z, ss);
+      ss = fmaf(v[j].w, v[j].w, ss);
+    }
+  }
+  ss = block_sum(ss, red);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+#pragma unroll
+  for (int j = 0; j < kRowVec; ++j) {
+    const int64_t i = threadIdx.x + j * static_cast<int64_t>(blockDim.x);
+    if (i < nv) {
+      const int64_t e = 4 * i;
+      float4 o;
+      o.x = (v[j].x * inv) * (1.0f + load_weight(w, w_bf16, e));
+      o.y = (v[j].y * inv) * (1.0f + load_weight(w, w_bf16, e + 1));
+      o.z = (v[j].z * inv) * (1.0f + load_weight(w, w_bf16, e + 2));
+      o.w = (v[j].w * inv) * (1.0f + load_weight(w, w_bf16, e + 3));
+      reinterpret_cast<float4*>(out)[i] = o;
+    }
+  }
+}
+
 // The top-k order of every selection op: higher score first, ties to the lower id; kNoId
 // (no candidate) ranks last.
 __device__ __forceinline__ bool ranks_before(float sa, int32_t ia, float sb, int32_t ib) {

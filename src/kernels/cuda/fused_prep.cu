@@ -41,6 +41,14 @@ __global__ void __launch_bounds__(kAddNormThreads)
     o[i] = (xr[i] * inv) * (1.0f + load_weight(w, w_bf16, i));
 }
 
+__global__ void __launch_bounds__(detail::kRowThreadsMax)
+    add_rmsnorm_vec_kernel(float* x, const float* __restrict__ y, int64_t dim,
+                           const void* __restrict__ w, bool w_bf16, float eps, float* out) {
+  __shared__ float red[32];
+  const int64_t r = blockIdx.x;
+  detail::rmsnorm_row_vec<true>(x + r * dim, y + r * dim, dim, w, w_bf16, eps, out + r * dim, red);
+}
+
 struct Freqs {
   float head[kMaxRopeHalf];
   float index[kMaxRopeHalf];
@@ -192,6 +200,12 @@ void add_rmsnorm_gemma(float* x, const float* y, int64_t rows, int64_t dim, cons
            static_cast<long long>(w.n), static_cast<long long>(dim));
   if (rows == 0) return;
   M3_CHECK(rows <= 0x7fffffff);
+  if (detail::norm_row_fits(dim, x, y, out)) {
+    add_rmsnorm_vec_kernel<<<static_cast<unsigned>(rows), detail::norm_row_threads(dim), 0,
+                             stream>>>(x, y, dim, w.data, w.dtype == DType::kBF16, eps, out);
+    M3_CUDA_CHECK_LAUNCH("add_rmsnorm_vec_kernel");
+    return;
+  }
   add_rmsnorm_kernel<<<static_cast<unsigned>(rows), kAddNormThreads, 0, stream>>>(
       x, y, dim, w.data, w.dtype == DType::kBF16, eps, out);
   M3_CUDA_CHECK_LAUNCH("add_rmsnorm_kernel");

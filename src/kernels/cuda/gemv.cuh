@@ -83,6 +83,13 @@ struct Params {
   int64_t k_split = 0;  // k elements per blockIdx.z
   int64_t kc = 0;       // k elements staged per chunk
   SwigluParams act;
+  // Grouped only: one more expert slot, the last blockIdx.y, for a dense expert over every
+  // token (the MoE's shared expert, whose weights lie outside the routed experts' stride).
+  // Its positions are [extra_p0, extra_p0 + extra_n); position p reads x row p - extra_p0
+  // when x_rows is set (x holds the tokens), else x row p (x holds positions).
+  const void* w_extra = nullptr;
+  const void* w_up_extra = nullptr;
+  int64_t extra_p0 = 0, extra_n = 0;
 };
 
 __device__ __forceinline__ float swiglu_oai(float g, float u, const SwigluParams& a) {
@@ -118,14 +125,23 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
   int64_t p0 = 0, p1 = p.n;
   const W* w = static_cast<const W*>(p.w);
   const W* wu = static_cast<const W*>(p.w_up);
+  bool extra = false;  // this CTA serves the extra (shared) expert
   if (p.offsets != nullptr) {
     const int slot = blockIdx.y;
-    if (slot >= *p.num_active) return;  // fewer active experts than slots: nothing to do
-    const int e = p.active[slot];
-    p0 = p.offsets[e];
-    p1 = p.offsets[e + 1];
-    w += e * p.w_stride;
-    if (kFused) wu += e * p.w_stride;
+    if (p.w_extra != nullptr && slot == static_cast<int>(gridDim.y) - 1) {
+      extra = true;
+      p0 = p.extra_p0;
+      p1 = p.extra_p0 + p.extra_n;
+      w = static_cast<const W*>(p.w_extra);
+      wu = static_cast<const W*>(p.w_up_extra);
+    } else {
+      if (slot >= *p.num_active) return;  // fewer active experts than slots: nothing to do
+      const int e = p.active[slot];
+      p0 = p.offsets[e];
+      p1 = p.offsets[e + 1];
+      w += e * p.w_stride;
+      if (kFused) wu += e * p.w_stride;
+    }
   }
   const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * nwarps + warp) * kRows;
   const int64_t kb = static_cast<int64_t>(blockIdx.z) * p.k_split;
@@ -154,6 +170,15 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
 
     for (int64_t kc = kb; kc < ke; kc += p.kc) {
       const int64_t klen = min(p.kc, ke - kc);
+      // The first sub-step's weights towards L2 while x is staged: the CTA's first loads then
+      // wait for L2, not for DRAM behind the staging's barrier.
+#pragma unroll
+      for (int it = 0; it < kIt; ++it) {
+        const int64_t kk = it * kSeg + lane * V;
+#pragma unroll
+        for (int r = 0; r < kLoadRows; ++r)
+          if (kk < klen && row_ok[r]) asm volatile("prefetch.L2 [%0];" ::"l"(wrow[r] + kc + kk));
+      }
       __syncthreads();  // the previous chunk's reads of xs are done
       const int q_per_tok = static_cast<int>(p.kc / 4);
       for (int i = threadIdx.x; i < NT * q_per_tok; i += blockDim.x) {
@@ -162,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (t < nt && kk < klen) {
           const int64_t pos = pg + t;
-          const int64_t xr = p.x_rows ? p.x_rows[pos] : pos;
+          const int64_t xr = p.x_rows ? (extra ? pos - p.extra_p0 : p.x_rows[pos]) : pos;
           v = *reinterpret_cast<const float4*>(p.x + xr * p.k + kc + kk);
         }
         const int s = kk / static_cast<int>(kSeg), o = kk % static_cast<int>(kSeg);
@@ -226,6 +251,28 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
       }
     }
   }
+}
+
+// Warps per CTA (max_warps, its halves, down to 2) for `warp_tasks` row groups (kLoadRows rows
+// each, one per warp) that fill the GPU at least once: the CTAs are spread over the SMs, so the
+// step lasts as long as the busiest SM's share, ceil(ctas / sms) CTAs. Picks the size whose busiest
+// SM carries the least beyond the mean (M3's 6144-row GEMVs: 192 CTAs of 8 warps leave 60 SMs with
+// two and 72 with one, 73% of the mean; 384 of 4 warps give three or two, 97%); a smaller CTA only
+// for a gain of 2% or more (each CTA stages x again). Only the CTA shape changes: each row's sum is
+// the same whatever the choice.
+inline int balanced_warps(int64_t warp_tasks, int sms, int max_warps = kThreads / 32) {
+  int best = max_warps;
+  double best_eff = -1.0;
+  for (int w = max_warps; w >= 2; w /= 2) {
+    const int64_t ctas = (warp_tasks + w - 1) / w;
+    const int64_t per_sm = (ctas + sms - 1) / sms;
+    const double eff = static_cast<double>(warp_tasks) / (static_cast<double>(sms) * per_sm * w);
+    if (eff > best_eff + 0.02) {
+      best = w;
+      best_eff = eff;
+    }
+  }
+  return best;
 }
 
 // Token-group size for up to n positions per group: 1, 2, 4, 8 or 16 (more loop).

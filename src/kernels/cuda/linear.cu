@@ -85,6 +85,35 @@ __global__ void embedding_kernel(const void* __restrict__ table, bool bf16, int6
     out[t * cols + c] = load_weight(table, bf16, static_cast<int64_t>(id) * cols + c);
 }
 
+// Rows of 8 columns per thread (one 16-byte bf16 load or two f32 ones), blockIdx.y the column
+// chunk: a decode step's few rows spread over several CTAs with every load in flight at once.
+__global__ void embedding_vec_kernel(const void* __restrict__ table, bool bf16, int64_t rows,
+                                     int64_t cols, const int32_t* __restrict__ ids,
+                                     float* __restrict__ out) {
+  const int64_t t = blockIdx.x;
+  const int32_t id = ids[t];
+  M3_DEVICE_CHECK(id >= 0 && id < rows, "embedding id %d out of range [0, %lld)", id,
+                  static_cast<long long>(rows));
+  const int64_t c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 8;
+  if (c >= cols) return;
+  const int64_t src = static_cast<int64_t>(id) * cols + c;
+  float4 a, b;
+  if (bf16) {
+    const uint4 r = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(table) + src);
+    a = make_float4(__uint_as_float(r.x << 16), __uint_as_float(r.x & 0xffff0000u),
+                    __uint_as_float(r.y << 16), __uint_as_float(r.y & 0xffff0000u));
+    b = make_float4(__uint_as_float(r.z << 16), __uint_as_float(r.z & 0xffff0000u),
+                    __uint_as_float(r.w << 16), __uint_as_float(r.w & 0xffff0000u));
+  } else {
+    const float4* f = reinterpret_cast<const float4*>(static_cast<const float*>(table) + src);
+    a = f[0];
+    b = f[1];
+  }
+  float4* o = reinterpret_cast<float4*>(out + t * cols + c);
+  o[0] = a;
+  o[1] = b;
+}
+
 void check_dtype(const MatRef& w, const char* op) {
   M3_CHECK(w.dtype == DType::kBF16 || w.dtype == DType::kF32, "%s: weight dtype %s", op,
            dtype_name(w.dtype));
@@ -127,6 +156,8 @@ void linear_gemv(const float* x, int64_t n, const MatRef& w, float* y, cudaStrea
   // choice depends on (m, k) only, so a token's result does not depend on n.
   int warps = gemv::kThreads / 32;
   while (warps > 2 && static_cast<int64_t>(ceil_div(m, warps * kRows)) < sms) warps /= 2;
+  if (static_cast<int64_t>(ceil_div(m, warps * kRows)) >= sms)
+    warps = gemv::balanced_warps(ceil_div(m, kRows), sms, warps);
   const int64_t ctas = ceil_div(m, warps * kRows);
   int64_t splits = 1;
   if (ctas < sms)
@@ -207,6 +238,14 @@ void embedding(const MatRef& table, const int32_t* ids, int64_t n, float* out,
   check_dtype(table, "cuda::embedding");
   if (n == 0) return;
   M3_CHECK(n <= 0x7fffffff, "cuda::embedding: %lld ids", static_cast<long long>(n));
+  if (table.cols % 8 == 0 && aligned16(table.data) && aligned16(out)) {
+    constexpr int kThreads = 256;
+    const dim3 grid(static_cast<unsigned>(n), ceil_div(table.cols / 8, kThreads));
+    embedding_vec_kernel<<<grid, kThreads, 0, stream>>>(table.data, table.dtype == DType::kBF16,
+                                                        table.rows, table.cols, ids, out);
+    M3_CUDA_CHECK_LAUNCH("embedding_vec_kernel");
+    return;
+  }
   embedding_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(
       table.data, table.dtype == DType::kBF16, table.rows, table.cols, ids, out);
   M3_CUDA_CHECK_LAUNCH("embedding_kernel");

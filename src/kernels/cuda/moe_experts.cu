@@ -33,9 +33,10 @@ struct Layout {
   int32_t* pair_token;  // [P] token of each position (positions sorted by expert, then token)
   float* pair_weight;   // [P] its routing weight
   int32_t* pair_pos;    // [P] position of pick (t, j) = ids[t * k + j]
-  // few tokens (grouped GEMV)
-  float* act;  // [P, inter] swiglu(gate, up) per position
-  float* ye;   // [P, hidden] expert output per position
+  // few tokens (grouped GEMV); positions [P, P + n) are the shared expert's when it runs
+  // inside the GEMVs (moe_experts_shared), token t at P + t
+  float* act;  // [P + n, inter] swiglu(gate, up) per position
+  float* ye;   // [P + n, hidden] expert output per position
   float* uq;   // [P, inter] up per position (quantized experts: gate and up run apart)
   // many tokens (per-expert linear)
   float* xe;      // [n, hidden] one expert's gathered tokens
@@ -78,8 +79,8 @@ Layout layout_for(void* base, int64_t n, int64_t k, const MoeExpertWeights& w) {
   l.pair_weight = static_cast<float*>(take(P * sizeof(float)));
   l.pair_pos = static_cast<int32_t*>(take(P * sizeof(int32_t)));
   if (few) {
-    l.act = static_cast<float*>(take(P * w.inter * sizeof(float)));
-    l.ye = static_cast<float*>(take(P * w.hidden * sizeof(float)));
+    l.act = static_cast<float*>(take((P + n) * w.inter * sizeof(float)));
+    l.ye = static_cast<float*>(take((P + n) * w.hidden * sizeof(float)));
     if (quant) l.uq = static_cast<float*>(take(P * w.inter * sizeof(float)));
   }
   // The many-token buffers are always laid out: the few-token path falls back to them when the
@@ -232,6 +233,64 @@ __global__ void moe_combine_kernel(const float* __restrict__ ye,
   }
 }
 
+// The same with 4 columns per thread and blockIdx.y the column chunk (hidden % 4 == 0, 16-byte
+// aligned rows): a decode step's few tokens spread over several CTAs. Same sums in the same
+// order as moe_combine_kernel.
+__global__ void moe_combine_vec_kernel(const float* __restrict__ ye,
+                                       const int32_t* __restrict__ pair_pos,
+                                       const float* __restrict__ pair_weight, int k, int64_t hidden,
+                                       const float* shared, float* out) {
+  const int64_t t = blockIdx.x;
+  const int64_t c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 4;
+  if (c >= hidden) return;
+  int32_t pos[kMaxTopK];
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    if (j >= k) break;
+    int32_t v = pair_pos[t * k + j];
+    int i = j;  // insertion sort
+    while (i > 0 && pos[i - 1] > v) {
+      pos[i] = pos[i - 1];
+      --i;
+    }
+    pos[i] = v;
+  }
+  int first = 0;
+  while (first < k && pos[first] < 0) ++first;
+  float4 routed = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int j = first; j < k; ++j) {
+    const float wt = pair_weight[pos[j]];
+    const float4 y = *reinterpret_cast<const float4*>(ye + pos[j] * hidden + c);
+    routed.x += wt * y.x;
+    routed.y += wt * y.y;
+    routed.z += wt * y.z;
+    routed.w += wt * y.w;
+  }
+  if (shared) {
+    const float4 s = *reinterpret_cast<const float4*>(shared + t * hidden + c);
+    routed = make_float4(s.x + routed.x, s.y + routed.y, s.z + routed.z, s.w + routed.w);
+  }
+  *reinterpret_cast<float4*>(out + t * hidden + c) = routed;
+}
+
+constexpr int kCombineThreads = 256;
+
+// out = shared + Σ weight * ye over each token's picks, by the vector kernel when it can.
+void combine(const float* ye, const Layout& l, int64_t n, int64_t k, int64_t hidden,
+             const float* shared, float* out, cudaStream_t stream) {
+  auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (hidden % 4 == 0 && al(ye) && al(out) && (shared == nullptr || al(shared))) {
+    const dim3 grid(static_cast<unsigned>(n), ceil_div(hidden / 4, kCombineThreads));
+    moe_combine_vec_kernel<<<grid, kCombineThreads, 0, stream>>>(
+        ye, l.pair_pos, l.pair_weight, static_cast<int>(k), hidden, shared, out);
+    M3_CUDA_CHECK_LAUNCH("moe_combine_vec_kernel");
+    return;
+  }
+  moe_combine_kernel<<<static_cast<unsigned>(n), kCombineThreads, 0, stream>>>(
+      ye, l.pair_pos, l.pair_weight, static_cast<int>(k), hidden, shared, out);
+  M3_CUDA_CHECK_LAUNCH("moe_combine_kernel");
+}
+
 __global__ void gather_rows_kernel(const float* __restrict__ x, const int32_t* __restrict__ rows,
                                    int64_t cols, float* __restrict__ out) {
   const int64_t i = blockIdx.x;
@@ -275,15 +334,21 @@ cpu::MatRef expert_mat(const void* base, DType dt, int64_t e, int64_t rows, int6
                      cols};
 }
 
+// The grouped GEMVs: gate|up with SwiGLU-OAI fused, then down, over every active expert; with
+// `s`, the shared expert too, as one more slot over all n tokens at positions [P, P + n).
 template <class W>
 void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& w,
-                  const SwigluParams& act, const Layout& l, cudaStream_t stream) {
+                  const MoeSharedExpert* s, const SwigluParams& act, const Layout& l,
+                  cudaStream_t stream) {
   const int64_t P = n * k;
-  const unsigned slots = static_cast<unsigned>(std::min(P, w.num_experts));
+  const unsigned slots = static_cast<unsigned>(std::min(P, w.num_experts)) + (s ? 1 : 0);
   // Token groups sized for twice the mean tokens per expert, at most 8 (registers): most
   // experts then run one group; one with more tokens loops (re-reading its rows, mostly from L2).
   const int64_t mean2 = (2 * P + w.num_experts - 1) / w.num_experts;
-  const int nt = gemv::nt_bucket(std::min<int64_t>({n, mean2, 8}));
+  // The shared expert's slot holds all n tokens: its group covers them (n <= 2, see
+  // moe_fuses_shared), so its weights are read once.
+  const int nt =
+      std::max(gemv::nt_bucket(std::min<int64_t>({n, mean2, 8})), s ? gemv::nt_bucket(n) : 1);
   const int warps = gemv::kThreads / 32;
   {
     gemv::Params p;
@@ -301,6 +366,12 @@ void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
     p.k_split = w.hidden;
     p.kc = gemv::chunk_k<W>(nt, w.hidden);
     p.act = act;
+    if (s) {
+      p.w_extra = s->gate.data;
+      p.w_up_extra = s->up.data;
+      p.extra_p0 = P;
+      p.extra_n = n;
+    }
     const unsigned tiles = ceil_div(w.inter, warps * gemv::kLoadRows / 2);
     gemv::launch<W, true>(p, nt, dim3(tiles, slots, 1), gemv::kThreads, stream);
   }
@@ -317,6 +388,11 @@ void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
     p.num_active = l.num_active;
     p.k_split = w.inter;
     p.kc = gemv::chunk_k<W>(nt, w.inter);
+    if (s) {
+      p.w_extra = s->down.data;
+      p.extra_p0 = P;
+      p.extra_n = n;
+    }
     const unsigned tiles = ceil_div(w.hidden, warps * gemv::kLoadRows);
     gemv::launch<W, false>(p, nt, dim3(tiles, slots, 1), gemv::kThreads, stream);
   }
@@ -454,10 +530,14 @@ void moe_experts(const float* x, int64_t n, const int32_t* ids, const float* wei
   moe_experts_with(MoePath::kAuto, x, n, ids, weights, k, w, act, shared, out, workspace, stream);
 }
 
-void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* ids,
-                      const float* weights, int64_t k, const MoeExpertWeights& w,
-                      const SwigluParams& act, const float* shared, float* out, void* workspace,
-                      cudaStream_t stream) {
+namespace {
+
+// moe_experts_with, and with `sx` (the kGemv path only) the shared expert inside the GEMVs
+// (then `shared` is null).
+void run_moe(MoePath path, const float* x, int64_t n, const int32_t* ids, const float* weights,
+             int64_t k, const MoeExpertWeights& w, const MoeSharedExpert* sx,
+             const SwigluParams& act, const float* shared, float* out, void* workspace,
+             cudaStream_t stream) {
   const bool quant = w.quant != WeightQuant::kNone;
   M3_CHECK(quant || w.dtype == DType::kBF16 || w.dtype == DType::kF32, "moe_experts: dtype %s",
            dtype_name(w.dtype));
@@ -469,6 +549,8 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
            "moe_experts: %lld experts (max %lld)", static_cast<long long>(w.num_experts),
            static_cast<long long>(kMaxExperts));
   M3_CHECK(k > 0 && k <= kMaxTopK, "moe_experts: top-%lld", static_cast<long long>(k));
+  M3_CHECK(sx == nullptr || (path == MoePath::kGemv && !quant && shared == nullptr),
+           "moe_experts: the shared expert runs inside the grouped GEMVs only");
   if (n == 0) return;
   const int64_t P = n * k;
   M3_CHECK(P <= 0x7fffffff && n <= 0x7fffffff);
@@ -488,9 +570,8 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
       // Chunks of tokens are independent MoE calls; the workspace holds one chunk.
       for (int64_t c0 = 0; c0 < n; c0 += kMoeGroupedChunk) {
         const int64_t m = std::min(kMoeGroupedChunk, n - c0);
-        moe_experts_with(path, x + c0 * w.hidden, m, ids + c0 * k, weights + c0 * k, k, w, act,
-                         shared ? shared + c0 * w.hidden : nullptr, out + c0 * w.hidden, workspace,
-                         stream);
+        run_moe(path, x + c0 * w.hidden, m, ids + c0 * k, weights + c0 * k, k, w, nullptr, act,
+                shared ? shared + c0 * w.hidden : nullptr, out + c0 * w.hidden, workspace, stream);
       }
       return;
     }
@@ -507,9 +588,7 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
   if (path == MoePath::kGroupedWgmma) {
     moe_grouped::sm90_experts(x, l.pair_token, P, l.offsets, w, act, l.xg, l.gu, l.wact16, l.wye,
                               l.sm90_ws, l.sm90_ws_bytes, stream);
-    moe_combine_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(
-        l.wye, l.pair_pos, l.pair_weight, static_cast<int>(k), w.hidden, shared, out);
-    M3_CUDA_CHECK_LAUNCH("moe_combine_kernel");
+    combine(l.wye, l, n, k, w.hidden, shared, out, stream);
     return;
   }
   if (path == MoePath::kGrouped) {
@@ -520,21 +599,20 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
     moe_grouped::gate_up(l.xb, l.pair_token, l.tiles, l.num_tiles, tiles, bm, w, act, l.act16,
                          stream);
     moe_grouped::down(l.act16, l.tiles, l.num_tiles, tiles, bm, w, l.gye, stream);
-    moe_combine_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(
-        l.gye, l.pair_pos, l.pair_weight, static_cast<int>(k), w.hidden, shared, out);
-    M3_CUDA_CHECK_LAUNCH("moe_combine_kernel");
+    combine(l.gye, l, n, k, w.hidden, shared, out, stream);
     return;
   }
   if (path == MoePath::kGemv) {
     if (quant)
       experts_gemv_quant(x, n, k, w, act, l, stream);
     else if (w.dtype == DType::kBF16)
-      experts_gemv<uint16_t>(x, n, k, w, act, l, stream);
+      experts_gemv<uint16_t>(x, n, k, w, sx, act, l, stream);
     else
-      experts_gemv<float>(x, n, k, w, act, l, stream);
-    moe_combine_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(
-        l.ye, l.pair_pos, l.pair_weight, static_cast<int>(k), w.hidden, shared, out);
-    M3_CUDA_CHECK_LAUNCH("moe_combine_kernel");
+      experts_gemv<float>(x, n, k, w, sx, act, l, stream);
+    // With the shared expert inside, its outputs are ye's positions [P, P + n): token t's at
+    // row P + t, the `shared` term of the combine.
+    const float* sh = sx ? l.ye + P * w.hidden : shared;
+    combine(l.ye, l, n, k, w.hidden, sh, out, stream);
     return;
   }
 
@@ -574,6 +652,42 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
   }
   add_kernel<<<grid_for(n * w.hidden), 256, 0, stream>>>(shared, l.routed, n * w.hidden, out);
   M3_CUDA_CHECK_LAUNCH("add_kernel");
+}
+
+}  // namespace
+
+void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* ids,
+                      const float* weights, int64_t k, const MoeExpertWeights& w,
+                      const SwigluParams& act, const float* shared, float* out, void* workspace,
+                      cudaStream_t stream) {
+  run_moe(path, x, n, ids, weights, k, w, nullptr, act, shared, out, workspace, stream);
+}
+
+bool moe_fuses_shared(int64_t n, const float* x, const MoeExpertWeights& w,
+                      const MoeSharedExpert& s) {
+  if (n > kMoeSharedFusedMaxTokens || w.quant != WeightQuant::kNone ||
+      moe_path(n, w, x) != MoePath::kGemv)
+    return false;
+  auto same = [&](const MatRef& m, int64_t rows, int64_t cols) {
+    return m.quant == WeightQuant::kNone && m.dtype == w.dtype && m.rows == rows &&
+           m.cols == cols && aligned16(m.data);
+  };
+  return same(s.gate, w.inter, w.hidden) && same(s.up, w.inter, w.hidden) &&
+         same(s.down, w.hidden, w.inter);
+}
+
+void moe_experts_shared(const float* x, int64_t n, const int32_t* ids, const float* weights,
+                        int64_t k, const MoeExpertWeights& w, const MoeSharedExpert& s,
+                        const SwigluParams& act, float* out, void* workspace, cudaStream_t stream) {
+  M3_CHECK(moe_fuses_shared(n, x, w, s),
+           "moe_experts_shared: the shared expert (gate %lldx%lld, down %lldx%lld) cannot run "
+           "inside the grouped GEMVs of %lld tokens over these experts (inter %lld, hidden "
+           "%lld); use moe_experts with the shared expert's output",
+           static_cast<long long>(s.gate.rows), static_cast<long long>(s.gate.cols),
+           static_cast<long long>(s.down.rows), static_cast<long long>(s.down.cols),
+           static_cast<long long>(n), static_cast<long long>(w.inter),
+           static_cast<long long>(w.hidden));
+  run_moe(MoePath::kGemv, x, n, ids, weights, k, w, &s, act, nullptr, out, workspace, stream);
 }
 
 }  // namespace m3::kernels::cuda

@@ -65,6 +65,19 @@ void swiglu_oai(const float* gate, const float* up, int64_t n, int64_t inter, fl
 void router_topk(const float* logits, int64_t n, int64_t num_experts, const float* bias, int64_t k,
                  float scale, int32_t* ids, float* weights, cudaStream_t stream);
 
+// The decode router in one launch: logits [n, ne] = x [n, hidden] · router^T (f32 [ne, hidden])
+// by one CTA per expert row with no split-K round trip, then router_topk's ids and weights from
+// them (the same picks and arithmetic) by the last CTA to finish. `counter`: a device unsigned
+// that is 0 at the call; the kernel leaves it 0 again (one per stream: launches on one counter
+// must not overlap). Needs router_fused_supported: n <= kRouterFusedMaxTokens, an f32 router of
+// <= kRouterFusedMaxExperts rows, hidden % 4 == 0 and <= 8192, 16-byte aligned x and weights.
+inline constexpr int64_t kRouterFusedMaxTokens = 8;
+inline constexpr int64_t kRouterFusedMaxExperts = 256;
+bool router_fused_supported(int64_t n, const MatRef& router, int64_t k, const float* x);
+void router_fused(const float* x, int64_t n, const MatRef& router, const float* bias, int64_t k,
+                  float scale, float* logits, int32_t* ids, float* weights, unsigned* counter,
+                  cudaStream_t stream);
+
 // Writes k, v (and ik if non-null) of each token into its cache slot.
 void kv_write(const KvPages& cache, const TokenLayout& layout, const float* k, const float* v,
               const float* ik, cudaStream_t stream);
@@ -210,6 +223,21 @@ void moe_experts_with(MoePath path, const float* x, int64_t n, const int32_t* id
                       const float* weights, int64_t k, const MoeExpertWeights& w,
                       const SwigluParams& act, const float* shared, float* out, void* workspace,
                       cudaStream_t stream);
+
+// Whether moe_experts_shared can run `s` inside the grouped GEMVs of n tokens: at most
+// kMoeSharedFusedMaxTokens tokens (one token group of the GEMV holds them all, so the shared
+// weights are read once; more tokens would re-read them per group), the kGemv path, unquantized
+// experts, and s of the routed experts' dtype and shapes (16-byte aligned).
+inline constexpr int64_t kMoeSharedFusedMaxTokens = 2;
+bool moe_fuses_shared(int64_t n, const float* x, const MoeExpertWeights& w,
+                      const MoeSharedExpert& s);
+// moe_experts with `shared` = down(swiglu(gate(x), up(x))) of the shared expert `s`, computed
+// inside the routed experts' grouped GEMVs as one more expert over all n tokens (one launch for
+// every gate|up, one for every down): the same numbers as the shared expert through linear()
+// and swiglu_oai_rows, then moe_experts. Needs moe_fuses_shared (else it aborts naming why).
+void moe_experts_shared(const float* x, int64_t n, const int32_t* ids, const float* weights,
+                        int64_t k, const MoeExpertWeights& w, const MoeSharedExpert& s,
+                        const SwigluParams& act, float* out, void* workspace, cudaStream_t stream);
 
 // ---- tensor parallelism (shard_ops.cu) ----
 // The embedding of a rank that holds vocabulary rows [vocab_begin, vocab_begin + table.rows):

@@ -60,6 +60,15 @@ void CudaOps::moe_experts(const float* x, int64_t n, const int32_t* ids, const f
   ops::moe_experts(x, n, ids, weights, k, w, act, shared, out, work, s_);
 }
 
+void CudaOps::moe_experts_shared(const float* x, int64_t n, const int32_t* ids,
+                                 const float* weights, int64_t k,
+                                 const kernels::MoeExpertWeights& w,
+                                 const kernels::MoeSharedExpert& s,
+                                 const kernels::SwigluParams& act, float* out) {
+  uint8_t* work = ensure(moe_ws_, static_cast<int64_t>(ops::moe_workspace_bytes(n, k, w)));
+  ops::moe_experts_shared(x, n, ids, weights, k, w, s, act, out, work, s_);
+}
+
 void CudaOps::linear_quant(const float* x, int64_t n, const MatRef& w, float* y) {
   const size_t need = ops::linear_quant_workspace_bytes(n, w);
   void* ws = need > 0 ? ensure(quant_ws_, static_cast<int64_t>(need)) : nullptr;

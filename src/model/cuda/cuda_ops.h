@@ -117,6 +117,24 @@ class CudaOps {
                    int64_t k, float scale, int32_t* ids, float* weights) {
     kernels::cuda::router_topk(logits, n, num_experts, bias, k, scale, ids, weights, s_);
   }
+  // The router GEMV + top-k in one launch for a decode step's few rows (kernels/cuda/ops.h).
+  bool router_fuses(int64_t n, const MatRef& router, int64_t k, const float* x) const {
+    return kernels::cuda::router_fused_supported(n, router, k, x);
+  }
+  void router_fused(const float* x, int64_t n, const MatRef& router, const float* bias, int64_t k,
+                    float scale, float* logits, int32_t* ids, float* weights) {
+    kernels::cuda::router_fused(x, n, router, bias, k, scale, logits, ids, weights,
+                                router_counter(), s_);
+  }
+  // The shared expert inside the routed experts' grouped GEMVs (decode; kernels/cuda/ops.h).
+  bool moe_fuses_shared(int64_t n, const float* x, const kernels::MoeExpertWeights& w,
+                        const kernels::MoeSharedExpert& s) const {
+    return kernels::cuda::moe_fuses_shared(n, x, w, s);
+  }
+  void moe_experts_shared(const float* x, int64_t n, const int32_t* ids, const float* weights,
+                          int64_t k, const kernels::MoeExpertWeights& w,
+                          const kernels::MoeSharedExpert& s, const kernels::SwigluParams& act,
+                          float* out);
   void moe_localize_ids(int32_t* ids, int64_t n, int64_t first, int64_t count) {
     kernels::cuda::moe_localize_ids(ids, n, first, count, s_);
   }
@@ -153,6 +171,15 @@ class CudaOps {
   template <class F>
   void on_comm(F&& collective);
   void linear_quant(const float* x, int64_t n, const MatRef& w, float* y);
+  // router_fused's completion counter: zeroed once when allocated (an eager step, before any
+  // capture), left at zero by every launch.
+  unsigned* router_counter() {
+    if (router_done_.size() == 0) {
+      ensure(router_done_, 1);
+      M3_CUDA_CHECK(cudaMemsetAsync(router_done_.data(), 0, sizeof(unsigned), s_));
+    }
+    return router_done_.data();
+  }
 
   cudaStream_t s_;
   dist::Communicator* comm_ = nullptr;
@@ -164,9 +191,10 @@ class CudaOps {
   std::vector<cudaEvent_t> kv_waits_;
   std::array<gpu::DeviceBuffer<float>, static_cast<size_t>(Buf::kCount)> f32_;
   std::array<gpu::DeviceBuffer<int32_t>, static_cast<size_t>(IBuf::kCount)> i32_;
-  gpu::DeviceBuffer<uint8_t> attn_ws_;   // attention / MSA workspace
-  gpu::DeviceBuffer<uint8_t> moe_ws_;    // moe_experts' workspace
-  gpu::DeviceBuffer<uint8_t> quant_ws_;  // linear_quant's dequantised bf16 matrix
+  gpu::DeviceBuffer<uint8_t> attn_ws_;       // attention / MSA workspace
+  gpu::DeviceBuffer<uint8_t> moe_ws_;        // moe_experts' workspace
+  gpu::DeviceBuffer<uint8_t> quant_ws_;      // linear_quant's dequantised bf16 matrix
+  gpu::DeviceBuffer<unsigned> router_done_;  // router_fused's counter
 };
 
 template <class T>
