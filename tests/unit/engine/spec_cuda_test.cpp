@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <fstream>
 
@@ -98,14 +99,18 @@ TEST(SpecDecodeCuda, GreedyTokensEqualTheGpuEngineWithoutDrafts) {
 // (so each step's batch is the same on both engines).
 double acceptance(Engine& e, const std::vector<int32_t>& ids, std::vector<int32_t>* tokens) {
   const SpecDecodeStats before = e.stats().spec_decode;
-  for (size_t n : {6u, 10u, 16u, 22u}) {
+  // Prompts of the golden's first 6, 10, 15 and 20 ids (it holds 20: a longer prefix read past
+  // its end, whose garbage ids the engines refused).
+  EXPECT_GE(ids.size(), 20u);
+  for (size_t n : {6u, 10u, 15u, 20u}) {
+    n = std::min(n, ids.size());
     GenerateRequest r;
-    r.prompt_token_ids.assign(ids.begin(), ids.begin() + n);
+    r.prompt_token_ids.assign(ids.begin(), ids.begin() + static_cast<ptrdiff_t>(n));
     r.params.temperature = 0.f;
     r.params.max_tokens = 32;
     r.params.ignore_eos = true;
     auto h = e.submit(r);
-    EXPECT_TRUE(h.has_value());
+    EXPECT_TRUE(h.has_value()) << h.error().message;
     if (!h) return 0;
     const auto c = testing::collect(**h);
     tokens->insert(tokens->end(), c.tokens.begin(), c.tokens.end());
