@@ -151,6 +151,9 @@ class EngineImpl {
   // When the backend reports a fault: ends every live request with an error naming it; true
   // when it did (the step just run is then not reported).
   bool fail_on_fault();
+  // Ends live request `id` with `reason` ("abort"; "error" with a non-empty `error`) and drops
+  // its state; counted as aborted or failed.
+  void end_live(uint64_t id, const char* reason, const std::string& error);
 
   void loop();
   // Async scheduling's loop (EngineConfig::async_scheduling).
@@ -343,17 +346,22 @@ void EngineImpl::admit(Pending& p) {
 }
 
 void EngineImpl::finish_abort(uint64_t id) {
+  end_live(id, "abort", "");
+}
+
+void EngineImpl::end_live(uint64_t id, const char* reason, const std::string& error) {
   auto it = live.find(id);
   if (it == live.end()) return;
   scheduler->abort_request(id);
   RequestOutput o;
   o.finished = true;
-  o.finish_reason = "abort";
+  o.finish_reason = reason;
+  o.error = error;
   o.num_prompt_tokens = it->second.num_prompt_tokens;
   it->second.stream->push(std::move(o));
   {
     std::lock_guard<std::mutex> lock(stats_mu);
-    ++stats.requests_finished_abort;
+    ++(error.empty() ? stats.requests_finished_abort : stats.requests_finished_error);
   }
   live.erase(it);
   states.erase(id);
@@ -377,24 +385,7 @@ bool EngineImpl::fail_on_fault() {
   healthy = false;
   std::vector<uint64_t> ids;
   for (auto& [id, l] : live) ids.push_back(id);
-  for (uint64_t id : ids) {
-    auto it = live.find(id);
-    scheduler->abort_request(id);
-    RequestOutput o;
-    o.finished = true;
-    o.finish_reason = "error";
-    o.error = msg;
-    o.num_prompt_tokens = it->second.num_prompt_tokens;
-    it->second.stream->push(std::move(o));
-    {
-      std::lock_guard<std::mutex> lock(stats_mu);
-      ++stats.requests_finished_error;
-    }
-    live.erase(it);
-    states.erase(id);
-    remote_loads.erase(id);
-    --num_unfinished;
-  }
+  for (uint64_t id : ids) end_live(id, "error", msg);
   refresh_stats();
   return true;
 }

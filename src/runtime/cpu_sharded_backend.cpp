@@ -117,6 +117,16 @@ class ShardedCpuBackend final : public ForwardBackend {
   RankThreads threads_;                           // last: started once everything above exists
 };
 
+// A CPU KV pool of num_pages pages: at least one, else the error names the flag and the size.
+Status check_cpu_pages(int64_t num_pages, const M3Config& config) {
+  if (num_pages >= 1) return {};
+  return make_error(ErrorCode::kInvalidArgument,
+                    "the CPU KV cache would have " + std::to_string(num_pages) +
+                        " pages; raise --kv-cache-memory-bytes to at least " +
+                        std::to_string(KvCache::page_bytes(config)) + " (one page)",
+                    "--kv-cache-memory-bytes");
+}
+
 }  // namespace
 
 Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(
@@ -152,13 +162,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(
                       "(a synthetic model is generated on the GPU only)",
                       "--tensor-parallel-size");
   }
-  if (num_pages < 1) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "the CPU KV cache would have " + std::to_string(num_pages) +
-                          " pages; raise --kv-cache-memory-bytes to at least " +
-                          std::to_string(KvCache::page_bytes(model->config())) + " (one page)",
-                      "--kv-cache-memory-bytes");
-  }
+  M3_TRY_STATUS(check_cpu_pages(num_pages, model->config()));
   const int W = dp ? data_parallel_size : tensor_parallel_size;
   // Partitioned data parallel: the budget's pages split over the ranks, each caching its own.
   const bool partitioned = dp && dp_kv_partitions;
@@ -313,13 +317,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_multi_node_backend(std::unique_
                                                                     bool ep,
                                                                     const MultiNodeSpec& nodes) {
   M3_CHECK(nodes.node_rank == 0, "the engine runs on node 0 only");
-  if (num_pages < 1) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "the CPU KV cache would have " + std::to_string(num_pages) +
-                          " pages; raise --kv-cache-memory-bytes to at least " +
-                          std::to_string(KvCache::page_bytes(model->config())) + " (one page)",
-                      "--kv-cache-memory-bytes");
-  }
+  M3_TRY_STATUS(check_cpu_pages(num_pages, model->config()));
   M3_TRY(NodeRanks r, make_node_ranks(std::move(model), num_pages, tp, ep, nodes));
   return make_leader_backend(std::move(r.backend), std::move(r.group));
 }

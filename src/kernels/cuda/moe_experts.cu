@@ -202,6 +202,26 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
 }
 
+// Token t's k pick positions in ascending order (insertion sort) into pos; returns the first
+// index past the picks of other ranks' experts (pos -1, which sort first and are skipped).
+__device__ __forceinline__ int sorted_picks(const int32_t* __restrict__ pair_pos, int64_t t, int k,
+                                            int32_t (&pos)[kMaxTopK]) {
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    if (j >= k) break;
+    const int32_t v = pair_pos[t * k + j];
+    int i = j;
+    while (i > 0 && pos[i - 1] > v) {
+      pos[i] = pos[i - 1];
+      --i;
+    }
+    pos[i] = v;
+  }
+  int first = 0;
+  while (first < k && pos[first] < 0) ++first;
+  return first;
+}
+
 // out[t] = shared[t] + Σ_j weight * ye[pos_j] over t's picks in ascending position (= ascending
 // expert id). One CTA per token.
 __global__ void moe_combine_kernel(const float* __restrict__ ye,
@@ -211,20 +231,7 @@ __global__ void moe_combine_kernel(const float* __restrict__ ye,
   const int64_t t = blockIdx.x;
   int32_t pos[kMaxTopK];
   float wt[kMaxTopK];
-#pragma unroll
-  for (int j = 0; j < kMaxTopK; ++j) {
-    if (j >= k) break;
-    int32_t v = pair_pos[t * k + j];
-    int i = j;  // insertion sort
-    while (i > 0 && pos[i - 1] > v) {
-      pos[i] = pos[i - 1];
-      --i;
-    }
-    pos[i] = v;
-  }
-  // Picks of other ranks' experts (pos -1) sort first and are skipped.
-  int first = 0;
-  while (first < k && pos[first] < 0) ++first;
+  const int first = sorted_picks(pair_pos, t, k, pos);
   for (int j = first; j < k; ++j) wt[j] = pair_weight[pos[j]];
   for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
     float routed = 0.f;
@@ -244,19 +251,7 @@ __global__ void moe_combine_vec_kernel(const float* __restrict__ ye,
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 4;
   if (c >= hidden) return;
   int32_t pos[kMaxTopK];
-#pragma unroll
-  for (int j = 0; j < kMaxTopK; ++j) {
-    if (j >= k) break;
-    int32_t v = pair_pos[t * k + j];
-    int i = j;  // insertion sort
-    while (i > 0 && pos[i - 1] > v) {
-      pos[i] = pos[i - 1];
-      --i;
-    }
-    pos[i] = v;
-  }
-  int first = 0;
-  while (first < k && pos[first] < 0) ++first;
+  const int first = sorted_picks(pair_pos, t, k, pos);
   float4 routed = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int j = first; j < k; ++j) {
     const float wt = pair_weight[pos[j]];
