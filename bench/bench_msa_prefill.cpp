@@ -55,9 +55,7 @@ void fill_random(void* dst, size_t bytes, KvDtype dt, float scale, std::mt19937&
       h[i] = m3::f32_to_fp8_e4m3(x / scale);
     }
   }
-  for (size_t off = 0; off < bytes; off += h.size())
-    M3_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(dst) + off, h.data(),
-                             std::min(h.size(), bytes - off), cudaMemcpyHostToDevice));
+  m3::bench::fill_tiled_from_host(dst, bytes, h.data(), h.size());
 }
 
 template <class T>
@@ -65,10 +63,7 @@ void fill_normal(DeviceBuffer<T>& b, std::mt19937& g) {
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<T> block(std::min<size_t>(b.size(), size_t{1} << 22));
   for (auto& x : block) x = nd(g);
-  for (size_t at = 0; at < b.size(); at += block.size())
-    M3_CUDA_CHECK(cudaMemcpy(b.data() + at, block.data(),
-                             std::min(block.size(), b.size() - at) * sizeof(T),
-                             cudaMemcpyHostToDevice));
+  m3::bench::fill_repeat(b, block);
 }
 
 }  // namespace

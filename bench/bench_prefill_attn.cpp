@@ -25,21 +25,12 @@
 namespace {
 
 namespace gk = m3::kernels::cuda;
+using m3::bench::fill_repeat;
 using m3::bench::time_ms;
 using m3::gpu::DeviceBuffer;
 using m3::kernels::KvDtype;
 
 constexpr int64_t kHeads = 64, kKvHeads = 4, kDim = 128, kPage = 128, kChunk = 8192;
-
-// n elements of a repeated random block (a big buffer filled without generating it all).
-template <class T>
-void fill_repeat(DeviceBuffer<T>& b, const std::vector<T>& block) {
-  const size_t n = b.size();
-  for (size_t at = 0; at < n; at += block.size()) {
-    const size_t m = std::min(block.size(), n - at);
-    M3_CUDA_CHECK(cudaMemcpy(b.data() + at, block.data(), m * sizeof(T), cudaMemcpyHostToDevice));
-  }
-}
 
 }  // namespace
 

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "gpu/cuda_check.h"
 #include "gpu/device_buffer.h"
@@ -54,6 +55,18 @@ inline double copy_bandwidth() {
     best = std::max(best, 2.0 * n / (now_s() - t0));
   }
   return best;
+}
+
+// Fills `bytes` bytes of device memory at dst by repeating a host block (a large buffer filled
+// without generating all of it).
+inline void fill_tiled_from_host(void* dst, size_t bytes, const void* block, size_t block_bytes) {
+  for (size_t at = 0; at < bytes; at += block_bytes)
+    M3_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(dst) + at, block,
+                             std::min(block_bytes, bytes - at), cudaMemcpyHostToDevice));
+}
+template <class T>
+void fill_repeat(gpu::DeviceBuffer<T>& b, const std::vector<T>& block) {
+  fill_tiled_from_host(b.data(), b.size() * sizeof(T), block.data(), block.size() * sizeof(T));
 }
 
 }  // namespace m3::bench
