@@ -82,8 +82,9 @@ Status validate_parallel(const ParallelArgs& a, const std::string& device, bool 
     if (a.data_parallel_size > 1)
       return make_error(ErrorCode::kUnsupported,
                         "--data-parallel-size over several nodes (--nnodes " + n +
-                            ") is not implemented yet; split the model with "
-                            "--tensor-parallel-size over the nodes (docs/MULTI_NODE.md)",
+                            ") is refused: m3serve splits a model over nodes by tensor "
+                            "parallelism only; split it with --tensor-parallel-size over the "
+                            "nodes, or run one data-parallel server per node (docs/MULTI_NODE.md)",
                         "--data-parallel-size");
     if (a.tensor_parallel_size < a.nnodes || a.tensor_parallel_size % a.nnodes != 0)
       return bad("--tensor-parallel-size " + std::to_string(a.tensor_parallel_size) +

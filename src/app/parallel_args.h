@@ -3,7 +3,7 @@
 // --node-rank, --master-addr, --master-port. Registers them, validates them, and wraps a device's
 // backend factory so the engine gets the tensor- or data-parallel CPU backend
 // (runtime::make_cpu_sharded_backend) when asked.
-// Invariant: what is not implemented yet (data and tensor parallel together, data parallel over
+// Invariant: what m3serve does not run (data and tensor parallel together, data parallel over
 // nodes, several nodes outside `serve`) is refused here with one line, before the weights are
 // read. --device cuda --tensor-parallel-size N and --data-parallel-size N are wired in
 // app/device_backend.cpp; --nnodes M (tensor parallel over M processes, runtime/multi_node.h) for

@@ -350,8 +350,9 @@ class LeaderBackend final : public ForwardBackend {
   std::string kv_cache_flag() const override { return local_->kv_cache_flag(); }
   int num_kv_partitions() const override { return local_->num_kv_partitions(); }
   std::string speculative_refusal() const override {
-    return "speculative decoding over several nodes (--nnodes) is not implemented yet; serve "
-           "--speculative-config on one node";
+    return "speculative decoding over several nodes (--nnodes) is refused: the draft and its "
+           "verification run on one process's ranks only; serve --speculative-config on one "
+           "node (--tensor-parallel-size within it)";
   }
   bool supports_image_input() const override { return local_->supports_image_input(); }
   std::string image_refusal() const override { return local_->image_refusal(); }

@@ -172,3 +172,25 @@ def test_multi_node_flag_errors_in_one_line(binary, args, says):
     assert p.returncode != 0
     err = [l for l in p.stderr.splitlines() if l.startswith("m3serve: error:")]
     assert len(err) == 1 and says in err[0], p.stderr
+
+
+def test_speculative_decoding_over_nodes_is_refused_with_the_fix(binary):
+    port = free_port()
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+             "--master-port", str(port)]
+    spec = json.dumps({"method": "eagle3", "model": os.path.join(REPO, "models", "demo-eagle3"),
+                       "num_speculative_tokens": 3})
+    node1 = subprocess.Popen([binary, "serve", DEMO, *COMMON, *flags, "--node-rank", "1", "--headless"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        node0 = subprocess.run([binary, "serve", DEMO, *COMMON, *flags, "--node-rank", "0", "--port",
+                                "0", "--speculative-config", spec],
+                               capture_output=True, text=True, timeout=120)
+        node1.communicate(timeout=30)  # node 0's end reaches node 1: it exits, never hangs
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    assert node0.returncode != 0
+    err = [l for l in node0.stderr.splitlines() if l.startswith("m3serve: error:")]
+    assert len(err) == 1 and "speculative decoding over several nodes" in err[0] and \
+        "on one node" in err[0], node0.stderr
