@@ -56,21 +56,7 @@ void fill_tiled(void* dst, size_t bytes, const DeviceBuffer<uint8_t>& seed, cuda
 
 // 64 MiB of N(0, 1) values stored as `dt` (fp8: divided by `scale` first).
 DeviceBuffer<uint8_t> seed_block(KvDtype dt, float scale, std::mt19937& g) {
-  const size_t n = (size_t{64} << 20) / kv_dtype_size(dt);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<uint8_t> h(n * kv_dtype_size(dt));
-  for (size_t i = 0; i < n; ++i) {
-    const float x = nd(g);
-    if (dt == KvDtype::kF32) {
-      std::memcpy(h.data() + 4 * i, &x, 4);
-    } else if (dt == KvDtype::kBf16) {
-      const uint16_t b = m3::f32_to_bf16(x);
-      std::memcpy(h.data() + 2 * i, &b, 2);
-    } else {
-      h[i] = m3::f32_to_fp8_e4m3(x / scale);
-    }
-  }
-  return DeviceBuffer<uint8_t>(h);
+  return DeviceBuffer<uint8_t>(m3::bench::normal_kv_bytes(dt, scale, size_t{64} << 20, g));
 }
 
 // Times fn captured once into a CUDA graph (one launch per decode step, as the engine runs it).

@@ -43,18 +43,7 @@ constexpr int64_t kPage = 128, kKvHeads = 4, kHeads = 64, kDim = 128, kIndexHead
 // `bytes` bytes of device memory filled by tiling a 16 MiB block of N(0, 1) values in `dt`
 // (fp8: divided by `scale` first).
 void fill_random(void* dst, size_t bytes, KvDtype dt, float scale, std::mt19937& g) {
-  const size_t n = (size_t{16} << 20) / kv_dtype_size(dt);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<uint8_t> h(n * kv_dtype_size(dt));
-  for (size_t i = 0; i < n; ++i) {
-    const float x = nd(g);
-    if (dt == KvDtype::kBf16) {
-      const uint16_t b = m3::f32_to_bf16(x);
-      std::memcpy(h.data() + 2 * i, &b, 2);
-    } else {
-      h[i] = m3::f32_to_fp8_e4m3(x / scale);
-    }
-  }
+  const auto h = m3::bench::normal_kv_bytes(dt, scale, size_t{16} << 20, g);
   m3::bench::fill_tiled_from_host(dst, bytes, h.data(), h.size());
 }
 
@@ -70,13 +59,8 @@ void fill_normal(DeviceBuffer<T>& b, std::mt19937& g) {
 
 int main(int argc, char** argv) {
   const int iters = argc > 1 ? std::atoi(argv[1]) : 3;
-  std::vector<int64_t> lengths = {8192, 32768, 131072};
-  if (argc > 2) {
-    lengths.clear();
-    std::stringstream ss(argv[2]);
-    std::string item;
-    while (std::getline(ss, item, ',')) lengths.push_back(std::atoll(item.c_str()));
-  }
+  const std::vector<int64_t> lengths =
+      m3::bench::int_list_arg(argc, argv, 2, {8192, 32768, 131072});
   auto dev = m3::gpu::probe_device(0);
   if (!dev) {
     std::fprintf(stderr, "bench_msa_prefill: %s\n", dev.error().message.c_str());

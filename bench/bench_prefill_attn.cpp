@@ -36,13 +36,8 @@ constexpr int64_t kHeads = 64, kKvHeads = 4, kDim = 128, kPage = 128, kChunk = 8
 
 int main(int argc, char** argv) {
   const int iters = argc > 1 ? std::atoi(argv[1]) : 5;
-  std::vector<int64_t> lengths = {8192, 32768, 131072};
-  if (argc > 2) {
-    lengths.clear();
-    std::stringstream ss(argv[2]);
-    std::string item;
-    while (std::getline(ss, item, ',')) lengths.push_back(std::atoll(item.c_str()));
-  }
+  const std::vector<int64_t> lengths =
+      m3::bench::int_list_arg(argc, argv, 2, {8192, 32768, 131072});
   const int64_t old_max = argc > 3 ? std::atoll(argv[3]) : 32768;
   auto dev = m3::gpu::probe_device(0);
   if (!dev) {

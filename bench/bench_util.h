@@ -11,10 +11,17 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
 #include <vector>
 
+#include "core/dtype.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device_buffer.h"
+#include "kernels/views.h"
 
 namespace m3::bench {
 
@@ -67,6 +74,38 @@ inline void fill_tiled_from_host(void* dst, size_t bytes, const void* block, siz
 template <class T>
 void fill_repeat(gpu::DeviceBuffer<T>& b, const std::vector<T>& block) {
   fill_tiled_from_host(b.data(), b.size() * sizeof(T), block.data(), block.size() * sizeof(T));
+}
+
+// argv[i] as a comma-separated list of integers (e.g. "8192,32768"), else `fallback`.
+inline std::vector<int64_t> int_list_arg(int argc, char** argv, int i,
+                                         std::vector<int64_t> fallback) {
+  if (argc <= i) return fallback;
+  std::vector<int64_t> out;
+  std::stringstream ss(argv[i]);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::atoll(item.c_str()));
+  return out;
+}
+
+// `bytes` bytes of N(0, 1) draws stored as KV elements of `dt` (fp8: divided by `scale` first):
+// the block a bench tiles over a cache.
+inline std::vector<uint8_t> normal_kv_bytes(kernels::KvDtype dt, float scale, size_t bytes,
+                                            std::mt19937& g) {
+  const size_t es = static_cast<size_t>(kernels::kv_dtype_size(dt)), n = bytes / es;
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<uint8_t> h(n * es);
+  for (size_t i = 0; i < n; ++i) {
+    const float x = nd(g);
+    if (dt == kernels::KvDtype::kF32) {
+      std::memcpy(h.data() + 4 * i, &x, 4);
+    } else if (dt == kernels::KvDtype::kBf16) {
+      const uint16_t b = f32_to_bf16(x);
+      std::memcpy(h.data() + 2 * i, &b, 2);
+    } else {
+      h[i] = f32_to_fp8_e4m3(x / scale);
+    }
+  }
+  return h;
 }
 
 }  // namespace m3::bench
