@@ -13,6 +13,7 @@
 
 #include "gpu/device.h"
 #include "gpu_test_util.h"
+#include "kernels/cuda/ops.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/synthetic_model.h"
 #include "runtime/cuda/cuda_backend.h"
@@ -157,6 +158,64 @@ TEST(CudaGraphs, OnlyTheListedStepSizesReplay) {
     ASSERT_EQ(og.logits, oe.logits) << "2-token step " << s;
   }
   EXPECT_GE((*g)->graph_replays(), 2);
+}
+
+}  // namespace
+}  // namespace m3::model
+
+namespace m3::model {
+namespace {
+
+// The logits of a prefill and `steps` greedy decode steps (graphs on) of `prompts` on `m`.
+std::vector<std::vector<float>> greedy_logits(M3ModelCuda& m,
+                                              const std::vector<std::vector<int32_t>>& prompts,
+                                              int steps) {
+  int64_t total = 0;
+  for (const auto& p : prompts) total += static_cast<int64_t>(p.size()) + steps + 1;
+  const int64_t n = static_cast<int64_t>(prompts.size());
+  SequenceRunner r(borrow_cuda_backend(m, total, n));
+  std::vector<SequenceChunk> chunks;
+  for (const auto& p : prompts) chunks.push_back({r.add_sequence(), p, false});
+  std::vector<std::vector<float>> all;
+  ForwardResult o = r.step(chunks);
+  all.push_back(o.logits);
+  std::vector<int32_t> next(n);
+  for (int s = 0; s < steps; ++s) {
+    std::vector<SequenceChunk> dec;
+    for (int64_t i = 0; i < n; ++i) {
+      next[i] = argmax_row(o.logits, i, o.vocab_size);
+      dec.push_back({static_cast<int>(i), std::span<const int32_t>(&next[i], 1), false});
+    }
+    o = r.step(dec);
+    all.push_back(o.logits);
+  }
+  return all;
+}
+
+// Programmatic dependent launch (kernels/cuda/ops.h launch_overlap): the decode kernels started
+// while the kernel ahead of them finishes give the logits of serial launches bit for bit, eager
+// and graph-replayed, at batch 1 (the fused router and the shared expert's GEMV slot) and 8.
+TEST(CudaGraphs, OverlappedLaunchesEqualSerialLaunches) {
+  SKIP_WITHOUT_GPU();
+  const bool before = kernels::cuda::launch_overlap();
+  const M3Config cfg = synthetic_m3_config(4);
+  for (int batch : {1, 8}) {
+    std::vector<std::vector<int32_t>> prompts;
+    for (int i = 0; i < batch; ++i)
+      prompts.push_back(random_ids(i == 0 ? 2301 : 100 + 37 * i, 20 + i, 200000));
+    std::vector<std::vector<std::vector<float>>> runs;
+    for (bool overlap : {false, true}) {
+      kernels::cuda::set_launch_overlap(overlap);
+      auto m = M3ModelCuda::synthetic(cfg, 3);
+      ASSERT_TRUE(m.has_value()) << m.error().message;
+      runs.push_back(greedy_logits(**m, prompts, 12));
+      EXPECT_GE((*m)->graph_replays(), 6);
+    }
+    ASSERT_EQ(runs[0].size(), runs[1].size());
+    for (size_t s = 0; s < runs[0].size(); ++s)
+      ASSERT_EQ(runs[0][s], runs[1][s]) << "batch " << batch << " step " << s;
+  }
+  kernels::cuda::set_launch_overlap(before);
 }
 
 }  // namespace

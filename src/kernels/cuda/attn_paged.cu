@@ -505,6 +505,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   __shared__ float Wm[kMmaWarps][kMmaRows], Wl[kMmaWarps][kMmaRows], Wt[kMmaWarps][kMmaRows];
   __shared__ float Ms[kMmaRows], Ls[kMmaRows];
   __shared__ unsigned tile_mask[kMmaWarps][S];
+  detail::pdl_enter();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int r = lane / 4, cq = lane % 4;
   const int64_t nkv = c.num_kv_heads, bs = c.page_size;
@@ -1007,22 +1008,25 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
             cfg.blockDim = dim3(kMmaThreads);
             cfg.dynamicSmemBytes = smem;
             cfg.stream = stream;
-            cudaLaunchAttribute attr[1];
+            cudaLaunchAttribute attr[2];
             attr[0].id = cudaLaunchAttributeClusterDimension;
             attr[0].val.clusterDim.x = 1;
             attr[0].val.clusterDim.y = static_cast<unsigned>(splits);
             attr[0].val.clusterDim.z = 1;
+            attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // pdl_enter()
+            attr[1].val.programmaticStreamSerializationAllowed = 1;
             cfg.attrs = attr;
-            cfg.numAttrs = 1;
+            cfg.numAttrs = launch_overlap() ? 2 : 1;
             M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention_mma_kernel<TT, true>, q, num_heads,
                                              cache, layout, blocks, max_blocks, scale, max_kv_len,
                                              splits, part_o, part_ml, out, false));
           } else {
             static std::atomic<uint64_t> attr_set{0};
             detail::raise_smem_limit_once(attr_set, attention_mma_kernel<TT, false>, smem);
-            attention_mma_kernel<TT, false><<<grid, kMmaThreads, smem, stream>>>(
-                q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits, part_o,
-                part_ml, out, tiled);
+            detail::launch_pdl(attention_mma_kernel<TT, false>, grid, dim3(kMmaThreads),
+                               static_cast<size_t>(smem), stream, q, num_heads, cache, layout,
+                               blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out,
+                               tiled);
           }
           M3_CUDA_CHECK_LAUNCH("attention_mma_kernel");
         }

@@ -9,8 +9,11 @@
 
 #include <cuda_runtime.h>
 
+#include <utility>
+
 #include "core/check.h"
 #include "gpu/cuda_check.h"
+#include "kernels/cuda/ops.h"
 
 // A broken caller contract inside a kernel (index out of range, a block in the future): print
 // it and trap, so the next CUDA check on the host ends the process (design.md §4).
@@ -169,6 +172,39 @@ __device__ __forceinline__ void block_best(float& s, int32_t& id, float* red_s, 
 
 inline unsigned ceil_div(int64_t a, int64_t b) {
   return static_cast<unsigned>((a + b - 1) / b);
+}
+
+// Programmatic dependent launch (ops.h launch_overlap). A kernel launched by launch_pdl() may
+// be resident before the kernel ahead of it in the stream has finished, so it must call
+// pdl_enter() before its first read of anything an earlier kernel writes and before its first
+// global write (an earlier kernel may still read that buffer), in every CTA, early returns
+// included; only reads of data no kernel writes (weights) may come before. pdl_enter() then lets
+// the next kernel start launching: one kernel of look-ahead, never a chain. Without the launch
+// attribute both instructions return at once.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) with the programmatic-serialization attribute
+// when launch_overlap() (the kernel must call pdl_enter(), above); errors end the process as
+// M3_CUDA_CHECK does.
+template <class... P, class... A>
+void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                A&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = launch_overlap() ? 1 : 0;
+  M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...));
 }
 
 }  // namespace m3::kernels::cuda::detail

@@ -45,6 +45,7 @@ __global__ void __launch_bounds__(detail::kRowThreadsMax)
     add_rmsnorm_vec_kernel(float* x, const float* __restrict__ y, int64_t dim,
                            const void* __restrict__ w, bool w_bf16, float eps, float* out) {
   __shared__ float red[32];
+  detail::pdl_enter();
   const int64_t r = blockIdx.x;
   detail::rmsnorm_row_vec<true>(x + r * dim, y + r * dim, dim, w, w_bf16, eps, out + r * dim, red);
 }
@@ -113,6 +114,7 @@ __global__ void __launch_bounds__(kPrepThreads)
   __shared__ float red[32];
   __shared__ float buf[kMaxPrepDim];
   __shared__ float row[kMaxPrepDim];
+  detail::pdl_enter();
   const int64_t t = blockIdx.x;
   const int64_t slot_kind = blockIdx.y;
   const float p = static_cast<float>(L.positions[t]);
@@ -201,9 +203,9 @@ void add_rmsnorm_gemma(float* x, const float* y, int64_t rows, int64_t dim, cons
   if (rows == 0) return;
   M3_CHECK(rows <= 0x7fffffff);
   if (detail::norm_row_fits(dim, x, y, out)) {
-    add_rmsnorm_vec_kernel<<<static_cast<unsigned>(rows), detail::norm_row_threads(dim), 0,
-                             stream>>>(x, y, dim, w.data, w.dtype == DType::kBF16, eps, out);
-    M3_CUDA_CHECK_LAUNCH("add_rmsnorm_vec_kernel");
+    detail::launch_pdl(add_rmsnorm_vec_kernel, dim3(static_cast<unsigned>(rows)),
+                       dim3(detail::norm_row_threads(dim)), 0, stream, x, y, dim, w.data,
+                       w.dtype == DType::kBF16, eps, out);
     return;
   }
   add_rmsnorm_kernel<<<static_cast<unsigned>(rows), kAddNormThreads, 0, stream>>>(
@@ -249,10 +251,10 @@ void attn_prep(const AttnPrepArgs& a, const KvPages& cache, const TokenLayout& l
   AttnPrepArgs args = a;
   if (!index) args.num_index_heads = 0;
   if (!qk_norm) args.q_norm.data = args.k_norm.data = nullptr;  // norm_rope skips the norm
-  attn_prep_kernel<<<dim3(static_cast<unsigned>(layout.num_tokens), static_cast<unsigned>(slots)),
-                     kPrepThreads, 0, stream>>>(args, cache, layout, f, 1.0f / cache.k_scale,
-                                                1.0f / cache.v_scale);
-  M3_CUDA_CHECK_LAUNCH("attn_prep_kernel");
+  detail::launch_pdl(attn_prep_kernel,
+                     dim3(static_cast<unsigned>(layout.num_tokens), static_cast<unsigned>(slots)),
+                     dim3(kPrepThreads), 0, stream, args, cache, layout, f, 1.0f / cache.k_scale,
+                     1.0f / cache.v_scale);
 }
 
 void swiglu_oai_rows(const float* gate_up, int64_t n, int64_t inter, float alpha, float limit,

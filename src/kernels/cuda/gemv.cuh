@@ -109,6 +109,29 @@ __device__ __forceinline__ int smem_slot(int o) {
   return ((o % V) / 4) * 128 + (o / V) * 4;
 }
 
+// The first sub-step's weights of rows row0.. (w: the gate or only matrix, wu: up) towards L2:
+// what a CTA issues before it waits for the kernel ahead (pdl_enter), for a matrix no routing
+// decides (the dense one, or the grouped launch's extra slot).
+template <class W, bool kFused, int kIt>
+__device__ __forceinline__ void prefetch_first(const void* w, const void* wu, const Params& p,
+                                               int64_t row0, int64_t kb, int64_t ke, int lane) {
+  constexpr int kRows = kFused ? kLoadRows / 2 : kLoadRows;
+  constexpr int V = Traits<W>::kVec;
+  constexpr int64_t kSeg = seg<W>();
+  const int64_t klen = min(p.kc, ke - kb);
+#pragma unroll
+  for (int r = 0; r < kLoadRows; ++r) {
+    const int64_t row = row0 + (kFused ? r % kRows : r);
+    if (row >= p.m) continue;
+    const W* base = static_cast<const W*>((kFused && r >= kRows) ? wu : w) + row * p.k + kb;
+#pragma unroll
+    for (int it = 0; it < kIt; ++it) {
+      const int64_t kk = it * kSeg + lane * V;
+      if (kk < klen) asm volatile("prefetch.L2 [%0];" ::"l"(base + kk));
+    }
+  }
+}
+
 // Grid: x = row tiles of (warps * rows per warp), y = expert slot (grouped) or 1, z = k splits.
 template <class W, int NT, bool kFused>
 __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) {
@@ -122,6 +145,15 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
   float* xs = reinterpret_cast<float*>(gemv_smem);
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * nwarps + warp) * kRows;
+  const int64_t kb = static_cast<int64_t>(blockIdx.z) * p.k_split;
+  const int64_t ke = min(p.k, kb + p.k_split);
+  if (p.offsets == nullptr) {
+    prefetch_first<W, kFused, kIt>(p.w, p.w_up, p, row0, kb, ke, lane);
+  } else if (p.w_extra != nullptr && blockIdx.y == gridDim.y - 1) {
+    prefetch_first<W, kFused, kIt>(p.w_extra, p.w_up_extra, p, row0, kb, ke, lane);
+  }
+  detail::pdl_enter();  // the routing, x and y belong to earlier kernels
   int64_t p0 = 0, p1 = p.n;
   const W* w = static_cast<const W*>(p.w);
   const W* wu = static_cast<const W*>(p.w_up);
@@ -143,9 +175,6 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
       if (kFused) wu += e * p.w_stride;
     }
   }
-  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * nwarps + warp) * kRows;
-  const int64_t kb = static_cast<int64_t>(blockIdx.z) * p.k_split;
-  const int64_t ke = min(p.k, kb + p.k_split);
   float* y = p.y + blockIdx.z * p.y_split_stride;
 
   // Rows this warp loads: unfused rows row0..row0+3; fused gate rows row0, row0+1 then the
@@ -298,8 +327,7 @@ void launch_nt(const Params& p, dim3 grid, int threads, cudaStream_t stream) {
     M3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kSmemBudget)));
   }
-  kernel<<<grid, threads, smem, stream>>>(p);
-  M3_CUDA_CHECK_LAUNCH("gemv_kernel");
+  detail::launch_pdl(kernel, grid, dim3(threads), smem, stream, p);
 }
 
 // Launches the instance for token groups of `nt` (from nt_bucket); p.kc from chunk_k<W>(nt, ..).

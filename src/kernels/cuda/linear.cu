@@ -90,6 +90,7 @@ __global__ void embedding_kernel(const void* __restrict__ table, bool bf16, int6
 __global__ void embedding_vec_kernel(const void* __restrict__ table, bool bf16, int64_t rows,
                                      int64_t cols, const int32_t* __restrict__ ids,
                                      float* __restrict__ out) {
+  detail::pdl_enter();
   const int64_t t = blockIdx.x;
   const int32_t id = ids[t];
   M3_DEVICE_CHECK(id >= 0 && id < rows, "embedding id %d out of range [0, %lld)", id,
@@ -125,6 +126,7 @@ namespace {
 
 __global__ void splitk_sum_kernel(const float* __restrict__ part, int splits, int64_t count,
                                   float* __restrict__ y) {
+  detail::pdl_enter();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += stride) {
@@ -189,9 +191,8 @@ void linear_gemv(const float* x, int64_t n, const MatRef& w, float* y, cudaStrea
   if (part != nullptr) {
     const int64_t count = n * m;
     const int64_t blocks = std::min<int64_t>((count + 255) / 256, 4096);
-    splitk_sum_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-        part, static_cast<int>(splits), count, y);
-    M3_CUDA_CHECK_LAUNCH("splitk_sum_kernel");
+    detail::launch_pdl(splitk_sum_kernel, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream,
+                       part, static_cast<int>(splits), count, y);
     blas::pool_free(part, stream);
   }
 }
@@ -241,9 +242,8 @@ void embedding(const MatRef& table, const int32_t* ids, int64_t n, float* out,
   if (table.cols % 8 == 0 && aligned16(table.data) && aligned16(out)) {
     constexpr int kThreads = 256;
     const dim3 grid(static_cast<unsigned>(n), ceil_div(table.cols / 8, kThreads));
-    embedding_vec_kernel<<<grid, kThreads, 0, stream>>>(table.data, table.dtype == DType::kBF16,
-                                                        table.rows, table.cols, ids, out);
-    M3_CUDA_CHECK_LAUNCH("embedding_vec_kernel");
+    detail::launch_pdl(embedding_vec_kernel, grid, dim3(kThreads), 0, stream, table.data,
+                       table.dtype == DType::kBF16, table.rows, table.cols, ids, out);
     return;
   }
   embedding_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(

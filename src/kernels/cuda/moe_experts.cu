@@ -131,6 +131,7 @@ __global__ void __launch_bounds__(kRouteThreads)
                      int32_t* __restrict__ num_active, int32_t* __restrict__ pair_token,
                      float* __restrict__ pair_weight, int32_t* __restrict__ pair_pos) {
   extern __shared__ int32_t route_smem[];
+  detail::pdl_enter();
   int32_t* cnt = route_smem;                                        // [ne]
   int32_t* base = route_smem + ne;                                  // [ne]
   uint8_t* wcnt = reinterpret_cast<uint8_t*>(route_smem + 2 * ne);  // [32 warps][ne]
@@ -247,6 +248,7 @@ __global__ void moe_combine_vec_kernel(const float* __restrict__ ye,
                                        const int32_t* __restrict__ pair_pos,
                                        const float* __restrict__ pair_weight, int k, int64_t hidden,
                                        const float* shared, float* out) {
+  detail::pdl_enter();
   const int64_t t = blockIdx.x;
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 4;
   if (c >= hidden) return;
@@ -276,9 +278,8 @@ void combine(const float* ye, const Layout& l, int64_t n, int64_t k, int64_t hid
   auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (hidden % 4 == 0 && al(ye) && al(out) && (shared == nullptr || al(shared))) {
     const dim3 grid(static_cast<unsigned>(n), ceil_div(hidden / 4, kCombineThreads));
-    moe_combine_vec_kernel<<<grid, kCombineThreads, 0, stream>>>(
-        ye, l.pair_pos, l.pair_weight, static_cast<int>(k), hidden, shared, out);
-    M3_CUDA_CHECK_LAUNCH("moe_combine_vec_kernel");
+    detail::launch_pdl(moe_combine_vec_kernel, grid, dim3(kCombineThreads), 0, stream, ye,
+                       l.pair_pos, l.pair_weight, static_cast<int>(k), hidden, shared, out);
     return;
   }
   moe_combine_kernel<<<static_cast<unsigned>(n), kCombineThreads, 0, stream>>>(
@@ -575,10 +576,9 @@ void run_moe(MoePath path, const float* x, int64_t n, const int32_t* ids, const 
   const int ne = static_cast<int>(w.num_experts);
 
   const size_t smem = 2 * ne * sizeof(int32_t) + 32 * ne;
-  moe_route_kernel<<<1, kRouteThreads, smem, stream>>>(
-      ids, weights, static_cast<int>(P), static_cast<int>(k), ne, l.offsets, l.active, l.num_active,
-      l.pair_token, l.pair_weight, l.pair_pos);
-  M3_CUDA_CHECK_LAUNCH("moe_route_kernel");
+  detail::launch_pdl(moe_route_kernel, dim3(1), dim3(kRouteThreads), smem, stream, ids, weights,
+                     static_cast<int>(P), static_cast<int>(k), ne, l.offsets, l.active,
+                     l.num_active, l.pair_token, l.pair_weight, l.pair_pos);
 
   if (path == MoePath::kGroupedWgmma) {
     moe_grouped::sm90_experts(x, l.pair_token, P, l.offsets, w, act, l.xg, l.gu, l.wact16, l.wye,

@@ -115,6 +115,7 @@ __global__ void __launch_bounds__(kFusedThreads)
     const int64_t i = threadIdx.x + j * kFusedThreads;
     wv[j] = i < nv ? __ldg(w4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
+  detail::pdl_enter();  // the router's row is loaded; x and the counter belong to earlier kernels
   float acc[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
@@ -183,9 +184,8 @@ void router_fused(const float* x, int64_t n, const MatRef& router, const float* 
   const float* W = static_cast<const float*>(router.data);
   const int ne = static_cast<int>(router.rows), nn = static_cast<int>(n), kk = static_cast<int>(k);
   auto go = [&](auto kernel) {
-    kernel<<<grid, kFusedThreads, 0, stream>>>(x, nn, W, router.cols, ne, bias, kk, scale, logits,
-                                               ids, weights, counter);
-    M3_CUDA_CHECK_LAUNCH("router_fused_kernel");
+    detail::launch_pdl(kernel, grid, dim3(kFusedThreads), 0, stream, x, nn, W, router.cols, ne,
+                       bias, kk, scale, logits, ids, weights, counter);
   };
   if (n <= 1)
     go(router_fused_kernel<1>);

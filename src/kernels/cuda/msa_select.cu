@@ -304,6 +304,7 @@ __global__ void __launch_bounds__(kMmaScoreThreads)
   using M = typename S::M;
   constexpr int E = S::E;
   __shared__ uint32_t pool[kMmaSubBlocks * 8];  // [block][head] order keys of the maxima
+  detail::pdl_enter();
   const int bs = static_cast<int>(c.page_size);
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int nwarps = blockDim.x / kWarp;
@@ -791,6 +792,7 @@ __global__ void __launch_bounds__(kTopkThreads)
                     const float* __restrict__ scores, int32_t* __restrict__ out) {
   extern __shared__ uint32_t topk_keys[];
   __shared__ TopkShared sh;
+  detail::pdl_enter();
   // Rows in a grid-stride loop: with skip_warp_rows most rows of a prefill step are the warp
   // kernel's, and a CTA per row would be launched only to leave.
   for (int64_t w = blockIdx.x; w < L.num_tokens * ni; w += gridDim.x) {
@@ -961,9 +963,9 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
             int64_t mchunks = n <= want ? want / n : 1;
             mchunks = std::max<int64_t>(1, std::min<int64_t>({mchunks, nb_stride, 65535}));
             const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(mchunks));
-            msa_score_mma_kernel<TI><<<grid, kMmaScoreThreads, 0, stream>>>(
-                iq_n, ni, cache, sub, topk, init_blocks, local_blocks, nb_stride, tiled, scores);
-            M3_CUDA_CHECK_LAUNCH("msa_score_mma_kernel");
+            detail::launch_pdl(msa_score_mma_kernel<TI>, grid, dim3(kMmaScoreThreads), 0, stream,
+                               iq_n, ni, cache, sub, topk, init_blocks, local_blocks, nb_stride,
+                               tiled, scores);
           }
         });
       } else if (fast) {
@@ -1008,10 +1010,9 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
     // With warp rows: at most two waves of CTAs, looping over the rows (most only skip).
     const int64_t radix_ctas =
         warp_rows ? std::min<int64_t>(rows, 4 * static_cast<int64_t>(detail::num_sms())) : rows;
-    msa_topk_kernel<<<static_cast<unsigned>(radix_ctas), kTopkThreads, topk_smem, stream>>>(
-        ni, sub, bs, topk, init_blocks, local_blocks, nb_stride, keys_in_smem, warp_rows, scores,
-        out + t0 * ni * topk);
-    M3_CUDA_CHECK_LAUNCH("msa_topk_kernel");
+    detail::launch_pdl(msa_topk_kernel, dim3(static_cast<unsigned>(radix_ctas)), dim3(kTopkThreads),
+                       topk_smem, stream, ni, sub, bs, topk, init_blocks, local_blocks, nb_stride,
+                       keys_in_smem, warp_rows, scores, out + t0 * ni * topk);
   }
 }
 

@@ -38,6 +38,7 @@ __global__ void __launch_bounds__(detail::kRowThreadsMax)
     rmsnorm_vec_kernel(const float* x, int64_t dim, const void* __restrict__ w, bool w_bf16,
                        float eps, float* out) {
   __shared__ float red[32];
+  detail::pdl_enter();
   const int64_t r = blockIdx.x;
   detail::rmsnorm_row_vec<false>(const_cast<float*>(x + r * dim), nullptr, dim, w, w_bf16, eps,
                                  out + r * dim, red);
@@ -93,9 +94,9 @@ void rmsnorm_gemma(const float* x, int64_t rows, int64_t dim, const VecRef& w, f
   if (rows == 0) return;
   M3_CHECK(rows <= 0x7fffffff);
   if (detail::norm_row_fits(dim, x, out, x)) {
-    rmsnorm_vec_kernel<<<static_cast<unsigned>(rows), detail::norm_row_threads(dim), 0, stream>>>(
-        x, dim, w.data, w.dtype == DType::kBF16, eps, out);
-    M3_CUDA_CHECK_LAUNCH("rmsnorm_vec_kernel");
+    detail::launch_pdl(rmsnorm_vec_kernel, dim3(static_cast<unsigned>(rows)),
+                       dim3(detail::norm_row_threads(dim)), 0, stream, x, dim, w.data,
+                       w.dtype == DType::kBF16, eps, out);
     return;
   }
   rmsnorm_gemma_kernel<<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(

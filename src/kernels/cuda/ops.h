@@ -149,6 +149,16 @@ enum class GemmPrecision { kExact, kBf16 };
 void set_gemm_precision(GemmPrecision p);
 GemmPrecision gemm_precision();
 
+// Programmatic dependent launch (Hopper): the decode step's kernels are launched so that each
+// may start while the one before it finishes (its CTAs become resident, prefetch weights that
+// do not depend on earlier work into L2, then wait in pdl_enter(), common.cuh, until the
+// earlier kernels have finished and their writes are visible). Same results bit for bit; only
+// the gaps between kernels shrink. On by default on sm_90 and later; the environment's
+// M3_PDL=0 at first use turns it off. Process-wide; set it before work is enqueued or captured
+// (a graph keeps the launches it captured).
+bool launch_overlap();
+void set_launch_overlap(bool on);
+
 // MoeExpertWeights (kernels/views.h): this op takes only the contiguous layout (the per-expert
 // arrays must be null). SwigluParams: the constants of swiglu_oai. Quantized experts come as
 // mats_of (host array of device views) laid out back to back per projection (codes, and scales,
