@@ -422,6 +422,7 @@ __global__ void __launch_bounds__(kCombineThreads)
                              float* __restrict__ out, TokenLayout L, bool skip_multi) {
   __shared__ float wts[kMaxSplits];
   __shared__ float red[32];
+  detail::pdl_enter();
   const int64_t t = blockIdx.x / num_heads, hq = blockIdx.x % num_heads;
   if (skip_multi && detail::in_multi_run(L, t)) return;  // written by the query-tiled kernel
   const int64_t group = num_heads / nkv, g = hq / group, h = hq % group;
@@ -1057,10 +1058,9 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
     }
     if (splits > 1 && !cluster) {
       M3_CHECK(T * num_heads <= 0x7fffffff);
-      attention_combine_kernel<<<static_cast<unsigned>(T * num_heads), kCombineThreads, 0,
-                                 stream>>>(part_o, part_ml, num_heads, cache.num_kv_heads,
-                                           cache.head_dim, splits, out, layout, tiled);
-      M3_CUDA_CHECK_LAUNCH("attention_combine_kernel");
+      detail::launch_pdl(attention_combine_kernel, dim3(static_cast<unsigned>(T * num_heads)),
+                         dim3(kCombineThreads), 0, stream, part_o, part_ml, num_heads,
+                         cache.num_kv_heads, cache.head_dim, splits, out, layout, tiled);
     }
     return;
   }

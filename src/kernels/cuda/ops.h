@@ -154,8 +154,8 @@ GemmPrecision gemm_precision();
 // do not depend on earlier work into L2, then wait in pdl_enter(), common.cuh, until the
 // earlier kernels have finished and their writes are visible). Same results bit for bit; only
 // the gaps between kernels shrink. On sm_90 and later the environment's M3_PDL=1 at first use
-// turns it on (off by default until measured on the H200). Process-wide; set it before work is enqueued or captured
-// (a graph keeps the launches it captured).
+// turns it on (off by default until measured on the H200). Process-wide; set it before work is
+// enqueued or captured (a graph keeps the launches it captured).
 bool launch_overlap();
 void set_launch_overlap(bool on);
 

@@ -94,6 +94,7 @@ __device__ __forceinline__ void block_best_t(T& v, int32_t& id, T* red_v, int32_
 __global__ void __launch_bounds__(kThreads)
     sample_kernel(const float* __restrict__ logits, int64_t vocab, int64_t V,
                   const SampleRow* __restrict__ rows, int32_t* __restrict__ out_ids) {
+  detail::pdl_enter();
   const SampleRow p = rows[blockIdx.x];
   const float* l = logits + static_cast<int64_t>(p.row) * vocab;
   __shared__ float red_f[32];
@@ -321,8 +322,8 @@ void sample_rows(const float* logits, int64_t vocab, int64_t num_valid, const Sa
   M3_CHECK(V >= 1, "sample_rows: no valid token (vocab %lld, num_valid %lld)",
            static_cast<long long>(vocab), static_cast<long long>(num_valid));
   if (n == 0) return;
-  sample_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(logits, vocab, V, rows, out_ids);
-  M3_CUDA_CHECK_LAUNCH("sample_rows");
+  detail::launch_pdl(sample_kernel, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream,
+                     logits, vocab, V, rows, out_ids);
 }
 
 }  // namespace m3::kernels::cuda
