@@ -337,6 +337,12 @@ TEST(AttnCudaMsa, LongContextExactIds) {
   // with an initial forced block.
   run_msa(MsaCase{128, 4, 128, 16, 0, 1, {65536 + 128}, false, 1}, 123);
   run_msa(MsaCase{16, 2, 128, 16, 1, 1, {140000}, false, 64}, 124);
+  // From 2048 blocks a decode row ranks in two steps (a CTA per 1024 blocks, then one over their
+  // candidates): heavy ties across the splits, a row just past one split (2049 blocks of 16
+  // tokens) and top-64, each equal to the CPU's ids.
+  run_msa(MsaCase{128, 4, 128, 16, 0, 1, {262144 + 5}, false, 1}, 125);
+  run_msa(MsaCase{16, 4, 128, 16, 2, 1, {16 * 2049, 16 * 1025 + 3}, false, 2}, 126);
+  run_msa(MsaCase{16, 2, 128, 64, 1, 2, {16 * 4096}, false, 64}, 127);
 }
 
 TEST(AttnCudaMsa, OddGeometriesAndForcedBlocks) {

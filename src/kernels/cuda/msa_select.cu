@@ -32,6 +32,14 @@ constexpr int kScoreRows = 32;  // index-K rows per warp row group: one per lane
 constexpr int kFastMaxIndexDim = 128;
 constexpr int kTopkThreads = 1024;
 constexpr size_t kTopkSmemKeys = 40960;  // keys of up to 5M tokens (128-token pages) in smem
+// Decode rows over many blocks (few rows, so few CTAs) rank in two steps: each of a row's
+// ceil(nb / kSplitKeys) CTAs takes the topk of its kSplitKeys blocks (one key per thread), then
+// one CTA per row ranks those candidates (msa_topk_split_kernel, msa_topk_merge_kernel). Used
+// from kSplitMinBlocks blocks per row for top-k up to kSplitMaxTopk; the candidates live in the
+// workspace after the scores.
+constexpr int64_t kSplitKeys = kTopkThreads;
+constexpr int64_t kSplitMinBlocks = 2048;
+constexpr int64_t kSplitMaxTopk = 64;
 constexpr int kFusedThreads = 256;
 
 // Scores as unsigned keys whose order is the float order; -0 and +0 get one key (they tie on the
@@ -635,12 +643,13 @@ struct TopkShared {
   uint32_t digit, need;
 };
 
-// Writes the topk ids of [0, nb) ranked by (key desc, id asc) to o, ascending. nb > topk.
-// Histogram passes visit ids strided over the threads (coalesced; lanes with one bin add once,
-// through __match_any_sync); the compaction walks chunks of blockDim ids in order.
-template <class KeyFn>
-__device__ void radix_topk(KeyFn key, int64_t nb, int64_t topk, int32_t* __restrict__ o,
-                           TopkShared& sh) {
+// Writes id_of(i) for the topk indices i of [0, nb) ranked by (key desc, index asc) to o, in
+// ascending index order. nb > topk. Histogram passes visit indices strided over the threads
+// (coalesced; lanes with one bin add once, through __match_any_sync); the compaction walks
+// chunks of blockDim indices in order.
+template <class KeyFn, class IdFn>
+__device__ void radix_topk_ids(KeyFn key, IdFn id_of, int64_t nb, int64_t topk,
+                               int32_t* __restrict__ o, TopkShared& sh) {
   const int nt = blockDim.x, tid = threadIdx.x, lane = tid % kWarp;
   uint32_t prefix = 0, mask = 0, need = static_cast<uint32_t>(topk);
   for (int shift = 24; shift >= 0; shift -= 8) {
@@ -698,12 +707,19 @@ __device__ void radix_topk(KeyFn key, int64_t nb, int64_t topk, int32_t* __restr
     uint32_t total;
     const uint32_t ex = detail::block_exclusive_scan(gt << 16 | eq, sh.scan, &total);
     const uint32_t gt_before = base_gt + (ex >> 16), eq_before = base_eq + (ex & 0xffffu);
-    if (gt || (eq && eq_before < need_eq))
-      o[gt_before + min(eq_before, need_eq)] = static_cast<int32_t>(b);
+    if (gt || (eq && eq_before < need_eq)) o[gt_before + min(eq_before, need_eq)] = id_of(b);
     base_gt += total >> 16;
     base_eq += total & 0xffffu;
     if (base_gt + min(base_eq, need_eq) >= topk) break;  // uniform: all topk written
   }
+}
+
+// The ids of [0, nb) themselves (radix_topk_ids with the identity).
+template <class KeyFn>
+__device__ void radix_topk(KeyFn key, int64_t nb, int64_t topk, int32_t* __restrict__ o,
+                           TopkShared& sh) {
+  radix_topk_ids(
+      key, [](int64_t b) { return static_cast<int32_t>(b); }, nb, topk, o, sh);
 }
 
 __device__ __forceinline__ bool write_all_blocks(int64_t nb, int64_t topk, int32_t* o) {
@@ -819,6 +835,73 @@ __global__ void __launch_bounds__(kTopkThreads)
   }
 }
 
+// Step one of the split top-k: CTA (row w, split s) writes the topk of blocks
+// [s * kSplitKeys, ...) of the row (the ranking of msa_topk_kernel: forced blocks first, then
+// (score desc, id asc)), ascending, to cand[w][s]; the last split of a row may hold fewer than
+// topk blocks and then writes them all. The global topk of a row is within the union of its
+// splits' topk (a block outranked by fewer than topk blocks of the row is outranked by fewer than
+// topk of its split), so step two ranks only those.
+__global__ void __launch_bounds__(kTopkThreads)
+    msa_topk_split_kernel(int64_t ni, TokenLayout L, int64_t bs, int64_t topk, int64_t init_blocks,
+                          int64_t local_blocks, int64_t nb_stride, int64_t splits,
+                          const float* __restrict__ scores, int32_t* __restrict__ cand) {
+  __shared__ TopkShared sh;
+  detail::pdl_enter();
+  const int64_t w = blockIdx.x, s = blockIdx.y, t = w / ni;
+  const int64_t nb = L.positions[t] / bs + 1;
+  const int64_t b0 = s * kSplitKeys;
+  if (nb <= topk || b0 >= nb) return;  // uniform: the merge writes all, or no blocks here
+  M3_DEVICE_CHECK(nb <= nb_stride, "msa_select: position %d beyond max_kv_len (%lld blocks)",
+                  L.positions[t], static_cast<long long>(nb_stride));
+  const int64_t len = min(kSplitKeys, nb - b0);
+  int32_t* o = cand + (w * splits + s) * topk;
+  if (len <= topk) {
+    for (int64_t i = threadIdx.x; i < len; i += blockDim.x) o[i] = static_cast<int32_t>(b0 + i);
+    return;
+  }
+  // Thread i only ever asks for index i (len <= blockDim): its key in a register.
+  const int64_t b = b0 + threadIdx.x;
+  const uint32_t mine = threadIdx.x >= len ? 0u
+                        : (b < init_blocks || b >= nb - local_blocks)
+                            ? forced_key()
+                            : order_key(scores[w * nb_stride + b]);
+  radix_topk_ids([&](int64_t) { return mine; },
+                 [&](int64_t i) { return static_cast<int32_t>(b0 + i); }, len, topk, o, sh);
+}
+
+// Step two: one CTA per row ranks its splits' candidates (in ascending id order, since the splits
+// are) and writes the row's topk ids, ascending; a row of at most topk blocks gets them all.
+__global__ void __launch_bounds__(kTopkThreads)
+    msa_topk_merge_kernel(int64_t ni, TokenLayout L, int64_t bs, int64_t topk, int64_t init_blocks,
+                          int64_t local_blocks, int64_t nb_stride, int64_t splits,
+                          const float* __restrict__ scores, const int32_t* __restrict__ cand,
+                          int32_t* __restrict__ out) {
+  extern __shared__ int32_t merge_ids[];  // [splits * topk]
+  __shared__ TopkShared sh;
+  detail::pdl_enter();
+  const int64_t w = blockIdx.x, t = w / ni;
+  const int64_t nb = L.positions[t] / bs + 1;
+  int32_t* o = out + w * topk;
+  if (write_all_blocks(nb, topk, o)) return;
+  const int64_t used = (nb + kSplitKeys - 1) / kSplitKeys;
+  const int64_t count = (used - 1) * topk + min(topk, nb - (used - 1) * kSplitKeys);
+  if (count <= topk) {  // one split: its candidates are the row's picks
+    for (int64_t i = threadIdx.x; i < topk; i += blockDim.x) o[i] = cand[w * splits * topk + i];
+    return;
+  }
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x)
+    merge_ids[i] = cand[w * splits * topk + i];
+  __syncthreads();
+  const float* sc = scores + w * nb_stride;
+  const int64_t hi_forced = nb - local_blocks;
+  radix_topk_ids(
+      [&](int64_t i) {
+        const int64_t b = merge_ids[i];
+        return (b < init_blocks || b >= hi_forced) ? forced_key() : order_key(sc[b]);
+      },
+      [&](int64_t i) { return merge_ids[i]; }, count, topk, o, sh);
+}
+
 // No workspace: one CTA per (token, index head) scores into shared memory, then the same top-k.
 template <class T>
 __global__ void __launch_bounds__(kFusedThreads)
@@ -862,7 +945,11 @@ size_t msa_select_workspace_bytes(int64_t num_tokens, int64_t num_index_heads, c
                                   int64_t max_kv_len) {
   if (num_tokens <= 0 || max_kv_len <= 0 || cache.page_size <= 0) return 0;
   const int64_t nb_stride = (max_kv_len + cache.page_size - 1) / cache.page_size;
-  return sizeof(float) * static_cast<size_t>(num_tokens * num_index_heads * nb_stride);
+  // The scores, then (rows of kSplitMinBlocks and more) the split top-k's candidates.
+  const int64_t cand =
+      nb_stride >= kSplitMinBlocks ? (nb_stride + kSplitKeys - 1) / kSplitKeys * kSplitMaxTopk : 0;
+  return sizeof(float) * static_cast<size_t>(num_tokens * num_index_heads * nb_stride) +
+         sizeof(int32_t) * static_cast<size_t>(num_tokens * num_index_heads * cand);
 }
 
 void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& cache,
@@ -1006,6 +1093,21 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
           ni, sub, bs, topk, init_blocks, local_blocks, nb_stride, key_cap, scores,
           out + t0 * ni * topk);
       M3_CUDA_CHECK_LAUNCH("msa_topk_warp_kernel");
+    }
+    // A decode step's few rows over many blocks: the two-step split top-k.
+    const int64_t splits = (nb_stride + kSplitKeys - 1) / kSplitKeys;
+    const size_t merge_smem = sizeof(int32_t) * static_cast<size_t>(splits * topk);
+    if (!warp_rows && nb_stride >= kSplitMinBlocks && topk <= kSplitMaxTopk &&
+        rows < detail::num_sms() && merge_smem <= 48 * 1024 && splits <= 65535) {
+      int32_t* cand = reinterpret_cast<int32_t*>(scores + chunk * ni * nb_stride);
+      detail::launch_pdl(msa_topk_split_kernel,
+                         dim3(static_cast<unsigned>(rows), static_cast<unsigned>(splits)),
+                         dim3(kTopkThreads), 0, stream, ni, sub, bs, topk, init_blocks,
+                         local_blocks, nb_stride, splits, scores, cand);
+      detail::launch_pdl(msa_topk_merge_kernel, dim3(static_cast<unsigned>(rows)),
+                         dim3(kTopkThreads), merge_smem, stream, ni, sub, bs, topk, init_blocks,
+                         local_blocks, nb_stride, splits, scores, cand, out + t0 * ni * topk);
+      continue;
     }
     // With warp rows: at most two waves of CTAs, looping over the rows (most only skip).
     const int64_t radix_ctas =
