@@ -13,6 +13,7 @@
 // tile of tokens shares each index-K block through shared memory) and ranked one warp per row
 // by msa_topk_warp_kernel; the kernels above keep the tokens alone in their sequence.
 #include <algorithm>
+#include <cstdlib>
 
 #include "kernels/cuda/attn_common.cuh"
 #include "kernels/cuda/common.cuh"
@@ -902,6 +903,15 @@ __global__ void __launch_bounds__(kTopkThreads)
       [&](int64_t i) { return merge_ids[i]; }, count, topk, o, sh);
 }
 
+// The split top-k is on where M3_MSA_SPLIT_TOPK=1 (off by default until measured on the H200).
+bool split_topk_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("M3_MSA_SPLIT_TOPK");
+    return e != nullptr && e[0] == '1' && e[1] == 0;
+  }();
+  return on;
+}
+
 // No workspace: one CTA per (token, index head) scores into shared memory, then the same top-k.
 template <class T>
 __global__ void __launch_bounds__(kFusedThreads)
@@ -1097,8 +1107,9 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
     // A decode step's few rows over many blocks: the two-step split top-k.
     const int64_t splits = (nb_stride + kSplitKeys - 1) / kSplitKeys;
     const size_t merge_smem = sizeof(int32_t) * static_cast<size_t>(splits * topk);
-    if (!warp_rows && nb_stride >= kSplitMinBlocks && topk <= kSplitMaxTopk &&
-        rows < detail::num_sms() && merge_smem <= 48 * 1024 && splits <= 65535) {
+    if (split_topk_enabled() && !warp_rows && nb_stride >= kSplitMinBlocks &&
+        topk <= kSplitMaxTopk && rows < detail::num_sms() && merge_smem <= 48 * 1024 &&
+        splits <= 65535) {
       int32_t* cand = reinterpret_cast<int32_t*>(scores + chunk * ni * nb_stride);
       detail::launch_pdl(msa_topk_split_kernel,
                          dim3(static_cast<unsigned>(rows), static_cast<unsigned>(splits)),
