@@ -22,6 +22,7 @@
 #include "gpu_test_util.h"
 #include "kernels/cuda/ops.h"
 #include "model/cuda/eagle3_draft_cuda.h"
+#include "model/cuda/kv_cache_cuda.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/eagle3_draft.h"
 #include "model/m3_model.h"
@@ -246,6 +247,71 @@ TEST_F(Eagle3Cuda, RandomGqaDraftMatchesTheCpuDraft) {
   std::vector<int32_t> ids(141);  // past one 128-token page
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 53 + 3) % 2000);
   compare(p, random_aux(140, 3 * c.target_hidden_size, 12), ids);
+}
+
+// propose() with the draft steps in CUDA graphs gives the eager steps' proposals exactly (the
+// same kernels over the same inputs), over repeated calls of two batch shapes (so each graph is
+// run eagerly once, captured, then replayed) after a target step that left its aux states on the
+// device: two sequences, prefixes of 12 and 20 golden ids, proposing 3 and 3, then 2 and 3
+// (the last draft step has one row).
+TEST_F(Eagle3Cuda, DraftStepGraphsGiveTheEagerProposals) {
+  const auto ids = golden()["tokens"].get<std::vector<int32_t>>();
+  ASSERT_GE(ids.size(), 20u);
+  Pair p = demo_pair(4);
+  const int64_t bs = p.gpu->config().sparse_block_size;
+  ASSERT_GE(bs, 24);  // one page holds each sequence and its drafts
+  KvCacheCuda cache(p.gpu->config(), 4);
+  const std::vector<size_t> lens = {12, 20};
+  const std::vector<int32_t> pages = {1, 2};
+  ForwardBatch b;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    for (size_t i = 0; i < lens[s]; ++i) {
+      b.token_ids.push_back(ids[i]);
+      b.positions.push_back(static_cast<int32_t>(i));
+      b.seq_ids.push_back(static_cast<int32_t>(s));
+    }
+    b.block_table_offsets.push_back(static_cast<int32_t>(s));
+    b.block_table.push_back(pages[s]);
+  }
+  b.block_table_offsets.push_back(static_cast<int32_t>(lens.size()));
+  b.aux_layers = p.dev->config().aux_layer_ids;
+  b.aux_on_device = true;
+  p.gpu->forward(b, cache, nullptr);
+  auto seqs_of = [&](std::vector<int> num_propose) {
+    std::vector<DraftSeq> seqs(lens.size());
+    int row = 0;
+    for (size_t s = 0; s < lens.size(); ++s) {
+      DraftSeq& d = seqs[s];
+      d.request_id = s + 1;
+      d.block_table = std::span<const int32_t>(&pages[s], 1);
+      d.first_row = row;
+      d.start_pos = 0;
+      d.num_valid = static_cast<int>(lens[s]) - 1;  // positions whose next token is known
+      d.next_tokens.assign(ids.begin() + 1, ids.begin() + static_cast<ptrdiff_t>(lens[s]));
+      d.num_propose = num_propose[s];
+      d.capacity = static_cast<int>(bs);
+      row += static_cast<int>(lens[s]);
+    }
+    return seqs;
+  };
+  const std::vector<std::vector<int>> shapes = {{3, 3}, {2, 3}};
+  p.dev->set_use_graphs(false);
+  std::vector<std::vector<std::vector<int32_t>>> ref;
+  for (const auto& sh : shapes) ref.push_back(p.dev->propose(seqs_of(sh), {}, 3));
+  EXPECT_EQ(p.dev->graph_replays(), 0);
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    ASSERT_EQ(ref[i].size(), 2u);
+    EXPECT_EQ(ref[i][0].size(), static_cast<size_t>(shapes[i][0]));
+    EXPECT_EQ(ref[i][1].size(), 3u);
+  }
+  p.dev->set_use_graphs(true);
+  for (int rep = 0; rep < 4; ++rep)
+    for (size_t i = 0; i < shapes.size(); ++i)
+      EXPECT_EQ(p.dev->propose(seqs_of(shapes[i]), {}, 3), ref[i]) << "call " << rep;
+  // Graphs: (2 rows, first step), (2 rows, later step), (1 row, later step); each replayed from
+  // its second call on.
+  EXPECT_EQ(p.dev->graph_captures(), 3);
+  EXPECT_GE(p.dev->graph_replays(), 9);
 }
 
 TEST_F(Eagle3Cuda, SyntheticDraftsHaveM3Shapes) {

@@ -1,7 +1,9 @@
 #include "model/cuda/eagle3_draft_cuda.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "core/check.h"
@@ -61,8 +63,26 @@ Eagle3DraftCuda::Eagle3DraftCuda(Eagle3Config cfg, const Eagle3Weights& host, M3
 
 Eagle3DraftCuda::~Eagle3DraftCuda() {
   cudaStreamSynchronize(target_.stream());  // nothing launched may still read what is freed
+  clear_graphs();
+  for (cudaEvent_t e : ev_)
+    if (e != nullptr) cudaEventDestroy(e);
   if (stage_ != nullptr) cudaFreeHost(stage_);
   if (out_host_ != nullptr) cudaFreeHost(out_host_);
+}
+
+void Eagle3DraftCuda::clear_graphs() {
+  for (auto& [key, e] : graphs_)
+    if (e.exec) cudaGraphExecDestroy(e.exec);
+  graphs_.clear();
+}
+
+void Eagle3DraftCuda::set_use_graphs(bool on) {
+  use_graphs_ = on;
+  if (!on) clear_graphs();
+}
+
+bool Eagle3DraftCuda::use_graphs() const {
+  return use_graphs_ && target_.use_graphs();
 }
 
 Result<std::unique_ptr<Eagle3DraftCuda>> Eagle3DraftCuda::load(const std::string& model,
@@ -171,6 +191,8 @@ void Eagle3DraftCuda::share_target() {
 void Eagle3DraftCuda::init_forward() {
   ops_ = std::make_unique<CudaOps>(target_.stream());
   fw_ = std::make_unique<Eagle3Forward<CudaOps>>(cfg_, dev_);
+  const char* eager = std::getenv("M3_DRAFT_EAGER");
+  use_graphs_ = !(eager != nullptr && std::string(eager) == "1");
 }
 
 int64_t Eagle3DraftCuda::kv_page_bytes() const {
@@ -198,14 +220,93 @@ struct StepPlan {
   int64_t srcid_at = -1;  // drafts: each token's row among the previous step's ids
   int64_t out_at = 0;     // its ids' offset in the mapped ids of all steps
   int64_t max_kv_len = 0;
+  int64_t words = 0;  // drafts: the step's arrays are one block of `words` from pos_at
 };
 
+// A draft step's arrays in its block (what its graph reads at fixed offsets for R rows):
+// positions, seq ids, logits rows, hidden source rows, previous-id rows [R] each, then the block
+// table offsets [R + 1] and the block table.
+struct StepBlock {
+  int64_t pos = 0, seq, rows, src, srcid, bto, bt;
+  explicit StepBlock(int64_t R)
+      : seq(R), rows(2 * R), src(3 * R), srcid(4 * R), bto(5 * R), bt(6 * R + 1) {}
+};
+
+// The draft steps' bound of the key count, rounded up as the target's decode steps round theirs
+// (M3ModelCuda, kKvLenBucket): it sizes the attention's KV splits, so one captured graph serves
+// every step of its bucket, and eager steps use the same bound (the same numbers either way).
+constexpr int64_t kDraftKvLenBucket = 1024;
+constexpr size_t kMaxDraftGraphs = 256;
+
 }  // namespace
+
+void Eagle3DraftCuda::draft_step(int64_t R, int64_t max_kv_len, bool first) {
+  cudaStream_t st = target_.stream();
+  const int64_t H = cfg_.hidden_size, Vd = cfg_.draft_vocab_size;
+  const kernels::KvPages pages = cache_->layer(0);
+  const int32_t* map = d2t_.size() > 0 ? d2t_.data() : nullptr;
+  auto body = [&] {
+    const StepBlock at(R);
+    const int32_t* in = step_in_.data();
+    kernels::TokenLayout layout;
+    layout.num_tokens = R;
+    layout.positions = in + at.pos;
+    layout.seq_ids = in + at.seq;
+    layout.block_table_offsets = in + at.bto;
+    layout.block_table = in + at.bt;
+    layout.multi_token_seqs = false;
+    // hidden: the step before's pre-norm rows; tokens: its greedy ids (target ids)
+    float* hid = hidden_.data();
+    ops_->gather_rows(ops_->f32(Buf::kX, 0), in + at.src, R, H, hid);
+    const int32_t* prev = first ? mapped_.data() : step_ids_.data();
+    ops::gather_mapped_ids(prev, in + at.srcid, R, nullptr, tokens_.data(), st);
+    float* logits = ops_->f32(Buf::kLogits, R * Vd);
+    fw_->run(*ops_, tokens_.data(), layout, pages, hid, false, max_kv_len, in + at.rows, R, logits);
+    ops::sample_rows(logits, Vd, Vd, greedy_.data(), R, ids_.data(), st);
+    ops::gather_mapped_ids(ids_.data(), nullptr, R, map, step_ids_.data(), st);
+  };
+  if (!use_graphs()) {
+    body();
+    return;
+  }
+  if (graphs_.size() > kMaxDraftGraphs) clear_graphs();
+  GraphEntry& e = graphs_[{R, max_kv_len, first}];
+  if (e.exec && e.generation == ops_->generation()) {
+    M3_CUDA_CHECK(cudaGraphLaunch(e.exec, st));
+    ++graph_replays_;
+    return;
+  }
+  if (!e.seen || e.seen_generation != ops_->generation()) {
+    // First step of this shape (or buffers moved since): eager, which also sizes every buffer
+    // the capture will use, so nothing allocates or synchronises inside the capture.
+    body();
+    e.seen = true;
+    e.seen_generation = ops_->generation();
+    return;
+  }
+  if (e.exec) {
+    M3_CUDA_CHECK(cudaGraphExecDestroy(e.exec));
+    e.exec = nullptr;
+  }
+  const uint64_t gen = ops_->generation();
+  M3_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
+  body();
+  cudaGraph_t g = nullptr;
+  M3_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+  M3_CHECK(gen == ops_->generation(), "EAGLE-3 draft: a buffer grew while capturing a CUDA graph");
+  M3_CUDA_CHECK(cudaGraphInstantiate(&e.exec, g, 0));
+  M3_CUDA_CHECK(cudaGraphDestroy(g));
+  e.generation = gen;
+  ++graph_captures_;
+  M3_CUDA_CHECK(cudaGraphLaunch(e.exec, st));
+  ++graph_replays_;
+}
 
 std::vector<std::vector<int32_t>> Eagle3DraftCuda::propose(const std::vector<DraftSeq>& seqs,
                                                            std::span<const float> /*aux_hidden*/,
                                                            int k) {
   M3_CHECK(cache_ != nullptr, "EAGLE-3 draft: propose() before allocate_kv()");
+  const auto t_call = std::chrono::steady_clock::now();
   M3_CUDA_CHECK(cudaSetDevice(device_));
   const int64_t H = cfg_.hidden_size, Vd = cfg_.draft_vocab_size;
   const int64_t aux_w = static_cast<int64_t>(cfg_.aux_layer_ids.size()) * cfg_.target_hidden_size;
@@ -287,14 +388,17 @@ std::vector<std::vector<int32_t>> Eagle3DraftCuda::propose(const std::vector<Dra
     if (p.empty()) break;
     StepPlan pl;
     pl.T = pl.S = pl.R = static_cast<int64_t>(p.size());
-    pl.max_kv_len = *std::max_element(p.begin(), p.end()) + 1;
+    const int64_t max_pos = *std::max_element(p.begin(), p.end());
+    pl.max_kv_len = (max_pos / kDraftKvLenBucket + 1) * kDraftKvLenBucket;
+    // One block in StepBlock's order (copied whole to the graphs' fixed inputs).
     pl.pos_at = push(p);
     pl.seq_at = push(sq);
-    pl.bto_at = push(bto);
-    pl.bt_at = push(bt);
     pl.rows_at = push(rows);
     pl.src_at = push(src);
     pl.srcid_at = push(srcid);
+    pl.bto_at = push(bto);
+    pl.bt_at = push(bt);
+    pl.words = static_cast<int64_t>(w.size()) - pl.pos_at;
     pl.out_at = total_r;
     total_r += pl.R;
     plans.push_back(pl);
@@ -310,6 +414,10 @@ std::vector<std::vector<int32_t>> Eagle3DraftCuda::propose(const std::vector<Dra
   }
 
   cudaStream_t st = target_.stream();
+  if (profile_on_ && ev_[0] == nullptr)
+    for (cudaEvent_t& e : ev_) M3_CUDA_CHECK(cudaEventCreate(&e));
+  const bool prof = profile_on_ && total_r > 0;
+  if (prof) M3_CUDA_CHECK(cudaEventRecord(ev_[0], st));
   // Stage every step's arrays in one transfer.
   if (stage_cap_ < w.size()) {
     if (stage_ != nullptr) {
@@ -322,29 +430,49 @@ std::vector<std::vector<int32_t>> Eagle3DraftCuda::propose(const std::vector<Dra
   std::memcpy(stage_, w.data(), w.size() * sizeof(int32_t));
   int32_t* d = ops_->ensure(step_, static_cast<int64_t>(w.size()));
   M3_CUDA_CHECK(cudaMemcpyAsync(d, stage_, w.size() * sizeof(int32_t), cudaMemcpyHostToDevice, st));
-  int64_t max_r = 1, max_t = 1, max_hidden = 1;
+  int64_t max_r = 1, max_t = 1, max_hidden = 1, max_words = 1;
   for (const StepPlan& pl : plans) {
     max_r = std::max(max_r, pl.R);
     max_t = std::max(max_t, pl.T);
     max_hidden = std::max(max_hidden, pl.T * (pl.tok_at >= 0 ? aux_w : H));
+    max_words = std::max(max_words, pl.words);
   }
+  // Sized before any step runs, so no step (nor its capture) grows them.
   float* hid = ops_->ensure(hidden_, max_hidden);
-  int32_t* toks = ops_->ensure(tokens_, max_t);
+  ops_->ensure(tokens_, max_t);  // the draft steps' input ids
   int32_t* ids = ops_->ensure(ids_, max_r);
   int32_t* mapped = ops_->ensure(mapped_, std::max<int64_t>(total_r, 1));
+  int32_t* step_in = ops_->ensure(step_in_, max_words);
+  int32_t* step_ids = ops_->ensure(step_ids_, max_r);
   if (greedy_.size() < static_cast<size_t>(max_r)) {
-    std::vector<kernels::cpu::SampleRow> g(static_cast<size_t>(std::max<int64_t>(max_r, 64)));
+    std::vector<kernels::cpu::SampleRow> g(static_cast<size_t>(
+        std::max<int64_t>(2 * static_cast<int64_t>(greedy_.size()), std::max<int64_t>(max_r, 64))));
     for (size_t r = 0; r < g.size(); ++r) {
       g[r].row = static_cast<int32_t>(r);
       g[r].temperature = 0.f;  // greedy: the argmax, ties to the lower id (as the CPU draft)
     }
     M3_CUDA_CHECK(cudaStreamSynchronize(st));
     greedy_ = gpu::DeviceBuffer<kernels::cpu::SampleRow>(g);
+    clear_graphs();  // they read the old rows
   }
   const kernels::KvPages pages = cache_->layer(0);
   const int32_t* map = d2t_.size() > 0 ? d2t_.data() : nullptr;
   for (size_t si = 0; si < plans.size(); ++si) {
     const StepPlan& pl = plans[si];
+    if (si > 0) {
+      // A draft step: its arrays to the fixed inputs, the step (a graph replay where captured),
+      // its ids to their place among every step's.
+      if (si == 1 && prof) M3_CUDA_CHECK(cudaEventRecord(ev_[2], st));
+      M3_CUDA_CHECK(cudaMemcpyAsync(step_in, d + pl.pos_at,
+                                    static_cast<size_t>(pl.words) * sizeof(int32_t),
+                                    cudaMemcpyDeviceToDevice, st));
+      draft_step(pl.R, pl.max_kv_len, si == 1);
+      M3_CUDA_CHECK(cudaMemcpyAsync(mapped + pl.out_at, step_ids,
+                                    static_cast<size_t>(pl.R) * sizeof(int32_t),
+                                    cudaMemcpyDeviceToDevice, st));
+      continue;
+    }
+    if (prof) M3_CUDA_CHECK(cudaEventRecord(ev_[1], st));
     kernels::TokenLayout layout;
     layout.num_tokens = pl.T;
     layout.positions = d + pl.pos_at;
@@ -352,28 +480,23 @@ std::vector<std::vector<int32_t>> Eagle3DraftCuda::propose(const std::vector<Dra
     layout.block_table_offsets = d + pl.bto_at;
     layout.block_table = d + pl.bt_at;
     layout.multi_token_seqs = pl.T > pl.S;
-    const int32_t* tokens = nullptr;
-    if (si == 0) {
-      // hidden: the target's aux rows of these positions [T, aux * target_hidden]
-      ops_->gather_rows(target_.aux_states(), d + pl.src_at, pl.T, aux_w, hid);
-      tokens = d + pl.tok_at;
-    } else {
-      // hidden: the previous step's pre-norm rows; tokens: its greedy ids (target ids)
-      ops_->gather_rows(ops_->f32(Buf::kX, 0), d + pl.src_at, pl.T, H, hid);
-      ops::gather_mapped_ids(mapped + plans[si - 1].out_at, d + pl.srcid_at, pl.T, nullptr, toks,
-                             st);
-      tokens = toks;
-    }
+    // The context pass. hidden: the target's aux rows of these positions [T, aux * target_hidden]
+    ops_->gather_rows(target_.aux_states(), d + pl.src_at, pl.T, aux_w, hid);
     float* logits = pl.R > 0 ? ops_->f32(Buf::kLogits, pl.R * Vd) : nullptr;
-    fw_->run(*ops_, tokens, layout, pages, hid, si == 0, pl.max_kv_len, d + pl.rows_at, pl.R,
+    fw_->run(*ops_, d + pl.tok_at, layout, pages, hid, true, pl.max_kv_len, d + pl.rows_at, pl.R,
              logits);
     if (pl.R == 0) continue;
     ops::sample_rows(logits, Vd, Vd, greedy_.data(), pl.R, ids, st);
+    // At 0 in mapped_ (pl.out_at == 0): where the first draft step's graph reads them.
     ops::gather_mapped_ids(ids, nullptr, pl.R, map, mapped + pl.out_at, st);
   }
   if (total_r == 0) {
     M3_CUDA_CHECK(cudaStreamSynchronize(st));
     return out;
+  }
+  if (prof) {
+    if (plans.size() == 1) M3_CUDA_CHECK(cudaEventRecord(ev_[2], st));
+    M3_CUDA_CHECK(cudaEventRecord(ev_[3], st));
   }
   if (out_host_cap_ < static_cast<size_t>(total_r)) {
     M3_CUDA_CHECK(cudaStreamSynchronize(st));
@@ -388,6 +511,22 @@ std::vector<std::vector<int32_t>> Eagle3DraftCuda::propose(const std::vector<Dra
   for (size_t si = 0; si < plans.size(); ++si)
     for (size_t i = 0; i < seqs.size(); ++i)
       if (got[si][i] >= 0) out[i].push_back(out_host_[plans[si].out_at + got[si][i]]);
+  if (prof) {
+    float a = 0, b = 0, c = 0, span = 0;
+    M3_CUDA_CHECK(cudaEventElapsedTime(&a, ev_[0], ev_[1]));
+    M3_CUDA_CHECK(cudaEventElapsedTime(&b, ev_[1], ev_[2]));
+    M3_CUDA_CHECK(cudaEventElapsedTime(&c, ev_[2], ev_[3]));
+    M3_CUDA_CHECK(cudaEventElapsedTime(&span, ev_[0], ev_[3]));
+    ++profile_.calls;
+    profile_.draft_steps += static_cast<int64_t>(plans.size()) - 1;
+    profile_.stage_ms += a;
+    profile_.context_ms += b;
+    profile_.steps_ms += c;
+    profile_.span_ms += span;
+    profile_.wall_ms +=
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_call)
+            .count();
+  }
   return out;
 }
 

@@ -6,16 +6,23 @@
 // M3ModelCuda left them (no host copy). propose() stages every step's arrays in one pinned
 // transfer, runs the context pass and the K - 1 draft steps back to back (greedy ids from the
 // device sampler, d2t-mapped and fed to the next step on the device) and copies the proposals
-// back once. Made by the single-GPU backend (runtime/cuda/cuda_backend.cpp); also the synthetic
-// benchmark drafts (synthetic:mha / synthetic:gqa: random device weights of M3's draft shapes).
-// Invariant: the draft's K/V at a position is written before its attention reads it (as on the
-// CPU); propose() returns with the device idle; not thread-safe (the engine thread).
+// back once. The draft steps read their inputs at fixed device addresses (a device copy of the
+// step's staged arrays, the step before's ids) and replay CUDA graphs captured per (rows, KV
+// length bucket, first step or later); the context pass (a varying token count) runs eagerly. Made
+// by the single-GPU backend (runtime/cuda/cuda_backend.cpp); also the synthetic benchmark drafts
+// (synthetic:mha / synthetic:gqa: random device weights of M3's draft shapes). Invariant: the
+// draft's K/V at a position is written before its attention reads it (as on the CPU); propose()
+// returns with the device idle; not thread-safe (the engine thread).
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
+
+#include <cuda_runtime.h>
 
 #include "core/error.h"
 #include "gpu/device_buffer.h"
@@ -63,6 +70,29 @@ class Eagle3DraftCuda final : public DraftProposer {
   void forward_for_test(const DraftBatch& batch, std::vector<float>* prenorm,
                         std::vector<float>* logits);
 
+  // The one-token draft steps (after the context pass) replay CUDA graphs, one per (rows, KV
+  // length bucket, first step or later): on by default, off with the target's graphs
+  // (--enforce-eager, M3_ENFORCE_EAGER=1), with M3_DRAFT_EAGER=1 in the environment, or here.
+  // Either way a step computes the same numbers (same kernels, same bucketed KV bound).
+  void set_use_graphs(bool on);
+  bool use_graphs() const;
+  int64_t graph_replays() const { return graph_replays_; }
+  int64_t graph_captures() const { return graph_captures_; }
+
+  // Benchmarks: device time of each propose() in parts, from CUDA events on the stream (off by
+  // default: recording them costs a few microseconds per call).
+  struct Profile {
+    int64_t calls = 0, draft_steps = 0;
+    double stage_ms = 0;    // the staged H2D copy (from the first event to the context pass)
+    double context_ms = 0;  // the context pass: fc, the layer, LM head, greedy ids
+    double steps_ms = 0;    // the K - 1 draft steps (graphs or eager)
+    double span_ms = 0;     // first event to the ids' copy back: the device's share of the call
+    double wall_ms = 0;     // the whole call on the host
+  };
+  void set_profile(bool on) { profile_on_ = on; }
+  const Profile& profile() const { return profile_; }
+  void reset_profile() { profile_ = Profile{}; }
+
  private:
   Eagle3DraftCuda(Eagle3Config cfg, M3ModelCuda& target, int device);
   void* alloc(size_t bytes);
@@ -94,6 +124,26 @@ class Eagle3DraftCuda final : public DraftProposer {
   gpu::DeviceBuffer<kernels::cpu::SampleRow> greedy_;  // rows 0..n-1, temperature 0
   int32_t* out_host_ = nullptr;                        // pinned: every step's mapped ids
   size_t out_host_cap_ = 0;
+  // The draft steps' inputs at fixed addresses (what their graphs read): the step's arrays
+  // (copied from the staged words), and the ids of the step before (the context pass's are in
+  // mapped_ at 0; later steps write theirs to step_ids_, then copied to their place in mapped_).
+  gpu::DeviceBuffer<int32_t> step_in_, step_ids_;
+  struct GraphEntry {
+    cudaGraphExec_t exec = nullptr;
+    uint64_t generation = 0;       // the ops' buffer generation it was captured at
+    bool seen = false;             // one eager run at seen_generation sized the buffers
+    uint64_t seen_generation = 0;  //
+  };
+  std::map<std::tuple<int64_t, int64_t, bool>, GraphEntry> graphs_;
+  bool use_graphs_ = true;
+  int64_t graph_replays_ = 0, graph_captures_ = 0;
+  void clear_graphs();
+  // One draft step of R rows over the fixed inputs: hidden and ids of the step before, the
+  // layer, the LM head, greedy ids mapped to target ids into step_ids_.
+  void draft_step(int64_t R, int64_t max_kv_len, bool first);
+  bool profile_on_ = false;
+  Profile profile_;
+  cudaEvent_t ev_[4] = {nullptr, nullptr, nullptr, nullptr};
 };
 
 }  // namespace m3::model
