@@ -11,7 +11,11 @@
 // CPU: bench_spec_cycle MODEL_DIR DRAFT_DIR [C=16] [K=3] [max_tokens=64]; then also the host
 //      verification of 4 x C rows at M3's vocabulary (200,064) alone.
 // GPU: bench_spec_cycle --cuda synthetic:layers=N synthetic:mha|gqa [C list=1,16,64] [K=3]
-//      [max_tokens=128] (prompt 32 tokens, as bench/bench_serve.py).
+//      [max_tokens=128] (prompt 32 tokens, as bench/bench_serve.py), GEMMs in bf16 as `serve`
+//      runs them by default (M3_BENCH_GEMM=exact: the split-exact GEMMs). Each C runs with the
+//      draft steps in CUDA graphs, then eagerly; the draft's device time comes in parts (CUDA
+//      events: staging copy, context pass, draft steps; host share = wall - device span), and
+//      the same requests run once without drafts (the plain decode step, for the ratio).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -31,6 +35,8 @@
 #include "runtime/forward_backend.h"
 #include "sched/scheduler.h"
 #ifdef M3_BENCH_CUDA
+#include "kernels/cuda/ops.h"
+#include "model/cuda/eagle3_draft_cuda.h"
 #include "runtime/cuda/cuda_backend.h"
 #endif
 
@@ -46,7 +52,10 @@ double ms_since(Clock::time_point t0) {
 // The CPU backend with its forward() timed; the rest passes through.
 class TimedBackend final : public runtime::ForwardBackend {
  public:
-  explicit TimedBackend(std::unique_ptr<runtime::ForwardBackend> b) : b_(std::move(b)) {}
+  explicit TimedBackend(std::unique_ptr<runtime::ForwardBackend> b)
+      : owned_(std::move(b)), b_(owned_.get()) {}
+  // Over another's backend (a second runner without drafts over the same device and pool).
+  explicit TimedBackend(runtime::ForwardBackend* b) : b_(b) {}
   // true: reports no device sampling, so the runner takes every logits row to the host.
   bool host_only = false;
   const model::M3Config& config() const override { return b_->config(); }
@@ -71,7 +80,8 @@ class TimedBackend final : public runtime::ForwardBackend {
   int64_t host_rows = 0, device_rows = 0;  // logits rows returned / sampled by the backend
 
  private:
-  std::unique_ptr<runtime::ForwardBackend> b_;
+  std::unique_ptr<runtime::ForwardBackend> owned_;
+  runtime::ForwardBackend* b_;
 };
 
 class TimedDraft final : public model::DraftProposer {
@@ -101,11 +111,17 @@ struct Setup {
   TimedBackend* tb = nullptr;
   TimedDraft* td = nullptr;
   std::unique_ptr<engine::ModelRunner> runner;
+  std::unique_ptr<engine::ModelRunner> plain_runner;  // no drafts, over the same backend (GPU)
   int num_pages = 0, max_model_len = 0;
+#ifdef M3_BENCH_CUDA
+  model::Eagle3DraftCuda* dev_draft = nullptr;  // the GPU draft (its graphs and profile)
+#endif
+  bool plain = false;  // this run through plain_runner: plain decode steps, no draft
 };
 
 void run_cycles(Setup& su, int C, int K, int prompt_len, int max_tokens, const char* label) {
-  const model::M3Config& cfg = su.runner->backend().config();
+  engine::ModelRunner& runner = su.plain ? *su.plain_runner : *su.runner;
+  const model::M3Config& cfg = runner.backend().config();
   const int bs = static_cast<int>(cfg.sparse_block_size);
   sched::SchedulerConfig scfg;
   scfg.max_num_seqs = C;
@@ -114,7 +130,7 @@ void run_cycles(Setup& su, int C, int K, int prompt_len, int max_tokens, const c
   scfg.block_size = bs;
   scfg.num_blocks = su.num_pages;
   scfg.enable_prefix_caching = false;
-  scfg.num_lookahead_tokens = K;
+  scfg.num_lookahead_tokens = su.plain ? 0 : K;
   sched::Scheduler sched(scfg);
   std::unordered_map<uint64_t, engine::RunnerRequestState> states;
   std::mt19937 g(7 + C);
@@ -138,7 +154,11 @@ void run_cycles(Setup& su, int C, int K, int prompt_len, int max_tokens, const c
   }
   TimedBackend* tb = su.tb;
   TimedDraft* td = su.td;
-  const engine::SpecDecodeStats s0 = su.runner->spec_decoder()->stats();
+  const engine::SpecDecodeStats s0 =
+      su.plain ? engine::SpecDecodeStats{} : runner.spec_decoder()->stats();
+#ifdef M3_BENCH_CUDA
+  if (su.dev_draft != nullptr) su.dev_draft->reset_profile();
+#endif
   // Decode cycles only (every request past its prompt): the prefill steps are left out.
   double t_sched = 0, t_exec = 0, t_update = 0, t_fwd = 0, t_draft = 0;
   int64_t steps = 0, tokens = 0, rows_host = 0, rows_dev = 0;
@@ -152,7 +172,7 @@ void run_cycles(Setup& su, int C, int K, int prompt_len, int max_tokens, const c
     const int64_t h0 = tb->host_rows, v0 = tb->device_rows;
     t0 = Clock::now();
     sched::RunnerOutput ro;
-    if (!so.empty()) ro = su.runner->execute(so, states);
+    if (!so.empty()) ro = runner.execute(so, states);
     const double e_ms = ms_since(t0);
     t0 = Clock::now();
     const auto updates = sched.update_from_output(so, ro);
@@ -168,7 +188,8 @@ void run_cycles(Setup& su, int C, int K, int prompt_len, int max_tokens, const c
     rows_dev += tb->device_rows - v0;
     for (const auto& u : updates) tokens += static_cast<int64_t>(u.new_token_ids.size());
   }
-  const engine::SpecDecodeStats ss = su.runner->spec_decoder()->stats();
+  const engine::SpecDecodeStats ss =
+      su.plain ? engine::SpecDecodeStats{} : runner.spec_decoder()->stats();
   const double total = t_sched + t_exec + t_update;
   const double per = 1.0 / static_cast<double>(std::max<int64_t>(steps, 1));
   const double tok_per_req = static_cast<double>(tokens) * per / C;
@@ -190,6 +211,21 @@ void run_cycles(Setup& su, int C, int K, int prompt_len, int max_tokens, const c
   line("scheduler update", t_update);
   std::printf("  logits rows per cycle: %.1f to the host, %.1f sampled by the backend\n",
               static_cast<double>(rows_host) * per, static_cast<double>(rows_dev) * per);
+#ifdef M3_BENCH_CUDA
+  if (su.dev_draft != nullptr && su.dev_draft->profile().calls > 0) {
+    const auto& p = su.dev_draft->profile();
+    const double pc = 1.0 / static_cast<double>(p.calls);
+    std::printf(
+        "  draft on the device, per propose() (%lld calls, %.2f draft steps each, graphs %s): "
+        "staging copy %.3f, context pass %.3f, draft steps %.3f ms (device span %.3f, host-only "
+        "%.3f of the %.3f ms call); graph replays %lld, captures %lld so far\n",
+        static_cast<long long>(p.calls), static_cast<double>(p.draft_steps) * pc,
+        su.dev_draft->use_graphs() ? "on" : "off", p.stage_ms * pc, p.context_ms * pc,
+        p.steps_ms * pc, p.span_ms * pc, (p.wall_ms - p.span_ms) * pc, p.wall_ms * pc,
+        static_cast<long long>(su.dev_draft->graph_replays()),
+        static_cast<long long>(su.dev_draft->graph_captures()));
+  }
+#endif
 }
 
 // The host verification of every verify row at M3's vocabulary, as it ran before device
@@ -267,6 +303,10 @@ int main(int argc, char** argv) {
     const int K = argc > 5 ? std::atoi(argv[5]) : 3;
     const int max_tokens = argc > 6 ? std::atoi(argv[6]) : 128;
     const int prompt_len = 32;
+    const char* gemm = std::getenv("M3_BENCH_GEMM");
+    const bool exact = gemm != nullptr && std::string(gemm) == "exact";
+    kernels::cuda::set_gemm_precision(exact ? kernels::cuda::GemmPrecision::kExact
+                                            : kernels::cuda::GemmPrecision::kBf16);
     auto m = model::M3Model::load(target);
     if (!m) {
       std::fprintf(stderr, "%s\n", m.error().message.c_str());
@@ -289,6 +329,8 @@ int main(int argc, char** argv) {
     }
     Setup su;
     su.tb = tbo.get();
+    su.dev_draft = dynamic_cast<model::Eagle3DraftCuda*>(d->get());
+    if (su.dev_draft != nullptr) su.dev_draft->set_profile(true);
     auto tdo = std::make_unique<TimedDraft>(std::move(*d));
     su.td = tdo.get();
     su.num_pages = static_cast<int>(std::min<int64_t>(tbo->num_pages(), 1 << 20));
@@ -296,12 +338,25 @@ int main(int argc, char** argv) {
     auto spec = std::make_unique<engine::SpecDecoder>(spec_config(draft, K), std::move(tdo));
     std::printf(
         "bench_spec_cycle: %s + %s on %s, K=%d, synthetic acceptance 2.78, greedy, "
-        "prompt %d, %d output tokens\n",
-        target.c_str(), draft.c_str(), tbo->device_name().c_str(), K, prompt_len, max_tokens);
+        "prompt %d, %d output tokens, GEMMs %s\n",
+        target.c_str(), draft.c_str(), tbo->device_name().c_str(), K, prompt_len, max_tokens,
+        exact ? "split-exact" : "bf16 (serve's default)");
+    su.plain_runner = std::make_unique<engine::ModelRunner>(std::make_unique<TimedBackend>(su.tb),
+                                                            200064, nullptr, su.max_model_len);
     su.runner = std::make_unique<engine::ModelRunner>(std::move(tbo), 200064, std::move(spec),
                                                       su.max_model_len);
     run_cycles(su, 1, K, prompt_len, 16, "warm-up");  // graphs and plans of the first sizes
-    for (int C : cs) run_both(su, C, K, prompt_len, max_tokens);
+    for (int C : cs) {
+      run_cycles(su, C, K, prompt_len, max_tokens, "draft steps in CUDA graphs");
+      if (su.dev_draft != nullptr) {
+        su.dev_draft->set_use_graphs(false);
+        run_cycles(su, C, K, prompt_len, max_tokens, "draft steps eager");
+        su.dev_draft->set_use_graphs(true);
+      }
+      su.plain = true;
+      run_cycles(su, C, K, prompt_len, max_tokens, "no drafts (plain decode, verify-free)");
+      su.plain = false;
+    }
     return 0;
 #else
     std::fprintf(stderr, "bench_spec_cycle: built without CUDA (--cuda needs -DM3_CUDA=ON)\n");
