@@ -12,8 +12,9 @@
 //      verification of 4 x C rows at M3's vocabulary (200,064) alone.
 // GPU: bench_spec_cycle --cuda synthetic:layers=N synthetic:mha|gqa [C list=1,16,64] [K=3]
 //      [max_tokens=128] (prompt 32 tokens, as bench/bench_serve.py), GEMMs in bf16 as `serve`
-//      runs them by default (M3_BENCH_GEMM=exact: the split-exact GEMMs). Each C runs with the
-//      draft steps in CUDA graphs, then eagerly; the draft's device time comes in parts (CUDA
+//      runs them by default (M3_BENCH_GEMM=exact: the split-exact GEMMs). Each C runs once
+//      unmeasured (its shapes: GEMM plans, graphs), then with the draft steps in CUDA graphs,
+//      then eagerly; the draft's device time comes in parts (CUDA
 //      events: staging copy, context pass, draft steps; host share = wall - device span), and
 //      the same requests run once without drafts (the plain decode step, for the ratio).
 #include <algorithm>
@@ -347,6 +348,9 @@ int main(int argc, char** argv) {
                                                       su.max_model_len);
     run_cycles(su, 1, K, prompt_len, 16, "warm-up");  // graphs and plans of the first sizes
     for (int C : cs) {
+      // An unmeasured pass first: the shapes of this C (the context pass's and the verify step's
+      // token counts, GEMM plans, graphs) are then seen, so the runs below compare warm steps.
+      run_cycles(su, C, K, prompt_len, max_tokens, "warm-up (shapes of this C, graphs captured)");
       run_cycles(su, C, K, prompt_len, max_tokens, "draft steps in CUDA graphs");
       if (su.dev_draft != nullptr) {
         su.dev_draft->set_use_graphs(false);
