@@ -187,11 +187,12 @@ def stream_prompt(prompt_ids, i):
     return [rng.randrange(10, 2610) for _ in prompt_ids]
 
 
-def run_level(host, port, model, prompt_ids, max_tokens, c):
+def run_level(host, port, model, prompt_ids, max_tokens, c, first_stream=0):
     results = [Result() for _ in range(c)]
     t0 = time.perf_counter()
     threads = [threading.Thread(target=one_request,
-                                args=(host, port, model, stream_prompt(prompt_ids, i), max_tokens,
+                                args=(host, port, model,
+                                      stream_prompt(prompt_ids, first_stream + i), max_tokens,
                                       results[i], t0))
                for i in range(c)]
     for t in threads:
@@ -247,6 +248,10 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt length in token ids")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests before measuring")
+    ap.add_argument("--warmup-levels", action="store_true",
+                    help="before each level's measured run, one unmeasured run of the same C and "
+                         "max tokens (other prompts, so no prefix-cache hits): steady-state "
+                         "numbers, with the level's step shapes (GEMM plans, CUDA graphs) seen")
     ap.add_argument("--extra-args", default="", help="more m3serve serve flags")
     ap.add_argument("--bench-cuda-ops", default="build/gpu/bin/bench_cuda_ops",
                     help="fallback bandwidth probe when torch is missing")
@@ -336,6 +341,8 @@ def serve_levels(a, levels, bw, extra_args, spec=None):
             run_level(host, port, model, prompt_ids, 8, 1)
         rows = []
         for c in levels:
+            if a.warmup_levels:
+                run_level(host, port, model, prompt_ids, a.max_tokens, c, first_stream=100000)
             r = run_level(host, port, model, prompt_ids, a.max_tokens, c)
             ctx = a.prompt_len + a.max_tokens // 2  # mean context over the decode
             r["step_gb"] = step_bytes(a.layers, c, ctx) / 1e9
