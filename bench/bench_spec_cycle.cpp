@@ -163,6 +163,10 @@ void run_cycles(Setup& su, int C, int K, int prompt_len, int max_tokens, const c
   // Decode cycles only (every request past its prompt): the prefill steps are left out.
   double t_sched = 0, t_exec = 0, t_update = 0, t_fwd = 0, t_draft = 0;
   int64_t steps = 0, tokens = 0, rows_host = 0, rows_dev = 0;
+  // Cycles with all C requests still running (what one request's TPOT sees; the run's tail,
+  // where random acceptance lets some finish first, has fewer and cheaper rows).
+  double full_ms = 0;
+  int64_t full_steps = 0, full_tokens = 0;
   while (sched.has_unfinished()) {
     auto t0 = Clock::now();
     sched::SchedulerOutput so = sched.schedule();
@@ -187,7 +191,14 @@ void run_cycles(Setup& su, int C, int K, int prompt_len, int max_tokens, const c
     t_draft += td->ms - d0;
     rows_host += tb->host_rows - h0;
     rows_dev += tb->device_rows - v0;
-    for (const auto& u : updates) tokens += static_cast<int64_t>(u.new_token_ids.size());
+    int64_t step_tokens = 0;
+    for (const auto& u : updates) step_tokens += static_cast<int64_t>(u.new_token_ids.size());
+    tokens += step_tokens;
+    if (static_cast<int>(so.requests.size()) == C) {
+      ++full_steps;
+      full_tokens += step_tokens;
+      full_ms += s_ms + e_ms + u_ms;
+    }
   }
   const engine::SpecDecodeStats ss =
       su.plain ? engine::SpecDecodeStats{} : runner.spec_decoder()->stats();
@@ -212,6 +223,14 @@ void run_cycles(Setup& su, int C, int K, int prompt_len, int max_tokens, const c
   line("scheduler update", t_update);
   std::printf("  logits rows per cycle: %.1f to the host, %.1f sampled by the backend\n",
               static_cast<double>(rows_host) * per, static_cast<double>(rows_dev) * per);
+  if (full_steps > 0) {
+    const double fpt = static_cast<double>(full_tokens) / static_cast<double>(full_steps) / C;
+    std::printf(
+        "  cycles with all %d requests running: %lld, %.3f ms each, %.2f tokens per request = "
+        "%.3f ms per output token (a request's TPOT)\n",
+        C, static_cast<long long>(full_steps), full_ms / static_cast<double>(full_steps), fpt,
+        full_ms / static_cast<double>(full_steps) / std::max(fpt, 1e-9));
+  }
 #ifdef M3_BENCH_CUDA
   if (su.dev_draft != nullptr && su.dev_draft->profile().calls > 0) {
     const auto& p = su.dev_draft->profile();
