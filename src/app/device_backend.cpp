@@ -180,11 +180,13 @@ Result<engine::BackendFactory> make_backend_factory(const DeviceArgs& a,
     const int dp = a.parallel.data_parallel_size;
     M3_TRY_STATUS(runtime::check_data_parallel_devices(dp));
     const bool ep = a.parallel.enable_expert_parallel;
+    const model::MoeDispatch dispatch =  // validate_parallel checked it
+        model::parse_moe_dispatch(a.parallel.moe_dispatch).value_or(model::MoeDispatch::kAuto);
     return engine::BackendFactory(
-        [opts, dp, ep](
+        [opts, dp, ep, dispatch](
             std::unique_ptr<model::M3Model> host,
             int64_t /*cpu_num_pages*/) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
-          return runtime::make_cuda_data_parallel_backend(std::move(host), opts, dp, ep);
+          return runtime::make_cuda_data_parallel_backend(std::move(host), opts, dp, ep, dispatch);
         });
   }
   return engine::BackendFactory(

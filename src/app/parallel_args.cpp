@@ -21,6 +21,13 @@ void add_parallel_options(CLI::App* sub, ParallelArgs& a) {
                   "the routed experts are split over all of them (CPU: threads; cuda: one GPU "
                   "per rank over NCCL; not combined with --tensor-parallel-size yet)")
       ->capture_default_str();
+  sub->add_option("--moe-dispatch", a.moe_dispatch,
+                  "How --data-parallel-size ranks with --enable-expert-parallel send tokens to "
+                  "the experts: all-to-all (each token only to the ranks owning its top-k "
+                  "experts; less traffic, the host reads the routing each MoE layer), "
+                  "all-gather (every token to every rank; CUDA-graph friendly) or auto "
+                  "(all-to-all on the CPU, all-gather on GPUs; docs/MULTI_NODE.md)")
+      ->capture_default_str();
   sub->add_option("--nnodes", a.nnodes,
                   "serve: processes (nodes) the --tensor-parallel-size ranks are split over, "
                   "size / nnodes each; node 0 serves the API, the others run with --headless "
@@ -66,6 +73,15 @@ Status validate_parallel(const ParallelArgs& a, const std::string& device, bool 
                           std::to_string(a.tensor_parallel_size) +
                           " is not implemented yet; use one of them (docs/MULTI_NODE.md)",
                       "--data-parallel-size");
+  auto dispatch = model::parse_moe_dispatch(a.moe_dispatch);
+  if (!dispatch) return tl::unexpected(dispatch.error());
+  if (*dispatch == model::MoeDispatch::kAllToAll &&
+      !(a.data_parallel_size > 1 && a.enable_expert_parallel))
+    return bad(
+        "--moe-dispatch all-to-all needs --data-parallel-size > 1 with --enable-expert-parallel "
+        "(tensor-parallel ranks all see every token, and sliced experts need every row on every "
+        "rank); drop --moe-dispatch or add those flags",
+        "--moe-dispatch");
   if (a.headless && a.nnodes == 1)
     return bad(
         "--headless is for nodes 1 .. N-1 of a group of --nnodes N > 1 (no API server); "
@@ -125,6 +141,9 @@ engine::BackendFactory wrap_backend_factory(const ParallelArgs& a,
   if (!wants_sharding(a)) return device_factory;
   const int tp = a.tensor_parallel_size, dp = a.data_parallel_size;
   const bool ep = a.enable_expert_parallel;
+  // validate_parallel checked the value.
+  const model::MoeDispatch dispatch =
+      model::parse_moe_dispatch(a.moe_dispatch).value_or(model::MoeDispatch::kAuto);
   if (a.nnodes > 1) {
     // Node 0 of a group over processes (validate_parallel: serve, TP only, even split).
     const runtime::MultiNodeSpec nodes = multi_node_spec(a);
@@ -136,12 +155,12 @@ engine::BackendFactory wrap_backend_factory(const ParallelArgs& a,
         });
   }
   return engine::BackendFactory(
-      [tp, ep, dp, dp_kv_partitions](
+      [tp, ep, dp, dp_kv_partitions, dispatch](
           std::unique_ptr<model::M3Model> host,
           int64_t cpu_num_pages) -> Result<std::unique_ptr<runtime::ForwardBackend>> {
         // Serving: the scheduler hands out pages, so DP ranks get a page partition each.
         return runtime::make_cpu_sharded_backend(std::move(host), cpu_num_pages, tp, ep, dp,
-                                                 dp_kv_partitions);
+                                                 dp_kv_partitions, dispatch);
       });
 }
 

@@ -32,6 +32,8 @@ struct ParallelArgs {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   bool headless = false;  // serve --headless: a node R > 0 without the API server
+  // --moe-dispatch (model::MoeDispatch): auto, all-gather or all-to-all.
+  std::string moe_dispatch = "auto";
 };
 
 void add_parallel_options(CLI::App* sub, ParallelArgs& a);
@@ -40,7 +42,8 @@ void add_parallel_options(CLI::App* sub, ParallelArgs& a);
 // outside [1, 65535], an empty --master-addr, DP and TP both > 1 (on any `device`), and with
 // --nnodes > 1: a command other than serve (`serve_command` false), --data-parallel-size > 1, a
 // --tensor-parallel-size that does not split evenly over the nodes, --headless on node 0 or a
-// node R > 0 without it (the messages point at docs/MULTI_NODE.md).
+// node R > 0 without it (the messages point at docs/MULTI_NODE.md), an unknown --moe-dispatch
+// and --moe-dispatch all-to-all without --data-parallel-size > 1 and --enable-expert-parallel.
 Status validate_parallel(const ParallelArgs& a, const std::string& device,
                          bool serve_command = false);
 

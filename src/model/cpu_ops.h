@@ -100,6 +100,7 @@ class CpuOps {
   void copy(float* dst, const float* src, int64_t n) { kernels::cpu::copy(dst, src, n); }
   // Ops memory is host memory: a plain copy.
   void download(int32_t* host, const int32_t* src, int64_t n) { std::copy(src, src + n, host); }
+  void upload(int32_t* dst, const int32_t* host, int64_t n) { std::copy(host, host + n, dst); }
 
   // Collectives of a shard (every rank calls them in the same order).
   void all_reduce_sum(float* data, int64_t n) { group().all_reduce_sum(data, n); }
@@ -109,6 +110,12 @@ class CpuOps {
   }
   void reduce_scatter_sum(const float* send, int64_t n, float* recv) {
     group().reduce_scatter_sum(send, n, recv);
+  }
+  // Counts are host arrays of world_size() entries (dist::Communicator::all_to_all_v).
+  template <class T>
+  void all_to_all_v(const T* send, const int64_t* send_counts, T* recv,
+                    const int64_t* recv_counts) {
+    group().all_to_all_v(send, send_counts, recv, recv_counts);
   }
 
  private:

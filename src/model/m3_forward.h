@@ -56,10 +56,24 @@ enum class Buf {
   kDpSend,
   kDpAll,
   kDpRouted,
+  kDpSendW,  // all-to-all dispatch (MoeDispatch::kAllToAll): the picks' weights sent / received
+  kDpRecvW,
+  kDpBack,  // the experts' results of this rank's rows, back from their ranks
+  kDpAcc,   // their rank-ordered sum
+  kDpTmp,
   kAux,  // AuxCapture's rows where the caller keeps them in Ops memory (the GPU model)
   kCount
 };
-enum class IBuf { kSel, kRouteIds, kSelAll, kCount };
+enum class IBuf {
+  kSel,
+  kRouteIds,
+  kSelAll,
+  kDpCounts,     // all-to-all dispatch: this rank's send counts, then every rank's
+  kDpTok,        // the source slot of each row sent, grouped by destination
+  kDpPicks,      // [rows sent, k] the picks localised to the destination (-1: not its expert)
+  kDpRecvPicks,  // [rows received, k]
+  kCount
+};
 
 // Input embeddings given for some rows of a step (image tokens): x[rows[i]] = values[i, :].
 struct EmbedOverride {
@@ -113,6 +127,9 @@ class M3Forward {
     dp_rows_ = max_rows;
   }
   int64_t dp_step_rows() const { return plan_.data_sharded() ? dp_rows_ : 0; }
+  // Data parallel: the bytes this rank's MoE layers have sent to other ranks so far (rows,
+  // picks, weights, counts and results; the collectives' payloads, not the wire's protocol).
+  int64_t moe_dispatch_bytes() const { return dispatch_bytes_; }
 
   // Embedding and every layer over the step's T tokens (`tokens` and `layout` in the Ops'
   // memory); the residual stream ends in Buf::kX [T, hidden] f32. max_kv_len: a host bound of
@@ -442,6 +459,27 @@ class M3Forward {
     routed_experts(ops, li, x, n, L.has_shared_expert, out);
   }
 
+  // The router over n rows of x: ids [n, k] (global expert ids) and their weights wts [n, k], in
+  // fp32 (the router weight is f32 in M3 checkpoints), the bias for selection only.
+  void route(Ops& ops, int64_t li, const float* x, int64_t n, const float* bias, int32_t* ids,
+             float* wts) const {
+    const LayerWeights& L = w_.layers[li];
+    const int64_t ne = cfg_.num_local_experts, k = cfg_.num_experts_per_tok;
+    float* logits = ops.f32(Buf::kRouterLogits, n * ne);  // [n, experts] f32
+    const float scale = static_cast<float>(cfg_.routed_scaling_factor);
+    // The GEMV and the top-k in one launch for a decode step's few rows (CudaOps).
+    if constexpr (requires {
+                    ops.router_fused(x, n, L.router, bias, k, scale, logits, ids, wts);
+                  }) {
+      if (ops.router_fuses(n, L.router, k, x)) {
+        ops.router_fused(x, n, L.router, bias, k, scale, logits, ids, wts);
+        return;
+      }
+    }
+    ops.linear(x, n, L.router, logits);
+    ops.router_topk(logits, n, ne, bias, k, scale, ids, wts);
+  }
+
   // Router + this rank's experts over n rows of x: out = routed, plus the layer's shared expert
   // with `with_shared` (inside the routed experts' GEMVs where the backend can: CudaOps'
   // moe_experts_shared; else dense_mlp first).
@@ -449,27 +487,11 @@ class M3Forward {
                       float* out) const {
     const LayerWeights& L = w_.layers[li];
     const int64_t ne = cfg_.num_local_experts, k = cfg_.num_experts_per_tok;
-    // Router in fp32 (the router weight is f32 in M3 checkpoints), bias for selection only.
-    float* logits = ops.f32(Buf::kRouterLogits, n * ne);  // [n, experts] f32
     int32_t* ids = ops.i32(IBuf::kRouteIds, n * k);
     float* wts = ops.f32(Buf::kRouteW, n * k);
     const float* bias = nullptr;
     const kernels::MoeExpertWeights ew = moe_weights(li, &bias);
-    const float scale = static_cast<float>(cfg_.routed_scaling_factor);
-    bool routed = false;
-    // The GEMV and the top-k in one launch for a decode step's few rows (CudaOps).
-    if constexpr (requires {
-                    ops.router_fused(x, n, L.router, bias, k, scale, logits, ids, wts);
-                  }) {
-      if (ops.router_fuses(n, L.router, k, x)) {
-        ops.router_fused(x, n, L.router, bias, k, scale, logits, ids, wts);
-        routed = true;
-      }
-    }
-    if (!routed) {
-      ops.linear(x, n, L.router, logits);
-      ops.router_topk(logits, n, ne, bias, k, scale, ids, wts);
-    }
+    route(ops, li, x, n, bias, ids, wts);
     // Expert parallel: this rank holds experts [expert_begin, + num_experts); picks of the
     // others become -1 and add nothing here (the all-reduce after the block adds the other
     // ranks'; under data parallelism the reduce-scatter in moe_dp).
@@ -505,6 +527,10 @@ class M3Forward {
   // experts like any row (each row's result depends on that row alone), and are dropped by their
   // owner. out = shared expert (local) + the first n rows of the reduce-scatter.
   void moe_dp(Ops& ops, int64_t li, const float* x, int64_t n, float* out) const {
+    if (plan_.moe_all_to_all) {
+      moe_dp_a2a(ops, li, x, n, out);
+      return;
+    }
     const LayerWeights& L = w_.layers[li];
     const int64_t h = cfg_.hidden_size, W = plan_.world, nmax = dp_rows_;
     M3_CHECK(nmax >= 1 && n <= nmax,
@@ -521,6 +547,8 @@ class M3Forward {
     // slice of every expert) over every rank's rows: partial sums the reduce-scatter completes.
     routed_experts(ops, li, all, W * nmax, false, routed);
     ops.reduce_scatter_sum(routed, nmax * h, send);  // send: [nmax, hidden]
+    // What this rank sent to the others: its padded rows to each, its partial sums of theirs.
+    dispatch_bytes_ += 2 * (W - 1) * nmax * h * static_cast<int64_t>(sizeof(float));
     if (n == 0) return;  // a rank without tokens this step only joins the collectives
     if (L.has_shared_expert) {
       dense_mlp(ops, L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // whole shared
@@ -530,12 +558,148 @@ class M3Forward {
     }
   }
 
+  // Data parallel + expert parallel with MoeDispatch::kAllToAll. Each rank routes its own n rows
+  // and sends row t to rank d once if any of its top-k experts lies in d's range
+  // [d * E/W, (d + 1) * E/W). Per destination, rows ascending by source slot, three messages:
+  // the hidden rows [m_d, hidden] f32, the picks [m_d, k] i32 localised to d (-1: another rank's
+  // expert) and the token's k router weights [m_d, k] f32; the source slot stays here, as the
+  // results return in the order sent. Before them, one all-gather of every rank's W row counts
+  // (so each rank knows what it receives). The receiver runs its experts over everything it
+  // received (rank 0's rows first) in one moe_experts call, returns the [m, hidden] results by the
+  // reverse all-to-all, and the source adds them onto zeros in rank order: the reduce-scatter's
+  // order in the all-gather path, whose other terms are exact zeros, and every row's expert sum
+  // depends on that row alone; so the outputs are the all-gather path's, bitwise on the CPU (up to
+  // the sign of an all-zero row). The host reads the routing and the counts (two syncs a layer on
+  // a GPU, which is why that backend keeps kAllGather for its CUDA graphs by default).
+  void moe_dp_a2a(Ops& ops, int64_t li, const float* x, int64_t n, float* out) const {
+    const LayerWeights& L = w_.layers[li];
+    const int64_t h = cfg_.hidden_size, k = cfg_.num_experts_per_tok, W = plan_.world,
+                  per = plan_.num_experts;
+    const int me = plan_.rank;
+    const float* bias = nullptr;
+    const kernels::MoeExpertWeights ew = moe_weights(li, &bias);
+    M3_CHECK(plan_.expert_parallel && ew.num_experts == per,
+             "all-to-all MoE dispatch without whole experts per rank");
+    A2aHost& hs = a2a_;
+    hs.ids.resize(static_cast<size_t>(n * k));
+    float* wts = ops.f32(Buf::kRouteW, std::max<int64_t>(1, n * k));
+    if (n > 0) {
+      int32_t* ids = ops.i32(IBuf::kRouteIds, n * k);
+      route(ops, li, x, n, bias, ids, wts);
+      ops.download(hs.ids.data(), ids, n * k);
+    }
+    // The rows for each destination and their localised picks.
+    hs.tok.clear();
+    hs.picks.clear();
+    hs.counts.assign(static_cast<size_t>(W), 0);
+    for (int d = 0; d < W; ++d) {
+      const int64_t e0 = d * per;
+      for (int64_t t = 0; t < n; ++t) {
+        const int32_t* row = hs.ids.data() + t * k;
+        if (std::none_of(row, row + k, [&](int32_t e) { return e >= e0 && e < e0 + per; }))
+          continue;
+        hs.tok.push_back(static_cast<int32_t>(t));
+        for (int64_t j = 0; j < k; ++j)
+          hs.picks.push_back(row[j] >= e0 && row[j] < e0 + per ? static_cast<int32_t>(row[j] - e0)
+                                                               : -1);
+        ++hs.counts[d];
+      }
+    }
+    const int64_t m = static_cast<int64_t>(hs.tok.size());
+    // Counts first: cnt [W] this rank's, then [W, W] every rank's (row s: what s sends to each).
+    int32_t* cnt = ops.i32(IBuf::kDpCounts, W + W * W);
+    ops.upload(cnt, hs.counts.data(), W);
+    ops.all_gather(cnt, W, cnt + W);
+    hs.all.resize(static_cast<size_t>(W * W));
+    ops.download(hs.all.data(), cnt + W, W * W);
+    hs.sc.resize(static_cast<size_t>(2 * W));  // elements to each rank: rows * hidden, rows * k
+    hs.rc.resize(static_cast<size_t>(2 * W));
+    int64_t R = 0;  // rows received
+    for (int s = 0; s < W; ++s) {
+      M3_CHECK(hs.all[me * W + s] == hs.counts[s],
+               "all-to-all MoE dispatch: rank %d's counts came back changed", me);
+      const int64_t rs = hs.all[s * W + me];
+      M3_CHECK(rs >= 0, "all-to-all MoE dispatch: rank %d sends %lld rows", s,
+               static_cast<long long>(rs));
+      hs.sc[s] = hs.counts[s] * h;
+      hs.sc[W + s] = hs.counts[s] * k;
+      hs.rc[s] = rs * h;
+      hs.rc[W + s] = rs * k;
+      R += rs;
+    }
+    const int64_t* sch = hs.sc.data();
+    const int64_t* sck = hs.sc.data() + W;
+    const int64_t* rch = hs.rc.data();
+    const int64_t* rck = hs.rc.data() + W;
+    auto at_least_one = [](int64_t v) { return std::max<int64_t>(1, v); };
+    int32_t* itok = ops.i32(IBuf::kDpTok, at_least_one(m));
+    int32_t* spick = ops.i32(IBuf::kDpPicks, at_least_one(m * k));
+    int32_t* rpick = ops.i32(IBuf::kDpRecvPicks, at_least_one(R * k));
+    float* sx = ops.f32(Buf::kDpSend, at_least_one(m * h));
+    float* sw = ops.f32(Buf::kDpSendW, at_least_one(m * k));
+    float* rx = ops.f32(Buf::kDpAll, at_least_one(R * h));
+    float* rw = ops.f32(Buf::kDpRecvW, at_least_one(R * k));
+    float* ry = ops.f32(Buf::kDpRouted, at_least_one(R * h));
+    float* back = ops.f32(Buf::kDpBack, at_least_one(m * h));
+    if (m > 0) {
+      ops.upload(itok, hs.tok.data(), m);
+      ops.upload(spick, hs.picks.data(), m * k);
+      ops.gather_rows(x, itok, m, h, sx);
+      ops.gather_rows(wts, itok, m, k, sw);
+    }
+    ops.all_to_all_v(sx, sch, rx, rch);
+    ops.all_to_all_v(spick, sck, rpick, rck);
+    ops.all_to_all_v(sw, sck, rw, rck);
+    if (R > 0) {
+      const kernels::SwigluParams act{static_cast<float>(cfg_.swiglu_alpha),
+                                      static_cast<float>(cfg_.swiglu_limit),
+                                      static_cast<float>(cfg_.swiglu_beta)};
+      ops.moe_experts(rx, R, rpick, rw, k, ew, act, nullptr, ry);
+    }
+    ops.all_to_all_v(ry, rch, back, sch);  // back: [m, hidden], grouped by destination
+    {
+      const int64_t f = sizeof(float);
+      int64_t bytes = (W - 1) * W * static_cast<int64_t>(sizeof(int32_t));
+      for (int s = 0; s < W; ++s)
+        if (s != me) bytes += (hs.sc[s] + 2 * hs.sc[W + s] + hs.rc[s]) * f;
+      dispatch_bytes_ += bytes;
+    }
+    if (n == 0) return;  // a rank without tokens this step only joins the collectives
+    // acc [n, hidden] = the destinations' results added in rank order onto zeros.
+    float* acc = ops.f32(Buf::kDpAcc, n * h);
+    float* tmp = ops.f32(Buf::kDpTmp, n * h);
+    ops.fill_zero(acc, n * h);
+    int64_t off = 0;
+    for (int d = 0; d < W; ++d) {
+      const int64_t c = hs.counts[d];
+      if (c == 0) continue;
+      ops.fill_zero(tmp, n * h);
+      ops.scatter_rows(tmp, itok + off, c, h, back + off * h);
+      ops.add_inplace(acc, tmp, n * h);
+      off += c;
+    }
+    if (L.has_shared_expert) {
+      dense_mlp(ops, L.shared_gate, L.shared_up, L.shared_down, x, n, out);  // whole shared
+      ops.add_inplace(out, acc, n * h);
+    } else {
+      ops.copy(out, acc, n * h);
+    }
+  }
+
+  // Host arrays of moe_dp_a2a (kept to reuse their memory; the forward is not reentrant).
+  struct A2aHost {
+    std::vector<int32_t> ids, tok, picks, counts, all;
+    std::vector<int64_t> sc, rc;
+  };
+
   const M3Config& cfg_;
   const ShardPlan& plan_;
   const M3Weights& w_;
   std::vector<MatRef> fused_proj_;
   std::vector<MoeLayer> moe_;
   int64_t dp_rows_ = 0;
+  mutable A2aHost a2a_;
+  mutable int64_t dispatch_bytes_ = 0;
 };
 
 }  // namespace m3::model

@@ -257,6 +257,10 @@ void M3Model::forward_dp_idle() const {
   fw_->run_idle(*ops_);
 }
 
+int64_t M3Model::moe_dispatch_bytes() const {
+  return fw_->moe_dispatch_bytes();
+}
+
 void M3Model::forward(const ForwardBatch& b, KvCache& cache, ForwardResult* out,
                       bool capture_msa) const {
   const int64_t T = static_cast<int64_t>(b.token_ids.size());

@@ -146,6 +146,9 @@ class M3Model {
   void set_dp_step_rows(int64_t max_rows) const;
   // Attention data parallel: the step of a rank with no tokens (joins the MoE collectives).
   void forward_dp_idle() const;
+  // Attention data parallel: the bytes this rank's MoE dispatch has sent to other ranks so far
+  // (M3Forward::moe_dispatch_bytes; 0 otherwise).
+  int64_t moe_dispatch_bytes() const;
 
   // The vision tower, loaded unless LoadOptions::language_model_only (null: no image input).
   // A shard shares its base model's tower.

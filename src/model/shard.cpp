@@ -115,6 +115,7 @@ Result<ShardPlan> make_dp_plan(const M3Config& cfg, const ShardSpec& spec) {
   p.expert_parallel = spec.expert_parallel;
   p.data_parallel = true;
   p.dp_pages_per_rank = spec.dp_pages_per_rank;
+  p.moe_all_to_all = spec.expert_parallel && spec.moe_dispatch != MoeDispatch::kAllGather;
   p.num_q_heads = cfg.num_attention_heads;
   p.gqa_group = cfg.num_attention_heads / cfg.num_key_value_heads;
   p.num_kv_heads = cfg.num_key_value_heads;
@@ -151,6 +152,27 @@ Result<ShardPlan> make_dp_plan(const M3Config& cfg, const ShardSpec& spec) {
 
 }  // namespace
 
+Result<MoeDispatch> parse_moe_dispatch(const std::string& s) {
+  if (s == "auto") return MoeDispatch::kAuto;
+  if (s == "all-gather") return MoeDispatch::kAllGather;
+  if (s == "all-to-all") return MoeDispatch::kAllToAll;
+  return make_error(ErrorCode::kInvalidArgument,
+                    "--moe-dispatch '" + s + "' is unknown; use auto, all-gather or all-to-all",
+                    "--moe-dispatch");
+}
+
+const char* moe_dispatch_name(MoeDispatch d) {
+  switch (d) {
+    case MoeDispatch::kAuto:
+      return "auto";
+    case MoeDispatch::kAllGather:
+      return "all-gather";
+    case MoeDispatch::kAllToAll:
+      return "all-to-all";
+  }
+  return "?";
+}
+
 int64_t ShardPlan::kv_head_begin_of(int r) const {
   if (!kv_replicated) return static_cast<int64_t>(r) * num_kv_heads;
   // num_q_heads per rank divides the GQA group: rank r's heads all use KV head q0 / group.
@@ -171,6 +193,15 @@ Result<ShardPlan> make_shard_plan(const M3Config& cfg, const ShardSpec& spec) {
              spec.comm->world_size(), spec.rank, W);
   }
   const int64_t nq = cfg.num_attention_heads, nkv = cfg.num_key_value_heads;
+  if (spec.moe_dispatch == MoeDispatch::kAllToAll &&
+      !(spec.data_parallel && spec.expert_parallel) && W > 1) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--moe-dispatch all-to-all needs --data-parallel-size > 1 with "
+                      "--enable-expert-parallel (tensor parallel ranks all see every token, and "
+                      "sliced experts need every row on every rank); drop --moe-dispatch or add "
+                      "--enable-expert-parallel",
+                      "--moe-dispatch");
+  }
   if (spec.data_parallel) return make_dp_plan(cfg, spec);
   if (nq % W != 0) {
     return tl::unexpected(split_error("the query heads", nq, W, "use one of " + divisors_of(nq)));
@@ -258,6 +289,7 @@ std::string ShardPlan::describe(const M3Config& cfg) const {
     } else {
       os << "1/" << world << " of each";
     }
+    os << "; MoE dispatch " << (moe_all_to_all ? "all-to-all" : "all-gather");
     os << "; KV cache " << kv_bytes_per_token(cfg, num_kv_heads)
        << " B/token on this rank (all heads, this rank's sequences only)";
     return os.str();

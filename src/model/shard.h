@@ -18,6 +18,21 @@
 
 namespace m3::model {
 
+// How a data-parallel + expert-parallel MoE layer meets the experts of the other ranks.
+// kAllGather: every rank's rows (padded to the step's largest count) go to every rank, each rank
+// runs its experts over all of them and a reduce-scatter returns the partial sums (no count
+// exchange, no host sync: a CUDA graph can capture it). kAllToAll: each row goes only to the ranks
+// that own one of its top-k experts (counts exchanged first, then variable all-to-alls of rows and
+// their picks), and the results come back the same way, combined at the source in rank order:
+// the same numbers as kAllGather (bitwise on the CPU), less traffic, but the host reads the
+// routing every MoE layer (never inside a CUDA graph). kAuto: kAllToAll for data parallel with
+// expert parallel, else kAllGather; the GPU data-parallel backend resolves kAuto to kAllGather
+// (its decode steps replay CUDA graphs).
+enum class MoeDispatch { kAuto, kAllGather, kAllToAll };
+// "auto", "all-gather" or "all-to-all" (the --moe-dispatch values); error naming the flag else.
+Result<MoeDispatch> parse_moe_dispatch(const std::string& s);
+const char* moe_dispatch_name(MoeDispatch d);
+
 struct ShardSpec {
   int rank = 0;
   int world = 1;                       // tensor-parallel size (ranks of the group)
@@ -32,6 +47,8 @@ struct ShardSpec {
   // scheduler keeps them so, ForwardBackend::num_kv_partitions). 0: one page-id space that every
   // rank caches whole.
   int64_t dp_pages_per_rank = 0;
+  // Data parallel + expert parallel only (MoeDispatch); kAllToAll elsewhere is refused.
+  MoeDispatch moe_dispatch = MoeDispatch::kAuto;
 };
 
 // What this rank holds. Ranges are [begin, begin + count) in the unsharded model's numbering.
@@ -41,6 +58,8 @@ struct ShardPlan {
   bool expert_parallel = false;
   bool data_parallel = false;     // see ShardSpec; the ranges below are then whole except experts
   int64_t dp_pages_per_rank = 0;  // see ShardSpec
+  // The MoE layers dispatch rows by all-to-all (MoeDispatch::kAllToAll; data + expert parallel).
+  bool moe_all_to_all = false;
   // Attention: query heads split evenly. KV heads split when world <= num_kv_heads; else each
   // rank keeps the one KV head its query heads use (replicated across world / num_kv_heads ranks).
   // MSA index-q heads follow the KV heads; index-K (one head) is computed on every rank.

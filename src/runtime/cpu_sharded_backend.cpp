@@ -47,6 +47,11 @@ class ShardedCpuBackend final : public ForwardBackend {
   // Partitioned (data parallel): rank r's cache holds pages [r * P, (r + 1) * P).
   int64_t num_pages() const override { return caches_[0]->num_pages() * partitions_; }
   int num_kv_partitions() const override { return partitions_; }
+  int64_t moe_dispatch_bytes() const override {
+    int64_t b = 0;
+    for (const auto& s : shards_) b += s->moe_dispatch_bytes();
+    return b;
+  }
   void forward(const ForwardBatch& batch, ForwardResult* out, bool capture_msa) override {
     if (!shards_[0]->shard_plan().data_sharded()) {
       // Every rank computes the full logits (the lm_head all-gather); rank 0's are returned.
@@ -131,7 +136,7 @@ Status check_cpu_pages(int64_t num_pages, const M3Config& config) {
 
 Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(
     std::unique_ptr<M3Model> model, int64_t num_pages, int tensor_parallel_size,
-    bool expert_parallel, int data_parallel_size, bool dp_kv_partitions) {
+    bool expert_parallel, int data_parallel_size, bool dp_kv_partitions, MoeDispatch moe_dispatch) {
   M3_CHECK(model != nullptr);
   if (tensor_parallel_size < 1) {
     return make_error(
@@ -182,6 +187,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(
     probe.world = W;
     probe.expert_parallel = expert_parallel;
     probe.data_parallel = dp;
+    probe.moe_dispatch = moe_dispatch;
     M3_TRY(ShardPlan unused, make_shard_plan(model->config(), probe));
     (void)unused;
   }
@@ -196,6 +202,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(
     spec.expert_parallel = expert_parallel;
     spec.data_parallel = dp;
     spec.dp_pages_per_rank = partitioned ? rank_pages : 0;
+    spec.moe_dispatch = moe_dispatch;
     spec.comm = comms.back().get();
     M3_TRY(auto shard, model->make_shard(spec));
     shards.push_back(std::move(shard));

@@ -82,6 +82,9 @@ class ForwardBackend {
   // [p * num_pages() / N, (p + 1) * num_pages() / N) live on rank p; the scheduler keeps each
   // sequence's pages in one partition. num_pages() % N == 0.
   virtual int num_kv_partitions() const { return 1; }
+  // Attention data parallel: the bytes all ranks' MoE dispatch has sent between ranks since the
+  // backend started (model::MoeDispatch; the payloads, summed over ranks). 0 elsewhere.
+  virtual int64_t moe_dispatch_bytes() const { return 0; }
 
   // The host KV tier (`--kv-transfer-config` offloading, `--kv-offloading-size`): a second pool
   // of `num_slots` pages in host memory. Default: unsupported (the message names the backend).
@@ -158,7 +161,8 @@ std::unique_ptr<ForwardBackend> borrow_cpu_backend(const M3Model& model, int64_t
 // not divide the model (the message names the flag).
 Result<std::unique_ptr<ForwardBackend>> make_cpu_sharded_backend(
     std::unique_ptr<M3Model> model, int64_t num_pages, int tensor_parallel_size,
-    bool expert_parallel, int data_parallel_size = 1, bool dp_kv_partitions = false);
+    bool expert_parallel, int data_parallel_size = 1, bool dp_kv_partitions = false,
+    model::MoeDispatch moe_dispatch = model::MoeDispatch::kAuto);
 
 struct MultiNodeSpec;  // runtime/multi_node.h
 

@@ -4,6 +4,7 @@ sharded-forward tolerance derived in tests/model/model_sharded_test.cpp), `serve
 attention DP answers like a single rank, and the parallel flags that are not implemented yet are
 refused with one line."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -30,7 +31,10 @@ def generate(binary, *extra):
 def test_generate_sharded_equals_single_rank(binary):
     one = generate(binary)
     for extra in (["--tensor-parallel-size", "2"], ["--tensor-parallel-size", "4", "--enable-expert-parallel"],
-                  ["--data-parallel-size", "2", "--enable-expert-parallel"]):
+                  ["--data-parallel-size", "2", "--enable-expert-parallel"],
+                  # the all-to-all MoE dispatch (the CPU default with EP) and the all-gather one
+                  ["--data-parallel-size", "2", "--enable-expert-parallel", "--moe-dispatch", "all-gather"],
+                  ["--data-parallel-size", "8", "--enable-expert-parallel", "--moe-dispatch", "all-to-all"]):
         got = generate(binary, *extra)
         assert got["output_ids"] == one["output_ids"], extra
         for a, b in zip(got["output_logprobs"], one["output_logprobs"]):
@@ -54,16 +58,19 @@ def test_serve_sharded_equals_single_rank(binary):
     prompts = ["The capital of France is", "1, 2, 3, 4,"]
     got = {}
     runs = (("tp1", []), ("tp2_ep", ["--tensor-parallel-size", "2", "--enable-expert-parallel"]),
-            ("dp2", ["--data-parallel-size", "2"]))
+            ("dp2", ["--data-parallel-size", "2"]),
+            ("dp4_ep", ["--data-parallel-size", "4", "--enable-expert-parallel"]))
     for name, extra in runs:
         s = Server(binary, DEMO, ["--kv-cache-memory-bytes", "32MiB", "--max-model-len", "1024"] + extra)
         try:
             if name != "tp1":
-                assert "parallel 2 ranks" in s.startup_line, s.startup_line
-            got[name] = [completion(s, p) for p in prompts]
+                assert f"parallel {name[2]} ranks" in s.startup_line, s.startup_line
+            # Concurrent, so data-parallel ranks run steps with several sequences at once.
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
+                got[name] = list(ex.map(lambda p: completion(s, p), prompts))
         finally:
             s.stop()
-    for name in ("tp2_ep", "dp2"):
+    for name in ("tp2_ep", "dp2", "dp4_ep"):
         for a, b in zip(got["tp1"], got[name]):
             assert a["text"] == b["text"], name
             for x, y in zip(a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"]):
@@ -79,6 +86,8 @@ def test_serve_sharded_equals_single_rank(binary):
     ("generate", ["--master-port", "0"], "not a TCP port"),
     ("serve", ["--data-parallel-size", "2", "--tp", "2"], "not implemented yet"),
     ("serve", ["--nnodes", "2"], "does not split evenly"),
+    ("generate", ["--moe-dispatch", "all-to-all"], "needs --data-parallel-size > 1 with --enable-expert-parallel"),
+    ("generate", ["--data-parallel-size", "2", "--moe-dispatch", "sideways"], "'sideways' is unknown"),
 ])
 def test_parallel_flags_refused_in_one_line(binary, cmd, args, says):
     base = [binary, cmd, "--model", DEMO]

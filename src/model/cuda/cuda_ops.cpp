@@ -82,6 +82,13 @@ void CudaOps::download(int32_t* host, const int32_t* src, int64_t n) {
   M3_CUDA_CHECK(cudaStreamSynchronize(s_));
 }
 
+void CudaOps::upload(int32_t* dst, const int32_t* host, int64_t n) {
+  syncs_host_ = true;
+  if (n <= 0) return;
+  M3_CUDA_CHECK(cudaMemcpyAsync(dst, host, static_cast<size_t>(n) * sizeof(int32_t),
+                                cudaMemcpyHostToDevice, s_));
+}
+
 template <class F>
 void CudaOps::on_comm(F&& collective) {
   if (skip_collectives_) return;
@@ -104,6 +111,14 @@ void CudaOps::all_gather(const int32_t* send, int64_t n, int32_t* recv) {
 }
 void CudaOps::reduce_scatter_sum(const float* send, int64_t n, float* recv) {
   on_comm([&] { comm_->reduce_scatter_sum(send, n, recv); });
+}
+void CudaOps::all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
+                           const int64_t* recv_counts) {
+  on_comm([&] { comm_->all_to_all_v(send, send_counts, recv, recv_counts); });
+}
+void CudaOps::all_to_all_v(const int32_t* send, const int64_t* send_counts, int32_t* recv,
+                           const int64_t* recv_counts) {
+  on_comm([&] { comm_->all_to_all_v(send, send_counts, recv, recv_counts); });
 }
 
 }  // namespace m3::model

@@ -159,11 +159,19 @@ class CudaOps {
   void copy(float* dst, const float* src, int64_t n) { kernels::cuda::copy(dst, src, n, s_); }
   // Device to host, then a stream sync (eager steps only: the MSA capture).
   void download(int32_t* host, const int32_t* src, int64_t n);
+  // Host to device on the stream (pageable source: returns once the source is staged, so the
+  // host array may be reused at once); marks the step syncs_host() (never captured).
+  void upload(int32_t* dst, const int32_t* host, int64_t n);
 
   void all_reduce_sum(float* data, int64_t n);
   void all_gather(const float* send, int64_t n, float* recv);
   void all_gather(const int32_t* send, int64_t n, int32_t* recv);
   void reduce_scatter_sum(const float* send, int64_t n, float* recv);
+  // Counts are host arrays (dist::Communicator::all_to_all_v; NCCL grouped send / recv).
+  void all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
+                    const int64_t* recv_counts);
+  void all_to_all_v(const int32_t* send, const int64_t* send_counts, int32_t* recv,
+                    const int64_t* recv_counts);
 
  private:
   // The communicator's stream waits for the model's work so far, runs `collective`, and the

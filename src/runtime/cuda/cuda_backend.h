@@ -146,8 +146,11 @@ Status check_data_parallel_devices(int data_parallel_size);
 // D == 1 is make_cuda_backend. Errors (naming the flag): fewer GPUs than D, a split that does not
 // divide the experts, a build without NCCL, a rank's weights that do not fit its GPU, and the
 // KV-pool errors of make_cuda_sharded_backend.
+// moe_dispatch: model::MoeDispatch; kAuto is kAllGather here (decode steps replay CUDA graphs,
+// which the all-to-all's host reads of the routing would prevent). kAllToAll is compiled and
+// CPU-equivalent but has not run on GPUs yet (docs/MULTI_NODE.md).
 Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
     std::unique_ptr<M3Model> host, const CudaBackendOptions& opts, int data_parallel_size,
-    bool expert_parallel = false);
+    bool expert_parallel = false, model::MoeDispatch moe_dispatch = model::MoeDispatch::kAuto);
 
 }  // namespace m3::runtime

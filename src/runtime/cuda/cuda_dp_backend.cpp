@@ -97,7 +97,8 @@ class DataParallelCudaBackend final : public ForwardBackend {
 #endif  // M3_HAS_NCCL
 
 Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
-    std::unique_ptr<M3Model> host, const CudaBackendOptions& opts, int dp, bool expert_parallel) {
+    std::unique_ptr<M3Model> host, const CudaBackendOptions& opts, int dp, bool expert_parallel,
+    MoeDispatch moe_dispatch) {
   M3_CHECK(host != nullptr);
   M3_TRY_STATUS(rank_group::check_group_args(dp, "--data-parallel-size", opts));
   if (dp == 1) return make_cuda_backend(std::move(host), opts);  // EP over one rank: whole model
@@ -109,6 +110,10 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
   probe.world = dp;
   probe.expert_parallel = expert_parallel;
   probe.data_parallel = true;
+  // kAuto keeps the all-gather here: its steps need no host sync, so decode replays graphs.
+  const MoeDispatch dispatch =
+      moe_dispatch == MoeDispatch::kAuto ? MoeDispatch::kAllGather : moe_dispatch;
+  probe.moe_dispatch = dispatch;
   M3_TRY(ShardPlan plan0, make_shard_plan(cfg, probe));
   M3_TRY_STATUS(check_data_parallel_devices(dp));
 #ifndef M3_HAS_NCCL
@@ -131,6 +136,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_data_parallel_backend(
     spec.world = dp;
     spec.expert_parallel = expert_parallel;
     spec.data_parallel = true;
+    spec.moe_dispatch = dispatch;
     return rank_group::make_rank_model(*whole, spec, opts, rank);
   };
   M3_TRY(std::vector<rank_group::CudaRank> ranks, rank_group::start_nccl_ranks(dp, build));

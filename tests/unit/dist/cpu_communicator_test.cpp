@@ -1,4 +1,4 @@
-// CpuCommunicator: every collective for 1..4 ranks and odd sizes against values computed
+// CpuCommunicator: every collective for 1..4 and 8 ranks and odd sizes against values computed
 // independently here, plus the determinism the sharded forward relies on (all-reduce sums in
 // rank order, bitwise the same on every rank) and the NVLS environment rule of the NCCL side.
 #include <gtest/gtest.h>
@@ -20,8 +20,8 @@ namespace {
 // twice lets the compiler contract one site into an FMA and round differently).
 float val(int r, int64_t i) {
   static const std::vector<std::vector<float>> table = [] {
-    std::vector<std::vector<float>> t(4, std::vector<float>(4096));
-    for (int rr = 0; rr < 4; ++rr)
+    std::vector<std::vector<float>> t(8, std::vector<float>(4096));
+    for (int rr = 0; rr < 8; ++rr)
       for (int64_t ii = 0; ii < 4096; ++ii)
         t[rr][ii] =
             0.1f * static_cast<float>(rr + 1) + 1e-3f * static_cast<float>(ii) + 1.0f / 3.0f;
@@ -127,6 +127,39 @@ TEST_P(Collectives, AllToAllVMovesUnevenCounts) {
   }
 }
 
+// The shapes the all-to-all MoE dispatch produces: nobody sends anything (a step whose tokens
+// all stay home, or no tokens at all), one rank sends to every rank while the others send
+// nothing, and every rank sends only to itself. Empty vectors' null data() included.
+TEST_P(Collectives, AllToAllVEmptyAndOneSidedSends) {
+  const int W = GetParam();
+  run_cpu_ranks(W, [&](int r, Communicator& c) {
+    std::vector<int64_t> zero(W, 0);
+    std::vector<float> none_f;
+    std::vector<int32_t> none_i;
+    c.all_to_all_v(none_f.data(), zero.data(), none_f.data(), zero.data());
+    c.all_to_all_v(none_i.data(), zero.data(), none_i.data(), zero.data());
+    // Rank W-1 sends d + 1 values to each rank d.
+    std::vector<int64_t> sc(W, 0), rc(W, 0);
+    std::vector<float> send;
+    if (r == W - 1)
+      for (int d = 0; d < W; ++d) {
+        sc[d] = d + 1;
+        for (int i = 0; i <= d; ++i) send.push_back(val(d, i));
+      }
+    rc[W - 1] = r + 1;
+    std::vector<float> got(r + 1, -1.f);
+    c.all_to_all_v(send.data(), sc.data(), got.data(), rc.data());
+    for (int i = 0; i <= r; ++i) EXPECT_EQ(got[i], val(r, i)) << "rank " << r << " item " << i;
+    // Only to itself.
+    std::vector<int64_t> self(W, 0);
+    self[r] = 3;
+    const std::vector<int32_t> mine = {r, r + 10, r + 20};
+    std::vector<int32_t> back(3, -1);
+    c.all_to_all_v(mine.data(), self.data(), back.data(), self.data());
+    EXPECT_EQ(back, mine) << "rank " << r;
+  });
+}
+
 TEST_P(Collectives, BroadcastFromEveryRoot) {
   const int W = GetParam();
   for (int root = 0; root < W; ++root) {
@@ -181,7 +214,7 @@ TEST_P(Collectives, ManyBackToBackCollectivesDoNotMixBuffers) {
   for (int r = 0; r < W; ++r) EXPECT_EQ(final_v[r], final_v[0]);
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, Collectives, ::testing::Values(1, 2, 3, 4),
+INSTANTIATE_TEST_SUITE_P(Ranks, Collectives, ::testing::Values(1, 2, 3, 4, 8),
                          [](const auto& info) { return "w" + std::to_string(info.param); });
 
 TEST(CpuGroup, RefusesZeroRanks) {

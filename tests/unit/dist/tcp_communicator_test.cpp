@@ -1,9 +1,9 @@
 // TcpStore and TcpCommunicator (issue #22): the store's set/get/add/barrier between clients and
 // its errors (an unreachable node 0, a key nobody sets: both name the flags), every collective of
-// the TCP communicator bitwise equal to CpuCommunicator's for 2..4 ranks (the property TP over
-// processes relies on: the same tokens as TP over threads), ranks in separate processes (fork),
-// and a lost peer: the surviving rank's collectives return at once with zeros and fault() names
-// the peer, never a hang.
+// the TCP communicator bitwise equal to CpuCommunicator's for 2..4 and 8 ranks (the property TP
+// over processes relies on: the same tokens as TP over threads), ranks in separate processes
+// (fork), and a lost peer: the surviving rank's collectives return at once with zeros and fault()
+// names the peer, never a hang.
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -155,9 +155,9 @@ void run_tcp_ranks(int W, const std::function<void(int, Communicator&)>& fn) {
 // an FMA at one of them and round differently).
 float val(int r, int64_t i) {
   static const std::vector<std::vector<float>> table = [] {
-    std::vector<std::vector<float>> t(4, std::vector<float>(32768));
-    for (int rr = 0; rr < 4; ++rr)
-      for (int64_t ii = 0; ii < 32768; ++ii)
+    std::vector<std::vector<float>> t(8, std::vector<float>(65536));
+    for (int rr = 0; rr < 8; ++rr)
+      for (int64_t ii = 0; ii < 65536; ++ii)
         t[rr][ii] = 0.1f * static_cast<float>(rr + 1) + 1e-3f * static_cast<float>(ii) +
                     1.0f / 3.0f + (ii % 3 == 0 ? 1e7f : 0.f) * static_cast<float>(rr % 2 ? 1 : -1);
     return t;
@@ -204,6 +204,22 @@ void all_collectives(int r, Communicator& c, Record& rec) {
   std::vector<float> a2a_f(a2a_send.begin(), a2a_send.end()), a2a_fr(a2a_recv.size());
   c.all_to_all_v(a2a_f.data(), sc.data(), a2a_fr.data(), rc.data());
   rec.f.insert(rec.f.end(), a2a_fr.begin(), a2a_fr.end());
+  // The MoE dispatch's edge shapes: nothing at all, then only rank W-1 sending (d + 1 to rank d).
+  {
+    std::vector<int64_t> zero(W, 0), osc(W, 0), orc(W, 0);
+    std::vector<float> none;
+    c.all_to_all_v(none.data(), zero.data(), none.data(), zero.data());
+    std::vector<float> os;
+    if (r == W - 1)
+      for (int d = 0; d < W; ++d) {
+        osc[d] = d + 1;
+        for (int k = 0; k <= d; ++k) os.push_back(val(d, k + 100));
+      }
+    orc[W - 1] = r + 1;
+    std::vector<float> og(r + 1);
+    c.all_to_all_v(os.data(), osc.data(), og.data(), orc.data());
+    rec.f.insert(rec.f.end(), og.begin(), og.end());
+  }
   for (int root = 0; root < W; ++root) {
     std::vector<int32_t> b = {r, r + 1};
     std::vector<float> bf = {val(r, 0), val(r, 1), val(r, 2)};
@@ -238,7 +254,7 @@ TEST_P(TcpCollectives, BitwiseEqualToTheInProcessCommunicator) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, TcpCollectives, ::testing::Values(1, 2, 3, 4),
+INSTANTIATE_TEST_SUITE_P(Ranks, TcpCollectives, ::testing::Values(1, 2, 3, 4, 8),
                          [](const auto& info) { return "w" + std::to_string(info.param); });
 
 // Rank 1 in a child process (a real second process, as a second node would be), forked before
