@@ -33,10 +33,18 @@ void linear(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t s
 // pass over the weights serves up to quant.h's kGemvTokens = 4 tokens, n = 8 takes two, and from
 // n = 8 on dequantise + bf16 GEMM is faster (bench_quant_gemv, docs/PERFORMANCE.md).
 inline constexpr int64_t kQuantGemvMaxTokens = 4;
+// Above it and up to kQuantGemmMaxTokens tokens, under GemmPrecision::kBf16, linear_quant runs a
+// tensor-core GEMM that reads the codes as stored (converted to bf16 with their block scales in
+// shared memory, K split to fill the GPU; moe_grouped_quant.cu) where the workspace holds bf16(x)
+// and the split partials (the decode range; a prefill chunk takes dequantise + cuBLAS, whose
+// GEMM outruns the mma.sync kernel once the dequantise is amortised).
+inline constexpr int64_t kQuantGemmMaxTokens = 256;
 // Bytes of workspace linear_quant needs for n tokens of w (0 where the GEMV serves them).
 size_t linear_quant_workspace_bytes(int64_t n, const MatRef& w);
 // y[n, w.rows] = x[n, w.cols] . w^T for a quantized w (quant_op_supported): up to
-// kQuantGemvMaxTokens tokens gemv_quant reads the codes as stored; above, ws receives
+// kQuantGemvMaxTokens tokens gemv_quant reads the codes as stored; then, in the bf16 precision
+// up to kQuantGemmMaxTokens, the quantized tensor-core GEMM above (ws holds bf16(x) and its
+// partials; where it cannot, the next path); above, ws receives
 // dequantize_bf16_unscaled(w) (exact in bf16), linear()'s tensor-core GEMM multiplies it under
 // the GEMM precision, and apply_row_factor applies the per-channel / global scale. ws.bytes >=
 // linear_quant_workspace_bytes(n, w).
