@@ -1,7 +1,8 @@
 // The routed experts of an MoE layer on the GPU (moe_experts in ops.h): device-side grouping of
 // the router's picks by expert, then grouped GEMVs (few tokens), grouped tensor-core GEMMs (many
 // tokens under GemmPrecision::kBf16: moe_grouped.cu on mma.sync, moe_grouped_sm90.cu on
-// wgmma/TMA from kMoeWgmmaMinTokens), all without a host sync, or, for many
+// wgmma/TMA from kMoeWgmmaMinTokens, moe_grouped_quant.cu for quantized experts), all without a
+// host sync, or, for many
 // tokens in the exact precision, one read-back of the per-expert counts and linear() per active
 // expert over its gathered tokens. All end in the CPU model's combine order: routed = 0, then
 // += weight * out per expert in ascending id; out = shared + routed.

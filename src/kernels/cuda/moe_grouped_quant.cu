@@ -157,8 +157,8 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_quant_kernel(QArgs p) {
   // This CTA's K range (split-K: blockIdx.z); kbeg is a multiple of kBK.
   const int kbeg = static_cast<int>(blockIdx.z) * p.k_split, kend = min(p.k, kbeg + p.k_split);
   extern __shared__ __align__(128) uint16_t smem[];
-  uint16_t* As = smem;                                // [kStages][BM][kBK]
-  uint16_t* Bc = smem + kStages * BM * kBK;           // [2][kBN][kBK] converted
+  uint16_t* As = smem;                                           // [kStages][BM][kBK]
+  uint16_t* Bc = smem + kStages * BM * kBK;                      // [2][kBN][kBK] converted
   uint8_t* Br = reinterpret_cast<uint8_t*>(Bc + 2 * kBN * kBK);  // [kStages][kBN][kRowBytes]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp >> 1, wn = warp & 1;
@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_quant_kernel(QArgs p) {
     }
   };
   // Scale bytes of this thread's 8 units for k-tile kt (0 where the unit is past K or N).
-  auto load_scales = [&](int kt, uint32_t (&sv)[8]) {
+  auto load_scales = [&](int kt, uint32_t(&sv)[8]) {
     const int k0 = kbeg + kt * kBK + lc * 8;
     const bool k_ok = k0 < kend;
     const int blk = Q == WeightQuant::kNvfp4 ? k0 / 16 : k0 / 32;
@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_quant_kernel(QArgs p) {
       }
     }
   };
-  auto convert_stage = [&](int kt, const uint32_t (&sv)[8]) {
+  auto convert_stage = [&](int kt, const uint32_t(&sv)[8]) {
     const uint8_t* br = Br + (kt % kStages) * kBN * F::kRowBytes;
     uint16_t* bc = Bc + (kt & 1) * kBN * kBK;
 #pragma unroll
@@ -352,8 +352,8 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_quant_kernel(QArgs p) {
         for (int j = 0; j < NJ / 2; ++j) {
           const int col = c0 + wn * 32 + j * 8 + 2 * tq;
           if (col >= p.n) continue;
-          const float v0 = gemv::swiglu_oai(acc[i][j][2 * h] * fg[j][0],
-                                            acc[i][j + 4][2 * h] * fu[j][0], p.act);
+          const float v0 =
+              gemv::swiglu_oai(acc[i][j][2 * h] * fg[j][0], acc[i][j + 4][2 * h] * fu[j][0], p.act);
           const float v1 = gemv::swiglu_oai(acc[i][j][2 * h + 1] * fg[j][1],
                                             acc[i][j + 4][2 * h + 1] * fu[j][1], p.act);
           *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(v0, v1);
@@ -418,8 +418,8 @@ void launch_bm(const QArgs& a, int64_t max_tiles, int bm, int64_t ncols, int spl
 }
 
 template <bool kGateUp>
-void launch_fmt(const QArgs& a, WeightQuant q, int64_t max_tiles, int bm, int64_t ncols,
-                int splits, cudaStream_t stream) {
+void launch_fmt(const QArgs& a, WeightQuant q, int64_t max_tiles, int bm, int64_t ncols, int splits,
+                cudaStream_t stream) {
   switch (q) {
     case WeightQuant::kFp8Channel:
       return launch_bm<kGateUp, WeightQuant::kFp8Channel>(a, max_tiles, bm, ncols, splits, stream);
@@ -529,9 +529,8 @@ void gate_up_quant(const uint16_t* xb, const int32_t* pair_token, const Tile* ti
   launch_fmt<true>(a, w1.first.quant, max_tiles, bm, w1.first.rows, 1, stream);
 }
 
-void down_quant(const uint16_t* act, const Tile* tiles, const int32_t* num_tiles,
-                int64_t max_tiles, int bm, const QuantExperts& w2, float* ye,
-                cudaStream_t stream) {
+void down_quant(const uint16_t* act, const Tile* tiles, const int32_t* num_tiles, int64_t max_tiles,
+                int bm, const QuantExperts& w2, float* ye, cudaStream_t stream) {
   QArgs a{};
   a.a = act;
   a.a_rows = nullptr;
@@ -566,8 +565,8 @@ void dense_quant(const float* x, int64_t n, const MatRef& w, float* y, void* ws,
            static_cast<long long>(w.cols), static_cast<long long>(n), ws_bytes);
   const DensePlan d = dense_plan(n, w, ws_bytes);
   auto* xb = static_cast<uint16_t*>(ws);
-  float* part = d.splits > 1 ? reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + d.xb_bytes)
-                             : nullptr;
+  float* part =
+      d.splits > 1 ? reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + d.xb_bytes) : nullptr;
   to_bf16(x, n * w.cols, xb, stream);
   QuantExperts q;
   q.first = w;

@@ -30,9 +30,8 @@ void gate_up_quant(const uint16_t* xb, const int32_t* pair_token, const Tile* ti
                    const int32_t* num_tiles, int64_t max_tiles, int bm, const QuantExperts& w1,
                    const QuantExperts& w3, const SwigluParams& act, uint16_t* act_out,
                    cudaStream_t stream);
-void down_quant(const uint16_t* act, const Tile* tiles, const int32_t* num_tiles,
-                int64_t max_tiles, int bm, const QuantExperts& w2, float* ye,
-                cudaStream_t stream);
+void down_quant(const uint16_t* act, const Tile* tiles, const int32_t* num_tiles, int64_t max_tiles,
+                int bm, const QuantExperts& w2, float* ye, cudaStream_t stream);
 
 // The same kernel over one quantized matrix (linear_quant above its GEMV's range, under the bf16
 // precision): y [n, w.rows] f32 = bf16(x [n, w.cols]) . w^T, tiles of n from blockIdx, K split

@@ -172,8 +172,11 @@ void set_launch_overlap(bool on);
 // mats_of (host array of device views) laid out back to back per projection (codes, and scales,
 // each at a fixed stride; M3ModelCuda's upload), with global_scales on the device for NVFP4: up
 // to kMoeGemvMaxTokens tokens a grouped GEMV per projection reads the codes as stored
-// (gemv_quant_grouped), above it the per-expert path dequantises each active expert's matrices
-// to bf16 in the workspace, one at a time, before its GEMM (linear_quant).
+// (gemv_quant_grouped); under GemmPrecision::kBf16 from kMoeGroupedMinTokens tokens the
+// grouped tensor-core GEMMs read them as stored too (moe_grouped_quant.cu: converted to bf16
+// with their block scales in shared memory; MoePath::kGrouped, no host sync); in the exact
+// precision above kMoeGemvMaxTokens the per-expert path dequantises each active expert's
+// matrices to bf16 in the workspace, one at a time, before its GEMM (linear_quant).
 
 // Up to this many tokens (bench_gemm_moe: n = 256 runs 2.7x faster grouped than per expert) the
 // experts run as grouped GEMVs with no host sync; above it, in the exact precision, the counts
