@@ -513,6 +513,18 @@ bool moe_wgmma_available() {
   return moe_grouped::sm90_usable();
 }
 
+int quant_gemm_variants() {
+  return 2;
+}
+
+void set_quant_gemm_variant(int v) {
+  moe_grouped::set_quant_gemm_variant(v);
+}
+
+int quant_gemm_variant() {
+  return moe_grouped::quant_gemm_variant();
+}
+
 int moe_wgmma_variants() {
   return moe_grouped::sm90_variants();
 }
@@ -616,7 +628,7 @@ void run_moe(MoePath path, const float* x, int64_t n, const int32_t* ids, const 
     const int64_t tiles = moe_grouped::max_tiles(P, ne, bm);
     const QuantExperts w1 = quant_experts(w, 0), w3 = quant_experts(w, 1), w2 = quant_experts(w, 2);
     moe_grouped::build_tiles(l.offsets, l.active, l.num_active, bm, l.tiles, l.num_tiles, stream);
-    moe_grouped::to_bf16(x, n * w.hidden, l.xb, stream);
+    moe_grouped::to_bf16_quant(x, n, w.hidden, w.quant, l.xb, stream);
     moe_grouped::gate_up_quant(l.xb, l.pair_token, l.tiles, l.num_tiles, tiles, bm, w1, w3, act,
                                l.act16, stream);
     moe_grouped::down_quant(l.act16, l.tiles, l.num_tiles, tiles, bm, w2, l.gye, stream);

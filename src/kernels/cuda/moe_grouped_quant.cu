@@ -27,6 +27,8 @@
 //  subnormal. Weights' block scales sit near amax / 448 or amax / 6, far inside it.
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <string>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -389,8 +391,319 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_quant_kernel(QArgs p) {
   }
 }
 
+// ---- Variant 1: B converted straight into the MMA's registers (no bf16 tile in shared memory).
+// 4 warps side by side along N (warp w: down rows [32 w, 32 w + 32) of the CTA's 128; gate|up
+// gate rows [16 w, 16 w + 16) and the same up rows + 64), each owning all BM positions, so no
+// weight is converted twice. The MMA's k order inside a group of G = 16 (fp8) / 32 (4-bit)
+// elements is permuted so that a thread's B fragments are consecutive codes: A is stored with
+// pair q of each group at pair slot (q % C) * 4 + q / C (C = G / 8), by its producers
+// (to_bf16_quant, this kernel's gate|up epilogue); B pairs then follow from one 32-bit load of
+// 4 (fp8) / 8 (4-bit) codes per n8 tile. The raw rows are padded by 16 bytes so those loads
+// are free of bank conflicts.
+template <WeightQuant Q>
+struct RFmt {
+  static constexpr int kG = QFmt<Q>::kFour ? 32 : 16;      // permutation group (elements)
+  static constexpr int kStride = QFmt<Q>::kRowBytes + 16;  // padded raw row (bytes)
+};
+
+// Physical column of logical column c (even) of an A row under format Q's permutation.
+template <int G>
+__host__ __device__ __forceinline__ int perm_col(int c) {
+  constexpr int C = G / 8;
+  const int q = (c % G) / 2;
+  return c - c % G + 2 * ((q % C) * 4 + q / C) + (c & 1);
+}
+
+template <int BM>
+constexpr int rstages() {
+  return 4;
+}
+
+template <int BM, bool kGateUp, WeightQuant Q>
+__global__ void __launch_bounds__(kThreads, 2) grouped_quant_reg_kernel(QArgs p) {
+  using F = QFmt<Q>;
+  using R = RFmt<Q>;
+  constexpr int MI = BM / 16;
+  constexpr int NJ = 4;
+  constexpr int kStages = rstages<BM>();
+  const int t = blockIdx.y;
+  Tile tile;
+  if (p.tiles != nullptr) {
+    if (t >= *p.num_tiles) return;
+    tile = p.tiles[t];
+  } else {
+    tile = Tile{0, t * BM, min(p.dense_rows, (t + 1) * BM)};
+  }
+  const int kbeg = static_cast<int>(blockIdx.z) * p.k_split, kend = min(p.k, kbeg + p.k_split);
+  extern __shared__ __align__(128) uint16_t smem[];
+  uint16_t* As = smem;                                                // [kStages][BM][kBK]
+  uint8_t* Br = reinterpret_cast<uint8_t*>(As + kStages * BM * kBK);  // [kStages][kBN][kStride]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int c0 = blockIdx.x * (kGateUp ? kBN / 2 : kBN);
+  const int64_t e = tile.expert;
+
+  constexpr int kAL = BM >= 16 ? BM / 16 : 1;
+  const int lc = tid & 7, lr = tid >> 3;
+  int64_t a_off[kAL];
+#pragma unroll
+  for (int i = 0; i < kAL; ++i) {
+    const int pos = tile.row_begin + lr + 16 * i;
+    a_off[i] = pos < tile.row_end
+                   ? static_cast<int64_t>(p.a_rows ? p.a_rows[pos] : pos) * p.k + lc * 8
+                   : -1;
+  }
+  const int rc = tid % F::kChunks, rr = tid / F::kChunks;
+  constexpr int kRowStep = kBN / F::kChunks;
+  const uint8_t* bsrc[F::kChunks];
+#pragma unroll
+  for (int i = 0; i < F::kChunks; ++i) {
+    const int srow = rr + kRowStep * i;
+    const int mat = kGateUp && srow >= kBN / 2 ? 1 : 0;
+    const int wrow = c0 + (kGateUp ? (srow & (kBN / 2 - 1)) : srow);
+    bsrc[i] = wrow < p.n ? p.b[mat] + e * p.b_stride[mat] + wrow * p.row_bytes + rc * 16 : nullptr;
+  }
+  // This thread's B rows: n8 tile j, row g of it. smem row, its matrix and weight row.
+  const int g = lane >> 2, tq = lane & 3;
+  auto smem_row = [&](int j) {
+    return kGateUp ? (j >> 1) * 64 + warp * 16 + (j & 1) * 8 + g : warp * 32 + j * 8 + g;
+  };
+  const uint8_t* sbase[2] = {p.s[0] + e * p.s_stride[0], p.s[1] + e * p.s_stride[1]};
+  int soff[NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int sr = smem_row(j);
+    const int wrow = c0 + (kGateUp ? (sr & (kBN / 2 - 1)) : sr);
+    soff[j] = wrow < p.n ? wrow * static_cast<int>(p.srow_bytes) : -1;
+  }
+
+  const int ktiles = (kend - kbeg + kBK - 1) / kBK;
+  auto load_stage = [&](int stage, int kt) {
+    const int k0 = kbeg + kt * kBK;
+    uint16_t* as = As + stage * BM * kBK;
+    {
+      const bool k_ok = k0 + lc * 8 < kend;
+#pragma unroll
+      for (int i = 0; i < kAL; ++i) {
+        if (BM < 16 || lr + 16 * i < BM) {
+          const bool ok = k_ok && a_off[i] >= 0;
+          detail::cp_async16_zfill(as + swz(lr + 16 * i, lc), ok ? p.a + a_off[i] + k0 : p.a, ok);
+        }
+      }
+    }
+    uint8_t* br = Br + stage * kBN * R::kStride;
+    const int64_t kb = F::kFour ? k0 / 2 : k0;
+    const bool k_ok = (F::kFour ? 32 : 16) * rc + k0 < kend;
+#pragma unroll
+    for (int i = 0; i < F::kChunks; ++i) {
+      const bool ok = k_ok && bsrc[i] != nullptr;
+      detail::cp_async16_zfill(br + (rr + kRowStep * i) * R::kStride + rc * 16,
+                               ok ? bsrc[i] + kb : p.b[0], ok);
+    }
+  };
+  // Scale bytes for k-tile kt: [j][h], h the block half of the tile this thread's codes use
+  // (MX: blocks of 32 = k16 steps 2h, 2h + 1; NVFP4: the 16-block of its 8 codes in 32-group h).
+  auto load_scales = [&](int kt, uint32_t(&sv)[NJ][2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k0 = kbeg + kt * kBK + 32 * h;
+      const bool k_ok = k0 < kend;
+      const int blk = Q == WeightQuant::kNvfp4 ? (k0 + 8 * tq) / 16 : k0 / 32;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const bool ok = k_ok && soff[j] >= 0;
+        if constexpr (Q == WeightQuant::kFp8Channel) {
+          sv[j][h] = ok;
+        } else {
+          const uint8_t* sp = sbase[kGateUp && j >= 2 ? 1 : 0] + soff[j] + blk;
+          sv[j][h] = ok ? __ldg(sp) : 0xffffu;
+        }
+      }
+    }
+  };
+
+  float acc[MI][NJ][4];
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ktiles) load_stage(s, s);
+    detail::cp_async_commit();
+  }
+  uint32_t sv[NJ][2];
+  load_scales(0, sv);
+  const int a_row = lane & 15, a_chunk = lane >> 4;
+  for (int kt = 0; kt < ktiles; ++kt) {
+    detail::cp_async_wait<kStages - 2>();
+    __syncthreads();
+    {
+      const int next = kt + kStages - 1;
+      if (next < ktiles) load_stage(next % kStages, next);
+      detail::cp_async_commit();
+    }
+    uint32_t m[NJ][2];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (Q == WeightQuant::kFp8Channel)
+          m[j][h] = sv[j][h] ? multiplier<Q>(0) : 0u;
+        else
+          m[j][h] = sv[j][h] == 0xffffu ? 0u : multiplier<Q>(sv[j][h]);
+      }
+    if (kt + 1 < ktiles) load_scales(kt + 1, sv);
+    const uint16_t* as = As + (kt % kStages) * BM * kBK;
+    const uint8_t* br = Br + (kt % kStages) * kBN * R::kStride;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // B fragments of k16 steps 2h, 2h + 1 for the 4 n8 tiles.
+      uint32_t bf[2][NJ][2];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const uint8_t* row = br + smem_row(j) * R::kStride;
+        if constexpr (F::kFour) {
+          const uint32_t w = *reinterpret_cast<const uint32_t*>(row + 16 * h + 4 * tq);
+          const uint4 o = convert8<Q>(make_uint2(w, 0u), m[j][h]);
+          bf[0][j][0] = o.x;
+          bf[0][j][1] = o.y;
+          bf[1][j][0] = o.z;
+          bf[1][j][1] = o.w;
+        } else {
+          const uint32_t w0 = *reinterpret_cast<const uint32_t*>(row + 32 * h + 4 * tq);
+          const uint32_t w1 = *reinterpret_cast<const uint32_t*>(row + 32 * h + 16 + 4 * tq);
+          const uint4 o = convert8<Q>(make_uint2(w0, w1), m[j][h]);
+          bf[0][j][0] = o.x;
+          bf[0][j][1] = o.y;
+          bf[1][j][0] = o.z;
+          bf[1][j][1] = o.w;
+        }
+      }
+#pragma unroll
+      for (int s2 = 0; s2 < 2; ++s2) {
+        const int kk = 2 * h + s2;
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+          uint32_t af[4];
+          detail::ldmatrix_x4(detail::smem_addr(as + swz(i * 16 + a_row, kk * 2 + a_chunk)), af[0],
+                              af[1], af[2], af[3]);
+#pragma unroll
+          for (int j = 0; j < NJ; ++j) detail::mma_bf16(acc[i][j], af, bf[s2][j][0], bf[s2][j][1]);
+        }
+      }
+    }
+  }
+  detail::cp_async_wait<0>();
+
+  auto factor_of = [&](int mat, int col) {
+    float f = F::kFactor;
+    if constexpr (Q == WeightQuant::kFp8Channel)
+      f = reinterpret_cast<const float*>(p.s[mat] + e * p.s_stride[mat])[col];
+    if constexpr (Q == WeightQuant::kNvfp4) f *= p.g[mat] ? p.g[mat][e] : p.gs[mat];
+    return f;
+  };
+  if (kGateUp) {
+    float fg[2][2], fu[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = c0 + warp * 16 + j * 8 + 2 * tq + c;
+        fg[j][c] = col < p.n ? factor_of(0, col) : 0.f;
+        fu[j][c] = col < p.n ? factor_of(1, col) : 0.f;
+      }
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int pos = tile.row_begin + i * 16 + g + 8 * hh;
+        if (pos >= tile.row_end) continue;
+        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<int64_t>(pos) * p.n;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int col = c0 + warp * 16 + j * 8 + 2 * tq;
+          if (col >= p.n) continue;
+          const float v0 = gemv::swiglu_oai(acc[i][j][2 * hh] * fg[j][0],
+                                            acc[i][j + 2][2 * hh] * fu[j][0], p.act);
+          const float v1 = gemv::swiglu_oai(acc[i][j][2 * hh + 1] * fg[j][1],
+                                            acc[i][j + 2][2 * hh + 1] * fu[j][1], p.act);
+          // act is the down projection's A: stored in its permuted k order.
+          *reinterpret_cast<__nv_bfloat162*>(out + perm_col<R::kG>(col)) =
+              __floats2bfloat162_rn(v0, v1);
+        }
+      }
+    }
+  } else {
+    float fd[NJ][2];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = c0 + warp * 32 + j * 8 + 2 * tq + c;
+        fd[j][c] = col < p.n ? factor_of(0, col) : 0.f;
+      }
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int pos = tile.row_begin + i * 16 + g + 8 * hh;
+        if (pos >= tile.row_end) continue;
+        float* out = static_cast<float*>(p.out) + blockIdx.z * p.split_stride +
+                     static_cast<int64_t>(pos) * p.n;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          const int col = c0 + warp * 32 + j * 8 + 2 * tq;
+          if (col >= p.n) continue;
+          *reinterpret_cast<float2*>(out + col) =
+              make_float2(acc[i][j][2 * hh] * fd[j][0], acc[i][j][2 * hh + 1] * fd[j][1]);
+        }
+      }
+    }
+  }
+}
+
+// out[r, perm_col(c)] = bf16(x[r, c]) for the register variant's A (cols a multiple of G).
+template <int G>
+__global__ void to_bf16_perm_kernel(const float* __restrict__ x, int64_t rows, int64_t cols,
+                                    __nv_bfloat16* __restrict__ out) {
+  const int64_t pairs = rows * cols / 2;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < pairs;
+       i += step) {
+    const int64_t r = (2 * i) / cols;
+    const int c = static_cast<int>(2 * i - r * cols);
+    const float2 v = *reinterpret_cast<const float2*>(x + 2 * i);
+    *reinterpret_cast<__nv_bfloat162*>(out + r * cols + perm_col<G>(c)) =
+        __floats2bfloat162_rn(v.x, v.y);
+  }
+}
+
+// The process-wide variant (quant_gemm_variant()): M3_QUANT_GEMM_VARIANT at first use, else 0.
+std::atomic<int> g_variant{-1};
+
+template <int BM, bool kGateUp, WeightQuant Q>
+void launch_reg(const QArgs& a, int64_t max_tiles, int64_t ncols, int splits, cudaStream_t stream) {
+  constexpr size_t smem =
+      rstages<BM>() * BM * kBK * sizeof(uint16_t) + rstages<BM>() * kBN * RFmt<Q>::kStride;
+  static std::atomic<uint64_t> raised{0};
+  detail::raise_smem_limit_once(raised, grouped_quant_reg_kernel<BM, kGateUp, Q>,
+                                static_cast<int>(smem));
+  const int per_cta = kGateUp ? kBN / 2 : kBN;
+  M3_CHECK(max_tiles <= 65535, "moe grouped quant GEMM: %lld tiles",
+           static_cast<long long>(max_tiles));
+  const dim3 grid(ceil_div(ncols, per_cta), static_cast<unsigned>(max_tiles),
+                  static_cast<unsigned>(splits));
+  grouped_quant_reg_kernel<BM, kGateUp, Q><<<grid, kThreads, smem, stream>>>(a);
+  M3_CUDA_CHECK_LAUNCH("grouped_quant_reg_kernel");
+}
+
 template <int BM, bool kGateUp, WeightQuant Q>
 void launch_q(const QArgs& a, int64_t max_tiles, int64_t ncols, int splits, cudaStream_t stream) {
+  if (quant_gemm_variant() == 1)
+    return launch_reg<BM, kGateUp, Q>(a, max_tiles, ncols, splits, stream);
   constexpr int S = qstages<BM, QFmt<Q>::kFour>();
   constexpr size_t smem = S * BM * kBK * sizeof(uint16_t) + 2 * kBN * kBK * sizeof(uint16_t) +
                           S * kBN * QFmt<Q>::kRowBytes;
@@ -413,8 +726,10 @@ void launch_bm(const QArgs& a, int64_t max_tiles, int bm, int64_t ncols, int spl
     launch_q<128, kGateUp, Q>(a, max_tiles, ncols, splits, stream);
   else if (bm == 64)
     launch_q<64, kGateUp, Q>(a, max_tiles, ncols, splits, stream);
-  else
+  else if (bm == 32)
     launch_q<32, kGateUp, Q>(a, max_tiles, ncols, splits, stream);
+  else
+    launch_reg<16, kGateUp, Q>(a, max_tiles, ncols, splits, stream);  // variant 1 only
 }
 
 template <bool kGateUp>
@@ -457,7 +772,7 @@ struct DensePlan {
 };
 DensePlan dense_plan(int64_t n, const MatRef& w, size_t ws_bytes) {
   DensePlan d;
-  d.bm = n >= 128 ? 128 : n >= 64 ? 64 : 32;
+  d.bm = n >= 128 ? 128 : n >= 64 ? 64 : (quant_gemm_variant() == 1 && n < 24) ? 16 : 32;
   const int64_t ctas = ceil_div(n, d.bm) * static_cast<int64_t>(ceil_div(w.rows, kBN));
   const int64_t ktiles = ceil_div(w.cols, kBK);
   // Enough CTAs for two per SM, each split at least 4 k-tiles long.
@@ -489,8 +804,48 @@ bool aligned16(const void* p) {
 
 }  // namespace
 
+int quant_gemm_variant() {
+  int v = g_variant.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("M3_QUANT_GEMM_VARIANT");
+    const std::string s = env ? env : "0";
+    M3_CHECK(s == "0" || s == "1",
+             "M3_QUANT_GEMM_VARIANT=%s: 0 (bf16 tile in shared memory) or 1 (registers)",
+             s.c_str());
+    v = s == "1" ? 1 : 0;
+    int expected = -1;
+    if (!g_variant.compare_exchange_strong(expected, v)) v = expected;
+  }
+  return v;
+}
+
+void set_quant_gemm_variant(int v) {
+  M3_CHECK(v == 0 || v == 1, "quant GEMM variant %d (0 or 1)", v);
+  g_variant.store(v);
+}
+
 int tile_rows_quant(int64_t P, int64_t ne) {
+  if (quant_gemm_variant() == 1)
+    return P >= 64 * ne ? 128 : P >= 24 * ne ? 64 : P >= 12 * ne ? 32 : 16;
   return P >= 64 * ne ? 128 : P >= 16 * ne ? 64 : 32;
+}
+
+void to_bf16_quant(const float* x, int64_t rows, int64_t cols, WeightQuant q, uint16_t* out,
+                   cudaStream_t stream) {
+  if (quant_gemm_variant() == 0) return to_bf16(x, rows * cols, out, stream);
+  if (rows * cols == 0) return;
+  const int G = weight_quant_is_4bit(q) ? 32 : 16;
+  M3_CHECK(cols % G == 0 && reinterpret_cast<uintptr_t>(x) % 8 == 0,
+           "to_bf16_quant: %lld columns (a multiple of %d) of an 8-byte aligned x",
+           static_cast<long long>(cols), G);
+  const unsigned blocks =
+      static_cast<unsigned>(std::clamp<int64_t>((rows * cols / 2 + 255) / 256, 1, 8192));
+  auto* o = reinterpret_cast<__nv_bfloat16*>(out);
+  if (G == 32)
+    to_bf16_perm_kernel<32><<<blocks, 256, 0, stream>>>(x, rows, cols, o);
+  else
+    to_bf16_perm_kernel<16><<<blocks, 256, 0, stream>>>(x, rows, cols, o);
+  M3_CUDA_CHECK_LAUNCH("to_bf16_perm_kernel");
 }
 
 bool supports_quant(const QuantExperts& q) {
@@ -567,7 +922,7 @@ void dense_quant(const float* x, int64_t n, const MatRef& w, float* y, void* ws,
   auto* xb = static_cast<uint16_t*>(ws);
   float* part =
       d.splits > 1 ? reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + d.xb_bytes) : nullptr;
-  to_bf16(x, n * w.cols, xb, stream);
+  to_bf16_quant(x, n, w.cols, w.quant, xb, stream);
   QuantExperts q;
   q.first = w;
   QArgs a{};

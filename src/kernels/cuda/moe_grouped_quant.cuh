@@ -16,10 +16,20 @@
 
 namespace m3::kernels::cuda::moe_grouped {
 
-// Positions per CTA tile for P positions over ne experts: 128 from a mean of 64 per expert, 64
-// from 16, else 32 (decode batches: less padding in the MMAs, which otherwise rival the weight
-// reads).
+// The kernels' variant, process-wide (set it before work is enqueued): 0 converts each B tile
+// into a bf16 tile in shared memory read by ldmatrix (2 x 2 warps); 1 converts the codes
+// straight into the MMA's B registers (4 warps along N, A stored K-permuted; see the .cu). The
+// environment's M3_QUANT_GEMM_VARIANT (0 or 1, anything else is refused) at first use, else 0.
+int quant_gemm_variant();
+void set_quant_gemm_variant(int v);
+// Positions per CTA tile for P positions over ne experts: variant 0 128 from a mean of 64 per
+// expert, 64 from 16, else 32; variant 1 128 / 64 from 24 / 32 from 12 / else 16 (decode
+// batches: less padding in the MMAs, which otherwise rival the weight reads).
 int tile_rows_quant(int64_t P, int64_t ne);
+// The A operand of gate_up_quant (and of the dense GEMM): out [rows, cols] = bf16(x) in the
+// variant's k order for format q (variant 0: as is).
+void to_bf16_quant(const float* x, int64_t rows, int64_t cols, WeightQuant q, uint16_t* out,
+                   cudaStream_t stream);
 // Whether they read this projection: a quantized format of its dtype, rows a multiple of 8,
 // cols a multiple of 16 (fp8) / 32 (4-bit) elements (whole 16-byte code chunks), codes 16-byte
 // aligned for every expert, fp8_per_channel's f32 scales 4-byte aligned.

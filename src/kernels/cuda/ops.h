@@ -216,6 +216,13 @@ int moe_wgmma_variants();
 const char* moe_wgmma_variant_name(int v);
 void set_moe_wgmma_variant(int v);
 MoePath moe_path(int64_t n, const MoeExpertWeights& w, const float* x);
+// The quantized tensor-core GEMMs' variants (moe_grouped_quant.cuh: 0 bf16 tile in shared
+// memory, the default; 1 codes converted straight into the MMA registers), the one calls use
+// (process-wide; set it before work is enqueued; M3_QUANT_GEMM_VARIANT at first use, else 0).
+// The tests run each.
+int quant_gemm_variants();
+void set_quant_gemm_variant(int v);
+int quant_gemm_variant();
 
 // Whether moe_experts over n tokens of x runs without a host sync (the grouped GEMV or GEMM
 // path), so a CUDA graph may capture it.
