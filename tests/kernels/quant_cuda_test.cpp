@@ -226,6 +226,123 @@ TEST(QuantCuda, LinearQuantMatchesTheCpuLinear) {
   }
 }
 
+// linear_quant under the bf16 precision above the GEMV's range: the quantized tensor-core GEMM
+// (codes converted in shared memory; K split over CTAs where the matrix is small: [136, 2048],
+// [64, 1056] with a K tail) and, where it cannot run (rows not a multiple of 8, the workspace
+// too small for bf16(x) at 256 tokens), dequantise + cuBLAS. Both multiply bf16(x) by the exact
+// weights, so the reference is cpu::linear on bf16(x) and the tolerance linear's fp32-order one.
+TEST(QuantCuda, LinearQuantBf16MatchesTheCpuLinearOnBf16X) {
+  SKIP_WITHOUT_GPU();
+  struct Guard {
+    cuda::GemmPrecision saved = cuda::gemm_precision();
+    int variant = cuda::quant_gemm_variant();
+    ~Guard() {
+      cuda::set_gemm_precision(saved);
+      cuda::set_quant_gemm_variant(variant);
+    }
+  } guard;
+  cuda::set_gemm_precision(cuda::GemmPrecision::kBf16);
+  std::mt19937 g(37);
+  for (int variant = 0; variant < cuda::quant_gemm_variants(); ++variant)
+    for (WeightQuant q : kAll) {
+      cuda::set_quant_gemm_variant(variant);
+      for (auto [m, k] :
+           {std::pair<int64_t, int64_t>{37, 96}, {136, 2048}, {64, 1056}, {300, 512}}) {
+        const HostQ h = make(q, m, k, g);
+        DeviceBuffer<uint8_t> dd(h.data), ds(h.scale);
+        MatRef dw = h.m;
+        dw.data = dd.data();
+        dw.scale = ds.data();
+        for (int64_t n : {cuda::kQuantGemvMaxTokens + 1, int64_t{8}, int64_t{40}, int64_t{100},
+                          cuda::kQuantGemmMaxTokens}) {
+          const std::string what = std::string(weight_quant_name(q)) + " m " + std::to_string(m) +
+                                   " k " + std::to_string(k) + " n " + std::to_string(n) +
+                                   " variant " + std::to_string(variant);
+          auto x = m3::testing::randn(static_cast<size_t>(n * k), g);
+          std::vector<float> xb(x.size());
+          for (size_t i = 0; i < x.size(); ++i) xb[i] = bf16_to_f32(f32_to_bf16(x[i]));
+          std::vector<float> want(static_cast<size_t>(n * m));
+          cpu::linear(xb.data(), n, h.m, want.data());
+          DeviceBuffer<float> dx(x), dy(static_cast<size_t>(n * m));
+          const size_t wsb = cuda::linear_quant_workspace_bytes(n, dw);
+          DeviceBuffer<uint8_t> ws(std::max<size_t>(wsb, 1));
+          cuda::linear_quant(dx.data(), n, dw, dy.data(), cuda::Workspace{ws.data(), wsb}, nullptr);
+          M3_CUDA_CHECK(cudaDeviceSynchronize());
+          std::vector<float> got(static_cast<size_t>(n * m));
+          dy.copy_to(got.data(), got.size());
+          std::vector<float> row(static_cast<size_t>(k));
+          int bad = 0;
+          for (int64_t r = 0; r < m; ++r) {
+            cpu::dequantize_row(h.m, r, row.data());
+            for (int64_t t = 0; t < n; ++t) {
+              double mag = 0;
+              for (int64_t c = 0; c < k; ++c) mag += std::fabs(xb[t * k + c] * row[c]);
+              const double tol = 4 * k * kU * mag + 1e-30;
+              if (!(std::fabs(got[t * m + r] - want[t * m + r]) <= tol) && ++bad <= 3)
+                ADD_FAILURE() << what << " row " << r << " token " << t << ": " << got[t * m + r]
+                              << " vs " << want[t * m + r] << " (tol " << tol << ")";
+            }
+          }
+          EXPECT_EQ(bad, 0) << what;
+        }
+      }
+    }
+}
+
+// ne quantized experts of one format (w1, w3 [inter, hidden], w2 [hidden, inter]) on the host
+// and on the device as moe_experts takes them (M3ModelCuda's upload: each projection's codes of
+// every expert back to back, the scales likewise; NVFP4 global scales per expert and
+// projection, on the device).
+struct QExperts {
+  std::vector<HostQ> hq;  // [3 * ne]: expert e's w1, w3, w2 at 3e..
+  std::vector<MatRef> hmats, dmats;
+  std::vector<DeviceBuffer<uint8_t>> bufs;
+  std::vector<float> globals;
+  DeviceBuffer<float> dglobals;
+  MoeExpertWeights wh, wd;
+
+  QExperts(WeightQuant q, int64_t ne, int64_t hidden, int64_t inter, std::mt19937& g)
+      : dmats(3 * ne), globals(3 * ne) {
+    for (int64_t e = 0; e < ne; ++e)
+      for (int p = 0; p < 3; ++p) {
+        hq.push_back(make(q, p == 2 ? hidden : inter, p == 2 ? inter : hidden, g));
+        if (q == WeightQuant::kNvfp4) hq.back().m.global_scale = 0.01f * (1 + e + 3 * p);
+      }
+    for (const HostQ& h : hq) hmats.push_back(h.m);
+    bufs.reserve(6);
+    for (int p = 0; p < 3; ++p) {
+      const MatRef& f = hq[p].m;
+      std::vector<uint8_t> codes, scales;
+      for (int64_t e = 0; e < ne; ++e) {
+        const HostQ& h = hq[3 * e + p];
+        codes.insert(codes.end(), h.data.begin(), h.data.end());
+        scales.insert(scales.end(), h.scale.begin(), h.scale.end());
+        globals[p * ne + e] = h.m.global_scale;
+      }
+      bufs.emplace_back(codes);
+      bufs.emplace_back(scales);
+      const uint8_t* dc = bufs[bufs.size() - 2].data();
+      const uint8_t* dsc = bufs.back().data();
+      for (int64_t e = 0; e < ne; ++e) {
+        MatRef m = hq[3 * e + p].m;
+        m.data = dc + e * f.data_bytes();
+        m.scale = dsc + e * f.scale_bytes();
+        dmats[3 * e + p] = m;
+      }
+    }
+    dglobals = DeviceBuffer<float>(globals);
+    wh.num_experts = ne;
+    wh.inter = inter;
+    wh.hidden = hidden;
+    wh.quant = q;
+    wh.dtype = hq[0].m.dtype;
+    wh.mats_of = hmats.data();
+    wd = wh;
+    wd.mats_of = dmats.data();
+    wd.global_scales = q == WeightQuant::kNvfp4 ? dglobals.data() : nullptr;
+  }
+};
+
 // moe_experts over quantized experts (the layout M3ModelCuda uploads: per projection the codes
 // of every expert back to back, the scales likewise; NVFP4 global scales per expert on the
 // device) against cpu::moe_experts over the host views. Paths: the grouped quantized GEMV
@@ -242,48 +359,8 @@ TEST(QuantCuda, MoeExpertsOverQuantizedWeightsMatchTheCpu) {
   const SwigluParams act{1.702f, 7.0f, 1.0f};
   for (WeightQuant q : kAll) {
     for (auto [hidden, inter] : {std::pair<int64_t, int64_t>{128, 256}, {64, 32}}) {
-      // Host experts, then one device buffer per projection for codes and one for scales.
-      std::vector<HostQ> hq;  // [3 * ne]: expert e's w1, w3, w2 at 3e..
-      for (int64_t e = 0; e < ne; ++e)
-        for (int p = 0; p < 3; ++p) {
-          hq.push_back(make(q, p == 2 ? hidden : inter, p == 2 ? inter : hidden, g));
-          if (q == WeightQuant::kNvfp4) hq.back().m.global_scale = 0.01f * (1 + e + 3 * p);
-        }
-      std::vector<MatRef> hmats, dmats(3 * ne);
-      for (const HostQ& h : hq) hmats.push_back(h.m);
-      std::vector<DeviceBuffer<uint8_t>> bufs;
-      std::vector<float> globals(3 * ne);
-      for (int p = 0; p < 3; ++p) {
-        const MatRef& f = hq[p].m;
-        std::vector<uint8_t> codes, scales;
-        for (int64_t e = 0; e < ne; ++e) {
-          const HostQ& h = hq[3 * e + p];
-          codes.insert(codes.end(), h.data.begin(), h.data.end());
-          scales.insert(scales.end(), h.scale.begin(), h.scale.end());
-          globals[p * ne + e] = h.m.global_scale;
-        }
-        bufs.emplace_back(codes);
-        bufs.emplace_back(scales);
-        const uint8_t* dc = bufs[bufs.size() - 2].data();
-        const uint8_t* dsc = bufs.back().data();
-        for (int64_t e = 0; e < ne; ++e) {
-          MatRef m = hq[3 * e + p].m;
-          m.data = dc + e * f.data_bytes();
-          m.scale = dsc + e * f.scale_bytes();
-          dmats[3 * e + p] = m;
-        }
-      }
-      DeviceBuffer<float> dglobals(globals);
-      MoeExpertWeights wh;
-      wh.num_experts = ne;
-      wh.inter = inter;
-      wh.hidden = hidden;
-      wh.quant = q;
-      wh.dtype = hq[0].m.dtype;
-      wh.mats_of = hmats.data();
-      MoeExpertWeights wd = wh;
-      wd.mats_of = dmats.data();
-      wd.global_scales = q == WeightQuant::kNvfp4 ? dglobals.data() : nullptr;
+      const QExperts ex(q, ne, hidden, inter, g);
+      const MoeExpertWeights &wh = ex.wh, &wd = ex.wd;
       for (int64_t n :
            {int64_t{1}, int64_t{3}, int64_t{5}, int64_t{40}, cuda::kMoeGemvMaxTokens + 44}) {
         const std::string what = std::string(weight_quant_name(q)) + " hidden " +
@@ -328,6 +405,112 @@ TEST(QuantCuda, MoeExpertsOverQuantizedWeightsMatchTheCpu) {
       }
     }
   }
+}
+
+// The grouped tensor-core GEMMs over quantized experts (moe_grouped_quant.cu: the expert
+// matrices read as stored and converted to bf16 with their block scales, each variant: in
+// shared memory, or into the MMA registers with A K-permuted), the kBf16 precision's path from
+// kMoeGroupedMinTokens tokens, against the CPU twin on bf16(x):
+// cpu::moe_experts over the same host views. Sizes take every tile height (32, 64, 128
+// positions; 16 for variant 1), K tails (96, 160: a last k-tile of 32) and partial weight-row
+// tiles (N 96, 160).
+// Tolerance: the GPU forms gate/up from bf16(x) (the reference's input) and the dequantised
+// weights exactly (both in bf16), so they agree to fp32 summation order; the SwiGLU output is
+// rounded to bf16 before down (relative error <= 2^-9), which moves output c of token t by at
+// most 2^-9 mag[t, c] with mag = sum_j |wt_j| sum_i |w2_e[c, i]| |act_e,i(t)|; the tolerance is
+// 2^-8 mag (fp32 order terms are ~2^-24 k of it). A misread format (a scale off by 2^k, a
+// nibble swap, a wrong expert or row factor) moves outputs by O(1) of mag.
+TEST(QuantCuda, MoeGroupedQuantGemmMatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  struct Guard {
+    cuda::GemmPrecision saved = cuda::gemm_precision();
+    int variant = cuda::quant_gemm_variant();
+    ~Guard() {
+      cuda::set_gemm_precision(saved);
+      cuda::set_quant_gemm_variant(variant);
+    }
+  } guard;
+  cuda::set_gemm_precision(cuda::GemmPrecision::kBf16);
+  std::mt19937 g(36);
+  const int64_t ne = 8, topk = 2;
+  const SwigluParams act{1.702f, 7.0f, 1.0f};
+  for (int variant = 0; variant < cuda::quant_gemm_variants(); ++variant)
+    for (WeightQuant q : kAll) {
+      cuda::set_quant_gemm_variant(variant);
+      for (auto [hidden, inter] : {std::pair<int64_t, int64_t>{128, 256}, {96, 160}}) {
+        const QExperts ex(q, ne, hidden, inter, g);
+        // The dequantised experts (the CPU twin's values) for the tolerance's magnitudes.
+        std::vector<std::vector<float>> dense(3 * ne);
+        for (int64_t i = 0; i < 3 * ne; ++i) {
+          const MatRef& m = ex.hmats[i];
+          dense[i].resize(static_cast<size_t>(m.rows * m.cols));
+          for (int64_t r = 0; r < m.rows; ++r)
+            cpu::dequantize_row(m, r, dense[i].data() + r * m.cols);
+        }
+        for (int64_t n : {int64_t{8}, int64_t{40}, int64_t{60}, int64_t{100}, int64_t{300}}) {
+          const std::string what = std::string(weight_quant_name(q)) + " hidden " +
+                                   std::to_string(hidden) + " inter " + std::to_string(inter) +
+                                   " n " + std::to_string(n) + " variant " +
+                                   std::to_string(variant);
+          auto x = m3::testing::randn(static_cast<size_t>(n * hidden), g);
+          const auto shared = m3::testing::randn(static_cast<size_t>(n * hidden), g, 0.5f);
+          const auto logits = m3::testing::randn(static_cast<size_t>(n * ne), g, 2.f);
+          std::vector<int32_t> ids(n * topk);
+          std::vector<float> wts(n * topk);
+          cpu::router_topk(logits.data(), n, ne, nullptr, topk, 2.f, ids.data(), wts.data());
+          std::vector<float> xb(x.size());
+          for (size_t i = 0; i < x.size(); ++i) xb[i] = bf16_to_f32(f32_to_bf16(x[i]));
+          std::vector<float> want(n * hidden);
+          cpu::moe_experts(xb.data(), n, ids.data(), wts.data(), topk, ex.wh, act, shared.data(),
+                           want.data());
+          std::vector<double> mag(n * hidden, 0.0);
+          std::vector<float> gt(inter), ut(inter), at(inter);
+          for (int64_t t = 0; t < n; ++t)
+            for (int64_t j = 0; j < topk; ++j) {
+              const int64_t e = ids[t * topk + j];
+              const float* w1 = dense[3 * e].data();
+              const float* w3 = dense[3 * e + 1].data();
+              const float* w2 = dense[3 * e + 2].data();
+              for (int64_t i = 0; i < inter; ++i) {
+                double a = 0, b = 0;
+                for (int64_t h = 0; h < hidden; ++h) {
+                  a += double(w1[i * hidden + h]) * xb[t * hidden + h];
+                  b += double(w3[i * hidden + h]) * xb[t * hidden + h];
+                }
+                gt[i] = static_cast<float>(a);
+                ut[i] = static_cast<float>(b);
+              }
+              cpu::swiglu_oai(gt.data(), ut.data(), 1, inter, act.alpha, act.limit, act.beta,
+                              at.data());
+              for (int64_t c = 0; c < hidden; ++c) {
+                double m = 0;
+                for (int64_t i = 0; i < inter; ++i)
+                  m += std::fabs(double(w2[c * inter + i]) * at[i]);
+                mag[t * hidden + c] += std::fabs(wts[t * topk + j]) * m;
+              }
+            }
+          DeviceBuffer<float> dx(x), dout(shared), dw(wts);
+          DeviceBuffer<int32_t> dids(ids);
+          ASSERT_EQ(cuda::moe_path(n, ex.wd, dx.data()), cuda::MoePath::kGrouped) << what;
+          EXPECT_TRUE(cuda::moe_experts_graph_safe(n, dx.data(), ex.wd)) << what;
+          DeviceBuffer<uint8_t> work(cuda::moe_workspace_bytes(n, topk, ex.wd));
+          cuda::moe_experts(dx.data(), n, dids.data(), dw.data(), topk, ex.wd, act, dout.data(),
+                            dout.data(), work.data(), nullptr);
+          M3_CUDA_CHECK(cudaDeviceSynchronize());
+          std::vector<float> got(n * hidden);
+          dout.copy_to(got.data(), got.size());
+          int bad = 0;
+          for (int64_t i = 0; i < n * hidden; ++i) {
+            const double tol = mag[i] / 256 + 1e-30;
+            const double d = std::fabs(double(got[i]) - want[i]);
+            if (!(d <= tol) && ++bad <= 3)
+              ADD_FAILURE() << what << " token " << i / hidden << " col " << i % hidden << ": "
+                            << got[i] << " vs " << want[i] << " (tol " << tol << ")";
+          }
+          EXPECT_EQ(bad, 0) << what;
+        }
+      }
+    }
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The routed experts of an MoE layer on the GPU (moe_experts in ops.h): device-side grouping of
 // the router's picks by expert, then grouped GEMVs (few tokens), grouped tensor-core GEMMs (many
 // tokens under GemmPrecision::kBf16: moe_grouped.cu on mma.sync, moe_grouped_sm90.cu on
-// wgmma/TMA from kMoeWgmmaMinTokens), all without a host sync, or, for many
+// wgmma/TMA from kMoeWgmmaMinTokens, moe_grouped_quant.cu for quantized experts), all without a
+// host sync, or, for many
 // tokens in the exact precision, one read-back of the per-expert counts and linear() per active
 // expert over its gathered tokens. All end in the CPU model's combine order: routed = 0, then
 // += weight * out per expert in ascending id; out = shared + routed.
@@ -12,6 +13,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemv.cuh"
 #include "kernels/cuda/moe_grouped.cuh"
+#include "kernels/cuda/moe_grouped_quant.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
 
@@ -96,7 +98,7 @@ Layout layout_for(void* base, int64_t n, int64_t k, const MoeExpertWeights& w) {
   const size_t per_expert_end = off;
   off = region;
   const int64_t nc = std::min(n, kMoeGroupedChunk), Pc = nc * k;
-  const int bm = moe_grouped::tile_rows(Pc, ne);
+  const int bm = quant ? moe_grouped::tile_rows_quant(Pc, ne) : moe_grouped::tile_rows(Pc, ne);
   l.xb = static_cast<uint16_t*>(take(nc * w.hidden * sizeof(uint16_t)));
   l.act16 = static_cast<uint16_t*>(take(Pc * w.inter * sizeof(uint16_t)));
   l.gye = static_cast<float*>(take(Pc * w.hidden * sizeof(float)));
@@ -445,6 +447,22 @@ QuantExperts quant_experts(const MoeExpertWeights& w, int proj) {
   return q;
 }
 
+// Whether the grouped tensor-core GEMMs read these quantized experts (moe_grouped_quant.cu):
+// every projection back to back in one format (quant_experts' layout) in a shape they take.
+bool quant_grouped_ok(const MoeExpertWeights& w) {
+  if (w.quant == WeightQuant::kNone || w.mats_of == nullptr || w.w1_of != nullptr ||
+      w.w3_of != nullptr || w.w2_of != nullptr)
+    return false;
+  for (int p = 0; p < 3; ++p) {
+    const MatRef& m = w.mats_of[p];
+    if (m.quant != w.quant || !quant_op_supported(m)) return false;
+    if (!moe_grouped::supports_quant(quant_experts(w, p))) return false;
+  }
+  const MatRef &m1 = w.mats_of[0], &m3 = w.mats_of[1], &m2 = w.mats_of[2];
+  return m1.rows == w.inter && m1.cols == w.hidden && m3.rows == w.inter && m3.cols == w.hidden &&
+         m2.rows == w.hidden && m2.cols == w.inter;
+}
+
 // The grouped GEMV path over quantized experts: gate and up (two launches), swiglu, down.
 void experts_gemv_quant(const float* x, int64_t n, int64_t k, const MoeExpertWeights& w,
                         const SwigluParams& act, const Layout& l, cudaStream_t stream);
@@ -495,6 +513,18 @@ bool moe_wgmma_available() {
   return moe_grouped::sm90_usable();
 }
 
+int quant_gemm_variants() {
+  return 2;
+}
+
+void set_quant_gemm_variant(int v) {
+  moe_grouped::set_quant_gemm_variant(v);
+}
+
+int quant_gemm_variant() {
+  return moe_grouped::quant_gemm_variant();
+}
+
 int moe_wgmma_variants() {
   return moe_grouped::sm90_variants();
 }
@@ -508,6 +538,9 @@ void set_moe_wgmma_variant(int v) {
 }
 
 MoePath moe_path(int64_t n, const MoeExpertWeights& w, const float* x) {
+  if (w.quant != WeightQuant::kNone && gemm_precision() == GemmPrecision::kBf16 &&
+      n >= kMoeGroupedMinTokens && quant_grouped_ok(w))
+    return MoePath::kGrouped;
   const bool grouped = gemm_precision() == GemmPrecision::kBf16 && moe_grouped::supports(w);
   if (grouped && n >= kMoeWgmmaMinTokens && aligned16(x) && moe_wgmma_available())
     return MoePath::kGroupedWgmma;
@@ -561,7 +594,10 @@ void run_moe(MoePath path, const float* x, int64_t n, const int32_t* ids, const 
              "(.deps/flashinfer), an sm_90 GPU and a 16-byte aligned x; MoePath::kGrouped runs "
              "without them");
   if (path == MoePath::kGrouped || path == MoePath::kGroupedWgmma) {
-    M3_CHECK(moe_grouped::supports(w), "moe_experts: the grouped GEMM cannot read this layout");
+    M3_CHECK(path == MoePath::kGrouped && quant ? quant_grouped_ok(w) : moe_grouped::supports(w),
+             "moe_experts: the grouped GEMM cannot read this layout (bf16 experts with dims "
+             "multiple of 8; quantized experts back to back, rows multiple of 8, cols of 16 "
+             "(fp8) / 32 (4-bit), on the mma.sync engine only)");
     if (n > kMoeGroupedChunk) {
       // Chunks of tokens are independent MoE calls; the workspace holds one chunk.
       for (int64_t c0 = 0; c0 < n; c0 += kMoeGroupedChunk) {
@@ -584,6 +620,19 @@ void run_moe(MoePath path, const float* x, int64_t n, const int32_t* ids, const 
     moe_grouped::sm90_experts(x, l.pair_token, P, l.offsets, w, act, l.xg, l.gu, l.wact16, l.wye,
                               l.sm90_ws, l.sm90_ws_bytes, stream);
     combine(l.wye, l, n, k, w.hidden, shared, out, stream);
+    return;
+  }
+  if (path == MoePath::kGrouped && quant) {
+    // Quantized experts: the weights are read as stored, no dequantised copy.
+    const int bm = moe_grouped::tile_rows_quant(P, ne);
+    const int64_t tiles = moe_grouped::max_tiles(P, ne, bm);
+    const QuantExperts w1 = quant_experts(w, 0), w3 = quant_experts(w, 1), w2 = quant_experts(w, 2);
+    moe_grouped::build_tiles(l.offsets, l.active, l.num_active, bm, l.tiles, l.num_tiles, stream);
+    moe_grouped::to_bf16_quant(x, n, w.hidden, w.quant, l.xb, stream);
+    moe_grouped::gate_up_quant(l.xb, l.pair_token, l.tiles, l.num_tiles, tiles, bm, w1, w3, act,
+                               l.act16, stream);
+    moe_grouped::down_quant(l.act16, l.tiles, l.num_tiles, tiles, bm, w2, l.gye, stream);
+    combine(l.gye, l, n, k, w.hidden, shared, out, stream);
     return;
   }
   if (path == MoePath::kGrouped) {

@@ -33,10 +33,18 @@ void linear(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t s
 // pass over the weights serves up to quant.h's kGemvTokens = 4 tokens, n = 8 takes two, and from
 // n = 8 on dequantise + bf16 GEMM is faster (bench_quant_gemv, docs/PERFORMANCE.md).
 inline constexpr int64_t kQuantGemvMaxTokens = 4;
+// Above it and up to kQuantGemmMaxTokens tokens, under GemmPrecision::kBf16, linear_quant runs a
+// tensor-core GEMM that reads the codes as stored (converted to bf16 with their block scales in
+// shared memory, K split to fill the GPU; moe_grouped_quant.cu) where the workspace holds bf16(x)
+// and the split partials (the decode range; a prefill chunk takes dequantise + cuBLAS, whose
+// GEMM outruns the mma.sync kernel once the dequantise is amortised).
+inline constexpr int64_t kQuantGemmMaxTokens = 256;
 // Bytes of workspace linear_quant needs for n tokens of w (0 where the GEMV serves them).
 size_t linear_quant_workspace_bytes(int64_t n, const MatRef& w);
 // y[n, w.rows] = x[n, w.cols] . w^T for a quantized w (quant_op_supported): up to
-// kQuantGemvMaxTokens tokens gemv_quant reads the codes as stored; above, ws receives
+// kQuantGemvMaxTokens tokens gemv_quant reads the codes as stored; then, in the bf16 precision
+// up to kQuantGemmMaxTokens, the quantized tensor-core GEMM above (ws holds bf16(x) and its
+// partials; where it cannot, the next path); above, ws receives
 // dequantize_bf16_unscaled(w) (exact in bf16), linear()'s tensor-core GEMM multiplies it under
 // the GEMM precision, and apply_row_factor applies the per-channel / global scale. ws.bytes >=
 // linear_quant_workspace_bytes(n, w).
@@ -164,8 +172,11 @@ void set_launch_overlap(bool on);
 // mats_of (host array of device views) laid out back to back per projection (codes, and scales,
 // each at a fixed stride; M3ModelCuda's upload), with global_scales on the device for NVFP4: up
 // to kMoeGemvMaxTokens tokens a grouped GEMV per projection reads the codes as stored
-// (gemv_quant_grouped), above it the per-expert path dequantises each active expert's matrices
-// to bf16 in the workspace, one at a time, before its GEMM (linear_quant).
+// (gemv_quant_grouped); under GemmPrecision::kBf16 from kMoeGroupedMinTokens tokens the
+// grouped tensor-core GEMMs read them as stored too (moe_grouped_quant.cu: converted to bf16
+// with their block scales in shared memory; MoePath::kGrouped, no host sync); in the exact
+// precision above kMoeGemvMaxTokens the per-expert path dequantises each active expert's
+// matrices to bf16 in the workspace, one at a time, before its GEMM (linear_quant).
 
 // Up to this many tokens (bench_gemm_moe: n = 256 runs 2.7x faster grouped than per expert) the
 // experts run as grouped GEMVs with no host sync; above it, in the exact precision, the counts
@@ -205,6 +216,13 @@ int moe_wgmma_variants();
 const char* moe_wgmma_variant_name(int v);
 void set_moe_wgmma_variant(int v);
 MoePath moe_path(int64_t n, const MoeExpertWeights& w, const float* x);
+// The quantized tensor-core GEMMs' variants (moe_grouped_quant.cuh: 0 bf16 tile in shared
+// memory, the default; 1 codes converted straight into the MMA registers), the one calls use
+// (process-wide; set it before work is enqueued; M3_QUANT_GEMM_VARIANT at first use, else 0).
+// The tests run each.
+int quant_gemm_variants();
+void set_quant_gemm_variant(int v);
+int quant_gemm_variant();
 
 // Whether moe_experts over n tokens of x runs without a host sync (the grouped GEMV or GEMM
 // path), so a CUDA graph may capture it.

@@ -1,10 +1,14 @@
 // linear_quant (ops.h): the quantized linear of the GPU model. Decode-sized calls go to the GEMV
-// that reads the stored codes (quant_gemv.cu); larger ones dequantise the matrix into the
-// caller's workspace without its row factor (exact in bf16), run linear()'s bf16 tensor-core
-// GEMM, then apply the factor, so the result is the fp32 product up to summation order, as for
-// bf16 weights.
+// that reads the stored codes (quant_gemv.cu); under the bf16 GEMM precision, up to
+// kQuantGemmMaxTokens tokens, the tensor-core GEMM that reads the codes as stored and converts
+// them in shared memory (moe_grouped_quant.cu dense_quant: bf16(x), as linear()'s bf16 GEMM);
+// larger ones (and the exact precision) dequantise the matrix into the caller's workspace
+// without its row factor (exact in bf16), run linear()'s tensor-core GEMM under the GEMM
+// precision, then apply the factor, so the result is the fp32 product up to summation order, as
+// for bf16 weights.
 #include "core/check.h"
 #include "kernels/cuda/blas.h"
+#include "kernels/cuda/moe_grouped_quant.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
 
@@ -29,6 +33,11 @@ void linear_quant(const float* x, int64_t n, const MatRef& w, float* y, Workspac
   if (n <= 0) return;
   if (n <= kQuantGemvMaxTokens && aligned16(x)) {
     gemv_quant(x, n, w, y, stream);
+    return;
+  }
+  if (n <= kQuantGemmMaxTokens && gemm_precision() == GemmPrecision::kBf16 && ws.data != nullptr &&
+      moe_grouped::dense_quant_ok(n, w, y, ws.bytes)) {
+    moe_grouped::dense_quant(x, n, w, y, ws.data, ws.bytes, stream);
     return;
   }
   const size_t need = static_cast<size_t>(w.rows) * static_cast<size_t>(w.cols) * sizeof(uint16_t);
