@@ -160,8 +160,8 @@ __device__ __forceinline__ void sp_group_loop(
         const int key = rr % kSpSubKeys;
         const int64_t kr = __shfl_sync(0xffffffffu, row, key);
         const T* src = (rr >= kSpSubKeys ? vbase : kbase) + (kr >= 0 ? kr : 0) * D;
-        unsigned char* dst = (rr >= kSpSubKeys ? vd : kd) + key * Sm::kRowBytes +
-                             ((ch ^ sp_swz<T>(key)) << 4);
+        unsigned char* dst =
+            (rr >= kSpSubKeys ? vd : kd) + key * Sm::kRowBytes + ((ch ^ sp_swz<T>(key)) << 4);
         detail::cp_async16_zfill(dst, reinterpret_cast<const uint4*>(src) + ch, kr >= 0);
       }
     }
@@ -296,9 +296,9 @@ __device__ __forceinline__ void sp_group_loop(
       float4* dst = reinterpret_cast<float4*>(orow + 32 * cq + 16 * half);
 #pragma unroll
       for (int n4 = 0; n4 < 4; ++n4)
-        dst[n4] = make_float4(o[4 * n4][2 * hh + half] * inv, o[4 * n4 + 1][2 * hh + half] * inv,
-                              o[4 * n4 + 2][2 * hh + half] * inv,
-                              o[4 * n4 + 3][2 * hh + half] * inv);
+        dst[n4] =
+            make_float4(o[4 * n4][2 * hh + half] * inv, o[4 * n4 + 1][2 * hh + half] * inv,
+                        o[4 * n4 + 2][2 * hh + half] * inv, o[4 * n4 + 3][2 * hh + half] * inv);
     }
   }
 }
@@ -469,18 +469,20 @@ void msa_sparse_prefill(const float* q, int64_t num_heads, const KvPages& cache,
            "and <= 32 selected blocks (got %s, head_dim %lld, group %lld, %lld blocks)",
            kv_dtype_name(cache.kv_dtype), (long long)cache.head_dim, (long long)group,
            (long long)max_blocks);
-  M3_CHECK(tokens_per_tile == 0 || tokens_per_tile == 1 || tokens_per_tile == 2 ||
-               tokens_per_tile == 4,
-           "cuda::msa_sparse_prefill: tokens_per_tile %d (0 = per tile, or 1, 2, 4)",
-           tokens_per_tile);
+  M3_CHECK(
+      tokens_per_tile == 0 || tokens_per_tile == 1 || tokens_per_tile == 2 || tokens_per_tile == 4,
+      "cuda::msa_sparse_prefill: tokens_per_tile %d (0 = per tile, or 1, 2, 4)", tokens_per_tile);
   M3_CHECK(blocks != nullptr, "cuda::msa_sparse_prefill: no selected blocks");
   if (layout.num_tokens == 0) return;
   const int64_t ntile = (layout.num_tokens + kSpWarps - 1) / kSpWarps;
   const int64_t grid = ntile * cache.num_kv_heads;
   M3_CHECK(grid <= 0x7fffffff);
-  // Weights: a T = 4 tile must read under ~0.87x the blocks of T = 1 (T = 2: 0.95x) to be taken:
-  // random selections (neighbours share the local block only) stay T = 1.
-  const SpParams prm{1.05f, 1.15f, tokens_per_tile};
+  // Weights: the cost of a union block at T = 2 / 4 against one at T = 1, from the H200 at 32K
+  // tokens (standalone harness, 2026-12-02; per-token time ~flat in the union at T = 1, ~linear
+  // at T = 4): T = 4 ran 43.3 / 22.9 / 18.1 ms at mean 4-token unions of 45.7 / 20.8 / 15.5
+  // blocks where T = 1 ran 25.5 ms over ~62, T = 2 35.0 / 23.1 / 20.8 ms. So a T = 4 CTA must
+  // read under 0.4x (T = 2: 0.65x) the blocks of T = 1: random selections stay T = 1.
+  const SpParams prm{1.55f, 2.5f, tokens_per_tile};
   detail::dispatch_kv(cache.kv_dtype, [&]<class T>() {
     if constexpr (sizeof(T) < 4) {
       constexpr int smem = SpSmem<T>::kBytes;
