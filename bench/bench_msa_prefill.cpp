@@ -9,6 +9,14 @@
 // sparse = 4 x 64 heads x 128 x 128 x the blocks each query selected, whole tiles). The dense
 // bf16 GEMM rate (cuBLASLt 8192^3) is printed as the tensor-core ceiling from the same run.
 // "top-k ms": the selection with every block forced (nothing scored), i.e. the top-k's share.
+// The sparse attention (the block-sparse prefill kernel, msa_sparse_prefill.cu; "per-token":
+// the decode kernel per (token, kv head) the prefill ran before it) is timed over two selection
+// patterns, both chosen by the real selection: "random" (N(0, 1) index queries and keys:
+// neighbouring tokens share little beyond the local block) and "local" (each index head's
+// query is one N(0, 1) vector per run of 64 tokens plus 0.25 x N(0, 1) noise per token, so
+// neighbours pick mostly the same blocks, as a trained model's do); "union" = the mean number
+// of distinct blocks over 4 consecutive tokens (16 = all equal, ~61 = disjoint at 32K).
+// vLLM 0.33's Triton sparse attention ran 130 TFLOP/s at 32K (../shared/anchors/vllm_msa).
 // Usage: bench_msa_prefill [iters=3] [lengths=8192,32768,131072]. Exits 1 where no GPU is usable.
 #include <algorithm>
 #include <cmath>
@@ -90,6 +98,8 @@ int main(int argc, char** argv) {
     });
     std::printf("ceiling: cuBLASLt bf16 8192^3 (fp32 out) %.0f TFLOP/s\n",
                 2.0 * n * n * n / (ms * 1e-3) / 1e12);
+    std::printf(
+        "anchor (not rerun): vLLM 0.33 Triton sparse attention 16.43 ms = 130 TFLOP/s at 32K\n");
   }
 
   const size_t kv_elems = static_cast<size_t>(pages * kPage * kKvHeads * kDim);
@@ -98,11 +108,23 @@ int main(int argc, char** argv) {
   DeviceBuffer<float> ik_scale(pages * kPage);
   DeviceBuffer<float> q(static_cast<size_t>(max_n * kHeads * kDim)),
       iq(static_cast<size_t>(max_n * kIndexHeads * kIndexDim)),
+      iq_local(static_cast<size_t>(max_n * kIndexHeads * kIndexDim)),
       out(static_cast<size_t>(max_n * kHeads * kDim));
   DeviceBuffer<int32_t> sel(static_cast<size_t>(max_n * kIndexHeads * kTopk));
   std::mt19937 g(5);
   fill_normal(q, g);
   fill_normal(iq, g);
+  {  // the "local" index queries: one direction per (run of 64 tokens, head) plus noise
+    std::normal_distribution<float> nd(0.f, 1.f);
+    const int64_t row = kIndexHeads * kIndexDim;
+    std::vector<float> h(static_cast<size_t>(max_n * row)), base(static_cast<size_t>(row));
+    for (int64_t t = 0; t < max_n; ++t) {
+      if (t % 64 == 0)
+        for (auto& x : base) x = nd(g);
+      for (int64_t i = 0; i < row; ++i) h[t * row + i] = base[i] + 0.25f * nd(g);
+    }
+    iq_local.copy_from(h.data(), h.size());
+  }
   {
     std::vector<float> sc(ik_scale.size(), 1.f / 32);
     ik_scale.copy_from(sc.data(), sc.size());
@@ -110,8 +132,9 @@ int main(int argc, char** argv) {
   const float k_scale = 0.05f, v_scale = 0.05f;
   const float scale = 1.f / std::sqrt(static_cast<float>(kDim));
 
-  std::printf("%-10s %8s | %10s %9s %10s | %10s %9s | %10s\n", "kv/idx-K", "tokens", "select ms",
-              "TFLOP/s", "(top-k ms)", "sparse ms", "TFLOP/s", "MSA ms");
+  std::printf("%-10s %8s | %10s %9s %10s | %-34s | %-28s | %10s\n", "kv/idx-K", "tokens",
+              "select ms", "TFLOP/s", "(top-k ms)", "random: union, ms, TFLOP/s, per-tok",
+              "local: union, ms, TFLOP/s", "MSA ms");
   for (KvDtype dt : {KvDtype::kBf16, KvDtype::kFp8}) {
     fill_random(kb.data(), kv_elems * kv_dtype_size(dt), dt, k_scale, g);
     fill_random(vb.data(), kv_elems * kv_dtype_size(dt), dt, v_scale, g);
@@ -133,7 +156,10 @@ int main(int argc, char** argv) {
       for (int32_t i = 0; i < off[1]; ++i) table[i] = i;
       DeviceBuffer<int32_t> dpos(pos), dseq(seqs), doff(off), dtab(table);
       gk::TokenLayout layout{n, dpos.data(), dseq.data(), doff.data(), dtab.data()};
-      layout.multi_token_seqs = true;  // a prefill chunk, as the model marks it
+      layout.multi_token_seqs = true;    // a prefill chunk, as the model marks it
+      layout.single_token_seqs = false;  // and no decode token beside it
+      gk::TokenLayout per_token = layout;
+      per_token.multi_token_seqs = false;  // the decode kernel per (token, kv head)
       const size_t ws_bytes = std::max(gk::msa_select_workspace_bytes(n, kIndexHeads, cache, n),
                                        gk::attention_workspace_bytes(n, kHeads, cache, kTopk, n));
       DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 1));
@@ -141,6 +167,25 @@ int main(int argc, char** argv) {
       auto select = [&] {
         gk::msa_select_blocks(iq.data(), kIndexHeads, cache, layout, kTopk, 0, 1, n, w, sel.data(),
                               s);
+      };
+      // Mean distinct blocks over each 4 consecutive tokens of one kv head (the selection in
+      // sel now).
+      auto mean_union = [&] {
+        std::vector<int32_t> h(static_cast<size_t>(n * kIndexHeads * kTopk));
+        M3_CUDA_CHECK(cudaMemcpy(h.data(), sel.data(), h.size() * 4, cudaMemcpyDeviceToHost));
+        double sum = 0;
+        int64_t groups = 0;
+        std::vector<int32_t> u;
+        for (int64_t t0 = 0; t0 + 4 <= n; t0 += 4)
+          for (int64_t hh = 0; hh < kIndexHeads; ++hh, ++groups) {
+            u.clear();
+            for (int64_t t = t0; t < t0 + 4; ++t)
+              for (int64_t k = 0; k < kTopk; ++k)
+                if (const int32_t b = h[(t * kIndexHeads + hh) * kTopk + k]; b >= 0) u.push_back(b);
+            std::sort(u.begin(), u.end());
+            sum += static_cast<double>(std::unique(u.begin(), u.end()) - u.begin());
+          }
+        return groups ? sum / static_cast<double>(groups) : 0.0;
       };
       // The top-k alone: every block forced local (local_blocks past the sequence), so nothing
       // is scored and the top-k ranks the same number of keys.
@@ -152,11 +197,21 @@ int main(int argc, char** argv) {
         gk::attention_paged(q.data(), kHeads, cache, layout, sel.data(), kTopk, scale, n, w,
                             out.data(), s);
       };
+      auto sparse_per_token = [&] {
+        gk::attention_paged(q.data(), kHeads, cache, per_token, sel.data(), kTopk, scale, n, w,
+                            out.data(), s);
+      };
       const int it = n >= 131072 ? std::max(1, iters / 2) : iters;
       const double t_sel = time_ms(s, it, select);
       const double t_topk = time_ms(s, it, topk_only);
       select();  // the selection the sparse attention reads
+      const double u_rand = mean_union();
       const double t_att = time_ms(s, it, sparse);
+      const double t_att_pt = time_ms(s, it, sparse_per_token);
+      gk::msa_select_blocks(iq_local.data(), kIndexHeads, cache, layout, kTopk, 0, 1, n, w,
+                            sel.data(), s);
+      const double u_local = mean_union();
+      const double t_att_local = time_ms(s, it, sparse);
       // FLOPs as the anchor counts them: every earlier key scored by 4 index heads; 16 (or all
       // earlier, when fewer) whole 128-key tiles attended by 64 heads.
       double f_sel = 0, f_att = 0;
@@ -166,9 +221,12 @@ int main(int argc, char** argv) {
       }
       char name[32];
       std::snprintf(name, sizeof name, "%s/%s", kv_dtype_name(dt), kv_dtype_name(dt));
-      std::printf("%-10s %8lld | %10.3f %9.1f %10.3f | %10.3f %9.1f | %10.3f\n", name, (long long)n,
-                  t_sel, f_sel / (t_sel * 1e-3) / 1e12, t_topk, t_att,
-                  f_att / (t_att * 1e-3) / 1e12, t_sel + t_att);
+      std::printf(
+          "%-10s %8lld | %10.3f %9.1f %10.3f | %5.1f %8.3f %7.1f %10.3f | %5.1f %8.3f %7.1f %6s | "
+          "%10.3f\n",
+          name, (long long)n, t_sel, f_sel / (t_sel * 1e-3) / 1e12, t_topk, u_rand, t_att,
+          f_att / (t_att * 1e-3) / 1e12, t_att_pt, u_local, t_att_local,
+          f_att / (t_att_local * 1e-3) / 1e12, "", t_sel + t_att);
     }
   }
   return 0;

@@ -213,6 +213,11 @@ struct TokenLayout {
   // query-tiled kernel (one tile of keys serves every query of the tile); false keeps the
   // per-token kernels for all tokens (always correct, slow for prefill).
   bool multi_token_seqs = false;
+  // Host-known: some sequence has exactly one token in this step (a decode row). false (every
+  // sequence has two or more) lets the CUDA attention skip its per-token kernel once the
+  // multi-token kernels serve every token; leave true when unsure (graph-captured steps, whose
+  // replays may carry decode rows).
+  bool single_token_seqs = true;
   // Host object with this step's FlashInfer prefill plan for those tokens (CUDA builds with
   // FlashInfer, kernels/cuda/attn_flash.h), or null.
   cuda::FlashPrefill* flash_prefill = nullptr;

@@ -371,6 +371,10 @@ struct AttnCase {
   // `tail` positions: a prefill chunk after a cached prefix).
   enum Q { kLast, kAll, kSample, kTail } q;
   int64_t tail = 0;
+  // Selected lists: 0 = each token's own random past blocks (neighbours share the local block
+  // only); n > 0 = runs of n consecutive queries of a sequence pick from one shuffled list, each
+  // replacing `own` of its picks by its own (overlapping selections, as a trained model's).
+  int64_t share = 0, own = 0;
 };
 
 enum class AttnWs { kFull, kHalf, kNone };
@@ -420,6 +424,11 @@ void run_attn(const AttnCase& c, uint32_t seed, AttnWs ws_kind = AttnWs::kFull,
   // order (the op must not depend on the list order).
   const int64_t mb = std::max<int64_t>(c.max_blocks, 1);
   std::vector<int32_t> sel(T * c.nkv * mb, -1);
+  std::vector<int64_t> run_of(T, 0);  // index of the token's run of `share` queries
+  for (int64_t t = 1; t < T; ++t)
+    run_of[t] = P.seq_ids[t] != P.seq_ids[t - 1] || (c.share > 0 && t % c.share == 0)
+                    ? run_of[t - 1] + 1
+                    : run_of[t - 1];
   for (int64_t t = 0; t < T; ++t) {
     const int64_t nb = P.positions[t] / c.bs + 1;
     for (int64_t h = 0; h < c.nkv; ++h) {
@@ -427,8 +436,18 @@ void run_attn(const AttnCase& c, uint32_t seed, AttnWs ws_kind = AttnWs::kFull,
       std::iota(past.begin(), past.end(), 0);
       std::shuffle(past.begin(), past.end(), g);
       std::vector<int32_t> pick{static_cast<int32_t>(nb - 1)};
+      if (c.share > 0) {  // the run's list first, then the token's own
+        std::vector<int32_t> common(nb - 1);
+        std::iota(common.begin(), common.end(), 0);
+        std::mt19937 gr(static_cast<uint32_t>(seed * 7919 + run_of[t] * 31 + h));
+        std::shuffle(common.begin(), common.end(), gr);
+        for (int32_t b : common)
+          if (static_cast<int64_t>(pick.size()) < mb - 1 - c.own) pick.push_back(b);
+      }
       for (int32_t b : past)
-        if (static_cast<int64_t>(pick.size()) < mb - 1) pick.push_back(b);
+        if (static_cast<int64_t>(pick.size()) < mb - 1 &&
+            std::find(pick.begin(), pick.end(), b) == pick.end())
+          pick.push_back(b);
       std::vector<int64_t> slot(mb);
       std::iota(slot.begin(), slot.end(), 0);
       std::shuffle(slot.begin(), slot.end(), g);
@@ -462,10 +481,24 @@ void run_attn(const AttnCase& c, uint32_t seed, AttnWs ws_kind = AttnWs::kFull,
   }
   const bool flash_pass = multi && consecutive && gk::flash_prefill_built();
   gk::FlashPrefill flash;
-  for (int pass = 0; pass < (flash_pass ? 4 : multi ? 3 : 2); ++pass) {
-    const bool selected = pass == 1, tiled = pass >= 2, fi = pass == 3;
+  // Passes: 0 dense, 1 selected (per-token kernels); 2 dense, 3 selected with the multi-token
+  // kernels (query-tiled / block-sparse prefill; TokenLayout::single_token_seqs as the model
+  // sets it, so a step of prefill chunks only skips the per-token launch); 4 dense through
+  // FlashInfer.
+  const bool all_multi = [&] {
+    for (int64_t t = 0; t < T; ++t)
+      if ((t == 0 || P.seq_ids[t - 1] != P.seq_ids[t]) &&
+          (t + 1 == T || P.seq_ids[t + 1] != P.seq_ids[t]))
+        return false;
+    return true;
+  }();
+  for (int pass = 0; pass < 5; ++pass) {
+    const bool selected = pass == 1 || pass == 3, tiled = pass >= 2, fi = pass == 4;
     if (selected && c.max_blocks == 0) continue;
+    if (tiled && !multi) continue;
+    if (fi && !flash_pass) continue;
     D.layout.multi_token_seqs = tiled;
+    D.layout.single_token_seqs = !(tiled && all_multi);
     if (fi) flash.set_runs(runs, stream.get());
     D.layout.flash_prefill = fi ? &flash : nullptr;
     const bool fi_used = fi && flash.serves(D.pages) && c.d == 128;
@@ -510,6 +543,41 @@ void run_attn(const AttnCase& c, uint32_t seed, AttnWs ws_kind = AttnWs::kFull,
       }
     }
     EXPECT_EQ(bad, 0) << what2 << (selected ? " selected" : " dense") << " (" << T << " tokens)";
+  }
+  // The block-sparse prefill kernel alone with each sharing mode forced (T = 1, 2, 4 tokens per
+  // union; attention_paged lets it choose): the rows of tokens that share their sequence equal
+  // the CPU's, every other row is left as it was (NaN bytes).
+  if (multi && c.max_blocks > 0 &&
+      gk::msa_sparse_prefill_supported(D.pages, c.heads / c.nkv, c.max_blocks)) {
+    std::vector<float> want(T * c.heads * c.d);
+    cpu::attention_paged(q.data(), c.heads, P.host_pages(), P.host_layout(), sel.data(), mb, scale,
+                         want.data());
+    const double tol = (std::ldexp(1.0, -9) + 2e-5) * vmax;
+    D.layout.multi_token_seqs = true;
+    D.layout.single_token_seqs = true;
+    for (int tt : {1, 2, 4}) {
+      auto dout = nan_buffer(want.size());
+      gk::msa_sparse_prefill(dq.data(), c.heads, D.pages, D.layout, dsel.data(), mb, scale, mkl,
+                             dout.data(), stream.get(), tt);
+      stream.synchronize();
+      const auto got = dout.to_host();
+      int64_t bad = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        const bool shared = (t > 0 && P.seq_ids[t - 1] == P.seq_ids[t]) ||
+                            (t + 1 < T && P.seq_ids[t + 1] == P.seq_ids[t]);
+        for (int64_t i = t * c.heads * c.d; i < (t + 1) * c.heads * c.d; ++i) {
+          uint32_t bits;
+          std::memcpy(&bits, &got[i], 4);
+          const bool ok = shared ? std::fabs(static_cast<double>(got[i]) - want[i]) <= tol
+                                 : bits == 0xffffffffu;
+          if (!ok && ++bad <= 5)
+            ADD_FAILURE() << what << " sparse prefill T=" << tt << ": token " << t << " (position "
+                          << P.positions[t] << (shared ? "" : ", alone in its sequence")
+                          << ") element " << i << " gpu " << got[i] << " cpu " << want[i];
+        }
+      }
+      EXPECT_EQ(bad, 0) << what << " sparse prefill T=" << tt << " (" << T << " tokens)";
+    }
   }
 }
 
@@ -667,6 +735,30 @@ TEST(AttnCudaKvDtype, AttentionMatchesCpuTwin) {
     run_attn(AttnCase{16, 2, 6, 128, 3, {1, 17, 50, 600}, AttnCase::kAll}, 518, AttnWs::kFull, kvd);
     run_attn(AttnCase{16, 2, 6, 40, 3, {1, 17, 50, 600}, AttnCase::kAll}, 519, AttnWs::kFull, kvd);
     run_attn(AttnCase{16, 1, 32, 64, 3, {300}, AttnCase::kSample}, 520, AttnWs::kFull, kvd);
+  }
+}
+
+TEST(AttnCudaKvDtype, MsaSparsePrefillMatchesCpuTwin) {
+  SKIP_WITHOUT_GPU();
+  // The block-sparse prefill kernel (msa_sparse_prefill.cu) at M3's geometry and odd ones, each
+  // case also with T = 1, 2, 4 forced (run_attn): disjoint selections (each token's own random
+  // blocks), overlapping ones (runs of 4 / 16 queries share all but `own` picks: 0 = equal
+  // lists), partial last blocks (lengths not multiples of the page; NaN past them), prefill
+  // chunks after a cached prefix beside decode tokens, several sequences in one CTA's 4 tokens,
+  // fewer blocks than top-k, 64-token pages, groups 8 and 3 (rows padded), 32 selected blocks.
+  for (KvDtype kvd : kTyped) {
+    using A = AttnCase;
+    run_attn(A{128, 4, 64, 128, 16, {3001}, A::kTail, 256}, 801, AttnWs::kFull, kvd);
+    run_attn(A{128, 4, 64, 128, 16, {2999}, A::kTail, 200, 4, 2}, 802, AttnWs::kFull, kvd);
+    run_attn(A{128, 4, 64, 128, 16, {2100}, A::kTail, 160, 16, 0}, 803, AttnWs::kFull, kvd);
+    run_attn(A{128, 4, 64, 128, 16, {2700, 40, 1500, 1, 3}, A::kTail, 130, 4, 1}, 804,
+             AttnWs::kFull, kvd);
+    run_attn(A{128, 4, 64, 128, 16, {5, 130, 7, 258, 2, 901}, A::kAll, 0, 4, 1}, 805, AttnWs::kFull,
+             kvd);
+    run_attn(A{64, 4, 64, 128, 16, {1500}, A::kTail, 300, 16, 3}, 806, AttnWs::kFull, kvd);
+    run_attn(A{32, 2, 16, 128, 8, {700, 333}, A::kAll, 0, 4, 1}, 807, AttnWs::kFull, kvd);
+    run_attn(A{16, 2, 6, 128, 5, {900}, A::kAll, 0, 8, 0}, 808, AttnWs::kFull, kvd);
+    run_attn(A{128, 1, 8, 128, 32, {5000}, A::kTail, 203, 4, 4}, 809, AttnWs::kFull, kvd);
   }
 }
 

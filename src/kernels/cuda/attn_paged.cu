@@ -970,10 +970,21 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
                      layout.flash_prefill != nullptr && layout.flash_prefill->serves(cache);
   const bool tiled = blocks == nullptr && layout.multi_token_seqs &&
                      (flash || detail::prefill_tiled_supported(cache, group));
+  // Selected rows of multi-token sequences (MSA prefill chunks) take the block-sparse prefill
+  // kernel (msa_sparse_prefill.cu), which shares each selected block among neighbouring tokens.
+  const bool sparse_tiled = blocks != nullptr && layout.multi_token_seqs &&
+                            msa_sparse_prefill_supported(cache, group, max_blocks);
   if (flash)
     layout.flash_prefill->run(q, num_heads, cache, layout, scale, out, stream);
   else if (tiled)
     detail::attention_prefill_tiled(q, num_heads, cache, layout, scale, max_kv_len, out, stream);
+  else if (sparse_tiled)
+    msa_sparse_prefill(q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, out,
+                       stream);
+  // Tokens those kernels served are skipped by the per-token ones below; with no token alone in
+  // its sequence (host-known) there is nothing left for them.
+  const bool skip_multi = tiled || sparse_tiled;
+  if (skip_multi && !layout.single_token_seqs) return;
   if (split_grid_supported(cache, group)) {
     int splits = choose_splits(T, cache, blocks ? max_blocks : 0, max_kv_len);
     // The tensor-core path merges the splits of the selected blocks (few keys: a second kernel
@@ -1020,14 +1031,14 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
             cfg.numAttrs = launch_overlap() ? 2 : 1;
             M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention_mma_kernel<TT, true>, q, num_heads,
                                              cache, layout, blocks, max_blocks, scale, max_kv_len,
-                                             splits, part_o, part_ml, out, false));
+                                             splits, part_o, part_ml, out, skip_multi));
           } else {
             static std::atomic<uint64_t> attr_set{0};
             detail::raise_smem_limit_once(attr_set, attention_mma_kernel<TT, false>, smem);
             detail::launch_pdl(attention_mma_kernel<TT, false>, grid, dim3(kMmaThreads),
                                static_cast<size_t>(smem), stream, q, num_heads, cache, layout,
                                blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out,
-                               tiled);
+                               skip_multi);
           }
           M3_CUDA_CHECK_LAUNCH("attention_mma_kernel");
         }
@@ -1060,7 +1071,7 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
       M3_CHECK(T * num_heads <= 0x7fffffff);
       detail::launch_pdl(attention_combine_kernel, dim3(static_cast<unsigned>(T * num_heads)),
                          dim3(kCombineThreads), 0, stream, part_o, part_ml, num_heads,
-                         cache.num_kv_heads, cache.head_dim, splits, out, layout, tiled);
+                         cache.num_kv_heads, cache.head_dim, splits, out, layout, skip_multi);
     }
     return;
   }

@@ -110,6 +110,18 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
 // Bytes of workspace attention_paged uses at most for such a call (max_blocks = 0: dense).
 size_t attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, const KvPages& cache,
                                  int64_t max_blocks, int64_t max_kv_len);
+// The block-sparse attention of prefill chunks (msa_sparse_prefill.cu), which attention_paged
+// runs for the tokens that share their sequence with a neighbour when blocks != null and
+// TokenLayout::multi_token_seqs is set (and msa_sparse_prefill_supported): it writes the output
+// rows of exactly those tokens (in_multi_run), others untouched. A CTA takes 4 consecutive
+// tokens x one kv head and streams the union of their selected blocks once for all of them
+// (T = 4), per pair (T = 2) or per token (T = 1), decided per CTA from the ids;
+// tokens_per_tile forces one T everywhere (tests and benches; 0 = decide).
+bool msa_sparse_prefill_supported(const KvPages& cache, int64_t group, int64_t max_blocks);
+void msa_sparse_prefill(const float* q, int64_t num_heads, const KvPages& cache,
+                        const TokenLayout& layout, const int32_t* blocks, int64_t max_blocks,
+                        float scale, int64_t max_kv_len, float* out, cudaStream_t stream,
+                        int tokens_per_tile = 0);
 // Without a workspace: the same op, no KV split (kept for callers without scratch space).
 inline void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
                             const TokenLayout& layout, const int32_t* blocks, int64_t max_blocks,

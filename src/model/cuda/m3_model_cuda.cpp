@@ -827,6 +827,16 @@ void M3ModelCuda::enqueue(const ForwardBatch& b, KvCacheCuda& cache, ForwardResu
   // are captured with the layers. Steps with image embeddings run eagerly.
   const bool graph_step = !capture_msa && (b.aux_layers.empty() || b.aux_on_device) && ne == 0 &&
                           use_graphs_ && graph_size(T);
+  // An eager step whose every sequence has two or more tokens (a prefill chunk, a verify run)
+  // lets the attention skip its per-token kernel; a graph keeps it (replays may carry decode
+  // rows, and the flag is not part of the graph's key).
+  if (layout.multi_token_seqs && !graph_step) {
+    bool single = false;
+    for (int64_t t = 0; t < T && !single; ++t)
+      single = (t == 0 || b.seq_ids[t - 1] != b.seq_ids[t]) &&
+               (t + 1 == T || b.seq_ids[t + 1] != b.seq_ids[t]);
+    layout.single_token_seqs = single;
+  }
   if (flash_ != nullptr) {
     // An eager step's runs of several tokens go to FlashInfer when each is a chunk of
     // consecutive positions (a prefill or a verify run); otherwise none does.
