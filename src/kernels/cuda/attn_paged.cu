@@ -1028,17 +1028,17 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
             attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // pdl_enter()
             attr[1].val.programmaticStreamSerializationAllowed = 1;
             cfg.attrs = attr;
-            cfg.numAttrs = launch_overlap() ? 2 : 1;
+            cfg.numAttrs = launch_overlap() && launch_overlap_attention() ? 2 : 1;
             M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention_mma_kernel<TT, true>, q, num_heads,
                                              cache, layout, blocks, max_blocks, scale, max_kv_len,
                                              splits, part_o, part_ml, out, skip_multi));
           } else {
             static std::atomic<uint64_t> attr_set{0};
             detail::raise_smem_limit_once(attr_set, attention_mma_kernel<TT, false>, smem);
-            detail::launch_pdl(attention_mma_kernel<TT, false>, grid, dim3(kMmaThreads),
-                               static_cast<size_t>(smem), stream, q, num_heads, cache, layout,
-                               blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml, out,
-                               skip_multi);
+            detail::launch_pdl_attn(attention_mma_kernel<TT, false>, grid, dim3(kMmaThreads),
+                                    static_cast<size_t>(smem), stream, q, num_heads, cache, layout,
+                                    blocks, max_blocks, scale, max_kv_len, splits, part_o, part_ml,
+                                    out, skip_multi);
           }
           M3_CUDA_CHECK_LAUNCH("attention_mma_kernel");
         }
@@ -1069,9 +1069,9 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
     }
     if (splits > 1 && !cluster) {
       M3_CHECK(T * num_heads <= 0x7fffffff);
-      detail::launch_pdl(attention_combine_kernel, dim3(static_cast<unsigned>(T * num_heads)),
-                         dim3(kCombineThreads), 0, stream, part_o, part_ml, num_heads,
-                         cache.num_kv_heads, cache.head_dim, splits, out, layout, skip_multi);
+      detail::launch_pdl_attn(attention_combine_kernel, dim3(static_cast<unsigned>(T * num_heads)),
+                              dim3(kCombineThreads), 0, stream, part_o, part_ml, num_heads,
+                              cache.num_kv_heads, cache.head_dim, splits, out, layout, skip_multi);
     }
     return;
   }

@@ -192,8 +192,8 @@ __device__ __forceinline__ void pdl_enter() {
 // when launch_overlap() (the kernel must call pdl_enter(), above); errors end the process as
 // M3_CUDA_CHECK does.
 template <class... P, class... A>
-void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                A&&... args) {
+void launch_pdl_when(bool allow, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                     cudaStream_t stream, A&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -203,8 +203,20 @@ void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaSt
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = launch_overlap() ? 1 : 0;
+  cfg.numAttrs = allow && launch_overlap() ? 1 : 0;
   M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...));
+}
+template <class... P, class... A>
+void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                A&&... args) {
+  launch_pdl_when(true, kernel, grid, block, smem, stream, std::forward<A>(args)...);
+}
+// The attention and MSA selection kernels' share of the overlap (ops.h launch_overlap_attention).
+template <class... P, class... A>
+void launch_pdl_attn(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                     A&&... args) {
+  launch_pdl_when(launch_overlap_attention(), kernel, grid, block, smem, stream,
+                  std::forward<A>(args)...);
 }
 
 }  // namespace m3::kernels::cuda::detail

@@ -36,6 +36,14 @@ bool launch_overlap() {
   return v == 1;
 }
 
+bool launch_overlap_attention() {
+  static const bool on = [] {
+    const char* env = std::getenv("M3_PDL_ATTN");
+    return !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}
+
 void set_launch_overlap(bool on) {
   g_overlap.store(on ? 1 : 0, std::memory_order_relaxed);
 }

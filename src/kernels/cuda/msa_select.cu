@@ -1060,9 +1060,9 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
             int64_t mchunks = n <= want ? want / n : 1;
             mchunks = std::max<int64_t>(1, std::min<int64_t>({mchunks, nb_stride, 65535}));
             const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(mchunks));
-            detail::launch_pdl(msa_score_mma_kernel<TI>, grid, dim3(kMmaScoreThreads), 0, stream,
-                               iq_n, ni, cache, sub, topk, init_blocks, local_blocks, nb_stride,
-                               tiled, scores);
+            detail::launch_pdl_attn(msa_score_mma_kernel<TI>, grid, dim3(kMmaScoreThreads), 0,
+                                    stream, iq_n, ni, cache, sub, topk, init_blocks, local_blocks,
+                                    nb_stride, tiled, scores);
           }
         });
       } else if (fast) {
@@ -1111,21 +1111,23 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
         topk <= kSplitMaxTopk && rows < detail::num_sms() && merge_smem <= 48 * 1024 &&
         splits <= 65535) {
       int32_t* cand = reinterpret_cast<int32_t*>(scores + chunk * ni * nb_stride);
-      detail::launch_pdl(msa_topk_split_kernel,
-                         dim3(static_cast<unsigned>(rows), static_cast<unsigned>(splits)),
-                         dim3(kTopkThreads), 0, stream, ni, sub, bs, topk, init_blocks,
-                         local_blocks, nb_stride, splits, scores, cand);
-      detail::launch_pdl(msa_topk_merge_kernel, dim3(static_cast<unsigned>(rows)),
-                         dim3(kTopkThreads), merge_smem, stream, ni, sub, bs, topk, init_blocks,
-                         local_blocks, nb_stride, splits, scores, cand, out + t0 * ni * topk);
+      detail::launch_pdl_attn(msa_topk_split_kernel,
+                              dim3(static_cast<unsigned>(rows), static_cast<unsigned>(splits)),
+                              dim3(kTopkThreads), 0, stream, ni, sub, bs, topk, init_blocks,
+                              local_blocks, nb_stride, splits, scores, cand);
+      detail::launch_pdl_attn(msa_topk_merge_kernel, dim3(static_cast<unsigned>(rows)),
+                              dim3(kTopkThreads), merge_smem, stream, ni, sub, bs, topk,
+                              init_blocks, local_blocks, nb_stride, splits, scores, cand,
+                              out + t0 * ni * topk);
       continue;
     }
     // With warp rows: at most two waves of CTAs, looping over the rows (most only skip).
     const int64_t radix_ctas =
         warp_rows ? std::min<int64_t>(rows, 4 * static_cast<int64_t>(detail::num_sms())) : rows;
-    detail::launch_pdl(msa_topk_kernel, dim3(static_cast<unsigned>(radix_ctas)), dim3(kTopkThreads),
-                       topk_smem, stream, ni, sub, bs, topk, init_blocks, local_blocks, nb_stride,
-                       keys_in_smem, warp_rows, scores, out + t0 * ni * topk);
+    detail::launch_pdl_attn(msa_topk_kernel, dim3(static_cast<unsigned>(radix_ctas)),
+                            dim3(kTopkThreads), topk_smem, stream, ni, sub, bs, topk, init_blocks,
+                            local_blocks, nb_stride, keys_in_smem, warp_rows, scores,
+                            out + t0 * ni * topk);
   }
 }
 

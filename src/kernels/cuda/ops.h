@@ -178,6 +178,9 @@ GemmPrecision gemm_precision();
 // enqueued or captured (a graph keeps the launches it captured).
 bool launch_overlap();
 void set_launch_overlap(bool on);
+// Whether the attention and MSA selection kernels take part (M3_PDL_ATTN=0 leaves them on plain
+// launches; a measurement knob: the H200 run decides the default).
+bool launch_overlap_attention();
 
 // MoeExpertWeights (kernels/views.h): this op takes only the contiguous layout (the per-expert
 // arrays must be null). SwigluParams: the constants of swiglu_oai. Quantized experts come as
