@@ -10,6 +10,7 @@ namespace m3::dist {
 namespace {
 
 constexpr int kThreads = 512;
+constexpr uint32_t kMaxPolls = 1u << 26;  // x ~64 ns of __nanosleep: seconds, then give up
 
 // Every rank's staging buffer and flag array, by value in the kernel's parameters.
 struct Peers {
@@ -31,8 +32,7 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
 // waits until rank t has written at least `v` into ours [b][t]. The __syncthreads() before
 // orders the block's earlier memory work before the release; the one after makes the acquired
 // view the whole block's.
-__device__ void handshake(const Peers& p, int rank, int world, int b, uint32_t v,
-                          uint32_t max_polls, int* error) {
+__device__ void handshake(const Peers& p, int rank, int world, int b, uint32_t v, int* error) {
   __syncthreads();
   const int t = threadIdx.x;
   if (t < world) {
@@ -40,7 +40,7 @@ __device__ void handshake(const Peers& p, int rank, int world, int b, uint32_t v
     const uint32_t* mine = p.flags[rank] + b * OneShotAllReduce::kMaxRanks + t;
     uint32_t polls = 0;
     while (static_cast<int32_t>(load_acquire(mine) - v) < 0) {
-      if (++polls > max_polls) {
+      if (++polls > kMaxPolls) {
         atomicExch(error, 1);  // a peer never came: give up rather than hang the GPU
         break;
       }
@@ -56,17 +56,17 @@ __device__ void handshake(const Peers& p, int rank, int world, int b, uint32_t v
 // flag values for call e. Loads bypass L1 (__ldcg): a peer's buffer changes between calls.
 __global__ void __launch_bounds__(kThreads)
     one_shot_kernel(Peers p, int rank, int world, float* __restrict__ out, int64_t n,
-                    uint32_t* __restrict__ epochs, uint32_t max_polls, int* error) {
+                    uint32_t* __restrict__ epochs, int* error) {
   const int b = blockIdx.x;
   const uint32_t e = epochs[b] + 1;
-  handshake(p, rank, world, b, 2 * e - 1, max_polls, error);
+  handshake(p, rank, world, b, 2 * e - 1, error);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(b) * blockDim.x + threadIdx.x; i < n; i += stride) {
     float acc = __ldcg(p.staging[0] + i);
     for (int r = 1; r < world; ++r) acc = __fadd_rn(acc, __ldcg(p.staging[r] + i));
     out[i] = acc;
   }
-  handshake(p, rank, world, b, 2 * e, max_polls, error);
+  handshake(p, rank, world, b, 2 * e, error);
   if (threadIdx.x == 0) epochs[b] = e;
 }
 
@@ -84,7 +84,11 @@ Result<std::shared_ptr<OneShotAllReduce>> OneShotAllReduce::create(int world, in
 }
 
 OneShotAllReduce::OneShotAllReduce(int world, int64_t max_elems)
-    : world_(world), max_elems_(max_elems), ranks_(world), barrier_(world), join_status_(world) {}
+    : world_(world),
+      max_elems_(max_elems),
+      ranks_(world),
+      barrier_(world),
+      join_status_(world) {}
 
 OneShotAllReduce::~OneShotAllReduce() {
   int cur = 0;
@@ -121,7 +125,8 @@ Status OneShotAllReduce::join(int rank, int device) {
     M3_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, peer));
     if (!can) {
       st = make_error(ErrorCode::kUnsupported,
-                      "GPU " + std::to_string(device) + " cannot read GPU " + std::to_string(peer) +
+                      "GPU " + std::to_string(device) + " cannot read GPU " +
+                          std::to_string(peer) +
                           " over P2P; the one-shot all-reduce needs it (unset "
                           "M3_ONE_SHOT_ALLREDUCE to keep NCCL's)",
                       "M3_ONE_SHOT_ALLREDUCE");
@@ -157,8 +162,7 @@ void OneShotAllReduce::all_reduce_sum(int rank, float* data, int64_t n, cudaStre
   // every peer's: a block waits only for the same block of the others).
   const int64_t want = (n + 2 * kThreads - 1) / (2 * kThreads);
   const int blocks = static_cast<int>(std::clamp<int64_t>(want, 1, kMaxBlocks));
-  one_shot_kernel<<<blocks, kThreads, 0, stream>>>(p, rank, world_, data, n, me.epochs, max_polls_,
-                                                   me.error);
+  one_shot_kernel<<<blocks, kThreads, 0, stream>>>(p, rank, world_, data, n, me.epochs, me.error);
   M3_CUDA_CHECK_LAUNCH("one_shot_kernel");
 }
 

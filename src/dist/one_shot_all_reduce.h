@@ -13,13 +13,8 @@
 // (M3_ONE_SHOT_ALLREDUCE=1, off by default: it has run on one GPU only, with the "ranks" as
 // streams of that GPU, never across several GPUs; docs/MULTI_NODE.md).
 // Invariants: every rank calls all_reduce_sum the same number of times with the same n, on its
-// own stream; a wait that exceeds max_polls (default 2^26 polls of ~64 ns: seconds) gives up,
-// leaves the result wrong and raises fault() instead of hanging the GPU.
-// Status: the only run (one H200, the one-GPU test with 2 ranks as streams) did not finish in
-// 120 s; the likely cause is that test's pageable host copies (one CUDA context for all "ranks":
-// a rank's device-to-host copy waiting on its kernel can hold up the other rank's host-to-device
-// copy, so the other kernel is launched only after the first gave up); the test now uses pinned
-// memory and a short max_polls, and has not run again. Never run across GPUs.
+// own stream; a wait that exceeds ~2^26 polls (seconds) gives up, leaves the result wrong and
+// raises fault() instead of hanging the GPU.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -60,21 +55,17 @@ class OneShotAllReduce {
   void all_reduce_sum(int rank, float* data, int64_t n, cudaStream_t stream);
   // Empty unless a rank's kernel gave up waiting for a peer (reads the device flag: syncs).
   std::string fault(int rank) const;
-  // Polls before a wait gives up (tests shorten it so a stall fails in milliseconds). Before
-  // the calls it should apply to; the same on every rank.
-  void set_max_polls(uint32_t polls) { max_polls_ = polls; }
 
  private:
   struct Rank {
     int device = -1;
-    float* staging = nullptr;    // [max_elems]
-    uint32_t* flags = nullptr;   // [kMaxBlocks, kMaxRanks]: written by the peers
-    uint32_t* epochs = nullptr;  // [kMaxBlocks]: this rank's calls so far, per block
-    int* error = nullptr;        // set by a kernel that timed out
+    float* staging = nullptr;   // [max_elems]
+    uint32_t* flags = nullptr;  // [kMaxBlocks, kMaxRanks]: written by the peers
+    uint32_t* epochs = nullptr; // [kMaxBlocks]: this rank's calls so far, per block
+    int* error = nullptr;       // set by a kernel that timed out
   };
   int world_;
   int64_t max_elems_;
-  uint32_t max_polls_ = 1u << 26;
   std::vector<Rank> ranks_;
   std::barrier<> barrier_;
   std::vector<Status> join_status_;
