@@ -75,17 +75,12 @@ NcclCommunicator::NcclCommunicator(int rank, int world, int device, ncclComm_t c
 
 NcclCommunicator::~NcclCommunicator() {
   cudaSetDevice(device_);
-  one_shot_.reset();  // the last rank's frees every rank's buffers (each with its device set)
   if (comm_) ncclCommDestroy(comm_);
   if (scratch_) cudaFree(scratch_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
 void NcclCommunicator::all_reduce_sum(float* data, int64_t n) {
-  if (one_shot_ != nullptr && n <= one_shot_->max_elems()) {
-    one_shot_->all_reduce_sum(rank_, data, n, stream_);
-    return;
-  }
   M3_NCCL_CHECK(
       ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat32, ncclSum, comm_, stream_));
 }

@@ -15,7 +15,6 @@
 
 #include "core/error.h"
 #include "dist/communicator.h"
-#include "dist/one_shot_all_reduce.h"
 
 namespace m3::dist {
 
@@ -40,12 +39,7 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream() const { return stream_; }
   int device() const { return device_; }
 
-  // NCCL's all-reduce, or with a one-shot group attached and n <= its max_elems() the one-shot
-  // P2P kernel (the same n on every rank: every rank takes the same path).
   void all_reduce_sum(float* data, int64_t n) override;
-  // After `group` joined this rank (OneShotAllReduce::join on this rank's thread).
-  void attach_one_shot(std::shared_ptr<OneShotAllReduce> group) { one_shot_ = std::move(group); }
-  bool uses_one_shot() const { return one_shot_ != nullptr; }
   void all_gather(const float* send, int64_t n, float* recv) override;
   void all_gather(const int32_t* send, int64_t n, int32_t* recv) override;
   void reduce_scatter_sum(const float* send, int64_t n, float* recv) override;
@@ -70,7 +64,6 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   float* scratch_ = nullptr;  // one device float for barrier()
-  std::shared_ptr<OneShotAllReduce> one_shot_;
 };
 
 }  // namespace m3::dist

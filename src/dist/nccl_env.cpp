@@ -21,15 +21,4 @@ Status prepare_nccl_environment() {
                     "NCCL_NVLS_ENABLE");
 }
 
-Result<bool> one_shot_all_reduce_requested() {
-  const char* v = std::getenv("M3_ONE_SHOT_ALLREDUCE");
-  if (v == nullptr || *v == '\0' || std::string(v) == "0") return false;
-  if (std::string(v) == "1") return true;
-  return make_error(ErrorCode::kInvalidArgument,
-                    std::string("M3_ONE_SHOT_ALLREDUCE is '") + v +
-                        "'; use 1 (the one-shot P2P all-reduce for small tensor-parallel "
-                        "messages) or 0 / unset (NCCL only)",
-                    "M3_ONE_SHOT_ALLREDUCE");
-}
-
 }  // namespace m3::dist

@@ -6,8 +6,6 @@
 // can put the host's GPUs out of service for a long time); a user who asked for it is refused.
 #pragma once
 
-#include <cstdint>
-
 #include "core/error.h"
 
 namespace m3::dist {
@@ -15,12 +13,5 @@ namespace m3::dist {
 // Sets NCCL_NVLS_ENABLE=0 when it is unset; accepts an explicit 0; refuses any other value with a
 // message saying why and how to fix it.
 Status prepare_nccl_environment();
-
-// M3_ONE_SHOT_ALLREDUCE: "1" asks the GPU tensor-parallel ranks of one process for the one-shot
-// P2P all-reduce on small messages (dist/one_shot_all_reduce.h; off by default, never run on
-// several GPUs yet); unset, empty or "0": NCCL's only. Another value: an error naming it.
-Result<bool> one_shot_all_reduce_requested();
-// The largest message (bytes) the one-shot all-reduce takes; larger ones go to NCCL.
-inline constexpr int64_t kOneShotAllReduceMaxBytes = int64_t{1} << 20;
 
 }  // namespace m3::dist

@@ -22,7 +22,6 @@
 #include "runtime/multi_node.h"
 #ifdef M3_HAS_NCCL
 #include "dist/nccl_communicator.h"
-#include "dist/nccl_env.h"
 #endif
 
 namespace m3::runtime {
@@ -105,29 +104,7 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
   // Every rank joins the group and uploads (or, synthetic, generates) its shard on its own thread
   // (rank_group::start_nccl_ranks); the shards share the host weights (make_shard is const).
   std::shared_ptr<const M3Model> whole(std::move(host));
-  // M3_ONE_SHOT_ALLREDUCE=1: the small all-reduces of decode steps by the one-shot P2P kernel
-  // (dist/one_shot_all_reduce.h), NCCL's above kOneShotAllReduceMaxBytes. Off by default.
-  M3_TRY(const bool one_shot_asked, dist::one_shot_all_reduce_requested());
-  std::shared_ptr<dist::OneShotAllReduce> one_shot;
-  if (one_shot_asked && tp <= dist::OneShotAllReduce::kMaxRanks) {
-    M3_TRY(one_shot, dist::OneShotAllReduce::create(tp, dist::kOneShotAllReduceMaxBytes /
-                                                            static_cast<int64_t>(sizeof(float))));
-  } else if (one_shot_asked) {
-    M3_LOG_WARN(
-        "M3_ONE_SHOT_ALLREDUCE: %d ranks are more than the one-shot all-reduce's %d; "
-        "NCCL's all-reduce only",
-        tp, dist::OneShotAllReduce::kMaxRanks);
-  }
   auto build = [&](int r, CudaRank& rank) -> Status {
-    if (one_shot != nullptr) {
-      // Every rank joins (a rendezvous of the rank threads); without P2P all fail alike.
-      const Status joined = one_shot->join(r, rank.comm->device());
-      if (joined.has_value()) {
-        rank.comm->attach_one_shot(one_shot);
-      } else if (r == 0) {
-        M3_LOG_WARN("%s; NCCL's all-reduce only", joined.error().message.c_str());
-      }
-    }
     ShardSpec spec;
     spec.rank = r;
     spec.world = tp;
@@ -150,9 +127,6 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_sharded_backend(std::unique_pt
          rank_group::size_rank_pool(cfg, page_bytes, opts, tp,
                                     "tensor parallel " + std::to_string(tp)));
   M3_LOG_INFO("%s", plan0.describe(cfg).c_str());
-  if (ranks[0].comm->uses_one_shot())
-    M3_LOG_INFO("all-reduce: one-shot P2P kernel up to %lld bytes, NCCL above",
-                static_cast<long long>(dist::kOneShotAllReduceMaxBytes));
   if (synthetic) {
     M3_LOG_INFO("synthetic weights: %.2f GiB per GPU generated from seed %llu",
                 static_cast<double>(ranks[0].model->weight_bytes()) / (1 << 30),
