@@ -15,7 +15,7 @@ std::atomic<int> g_overlap{-1};
 
 int decide() {
   const char* env = std::getenv("M3_PDL");
-  if (env == nullptr || std::strcmp(env, "1") != 0) return 0;  // off unless asked for (yet)
+  if (env != nullptr && std::strcmp(env, "0") == 0) return 0;
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {

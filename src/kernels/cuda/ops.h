@@ -173,13 +173,15 @@ GemmPrecision gemm_precision();
 // may start while the one before it finishes (its CTAs become resident, prefetch weights that
 // do not depend on earlier work into L2, then wait in pdl_enter(), common.cuh, until the
 // earlier kernels have finished and their writes are visible). Same results bit for bit; only
-// the gaps between kernels shrink. On sm_90 and later the environment's M3_PDL=1 at first use
-// turns it on (off by default until measured on the H200). Process-wide; set it before work is
+// the gaps between kernels shrink. On by default on sm_90 and later (the H200 run of 2026-12-02:
+// bench_layer batch 1 0.303 -> 0.290 ms, batch 8 1.003 -> 0.979); the environment's M3_PDL=0 at
+// first use turns it off. Process-wide; set it before work is
 // enqueued or captured (a graph keeps the launches it captured).
 bool launch_overlap();
 void set_launch_overlap(bool on);
-// Whether the attention and MSA selection kernels take part (M3_PDL_ATTN=0 leaves them on plain
-// launches; a measurement knob: the H200 run decides the default).
+// Whether the attention and MSA selection kernels take part (default yes; M3_PDL_ATTN=0 leaves
+// them on plain launches: a measurement knob, not yet measured, for the MSA decode at batch 8,
+// which ran 6-8 us slower with PDL at 8K-128K contexts in bench_msa_decode).
 bool launch_overlap_attention();
 
 // MoeExpertWeights (kernels/views.h): this op takes only the contiguous layout (the per-expert
