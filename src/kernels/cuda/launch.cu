@@ -39,7 +39,7 @@ bool launch_overlap() {
 bool launch_overlap_attention() {
   static const bool on = [] {
     const char* env = std::getenv("M3_PDL_ATTN");
-    return !(env != nullptr && std::strcmp(env, "0") == 0);
+    return env != nullptr && std::strcmp(env, "1") == 0;
   }();
   return on;
 }

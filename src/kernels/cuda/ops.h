@@ -179,9 +179,10 @@ GemmPrecision gemm_precision();
 // enqueued or captured (a graph keeps the launches it captured).
 bool launch_overlap();
 void set_launch_overlap(bool on);
-// Whether the attention and MSA selection kernels take part (default yes; M3_PDL_ATTN=0 leaves
-// them on plain launches: a measurement knob, not yet measured, for the MSA decode at batch 8,
-// which ran 6-8 us slower with PDL at 8K-128K contexts in bench_msa_decode).
+// Whether the attention and MSA selection kernels take part: not by default (M3_PDL_ATTN=1 turns
+// them on). Measured on the H200 (2026-12-02, docs/PERFORMANCE.md): with them the MSA decode
+// graph step at batch 8 ran 5-8 us slower (8K-128K) for ~1 us gained at batch 1, and bench_layer
+// at batch 8-256 0.5-1.3% slower, equal at batch 1.
 bool launch_overlap_attention();
 
 // MoeExpertWeights (kernels/views.h): this op takes only the contiguous layout (the per-expert
