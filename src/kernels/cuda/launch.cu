@@ -1,9 +1,8 @@
 // The process-wide switch of programmatic dependent launch (ops.h launch_overlap, common.cuh
 // launch_pdl / pdl_enter).
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
+#include "core/env.h"
 #include "gpu/cuda_check.h"
 #include "kernels/cuda/ops.h"
 
@@ -14,8 +13,7 @@ namespace {
 std::atomic<int> g_overlap{-1};
 
 int decide() {
-  const char* env = std::getenv("M3_PDL");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return 0;
+  if (!env_switch("M3_PDL", true)) return 0;
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
@@ -37,10 +35,7 @@ bool launch_overlap() {
 }
 
 bool launch_overlap_attention() {
-  static const bool on = [] {
-    const char* env = std::getenv("M3_PDL_ATTN");
-    return env != nullptr && std::strcmp(env, "1") == 0;
-  }();
+  static const bool on = env_switch("M3_PDL_ATTN", false);
   return on;
 }
 

@@ -13,8 +13,8 @@
 // tile of tokens shares each index-K block through shared memory) and ranked one warp per row
 // by msa_topk_warp_kernel; the kernels above keep the tokens alone in their sequence.
 #include <algorithm>
-#include <cstdlib>
 
+#include "core/env.h"
 #include "kernels/cuda/attn_common.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kv_format.cuh"
@@ -906,10 +906,7 @@ __global__ void __launch_bounds__(kTopkThreads)
 // The split top-k is on unless M3_MSA_SPLIT_TOPK=0 (the H200 run of 2026-12-02: bf16 select at
 // batch 1 over 1M tokens 98.5 -> 88.1 us with it).
 bool split_topk_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("M3_MSA_SPLIT_TOPK");
-    return !(e != nullptr && e[0] == '0' && e[1] == 0);
-  }();
+  static const bool on = env_switch("M3_MSA_SPLIT_TOPK", true);
   return on;
 }
 

@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 
 #include "core/check.h"
+#include "core/env.h"
 #include "core/log.h"
 #include "gpu/cuda_check.h"
 #include "kernels/cuda/sample.h"
@@ -191,8 +191,7 @@ void Eagle3DraftCuda::share_target() {
 void Eagle3DraftCuda::init_forward() {
   ops_ = std::make_unique<CudaOps>(target_.stream());
   fw_ = std::make_unique<Eagle3Forward<CudaOps>>(cfg_, dev_);
-  const char* eager = std::getenv("M3_DRAFT_EAGER");
-  use_graphs_ = !(eager != nullptr && std::string(eager) == "1");
+  use_graphs_ = !env_switch("M3_DRAFT_EAGER", false);
 }
 
 int64_t Eagle3DraftCuda::kv_page_bytes() const {

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "core/env.h"
 #include "core/log.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
@@ -232,10 +233,8 @@ M3ModelCuda::M3ModelCuda(M3Config cfg, std::unique_ptr<M3Model> host)
     M3_CHECK(plan.has_value(), "unsharded plan: %s", plan ? "" : plan.error().message.c_str());
     plan_ = *plan;
   }
-  const char* eager = std::getenv("M3_ENFORCE_EAGER");
-  use_graphs_ = !(eager != nullptr && std::string(eager) == "1");
-  const char* no_fi = std::getenv("M3_NO_FLASHINFER");
-  if (kernels::cuda::flash_prefill_built() && !(no_fi != nullptr && std::string(no_fi) == "1"))
+  use_graphs_ = !env_switch("M3_ENFORCE_EAGER", false);
+  if (kernels::cuda::flash_prefill_built() && !env_switch("M3_NO_FLASHINFER", false))
     flash_ = std::make_unique<kernels::cuda::FlashPrefill>();
 }
 
