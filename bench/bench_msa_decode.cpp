@@ -40,8 +40,7 @@ using m3::kernels::kv_dtype_name;
 using m3::kernels::kv_dtype_size;
 using m3::kernels::KvDtype;
 
-constexpr int64_t kPage = 128, kKvHeads = 4, kHeads = 64, kDim = 128, kIndexHeads = 4,
-                  kIndexDim = 128, kTopk = 16;
+using namespace m3::bench::msa;  // the layer's shapes
 
 using m3::bench::time_ms;
 

@@ -45,8 +45,7 @@ using m3::kernels::kv_dtype_name;
 using m3::kernels::kv_dtype_size;
 using m3::kernels::KvDtype;
 
-constexpr int64_t kPage = 128, kKvHeads = 4, kHeads = 64, kDim = 128, kIndexHeads = 4,
-                  kIndexDim = 128, kTopk = 16;
+using namespace m3::bench::msa;  // the layer's shapes
 
 // `bytes` bytes of device memory filled by tiling a 16 MiB block of N(0, 1) values in `dt`
 // (fp8: divided by `scale` first).

@@ -25,6 +25,13 @@
 
 namespace m3::bench {
 
+// One M3 sparse-attention layer at TP1 (the MSA benches): 128-token pages = MSA blocks, 64 q / 4
+// KV heads x 128, index 4 x 128 over one shared index-K head, top-16.
+namespace msa {
+inline constexpr int64_t kPage = 128, kKvHeads = 4, kHeads = 64, kDim = 128, kIndexHeads = 4,
+                         kIndexDim = 128, kTopk = 16;
+}  // namespace msa
+
 template <class F>
 double time_ms(cudaStream_t stream, int iters, F fn) {
   fn();
