@@ -74,12 +74,9 @@ class ShardedCpuBackend final : public ForwardBackend {
     });
     if (out != nullptr) split_.merge(batch, config(), out, capture_msa);
   }
-  std::string speculative_refusal() const override {
-    if (!shards_[0]->shard_plan().data_sharded()) return "";  // rank 0 returns the aux states
-    return "speculative decoding with --data-parallel-size is not implemented yet (the step's "
-           "split does not carry the draft's hidden states); use --tensor-parallel-size or one "
-           "rank";
-  }
+  // Speculative decoding: tensor parallel ranks each return the aux states (rank 0's are used);
+  // data parallel ranks return their own tokens' and DpBatchSplit::merge puts them in order.
+  std::string speculative_refusal() const override { return ""; }
   std::string device_name() const override {
     const ShardPlan& p = shards_[0]->shard_plan();
     const int local = static_cast<int>(shards_.size());

@@ -64,6 +64,10 @@ class DpBatchSplit {
       lb.device_samples.clear();
       lb.host_logits_rows.clear();
       lb.num_sampleable = b.num_sampleable;
+      // An EAGLE-3 draft's aux states: every rank captures them for its own tokens (merge puts
+      // them back in b's order).
+      lb.aux_layers = b.aux_layers;
+      lb.aux_on_device = b.aux_on_device;
     }
     // Sequences: their owner and their id on it (only the owner gets their block table, so a
     // rank's batch stays proportional to its own sequences).
@@ -146,6 +150,7 @@ class DpBatchSplit {
     out->logits_rows.clear();
     out->sampled.clear();
     out->msa_blocks.clear();
+    out->aux_hidden.clear();
     // Where each rank's local logits row is in its result: every row when the rank sampled
     // nothing on the device, else only its host_logits_rows (M3Model / M3ModelCuda::forward).
     for (RankStep& st : steps_) {
@@ -183,6 +188,20 @@ class DpBatchSplit {
       out->logits.resize(b.host_logits_rows.size() * V);
       for (size_t j = 0; j < b.host_logits_rows.size(); ++j)
         copy_row(b.host_logits_rows[j], out->logits.data() + j * V);
+    }
+    if (!b.aux_layers.empty() && !b.aux_on_device) {
+      // [T, aux layers x hidden]: each token's row from its owner.
+      const int64_t width = static_cast<int64_t>(b.aux_layers.size()) * cfg.hidden_size;
+      out->aux_hidden.resize(T * width);
+      for (int64_t t = 0; t < T; ++t) {
+        const RankStep& st = steps_[tok_owner_[t]];
+        M3_CHECK(st.result.aux_hidden.size() == st.batch.token_ids.size() * width,
+                 "a data-parallel rank returned %zu aux values for %zu tokens (%lld each)",
+                 st.result.aux_hidden.size(), st.batch.token_ids.size(),
+                 static_cast<long long>(width));
+        std::copy_n(st.result.aux_hidden.begin() + tok_local_[t] * width, width,
+                    out->aux_hidden.begin() + t * width);
+      }
     }
     if (!capture_msa) return;
     // Per sparse layer [T, all KV heads, topk]: each token's row from its owner (whose cache

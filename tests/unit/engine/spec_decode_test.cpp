@@ -708,12 +708,29 @@ TEST_P(SpecDecodeEngineHeads, GreedyMatchesTheReferenceAndCountsDrafts) {
 
 INSTANTIATE_TEST_SUITE_P(GqaAndMha, SpecDecodeEngineHeads, ::testing::Values(2, 4));
 
-TEST(SpecDecodeEngine, TensorParallelCpuRanksGiveTheReferenceAndDataParallelIsRefused) {
+// Tensor parallel, data parallel (each rank its own sequences, the aux states merged back in the
+// step's order), and data parallel + expert parallel over partitioned pools: every request's
+// greedy output is the single-rank reference's (dp_batch_split_test checks the merged aux states
+// themselves: this random draft accepts nothing, so its proposals cannot show them).
+TEST(SpecDecodeEngine, TensorAndDataParallelCpuRanksGiveTheReference) {
   auto m = model::M3Model::load(kModel);
   ASSERT_TRUE(m.has_value()) << m.error().message;
   const std::string dir = ::testing::TempDir() + "/draft_tp";
   testing::write_draft(dir, testing::shape_for((*m)->config()));
-  auto config = [&](int tp, int dp) {
+  struct Case {
+    int tp, dp;
+    bool ep, partitions;
+  };
+  const int V = static_cast<int>((*m)->config().vocab_size);
+  std::vector<std::vector<int32_t>> prompts, refs;
+  for (int i = 0; i < 3; ++i) {
+    prompts.push_back(testing::random_prompt(9 + 4 * i, 77 + i, V));
+    refs.push_back(testing::reference_greedy(**m, prompts.back(), 12));
+  }
+  for (const Case c :
+       {Case{2, 1, false, false}, Case{1, 2, false, false}, Case{1, 2, true, true}}) {
+    SCOPED_TRACE("tp " + std::to_string(c.tp) + " dp " + std::to_string(c.dp) +
+                 (c.ep ? " ep" : "") + (c.partitions ? " partitioned" : ""));
     EngineConfig cfg;
     cfg.model_dir = kModel;
     cfg.block_size = static_cast<int>((*m)->config().sparse_block_size);
@@ -722,27 +739,27 @@ TEST(SpecDecodeEngine, TensorParallelCpuRanksGiveTheReferenceAndDataParallelIsRe
     cfg.speculative.method = "eagle3";
     cfg.speculative.model = dir;
     cfg.speculative.num_speculative_tokens = 2;
-    cfg.backend_factory = [tp, dp](std::unique_ptr<model::M3Model> host, int64_t pages) {
-      return runtime::make_cpu_sharded_backend(std::move(host), pages, tp, false, dp);
+    cfg.backend_factory = [c](std::unique_ptr<model::M3Model> host, int64_t pages) {
+      return runtime::make_cpu_sharded_backend(std::move(host), pages, c.tp, c.ep, c.dp,
+                                               c.partitions);
     };
-    return cfg;
-  };
-  auto e = Engine::create(config(2, 1));
-  ASSERT_TRUE(e.has_value()) << e.error().message;
-  GenerateRequest r;
-  r.prompt_token_ids = testing::random_prompt(12, 77, static_cast<int>((*m)->config().vocab_size));
-  r.params.temperature = 0.f;
-  r.params.max_tokens = 12;
-  r.params.ignore_eos = true;
-  const auto ref = testing::reference_greedy(**m, r.prompt_token_ids, 12);
-  auto s = (*e)->submit(r);
-  ASSERT_TRUE(s.has_value());
-  EXPECT_EQ(testing::collect(**s).tokens, ref);
-  EXPECT_GT((*e)->stats().spec_decode.num_drafts, 0);
-  auto dp = Engine::create(config(1, 2));
-  ASSERT_FALSE(dp.has_value());
-  EXPECT_NE(dp.error().message.find("--data-parallel-size"), std::string::npos)
-      << dp.error().message;
+    auto e = Engine::create(cfg);
+    ASSERT_TRUE(e.has_value()) << e.error().message;
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    for (const auto& p : prompts) {
+      GenerateRequest r;
+      r.prompt_token_ids = p;
+      r.params.temperature = 0.f;
+      r.params.max_tokens = 12;
+      r.params.ignore_eos = true;
+      auto s = (*e)->submit(std::move(r));
+      ASSERT_TRUE(s.has_value());
+      streams.push_back(*s);
+    }
+    for (size_t i = 0; i < streams.size(); ++i)
+      EXPECT_EQ(testing::collect(*streams[i]).tokens, refs[i]) << "request " << i;
+    EXPECT_GT((*e)->stats().spec_decode.num_drafts, 0);
+  }
 }
 
 TEST(SpecDecodeEngine, BadDraftsAreRefusedWithBothNumbers) {

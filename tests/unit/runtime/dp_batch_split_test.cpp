@@ -4,7 +4,8 @@
 // with its own KV cache, and the merged results must equal the whole batch's on one cache.
 // Exact equality: the CPU ops compute every token's row with the same arithmetic whatever else
 // is in the batch (the batch only adds rows), so splitting a batch by sequence changes no number;
-// a mis-mapped row, sequence or block table shows up as a different logit, id or MSA block.
+// a mis-mapped row, sequence or block table shows up as a different logit, id, MSA block or aux
+// state (an EAGLE-3 draft's input).
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -134,12 +135,17 @@ struct Harness {
     ASSERT_EQ(got.msa_blocks.size(), want.msa_blocks.size()) << what;
     for (size_t l = 0; l < got.msa_blocks.size(); ++l)
       EXPECT_EQ(got.msa_blocks[l], want.msa_blocks[l]) << what << " layer " << l;
+    EXPECT_EQ(got.aux_hidden.size(), b.aux_layers.size() * b.token_ids.size() *
+                                         static_cast<size_t>(model->config().hidden_size))
+        << what;
+    EXPECT_TRUE(got.aux_hidden == want.aux_hidden) << what << ": the aux states";
   }
 };
 
 // Every golden prompt of msa_small_blocks in one prefill batch (all logits, MSA captured), then
 // decode steps over all or every other sequence with device samples whose rows are permuted and
-// only some rows copied back, then steps in which one rank has nothing.
+// only some rows copied back (the last two with aux states captured), then steps in which one rank
+// has nothing.
 class DpBatchSplitTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(DpBatchSplitTest, SplitRanksMergeToTheWholeBatch) {
@@ -167,6 +173,7 @@ TEST_P(DpBatchSplitTest, SplitRanksMergeToTheWholeBatch) {
       d.push_back({seqs[i], feed[i], false});
     }
     ForwardBatch b = h.pages->build_step(d);
+    if (s >= 2) b.aux_layers = {0, 1};  // what a speculative step asks for its draft
     const int32_t R = static_cast<int32_t>(b.logits_indices.size());
     for (int32_t r = 0; r < R; ++r) {
       kernels::cpu::SampleRow sr;
