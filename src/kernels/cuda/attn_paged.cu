@@ -485,8 +485,12 @@ struct MmaAttnSmem {
 
 // kCluster: the splits of a (token, kv head) are one thread-block cluster (gridDim.y <= 16 CTAs);
 // they merge through distributed shared memory and CTA 0 writes the output (no combine kernel,
-// no workspace).
-template <class T, bool kCluster>
+// no workspace). kHeadWarps (dense rows, num_kv_heads a multiple of 4): a CTA serves 4
+// consecutive kv heads of a (token, split), warp w head w, each warp every tile of the split:
+// the CTA's four warps read the four heads' rows of the same keys, contiguous in the cache
+// (a key's heads are adjacent), where one head's rows alone are 1 / num_kv_heads of every slot;
+// no warp merge (each warp writes its head's partial).
+template <class T, bool kCluster, bool kHeadWarps = false>
 __global__ void __launch_bounds__(kMmaThreads)
     attention_mma_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
                          const int32_t* __restrict__ blocks, int64_t max_blocks, float scale,
@@ -513,7 +517,10 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int r = lane / 4, cq = lane % 4;
   const int64_t nkv = c.num_kv_heads, bs = c.page_size;
   const int group = static_cast<int>(num_heads / nkv);
-  const int64_t t = blockIdx.x / nkv, g = blockIdx.x % nkv;
+  const int64_t ctas_per_token = kHeadWarps ? nkv / kMmaWarps : nkv;
+  const int64_t t = blockIdx.x / ctas_per_token;
+  const int64_t g = kHeadWarps ? (blockIdx.x % ctas_per_token) * kMmaWarps + warp
+                               : static_cast<int64_t>(blockIdx.x % nkv);
   // The query-tiled kernel writes this token (the whole CTA leaves together).
   if (skip_multi && detail::in_multi_run(L, t)) return;
   const int split = blockIdx.y;
@@ -528,10 +535,11 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int64_t ntiles = (nvirt + kMmaTile - 1) / kMmaTile;
   const int64_t per = (ntiles + num_splits - 1) / num_splits;
   const int64_t tile0 = split * per, tile1 = min(ntiles, tile0 + per);
-  // This warp's tiles: tile0 + warp + i * kMmaWarps, i < my_tiles.
-  const int64_t first = tile0 + warp;
+  // This warp's tiles: first + i * kStride, i < my_tiles.
+  constexpr int kStride = kHeadWarps ? 1 : kMmaWarps;
+  const int64_t first = tile0 + (kHeadWarps ? 0 : warp);
   const int my_tiles =
-      first < tile1 ? static_cast<int>((tile1 - first + kMmaWarps - 1) / kMmaWarps) : 0;
+      first < tile1 ? static_cast<int>((tile1 - first + kStride - 1) / kStride) : 0;
 
   // Q fragments of the 8 k-steps: rows r and r + 8 (heads of the group; 0 past it). Loaded
   // first: their global reads overlap the page lookups below.
@@ -589,7 +597,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   };
   auto tile_row = [&](int i) -> int64_t {
     return i < my_tiles
-               ? key_row((first + static_cast<int64_t>(i) * kMmaWarps) * kMmaTile + lane % kMmaTile)
+               ? key_row((first + static_cast<int64_t>(i) * kStride) * kMmaTile + lane % kMmaTile)
                : -1;
   };
   unsigned char* ring = mma_smem + warp * Sm::kWarpBytes;
@@ -726,6 +734,34 @@ __global__ void __launch_bounds__(kMmaThreads)
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
   }
+  if constexpr (kHeadWarps) {
+    // The warp's head alone: its partial (or, one split, the output) straight from the
+    // fragments; lane row r's n-tile n is dim 16 (2 cq + ec) + n (the layout above).
+    const float vmul = kFp8 ? c.v_scale : 1.f;
+    const int64_t idx = (t * nkv + g) * num_splits + split;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int h = r + 8 * hh;
+      if (h >= group) continue;
+      const float inv = 1.0f / l[hh];
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int ec = 0; ec < 2; ++ec) {
+          const int i = 16 * (2 * cq + ec) + n;
+          const float acc = o[n][2 * hh + ec] * vmul;
+          if (num_splits == 1)
+            out[(t * num_heads + g * group + h) * D + i] = acc * inv;
+          else
+            part_o[(idx * group + h) * D + i] = acc;
+        }
+      if (num_splits > 1 && cq == 0) {
+        part_ml[(idx * group + h) * 2] = m[hh];
+        part_ml[(idx * group + h) * 2 + 1] = l[hh];
+      }
+    }
+    return;
+  }
   __syncthreads();  // every warp is done with its ring: the merge reuses the memory
   // Merge the warps (as attention_split_kernel): each parks its rows in Ow.
   float* Ow = reinterpret_cast<float*>(mma_smem);
@@ -841,36 +877,37 @@ __global__ void __launch_bounds__(kMmaThreads)
 // writes its tile's probabilities P (rounded to the MMA type; the sums keep fp32) into a
 // [16 heads x 128 keys] tile, and then every warp computes O[16 heads x its 16 dims] += P·V over
 // the whole round (ldmatrix for P and, bf16, for V; fp8 V converted pairwise). No per-warp
-// output merge: each warp owns its 16 output dims. NS: rounds in flight (a ring of whole rounds;
-// 1 for the selected blocks, several for dense rows). kCluster: the splits of a (token, kv head)
-// are one thread-block cluster merged through distributed shared memory (no combine kernel);
-// otherwise the partial format of attention_split_kernel (the combine kernel merges it).
+// output merge: each warp owns its 16 output dims. Rounds run one after the other (M3's top-16
+// of 128-token pages is one round per CTA of a 16-CTA cluster). kCluster: the splits of a
+// (token, kv head) are one thread-block cluster merged through distributed shared memory (no
+// combine kernel); otherwise one split writes the output. Serves the selected rows of decode
+// tokens only: for dense rows a ring of rounds in this kernel measured slower than
+// attention_mma_kernel (CTA-wide barriers every round).
 constexpr int kCtaWarps = 8;
 constexpr int kCtaThreads = kCtaWarps * detail::kWarp;
-constexpr int kRoundTiles = kCtaWarps;                    // tiles of kMmaTile keys per round
-constexpr int kRoundKeys = kRoundTiles * kMmaTile;        // 128
-constexpr int kDenseStagesBf16 = 3, kDenseStagesFp8 = 5;  // one CTA per SM
+constexpr int kRoundTiles = kCtaWarps;              // tiles of kMmaTile keys per round
+constexpr int kRoundKeys = kRoundTiles * kMmaTile;  // 128
 
-template <class T, int NS>
+template <class T>
 struct CtaAttnSmem {
   static constexpr int kRowBytes = kMmaDim * int(sizeof(T)) + 16;  // padded: fewer conflicts
   static constexpr int kStageBytes = 2 * kRoundKeys * kRowBytes;   // K rows, then V rows
   static constexpr int kHalfRowBytes = kMmaDim * 2 + 16;           // a row of 16-bit q / P
-  static constexpr int kQOffset = NS * kStageBytes;
+  static constexpr int kQOffset = kStageBytes;
   static constexpr int kPOffset = kQOffset + kMmaRows * kHalfRowBytes;
   static constexpr int kBytes = kPOffset + kMmaRows * kHalfRowBytes;
   static_assert(kRoundKeys == kMmaDim, "P rows share the q row stride");
   static_assert(kMmaRows * kMmaDim * 4 <= kStageBytes, "the cluster merge reuses stage 0");
 };
 
-template <class T, bool kCluster, int NS>
-__global__ void __launch_bounds__(kCtaThreads, NS == 1 ? 2 : 1)
+template <class T, bool kCluster>
+__global__ void __launch_bounds__(kCtaThreads, 2)
     attention_cta_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
                          const int32_t* __restrict__ blocks, int64_t max_blocks, float scale,
                          int64_t max_kv_len, int num_splits, float* __restrict__ part_o,
                          float* __restrict__ part_ml, float* __restrict__ out, bool skip_multi) {
   using M = detail::MmaOf<T>;
-  using Sm = CtaAttnSmem<T, NS>;
+  using Sm = CtaAttnSmem<T>;
   using detail::kWarp;
   constexpr int D = kMmaDim;
   constexpr int E = M::kElemsPer16B;                  // row elements per 16-byte piece
@@ -880,7 +917,7 @@ __global__ void __launch_bounds__(kCtaThreads, NS == 1 ? 2 : 1)
   constexpr bool kFp8 = sizeof(T) == 1;
   extern __shared__ __align__(16) unsigned char cta_smem[];
   __shared__ float mw[kCtaWarps][kMmaRows], lw[kCtaWarps][kMmaRows];
-  __shared__ unsigned tmask[NS][kRoundTiles];
+  __shared__ unsigned tmask[kRoundTiles];
   __shared__ float Ms[kMmaRows], Ls[kMmaRows];
   detail::pdl_enter();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
@@ -918,16 +955,17 @@ __global__ void __launch_bounds__(kCtaThreads, NS == 1 ? 2 : 1)
       tile1 > tile0 ? static_cast<int>((tile1 - tile0 + kRoundTiles - 1) / kRoundTiles) : 0;
 
   // The cache row (in units of D elements) of virtual key vk, or -1 when masked.
+  // 32-bit index arithmetic (virtual keys are below 2^31): the lookup heads the load chain.
   auto key_row = [&](int64_t vk) -> int64_t {
     if (vk >= nvirt) return -1;
-    const int64_t o = vk % bs;
-    int64_t b = vk / bs;
+    const int32_t v32 = static_cast<int32_t>(vk), bs32 = static_cast<int32_t>(bs);
+    const int32_t o = v32 % bs32;
+    int32_t b = v32 / bs32;
     if (sel) {
       b = sel[b];
-      M3_DEVICE_CHECK(b < nb, "attention: selected block %lld is in the future (token at %d)",
-                      static_cast<long long>(b), p);
+      M3_DEVICE_CHECK(b < nb, "attention: selected block %d is in the future (token at %d)", b, p);
     }
-    if (b < 0 || b * bs + o > p) return -1;
+    if (b < 0 || b * bs32 + o > p) return -1;
     return (static_cast<int64_t>(table[b]) * bs + o) * nkv + g;
   };
   // This lane's key (lane % 16) of this warp's tile in round rd.
@@ -940,18 +978,16 @@ __global__ void __launch_bounds__(kCtaThreads, NS == 1 ? 2 : 1)
   unsigned char* ps = cta_smem + Sm::kPOffset;
   const T* kbase = c.k_as<T>();
   const T* vbase = c.v_as<T>();
-  // Round `next` into stage next % NS: this warp's 16 K rows and 16 V rows (K rows of the stage
-  // first, then V rows, tile w at rows 16 w ..), each row copied by consecutive lanes; masked
-  // keys zero-filled (P·V multiplies them by 0). One commit group per round, empty or not.
-  int next = 0;
+  // Round rd into the stage: this warp's 16 K rows and 16 V rows (K rows of the stage first,
+  // then V rows, tile w at rows 16 w ..), each row copied by consecutive lanes; masked keys
+  // zero-filled (P·V multiplies them by 0). The next round's rows are looked up meanwhile.
   int64_t ahead = round_row(0);
-  auto issue_next = [&]() {
+  auto issue = [&](int rd) {
     const int64_t row = ahead;
-    const int rd = next++;
-    ahead = round_row(next);
+    ahead = round_row(rd + 1);
     const unsigned vm = __ballot_sync(0xffffffffu, row >= 0) & 0xffffu;
-    unsigned char* st = stages + (rd % NS) * Sm::kStageBytes;
-    if (lane == 0) tmask[rd % NS][warp] = vm;
+    unsigned char* st = stages;
+    if (lane == 0) tmask[warp] = vm;
     if (vm != 0) {
       constexpr int RowsPerCopy = kWarp / RowChunks;
       const int sub = lane / RowChunks, ch = lane % RowChunks;
@@ -968,8 +1004,7 @@ __global__ void __launch_bounds__(kCtaThreads, NS == 1 ? 2 : 1)
     }
     detail::cp_async_commit();
   };
-#pragma unroll
-  for (int i = 0; i < NS - 1; ++i) issue_next();
+  if (nrounds > 0) issue(0);  // in flight while q is staged
 
     // q rounded to bf16 (as the CPU op), stored as the MMA's 16-bit type, rows of 128.
 #pragma unroll
@@ -1008,16 +1043,14 @@ __global__ void __launch_bounds__(kCtaThreads, NS == 1 ? 2 : 1)
       detail::smem_addr(ps + ((mi & 1) * 8 + mr) * Sm::kHalfRowBytes + (mi >> 1) * 8 * 2);
 
   for (int rd = 0; rd < nrounds; ++rd) {
-    if constexpr (NS == 1) {
-      if (rd > 0) __syncthreads();  // every warp is done with the stage of round rd - 1
-      issue_next();
-      detail::cp_async_wait<0>();
-    } else {
-      detail::cp_async_wait<NS - 2>();
+    if (rd > 0) {
+      __syncthreads();  // every warp is done with the stage of round rd - 1
+      issue(rd);
     }
+    detail::cp_async_wait<0>();
     __syncwarp();
-    const unsigned char* st = stages + (rd % NS) * Sm::kStageBytes;
-    const unsigned vm = tmask[rd % NS][warp];
+    const unsigned char* st = stages;
+    const unsigned vm = tmask[warp];
     // S of this warp's tile: rows r / r + 8, keys nt * 8 + 2 cq (+1).
     float x[2][4];
     if (vm != 0) {
@@ -1054,7 +1087,6 @@ __global__ void __launch_bounds__(kCtaThreads, NS == 1 ? 2 : 1)
       if (cq == 0) mw[warp][r + 8 * hh] = mx;
     }
     __syncthreads();  // the round's tile maxima and every warp's V rows are visible
-    if constexpr (NS > 1) issue_next();  // into the stage of round rd - 1: every warp is past it
     float nm[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -1100,7 +1132,7 @@ __global__ void __launch_bounds__(kCtaThreads, NS == 1 ? 2 : 1)
     const unsigned char* vst = st + kRoundKeys * Sm::kRowBytes;
 #pragma unroll
     for (int kk = 0; kk < kRoundTiles; ++kk) {
-      if (tmask[rd % NS][kk] == 0) continue;
+      if (tmask[kk] == 0) continue;
       uint32_t pa[4];
       detail::ldmatrix_x4(p_addr + kk * kMmaTile * 2, pa[0], pa[1], pa[2], pa[3]);
       if constexpr (!kFp8) {
@@ -1126,7 +1158,6 @@ __global__ void __launch_bounds__(kCtaThreads, NS == 1 ? 2 : 1)
       }
     }
   }
-  detail::cp_async_wait<0>();
   // The output dim of n-tile j, C column 2 cq + ec.
   auto dim_of = [&](int j, int ec) {
     return kFp8 ? warp * 16 + 2 * (2 * cq + ec) + j : warp * 16 + 8 * j + 2 * cq + ec;
@@ -1249,6 +1280,30 @@ int choose_splits(int64_t num_tokens, const KvPages& c, int64_t max_blocks, int6
   return static_cast<int>(std::max<int64_t>(s, 1));
 }
 
+// M3_ATTN_LEGACY=1: the bf16 / fp8 cache takes attention_mma_kernel as before
+// attention_cta_kernel and the head-per-warp dense grid (kept for comparisons).
+bool attn_legacy() {
+  static const bool on = env_switch("M3_ATTN_LEGACY", false);
+  return on;
+}
+
+// Whether the dense rows of a bf16 / fp8 cache take attention_mma_kernel's head-per-warp grid.
+bool head_warps_supported(const KvPages& c, int64_t group) {
+  return mma_path_supported(c, group) && c.num_kv_heads % kMmaWarps == 0 && !attn_legacy();
+}
+
+// Splits per (token, 4 kv heads) of the head-per-warp grid: as choose_splits, two CTAs per SM
+// in one wave, at least 16 tiles of 16 keys per warp and split.
+int choose_splits_heads(int64_t num_tokens, const KvPages& c, int64_t max_kv_len) {
+  if (max_kv_len <= 0) return 1;
+  const int64_t ntiles = (max_kv_len + kMmaTile - 1) / kMmaTile;
+  const int64_t units = num_tokens * (c.num_kv_heads / kMmaWarps);
+  int64_t s = 2 * static_cast<int64_t>(detail::num_sms()) / units;
+  s = std::min<int64_t>(s, (ntiles + 15) / 16);
+  s = std::min<int64_t>(s, kMaxSplits);
+  return static_cast<int>(std::max<int64_t>(s, 1));
+}
+
 // The largest cluster the selected-block splits of a tensor-core kernel may form on this device:
 // 16 (Hopper's non-portable size: half the keys per CTA of 8 at batch 1, where the kernel is
 // latency-bound) when the function accepts it and cudaOccupancyMaxActiveClusters finds room for
@@ -1261,8 +1316,8 @@ int cluster_limit_of() {
   M3_CUDA_CHECK(cudaGetDevice(&dev));
   const uint64_t bit = uint64_t{1} << (dev & 63);
   if (!(known.load(std::memory_order_acquire) & bit)) {
-    auto kernel = kLegacy ? attention_mma_kernel<TT, true> : attention_cta_kernel<TT, true, 1>;
-    const int smem = kLegacy ? MmaAttnSmem<TT>::kBytes : CtaAttnSmem<TT, 1>::kBytes;
+    auto kernel = kLegacy ? attention_mma_kernel<TT, true> : attention_cta_kernel<TT, true>;
+    const int smem = kLegacy ? MmaAttnSmem<TT>::kBytes : CtaAttnSmem<TT>::kBytes;
     M3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     bool ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
               cudaSuccess;
@@ -1296,22 +1351,15 @@ int cluster_limit(KvDtype kv, bool legacy) {
                              : cluster_limit_of<uint16_t, false>();
 }
 
-// M3_ATTN_LEGACY=1: the bf16 / fp8 cache takes attention_mma_kernel for every row (the kernel
-// before attention_cta_kernel; kept for comparisons).
-bool attn_legacy() {
-  static const bool on = env_switch("M3_ATTN_LEGACY", false);
-  return on;
-}
-
-// Launches attention_cta_kernel<TT, kCluster, NS> over grid (tokens x kv heads, splits); with
+// Launches attention_cta_kernel<TT, kCluster> over grid (tokens x kv heads, splits); with
 // kCluster the splits of a (token, kv head) form one cluster.
-template <class TT, bool kCluster, int NS>
+template <class TT, bool kCluster>
 void launch_cta(dim3 grid, cudaStream_t stream, const float* q, int64_t num_heads,
                 const KvPages& cache, const TokenLayout& layout, const int32_t* blocks,
                 int64_t max_blocks, float scale, int64_t max_kv_len, int splits, float* part_o,
                 float* part_ml, float* out, bool skip_multi) {
-  constexpr int smem = CtaAttnSmem<TT, NS>::kBytes;
-  auto kernel = attention_cta_kernel<TT, kCluster, NS>;
+  constexpr int smem = CtaAttnSmem<TT>::kBytes;
+  auto kernel = attention_cta_kernel<TT, kCluster>;
   static std::atomic<uint64_t> attr_set{0};
   detail::raise_smem_limit_once(attr_set, kernel, smem);
   if constexpr (kCluster) {
@@ -1404,9 +1452,12 @@ void kv_write(const KvPages& cache, const TokenLayout& layout, const float* k, c
 size_t attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, const KvPages& cache,
                                  int64_t max_blocks, int64_t max_kv_len) {
   if (num_tokens <= 0 || cache.num_kv_heads <= 0) return 0;
-  if (!split_grid_supported(cache, num_heads / cache.num_kv_heads)) return 0;
-  return split_bytes(num_tokens, num_heads, cache.head_dim,
-                     choose_splits(num_tokens, cache, max_blocks, max_kv_len));
+  const int64_t group = num_heads / cache.num_kv_heads;
+  if (!split_grid_supported(cache, group)) return 0;
+  int splits = choose_splits(num_tokens, cache, max_blocks, max_kv_len);
+  if (max_blocks <= 0 && head_warps_supported(cache, group))
+    splits = std::max(splits, choose_splits_heads(num_tokens, cache, max_kv_len));
+  return split_bytes(num_tokens, num_heads, cache.head_dim, splits);
 }
 
 void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
@@ -1439,11 +1490,11 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
   // its sequence (host-known) there is nothing left for them.
   const bool skip_multi = tiled || sparse_tiled;
   if (skip_multi && !layout.single_token_seqs) return;
-  // A bf16 / fp8 cache at head_dim 128 and groups <= 16 (attention_cta_kernel): the selected
-  // blocks of every token in a cluster of up to 16 CTAs per (token, kv head) (one round of 128
-  // keys each at M3's top-16 of 128-token pages); dense rows split over one CTA per SM where
-  // that gives every (token, kv head) two splits or more, merged by the combine kernel. Other
-  // dense rows (many tokens) stay with attention_mma_kernel below.
+  // A bf16 / fp8 cache at head_dim 128 and groups <= 16: the selected blocks of every token in
+  // attention_cta_kernel, a cluster of up to 16 CTAs per (token, kv head) (one round of 128 keys
+  // each at M3's top-16 of 128-token pages); dense rows, with kv heads in fours, in
+  // attention_mma_kernel's head-per-warp grid (splits merged by the combine kernel). The rest
+  // (M3_ATTN_LEGACY=1, other head counts) below.
   if (mma_path_supported(cache, group) && !attn_legacy()) {
     const int64_t units = T * cache.num_kv_heads;
     bool done = false;
@@ -1453,37 +1504,48 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
           const int ncl = static_cast<int>(std::min<int64_t>(sparse_cluster(units, cache.kv_dtype),
                                                              cta_rounds(cache, max_blocks, 0)));
           if (ncl >= 2)
-            launch_cta<TT, true, 1>(dim3(static_cast<unsigned>(units), static_cast<unsigned>(ncl)),
-                                    stream, q, num_heads, cache, layout, blocks, max_blocks, scale,
-                                    max_kv_len, ncl, nullptr, nullptr, out, skip_multi);
+            launch_cta<TT, true>(dim3(static_cast<unsigned>(units), static_cast<unsigned>(ncl)),
+                                 stream, q, num_heads, cache, layout, blocks, max_blocks, scale,
+                                 max_kv_len, ncl, nullptr, nullptr, out, skip_multi);
           else
-            launch_cta<TT, false, 1>(dim3(static_cast<unsigned>(units), 1), stream, q, num_heads,
-                                     cache, layout, blocks, max_blocks, scale, max_kv_len, 1,
-                                     nullptr, nullptr, out, skip_multi);
+            launch_cta<TT, false>(dim3(static_cast<unsigned>(units), 1), stream, q, num_heads,
+                                  cache, layout, blocks, max_blocks, scale, max_kv_len, 1, nullptr,
+                                  nullptr, out, skip_multi);
           done = true;
           return;
         }
-        if (max_kv_len <= 0) return;
-        int64_t s = detail::num_sms() / units;
-        s = std::min<int64_t>(s, cta_rounds(cache, 0, max_kv_len));
-        s = std::min<int64_t>(s, kMaxSplits);
+        if (!head_warps_supported(cache, group)) return;
+        int splits = choose_splits_heads(T, cache, max_kv_len);
         const size_t per_split = split_bytes(T, num_heads, cache.head_dim, 2) / 2;
-        if (s > 1 && ws.bytes < per_split * static_cast<size_t>(s))
-          s = static_cast<int64_t>(ws.bytes / per_split);
-        if (s < 2) return;
-        M3_CHECK(ws.data != nullptr);
-        float* part_o = static_cast<float*>(ws.data);
-        float* part_ml = part_o + T * num_heads * s * cache.head_dim;
-        constexpr int NS = sizeof(TT) == 1 ? kDenseStagesFp8 : kDenseStagesBf16;
-        const int splits = static_cast<int>(s);
-        launch_cta<TT, false, NS>(dim3(static_cast<unsigned>(units), static_cast<unsigned>(splits)),
-                                  stream, q, num_heads, cache, layout, nullptr, 0, scale,
-                                  max_kv_len, splits, part_o, part_ml, out, skip_multi);
-        M3_CHECK(T * num_heads <= 0x7fffffff);
-        detail::launch_pdl_attn(attention_combine_kernel,
-                                dim3(static_cast<unsigned>(T * num_heads)), dim3(kCombineThreads),
-                                0, stream, part_o, part_ml, num_heads, cache.num_kv_heads,
-                                cache.head_dim, splits, out, layout, skip_multi);
+        if (splits > 1 && ws.bytes < per_split * splits) {
+          splits = static_cast<int>(std::min<size_t>(ws.bytes / per_split, kMaxSplits));
+          if (splits < 2) splits = 1;
+        }
+        float* part_o = nullptr;
+        float* part_ml = nullptr;
+        if (splits > 1) {
+          M3_CHECK(ws.data != nullptr);
+          part_o = static_cast<float*>(ws.data);
+          part_ml = part_o + T * num_heads * splits * cache.head_dim;
+        }
+        constexpr int smem = MmaAttnSmem<TT>::kBytes;
+        auto kernel = attention_mma_kernel<TT, false, true>;
+        static std::atomic<uint64_t> attr_set{0};
+        detail::raise_smem_limit_once(attr_set, kernel, smem);
+        detail::launch_pdl_attn(kernel,
+                                dim3(static_cast<unsigned>(T * (cache.num_kv_heads / kMmaWarps)),
+                                     static_cast<unsigned>(splits)),
+                                dim3(kMmaThreads), static_cast<size_t>(smem), stream, q, num_heads,
+                                cache, layout, nullptr, int64_t{0}, scale, max_kv_len, splits,
+                                part_o, part_ml, out, skip_multi);
+        M3_CUDA_CHECK_LAUNCH("attention_mma_kernel (head per warp)");
+        if (splits > 1) {
+          M3_CHECK(T * num_heads <= 0x7fffffff);
+          detail::launch_pdl_attn(attention_combine_kernel,
+                                  dim3(static_cast<unsigned>(T * num_heads)), dim3(kCombineThreads),
+                                  0, stream, part_o, part_ml, num_heads, cache.num_kv_heads,
+                                  cache.head_dim, splits, out, layout, skip_multi);
+        }
         done = true;
       }
     });
