@@ -7,9 +7,10 @@
 // (token, kv head), 32-key chunks. Those two read an fp32 cache; a bf16 / fp8 cache (every format
 // of docs/KV_CACHE.md) takes attention_mma_kernel at head_dim 128 and groups <= 16 (tensor
 // cores, q and P rounded as the doc allows) and the generic kernel, templated on the element
-// type, elsewhere. kv_write stores every format with the CPU twin's bytes.
+// type, elsewhere; the selected rows of decode tokens over such a cache take attention_cta_kernel
+// (8 warps per 128 keys, clusters of up to 16 CTAs). kv_write stores every format with the CPU
+// twin's bytes.
 #include <algorithm>
-#include <cstdlib>
 
 #include <cooperative_groups.h>
 
@@ -485,12 +486,8 @@ struct MmaAttnSmem {
 
 // kCluster: the splits of a (token, kv head) are one thread-block cluster (gridDim.y <= 16 CTAs);
 // they merge through distributed shared memory and CTA 0 writes the output (no combine kernel,
-// no workspace). kHeadWarps (dense rows, num_kv_heads a multiple of 4): a CTA serves 4
-// consecutive kv heads of a (token, split), warp w head w, each warp every tile of the split:
-// the CTA's four warps read the four heads' rows of the same keys, contiguous in the cache
-// (a key's heads are adjacent), where one head's rows alone are 1 / num_kv_heads of every slot;
-// no warp merge (each warp writes its head's partial).
-template <class T, bool kCluster, bool kHeadWarps = false>
+// no workspace).
+template <class T, bool kCluster>
 __global__ void __launch_bounds__(kMmaThreads)
     attention_mma_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
                          const int32_t* __restrict__ blocks, int64_t max_blocks, float scale,
@@ -517,10 +514,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int r = lane / 4, cq = lane % 4;
   const int64_t nkv = c.num_kv_heads, bs = c.page_size;
   const int group = static_cast<int>(num_heads / nkv);
-  const int64_t ctas_per_token = kHeadWarps ? nkv / kMmaWarps : nkv;
-  const int64_t t = blockIdx.x / ctas_per_token;
-  const int64_t g = kHeadWarps ? (blockIdx.x % ctas_per_token) * kMmaWarps + warp
-                               : static_cast<int64_t>(blockIdx.x % nkv);
+  const int64_t t = blockIdx.x / nkv, g = blockIdx.x % nkv;
   // The query-tiled kernel writes this token (the whole CTA leaves together).
   if (skip_multi && detail::in_multi_run(L, t)) return;
   const int split = blockIdx.y;
@@ -535,11 +529,10 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int64_t ntiles = (nvirt + kMmaTile - 1) / kMmaTile;
   const int64_t per = (ntiles + num_splits - 1) / num_splits;
   const int64_t tile0 = split * per, tile1 = min(ntiles, tile0 + per);
-  // This warp's tiles: first + i * kStride, i < my_tiles.
-  constexpr int kStride = kHeadWarps ? 1 : kMmaWarps;
-  const int64_t first = tile0 + (kHeadWarps ? 0 : warp);
+  // This warp's tiles: tile0 + warp + i * kMmaWarps, i < my_tiles.
+  const int64_t first = tile0 + warp;
   const int my_tiles =
-      first < tile1 ? static_cast<int>((tile1 - first + kStride - 1) / kStride) : 0;
+      first < tile1 ? static_cast<int>((tile1 - first + kMmaWarps - 1) / kMmaWarps) : 0;
 
   // Q fragments of the 8 k-steps: rows r and r + 8 (heads of the group; 0 past it). Loaded
   // first: their global reads overlap the page lookups below.
@@ -597,7 +590,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   };
   auto tile_row = [&](int i) -> int64_t {
     return i < my_tiles
-               ? key_row((first + static_cast<int64_t>(i) * kStride) * kMmaTile + lane % kMmaTile)
+               ? key_row((first + static_cast<int64_t>(i) * kMmaWarps) * kMmaTile + lane % kMmaTile)
                : -1;
   };
   unsigned char* ring = mma_smem + warp * Sm::kWarpBytes;
@@ -733,34 +726,6 @@ __global__ void __launch_bounds__(kMmaThreads)
   for (int hh = 0; hh < 2; ++hh) {
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
-  }
-  if constexpr (kHeadWarps) {
-    // The warp's head alone: its partial (or, one split, the output) straight from the
-    // fragments; lane row r's n-tile n is dim 16 (2 cq + ec) + n (the layout above).
-    const float vmul = kFp8 ? c.v_scale : 1.f;
-    const int64_t idx = (t * nkv + g) * num_splits + split;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int h = r + 8 * hh;
-      if (h >= group) continue;
-      const float inv = 1.0f / l[hh];
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int ec = 0; ec < 2; ++ec) {
-          const int i = 16 * (2 * cq + ec) + n;
-          const float acc = o[n][2 * hh + ec] * vmul;
-          if (num_splits == 1)
-            out[(t * num_heads + g * group + h) * D + i] = acc * inv;
-          else
-            part_o[(idx * group + h) * D + i] = acc;
-        }
-      if (num_splits > 1 && cq == 0) {
-        part_ml[(idx * group + h) * 2] = m[hh];
-        part_ml[(idx * group + h) * 2 + 1] = l[hh];
-      }
-    }
-    return;
   }
   __syncthreads();  // every warp is done with its ring: the merge reuses the memory
   // Merge the warps (as attention_split_kernel): each parks its rows in Ow.
@@ -1280,28 +1245,11 @@ int choose_splits(int64_t num_tokens, const KvPages& c, int64_t max_blocks, int6
   return static_cast<int>(std::max<int64_t>(s, 1));
 }
 
-// M3_ATTN_LEGACY=1: the bf16 / fp8 cache takes attention_mma_kernel as before
-// attention_cta_kernel and the head-per-warp dense grid (kept for comparisons).
+// M3_ATTN_LEGACY=1: the selected rows of a bf16 / fp8 cache take attention_mma_kernel as
+// before attention_cta_kernel (kept for comparisons).
 bool attn_legacy() {
   static const bool on = env_switch("M3_ATTN_LEGACY", false);
   return on;
-}
-
-// Whether the dense rows of a bf16 / fp8 cache take attention_mma_kernel's head-per-warp grid.
-bool head_warps_supported(const KvPages& c, int64_t group) {
-  return mma_path_supported(c, group) && c.num_kv_heads % kMmaWarps == 0 && !attn_legacy();
-}
-
-// Splits per (token, 4 kv heads) of the head-per-warp grid: as choose_splits, two CTAs per SM
-// in one wave, at least 16 tiles of 16 keys per warp and split.
-int choose_splits_heads(int64_t num_tokens, const KvPages& c, int64_t max_kv_len) {
-  if (max_kv_len <= 0) return 1;
-  const int64_t ntiles = (max_kv_len + kMmaTile - 1) / kMmaTile;
-  const int64_t units = num_tokens * (c.num_kv_heads / kMmaWarps);
-  int64_t s = 2 * static_cast<int64_t>(detail::num_sms()) / units;
-  s = std::min<int64_t>(s, (ntiles + 15) / 16);
-  s = std::min<int64_t>(s, kMaxSplits);
-  return static_cast<int>(std::max<int64_t>(s, 1));
 }
 
 // The largest cluster the selected-block splits of a tensor-core kernel may form on this device:
@@ -1388,25 +1336,18 @@ void launch_cta(dim3 grid, cudaStream_t stream, const float* q, int64_t num_head
 }
 
 // The cluster size of the selected rows: the largest (cluster_limit) while every (token, kv
-// head) then fits in one wave of two CTAs per SM, else 8 (each CTA taking more rounds).
-// M3_ATTN_SPARSE_CLUSTER=8 / 16 forces one (measurements).
+// head) then fits in one wave of two CTAs per SM, else 8 (each CTA taking more rounds; at batch
+// 8 of M3's layer, 16 x 1 round measured 31.7 us and 8 x 2 rounds 27.5, bf16 at 8K).
 int sparse_cluster(int64_t units, KvDtype kv) {
-  static const int forced = [] {
-    const char* e = std::getenv("M3_ATTN_SPARSE_CLUSTER");
-    return e != nullptr ? std::atoi(e) : 0;
-  }();
   const int lim = cluster_limit(kv, false);
-  if (forced >= 2) return std::min(forced, lim);
   return units * lim <= 2 * static_cast<int64_t>(detail::num_sms())
              ? lim
              : std::min(lim, kPortableCluster);
 }
 
-// Rounds of kRoundKeys virtual keys of a (token, kv head): selected, max_blocks whole blocks;
-// dense, the longest context.
-int64_t cta_rounds(const KvPages& c, int64_t max_blocks, int64_t max_kv_len) {
-  const int64_t nvirt = max_blocks > 0 ? max_blocks * c.page_size : max_kv_len;
-  return (nvirt + kRoundKeys - 1) / kRoundKeys;
+// Rounds of kRoundKeys virtual keys of a selected list of max_blocks whole blocks.
+int64_t cta_rounds(const KvPages& c, int64_t max_blocks) {
+  return (max_blocks * c.page_size + kRoundKeys - 1) / kRoundKeys;
 }
 
 size_t split_bytes(int64_t num_tokens, int64_t num_heads, int64_t d, int splits) {
@@ -1452,12 +1393,9 @@ void kv_write(const KvPages& cache, const TokenLayout& layout, const float* k, c
 size_t attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, const KvPages& cache,
                                  int64_t max_blocks, int64_t max_kv_len) {
   if (num_tokens <= 0 || cache.num_kv_heads <= 0) return 0;
-  const int64_t group = num_heads / cache.num_kv_heads;
-  if (!split_grid_supported(cache, group)) return 0;
-  int splits = choose_splits(num_tokens, cache, max_blocks, max_kv_len);
-  if (max_blocks <= 0 && head_warps_supported(cache, group))
-    splits = std::max(splits, choose_splits_heads(num_tokens, cache, max_kv_len));
-  return split_bytes(num_tokens, num_heads, cache.head_dim, splits);
+  if (!split_grid_supported(cache, num_heads / cache.num_kv_heads)) return 0;
+  return split_bytes(num_tokens, num_heads, cache.head_dim,
+                     choose_splits(num_tokens, cache, max_blocks, max_kv_len));
 }
 
 void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
@@ -1492,64 +1430,24 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
   if (skip_multi && !layout.single_token_seqs) return;
   // A bf16 / fp8 cache at head_dim 128 and groups <= 16: the selected blocks of every token in
   // attention_cta_kernel, a cluster of up to 16 CTAs per (token, kv head) (one round of 128 keys
-  // each at M3's top-16 of 128-token pages); dense rows, with kv heads in fours, in
-  // attention_mma_kernel's head-per-warp grid (splits merged by the combine kernel). The rest
-  // (M3_ATTN_LEGACY=1, other head counts) below.
-  if (mma_path_supported(cache, group) && !attn_legacy()) {
+  // each at M3's top-16 of 128-token pages). Dense rows (and M3_ATTN_LEGACY=1) below.
+  if (blocks != nullptr && mma_path_supported(cache, group) && !attn_legacy()) {
     const int64_t units = T * cache.num_kv_heads;
-    bool done = false;
+    const int ncl = static_cast<int>(
+        std::min<int64_t>(sparse_cluster(units, cache.kv_dtype), cta_rounds(cache, max_blocks)));
     detail::dispatch_kv(cache.kv_dtype, [&]<class TT>() {
       if constexpr (sizeof(TT) < 4) {
-        if (blocks != nullptr) {
-          const int ncl = static_cast<int>(std::min<int64_t>(sparse_cluster(units, cache.kv_dtype),
-                                                             cta_rounds(cache, max_blocks, 0)));
-          if (ncl >= 2)
-            launch_cta<TT, true>(dim3(static_cast<unsigned>(units), static_cast<unsigned>(ncl)),
-                                 stream, q, num_heads, cache, layout, blocks, max_blocks, scale,
-                                 max_kv_len, ncl, nullptr, nullptr, out, skip_multi);
-          else
-            launch_cta<TT, false>(dim3(static_cast<unsigned>(units), 1), stream, q, num_heads,
-                                  cache, layout, blocks, max_blocks, scale, max_kv_len, 1, nullptr,
-                                  nullptr, out, skip_multi);
-          done = true;
-          return;
-        }
-        if (!head_warps_supported(cache, group)) return;
-        int splits = choose_splits_heads(T, cache, max_kv_len);
-        const size_t per_split = split_bytes(T, num_heads, cache.head_dim, 2) / 2;
-        if (splits > 1 && ws.bytes < per_split * splits) {
-          splits = static_cast<int>(std::min<size_t>(ws.bytes / per_split, kMaxSplits));
-          if (splits < 2) splits = 1;
-        }
-        float* part_o = nullptr;
-        float* part_ml = nullptr;
-        if (splits > 1) {
-          M3_CHECK(ws.data != nullptr);
-          part_o = static_cast<float*>(ws.data);
-          part_ml = part_o + T * num_heads * splits * cache.head_dim;
-        }
-        constexpr int smem = MmaAttnSmem<TT>::kBytes;
-        auto kernel = attention_mma_kernel<TT, false, true>;
-        static std::atomic<uint64_t> attr_set{0};
-        detail::raise_smem_limit_once(attr_set, kernel, smem);
-        detail::launch_pdl_attn(kernel,
-                                dim3(static_cast<unsigned>(T * (cache.num_kv_heads / kMmaWarps)),
-                                     static_cast<unsigned>(splits)),
-                                dim3(kMmaThreads), static_cast<size_t>(smem), stream, q, num_heads,
-                                cache, layout, nullptr, int64_t{0}, scale, max_kv_len, splits,
-                                part_o, part_ml, out, skip_multi);
-        M3_CUDA_CHECK_LAUNCH("attention_mma_kernel (head per warp)");
-        if (splits > 1) {
-          M3_CHECK(T * num_heads <= 0x7fffffff);
-          detail::launch_pdl_attn(attention_combine_kernel,
-                                  dim3(static_cast<unsigned>(T * num_heads)), dim3(kCombineThreads),
-                                  0, stream, part_o, part_ml, num_heads, cache.num_kv_heads,
-                                  cache.head_dim, splits, out, layout, skip_multi);
-        }
-        done = true;
+        if (ncl >= 2)
+          launch_cta<TT, true>(dim3(static_cast<unsigned>(units), static_cast<unsigned>(ncl)),
+                               stream, q, num_heads, cache, layout, blocks, max_blocks, scale,
+                               max_kv_len, ncl, nullptr, nullptr, out, skip_multi);
+        else
+          launch_cta<TT, false>(dim3(static_cast<unsigned>(units), 1), stream, q, num_heads, cache,
+                                layout, blocks, max_blocks, scale, max_kv_len, 1, nullptr, nullptr,
+                                out, skip_multi);
       }
     });
-    if (done) return;
+    return;
   }
   if (split_grid_supported(cache, group)) {
     int splits = choose_splits(T, cache, blocks ? max_blocks : 0, max_kv_len);
