@@ -735,6 +735,12 @@ TEST(AttnCudaKvDtype, AttentionMatchesCpuTwin) {
     run_attn(AttnCase{16, 2, 6, 128, 3, {1, 17, 50, 600}, AttnCase::kAll}, 518, AttnWs::kFull, kvd);
     run_attn(AttnCase{16, 2, 6, 40, 3, {1, 17, 50, 600}, AttnCase::kAll}, 519, AttnWs::kFull, kvd);
     run_attn(AttnCase{16, 1, 32, 64, 3, {300}, AttnCase::kSample}, 520, AttnWs::kFull, kvd);
+    // 40 selected blocks (attention_cta_kernel: several rounds per CTA of the cluster, CTAs
+    // past the list empty; the shorter sequence's list has -1 gaps), and dense rows of two long
+    // sequences of different lengths split over many CTAs.
+    run_attn(AttnCase{128, 4, 64, 128, 40, {9000, 2500}, AttnCase::kLast}, 521, AttnWs::kFull, kvd);
+    run_attn(AttnCase{128, 4, 64, 128, 16, {40000, 70001}, AttnCase::kLast}, 522, AttnWs::kFull,
+             kvd);
   }
 }
 

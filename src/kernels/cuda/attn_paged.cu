@@ -7,11 +7,14 @@
 // (token, kv head), 32-key chunks. Those two read an fp32 cache; a bf16 / fp8 cache (every format
 // of docs/KV_CACHE.md) takes attention_mma_kernel at head_dim 128 and groups <= 16 (tensor
 // cores, q and P rounded as the doc allows) and the generic kernel, templated on the element
-// type, elsewhere. kv_write stores every format with the CPU twin's bytes.
+// type, elsewhere; the selected rows of decode tokens over such a cache take attention_cta_kernel
+// (8 warps per 128 keys, clusters of up to 16 CTAs). kv_write stores every format with the CPU
+// twin's bytes.
 #include <algorithm>
 
 #include <cooperative_groups.h>
 
+#include "core/env.h"
 #include "kernels/cuda/attn_common.cuh"
 #include "kernels/cuda/attn_flash.h"
 #include "kernels/cuda/common.cuh"
@@ -830,6 +833,383 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
 }
 
+// ---- CTA-cooperative tensor-core path (bf16 / fp8 cache, head_dim 128, group <= 16) ----
+// One CTA of 8 warps per (token, kv head, split) takes its keys in rounds of 128 (8 tiles of
+// 16): every warp copies the K and V rows of its own tile (cp.async, masked keys zero-filled;
+// the whole round is in flight at once), computes S = Q·K^T of that tile for the 16 head rows
+// on m16n8k16 MMAs (q from shared memory, rounded as attention_mma_kernel rounds it), and the
+// CTA shares one running max per head: the warps' tile maxima meet in shared memory, each warp
+// writes its tile's probabilities P (rounded to the MMA type; the sums keep fp32) into a
+// [16 heads x 128 keys] tile, and then every warp computes O[16 heads x its 16 dims] += P·V over
+// the whole round (ldmatrix for P and, bf16, for V; fp8 V converted pairwise). No per-warp
+// output merge: each warp owns its 16 output dims. Rounds run one after the other (M3's top-16
+// of 128-token pages is one round per CTA of a 16-CTA cluster). kCluster: the splits of a
+// (token, kv head) are one thread-block cluster merged through distributed shared memory (no
+// combine kernel); otherwise one split writes the output. Serves the selected rows of decode
+// tokens only: for dense rows a ring of rounds in this kernel measured slower than
+// attention_mma_kernel (CTA-wide barriers every round).
+constexpr int kCtaWarps = 8;
+constexpr int kCtaThreads = kCtaWarps * detail::kWarp;
+constexpr int kRoundTiles = kCtaWarps;              // tiles of kMmaTile keys per round
+constexpr int kRoundKeys = kRoundTiles * kMmaTile;  // 128
+
+template <class T>
+struct CtaAttnSmem {
+  static constexpr int kRowBytes = kMmaDim * int(sizeof(T)) + 16;  // padded: fewer conflicts
+  static constexpr int kStageBytes = 2 * kRoundKeys * kRowBytes;   // K rows, then V rows
+  static constexpr int kHalfRowBytes = kMmaDim * 2 + 16;           // a row of 16-bit q / P
+  static constexpr int kQOffset = kStageBytes;
+  static constexpr int kPOffset = kQOffset + kMmaRows * kHalfRowBytes;
+  static constexpr int kBytes = kPOffset + kMmaRows * kHalfRowBytes;
+  static_assert(kRoundKeys == kMmaDim, "P rows share the q row stride");
+  static_assert(kMmaRows * kMmaDim * 4 <= kStageBytes, "the cluster merge reuses stage 0");
+};
+
+template <class T, bool kCluster>
+__global__ void __launch_bounds__(kCtaThreads, 2)
+    attention_cta_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
+                         const int32_t* __restrict__ blocks, int64_t max_blocks, float scale,
+                         int64_t max_kv_len, int num_splits, float* __restrict__ part_o,
+                         float* __restrict__ part_ml, float* __restrict__ out, bool skip_multi) {
+  using M = detail::MmaOf<T>;
+  using Sm = CtaAttnSmem<T>;
+  using detail::kWarp;
+  constexpr int D = kMmaDim;
+  constexpr int E = M::kElemsPer16B;                  // row elements per 16-byte piece
+  constexpr int KPieces = D / (4 * E);                // K pieces per lane and key
+  constexpr int KSteps = D / 16;                      // MMA k-steps of a Q·K^T dot
+  constexpr int RowChunks = D * int(sizeof(T)) / 16;  // 16-byte chunks of a row
+  constexpr bool kFp8 = sizeof(T) == 1;
+  extern __shared__ __align__(16) unsigned char cta_smem[];
+  __shared__ float mw[kCtaWarps][kMmaRows], lw[kCtaWarps][kMmaRows];
+  __shared__ unsigned tmask[kRoundTiles];
+  __shared__ float Ms[kMmaRows], Ls[kMmaRows];
+  detail::pdl_enter();
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int r = lane / 4, cq = lane % 4;
+  const int64_t nkv = c.num_kv_heads, bs = c.page_size;
+  const int group = static_cast<int>(num_heads / nkv);
+  const int64_t t = blockIdx.x / nkv, g = blockIdx.x % nkv;
+  // The query-tiled kernel writes this token (the whole CTA, and cluster, leaves together).
+  if (skip_multi && detail::in_multi_run(L, t)) return;
+  const int split = blockIdx.y;
+
+  // The group's q rows (fp32), two float4 per thread, loaded first: they overlap the lookups.
+  const float4* qg = reinterpret_cast<const float4*>(q + (t * num_heads + g * group) * D);
+  float4 qv[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int e = threadIdx.x + u * kCtaThreads;  // < 16 rows x 32 float4
+    qv[u] = e < group * (D / 4) ? qg[e] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+
+  const int32_t p = L.positions[t], s = L.seq_ids[t];
+  M3_DEVICE_CHECK(max_kv_len <= 0 || p < max_kv_len,
+                  "attention: position %d beyond max_kv_len %lld", p,
+                  static_cast<long long>(max_kv_len));
+  const int64_t nb = p / bs + 1;
+  const int32_t* table = L.block_table + L.block_table_offsets[s];
+  const int32_t* sel = blocks ? blocks + (t * nkv + g) * max_blocks : nullptr;
+  const int64_t nvirt = sel ? max_blocks * bs : static_cast<int64_t>(p) + 1;
+  const int64_t ntiles = (nvirt + kMmaTile - 1) / kMmaTile;
+  // Splits cover whole rounds.
+  const int64_t per =
+      ((ntiles + num_splits - 1) / num_splits + kRoundTiles - 1) / kRoundTiles * kRoundTiles;
+  const int64_t tile0 = split * per, tile1 = min(ntiles, tile0 + per);
+  const int nrounds =
+      tile1 > tile0 ? static_cast<int>((tile1 - tile0 + kRoundTiles - 1) / kRoundTiles) : 0;
+
+  // The cache row (in units of D elements) of virtual key vk, or -1 when masked.
+  // 32-bit index arithmetic (virtual keys are below 2^31): the lookup heads the load chain.
+  auto key_row = [&](int64_t vk) -> int64_t {
+    if (vk >= nvirt) return -1;
+    const int32_t v32 = static_cast<int32_t>(vk), bs32 = static_cast<int32_t>(bs);
+    const int32_t o = v32 % bs32;
+    int32_t b = v32 / bs32;
+    if (sel) {
+      b = sel[b];
+      M3_DEVICE_CHECK(b < nb, "attention: selected block %d is in the future (token at %d)", b, p);
+    }
+    if (b < 0 || b * bs32 + o > p) return -1;
+    return (static_cast<int64_t>(table[b]) * bs + o) * nkv + g;
+  };
+  // This lane's key (lane % 16) of this warp's tile in round rd.
+  auto round_row = [&](int rd) -> int64_t {
+    const int64_t tt = tile0 + static_cast<int64_t>(rd) * kRoundTiles + warp;
+    return rd < nrounds && tt < tile1 ? key_row(tt * kMmaTile + lane % kMmaTile) : -1;
+  };
+  unsigned char* stages = cta_smem;
+  unsigned char* qs = cta_smem + Sm::kQOffset;
+  unsigned char* ps = cta_smem + Sm::kPOffset;
+  const T* kbase = c.k_as<T>();
+  const T* vbase = c.v_as<T>();
+  // Round rd into the stage: this warp's 16 K rows and 16 V rows (K rows of the stage first,
+  // then V rows, tile w at rows 16 w ..), each row copied by consecutive lanes; masked keys
+  // zero-filled (P·V multiplies them by 0). The next round's rows are looked up meanwhile.
+  int64_t ahead = round_row(0);
+  auto issue = [&](int rd) {
+    const int64_t row = ahead;
+    ahead = round_row(rd + 1);
+    const unsigned vm = __ballot_sync(0xffffffffu, row >= 0) & 0xffffu;
+    unsigned char* st = stages;
+    if (lane == 0) tmask[warp] = vm;
+    if (vm != 0) {
+      constexpr int RowsPerCopy = kWarp / RowChunks;
+      const int sub = lane / RowChunks, ch = lane % RowChunks;
+#pragma unroll
+      for (int it = 0; it < 2 * kMmaTile / RowsPerCopy; ++it) {
+        const int rr = it * RowsPerCopy + sub;  // K rows 0..15, V rows 16..31
+        const int64_t kr = __shfl_sync(0xffffffffu, row, rr % kMmaTile);
+        const bool is_v = rr >= kMmaTile;
+        const T* src = (is_v ? vbase : kbase) + (kr >= 0 ? kr : 0) * D;
+        unsigned char* dst =
+            st + ((is_v ? kRoundKeys : 0) + warp * kMmaTile + rr % kMmaTile) * Sm::kRowBytes;
+        detail::cp_async16_zfill(dst + ch * 16, reinterpret_cast<const uint4*>(src) + ch, kr >= 0);
+      }
+    }
+    detail::cp_async_commit();
+  };
+  if (nrounds > 0) issue(0);  // in flight while q is staged
+
+    // q rounded to bf16 (as the CPU op), stored as the MMA's 16-bit type, rows of 128.
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int e = threadIdx.x + u * kCtaThreads;
+    const int h = e / (D / 4), i = (e % (D / 4)) * 4;
+    uint2 w;
+    w.x = M::pack(detail::round_bf16(qv[u].x), detail::round_bf16(qv[u].y));
+    w.y = M::pack(detail::round_bf16(qv[u].z), detail::round_bf16(qv[u].w));
+    *reinterpret_cast<uint2*>(qs + h * Sm::kHalfRowBytes + i * 2) = w;
+  }
+  __syncthreads();
+  // Q fragments of the 8 k-steps (kv_k_base's permutation of the dot's terms): rows r, r + 8.
+  uint32_t qa[KSteps][4];
+#pragma unroll
+  for (int ks = 0; ks < KSteps; ++ks) {
+    const int b = detail::kv_k_base<E>(ks, cq);
+    const uint2 lo = *reinterpret_cast<const uint2*>(qs + r * Sm::kHalfRowBytes + b * 2);
+    const uint2 hi = *reinterpret_cast<const uint2*>(qs + (r + 8) * Sm::kHalfRowBytes + b * 2);
+    qa[ks][0] = lo.x;
+    qa[ks][1] = hi.x;
+    qa[ks][2] = lo.y;
+    qa[ks][3] = hi.y;
+  }
+
+  const float smul = kFp8 ? scale * c.k_scale : scale;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows r, r + 8 (CTA-wide values)
+  float o[2][4];                                           // [n-tile][C fragment]
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+  // Lane addresses of the P·V fragment loads (ldmatrix: lane L gives row L % 8 of matrix L / 8).
+  const int mi = lane / 8, mr = lane % 8;
+  const uint32_t p_addr =
+      detail::smem_addr(ps + ((mi & 1) * 8 + mr) * Sm::kHalfRowBytes + (mi >> 1) * 8 * 2);
+
+  for (int rd = 0; rd < nrounds; ++rd) {
+    if (rd > 0) {
+      __syncthreads();  // every warp is done with the stage of round rd - 1
+      issue(rd);
+    }
+    detail::cp_async_wait<0>();
+    __syncwarp();
+    const unsigned char* st = stages;
+    const unsigned vm = tmask[warp];
+    // S of this warp's tile: rows r / r + 8, keys nt * 8 + 2 cq (+1).
+    float x[2][4];
+    if (vm != 0) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        uint32_t kb[2 * KSteps];
+        const unsigned char* kr = st + (warp * kMmaTile + nt * 8 + r) * Sm::kRowBytes;
+#pragma unroll
+        for (int j = 0; j < KPieces; ++j)
+          M::unpack(*reinterpret_cast<const uint4*>(kr + (j * 4 + cq) * 16), kb + j * (E / 2));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KSteps; ++ks) M::mma(x[nt], qa[ks], kb[2 * ks], kb[2 * ks + 1]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = nt * 8 + 2 * cq + (e & 1);
+          x[nt][e] = (vm >> key) & 1u ? x[nt][e] * smul : -INFINITY;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[nt][e] = -INFINITY;
+    }
+    // The tile's maximum per row (a quad holds a row's keys), shared through mw.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx =
+          fmaxf(fmaxf(x[0][2 * hh], x[0][2 * hh + 1]), fmaxf(x[1][2 * hh], x[1][2 * hh + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      if (cq == 0) mw[warp][r + 8 * hh] = mx;
+    }
+    __syncthreads();  // the round's tile maxima and every warp's V rows are visible
+    float nm[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float cm = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kCtaWarps; ++w) cm = fmaxf(cm, mw[w][r + 8 * hh]);
+      nm[hh] = fmaxf(m[hh], cm);
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+          const float pr = x[nt][e] == -INFINITY ? 0.f : expf(x[nt][e] - nm[hh]);
+          x[nt][e] = pr;
+          sum += pr;
+        }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      if (cq == 0) lw[warp][r + 8 * hh] = sum;
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      unsigned char* pr = ps + (warp * kMmaTile + nt * 8 + 2 * cq) * 2;
+      *reinterpret_cast<uint32_t*>(pr + r * Sm::kHalfRowBytes) = M::pack(x[nt][0], x[nt][1]);
+      *reinterpret_cast<uint32_t*>(pr + (r + 8) * Sm::kHalfRowBytes) = M::pack(x[nt][2], x[nt][3]);
+    }
+    __syncthreads();  // P and the tile sums are visible
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float cl = 0.f;
+#pragma unroll
+      for (int w = 0; w < kCtaWarps; ++w) cl += lw[w][r + 8 * hh];
+      const float corr = m[hh] == -INFINITY ? 0.f : expf(m[hh] - nm[hh]);
+      l[hh] = l[hh] * corr + cl;
+      m[hh] = nm[hh];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        o[j][2 * hh] *= corr;
+        o[j][2 * hh + 1] *= corr;
+      }
+    }
+    // O[:, this warp's 16 dims] += P·V over the round's tiles (fully masked tiles skipped).
+    const unsigned char* vst = st + kRoundKeys * Sm::kRowBytes;
+#pragma unroll
+    for (int kk = 0; kk < kRoundTiles; ++kk) {
+      if (tmask[kk] == 0) continue;
+      uint32_t pa[4];
+      detail::ldmatrix_x4(p_addr + kk * kMmaTile * 2, pa[0], pa[1], pa[2], pa[3]);
+      if constexpr (!kFp8) {
+        // Matrices: keys 0-7 / 8-15 of the tile x dims 16 w + 0-7, then 16 w + 8-15.
+        uint32_t b[4];
+        const unsigned char* va = vst + (kk * kMmaTile + (mi & 1) * 8 + mr) * Sm::kRowBytes +
+                                  (warp * 16 + (mi >> 1) * 8) * 2;
+        detail::ldmatrix_x4_trans(detail::smem_addr(va), b[0], b[1], b[2], b[3]);
+        M::mma(o[0], pa, b[0], b[1]);
+        M::mma(o[1], pa, b[2], b[3]);
+      } else {
+        // Lane (r, cq): dims 16 w + 2 r, + 1 (n-tile 0, 1) of keys 2 cq, 2 cq + 1, + 8, + 9.
+        uint32_t h[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int key = kk * kMmaTile + 2 * cq + (u & 1) + (u >> 1) * 8;
+          const uint32_t codes =
+              *reinterpret_cast<const uint16_t*>(vst + key * Sm::kRowBytes + warp * 16 + 2 * r);
+          h[u] = detail::fp8x2_to_f16x2(codes);
+        }
+        M::mma(o[0], pa, __byte_perm(h[0], h[1], 0x5410), __byte_perm(h[2], h[3], 0x5410));
+        M::mma(o[1], pa, __byte_perm(h[0], h[1], 0x7632), __byte_perm(h[2], h[3], 0x7632));
+      }
+    }
+  }
+  // The output dim of n-tile j, C column 2 cq + ec.
+  auto dim_of = [&](int j, int ec) {
+    return kFp8 ? warp * 16 + 2 * (2 * cq + ec) + j : warp * 16 + 8 * j + 2 * cq + ec;
+  };
+  const float vmul = kFp8 ? c.v_scale : 1.f;
+  if constexpr (kCluster) {
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();
+    __syncthreads();  // every warp is done with stage 0: the CTA's output goes there
+    float* Oc = reinterpret_cast<float*>(cta_smem);  // [16][D]
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) Oc[(r + 8 * (e >> 1)) * D + dim_of(j, e & 1)] = o[j][e] * vmul;
+    if (warp == 0 && cq == 0) {
+      Ms[r] = m[0];
+      Ms[r + 8] = m[1];
+      Ls[r] = l[0];
+      Ls[r + 8] = l[1];
+    }
+    cl.sync();
+    // Every CTA merges one slice of the group's outputs, reading all the splits' rows of it
+    // through distributed shared memory (all loads of an element in flight at once).
+    __shared__ float Wc[kMaxClusterSplits][kMmaRows], Lt[kMmaRows];
+    const int ns = static_cast<int>(cl.num_blocks());
+    const int rank = static_cast<int>(cl.block_rank());
+    if (threadIdx.x < group) {
+      const int h = threadIdx.x;
+      float mr2[kMaxClusterSplits], lr[kMaxClusterSplits];
+#pragma unroll
+      for (int rk = 0; rk < kMaxClusterSplits; ++rk) {
+        mr2[rk] = rk < ns ? cl.map_shared_rank(Ms, rk)[h] : -INFINITY;
+        lr[rk] = rk < ns ? cl.map_shared_rank(Ls, rk)[h] : 0.f;
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int rk = 0; rk < kMaxClusterSplits; ++rk) mx = fmaxf(mx, mr2[rk]);
+      float lt = 0.f;
+#pragma unroll
+      for (int rk = 0; rk < kMaxClusterSplits; ++rk) {
+        const float w = mr2[rk] == -INFINITY ? 0.f : expf(mr2[rk] - mx);
+        Wc[rk][h] = w;
+        lt += w * lr[rk];
+      }
+      Lt[h] = lt;
+    }
+    __syncthreads();
+    const int total = group * D, per_rank = (total + ns - 1) / ns;
+    const int e1 = min(total, (rank + 1) * per_rank);
+    for (int e = rank * per_rank + threadIdx.x; e < e1; e += blockDim.x) {
+      const int h = e / D;
+      float v[kMaxClusterSplits];
+#pragma unroll
+      for (int rk = 0; rk < kMaxClusterSplits; ++rk)
+        v[rk] = rk < ns ? cl.map_shared_rank(Oc, rk)[e] : 0.f;
+      float acc = 0.f;
+#pragma unroll
+      for (int rk = 0; rk < kMaxClusterSplits; ++rk) acc = fmaf(Wc[rk][h], v[rk], acc);
+      out[(t * num_heads + g * group) * D + e] = acc * (1.0f / Lt[h]);
+    }
+    cl.sync();  // every CTA keeps its shared memory until the others have read it
+    return;
+  }
+  const int64_t idx = (t * nkv + g) * num_splits + split;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int h = r + 8 * hh;
+    if (h >= group) continue;
+    const float inv = 1.0f / l[hh];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int ec = 0; ec < 2; ++ec) {
+        const int i = dim_of(j, ec);
+        const float acc = o[j][2 * hh + ec] * vmul;
+        if (num_splits == 1)
+          out[(t * num_heads + g * group + h) * D + i] = acc * inv;
+        else
+          part_o[(idx * group + h) * D + i] = acc;
+      }
+    if (num_splits > 1 && warp == 0 && cq == 0) {
+      part_ml[(idx * group + h) * 2] = m[hh];
+      part_ml[(idx * group + h) * 2 + 1] = l[hh];
+    }
+  }
+}
+
 bool mma_path_supported(const KvPages& c, int64_t group) {
   return c.kv_dtype != KvDtype::kF32 && group >= 1 && group <= kMmaRows && c.head_dim == kMmaDim;
 }
@@ -865,26 +1245,34 @@ int choose_splits(int64_t num_tokens, const KvPages& c, int64_t max_blocks, int6
   return static_cast<int>(std::max<int64_t>(s, 1));
 }
 
-// The largest cluster the selected-block splits of the tensor-core kernel may form on this device:
-// 16 (Hopper's non-portable size: half the tiles per warp of 8 at batch 1, where the kernel is
+// M3_ATTN_LEGACY=1: the selected rows of a bf16 / fp8 cache take attention_mma_kernel as
+// before attention_cta_kernel (kept for comparisons).
+bool attn_legacy() {
+  static const bool on = env_switch("M3_ATTN_LEGACY", false);
+  return on;
+}
+
+// The largest cluster the selected-block splits of a tensor-core kernel may form on this device:
+// 16 (Hopper's non-portable size: half the keys per CTA of 8 at batch 1, where the kernel is
 // latency-bound) when the function accepts it and cudaOccupancyMaxActiveClusters finds room for
-// one, else the portable 8. Decided once per device and K/V type; the smem limit is raised here.
-template <class TT>
+// one, else the portable 8. Decided once per device, kernel and K/V type; the smem limit is raised
+// here. kLegacy: attention_mma_kernel (M3_ATTN_LEGACY=1), else attention_cta_kernel.
+template <class TT, bool kLegacy>
 int cluster_limit_of() {
   static std::atomic<uint64_t> known{0}, wide{0};
   int dev = 0;
   M3_CUDA_CHECK(cudaGetDevice(&dev));
   const uint64_t bit = uint64_t{1} << (dev & 63);
   if (!(known.load(std::memory_order_acquire) & bit)) {
-    auto kernel = attention_mma_kernel<TT, true>;
-    constexpr int smem = MmaAttnSmem<TT>::kBytes;
+    auto kernel = kLegacy ? attention_mma_kernel<TT, true> : attention_cta_kernel<TT, true>;
+    const int smem = kLegacy ? MmaAttnSmem<TT>::kBytes : CtaAttnSmem<TT>::kBytes;
     M3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     bool ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
               cudaSuccess;
     if (ok) {
       cudaLaunchConfig_t cfg = {};
       cfg.gridDim = dim3(1, kMaxClusterSplits);
-      cfg.blockDim = dim3(kMmaThreads);
+      cfg.blockDim = dim3(kLegacy ? kMmaThreads : kCtaThreads);
       cfg.dynamicSmemBytes = smem;
       cudaLaunchAttribute attr[1];
       attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -903,8 +1291,63 @@ int cluster_limit_of() {
   return (wide.load(std::memory_order_acquire) & bit) ? kMaxClusterSplits : kPortableCluster;
 }
 
-int cluster_limit(KvDtype kv) {
-  return kv == KvDtype::kFp8 ? cluster_limit_of<uint8_t>() : cluster_limit_of<uint16_t>();
+int cluster_limit(KvDtype kv, bool legacy) {
+  if (legacy)
+    return kv == KvDtype::kFp8 ? cluster_limit_of<uint8_t, true>()
+                               : cluster_limit_of<uint16_t, true>();
+  return kv == KvDtype::kFp8 ? cluster_limit_of<uint8_t, false>()
+                             : cluster_limit_of<uint16_t, false>();
+}
+
+// Launches attention_cta_kernel<TT, kCluster> over grid (tokens x kv heads, splits); with
+// kCluster the splits of a (token, kv head) form one cluster.
+template <class TT, bool kCluster>
+void launch_cta(dim3 grid, cudaStream_t stream, const float* q, int64_t num_heads,
+                const KvPages& cache, const TokenLayout& layout, const int32_t* blocks,
+                int64_t max_blocks, float scale, int64_t max_kv_len, int splits, float* part_o,
+                float* part_ml, float* out, bool skip_multi) {
+  constexpr int smem = CtaAttnSmem<TT>::kBytes;
+  auto kernel = attention_cta_kernel<TT, kCluster>;
+  static std::atomic<uint64_t> attr_set{0};
+  detail::raise_smem_limit_once(attr_set, kernel, smem);
+  if constexpr (kCluster) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kCtaThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = grid.y;
+    attr[0].val.clusterDim.z = 1;
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // pdl_enter()
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = launch_overlap() && launch_overlap_attention() ? 2 : 1;
+    M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, q, num_heads, cache, layout, blocks, max_blocks,
+                                     scale, max_kv_len, splits, part_o, part_ml, out, skip_multi));
+  } else {
+    detail::launch_pdl_attn(kernel, grid, dim3(kCtaThreads), static_cast<size_t>(smem), stream, q,
+                            num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
+                            part_o, part_ml, out, skip_multi);
+  }
+  M3_CUDA_CHECK_LAUNCH("attention_cta_kernel");
+}
+
+// The cluster size of the selected rows: the largest (cluster_limit) while every (token, kv
+// head) then fits in one wave of two CTAs per SM, else 8 (each CTA taking more rounds; at batch
+// 8 of M3's layer, 16 x 1 round measured 31.7 us and 8 x 2 rounds 27.5, bf16 at 8K).
+int sparse_cluster(int64_t units, KvDtype kv) {
+  const int lim = cluster_limit(kv, false);
+  return units * lim <= 2 * static_cast<int64_t>(detail::num_sms())
+             ? lim
+             : std::min(lim, kPortableCluster);
+}
+
+// Rounds of kRoundKeys virtual keys of a selected list of max_blocks whole blocks.
+int64_t cta_rounds(const KvPages& c, int64_t max_blocks) {
+  return (max_blocks * c.page_size + kRoundKeys - 1) / kRoundKeys;
 }
 
 size_t split_bytes(int64_t num_tokens, int64_t num_heads, int64_t d, int splits) {
@@ -985,6 +1428,27 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
   // its sequence (host-known) there is nothing left for them.
   const bool skip_multi = tiled || sparse_tiled;
   if (skip_multi && !layout.single_token_seqs) return;
+  // A bf16 / fp8 cache at head_dim 128 and groups <= 16: the selected blocks of every token in
+  // attention_cta_kernel, a cluster of up to 16 CTAs per (token, kv head) (one round of 128 keys
+  // each at M3's top-16 of 128-token pages). Dense rows (and M3_ATTN_LEGACY=1) below.
+  if (blocks != nullptr && mma_path_supported(cache, group) && !attn_legacy()) {
+    const int64_t units = T * cache.num_kv_heads;
+    const int ncl = static_cast<int>(
+        std::min<int64_t>(sparse_cluster(units, cache.kv_dtype), cta_rounds(cache, max_blocks)));
+    detail::dispatch_kv(cache.kv_dtype, [&]<class TT>() {
+      if constexpr (sizeof(TT) < 4) {
+        if (ncl >= 2)
+          launch_cta<TT, true>(dim3(static_cast<unsigned>(units), static_cast<unsigned>(ncl)),
+                               stream, q, num_heads, cache, layout, blocks, max_blocks, scale,
+                               max_kv_len, ncl, nullptr, nullptr, out, skip_multi);
+        else
+          launch_cta<TT, false>(dim3(static_cast<unsigned>(units), 1), stream, q, num_heads, cache,
+                                layout, blocks, max_blocks, scale, max_kv_len, 1, nullptr, nullptr,
+                                out, skip_multi);
+      }
+    });
+    return;
+  }
   if (split_grid_supported(cache, group)) {
     int splits = choose_splits(T, cache, blocks ? max_blocks : 0, max_kv_len);
     // The tensor-core path merges the splits of the selected blocks (few keys: a second kernel
@@ -992,7 +1456,7 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
     // through the workspace and the combine kernel.
     bool cluster = false;
     if (cache.kv_dtype != KvDtype::kF32 && splits > 1 && blocks != nullptr) {
-      splits = std::min(splits, cluster_limit(cache.kv_dtype));
+      splits = std::min(splits, cluster_limit(cache.kv_dtype, true));
       cluster = true;
     }
     const size_t per_split = split_bytes(T, num_heads, cache.head_dim, 2) / 2;
