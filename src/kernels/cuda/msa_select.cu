@@ -13,6 +13,13 @@
 // tile of tokens shares each index-K block through shared memory) and ranked one warp per row
 // by msa_topk_warp_kernel; the kernels above keep the tokens alone in their sequence.
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "core/env.h"
 #include "kernels/cuda/attn_common.cuh"
@@ -910,6 +917,443 @@ bool split_topk_enabled() {
   return on;
 }
 
+// ---- (c) decode rows: the scan and the top-k in one kernel ----
+
+// A decode step's tokens (each alone in its sequence) with a bf16 / fp8 index-K of dim 128:
+// msa_scan_topk_kernel scans and ranks in one launch. CTA (token, chunk) streams its share of
+// the token's blocks through a ring of shared-memory stages, one index-K block (fp8: and its row
+// scales) per stage by the bulk copy engine (cp.async.bulk, completing on an mbarrier), so a
+// CTA keeps stages x 32 KB in flight whatever its warps are doing. Warp w scores m-tiles w,
+// w + 8, ... of the block from shared memory with the same fragments, MMAs and order as
+// msa_score_mma_kernel (the scores are bit-identical), the per-block maxima go to the workspace.
+// Then the last-CTA pattern: the CTAs of a group of consecutive chunks count their arrivals on
+// a device counter; the last of a group ranks the group's blocks (forced ones included), one
+// warp per index head (warp_select), and writes its topk (key, id) candidates; the last group of
+// the token ranks the candidates into the row's ids. The global topk is within the union of
+// the groups' topk (a block outranked by fewer than topk blocks of the row is outranked by fewer
+// than topk of its group), so the result is the radix select's. A row of at most kFsDirect
+// scored blocks is one group (no candidates). Counters are zero between launches (the last
+// arrival resets its own), so these launches must not overlap on one device (one stream).
+constexpr int kFsThreads = 256;
+constexpr int kFsWarps = kFsThreads / kWarp;
+constexpr int kFsMaxStages = 16;
+constexpr int kFsTableCache = 2048;  // page ids of a chunk, staged in shared memory
+constexpr int kFsCntTokens = 256;
+constexpr int kFsCntGroups = 64;
+constexpr int64_t kFsMaxTopk = 64;
+constexpr int64_t kFsCandSlots = 512;   // candidates per row (groups x topk) at most
+constexpr int64_t kFsDirect = 512;      // rows of up to this many scored blocks: one group
+constexpr int kFsMaxSmem = 216 * 1024;  // with the static arrays: under the 227 KB a CTA may hold
+
+__device__ uint32_t g_fs_group_cnt[kFsCntTokens * kFsCntGroups];
+__device__ uint32_t g_fs_token_cnt[kFsCntTokens];
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(detail::smem_addr(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile(
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(detail::smem_addr(bar)),
+      "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  const uint32_t a = detail::smem_addr(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared by the bulk copy
+// engine, completing on `bar`'s transaction count.
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(detail::smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(detail::smem_addr(bar))
+      : "memory");
+}
+
+// One warp: the topk of keys[0, m) (ids id_at(i), ascending in i) by (key desc, id asc), written
+// ascending to oid (and their keys to okey when given); all m when m <= topk. The k-th key is
+// found bit by bit (the largest tau with at least topk keys >= tau) below the common prefix of
+// the smallest and largest key; then the keys above it and the lowest-id ones equal to it.
+template <class IdAt>
+__device__ void warp_select(const uint32_t* keys, IdAt id_at, int m, int topk,
+                            int32_t* __restrict__ oid, uint32_t* __restrict__ okey) {
+  const int lane = threadIdx.x % kWarp;
+  const unsigned lt = (1u << lane) - 1u;
+  const bool all = m <= topk;
+  uint32_t tau = 0, need_eq = 0;
+  if (!all) {
+    uint32_t kmin = 0xffffffffu, kmax = 0u;
+    for (int i = lane; i < m; i += kWarp) {
+      kmin = min(kmin, keys[i]);
+      kmax = max(kmax, keys[i]);
+    }
+    kmin = __reduce_min_sync(0xffffffffu, kmin);
+    kmax = __reduce_max_sync(0xffffffffu, kmax);
+    const uint32_t diff = kmin ^ kmax;
+    const int top = diff ? 31 - __clz(diff) : -1;  // the highest bit where they differ
+    tau = top >= 31 ? 0u : (kmax >> (top + 1)) << (top + 1);
+    for (int bit = top; bit >= 0; --bit) {
+      const uint32_t cand = tau | (1u << bit);
+      uint32_t cnt = 0;
+      for (int i = lane; i < m; i += kWarp) cnt += keys[i] >= cand ? 1u : 0u;
+      cnt = __reduce_add_sync(0xffffffffu, cnt);
+      if (cnt >= static_cast<uint32_t>(topk)) tau = cand;
+    }
+    uint32_t gt = 0;
+    for (int i = lane; i < m; i += kWarp) gt += keys[i] > tau ? 1u : 0u;
+    need_eq = static_cast<uint32_t>(topk) - __reduce_add_sync(0xffffffffu, gt);
+  }
+  const uint32_t total = all ? static_cast<uint32_t>(m) : static_cast<uint32_t>(topk);
+  uint32_t base = 0, eq_seen = 0;
+  for (int i0 = 0; i0 < m && base < total; i0 += kWarp) {
+    const int i = i0 + lane;
+    const bool in = i < m;
+    const uint32_t k = in ? keys[i] : 0u;
+    const bool gt = in && (all || k > tau);
+    const bool eq = in && !all && k == tau;
+    const unsigned eqm = __ballot_sync(0xffffffffu, eq);
+    const bool sel = gt || (eq && eq_seen + __popc(eqm & lt) < need_eq);
+    const unsigned sm = __ballot_sync(0xffffffffu, sel);
+    if (sel) {
+      const uint32_t pos = base + __popc(sm & lt);
+      oid[pos] = id_at(i);
+      if (okey != nullptr) okey[pos] = k;
+    }
+    base += __popc(sm);
+    eq_seen += __popc(eqm);
+  }
+}
+
+struct FsArgs {
+  int64_t ni, topk, init_blocks, local_blocks, nb_stride;
+  int stages, stage_bytes;
+  int cap;         // keys (+ ids) per warp in the merge phase, in the stages' shared memory
+  int ng_cap;      // groups per token at most (ng_cap * topk <= kFsCandSlots)
+  float* scores;   // [tokens][ni][nb_stride]
+  uint32_t* cand;  // [tokens * ni][2][kFsCandSlots]: keys, then ids
+  int32_t* out;
+};
+
+// The chunks per group of a token with `len` scored blocks over C chunks: about
+// C * sqrt(topk / len) (group ranges and the final candidates then balance), at least
+// ceil(C / ng_cap); C (one group) for rows of at most kFsDirect blocks.
+__host__ __device__ inline int64_t fs_group_chunks(int64_t len, int64_t C, int64_t topk,
+                                                   int64_t ng_cap) {
+  if (len <= kFsDirect) return C;
+  int64_t g = static_cast<int64_t>(static_cast<double>(C) *
+                                   sqrt(static_cast<double>(topk) / static_cast<double>(len)));
+  g = g < 1 ? 1 : (g > C ? C : g);
+  const int64_t gmin = (C + ng_cap - 1) / ng_cap;
+  return g < gmin ? gmin : g;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kFsThreads)
+    msa_scan_topk_kernel(const float* __restrict__ iq, KvPages c, TokenLayout L, FsArgs A) {
+  using M = detail::MmaOf<T>;
+  constexpr int E = M::kElemsPer16B;
+  constexpr int KPieces = kMmaIndexDim / (4 * E);
+  constexpr int KSteps = kMmaIndexDim / 16;
+  constexpr int RowBytes = kMmaIndexDim * static_cast<int>(sizeof(T));
+  constexpr bool kFp8 = sizeof(T) == 1;
+  extern __shared__ __align__(128) unsigned char fs_smem[];
+  __shared__ __align__(8) uint64_t full[kFsMaxStages];
+  __shared__ uint32_t red[2][kFsWarps][8];
+  __shared__ int32_t tab[kFsTableCache];
+  __shared__ uint32_t last_flag;
+  detail::pdl_enter();
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int r = lane / 4, cq = lane % 4;
+  const int bs = static_cast<int>(c.page_size);
+  const int64_t ni = A.ni, topk = A.topk, nb_stride = A.nb_stride;
+  const int64_t t = blockIdx.x, y = blockIdx.y, C = gridDim.y;
+  const int32_t p = L.positions[t], s = L.seq_ids[t];
+  // B fragments (msa_score_mma_kernel's): column r = index head r (0 past ni).
+  uint32_t qb[KSteps][2];
+  {
+    const float* qh = iq + (t * ni + r) * kMmaIndexDim;
+    auto qv = [&](int i) { return r < ni ? detail::round_bf16(qh[i]) : 0.f; };
+#pragma unroll
+    for (int ks = 0; ks < KSteps; ++ks) {
+      const int b = detail::kv_k_base<E>(ks, cq);
+      qb[ks][0] = M::pack(qv(b), qv(b + 1));
+      qb[ks][1] = M::pack(qv(b + 2), qv(b + 3));
+    }
+  }
+  const int64_t nb = p / bs + 1;
+  if (nb <= topk) {  // every block: uniform over the token's CTAs
+    if (y == 0)
+      for (int64_t h = 0; h < ni; ++h) write_all_blocks(nb, topk, A.out + (t * ni + h) * topk);
+    return;
+  }
+  M3_DEVICE_CHECK(nb <= nb_stride, "msa_select: position %d beyond max_kv_len (%lld blocks)", p,
+                  static_cast<long long>(nb_stride));
+  const int64_t lo = min(A.init_blocks, nb), hi = max(lo, nb - A.local_blocks);
+  const int64_t len = hi - lo;
+  const int64_t b0 = lo + y * len / C, b1 = lo + (y + 1) * len / C;
+  const int nblk = static_cast<int>(b1 - b0);
+  const int32_t* table = L.block_table + L.block_table_offsets[s];
+  for (int i = threadIdx.x; i < nblk; i += blockDim.x) tab[i] = table[b0 + i];
+  const int S = A.stages;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < S; ++i) mbar_init(&full[i], 1);
+    mbar_fence_init();
+  }
+  __syncthreads();
+  const T* ikb = c.ik_as<T>();
+  const unsigned kbytes = static_cast<unsigned>(bs * RowBytes);
+  auto issue = [&](int i) {  // thread 0: block b0 + i into stage i % S
+    const int st = i % S;
+    unsigned char* dst = fs_smem + st * A.stage_bytes;
+    const int64_t page = tab[i];
+    mbar_expect_tx(&full[st], static_cast<unsigned>(A.stage_bytes));
+    bulk_g2s(dst, ikb + page * bs * kMmaIndexDim, kbytes, &full[st]);
+    if constexpr (kFp8) bulk_g2s(dst + kbytes, c.ik_scale + page * bs, bs * 4u, &full[st]);
+  };
+  if (threadIdx.x == 0)
+    for (int i = 0; i < min(S, nblk); ++i) issue(i);
+  const int mtiles = bs / 16;
+  for (int i = 0; i < nblk; ++i) {
+    const int st = i % S;
+    mbar_wait(&full[st], static_cast<unsigned>((i / S) & 1));
+    const unsigned char* sp = fs_smem + st * A.stage_bytes;
+    float mx0 = -INFINITY, mx1 = -INFINITY;  // heads 2 cq, 2 cq + 1
+    const bool any = warp < mtiles;
+    for (int mt = warp; mt < mtiles; mt += kFsWarps) {
+      uint4 raw[2][KPieces];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int j = 0; j < KPieces; ++j)
+          raw[hf][j] = *reinterpret_cast<const uint4*>(sp + (mt * 16 + hf * 8 + r) * RowBytes +
+                                                       (j * 4 + cq) * 16);
+      uint32_t a0[2 * KSteps], a1[2 * KSteps];
+#pragma unroll
+      for (int j = 0; j < KPieces; ++j) {
+        M::unpack(raw[0][j], a0 + j * (E / 2));
+        M::unpack(raw[1][j], a1 + j * (E / 2));
+      }
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int ks = 0; ks < KSteps; ++ks) {
+        const uint32_t a[4] = {a0[2 * ks], a1[2 * ks], a0[2 * ks + 1], a1[2 * ks + 1]};
+        M::mma(d, a, qb[ks][0], qb[ks][1]);
+      }
+      if constexpr (kFp8) {
+        const float* scl = reinterpret_cast<const float*>(sp + kbytes);
+        const float s0 = scl[mt * 16 + r], s1 = scl[mt * 16 + 8 + r];
+        d[0] *= s0;
+        d[1] *= s0;
+        d[2] *= s1;
+        d[3] *= s1;
+      }
+      mx0 = fmaxf(mx0, fmaxf(d[0], d[2]));
+      mx1 = fmaxf(mx1, fmaxf(d[1], d[3]));
+    }
+#pragma unroll
+    for (int off = 4; off < kWarp; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    if (r == 0) {
+      red[i & 1][warp][2 * cq] = any ? order_key(mx0) : 0u;
+      red[i & 1][warp][2 * cq + 1] = any ? order_key(mx1) : 0u;
+    }
+    __syncthreads();  // stage st is read by every warp; red[i & 1] is complete
+    if (threadIdx.x == 0 && i + S < nblk) issue(i + S);
+    if (threadIdx.x < ni) {
+      uint32_t k = 0u;
+#pragma unroll
+      for (int w = 0; w < kFsWarps; ++w) k = max(k, red[i & 1][w][threadIdx.x]);
+      A.scores[(t * ni + threadIdx.x) * nb_stride + b0 + i] = key_to_float(k);
+    }
+  }
+  // Arrive at the group; the last CTA of the group ranks it.
+  const int64_t G = fs_group_chunks(len, C, topk, A.ng_cap);
+  const int64_t NG = (C + G - 1) / G, g = y / G;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t* cnt = &g_fs_group_cnt[t * kFsCntGroups + g];
+    const uint32_t arrivals = static_cast<uint32_t>(min(G, C - g * G));
+    const bool last = atomicAdd(cnt, 1u) == arrivals - 1;
+    if (last) *cnt = 0u;  // ready for the next launch
+    last_flag = last;
+  }
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();
+  uint32_t* wkeys = reinterpret_cast<uint32_t*>(fs_smem) + static_cast<int64_t>(warp) * 2 * A.cap;
+  int32_t* wids = reinterpret_cast<int32_t*>(wkeys + A.cap);
+  const int64_t hi_forced = nb - A.local_blocks;
+  auto chunk_start = [&](int64_t ch) { return lo + ch * len / C; };
+  const int64_t ga = g == 0 ? 0 : chunk_start(g * G);
+  const int64_t ge = g == NG - 1 ? nb : chunk_start((g + 1) * G);
+  for (int64_t h = warp; h < ni; h += kFsWarps) {
+    const int64_t row = t * ni + h;
+    const float* sc = A.scores + row * nb_stride;
+    const int m = static_cast<int>(ge - ga);
+    for (int i = lane; i < m; i += kWarp) {
+      const int64_t b = ga + i;
+      wkeys[i] = (b < A.init_blocks || b >= hi_forced) ? forced_key() : order_key(__ldcg(sc + b));
+    }
+    __syncwarp();
+    auto id_of = [&](int i) { return static_cast<int32_t>(ga + i); };
+    if (NG == 1) {
+      warp_select(wkeys, id_of, m, static_cast<int>(topk), A.out + row * topk, nullptr);
+    } else {
+      uint32_t* ck = A.cand + row * 2 * kFsCandSlots + g * topk;
+      int32_t* cid = reinterpret_cast<int32_t*>(ck + kFsCandSlots);
+      warp_select(wkeys, id_of, m, static_cast<int>(topk), cid, ck);
+      for (int64_t i = m + lane; i < topk; i += kWarp) cid[i] = -1;  // a short group
+    }
+    __syncwarp();
+  }
+  if (NG == 1) return;
+  // Arrive at the token; the last group ranks the candidates.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t* cnt = &g_fs_token_cnt[t];
+    const bool last = atomicAdd(cnt, 1u) == static_cast<uint32_t>(NG - 1);
+    if (last) *cnt = 0u;
+    last_flag = last;
+  }
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();
+  const unsigned lt = (1u << lane) - 1u;
+  for (int64_t h = warp; h < ni; h += kFsWarps) {
+    const int64_t row = t * ni + h;
+    const uint32_t* ck = A.cand + row * 2 * kFsCandSlots;
+    const int32_t* cid = reinterpret_cast<const int32_t*>(ck + kFsCandSlots);
+    const int slots = static_cast<int>(NG * topk);
+    int m = 0;  // the valid candidates, in order (ascending ids)
+    for (int i0 = 0; i0 < slots; i0 += kWarp) {
+      const int i = i0 + lane;
+      const int32_t id = i < slots ? __ldcg(cid + i) : -1;
+      const unsigned vm = __ballot_sync(0xffffffffu, id >= 0);
+      if (id >= 0) {
+        const int pos = m + __popc(vm & lt);
+        wkeys[pos] = __ldcg(ck + i);
+        wids[pos] = id;
+      }
+      m += __popc(vm);
+    }
+    __syncwarp();
+    warp_select(
+        wkeys, [&](int i) { return wids[i]; }, m, static_cast<int>(topk), A.out + row * topk,
+        nullptr);
+    __syncwarp();
+  }
+}
+
+// The fused decode selection's configuration for `n` tokens (0 stages: not applicable).
+struct FsPlan {
+  int64_t chunks = 0;
+  int stages = 0, stage_bytes = 0, smem = 0, cap = 0, ng_cap = 0;
+};
+
+bool fused_select_enabled() {
+  static const bool on = env_switch("M3_MSA_FUSED_SELECT", true);
+  return on;
+}
+
+// CTAs per SM and stages (bf16, fp8); M3_MSA_FS_CFG="cps,bf16,fp8" overrides (tuning runs).
+struct FsConfig {
+  int cps = 2, st_bf16 = 3, st_fp8 = 6;
+};
+const FsConfig& fs_config() {
+  static const FsConfig cfg = [] {
+    FsConfig c;
+    if (const char* e = std::getenv("M3_MSA_FS_CFG")) {
+      int a = 0, b = 0, d = 0;
+      if (std::sscanf(e, "%d,%d,%d", &a, &b, &d) == 3 && a >= 1 && b >= 1 && d >= 1 &&
+          b <= kFsMaxStages && d <= kFsMaxStages) {
+        c.cps = a;
+        c.st_bf16 = b;
+        c.st_fp8 = d;
+      }
+    }
+    return c;
+  }();
+  return cfg;
+}
+
+template <class T>
+int fs_occupancy(int smem) {  // CTAs per SM at `smem` bytes, cached per size
+  static std::mutex mu;
+  static std::vector<std::pair<int, int>> seen;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& e : seen)
+    if (e.first == smem) return e.second;
+  static std::atomic<uint64_t> attr_set{0};
+  detail::raise_smem_limit_once(attr_set, msa_scan_topk_kernel<T>, kFsMaxSmem);
+  int b = 0;
+  M3_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, msa_scan_topk_kernel<T>, kFsThreads, smem));
+  seen.emplace_back(smem, b);
+  return b;
+}
+
+FsPlan fs_plan(const KvPages& c, int64_t ni, int64_t n, int64_t topk, int64_t init_blocks,
+               int64_t local_blocks, int64_t nb_stride) {
+  FsPlan P;
+  if (!fused_select_enabled() || c.ik_dtype == KvDtype::kF32 || ni < 1 || ni > 8 ||
+      c.index_dim != kMmaIndexDim || topk > kFsMaxTopk || n < 1 || n > kFsCntTokens)
+    return P;
+  // Where msa_score_mma_kernel scores today (the same products, so the same ids), pages of up
+  // to 256 tokens, 16-byte aligned pools (the bulk copies).
+  const int64_t bs = c.page_size;
+  if (!mma_score_supported(c, ni) || bs > 256 || reinterpret_cast<uintptr_t>(c.ik) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(c.ik_scale) % 16 != 0)
+    return P;
+  const FsConfig& cfg = fs_config();
+  const bool fp8 = c.ik_dtype == KvDtype::kFp8;
+  const int stage_bytes = static_cast<int>(bs * kMmaIndexDim * (fp8 ? 1 : 2) + (fp8 ? bs * 4 : 0));
+  int stages = fp8 ? cfg.st_fp8 : cfg.st_bf16;
+  while (stages > 1 && stages * stage_bytes > kFsMaxSmem) --stages;
+  const int smem = stages * stage_bytes;
+  if (smem > kFsMaxSmem) return P;
+  const int occ = fp8 ? fs_occupancy<uint8_t>(smem) : fs_occupancy<uint16_t>(smem);
+  const int64_t slots = static_cast<int64_t>(std::max(1, std::min(cfg.cps, occ))) *
+                        static_cast<int64_t>(detail::num_sms());
+  if (occ < 1 || n > slots) return P;
+  const int64_t C = std::max<int64_t>(1, std::min<int64_t>({slots / n, nb_stride, 65535}));
+  if ((nb_stride + C - 1) / C > kFsTableCache) return P;
+  const int cap = smem / (kFsWarps * 8);
+  const int64_t ng_cap = std::min<int64_t>(kFsCntGroups, kFsCandSlots / topk);
+  // The most keys one warp ranks: a group's blocks (with the forced ones) or the candidates.
+  const int64_t gmin = (C + ng_cap - 1) / ng_cap;
+  const int64_t group_keys =
+      std::max<int64_t>({kFsDirect,
+                         static_cast<int64_t>(std::sqrt(double(topk) * double(nb_stride))) + C + 1,
+                         gmin * (nb_stride / C + 1)}) +
+      init_blocks + local_blocks;
+  if (group_keys > cap || ng_cap * topk > cap) return P;
+  P.chunks = C;
+  P.stages = stages;
+  P.stage_bytes = stage_bytes;
+  P.smem = smem;
+  P.cap = cap;
+  P.ng_cap = static_cast<int>(ng_cap);
+  return P;
+}
+
 // No workspace: one CTA per (token, index head) scores into shared memory, then the same top-k.
 template <class T>
 __global__ void __launch_bounds__(kFusedThreads)
@@ -953,9 +1397,12 @@ size_t msa_select_workspace_bytes(int64_t num_tokens, int64_t num_index_heads, c
                                   int64_t max_kv_len) {
   if (num_tokens <= 0 || max_kv_len <= 0 || cache.page_size <= 0) return 0;
   const int64_t nb_stride = (max_kv_len + cache.page_size - 1) / cache.page_size;
-  // The scores, then (rows of kSplitMinBlocks and more) the split top-k's candidates.
-  const int64_t cand =
+  // The scores, then the candidates of a two-step top-k.
+  // The split top-k's candidates, or the fused decode kernel's (rows of more than kFsDirect
+  // blocks: keys and ids of up to kFsCandSlots per row).
+  const int64_t split =
       nb_stride >= kSplitMinBlocks ? (nb_stride + kSplitKeys - 1) / kSplitKeys * kSplitMaxTopk : 0;
+  const int64_t cand = std::max<int64_t>(split, nb_stride > kFsDirect ? 2 * kFsCandSlots : 0);
   return sizeof(float) * static_cast<size_t>(num_tokens * num_index_heads * nb_stride) +
          sizeof(int32_t) * static_cast<size_t>(num_tokens * num_index_heads * cand);
 }
@@ -1009,6 +1456,34 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
     sub.positions = layout.positions + t0;
     sub.seq_ids = layout.seq_ids + t0;
     const float* iq_n = iq + t0 * ni * cache.index_dim;
+    // A decode step (every token alone in its sequence): scan and top-k in one kernel.
+    if (!layout.multi_token_seqs) {
+      const FsPlan fp = fs_plan(cache, ni, n, topk, init_blocks, local_blocks, nb_stride);
+      if (fp.stages > 0) {
+        FsArgs a;
+        a.ni = ni;
+        a.topk = topk;
+        a.init_blocks = init_blocks;
+        a.local_blocks = local_blocks;
+        a.nb_stride = nb_stride;
+        a.stages = fp.stages;
+        a.stage_bytes = fp.stage_bytes;
+        a.cap = fp.cap;
+        a.ng_cap = fp.ng_cap;
+        a.scores = scores;
+        a.cand = reinterpret_cast<uint32_t*>(scores + chunk * ni * nb_stride);
+        a.out = out + t0 * ni * topk;
+        const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(fp.chunks));
+        if (cache.ik_dtype == KvDtype::kFp8) {
+          detail::launch_pdl_attn(msa_scan_topk_kernel<uint8_t>, grid, dim3(kFsThreads),
+                                  static_cast<size_t>(fp.smem), stream, iq_n, cache, sub, a);
+        } else {
+          detail::launch_pdl_attn(msa_scan_topk_kernel<uint16_t>, grid, dim3(kFsThreads),
+                                  static_cast<size_t>(fp.smem), stream, iq_n, cache, sub, a);
+        }
+        continue;
+      }
+    }
     if (nb_stride > topk) {  // else every token selects all its blocks: nothing to score
       // One wave over the chunk's tokens (the scorer holds two CTAs per SM): a second, partial
       // wave would double the time.
