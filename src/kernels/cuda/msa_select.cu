@@ -11,7 +11,10 @@
 // the generic and fused kernels, templated on the element type, elsewhere. In a step with prefill
 // chunks (TokenLayout::multi_token_seqs) their tokens are scored by msa_score_tiled_kernel (a
 // tile of tokens shares each index-K block through shared memory) and ranked one warp per row
-// by msa_topk_warp_kernel; the kernels above keep the tokens alone in their sequence.
+// by msa_topk_warp_kernel; the kernels above keep the tokens alone in their sequence. (c) A
+// decode step over a bf16 / fp8 index-K that msa_score_mma_kernel would scan goes to
+// msa_scan_topk_kernel instead: the same scan from bulk copies into shared memory, and the top-k
+// folded into its last CTAs (one launch, no second pass over the scores).
 #include <algorithm>
 #include <array>
 #include <cmath>
