@@ -904,8 +904,30 @@ TEST(AttnCudaKvDtype, MsaNearTiesAndFp8Agreement) {
 
 // ---------------------------------------------------------------- MSA decode: scan + top-k fused
 
+#include <cstdlib>  // setenv, unsetenv (POSIX): kept with this block for the merge
+
 namespace {
 namespace fused_select {
+
+// The fused decode selection (msa_scan_topk_kernel) is opt-in: these tests switch it on for
+// their duration (M3_MSA_FUSED_SELECT=1, read at every select call) and restore the variable.
+struct FusedOn {
+  std::string saved;
+  bool had = false;
+  FusedOn() {
+    if (const char* v = std::getenv("M3_MSA_FUSED_SELECT")) {
+      saved = v;
+      had = true;
+    }
+    setenv("M3_MSA_FUSED_SELECT", "1", 1);
+  }
+  ~FusedOn() {
+    if (had)
+      setenv("M3_MSA_FUSED_SELECT", saved.c_str(), 1);
+    else
+      unsetenv("M3_MSA_FUSED_SELECT");
+  }
+};
 
 // Decode tokens at the last position of each sequence (batch 1 = one token: the most chunks per
 // token), ids against the CPU op; the selection runs `replays` times from one CUDA graph (the
@@ -972,7 +994,18 @@ void run_last(const MsaCase& c, uint32_t seed, KvDtype ikd, int replays) {
 
 TEST(AttnCudaMsaFused, DecodeGroupsAndForcedBlocks) {
   SKIP_WITHOUT_GPU();
+  const fused_select::FusedOn on;
   for (KvDtype ikd : kTyped) {
+    // MsaIdsEqualCpuTwin's decode cases: batches, ties, two-token workspaces, long rows.
+    const MsaCase m3{128, 4, 128, 16, 0, 1, {1, 128, 2048, 2049, 5000, 20000}, false, 64};
+    run_msa(m3, 401, MsaWs::kFull, ikd);
+    MsaCase narrow = m3;
+    narrow.range = 2;
+    run_msa(narrow, 402, MsaWs::kFull, ikd);
+    run_msa(m3, 403, MsaWs::kTwoTokens, ikd);
+    run_msa(MsaCase{128, 4, 128, 16, 0, 1, {262144, 65536 + 77}, false, 64}, 405, MsaWs::kFull,
+            ikd);
+    run_msa(MsaCase{128, 4, 128, 16, 0, 1, {65536}, false, 1}, 406, MsaWs::kFull, ikd);
     // Batches of decode tokens (sampled positions): rows past 512 blocks rank in groups of
     // chunks and then their candidates; narrow values (exact ties everywhere: the tie rule).
     run_msa(MsaCase{128, 4, 128, 16, 0, 1, {100000, 70000, 8192, 1, 129, 2047}, false, 64}, 901,
@@ -993,6 +1026,7 @@ TEST(AttnCudaMsaFused, DecodeGroupsAndForcedBlocks) {
 
 TEST(AttnCudaMsaFused, LastPositionBatchesAndGraphReplays) {
   SKIP_WITHOUT_GPU();
+  const fused_select::FusedOn on;
   for (KvDtype ikd : kTyped) {
     // Batch 1 (every SM on one row: a few hundred chunks, groups, candidates), batch 8 of mixed
     // lengths, top-k of ties; 32-token pages (bf16 only: fp8's scan wants 64).

@@ -11,10 +11,10 @@
 // the generic and fused kernels, templated on the element type, elsewhere. In a step with prefill
 // chunks (TokenLayout::multi_token_seqs) their tokens are scored by msa_score_tiled_kernel (a
 // tile of tokens shares each index-K block through shared memory) and ranked one warp per row
-// by msa_topk_warp_kernel; the kernels above keep the tokens alone in their sequence. (c) A
-// decode step over a bf16 / fp8 index-K that msa_score_mma_kernel would scan goes to
-// msa_scan_topk_kernel instead: the same scan from bulk copies into shared memory, and the top-k
-// folded into its last CTAs (one launch, no second pass over the scores).
+// by msa_topk_warp_kernel; the kernels above keep the tokens alone in their sequence. (c) Opt-in
+// (M3_MSA_FUSED_SELECT=1): a decode step over a bf16 / fp8 index-K that msa_score_mma_kernel
+// would scan goes to msa_scan_topk_kernel instead: the same products from bulk copies into
+// shared memory, and the top-k folded into its last CTAs (one launch).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -923,22 +923,24 @@ bool split_topk_enabled() {
 // ---- (c) decode rows: the scan and the top-k in one kernel ----
 
 // A decode step's tokens (each alone in its sequence) with a bf16 / fp8 index-K of dim 128:
-// msa_scan_topk_kernel scans and ranks in one launch. CTA (token, chunk) streams its share of
-// the token's blocks through a ring of shared-memory stages, one index-K block (fp8: and its row
-// scales) per stage by the bulk copy engine (cp.async.bulk, completing on an mbarrier), so a
-// CTA keeps stages x 32 KB in flight whatever its warps are doing. Warp w scores m-tiles w,
-// w + 8, ... of the block from shared memory with the same fragments, MMAs and order as
-// msa_score_mma_kernel (the scores are bit-identical), the per-block maxima go to the workspace.
-// Then the last-CTA pattern: the CTAs of a group of consecutive chunks count their arrivals on
-// a device counter; the last of a group ranks the group's blocks (forced ones included), one
-// warp per index head (warp_select), and writes its topk (key, id) candidates; the last group of
-// the token ranks the candidates into the row's ids. The global topk is within the union of
-// the groups' topk (a block outranked by fewer than topk blocks of the row is outranked by fewer
-// than topk of its group), so the result is the radix select's. A row of at most kFsDirect
-// scored blocks is one group (no candidates). Counters are zero between launches (the last
-// arrival resets its own), so these launches must not overlap on one device (one stream).
-constexpr int kFsThreads = 256;
-constexpr int kFsWarps = kFsThreads / kWarp;
+// msa_scan_topk_kernel scans and ranks in one launch (opt-in: M3_MSA_FUSED_SELECT=1). CTA
+// (token, chunk) streams its share of the token's blocks through a ring of shared-memory
+// stages, one index-K block (fp8: and its row scales) per stage by the bulk copy engine
+// (cp.async.bulk, completing on the stage's `full` mbarrier), issued by a producer warp; eight
+// consumer warps score m-tiles w, w + 8, ... of each block from shared memory with the
+// fragments, MMAs and order of msa_score_mma_kernel (bit-identical block maxima), max-pool them
+// per stage and release it (`empty` mbarrier); the producer writes the stage's maxima to the
+// workspace and refills it. No CTA-wide barrier per block. Then the last-CTA pattern: the CTAs
+// of a group of consecutive chunks count their arrivals on a device counter; the last of a group
+// ranks the group's blocks (forced ones included), one warp per index head (warp_select, keys
+// in registers), and writes its topk (key, id) candidates; the last group of the token ranks
+// the candidates into the row's ids. The global topk is within the union of the groups' topk (a
+// block outranked by fewer than topk blocks of the row is outranked by fewer than topk of its
+// group), so the ids are the radix select's. A row of at most kFsDirect scored blocks is one
+// group (no candidates). Counters are zero between launches (the last arrival resets its own),
+// so these launches must not overlap on one device (one stream).
+constexpr int kFsConsumers = 8;                         // warps that score
+constexpr int kFsThreads = (kFsConsumers + 1) * kWarp;  // and the producer warp
 constexpr int kFsMaxStages = 16;
 constexpr int kFsTableCache = 2048;  // page ids of a chunk, staged in shared memory
 constexpr int kFsCntTokens = 256;
@@ -987,72 +989,111 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned by
       : "memory");
 }
 
-// One warp: the topk of keys[0, m) (ids id_at(i), ascending in i) by (key desc, id asc), written
-// ascending to oid (and their keys to okey when given); all m when m <= topk. The k-th key is
-// found bit by bit (the largest tau with at least topk keys >= tau) below the common prefix of
-// the smallest and largest key; then the keys above it and the lowest-id ones equal to it.
-template <class IdAt>
-__device__ void warp_select(const uint32_t* keys, IdAt id_at, int m, int topk,
-                            int32_t* __restrict__ oid, uint32_t* __restrict__ okey) {
+// A warp's ranking entry: its key and whether it takes part.
+struct RankEntry {
+  uint32_t key;
+  bool valid;
+};
+
+// One warp ranks entries [0, m) (entry(i); id_of(i), read only for the winners, ascends with i
+// over the valid ones), R per lane in registers (m <= 32 R, all loads issued before the first
+// use), by (key desc, id asc): the topk valid ones (all of them when at most topk are valid) go
+// to oid ascending (their keys to okey when given). The k-th key is found bit by bit (the largest
+// tau with at least topk keys >= tau) below the common prefix of the smallest and largest key; then
+// the keys above it and the lowest-id ones equal to it, compacted in index order. Returns the
+// number written.
+template <int R, class Entry, class IdOf>
+__device__ int warp_select_r(Entry entry, IdOf id_of, int m, int topk, int32_t* __restrict__ oid,
+                             uint32_t* __restrict__ okey) {
   const int lane = threadIdx.x % kWarp;
   const unsigned lt = (1u << lane) - 1u;
-  const bool all = m <= topk;
-  uint32_t tau = 0, need_eq = 0;
-  if (!all) {
-    uint32_t kmin = 0xffffffffu, kmax = 0u;
-    for (int i = lane; i < m; i += kWarp) {
-      kmin = min(kmin, keys[i]);
-      kmax = max(kmax, keys[i]);
+  uint32_t key[R];
+  uint32_t okm = 0u;  // bit j: entry j * 32 + lane is valid
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int i = j * kWarp + lane;
+    const RankEntry e = i < m ? entry(i) : RankEntry{0u, false};
+    key[j] = e.valid ? e.key : 0u;
+    okm |= e.valid ? 1u << j : 0u;
+  }
+  uint32_t kmin = 0xffffffffu, kmax = 0u;
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+    if (okm >> j & 1u) {
+      kmin = min(kmin, key[j]);
+      kmax = max(kmax, key[j]);
     }
+  const int nvalid = __reduce_add_sync(0xffffffffu, static_cast<unsigned>(__popc(okm)));
+  const bool all = nvalid <= topk;
+  uint32_t tau = 0u, need_eq = 0u;
+  if (!all) {
     kmin = __reduce_min_sync(0xffffffffu, kmin);
     kmax = __reduce_max_sync(0xffffffffu, kmax);
     const uint32_t diff = kmin ^ kmax;
     const int top = diff ? 31 - __clz(diff) : -1;  // the highest bit where they differ
     tau = top >= 31 ? 0u : (kmax >> (top + 1)) << (top + 1);
     for (int bit = top; bit >= 0; --bit) {
-      const uint32_t cand = tau | (1u << bit);
-      uint32_t cnt = 0;
-      for (int i = lane; i < m; i += kWarp) cnt += keys[i] >= cand ? 1u : 0u;
-      cnt = __reduce_add_sync(0xffffffffu, cnt);
-      if (cnt >= static_cast<uint32_t>(topk)) tau = cand;
+      const uint32_t cand = tau | (1u << bit);  // >= 1: invalid entries (key 0) never count
+      uint32_t cnt = 0u;
+#pragma unroll
+      for (int j = 0; j < R; ++j) cnt += key[j] >= cand ? 1u : 0u;
+      if (__reduce_add_sync(0xffffffffu, cnt) >= static_cast<uint32_t>(topk)) tau = cand;
     }
-    uint32_t gt = 0;
-    for (int i = lane; i < m; i += kWarp) gt += keys[i] > tau ? 1u : 0u;
+    uint32_t gt = 0u;
+#pragma unroll
+    for (int j = 0; j < R; ++j) gt += (okm >> j & 1u) && key[j] > tau ? 1u : 0u;
     need_eq = static_cast<uint32_t>(topk) - __reduce_add_sync(0xffffffffu, gt);
   }
-  const uint32_t total = all ? static_cast<uint32_t>(m) : static_cast<uint32_t>(topk);
-  uint32_t base = 0, eq_seen = 0;
-  for (int i0 = 0; i0 < m && base < total; i0 += kWarp) {
-    const int i = i0 + lane;
-    const bool in = i < m;
-    const uint32_t k = in ? keys[i] : 0u;
-    const bool gt = in && (all || k > tau);
-    const bool eq = in && !all && k == tau;
+  uint32_t base = 0u, eq_seen = 0u;
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const bool v = okm >> j & 1u;
+    const bool gt = v && (all || key[j] > tau);
+    const bool eq = v && !all && key[j] == tau;
     const unsigned eqm = __ballot_sync(0xffffffffu, eq);
     const bool sel = gt || (eq && eq_seen + __popc(eqm & lt) < need_eq);
     const unsigned sm = __ballot_sync(0xffffffffu, sel);
     if (sel) {
       const uint32_t pos = base + __popc(sm & lt);
-      oid[pos] = id_at(i);
-      if (okey != nullptr) okey[pos] = k;
+      oid[pos] = id_of(j * kWarp + lane);
+      if (okey != nullptr) okey[pos] = key[j];
     }
     base += __popc(sm);
     eq_seen += __popc(eqm);
   }
+  return static_cast<int>(base);
+}
+
+constexpr int kWsMaxEntries = 512;  // warp_select's largest ranking (16 entries per lane)
+
+template <class Entry, class IdOf>
+__device__ int warp_select(Entry entry, IdOf id_of, int m, int topk, int32_t* __restrict__ oid,
+                           uint32_t* __restrict__ okey) {
+  M3_DEVICE_CHECK(m <= kWsMaxEntries, "msa_select: a ranking of %d entries (at most %d)", m,
+                  kWsMaxEntries);
+  if (m <= 64) return warp_select_r<2>(entry, id_of, m, topk, oid, okey);
+  if (m <= 128) return warp_select_r<4>(entry, id_of, m, topk, oid, okey);
+  if (m <= 256) return warp_select_r<8>(entry, id_of, m, topk, oid, okey);
+  return warp_select_r<16>(entry, id_of, m, topk, oid, okey);
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(detail::smem_addr(bar))
+               : "memory");
 }
 
 struct FsArgs {
   int64_t ni, topk, init_blocks, local_blocks, nb_stride;
   int stages, stage_bytes;
-  int cap;         // keys (+ ids) per warp in the merge phase, in the stages' shared memory
   int ng_cap;      // groups per token at most (ng_cap * topk <= kFsCandSlots)
+  bool scan_only;  // only the scores (the top-k kernels follow; or a timing run)
   float* scores;   // [tokens][ni][nb_stride]
   uint32_t* cand;  // [tokens * ni][2][kFsCandSlots]: keys, then ids
   int32_t* out;
 };
 
 // The chunks per group of a token with `len` scored blocks over C chunks: about
-// C * sqrt(topk / len) (group ranges and the final candidates then balance), at least
+// C * sqrt(topk / len) (a group's blocks and the token's candidates then balance), at least
 // ceil(C / ng_cap); C (one group) for rows of at most kFsDirect blocks.
 __host__ __device__ inline int64_t fs_group_chunks(int64_t len, int64_t C, int64_t topk,
                                                    int64_t ng_cap) {
@@ -1064,8 +1105,12 @@ __host__ __device__ inline int64_t fs_group_chunks(int64_t len, int64_t C, int64
   return g < gmin ? gmin : g;
 }
 
+// Warps 0..kFsConsumers-1 score, warp kFsConsumers (the producer) keeps the ring full: per
+// stage a `full` mbarrier (the bulk copies' bytes) and an `empty` one (each consumer warp
+// arrives when done with it); the consumers max-pool the block into pool[stage] (order keys,
+// atomicMax), which the producer writes out to the workspace before it refills the stage.
 template <class T>
-__global__ void __launch_bounds__(kFsThreads)
+__global__ void __launch_bounds__(kFsThreads, 2)
     msa_scan_topk_kernel(const float* __restrict__ iq, KvPages c, TokenLayout L, FsArgs A) {
   using M = detail::MmaOf<T>;
   constexpr int E = M::kElemsPer16B;
@@ -1074,8 +1119,8 @@ __global__ void __launch_bounds__(kFsThreads)
   constexpr int RowBytes = kMmaIndexDim * static_cast<int>(sizeof(T));
   constexpr bool kFp8 = sizeof(T) == 1;
   extern __shared__ __align__(128) unsigned char fs_smem[];
-  __shared__ __align__(8) uint64_t full[kFsMaxStages];
-  __shared__ uint32_t red[2][kFsWarps][8];
+  __shared__ __align__(8) uint64_t full[kFsMaxStages], empty[kFsMaxStages];
+  __shared__ uint32_t pool[kFsMaxStages][8];
   __shared__ int32_t tab[kFsTableCache];
   __shared__ uint32_t last_flag;
   detail::pdl_enter();
@@ -1087,7 +1132,7 @@ __global__ void __launch_bounds__(kFsThreads)
   const int32_t p = L.positions[t], s = L.seq_ids[t];
   // B fragments (msa_score_mma_kernel's): column r = index head r (0 past ni).
   uint32_t qb[KSteps][2];
-  {
+  if (warp < kFsConsumers) {
     const float* qh = iq + (t * ni + r) * kMmaIndexDim;
     auto qv = [&](int i) { return r < ni ? detail::round_bf16(qh[i]) : 0.f; };
 #pragma unroll
@@ -1099,7 +1144,7 @@ __global__ void __launch_bounds__(kFsThreads)
   }
   const int64_t nb = p / bs + 1;
   if (nb <= topk) {  // every block: uniform over the token's CTAs
-    if (y == 0)
+    if (y == 0 && !A.scan_only)
       for (int64_t h = 0; h < ni; ++h) write_all_blocks(nb, topk, A.out + (t * ni + h) * topk);
     return;
   }
@@ -1112,84 +1157,112 @@ __global__ void __launch_bounds__(kFsThreads)
   const int32_t* table = L.block_table + L.block_table_offsets[s];
   for (int i = threadIdx.x; i < nblk; i += blockDim.x) tab[i] = table[b0 + i];
   const int S = A.stages;
+  for (int e = threadIdx.x; e < S * 8; e += blockDim.x) pool[e / 8][e % 8] = 0u;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < S; ++i) mbar_init(&full[i], 1);
+    for (int i = 0; i < S; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], kFsConsumers);
+    }
     mbar_fence_init();
   }
   __syncthreads();
-  const T* ikb = c.ik_as<T>();
   const unsigned kbytes = static_cast<unsigned>(bs * RowBytes);
-  auto issue = [&](int i) {  // thread 0: block b0 + i into stage i % S
-    const int st = i % S;
-    unsigned char* dst = fs_smem + st * A.stage_bytes;
-    const int64_t page = tab[i];
-    mbar_expect_tx(&full[st], static_cast<unsigned>(A.stage_bytes));
-    bulk_g2s(dst, ikb + page * bs * kMmaIndexDim, kbytes, &full[st]);
-    if constexpr (kFp8) bulk_g2s(dst + kbytes, c.ik_scale + page * bs, bs * 4u, &full[st]);
-  };
-  if (threadIdx.x == 0)
-    for (int i = 0; i < min(S, nblk); ++i) issue(i);
-  const int mtiles = bs / 16;
-  for (int i = 0; i < nblk; ++i) {
-    const int st = i % S;
-    mbar_wait(&full[st], static_cast<unsigned>((i / S) & 1));
-    const unsigned char* sp = fs_smem + st * A.stage_bytes;
-    float mx0 = -INFINITY, mx1 = -INFINITY;  // heads 2 cq, 2 cq + 1
-    const bool any = warp < mtiles;
-    for (int mt = warp; mt < mtiles; mt += kFsWarps) {
-      uint4 raw[2][KPieces];
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-        for (int j = 0; j < KPieces; ++j)
-          raw[hf][j] = *reinterpret_cast<const uint4*>(sp + (mt * 16 + hf * 8 + r) * RowBytes +
-                                                       (j * 4 + cq) * 16);
-      uint32_t a0[2 * KSteps], a1[2 * KSteps];
-#pragma unroll
-      for (int j = 0; j < KPieces; ++j) {
-        M::unpack(raw[0][j], a0 + j * (E / 2));
-        M::unpack(raw[1][j], a1 + j * (E / 2));
+  if (warp == kFsConsumers) {
+    // The producer: stage i % S takes block b0 + i once the consumers are done with block
+    // i - S and its maxima are written out.
+    const T* ikb = c.ik_as<T>();
+    auto issue = [&](int i) {
+      const int st = i % S;
+      unsigned char* dst = fs_smem + st * A.stage_bytes;
+      const int64_t page = tab[i];
+      mbar_expect_tx(&full[st], static_cast<unsigned>(A.stage_bytes));
+      bulk_g2s(dst, ikb + page * bs * kMmaIndexDim, kbytes, &full[st]);
+      if constexpr (kFp8) bulk_g2s(dst + kbytes, c.ik_scale + page * bs, bs * 4u, &full[st]);
+    };
+    if (lane == 0)
+      for (int i = 0; i < min(S, nblk); ++i) issue(i);
+    __syncwarp();
+    int st = 0;
+    unsigned ph = 0u;
+    for (int i = 0; i < nblk; ++i) {
+      mbar_wait(&empty[st], ph);
+      if (lane < 8) {
+        const uint32_t k = pool[st][lane];
+        pool[st][lane] = 0u;
+        if (lane < ni) A.scores[(t * ni + lane) * nb_stride + b0 + i] = key_to_float(k);
       }
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int ks = 0; ks < KSteps; ++ks) {
-        const uint32_t a[4] = {a0[2 * ks], a1[2 * ks], a0[2 * ks + 1], a1[2 * ks + 1]};
-        M::mma(d, a, qb[ks][0], qb[ks][1]);
+      __syncwarp();
+      if (lane == 0 && i + S < nblk) issue(i + S);
+      __syncwarp();
+      if (++st == S) {
+        st = 0;
+        ph ^= 1u;
       }
-      if constexpr (kFp8) {
-        const float* scl = reinterpret_cast<const float*>(sp + kbytes);
-        const float s0 = scl[mt * 16 + r], s1 = scl[mt * 16 + 8 + r];
-        d[0] *= s0;
-        d[1] *= s0;
-        d[2] *= s1;
-        d[3] *= s1;
+    }
+  } else {
+    const int mtiles = bs / 16;
+    int st = 0;
+    unsigned ph = 0u;
+    for (int i = 0; i < nblk; ++i) {
+      mbar_wait(&full[st], ph);
+      const unsigned char* sp = fs_smem + st * A.stage_bytes;
+      float mx0 = -INFINITY, mx1 = -INFINITY;  // heads 2 cq, 2 cq + 1
+      for (int mt = warp; mt < mtiles; mt += kFsConsumers) {
+        uint4 raw[2][KPieces];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int j = 0; j < KPieces; ++j)
+            raw[hf][j] = *reinterpret_cast<const uint4*>(sp + (mt * 16 + hf * 8 + r) * RowBytes +
+                                                         (j * 4 + cq) * 16);
+        uint32_t a0[2 * KSteps], a1[2 * KSteps];
+#pragma unroll
+        for (int j = 0; j < KPieces; ++j) {
+          M::unpack(raw[0][j], a0 + j * (E / 2));
+          M::unpack(raw[1][j], a1 + j * (E / 2));
+        }
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int ks = 0; ks < KSteps; ++ks) {
+          const uint32_t a[4] = {a0[2 * ks], a1[2 * ks], a0[2 * ks + 1], a1[2 * ks + 1]};
+          M::mma(d, a, qb[ks][0], qb[ks][1]);
+        }
+        if constexpr (kFp8) {
+          const float* scl = reinterpret_cast<const float*>(sp + kbytes);
+          const float s0 = scl[mt * 16 + r], s1 = scl[mt * 16 + 8 + r];
+          d[0] *= s0;
+          d[1] *= s0;
+          d[2] *= s1;
+          d[3] *= s1;
+        }
+        mx0 = fmaxf(mx0, fmaxf(d[0], d[2]));
+        mx1 = fmaxf(mx1, fmaxf(d[1], d[3]));
       }
-      mx0 = fmaxf(mx0, fmaxf(d[0], d[2]));
-      mx1 = fmaxf(mx1, fmaxf(d[1], d[3]));
-    }
+      if (warp < mtiles) {  // uniform over the warp
 #pragma unroll
-    for (int off = 4; off < kWarp; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    if (r == 0) {
-      red[i & 1][warp][2 * cq] = any ? order_key(mx0) : 0u;
-      red[i & 1][warp][2 * cq + 1] = any ? order_key(mx1) : 0u;
-    }
-    __syncthreads();  // stage st is read by every warp; red[i & 1] is complete
-    if (threadIdx.x == 0 && i + S < nblk) issue(i + S);
-    if (threadIdx.x < ni) {
-      uint32_t k = 0u;
-#pragma unroll
-      for (int w = 0; w < kFsWarps; ++w) k = max(k, red[i & 1][w][threadIdx.x]);
-      A.scores[(t * ni + threadIdx.x) * nb_stride + b0 + i] = key_to_float(k);
+        for (int off = 4; off < kWarp; off <<= 1) {
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+        }
+        if (r == 0) {
+          atomicMax(&pool[st][2 * cq], order_key(mx0));
+          atomicMax(&pool[st][2 * cq + 1], order_key(mx1));
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[st]);
+      if (++st == S) {
+        st = 0;
+        ph ^= 1u;
+      }
     }
   }
+  __threadfence();
+  __syncthreads();
+  if (A.scan_only) return;
   // Arrive at the group; the last CTA of the group ranks it.
   const int64_t G = fs_group_chunks(len, C, topk, A.ng_cap);
   const int64_t NG = (C + G - 1) / G, g = y / G;
-  __threadfence();
-  __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t* cnt = &g_fs_group_cnt[t * kFsCntGroups + g];
     const uint32_t arrivals = static_cast<uint32_t>(min(G, C - g * G));
@@ -1200,31 +1273,30 @@ __global__ void __launch_bounds__(kFsThreads)
   __syncthreads();
   if (!last_flag) return;
   __threadfence();
-  uint32_t* wkeys = reinterpret_cast<uint32_t*>(fs_smem) + static_cast<int64_t>(warp) * 2 * A.cap;
-  int32_t* wids = reinterpret_cast<int32_t*>(wkeys + A.cap);
   const int64_t hi_forced = nb - A.local_blocks;
   auto chunk_start = [&](int64_t ch) { return lo + ch * len / C; };
   const int64_t ga = g == 0 ? 0 : chunk_start(g * G);
   const int64_t ge = g == NG - 1 ? nb : chunk_start((g + 1) * G);
-  for (int64_t h = warp; h < ni; h += kFsWarps) {
+  const int k = static_cast<int>(topk);
+  for (int64_t h = warp; h < ni; h += kFsThreads / kWarp) {
     const int64_t row = t * ni + h;
     const float* sc = A.scores + row * nb_stride;
     const int m = static_cast<int>(ge - ga);
-    for (int i = lane; i < m; i += kWarp) {
+    auto entry = [&](int i) {
       const int64_t b = ga + i;
-      wkeys[i] = (b < A.init_blocks || b >= hi_forced) ? forced_key() : order_key(__ldcg(sc + b));
-    }
-    __syncwarp();
+      const uint32_t key =
+          (b < A.init_blocks || b >= hi_forced) ? forced_key() : order_key(__ldcg(sc + b));
+      return RankEntry{key, true};
+    };
     auto id_of = [&](int i) { return static_cast<int32_t>(ga + i); };
     if (NG == 1) {
-      warp_select(wkeys, id_of, m, static_cast<int>(topk), A.out + row * topk, nullptr);
+      warp_select(entry, id_of, m, k, A.out + row * topk, nullptr);
     } else {
       uint32_t* ck = A.cand + row * 2 * kFsCandSlots + g * topk;
       int32_t* cid = reinterpret_cast<int32_t*>(ck + kFsCandSlots);
-      warp_select(wkeys, id_of, m, static_cast<int>(topk), cid, ck);
-      for (int64_t i = m + lane; i < topk; i += kWarp) cid[i] = -1;  // a short group
+      const int n = warp_select(entry, id_of, m, k, cid, ck);
+      for (int i = n + lane; i < k; i += kWarp) cid[i] = -1;  // a short group
     }
-    __syncwarp();
   }
   if (NG == 1) return;
   // Arrive at the token; the last group ranks the candidates.
@@ -1239,40 +1311,35 @@ __global__ void __launch_bounds__(kFsThreads)
   __syncthreads();
   if (!last_flag) return;
   __threadfence();
-  const unsigned lt = (1u << lane) - 1u;
-  for (int64_t h = warp; h < ni; h += kFsWarps) {
+  for (int64_t h = warp; h < ni; h += kFsThreads / kWarp) {
     const int64_t row = t * ni + h;
     const uint32_t* ck = A.cand + row * 2 * kFsCandSlots;
     const int32_t* cid = reinterpret_cast<const int32_t*>(ck + kFsCandSlots);
-    const int slots = static_cast<int>(NG * topk);
-    int m = 0;  // the valid candidates, in order (ascending ids)
-    for (int i0 = 0; i0 < slots; i0 += kWarp) {
-      const int i = i0 + lane;
-      const int32_t id = i < slots ? __ldcg(cid + i) : -1;
-      const unsigned vm = __ballot_sync(0xffffffffu, id >= 0);
-      if (id >= 0) {
-        const int pos = m + __popc(vm & lt);
-        wkeys[pos] = __ldcg(ck + i);
-        wids[pos] = id;
-      }
-      m += __popc(vm);
-    }
-    __syncwarp();
-    warp_select(
-        wkeys, [&](int i) { return wids[i]; }, m, static_cast<int>(topk), A.out + row * topk,
-        nullptr);
-    __syncwarp();
+    auto entry = [&](int i) { return RankEntry{__ldcg(ck + i), __ldcg(cid + i) >= 0}; };
+    auto id_of = [&](int i) { return __ldcg(cid + i); };
+    warp_select(entry, id_of, static_cast<int>(NG * topk), k, A.out + row * topk, nullptr);
   }
 }
 
 // The fused decode selection's configuration for `n` tokens (0 stages: not applicable).
 struct FsPlan {
   int64_t chunks = 0;
-  int stages = 0, stage_bytes = 0, smem = 0, cap = 0, ng_cap = 0;
+  int stages = 0, stage_bytes = 0, smem = 0, ng_cap = 0;
 };
 
+// Opt-in (M3_MSA_FUSED_SELECT=1) until measured ahead of the two-kernel path (see the README);
+// read at every call (one getenv) so a test can switch it.
 bool fused_select_enabled() {
-  static const bool on = env_switch("M3_MSA_FUSED_SELECT", true);
+  return env_switch("M3_MSA_FUSED_SELECT", false);
+}
+// M3_MSA_FS_TOPK=0: the fused kernel only scores, the top-k kernels rank (A/B runs);
+// M3_MSA_FS_DIAG=1: only the scores, no ranking at all (timing the scan alone; wrong ids).
+bool fs_topk_enabled() {
+  static const bool on = env_switch("M3_MSA_FS_TOPK", true);
+  return on;
+}
+bool fs_diag() {
+  static const bool on = env_switch("M3_MSA_FS_DIAG", false);
   return on;
 }
 
@@ -1338,21 +1405,25 @@ FsPlan fs_plan(const KvPages& c, int64_t ni, int64_t n, int64_t topk, int64_t in
   if (occ < 1 || n > slots) return P;
   const int64_t C = std::max<int64_t>(1, std::min<int64_t>({slots / n, nb_stride, 65535}));
   if ((nb_stride + C - 1) / C > kFsTableCache) return P;
-  const int cap = smem / (kFsWarps * 8);
   const int64_t ng_cap = std::min<int64_t>(kFsCntGroups, kFsCandSlots / topk);
-  // The most keys one warp ranks: a group's blocks (with the forced ones) or the candidates.
+  // The most entries one warp ranks (warp_select: kWsMaxEntries): a group's blocks with the
+  // forced ones (fs_group_chunks: about sqrt(topk * blocks) + the rounding of each chunk), or
+  // the token's candidates (ng_cap * topk <= kFsCandSlots).
   const int64_t gmin = (C + ng_cap - 1) / ng_cap;
+  const double L = static_cast<double>(nb_stride);
   const int64_t group_keys =
-      std::max<int64_t>({kFsDirect,
-                         static_cast<int64_t>(std::sqrt(double(topk) * double(nb_stride))) + C + 1,
-                         gmin * (nb_stride / C + 1)}) +
+      std::max<int64_t>(
+          {kFsDirect,
+           static_cast<int64_t>(std::sqrt(double(topk) * L) +
+                                double(C) * std::sqrt(double(topk) / double(kFsDirect))) +
+               2,
+           gmin * (nb_stride / C + 1)}) +
       init_blocks + local_blocks;
-  if (group_keys > cap || ng_cap * topk > cap) return P;
+  if (group_keys > kWsMaxEntries || kFsCandSlots > kWsMaxEntries) return P;
   P.chunks = C;
   P.stages = stages;
   P.stage_bytes = stage_bytes;
   P.smem = smem;
-  P.cap = cap;
   P.ng_cap = static_cast<int>(ng_cap);
   return P;
 }
@@ -1460,6 +1531,7 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
     sub.seq_ids = layout.seq_ids + t0;
     const float* iq_n = iq + t0 * ni * cache.index_dim;
     // A decode step (every token alone in its sequence): scan and top-k in one kernel.
+    bool scored = false;
     if (!layout.multi_token_seqs) {
       const FsPlan fp = fs_plan(cache, ni, n, topk, init_blocks, local_blocks, nb_stride);
       if (fp.stages > 0) {
@@ -1471,8 +1543,8 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
         a.nb_stride = nb_stride;
         a.stages = fp.stages;
         a.stage_bytes = fp.stage_bytes;
-        a.cap = fp.cap;
         a.ng_cap = fp.ng_cap;
+        a.scan_only = fs_diag() || !fs_topk_enabled();
         a.scores = scores;
         a.cand = reinterpret_cast<uint32_t*>(scores + chunk * ni * nb_stride);
         a.out = out + t0 * ni * topk;
@@ -1484,10 +1556,11 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
           detail::launch_pdl_attn(msa_scan_topk_kernel<uint16_t>, grid, dim3(kFsThreads),
                                   static_cast<size_t>(fp.smem), stream, iq_n, cache, sub, a);
         }
-        continue;
+        if (!a.scan_only || fs_diag()) continue;
+        scored = true;  // the top-k kernels below rank its scores
       }
     }
-    if (nb_stride > topk) {  // else every token selects all its blocks: nothing to score
+    if (nb_stride > topk && !scored) {  // else every token selects all its blocks: nothing to score
       // One wave over the chunk's tokens (the scorer holds two CTAs per SM): a second, partial
       // wave would double the time.
       const int64_t slots = 2 * static_cast<int64_t>(detail::num_sms());
