@@ -1472,11 +1472,13 @@ size_t msa_select_workspace_bytes(int64_t num_tokens, int64_t num_index_heads, c
   if (num_tokens <= 0 || max_kv_len <= 0 || cache.page_size <= 0) return 0;
   const int64_t nb_stride = (max_kv_len + cache.page_size - 1) / cache.page_size;
   // The scores, then the candidates of a two-step top-k.
-  // The split top-k's candidates, or the fused decode kernel's (rows of more than kFsDirect
-  // blocks: keys and ids of up to kFsCandSlots per row).
+  // The split top-k's candidates, or the fused decode kernel's when it is on (rows of more than
+  // kFsDirect blocks: keys and ids of up to kFsCandSlots per row; a chunk of tokens is sized
+  // with the same switch at select time, so a workspace sized either way is safe).
   const int64_t split =
       nb_stride >= kSplitMinBlocks ? (nb_stride + kSplitKeys - 1) / kSplitKeys * kSplitMaxTopk : 0;
-  const int64_t cand = std::max<int64_t>(split, nb_stride > kFsDirect ? 2 * kFsCandSlots : 0);
+  const int64_t fused = fused_select_enabled() && nb_stride > kFsDirect ? 2 * kFsCandSlots : 0;
+  const int64_t cand = std::max<int64_t>(split, fused);
   return sizeof(float) * static_cast<size_t>(num_tokens * num_index_heads * nb_stride) +
          sizeof(int32_t) * static_cast<size_t>(num_tokens * num_index_heads * cand);
 }
