@@ -907,3 +907,144 @@ TEST(AttnCudaKvDtype, MsaNearTiesAndFp8Agreement) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------- MSA decode: scan + top-k fused
+
+#include <cstdlib>  // setenv, unsetenv (POSIX): kept with this block for the merge
+
+namespace {
+namespace fused_select {
+
+// The fused decode selection (msa_scan_topk_kernel) is opt-in: these tests switch it on for
+// their duration (M3_MSA_FUSED_SELECT=1, read at every select call) and restore the variable.
+struct FusedOn {
+  std::string saved;
+  bool had = false;
+  FusedOn() {
+    if (const char* v = std::getenv("M3_MSA_FUSED_SELECT")) {
+      saved = v;
+      had = true;
+    }
+    setenv("M3_MSA_FUSED_SELECT", "1", 1);
+  }
+  ~FusedOn() {
+    if (had)
+      setenv("M3_MSA_FUSED_SELECT", saved.c_str(), 1);
+    else
+      unsetenv("M3_MSA_FUSED_SELECT");
+  }
+};
+
+// Decode tokens at the last position of each sequence (batch 1 = one token: the most chunks per
+// token), ids against the CPU op; the selection runs `replays` times from one CUDA graph (the
+// group and token counters must be back at zero after every launch) and once eagerly after.
+void run_last(const MsaCase& c, uint32_t seed, KvDtype ikd, int replays) {
+  std::mt19937 g(seed);
+  Paged P(c.bs, 1, 1, c.di, c.lens, g, c.range, /*kv=*/false);
+  if (ikd != KvDtype::kF32) P.quantize(KvDtype::kF32, ikd);
+  for (size_t s = 0; s < c.lens.size(); ++s)
+    P.add(static_cast<int32_t>(s), static_cast<int32_t>(c.lens[s] - 1));
+  const int64_t T = P.tokens();
+  std::vector<float> iq(T * c.ni * c.di);
+  fill_eighths(iq.data(), iq.size(), g, c.range);
+  std::vector<int32_t> want(T * c.ni * c.topk);
+  cpu::msa_select_blocks(iq.data(), c.ni, P.host_pages(), P.host_layout(), c.topk, c.init, c.local,
+                         want.data());
+  DevicePaged D(P);
+  DeviceBuffer<float> diq(iq);
+  const int64_t mkl = P.max_kv_len();
+  const size_t bytes = gk::msa_select_workspace_bytes(T, c.ni, D.pages, mkl);
+  DeviceBuffer<uint8_t> ws(bytes);
+  ws.fill_bytes(0xff);
+  DeviceBuffer<int32_t> dout(want.size());
+  Stream stream;
+  auto select = [&] {
+    gk::msa_select_blocks(diq.data(), c.ni, D.pages, D.layout, c.topk, c.init, c.local, mkl,
+                          gk::Workspace{ws.data(), bytes}, dout.data(), stream.get());
+  };
+  auto check = [&](const char* when) {
+    const auto got = dout.to_host();
+    int64_t bad = 0;
+    for (int64_t w = 0; w < T * c.ni; ++w)
+      if (!std::equal(got.begin() + w * c.topk, got.begin() + (w + 1) * c.topk,
+                      want.begin() + w * c.topk) &&
+          ++bad <= 3)
+        ADD_FAILURE() << when << ": ik=" << m3::kernels::kv_dtype_name(ikd) << " token " << w / c.ni
+                      << " (position " << P.positions[w / c.ni] << ") head " << w % c.ni
+                      << "\n gpu: " << ids_str(got.data() + w * c.topk, c.topk)
+                      << "\n cpu: " << ids_str(want.data() + w * c.topk, c.topk);
+    EXPECT_EQ(bad, 0) << when << " (" << T << " tokens, ik=" << m3::kernels::kv_dtype_name(ikd)
+                      << ")";
+  };
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  select();
+  ASSERT_EQ(cudaStreamEndCapture(stream.get(), &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int i = 0; i < replays; ++i) {
+    dout.fill_bytes(0x7f);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream.get()), cudaSuccess);
+    stream.synchronize();
+    check("graph replay");
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  dout.fill_bytes(0x7f);
+  select();
+  stream.synchronize();
+  check("eager");
+}
+
+}  // namespace fused_select
+
+TEST(AttnCudaMsaFused, DecodeGroupsAndForcedBlocks) {
+  SKIP_WITHOUT_GPU();
+  const fused_select::FusedOn on;
+  for (KvDtype ikd : kTyped) {
+    // MsaIdsEqualCpuTwin's decode cases: batches, ties, two-token workspaces, long rows.
+    const MsaCase m3{128, 4, 128, 16, 0, 1, {1, 128, 2048, 2049, 5000, 20000}, false, 64};
+    run_msa(m3, 401, MsaWs::kFull, ikd);
+    MsaCase narrow = m3;
+    narrow.range = 2;
+    run_msa(narrow, 402, MsaWs::kFull, ikd);
+    run_msa(m3, 403, MsaWs::kTwoTokens, ikd);
+    run_msa(MsaCase{128, 4, 128, 16, 0, 1, {262144, 65536 + 77}, false, 64}, 405, MsaWs::kFull,
+            ikd);
+    run_msa(MsaCase{128, 4, 128, 16, 0, 1, {65536}, false, 1}, 406, MsaWs::kFull, ikd);
+    // Batches of decode tokens (sampled positions): rows past 512 blocks rank in groups of
+    // chunks and then their candidates; narrow values (exact ties everywhere: the tie rule).
+    run_msa(MsaCase{128, 4, 128, 16, 0, 1, {100000, 70000, 8192, 1, 129, 2047}, false, 64}, 901,
+            MsaWs::kFull, ikd);
+    run_msa(MsaCase{128, 4, 128, 16, 0, 1, {100000, 70000}, false, 1}, 902, MsaWs::kFull, ikd);
+    // 8 heads with top-64 (8 groups at most), an initial forced block and 2 local, 64-token pages.
+    run_msa(MsaCase{64, 8, 128, 64, 1, 2, {200000, 3000}, false, 64}, 903, MsaWs::kFull, ikd);
+    // 3 heads, top-8, 256-token pages, 3 forced blocks at each end.
+    run_msa(MsaCase{256, 3, 128, 8, 3, 3, {300000, 5000, 2000}, false, 8}, 904, MsaWs::kFull, ikd);
+    // Few scored blocks or none (init + local covering all past the top-k), 64-token pages.
+    run_msa(MsaCase{64, 4, 128, 4, 3, 2, {64 * 5, 64 * 6 + 1, 64 * 40}, false, 4}, 905,
+            MsaWs::kFull, ikd);
+    // Token chunks of a two-token workspace: one launch per two tokens, counters reused.
+    run_msa(MsaCase{128, 4, 128, 16, 0, 1, {100000, 70000, 50000}, false, 64}, 906,
+            MsaWs::kTwoTokens, ikd);
+  }
+}
+
+TEST(AttnCudaMsaFused, LastPositionBatchesAndGraphReplays) {
+  SKIP_WITHOUT_GPU();
+  const fused_select::FusedOn on;
+  for (KvDtype ikd : kTyped) {
+    // Batch 1 (every SM on one row: a few hundred chunks, groups, candidates), batch 8 of mixed
+    // lengths, top-k of ties; 32-token pages (bf16 only: fp8's scan wants 64).
+    fused_select::run_last(MsaCase{128, 4, 128, 16, 0, 1, {300000}, false, 64}, 911, ikd, 3);
+    fused_select::run_last(MsaCase{128, 4, 128, 16, 0, 1, {300000}, false, 1}, 912, ikd, 2);
+    fused_select::run_last(
+        MsaCase{128, 4, 128, 16, 0, 1, {90000, 1, 40000, 2100, 65536, 130, 8192, 70001}, false, 64},
+        913, ikd, 2);
+    fused_select::run_last(MsaCase{128, 4, 128, 16, 0, 1, {8192}, false, 2}, 914, ikd, 2);
+    if (ikd == KvDtype::kBf16)
+      fused_select::run_last(MsaCase{32, 4, 128, 16, 1, 1, {150000, 9000}, false, 64}, 915, ikd, 2);
+  }
+}
+
+}  // namespace

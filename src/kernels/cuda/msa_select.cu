@@ -11,8 +11,18 @@
 // the generic and fused kernels, templated on the element type, elsewhere. In a step with prefill
 // chunks (TokenLayout::multi_token_seqs) their tokens are scored by msa_score_tiled_kernel (a
 // tile of tokens shares each index-K block through shared memory) and ranked one warp per row
-// by msa_topk_warp_kernel; the kernels above keep the tokens alone in their sequence.
+// by msa_topk_warp_kernel; the kernels above keep the tokens alone in their sequence. (c) Opt-in
+// (M3_MSA_FUSED_SELECT=1): a decode step over a bf16 / fp8 index-K that msa_score_mma_kernel
+// would scan goes to msa_scan_topk_kernel instead: the same products from bulk copies into
+// shared memory, and the top-k folded into its last CTAs (one launch).
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "core/env.h"
 #include "kernels/cuda/attn_common.cuh"
@@ -910,6 +920,514 @@ bool split_topk_enabled() {
   return on;
 }
 
+// ---- (c) decode rows: the scan and the top-k in one kernel ----
+
+// A decode step's tokens (each alone in its sequence) with a bf16 / fp8 index-K of dim 128:
+// msa_scan_topk_kernel scans and ranks in one launch (opt-in: M3_MSA_FUSED_SELECT=1). CTA
+// (token, chunk) streams its share of the token's blocks through a ring of shared-memory
+// stages, one index-K block (fp8: and its row scales) per stage by the bulk copy engine
+// (cp.async.bulk, completing on the stage's `full` mbarrier), issued by a producer warp; eight
+// consumer warps score m-tiles w, w + 8, ... of each block from shared memory with the
+// fragments, MMAs and order of msa_score_mma_kernel (bit-identical block maxima), max-pool them
+// per stage and release it (`empty` mbarrier); the producer writes the stage's maxima to the
+// workspace and refills it. No CTA-wide barrier per block. Then the last-CTA pattern: the CTAs
+// of a group of consecutive chunks count their arrivals on a device counter; the last of a group
+// ranks the group's blocks (forced ones included), one warp per index head (warp_select, keys
+// in registers), and writes its topk (key, id) candidates; the last group of the token ranks
+// the candidates into the row's ids. The global topk is within the union of the groups' topk (a
+// block outranked by fewer than topk blocks of the row is outranked by fewer than topk of its
+// group), so the ids are the radix select's. A row of at most kFsDirect scored blocks is one
+// group (no candidates). Counters are zero between launches (the last arrival resets its own),
+// so these launches must not overlap on one device (one stream).
+constexpr int kFsConsumers = 8;                         // warps that score
+constexpr int kFsThreads = (kFsConsumers + 1) * kWarp;  // and the producer warp
+constexpr int kFsMaxStages = 16;
+constexpr int kFsTableCache = 2048;  // page ids of a chunk, staged in shared memory
+constexpr int kFsCntTokens = 256;
+constexpr int kFsCntGroups = 64;
+constexpr int64_t kFsMaxTopk = 64;
+constexpr int64_t kFsCandSlots = 512;   // candidates per row (groups x topk) at most
+constexpr int64_t kFsDirect = 512;      // rows of up to this many scored blocks: one group
+constexpr int kFsMaxSmem = 216 * 1024;  // with the static arrays: under the 227 KB a CTA may hold
+
+__device__ uint32_t g_fs_group_cnt[kFsCntTokens * kFsCntGroups];
+__device__ uint32_t g_fs_token_cnt[kFsCntTokens];
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(detail::smem_addr(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile(
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(detail::smem_addr(bar)),
+      "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  const uint32_t a = detail::smem_addr(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared by the bulk copy
+// engine, completing on `bar`'s transaction count.
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(detail::smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(detail::smem_addr(bar))
+      : "memory");
+}
+
+// A warp's ranking entry: its key and whether it takes part.
+struct RankEntry {
+  uint32_t key;
+  bool valid;
+};
+
+// One warp ranks entries [0, m) (entry(i); id_of(i), read only for the winners, ascends with i
+// over the valid ones), R per lane in registers (m <= 32 R, all loads issued before the first
+// use), by (key desc, id asc): the topk valid ones (all of them when at most topk are valid) go
+// to oid ascending (their keys to okey when given). The k-th key is found bit by bit (the largest
+// tau with at least topk keys >= tau) below the common prefix of the smallest and largest key; then
+// the keys above it and the lowest-id ones equal to it, compacted in index order. Returns the
+// number written.
+template <int R, class Entry, class IdOf>
+__device__ int warp_select_r(Entry entry, IdOf id_of, int m, int topk, int32_t* __restrict__ oid,
+                             uint32_t* __restrict__ okey) {
+  const int lane = threadIdx.x % kWarp;
+  const unsigned lt = (1u << lane) - 1u;
+  uint32_t key[R];
+  uint32_t okm = 0u;  // bit j: entry j * 32 + lane is valid
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int i = j * kWarp + lane;
+    const RankEntry e = i < m ? entry(i) : RankEntry{0u, false};
+    key[j] = e.valid ? e.key : 0u;
+    okm |= e.valid ? 1u << j : 0u;
+  }
+  uint32_t kmin = 0xffffffffu, kmax = 0u;
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+    if (okm >> j & 1u) {
+      kmin = min(kmin, key[j]);
+      kmax = max(kmax, key[j]);
+    }
+  const int nvalid = __reduce_add_sync(0xffffffffu, static_cast<unsigned>(__popc(okm)));
+  const bool all = nvalid <= topk;
+  uint32_t tau = 0u, need_eq = 0u;
+  if (!all) {
+    kmin = __reduce_min_sync(0xffffffffu, kmin);
+    kmax = __reduce_max_sync(0xffffffffu, kmax);
+    const uint32_t diff = kmin ^ kmax;
+    const int top = diff ? 31 - __clz(diff) : -1;  // the highest bit where they differ
+    tau = top >= 31 ? 0u : (kmax >> (top + 1)) << (top + 1);
+    for (int bit = top; bit >= 0; --bit) {
+      const uint32_t cand = tau | (1u << bit);  // >= 1: invalid entries (key 0) never count
+      uint32_t cnt = 0u;
+#pragma unroll
+      for (int j = 0; j < R; ++j) cnt += key[j] >= cand ? 1u : 0u;
+      if (__reduce_add_sync(0xffffffffu, cnt) >= static_cast<uint32_t>(topk)) tau = cand;
+    }
+    uint32_t gt = 0u;
+#pragma unroll
+    for (int j = 0; j < R; ++j) gt += (okm >> j & 1u) && key[j] > tau ? 1u : 0u;
+    need_eq = static_cast<uint32_t>(topk) - __reduce_add_sync(0xffffffffu, gt);
+  }
+  uint32_t base = 0u, eq_seen = 0u;
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const bool v = okm >> j & 1u;
+    const bool gt = v && (all || key[j] > tau);
+    const bool eq = v && !all && key[j] == tau;
+    const unsigned eqm = __ballot_sync(0xffffffffu, eq);
+    const bool sel = gt || (eq && eq_seen + __popc(eqm & lt) < need_eq);
+    const unsigned sm = __ballot_sync(0xffffffffu, sel);
+    if (sel) {
+      const uint32_t pos = base + __popc(sm & lt);
+      oid[pos] = id_of(j * kWarp + lane);
+      if (okey != nullptr) okey[pos] = key[j];
+    }
+    base += __popc(sm);
+    eq_seen += __popc(eqm);
+  }
+  return static_cast<int>(base);
+}
+
+constexpr int kWsMaxEntries = 512;  // warp_select's largest ranking (16 entries per lane)
+
+template <class Entry, class IdOf>
+__device__ int warp_select(Entry entry, IdOf id_of, int m, int topk, int32_t* __restrict__ oid,
+                           uint32_t* __restrict__ okey) {
+  M3_DEVICE_CHECK(m <= kWsMaxEntries, "msa_select: a ranking of %d entries (at most %d)", m,
+                  kWsMaxEntries);
+  if (m <= 64) return warp_select_r<2>(entry, id_of, m, topk, oid, okey);
+  if (m <= 128) return warp_select_r<4>(entry, id_of, m, topk, oid, okey);
+  if (m <= 256) return warp_select_r<8>(entry, id_of, m, topk, oid, okey);
+  return warp_select_r<16>(entry, id_of, m, topk, oid, okey);
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(detail::smem_addr(bar))
+               : "memory");
+}
+
+struct FsArgs {
+  int64_t ni, topk, init_blocks, local_blocks, nb_stride;
+  int stages, stage_bytes;
+  int ng_cap;      // groups per token at most (ng_cap * topk <= kFsCandSlots)
+  bool scan_only;  // only the scores (the top-k kernels follow; or a timing run)
+  float* scores;   // [tokens][ni][nb_stride]
+  uint32_t* cand;  // [tokens * ni][2][kFsCandSlots]: keys, then ids
+  int32_t* out;
+};
+
+// The chunks per group of a token with `len` scored blocks over C chunks: about
+// C * sqrt(topk / len) (a group's blocks and the token's candidates then balance), at least
+// ceil(C / ng_cap); C (one group) for rows of at most kFsDirect blocks.
+__host__ __device__ inline int64_t fs_group_chunks(int64_t len, int64_t C, int64_t topk,
+                                                   int64_t ng_cap) {
+  if (len <= kFsDirect) return C;
+  int64_t g = static_cast<int64_t>(static_cast<double>(C) *
+                                   sqrt(static_cast<double>(topk) / static_cast<double>(len)));
+  g = g < 1 ? 1 : (g > C ? C : g);
+  const int64_t gmin = (C + ng_cap - 1) / ng_cap;
+  return g < gmin ? gmin : g;
+}
+
+// Warps 0..kFsConsumers-1 score, warp kFsConsumers (the producer) keeps the ring full: per
+// stage a `full` mbarrier (the bulk copies' bytes) and an `empty` one (each consumer warp
+// arrives when done with it); the consumers max-pool the block into pool[stage] (order keys,
+// atomicMax), which the producer writes out to the workspace before it refills the stage.
+template <class T>
+__global__ void __launch_bounds__(kFsThreads, 2)
+    msa_scan_topk_kernel(const float* __restrict__ iq, KvPages c, TokenLayout L, FsArgs A) {
+  using M = detail::MmaOf<T>;
+  constexpr int E = M::kElemsPer16B;
+  constexpr int KPieces = kMmaIndexDim / (4 * E);
+  constexpr int KSteps = kMmaIndexDim / 16;
+  constexpr int RowBytes = kMmaIndexDim * static_cast<int>(sizeof(T));
+  constexpr bool kFp8 = sizeof(T) == 1;
+  extern __shared__ __align__(128) unsigned char fs_smem[];
+  __shared__ __align__(8) uint64_t full[kFsMaxStages], empty[kFsMaxStages];
+  __shared__ uint32_t pool[kFsMaxStages][8];
+  __shared__ int32_t tab[kFsTableCache];
+  __shared__ uint32_t last_flag;
+  detail::pdl_enter();
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int r = lane / 4, cq = lane % 4;
+  const int bs = static_cast<int>(c.page_size);
+  const int64_t ni = A.ni, topk = A.topk, nb_stride = A.nb_stride;
+  const int64_t t = blockIdx.x, y = blockIdx.y, C = gridDim.y;
+  const int32_t p = L.positions[t], s = L.seq_ids[t];
+  // B fragments (msa_score_mma_kernel's): column r = index head r (0 past ni).
+  uint32_t qb[KSteps][2];
+  if (warp < kFsConsumers) {
+    const float* qh = iq + (t * ni + r) * kMmaIndexDim;
+    auto qv = [&](int i) { return r < ni ? detail::round_bf16(qh[i]) : 0.f; };
+#pragma unroll
+    for (int ks = 0; ks < KSteps; ++ks) {
+      const int b = detail::kv_k_base<E>(ks, cq);
+      qb[ks][0] = M::pack(qv(b), qv(b + 1));
+      qb[ks][1] = M::pack(qv(b + 2), qv(b + 3));
+    }
+  }
+  const int64_t nb = p / bs + 1;
+  if (nb <= topk) {  // every block: uniform over the token's CTAs
+    if (y == 0 && !A.scan_only)
+      for (int64_t h = 0; h < ni; ++h) write_all_blocks(nb, topk, A.out + (t * ni + h) * topk);
+    return;
+  }
+  M3_DEVICE_CHECK(nb <= nb_stride, "msa_select: position %d beyond max_kv_len (%lld blocks)", p,
+                  static_cast<long long>(nb_stride));
+  const int64_t lo = min(A.init_blocks, nb), hi = max(lo, nb - A.local_blocks);
+  const int64_t len = hi - lo;
+  const int64_t b0 = lo + y * len / C, b1 = lo + (y + 1) * len / C;
+  const int nblk = static_cast<int>(b1 - b0);
+  const int32_t* table = L.block_table + L.block_table_offsets[s];
+  for (int i = threadIdx.x; i < nblk; i += blockDim.x) tab[i] = table[b0 + i];
+  const int S = A.stages;
+  for (int e = threadIdx.x; e < S * 8; e += blockDim.x) pool[e / 8][e % 8] = 0u;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < S; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], kFsConsumers);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+  const unsigned kbytes = static_cast<unsigned>(bs * RowBytes);
+  if (warp == kFsConsumers) {
+    // The producer: stage i % S takes block b0 + i once the consumers are done with block
+    // i - S and its maxima are written out.
+    const T* ikb = c.ik_as<T>();
+    auto issue = [&](int i) {
+      const int st = i % S;
+      unsigned char* dst = fs_smem + st * A.stage_bytes;
+      const int64_t page = tab[i];
+      mbar_expect_tx(&full[st], static_cast<unsigned>(A.stage_bytes));
+      bulk_g2s(dst, ikb + page * bs * kMmaIndexDim, kbytes, &full[st]);
+      if constexpr (kFp8) bulk_g2s(dst + kbytes, c.ik_scale + page * bs, bs * 4u, &full[st]);
+    };
+    if (lane == 0)
+      for (int i = 0; i < min(S, nblk); ++i) issue(i);
+    __syncwarp();
+    int st = 0;
+    unsigned ph = 0u;
+    for (int i = 0; i < nblk; ++i) {
+      mbar_wait(&empty[st], ph);
+      if (lane < 8) {
+        const uint32_t k = pool[st][lane];
+        pool[st][lane] = 0u;
+        if (lane < ni) A.scores[(t * ni + lane) * nb_stride + b0 + i] = key_to_float(k);
+      }
+      __syncwarp();
+      if (lane == 0 && i + S < nblk) issue(i + S);
+      __syncwarp();
+      if (++st == S) {
+        st = 0;
+        ph ^= 1u;
+      }
+    }
+  } else {
+    const int mtiles = bs / 16;
+    int st = 0;
+    unsigned ph = 0u;
+    for (int i = 0; i < nblk; ++i) {
+      mbar_wait(&full[st], ph);
+      const unsigned char* sp = fs_smem + st * A.stage_bytes;
+      float mx0 = -INFINITY, mx1 = -INFINITY;  // heads 2 cq, 2 cq + 1
+      for (int mt = warp; mt < mtiles; mt += kFsConsumers) {
+        uint4 raw[2][KPieces];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int j = 0; j < KPieces; ++j)
+            raw[hf][j] = *reinterpret_cast<const uint4*>(sp + (mt * 16 + hf * 8 + r) * RowBytes +
+                                                         (j * 4 + cq) * 16);
+        uint32_t a0[2 * KSteps], a1[2 * KSteps];
+#pragma unroll
+        for (int j = 0; j < KPieces; ++j) {
+          M::unpack(raw[0][j], a0 + j * (E / 2));
+          M::unpack(raw[1][j], a1 + j * (E / 2));
+        }
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int ks = 0; ks < KSteps; ++ks) {
+          const uint32_t a[4] = {a0[2 * ks], a1[2 * ks], a0[2 * ks + 1], a1[2 * ks + 1]};
+          M::mma(d, a, qb[ks][0], qb[ks][1]);
+        }
+        if constexpr (kFp8) {
+          const float* scl = reinterpret_cast<const float*>(sp + kbytes);
+          const float s0 = scl[mt * 16 + r], s1 = scl[mt * 16 + 8 + r];
+          d[0] *= s0;
+          d[1] *= s0;
+          d[2] *= s1;
+          d[3] *= s1;
+        }
+        mx0 = fmaxf(mx0, fmaxf(d[0], d[2]));
+        mx1 = fmaxf(mx1, fmaxf(d[1], d[3]));
+      }
+      if (warp < mtiles) {  // uniform over the warp
+#pragma unroll
+        for (int off = 4; off < kWarp; off <<= 1) {
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+        }
+        if (r == 0) {
+          atomicMax(&pool[st][2 * cq], order_key(mx0));
+          atomicMax(&pool[st][2 * cq + 1], order_key(mx1));
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[st]);
+      if (++st == S) {
+        st = 0;
+        ph ^= 1u;
+      }
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (A.scan_only) return;
+  // Arrive at the group; the last CTA of the group ranks it.
+  const int64_t G = fs_group_chunks(len, C, topk, A.ng_cap);
+  const int64_t NG = (C + G - 1) / G, g = y / G;
+  if (threadIdx.x == 0) {
+    uint32_t* cnt = &g_fs_group_cnt[t * kFsCntGroups + g];
+    const uint32_t arrivals = static_cast<uint32_t>(min(G, C - g * G));
+    const bool last = atomicAdd(cnt, 1u) == arrivals - 1;
+    if (last) *cnt = 0u;  // ready for the next launch
+    last_flag = last;
+  }
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();
+  const int64_t hi_forced = nb - A.local_blocks;
+  auto chunk_start = [&](int64_t ch) { return lo + ch * len / C; };
+  const int64_t ga = g == 0 ? 0 : chunk_start(g * G);
+  const int64_t ge = g == NG - 1 ? nb : chunk_start((g + 1) * G);
+  const int k = static_cast<int>(topk);
+  for (int64_t h = warp; h < ni; h += kFsThreads / kWarp) {
+    const int64_t row = t * ni + h;
+    const float* sc = A.scores + row * nb_stride;
+    const int m = static_cast<int>(ge - ga);
+    auto entry = [&](int i) {
+      const int64_t b = ga + i;
+      const uint32_t key =
+          (b < A.init_blocks || b >= hi_forced) ? forced_key() : order_key(__ldcg(sc + b));
+      return RankEntry{key, true};
+    };
+    auto id_of = [&](int i) { return static_cast<int32_t>(ga + i); };
+    if (NG == 1) {
+      warp_select(entry, id_of, m, k, A.out + row * topk, nullptr);
+    } else {
+      uint32_t* ck = A.cand + row * 2 * kFsCandSlots + g * topk;
+      int32_t* cid = reinterpret_cast<int32_t*>(ck + kFsCandSlots);
+      const int n = warp_select(entry, id_of, m, k, cid, ck);
+      for (int i = n + lane; i < k; i += kWarp) cid[i] = -1;  // a short group
+    }
+  }
+  if (NG == 1) return;
+  // Arrive at the token; the last group ranks the candidates.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t* cnt = &g_fs_token_cnt[t];
+    const bool last = atomicAdd(cnt, 1u) == static_cast<uint32_t>(NG - 1);
+    if (last) *cnt = 0u;
+    last_flag = last;
+  }
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();
+  for (int64_t h = warp; h < ni; h += kFsThreads / kWarp) {
+    const int64_t row = t * ni + h;
+    const uint32_t* ck = A.cand + row * 2 * kFsCandSlots;
+    const int32_t* cid = reinterpret_cast<const int32_t*>(ck + kFsCandSlots);
+    auto entry = [&](int i) { return RankEntry{__ldcg(ck + i), __ldcg(cid + i) >= 0}; };
+    auto id_of = [&](int i) { return __ldcg(cid + i); };
+    warp_select(entry, id_of, static_cast<int>(NG * topk), k, A.out + row * topk, nullptr);
+  }
+}
+
+// The fused decode selection's configuration for `n` tokens (0 stages: not applicable).
+struct FsPlan {
+  int64_t chunks = 0;
+  int stages = 0, stage_bytes = 0, smem = 0, ng_cap = 0;
+};
+
+// Opt-in (M3_MSA_FUSED_SELECT=1) until measured ahead of the two-kernel path (see the README);
+// read at every call (one getenv) so a test can switch it.
+bool fused_select_enabled() {
+  return env_switch("M3_MSA_FUSED_SELECT", false);
+}
+// M3_MSA_FS_TOPK=0: the fused kernel only scores, the top-k kernels rank (A/B runs);
+// M3_MSA_FS_DIAG=1: only the scores, no ranking at all (timing the scan alone; wrong ids).
+bool fs_topk_enabled() {
+  static const bool on = env_switch("M3_MSA_FS_TOPK", true);
+  return on;
+}
+bool fs_diag() {
+  static const bool on = env_switch("M3_MSA_FS_DIAG", false);
+  return on;
+}
+
+// CTAs per SM and stages (bf16, fp8); M3_MSA_FS_CFG="cps,bf16,fp8" overrides (tuning runs).
+struct FsConfig {
+  int cps = 2, st_bf16 = 3, st_fp8 = 6;
+};
+const FsConfig& fs_config() {
+  static const FsConfig cfg = [] {
+    FsConfig c;
+    if (const char* e = std::getenv("M3_MSA_FS_CFG")) {
+      int a = 0, b = 0, d = 0;
+      if (std::sscanf(e, "%d,%d,%d", &a, &b, &d) == 3 && a >= 1 && b >= 1 && d >= 1 &&
+          b <= kFsMaxStages && d <= kFsMaxStages) {
+        c.cps = a;
+        c.st_bf16 = b;
+        c.st_fp8 = d;
+      }
+    }
+    return c;
+  }();
+  return cfg;
+}
+
+template <class T>
+int fs_occupancy(int smem) {  // CTAs per SM at `smem` bytes, cached per size
+  static std::mutex mu;
+  static std::vector<std::pair<int, int>> seen;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& e : seen)
+    if (e.first == smem) return e.second;
+  static std::atomic<uint64_t> attr_set{0};
+  detail::raise_smem_limit_once(attr_set, msa_scan_topk_kernel<T>, kFsMaxSmem);
+  int b = 0;
+  M3_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, msa_scan_topk_kernel<T>, kFsThreads, smem));
+  seen.emplace_back(smem, b);
+  return b;
+}
+
+FsPlan fs_plan(const KvPages& c, int64_t ni, int64_t n, int64_t topk, int64_t init_blocks,
+               int64_t local_blocks, int64_t nb_stride) {
+  FsPlan P;
+  if (!fused_select_enabled() || c.ik_dtype == KvDtype::kF32 || ni < 1 || ni > 8 ||
+      c.index_dim != kMmaIndexDim || topk > kFsMaxTopk || n < 1 || n > kFsCntTokens)
+    return P;
+  // Where msa_score_mma_kernel scores today (the same products, so the same ids), pages of up
+  // to 256 tokens, 16-byte aligned pools (the bulk copies).
+  const int64_t bs = c.page_size;
+  if (!mma_score_supported(c, ni) || bs > 256 || reinterpret_cast<uintptr_t>(c.ik) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(c.ik_scale) % 16 != 0)
+    return P;
+  const FsConfig& cfg = fs_config();
+  const bool fp8 = c.ik_dtype == KvDtype::kFp8;
+  const int stage_bytes = static_cast<int>(bs * kMmaIndexDim * (fp8 ? 1 : 2) + (fp8 ? bs * 4 : 0));
+  int stages = fp8 ? cfg.st_fp8 : cfg.st_bf16;
+  while (stages > 1 && stages * stage_bytes > kFsMaxSmem) --stages;
+  const int smem = stages * stage_bytes;
+  if (smem > kFsMaxSmem) return P;
+  const int occ = fp8 ? fs_occupancy<uint8_t>(smem) : fs_occupancy<uint16_t>(smem);
+  const int64_t slots = static_cast<int64_t>(std::max(1, std::min(cfg.cps, occ))) *
+                        static_cast<int64_t>(detail::num_sms());
+  if (occ < 1 || n > slots) return P;
+  const int64_t C = std::max<int64_t>(1, std::min<int64_t>({slots / n, nb_stride, 65535}));
+  if ((nb_stride + C - 1) / C > kFsTableCache) return P;
+  const int64_t ng_cap = std::min<int64_t>(kFsCntGroups, kFsCandSlots / topk);
+  // The most entries one warp ranks (warp_select: kWsMaxEntries): a group's blocks with the
+  // forced ones (fs_group_chunks: about sqrt(topk * blocks) + the rounding of each chunk), or
+  // the token's candidates (ng_cap * topk <= kFsCandSlots).
+  const int64_t gmin = (C + ng_cap - 1) / ng_cap;
+  const double L = static_cast<double>(nb_stride);
+  const int64_t group_keys =
+      std::max<int64_t>(
+          {kFsDirect,
+           static_cast<int64_t>(std::sqrt(double(topk) * L) +
+                                double(C) * std::sqrt(double(topk) / double(kFsDirect))) +
+               2,
+           gmin * (nb_stride / C + 1)}) +
+      init_blocks + local_blocks;
+  if (group_keys > kWsMaxEntries || kFsCandSlots > kWsMaxEntries) return P;
+  P.chunks = C;
+  P.stages = stages;
+  P.stage_bytes = stage_bytes;
+  P.smem = smem;
+  P.ng_cap = static_cast<int>(ng_cap);
+  return P;
+}
+
 // No workspace: one CTA per (token, index head) scores into shared memory, then the same top-k.
 template <class T>
 __global__ void __launch_bounds__(kFusedThreads)
@@ -953,9 +1471,14 @@ size_t msa_select_workspace_bytes(int64_t num_tokens, int64_t num_index_heads, c
                                   int64_t max_kv_len) {
   if (num_tokens <= 0 || max_kv_len <= 0 || cache.page_size <= 0) return 0;
   const int64_t nb_stride = (max_kv_len + cache.page_size - 1) / cache.page_size;
-  // The scores, then (rows of kSplitMinBlocks and more) the split top-k's candidates.
-  const int64_t cand =
+  // The scores, then the candidates of a two-step top-k.
+  // The split top-k's candidates, or the fused decode kernel's when it is on (rows of more than
+  // kFsDirect blocks: keys and ids of up to kFsCandSlots per row; a chunk of tokens is sized
+  // with the same switch at select time, so a workspace sized either way is safe).
+  const int64_t split =
       nb_stride >= kSplitMinBlocks ? (nb_stride + kSplitKeys - 1) / kSplitKeys * kSplitMaxTopk : 0;
+  const int64_t fused = fused_select_enabled() && nb_stride > kFsDirect ? 2 * kFsCandSlots : 0;
+  const int64_t cand = std::max<int64_t>(split, fused);
   return sizeof(float) * static_cast<size_t>(num_tokens * num_index_heads * nb_stride) +
          sizeof(int32_t) * static_cast<size_t>(num_tokens * num_index_heads * cand);
 }
@@ -1009,7 +1532,37 @@ void msa_select_blocks(const float* iq, int64_t num_index_heads, const KvPages& 
     sub.positions = layout.positions + t0;
     sub.seq_ids = layout.seq_ids + t0;
     const float* iq_n = iq + t0 * ni * cache.index_dim;
-    if (nb_stride > topk) {  // else every token selects all its blocks: nothing to score
+    // A decode step (every token alone in its sequence): scan and top-k in one kernel.
+    bool scored = false;
+    if (!layout.multi_token_seqs) {
+      const FsPlan fp = fs_plan(cache, ni, n, topk, init_blocks, local_blocks, nb_stride);
+      if (fp.stages > 0) {
+        FsArgs a;
+        a.ni = ni;
+        a.topk = topk;
+        a.init_blocks = init_blocks;
+        a.local_blocks = local_blocks;
+        a.nb_stride = nb_stride;
+        a.stages = fp.stages;
+        a.stage_bytes = fp.stage_bytes;
+        a.ng_cap = fp.ng_cap;
+        a.scan_only = fs_diag() || !fs_topk_enabled();
+        a.scores = scores;
+        a.cand = reinterpret_cast<uint32_t*>(scores + chunk * ni * nb_stride);
+        a.out = out + t0 * ni * topk;
+        const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(fp.chunks));
+        if (cache.ik_dtype == KvDtype::kFp8) {
+          detail::launch_pdl_attn(msa_scan_topk_kernel<uint8_t>, grid, dim3(kFsThreads),
+                                  static_cast<size_t>(fp.smem), stream, iq_n, cache, sub, a);
+        } else {
+          detail::launch_pdl_attn(msa_scan_topk_kernel<uint16_t>, grid, dim3(kFsThreads),
+                                  static_cast<size_t>(fp.smem), stream, iq_n, cache, sub, a);
+        }
+        if (!a.scan_only || fs_diag()) continue;
+        scored = true;  // the top-k kernels below rank its scores
+      }
+    }
+    if (nb_stride > topk && !scored) {  // else every token selects all its blocks: nothing to score
       // One wave over the chunk's tokens (the scorer holds two CTAs per SM): a second, partial
       // wave would double the time.
       const int64_t slots = 2 * static_cast<int64_t>(detail::num_sms());
