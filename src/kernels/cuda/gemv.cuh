@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
@@ -87,10 +88,73 @@ struct Params {
   // token (the MoE's shared expert, whose weights lie outside the routed experts' stride).
   // Its positions are [extra_p0, extra_p0 + extra_n); position p reads x row p - extra_p0
   // when x_rows is set (x holds the tokens), else x row p (x holds positions).
+  // The extra slot is blockIdx.y == 0, so that its CTAs are the first to become resident and
+  // prefetch its weights under the kernel ahead (the routed slots' weights depend on the routing).
   const void* w_extra = nullptr;
   const void* w_up_extra = nullptr;
   int64_t extra_p0 = 0, extra_n = 0;
+  // k elements of each row the CTA prefetches into L2 before pdl_enter (where the weights are
+  // known before the wait: dense, or the extra slot); at least the first sub-step.
+  int64_t pf_k = 0;
+  // Grouped, with route_ids (P = route_p <= kRouteMaxPicks picks): every CTA groups the picks
+  // ids [P] (k per token, experts < route_ne; -1 another rank's) itself, as the grouping kernel
+  // does, instead of reading offsets / active / num_active / x_rows; CTA (0, 0, 0) writes those
+  // arrays and the pair arrays (route_out) for the kernels after it.
+  const int32_t* route_ids = nullptr;
+  const float* route_wts = nullptr;
+  int route_p = 0, route_k = 0, route_ne = 0;
+  struct RouteOut {
+    int32_t* offsets;
+    int32_t* active;
+    int32_t* num_active;
+    int32_t* pair_token;
+    float* pair_weight;
+    int32_t* pair_pos;
+  } route_out{};
+  // Grouped, unfused, one k split, with comb_out: the MoE combine as the epilogue. Each CTA
+  // counts itself on comb_count[blockIdx.x] (zero before, reset by the last); the last CTA of a
+  // row tile writes comb_out[t, rows of the tile] = shared (row t of comb_shared if set; row
+  // extra_p0 + t of y with comb_shared_ye) + Σ weight * y[pos] over token t's picks in ascending
+  // position, for every token t < comb_n: the combine kernel's sums (combine_term) in its order.
+  float* comb_out = nullptr;
+  const float* comb_shared = nullptr;
+  bool comb_shared_ye = false;
+  int64_t comb_n = 0;
+  int comb_k = 0;
+  const int32_t* pair_pos = nullptr;
+  const float* pair_weight = nullptr;
+  unsigned* comb_count = nullptr;
 };
+
+inline constexpr int kRouteMaxPicks = 32;  // in-kernel routing: one pick per lane of a warp
+inline constexpr int kMaxTopK = 16;        // the combine sorts a token's picks in registers
+
+// Token t's k pick positions in ascending order (insertion sort) into pos; returns the first
+// index past the picks of other ranks' experts (pos -1, which sort first and are skipped).
+__device__ __forceinline__ int sorted_picks(const int32_t* __restrict__ pair_pos, int64_t t, int k,
+                                            int32_t (&pos)[kMaxTopK]) {
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    if (j >= k) break;
+    const int32_t v = pair_pos[t * k + j];
+    int i = j;
+    while (i > 0 && pos[i - 1] > v) {
+      pos[i] = pos[i - 1];
+      --i;
+    }
+    pos[i] = v;
+  }
+  int first = 0;
+  while (first < k && pos[first] < 0) ++first;
+  return first;
+}
+
+// The combine's arithmetic for one term, shared by the combine kernels and the GEMV epilogue so
+// that every path gives the same bits: routed starts at 0 and takes wt * y per pick in ascending
+// position (one rounding each: an explicit fma), then out = shared + routed.
+__device__ __forceinline__ float combine_term(float routed, float wt, float y) {
+  return fmaf(wt, y, routed);
+}
 
 __device__ __forceinline__ float swiglu_oai(float g, float u, const SwigluParams& a) {
   // The CPU op's formula term by term (see norm_rope_mlp.cu).
@@ -118,17 +182,71 @@ __device__ __forceinline__ void prefetch_first(const void* w, const void* wu, co
   constexpr int kRows = kFused ? kLoadRows / 2 : kLoadRows;
   constexpr int V = Traits<W>::kVec;
   constexpr int64_t kSeg = seg<W>();
-  const int64_t klen = min(p.kc, ke - kb);
+  const int64_t klen = min(max(p.pf_k, kIt * kSeg), ke - kb);
 #pragma unroll
   for (int r = 0; r < kLoadRows; ++r) {
     const int64_t row = row0 + (kFused ? r % kRows : r);
     if (row >= p.m) continue;
     const W* base = static_cast<const W*>((kFused && r >= kRows) ? wu : w) + row * p.k + kb;
-#pragma unroll
-    for (int it = 0; it < kIt; ++it) {
-      const int64_t kk = it * kSeg + lane * V;
-      if (kk < klen) asm volatile("prefetch.L2 [%0];" ::"l"(base + kk));
+    for (int64_t kk = lane * V; kk < klen; kk += kSeg)
+      asm volatile("prefetch.L2 [%0];" ::"l"(base + kk));
+  }
+}
+
+// The P <= kRouteMaxPicks picks grouped by warp 0 (Params::route_ids): lane p holds pick p; its
+// position is the number of valid picks of lower experts plus those of its expert at lower
+// lanes (the grouping kernel's order: experts ascending, then pick order), its expert's slot the
+// number of distinct lower experts. Leaves the token of every position in tok, and slot `slot`'s
+// expert (-1: no such slot) and position range in *e, *p0, *p1; with `write`, the routing
+// arrays in p.route_out.
+__device__ __forceinline__ void route_warp(const Params& p, int slot, bool write, int32_t* tok,
+                                           int32_t* se, int32_t* sp0, int32_t* sp1) {
+  const int lane = threadIdx.x % 32;
+  int e = -1;
+  if (lane < p.route_p) {
+    e = p.route_ids[lane];
+    M3_DEVICE_CHECK(e >= -1 && e < p.route_ne, "moe: expert id %d of %d", e, p.route_ne);
+  }
+  const bool valid = e >= 0;
+  const unsigned peers = __match_any_sync(0xffffffffu, e);
+  const int rank = __popc(peers & ((1u << lane) - 1u));
+  const bool leader = valid && rank == 0;
+  const unsigned leaders = __ballot_sync(0xffffffffu, leader);
+  int less = 0, distinct_less = 0;
+  for (int q = 0; q < 32; ++q) {
+    const int eq = __shfl_sync(0xffffffffu, e, q);
+    if (eq >= 0 && eq < e) {
+      ++less;
+      distinct_less += (leaders >> q) & 1u;
     }
+  }
+  const int pos = less + rank;
+  if (lane == 0) *se = -1;
+  __syncwarp();
+  if (valid) tok[pos] = lane / p.route_k;
+  if (leader && distinct_less == slot) {
+    *se = e;
+    *sp0 = less;
+    *sp1 = less + __popc(peers);
+  }
+  if (!write) return;
+  const Params::RouteOut& o = p.route_out;
+  if (valid) {
+    o.pair_token[pos] = lane / p.route_k;
+    o.pair_weight[pos] = p.route_wts[lane];
+    if (leader) o.active[distinct_less] = e;
+  }
+  if (lane < p.route_p) o.pair_pos[lane] = valid ? pos : -1;
+  if (lane == 0) *o.num_active = __popc(leaders);
+  // offsets[x] = the valid picks of experts below x, x = 0..ne.
+  for (int x0 = 0; x0 <= p.route_ne; x0 += 32) {
+    const int x = x0 + lane;
+    int c = 0;
+    for (int q = 0; q < 32; ++q) {
+      const int eq = __shfl_sync(0xffffffffu, e, q);
+      c += (eq >= 0 && eq < x) ? 1 : 0;
+    }
+    if (x <= p.route_ne) o.offsets[x] = c;
   }
 }
 
@@ -148,31 +266,52 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
   const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * nwarps + warp) * kRows;
   const int64_t kb = static_cast<int64_t>(blockIdx.z) * p.k_split;
   const int64_t ke = min(p.k, kb + p.k_split);
+  const bool has_extra = p.offsets != nullptr && p.w_extra != nullptr;
+  // This CTA serves the extra (shared) expert: slot 0.
+  const bool extra = has_extra && blockIdx.y == 0;
   if (p.offsets == nullptr) {
     prefetch_first<W, kFused, kIt>(p.w, p.w_up, p, row0, kb, ke, lane);
-  } else if (p.w_extra != nullptr && blockIdx.y == gridDim.y - 1) {
+  } else if (extra) {
     prefetch_first<W, kFused, kIt>(p.w_extra, p.w_up_extra, p, row0, kb, ke, lane);
   }
   detail::pdl_enter();  // the routing, x and y belong to earlier kernels
+  __shared__ int32_t route_tok[kRouteMaxPicks];
+  __shared__ int32_t route_e, route_p0, route_p1;
+  const int slot = static_cast<int>(blockIdx.y) - (has_extra ? 1 : 0);
+  if (p.route_ids != nullptr) {
+    if (warp == 0)
+      route_warp(p, slot, blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, route_tok,
+                 &route_e, &route_p0, &route_p1);
+    __syncthreads();
+  }
   int64_t p0 = 0, p1 = p.n;
   const W* w = static_cast<const W*>(p.w);
   const W* wu = static_cast<const W*>(p.w_up);
-  bool extra = false;  // this CTA serves the extra (shared) expert
   if (p.offsets != nullptr) {
-    const int slot = blockIdx.y;
-    if (p.w_extra != nullptr && slot == static_cast<int>(gridDim.y) - 1) {
-      extra = true;
+    if (extra) {
       p0 = p.extra_p0;
       p1 = p.extra_p0 + p.extra_n;
       w = static_cast<const W*>(p.w_extra);
       wu = static_cast<const W*>(p.w_up_extra);
     } else {
-      if (slot >= *p.num_active) return;  // fewer active experts than slots: nothing to do
-      const int e = p.active[slot];
-      p0 = p.offsets[e];
-      p1 = p.offsets[e + 1];
-      w += e * p.w_stride;
-      if (kFused) wu += e * p.w_stride;
+      // Fewer active experts than slots: nothing to do (but count on the combine's tile).
+      int e = -1;
+      if (p.route_ids != nullptr) {
+        e = route_e;
+        p0 = route_p0;
+        p1 = route_p1;
+      } else if (slot < *p.num_active) {
+        e = p.active[slot];
+        p0 = p.offsets[e];
+        p1 = p.offsets[e + 1];
+      }
+      if (e < 0) {
+        if (p.comb_out == nullptr) return;
+        p0 = p1 = 0;
+      } else {
+        w += e * p.w_stride;
+        if (kFused) wu += e * p.w_stride;
+      }
     }
   }
   float* y = p.y + blockIdx.z * p.y_split_stride;
@@ -216,7 +355,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (t < nt && kk < klen) {
           const int64_t pos = pg + t;
-          const int64_t xr = p.x_rows ? (extra ? pos - p.extra_p0 : p.x_rows[pos]) : pos;
+          int64_t xr = pos;
+          if (p.x_rows != nullptr)
+            xr = extra ? pos - p.extra_p0 : p.route_ids ? route_tok[pos] : p.x_rows[pos];
           v = *reinterpret_cast<const float4*>(p.x + xr * p.k + kc + kk);
         }
         const int s = kk / static_cast<int>(kSeg), o = kk % static_cast<int>(kSeg);
@@ -280,6 +421,34 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
       }
     }
   }
+  if (!kFused && p.comb_out != nullptr) {
+    // The combine of this row tile, by the last of its CTAs (one per slot) to finish: each
+    // publishes its rows of y before counting itself.
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(p.comb_count + blockIdx.x, 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) p.comb_count[blockIdx.x] = 0;  // ready for the next launch
+    const int tile_rows = nwarps * kRows;
+    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * tile_rows;
+    for (int64_t i = threadIdx.x; i < p.comb_n * tile_rows; i += blockDim.x) {
+      const int64_t t = i / tile_rows, r = r0 + i % tile_rows;
+      if (r >= p.m) continue;
+      int32_t pos[kMaxTopK];
+      const int first = sorted_picks(p.pair_pos, t, p.comb_k, pos);
+      float routed = 0.f;
+      for (int j = first; j < p.comb_k; ++j)
+        routed = combine_term(routed, p.pair_weight[pos[j]], __ldcg(p.y + pos[j] * p.m + r));
+      if (p.comb_shared_ye || p.comb_shared != nullptr) {
+        const float* sh = p.comb_shared_ye ? p.y + (p.extra_p0 + t) * p.m : p.comb_shared + t * p.m;
+        routed = __ldcg(sh + r) + routed;
+      }
+      p.comb_out[t * p.m + r] = routed;
+    }
+  }
 }
 
 // Warps per CTA (max_warps, its halves, down to 2) for `warp_tasks` row groups (kLoadRows rows
@@ -302,6 +471,32 @@ inline int balanced_warps(int64_t warp_tasks, int sms, int max_warps = kThreads 
     }
   }
   return best;
+}
+
+// Bytes of weights one launch may prefetch into L2 before it waits for the kernel ahead
+// (Params::pf_k): M3_GEMV_PREFETCH_MB (default 24, half the H200's L2; 0 prefetches only each
+// CTA's first sub-step), read once.
+inline int64_t prefetch_budget() {
+  static const int64_t bytes = [] {
+    const char* v = std::getenv("M3_GEMV_PREFETCH_MB");
+    long mb = 24;
+    if (v != nullptr && *v != '\0') {
+      char* end = nullptr;
+      const long got = std::strtol(v, &end, 10);
+      if (end != v && *end == '\0' && got >= 0 && got <= 1024) mb = got;
+    }
+    return static_cast<int64_t>(mb) << 20;
+  }();
+  return bytes;
+}
+
+// Params::pf_k for `rows` weight rows of k elements that the launch's CTAs prefetch before the
+// wait: the budget spread over them, in whole segments, at most k.
+template <class W>
+int64_t prefetch_k(int64_t rows, int64_t k) {
+  if (rows <= 0) return 0;
+  const int64_t per_row = prefetch_budget() / (rows * static_cast<int64_t>(sizeof(W)));
+  return std::min(k, per_row / seg<W>() * seg<W>());
 }
 
 // Token-group size for up to n positions per group: 1, 2, 4, 8 or 16 (more loop).

@@ -177,6 +177,7 @@ void linear_gemv(const float* x, int64_t n, const MatRef& w, float* y, cudaStrea
   p.n = n;
   p.k_split = k_split;
   p.kc = gemv::chunk_k<W>(nt, k_split);
+  p.pf_k = gemv::prefetch_k<W>(m * splits, k_split);
   float* part = nullptr;
   if (splits > 1) {
     part = static_cast<float*>(blas::pool_alloc(splits * n * m * sizeof(float), stream));
