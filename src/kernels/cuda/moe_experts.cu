@@ -7,6 +7,7 @@
 // expert over its gathered tokens. All end in the CPU model's combine order: routed = 0, then
 // += weight * out per expert in ascending id; out = shared + routed.
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "kernels/cuda/blas.h"
@@ -323,24 +324,26 @@ cpu::MatRef expert_mat(const void* base, DType dt, int64_t e, int64_t rows, int6
 // The device address of g_combine_count on the current device.
 unsigned* combine_counters() {
   constexpr int kMaxDevices = 64;
-  static unsigned* ptr[kMaxDevices] = {};
+  static std::atomic<unsigned*> ptr[kMaxDevices] = {};
   int dev = 0;
   M3_CUDA_CHECK(cudaGetDevice(&dev));
-  M3_CHECK(dev < kMaxDevices);
-  if (ptr[dev] == nullptr) {
+  M3_CHECK(dev >= 0 && dev < kMaxDevices);
+  unsigned* got = ptr[dev].load(std::memory_order_relaxed);
+  if (got == nullptr) {
     void* p = nullptr;
     M3_CUDA_CHECK(cudaGetSymbolAddress(&p, g_combine_count));
-    ptr[dev] = static_cast<unsigned*>(p);
+    got = static_cast<unsigned*>(p);
+    ptr[dev].store(got, std::memory_order_relaxed);
   }
-  return ptr[dev];
+  return got;
 }
 
 // The grouped GEMVs: gate|up with SwiGLU-OAI fused, then down, over every active expert; with
 // `s`, the shared expert too, as one more slot over all n tokens at positions [P, P + n).
-// With `route` (P <= gemv::kRouteMaxPicks) the gate|up GEMV groups the picks ids / weights
-// itself and writes the routing arrays (no grouping kernel ran). With `out`, the down GEMV
-// ends in the combine (out = shared, or the shared slot's rows, + routed); returns whether it
-// did (else the caller combines).
+// With `route` (P <= gemv::kRouteMaxPicks: a decode step's few picks) the gate|up GEMV groups
+// the picks ids / weights itself and writes the routing arrays (no grouping kernel ran), and
+// the down GEMV ends in the combine into `out` (out = shared, or the shared slot's rows, +
+// routed); returns whether it did (else the caller combines).
 template <class W>
 bool experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& w,
                   const MoeSharedExpert* s, const SwigluParams& act, const Layout& l,
@@ -391,7 +394,7 @@ bool experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
     gemv::launch<W, true>(p, nt, dim3(tiles, slots, 1), gemv::kThreads, stream);
   }
   const unsigned down_tiles = ceil_div(w.hidden, warps * gemv::kLoadRows);
-  const bool fold_combine = out != nullptr && down_tiles <= static_cast<unsigned>(kCombineTiles);
+  const bool fold_combine = route && down_tiles <= static_cast<unsigned>(kCombineTiles);
   {
     gemv::Params p;
     p.x = l.act;
