@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "core/env.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -89,17 +90,14 @@ struct Params {
   // Its positions are [extra_p0, extra_p0 + extra_n); position p reads x row p - extra_p0
   // when x_rows is set (x holds the tokens), else x row p (x holds positions).
   // The extra slot is blockIdx.y == 0, so that its CTAs are the first to become resident and
-  // prefetch its weights under the kernel ahead (the routed slots' weights depend on the routing).
+  // prefetch its first weights under the kernel ahead (the routed slots' depend on the routing).
   const void* w_extra = nullptr;
   const void* w_up_extra = nullptr;
   int64_t extra_p0 = 0, extra_n = 0;
-  // k elements of each row the CTA prefetches into L2 before pdl_enter (where the weights are
-  // known before the wait: dense, or the extra slot); at least the first sub-step.
-  int64_t pf_k = 0;
-  // Grouped, with route_ids (P = route_p <= kRouteMaxPicks picks): every CTA groups the picks
-  // ids [P] (k per token, experts < route_ne; -1 another rank's) itself, as the grouping kernel
-  // does, instead of reading offsets / active / num_active / x_rows; CTA (0, 0, 0) writes those
-  // arrays and the pair arrays (route_out) for the kernels after it.
+  // Grouped, with route_ids (P = route_p <= kRouteMaxPicks picks: a decode step's): every CTA
+  // groups the picks ids [P] (k per token, experts < route_ne; -1 another rank's) itself, as the
+  // grouping kernel does, instead of reading offsets / active / num_active / x_rows; CTA
+  // (0, 0, 0) writes those arrays and the pair arrays (route_out) for the kernels after it.
   const int32_t* route_ids = nullptr;
   const float* route_wts = nullptr;
   int route_p = 0, route_k = 0, route_ne = 0;
@@ -111,49 +109,23 @@ struct Params {
     float* pair_weight;
     int32_t* pair_pos;
   } route_out{};
-  // Grouped, unfused, one k split, with comb_out: the MoE combine as the epilogue. Each CTA
-  // counts itself on comb_count[blockIdx.x] (zero before, reset by the last); the last CTA of a
-  // row tile writes comb_out[t, rows of the tile] = shared (row t of comb_shared if set; row
-  // extra_p0 + t of y with comb_shared_ye) + Σ weight * y[pos] over token t's picks in ascending
-  // position, for every token t < comb_n: the combine kernel's sums (combine_term) in its order.
-  float* comb_out = nullptr;
-  const float* comb_shared = nullptr;
-  bool comb_shared_ye = false;
-  int64_t comb_n = 0;
-  int comb_k = 0;
-  const int32_t* pair_pos = nullptr;
-  const float* pair_weight = nullptr;
-  unsigned* comb_count = nullptr;
 };
 
 inline constexpr int kRouteMaxPicks = 32;  // in-kernel routing: one pick per lane of a warp
-inline constexpr int kMaxTopK = 16;        // the combine sorts a token's picks in registers
-
-// Token t's k pick positions in ascending order (insertion sort) into pos; returns the first
-// index past the picks of other ranks' experts (pos -1, which sort first and are skipped).
-__device__ __forceinline__ int sorted_picks(const int32_t* __restrict__ pair_pos, int64_t t, int k,
-                                            int32_t (&pos)[kMaxTopK]) {
-#pragma unroll
-  for (int j = 0; j < kMaxTopK; ++j) {
-    if (j >= k) break;
-    const int32_t v = pair_pos[t * k + j];
-    int i = j;
-    while (i > 0 && pos[i - 1] > v) {
-      pos[i] = pos[i - 1];
-      --i;
-    }
-    pos[i] = v;
-  }
-  int first = 0;
-  while (first < k && pos[first] < 0) ++first;
-  return first;
+// Whether the first sub-step's weights are loaded into registers before x is staged (else
+// prefetched towards L2): where that fits the 128 registers of two CTAs per SM without spills
+// (ptxas -v: not at 2 and 8 tokens).
+constexpr bool hoist_first(int nt) {
+  return nt != 2 && nt != 8;
 }
 
-// The combine's arithmetic for one term, shared by the combine kernels and the GEMV epilogue so
-// that every path gives the same bits: routed starts at 0 and takes wt * y per pick in ascending
-// position (one rounding each: an explicit fma), then out = shared + routed.
-__device__ __forceinline__ float combine_term(float routed, float wt, float y) {
-  return fmaf(wt, y, routed);
+// One 16-byte global -> shared copy in flight without registers (cp.async, L2 only); zeros
+// where !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(float* smem, const float* src, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
 }
 
 __device__ __forceinline__ float swiglu_oai(float g, float u, const SwigluParams& a) {
@@ -182,14 +154,17 @@ __device__ __forceinline__ void prefetch_first(const void* w, const void* wu, co
   constexpr int kRows = kFused ? kLoadRows / 2 : kLoadRows;
   constexpr int V = Traits<W>::kVec;
   constexpr int64_t kSeg = seg<W>();
-  const int64_t klen = min(max(p.pf_k, kIt * kSeg), ke - kb);
+  const int64_t klen = min(p.kc, ke - kb);
 #pragma unroll
   for (int r = 0; r < kLoadRows; ++r) {
     const int64_t row = row0 + (kFused ? r % kRows : r);
     if (row >= p.m) continue;
     const W* base = static_cast<const W*>((kFused && r >= kRows) ? wu : w) + row * p.k + kb;
-    for (int64_t kk = lane * V; kk < klen; kk += kSeg)
-      asm volatile("prefetch.L2 [%0];" ::"l"(base + kk));
+#pragma unroll
+    for (int it = 0; it < kIt; ++it) {
+      const int64_t kk = it * kSeg + lane * V;
+      if (kk < klen) asm volatile("prefetch.L2 [%0];" ::"l"(base + kk));
+    }
   }
 }
 
@@ -197,7 +172,7 @@ __device__ __forceinline__ void prefetch_first(const void* w, const void* wu, co
 // position is the number of valid picks of lower experts plus those of its expert at lower
 // lanes (the grouping kernel's order: experts ascending, then pick order), its expert's slot the
 // number of distinct lower experts. Leaves the token of every position in tok, and slot `slot`'s
-// expert (-1: no such slot) and position range in *e, *p0, *p1; with `write`, the routing
+// expert (-1: no such slot) and position range in *se, *sp0, *sp1; with `write`, the routing
 // arrays in p.route_out.
 __device__ __forceinline__ void route_warp(const Params& p, int slot, bool write, int32_t* tok,
                                            int32_t* se, int32_t* sp0, int32_t* sp1) {
@@ -267,8 +242,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
   const int64_t kb = static_cast<int64_t>(blockIdx.z) * p.k_split;
   const int64_t ke = min(p.k, kb + p.k_split);
   const bool has_extra = p.offsets != nullptr && p.w_extra != nullptr;
-  // This CTA serves the extra (shared) expert: slot 0.
-  const bool extra = has_extra && blockIdx.y == 0;
+  const bool extra = has_extra && blockIdx.y == 0;  // this CTA serves the extra (shared) expert
   if (p.offsets == nullptr) {
     prefetch_first<W, kFused, kIt>(p.w, p.w_up, p, row0, kb, ke, lane);
   } else if (extra) {
@@ -277,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
   detail::pdl_enter();  // the routing, x and y belong to earlier kernels
   __shared__ int32_t route_tok[kRouteMaxPicks];
   __shared__ int32_t route_e, route_p0, route_p1;
-  const int slot = static_cast<int>(blockIdx.y) - (has_extra ? 1 : 0);
+  const int slot = static_cast<int>(blockIdx.y) - (has_extra ? 1 : 0);  // routed slot
   if (p.route_ids != nullptr) {
     if (warp == 0)
       route_warp(p, slot, blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, route_tok,
@@ -294,7 +268,6 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
       w = static_cast<const W*>(p.w_extra);
       wu = static_cast<const W*>(p.w_up_extra);
     } else {
-      // Fewer active experts than slots: nothing to do (but count on the combine's tile).
       int e = -1;
       if (p.route_ids != nullptr) {
         e = route_e;
@@ -305,13 +278,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
         p0 = p.offsets[e];
         p1 = p.offsets[e + 1];
       }
-      if (e < 0) {
-        if (p.comb_out == nullptr) return;
-        p0 = p1 = 0;
-      } else {
-        w += e * p.w_stride;
-        if (kFused) wu += e * p.w_stride;
-      }
+      if (e < 0) return;  // fewer active experts than slots: nothing to do
+      w += e * p.w_stride;
+      if (kFused) wu += e * p.w_stride;
     }
   }
   float* y = p.y + blockIdx.z * p.y_split_stride;
@@ -338,35 +307,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
 
     for (int64_t kc = kb; kc < ke; kc += p.kc) {
       const int64_t klen = min(p.kc, ke - kc);
-      // The first sub-step's weights towards L2 while x is staged: the CTA's first loads then
-      // wait for L2, not for DRAM behind the staging's barrier.
-#pragma unroll
-      for (int it = 0; it < kIt; ++it) {
-        const int64_t kk = it * kSeg + lane * V;
-#pragma unroll
-        for (int r = 0; r < kLoadRows; ++r)
-          if (kk < klen && row_ok[r]) asm volatile("prefetch.L2 [%0];" ::"l"(wrow[r] + kc + kk));
-      }
-      __syncthreads();  // the previous chunk's reads of xs are done
-      const int q_per_tok = static_cast<int>(p.kc / 4);
-      for (int i = threadIdx.x; i < NT * q_per_tok; i += blockDim.x) {
-        const int t = i / q_per_tok;
-        const int kk = (i % q_per_tok) * 4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (t < nt && kk < klen) {
-          const int64_t pos = pg + t;
-          int64_t xr = pos;
-          if (p.x_rows != nullptr)
-            xr = extra ? pos - p.extra_p0 : p.route_ids ? route_tok[pos] : p.x_rows[pos];
-          v = *reinterpret_cast<const float4*>(p.x + xr * p.k + kc + kk);
-        }
-        const int s = kk / static_cast<int>(kSeg), o = kk % static_cast<int>(kSeg);
-        *reinterpret_cast<float4*>(xs + t * p.kc + s * kSeg + smem_slot<W>(o)) = v;
-      }
-      __syncthreads();
       // Sub-steps of kIt segments: all their weight loads are issued before the first use.
-      for (int64_t sub = 0; sub < klen; sub += kIt * kSeg) {
-        Raw raw[kIt][kLoadRows];
+      Raw raw[kIt][kLoadRows];
+      auto load_sub = [&](int64_t sub) {
 #pragma unroll
         for (int it = 0; it < kIt; ++it) {
           const int64_t kk = sub + it * kSeg + lane * V;
@@ -378,6 +321,44 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
               raw[it][r] = Raw{};
           }
         }
+      };
+      // The first sub-step's weights are loaded before x is staged, so the CTA's first weight
+      // round trip overlaps the staging's instead of following its barrier (or, without the
+      // registers for it, go towards L2 meanwhile).
+      if constexpr (hoist_first(NT)) {
+        load_sub(0);
+      } else {
+#pragma unroll
+        for (int it = 0; it < kIt; ++it) {
+          const int64_t kk = it * kSeg + lane * V;
+#pragma unroll
+          for (int r = 0; r < kLoadRows; ++r)
+            if (kk < klen && row_ok[r]) asm volatile("prefetch.L2 [%0];" ::"l"(wrow[r] + kc + kk));
+        }
+      }
+      __syncthreads();  // the previous chunk's reads of xs are done
+      // x staged by cp.async: every 16-byte copy of the CTA in flight at once, beside the
+      // first sub-step's weights, with no registers held (one round trip for the staging).
+      const int q_per_tok = static_cast<int>(p.kc / 4);
+      for (int i = threadIdx.x; i < NT * q_per_tok; i += blockDim.x) {
+        const int t = i / q_per_tok;
+        const int kk = (i % q_per_tok) * 4;
+        const bool valid = t < nt && kk < klen;
+        const float* src = p.x;
+        if (valid) {
+          const int64_t pos = pg + t;
+          int64_t xr = pos;
+          if (p.x_rows != nullptr)
+            xr = extra ? pos - p.extra_p0 : p.route_ids ? route_tok[pos] : p.x_rows[pos];
+          src = p.x + xr * p.k + kc + kk;
+        }
+        const int s = kk / static_cast<int>(kSeg), o = kk % static_cast<int>(kSeg);
+        cp_async16(xs + t * p.kc + s * kSeg + smem_slot<W>(o), src, valid);
+      }
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      __syncthreads();
+      for (int64_t sub = 0; sub < klen; sub += kIt * kSeg) {
+        if (sub > 0 || !hoist_first(NT)) load_sub(sub);
 #pragma unroll
         for (int it = 0; it < kIt; ++it) {
           if (sub + it * kSeg >= klen) break;  // uniform: a short last chunk
@@ -421,34 +402,6 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
       }
     }
   }
-  if (!kFused && p.comb_out != nullptr) {
-    // The combine of this row tile, by the last of its CTAs (one per slot) to finish: each
-    // publishes its rows of y before counting itself.
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(p.comb_count + blockIdx.x, 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (threadIdx.x == 0) p.comb_count[blockIdx.x] = 0;  // ready for the next launch
-    const int tile_rows = nwarps * kRows;
-    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * tile_rows;
-    for (int64_t i = threadIdx.x; i < p.comb_n * tile_rows; i += blockDim.x) {
-      const int64_t t = i / tile_rows, r = r0 + i % tile_rows;
-      if (r >= p.m) continue;
-      int32_t pos[kMaxTopK];
-      const int first = sorted_picks(p.pair_pos, t, p.comb_k, pos);
-      float routed = 0.f;
-      for (int j = first; j < p.comb_k; ++j)
-        routed = combine_term(routed, p.pair_weight[pos[j]], __ldcg(p.y + pos[j] * p.m + r));
-      if (p.comb_shared_ye || p.comb_shared != nullptr) {
-        const float* sh = p.comb_shared_ye ? p.y + (p.extra_p0 + t) * p.m : p.comb_shared + t * p.m;
-        routed = __ldcg(sh + r) + routed;
-      }
-      p.comb_out[t * p.m + r] = routed;
-    }
-  }
 }
 
 // Warps per CTA (max_warps, its halves, down to 2) for `warp_tasks` row groups (kLoadRows rows
@@ -473,30 +426,21 @@ inline int balanced_warps(int64_t warp_tasks, int sms, int max_warps = kThreads 
   return best;
 }
 
-// Bytes of weights one launch may prefetch into L2 before it waits for the kernel ahead
-// (Params::pf_k): M3_GEMV_PREFETCH_MB (default 24, half the H200's L2; 0 prefetches only each
-// CTA's first sub-step), read once.
-inline int64_t prefetch_budget() {
-  static const int64_t bytes = [] {
-    const char* v = std::getenv("M3_GEMV_PREFETCH_MB");
-    long mb = 24;
-    if (v != nullptr && *v != '\0') {
-      char* end = nullptr;
-      const long got = std::strtol(v, &end, 10);
-      if (end != v && *end == '\0' && got >= 0 && got <= 1024) mb = got;
-    }
-    return static_cast<int64_t>(mb) << 20;
-  }();
-  return bytes;
+// Tuning switches for measurements (read once): M3_GEMV_BALANCE=0 keeps linear's dense GEMV
+// at 8-warp CTAs (no balanced_warps); M3_GEMV_EXPERT_WARPS (8, 4 or 2; default 8) sizes the
+// grouped expert GEMVs' CTAs.
+inline bool balance_on() {
+  static const bool on = env_switch("M3_GEMV_BALANCE", true);
+  return on;
 }
-
-// Params::pf_k for `rows` weight rows of k elements that the launch's CTAs prefetch before the
-// wait: the budget spread over them, in whole segments, at most k.
-template <class W>
-int64_t prefetch_k(int64_t rows, int64_t k) {
-  if (rows <= 0) return 0;
-  const int64_t per_row = prefetch_budget() / (rows * static_cast<int64_t>(sizeof(W)));
-  return std::min(k, per_row / seg<W>() * seg<W>());
+inline int expert_warps() {
+  static const int w = [] {
+    const char* v = std::getenv("M3_GEMV_EXPERT_WARPS");
+    if (v == nullptr) return 8;
+    const int got = std::atoi(v);
+    return got == 4 || got == 2 ? got : 8;
+  }();
+  return w;
 }
 
 // Token-group size for up to n positions per group: 1, 2, 4, 8 or 16 (more loop).
@@ -517,8 +461,9 @@ template <class W, int NT, bool kFused>
 void launch_nt(const Params& p, dim3 grid, int threads, cudaStream_t stream) {
   auto kernel = gemv_kernel<W, NT, kFused>;
   const size_t smem = static_cast<size_t>(NT) * p.kc * sizeof(float);
-  if (smem > 48 * 1024) {
-    // Above 48 KiB the dynamic limit must be raised (per function; cheap, and idempotent).
+  if (smem + 1024 > 48 * 1024) {
+    // Above 48 KiB with the kernel's static shared memory (< 1 KiB: the routing's) the dynamic
+    // limit must be raised (per function; cheap, and idempotent).
     M3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kSmemBudget)));
   }

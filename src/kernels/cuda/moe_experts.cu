@@ -7,7 +7,6 @@
 // expert over its gathered tokens. All end in the CPU model's combine order: routed = 0, then
 // += weight * out per expert in ascending id; out = shared + routed.
 #include <algorithm>
-#include <atomic>
 #include <vector>
 
 #include "kernels/cuda/blas.h"
@@ -25,13 +24,8 @@ namespace {
 using detail::ceil_div;
 
 constexpr int kRouteThreads = 1024;
-constexpr int64_t kMaxExperts = 1024;         // the grouping kernel's per-warp counts live in smem
-constexpr int64_t kMaxTopK = gemv::kMaxTopK;  // the combine sorts a token's picks in registers
-// The down GEMV's combine epilogue (gemv::Params::comb_count): one counter per row tile, zero at
-// load and left zero by every launch (its last CTA per tile resets it), so the MoE calls of one
-// device must not run concurrently on two streams (none do: a step's layers are one stream).
-constexpr int kCombineTiles = 1024;
-__device__ unsigned g_combine_count[kCombineTiles];
+constexpr int64_t kMaxExperts = 1024;  // the grouping kernel's per-warp counts live in smem
+constexpr int64_t kMaxTopK = 16;       // the combine sorts a token's picks in registers
 
 // Routing arrays at the start of the workspace; then the path's activations.
 struct Layout {
@@ -211,7 +205,25 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
 }
 
-using gemv::sorted_picks;
+// Token t's k pick positions in ascending order (insertion sort) into pos; returns the first
+// index past the picks of other ranks' experts (pos -1, which sort first and are skipped).
+__device__ __forceinline__ int sorted_picks(const int32_t* __restrict__ pair_pos, int64_t t, int k,
+                                            int32_t (&pos)[kMaxTopK]) {
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    if (j >= k) break;
+    const int32_t v = pair_pos[t * k + j];
+    int i = j;
+    while (i > 0 && pos[i - 1] > v) {
+      pos[i] = pos[i - 1];
+      --i;
+    }
+    pos[i] = v;
+  }
+  int first = 0;
+  while (first < k && pos[first] < 0) ++first;
+  return first;
+}
 
 // out[t] = shared[t] + Σ_j weight * ye[pos_j] over t's picks in ascending position (= ascending
 // expert id). One CTA per token.
@@ -226,8 +238,7 @@ __global__ void moe_combine_kernel(const float* __restrict__ ye,
   for (int j = first; j < k; ++j) wt[j] = pair_weight[pos[j]];
   for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
     float routed = 0.f;
-    for (int j = first; j < k; ++j)
-      routed = gemv::combine_term(routed, wt[j], ye[pos[j] * hidden + c]);
+    for (int j = first; j < k; ++j) routed += wt[j] * ye[pos[j] * hidden + c];
     out[t * hidden + c] = shared ? shared[t * hidden + c] + routed : routed;
   }
 }
@@ -249,10 +260,10 @@ __global__ void moe_combine_vec_kernel(const float* __restrict__ ye,
   for (int j = first; j < k; ++j) {
     const float wt = pair_weight[pos[j]];
     const float4 y = *reinterpret_cast<const float4*>(ye + pos[j] * hidden + c);
-    routed.x = gemv::combine_term(routed.x, wt, y.x);
-    routed.y = gemv::combine_term(routed.y, wt, y.y);
-    routed.z = gemv::combine_term(routed.z, wt, y.z);
-    routed.w = gemv::combine_term(routed.w, wt, y.w);
+    routed.x += wt * y.x;
+    routed.y += wt * y.y;
+    routed.z += wt * y.z;
+    routed.w += wt * y.w;
   }
   if (shared) {
     const float4 s = *reinterpret_cast<const float4*>(shared + t * hidden + c);
@@ -321,34 +332,14 @@ cpu::MatRef expert_mat(const void* base, DType dt, int64_t e, int64_t rows, int6
                      cols};
 }
 
-// The device address of g_combine_count on the current device.
-unsigned* combine_counters() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<unsigned*> ptr[kMaxDevices] = {};
-  int dev = 0;
-  M3_CUDA_CHECK(cudaGetDevice(&dev));
-  M3_CHECK(dev >= 0 && dev < kMaxDevices);
-  unsigned* got = ptr[dev].load(std::memory_order_relaxed);
-  if (got == nullptr) {
-    void* p = nullptr;
-    M3_CUDA_CHECK(cudaGetSymbolAddress(&p, g_combine_count));
-    got = static_cast<unsigned*>(p);
-    ptr[dev].store(got, std::memory_order_relaxed);
-  }
-  return got;
-}
-
 // The grouped GEMVs: gate|up with SwiGLU-OAI fused, then down, over every active expert; with
-// `s`, the shared expert too, as one more slot over all n tokens at positions [P, P + n).
-// With `route` (P <= gemv::kRouteMaxPicks: a decode step's few picks) the gate|up GEMV groups
-// the picks ids / weights itself and writes the routing arrays (no grouping kernel ran), and
-// the down GEMV ends in the combine into `out` (out = shared, or the shared slot's rows, +
-// routed); returns whether it did (else the caller combines).
+// `s`, the shared expert too, as one more slot over all n tokens at positions [P, P + n). With
+// `route` (P <= gemv::kRouteMaxPicks) the gate|up GEMV groups the picks ids / weights itself
+// and writes the routing arrays for the down GEMV and the combine (no grouping kernel ran).
 template <class W>
-bool experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& w,
+void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& w,
                   const MoeSharedExpert* s, const SwigluParams& act, const Layout& l,
-                  const int32_t* ids, const float* weights, bool route, const float* shared,
-                  float* out, cudaStream_t stream) {
+                  const int32_t* ids, const float* weights, bool route, cudaStream_t stream) {
   const int64_t P = n * k;
   const unsigned slots = static_cast<unsigned>(std::min(P, w.num_experts)) + (s ? 1 : 0);
   // Token groups sized for twice the mean tokens per expert, at most 8 (registers): most
@@ -358,7 +349,7 @@ bool experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
   // moe_fuses_shared), so its weights are read once.
   const int nt =
       std::max(gemv::nt_bucket(std::min<int64_t>({n, mean2, 8})), s ? gemv::nt_bucket(n) : 1);
-  const int warps = gemv::kThreads / 32;
+  const int warps = gemv::expert_warps();
   {
     gemv::Params p;
     p.x = x;
@@ -380,7 +371,6 @@ bool experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
       p.w_up_extra = s->up.data;
       p.extra_p0 = P;
       p.extra_n = n;
-      p.pf_k = gemv::prefetch_k<W>(2 * w.inter, w.hidden);
     }
     if (route) {
       p.route_ids = ids;
@@ -391,10 +381,8 @@ bool experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
       p.route_out = {l.offsets, l.active, l.num_active, l.pair_token, l.pair_weight, l.pair_pos};
     }
     const unsigned tiles = ceil_div(w.inter, warps * gemv::kLoadRows / 2);
-    gemv::launch<W, true>(p, nt, dim3(tiles, slots, 1), gemv::kThreads, stream);
+    gemv::launch<W, true>(p, nt, dim3(tiles, slots, 1), warps * 32, stream);
   }
-  const unsigned down_tiles = ceil_div(w.hidden, warps * gemv::kLoadRows);
-  const bool fold_combine = route && down_tiles <= static_cast<unsigned>(kCombineTiles);
   {
     gemv::Params p;
     p.x = l.act;
@@ -412,21 +400,10 @@ bool experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
       p.w_extra = s->down.data;
       p.extra_p0 = P;
       p.extra_n = n;
-      p.pf_k = gemv::prefetch_k<W>(w.hidden, w.inter);
     }
-    if (fold_combine) {
-      p.comb_out = out;
-      p.comb_shared = s ? nullptr : shared;
-      p.comb_shared_ye = s != nullptr;
-      p.comb_n = n;
-      p.comb_k = static_cast<int>(k);
-      p.pair_pos = l.pair_pos;
-      p.pair_weight = l.pair_weight;
-      p.comb_count = combine_counters();
-    }
-    gemv::launch<W, false>(p, nt, dim3(down_tiles, slots, 1), gemv::kThreads, stream);
+    const unsigned tiles = ceil_div(w.hidden, warps * gemv::kLoadRows);
+    gemv::launch<W, false>(p, nt, dim3(tiles, slots, 1), warps * 32, stream);
   }
-  return fold_combine;
 }
 
 bool aligned16(const void* p) {
@@ -644,7 +621,7 @@ void run_moe(MoePath path, const float* x, int64_t n, const int32_t* ids, const 
   const Layout l = layout_for(workspace, n, k, w);
   const int ne = static_cast<int>(w.num_experts);
 
-  // A few picks on the GEMVs are grouped by the gate|up GEMV itself (experts_gemv).
+  // A decode step's few picks on the GEMVs are grouped by the gate|up GEMV itself (experts_gemv).
   const bool route_in_gemv = path == MoePath::kGemv && !quant && P <= gemv::kRouteMaxPicks;
   if (!route_in_gemv) {
     const size_t smem = 2 * ne * sizeof(int32_t) + 32 * ne;
@@ -684,16 +661,12 @@ void run_moe(MoePath path, const float* x, int64_t n, const int32_t* ids, const 
     return;
   }
   if (path == MoePath::kGemv) {
-    bool combined = false;
     if (quant)
       experts_gemv_quant(x, n, k, w, act, l, stream);
     else if (w.dtype == DType::kBF16)
-      combined = experts_gemv<uint16_t>(x, n, k, w, sx, act, l, ids, weights, route_in_gemv, shared,
-                                        out, stream);
+      experts_gemv<uint16_t>(x, n, k, w, sx, act, l, ids, weights, route_in_gemv, stream);
     else
-      combined = experts_gemv<float>(x, n, k, w, sx, act, l, ids, weights, route_in_gemv, shared,
-                                     out, stream);
-    if (combined) return;
+      experts_gemv<float>(x, n, k, w, sx, act, l, ids, weights, route_in_gemv, stream);
     // With the shared expert inside, its outputs are ye's positions [P, P + n): token t's at
     // row P + t, the `shared` term of the combine.
     const float* sh = sx ? l.ye + P * w.hidden : shared;
