@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
+#include "core/env.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -87,10 +89,44 @@ struct Params {
   // token (the MoE's shared expert, whose weights lie outside the routed experts' stride).
   // Its positions are [extra_p0, extra_p0 + extra_n); position p reads x row p - extra_p0
   // when x_rows is set (x holds the tokens), else x row p (x holds positions).
+  // The extra slot is blockIdx.y == 0, so that its CTAs are the first to become resident and
+  // prefetch its first weights under the kernel ahead (the routed slots' depend on the routing).
   const void* w_extra = nullptr;
   const void* w_up_extra = nullptr;
   int64_t extra_p0 = 0, extra_n = 0;
+  // Grouped, with route_ids (P = route_p <= kRouteMaxPicks picks: a decode step's): every CTA
+  // groups the picks ids [P] (k per token, experts < route_ne; -1 another rank's) itself, as the
+  // grouping kernel does, instead of reading offsets / active / num_active / x_rows; CTA
+  // (0, 0, 0) writes those arrays and the pair arrays (route_out) for the kernels after it.
+  const int32_t* route_ids = nullptr;
+  const float* route_wts = nullptr;
+  int route_p = 0, route_k = 0, route_ne = 0;
+  struct RouteOut {
+    int32_t* offsets;
+    int32_t* active;
+    int32_t* num_active;
+    int32_t* pair_token;
+    float* pair_weight;
+    int32_t* pair_pos;
+  } route_out{};
 };
+
+inline constexpr int kRouteMaxPicks = 32;  // in-kernel routing: one pick per lane of a warp
+// Whether the first sub-step's weights are loaded into registers before x is staged (else
+// prefetched towards L2): where that fits the 128 registers of two CTAs per SM without spills
+// (ptxas -v: not at 2 and 8 tokens).
+constexpr bool hoist_first(int nt) {
+  return nt != 2 && nt != 8;
+}
+
+// One 16-byte global -> shared copy in flight without registers (cp.async, L2 only); zeros
+// where !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(float* smem, const float* src, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
 
 __device__ __forceinline__ float swiglu_oai(float g, float u, const SwigluParams& a) {
   // The CPU op's formula term by term (see norm_rope_mlp.cu).
@@ -132,6 +168,63 @@ __device__ __forceinline__ void prefetch_first(const void* w, const void* wu, co
   }
 }
 
+// The P <= kRouteMaxPicks picks grouped by warp 0 (Params::route_ids): lane p holds pick p; its
+// position is the number of valid picks of lower experts plus those of its expert at lower
+// lanes (the grouping kernel's order: experts ascending, then pick order), its expert's slot the
+// number of distinct lower experts. Leaves the token of every position in tok, and slot `slot`'s
+// expert (-1: no such slot) and position range in *se, *sp0, *sp1; with `write`, the routing
+// arrays in p.route_out.
+__device__ __forceinline__ void route_warp(const Params& p, int slot, bool write, int32_t* tok,
+                                           int32_t* se, int32_t* sp0, int32_t* sp1) {
+  const int lane = threadIdx.x % 32;
+  int e = -1;
+  if (lane < p.route_p) {
+    e = p.route_ids[lane];
+    M3_DEVICE_CHECK(e >= -1 && e < p.route_ne, "moe: expert id %d of %d", e, p.route_ne);
+  }
+  const bool valid = e >= 0;
+  const unsigned peers = __match_any_sync(0xffffffffu, e);
+  const int rank = __popc(peers & ((1u << lane) - 1u));
+  const bool leader = valid && rank == 0;
+  const unsigned leaders = __ballot_sync(0xffffffffu, leader);
+  int less = 0, distinct_less = 0;
+  for (int q = 0; q < 32; ++q) {
+    const int eq = __shfl_sync(0xffffffffu, e, q);
+    if (eq >= 0 && eq < e) {
+      ++less;
+      distinct_less += (leaders >> q) & 1u;
+    }
+  }
+  const int pos = less + rank;
+  if (lane == 0) *se = -1;
+  __syncwarp();
+  if (valid) tok[pos] = lane / p.route_k;
+  if (leader && distinct_less == slot) {
+    *se = e;
+    *sp0 = less;
+    *sp1 = less + __popc(peers);
+  }
+  if (!write) return;
+  const Params::RouteOut& o = p.route_out;
+  if (valid) {
+    o.pair_token[pos] = lane / p.route_k;
+    o.pair_weight[pos] = p.route_wts[lane];
+    if (leader) o.active[distinct_less] = e;
+  }
+  if (lane < p.route_p) o.pair_pos[lane] = valid ? pos : -1;
+  if (lane == 0) *o.num_active = __popc(leaders);
+  // offsets[x] = the valid picks of experts below x, x = 0..ne.
+  for (int x0 = 0; x0 <= p.route_ne; x0 += 32) {
+    const int x = x0 + lane;
+    int c = 0;
+    for (int q = 0; q < 32; ++q) {
+      const int eq = __shfl_sync(0xffffffffu, e, q);
+      c += (eq >= 0 && eq < x) ? 1 : 0;
+    }
+    if (x <= p.route_ne) o.offsets[x] = c;
+  }
+}
+
 // Grid: x = row tiles of (warps * rows per warp), y = expert slot (grouped) or 1, z = k splits.
 template <class W, int NT, bool kFused>
 __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) {
@@ -148,29 +241,44 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
   const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * nwarps + warp) * kRows;
   const int64_t kb = static_cast<int64_t>(blockIdx.z) * p.k_split;
   const int64_t ke = min(p.k, kb + p.k_split);
+  const bool has_extra = p.offsets != nullptr && p.w_extra != nullptr;
+  const bool extra = has_extra && blockIdx.y == 0;  // this CTA serves the extra (shared) expert
   if (p.offsets == nullptr) {
     prefetch_first<W, kFused, kIt>(p.w, p.w_up, p, row0, kb, ke, lane);
-  } else if (p.w_extra != nullptr && blockIdx.y == gridDim.y - 1) {
+  } else if (extra) {
     prefetch_first<W, kFused, kIt>(p.w_extra, p.w_up_extra, p, row0, kb, ke, lane);
   }
   detail::pdl_enter();  // the routing, x and y belong to earlier kernels
+  __shared__ int32_t route_tok[kRouteMaxPicks];
+  __shared__ int32_t route_e, route_p0, route_p1;
+  const int slot = static_cast<int>(blockIdx.y) - (has_extra ? 1 : 0);  // routed slot
+  if (p.route_ids != nullptr) {
+    if (warp == 0)
+      route_warp(p, slot, blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0, route_tok,
+                 &route_e, &route_p0, &route_p1);
+    __syncthreads();
+  }
   int64_t p0 = 0, p1 = p.n;
   const W* w = static_cast<const W*>(p.w);
   const W* wu = static_cast<const W*>(p.w_up);
-  bool extra = false;  // this CTA serves the extra (shared) expert
   if (p.offsets != nullptr) {
-    const int slot = blockIdx.y;
-    if (p.w_extra != nullptr && slot == static_cast<int>(gridDim.y) - 1) {
-      extra = true;
+    if (extra) {
       p0 = p.extra_p0;
       p1 = p.extra_p0 + p.extra_n;
       w = static_cast<const W*>(p.w_extra);
       wu = static_cast<const W*>(p.w_up_extra);
     } else {
-      if (slot >= *p.num_active) return;  // fewer active experts than slots: nothing to do
-      const int e = p.active[slot];
-      p0 = p.offsets[e];
-      p1 = p.offsets[e + 1];
+      int e = -1;
+      if (p.route_ids != nullptr) {
+        e = route_e;
+        p0 = route_p0;
+        p1 = route_p1;
+      } else if (slot < *p.num_active) {
+        e = p.active[slot];
+        p0 = p.offsets[e];
+        p1 = p.offsets[e + 1];
+      }
+      if (e < 0) return;  // fewer active experts than slots: nothing to do
       w += e * p.w_stride;
       if (kFused) wu += e * p.w_stride;
     }
@@ -199,33 +307,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
 
     for (int64_t kc = kb; kc < ke; kc += p.kc) {
       const int64_t klen = min(p.kc, ke - kc);
-      // The first sub-step's weights towards L2 while x is staged: the CTA's first loads then
-      // wait for L2, not for DRAM behind the staging's barrier.
-#pragma unroll
-      for (int it = 0; it < kIt; ++it) {
-        const int64_t kk = it * kSeg + lane * V;
-#pragma unroll
-        for (int r = 0; r < kLoadRows; ++r)
-          if (kk < klen && row_ok[r]) asm volatile("prefetch.L2 [%0];" ::"l"(wrow[r] + kc + kk));
-      }
-      __syncthreads();  // the previous chunk's reads of xs are done
-      const int q_per_tok = static_cast<int>(p.kc / 4);
-      for (int i = threadIdx.x; i < NT * q_per_tok; i += blockDim.x) {
-        const int t = i / q_per_tok;
-        const int kk = (i % q_per_tok) * 4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (t < nt && kk < klen) {
-          const int64_t pos = pg + t;
-          const int64_t xr = p.x_rows ? (extra ? pos - p.extra_p0 : p.x_rows[pos]) : pos;
-          v = *reinterpret_cast<const float4*>(p.x + xr * p.k + kc + kk);
-        }
-        const int s = kk / static_cast<int>(kSeg), o = kk % static_cast<int>(kSeg);
-        *reinterpret_cast<float4*>(xs + t * p.kc + s * kSeg + smem_slot<W>(o)) = v;
-      }
-      __syncthreads();
       // Sub-steps of kIt segments: all their weight loads are issued before the first use.
-      for (int64_t sub = 0; sub < klen; sub += kIt * kSeg) {
-        Raw raw[kIt][kLoadRows];
+      Raw raw[kIt][kLoadRows];
+      auto load_sub = [&](int64_t sub) {
 #pragma unroll
         for (int it = 0; it < kIt; ++it) {
           const int64_t kk = sub + it * kSeg + lane * V;
@@ -237,6 +321,44 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
               raw[it][r] = Raw{};
           }
         }
+      };
+      // The first sub-step's weights are loaded before x is staged, so the CTA's first weight
+      // round trip overlaps the staging's instead of following its barrier (or, without the
+      // registers for it, go towards L2 meanwhile).
+      if constexpr (hoist_first(NT)) {
+        load_sub(0);
+      } else {
+#pragma unroll
+        for (int it = 0; it < kIt; ++it) {
+          const int64_t kk = it * kSeg + lane * V;
+#pragma unroll
+          for (int r = 0; r < kLoadRows; ++r)
+            if (kk < klen && row_ok[r]) asm volatile("prefetch.L2 [%0];" ::"l"(wrow[r] + kc + kk));
+        }
+      }
+      __syncthreads();  // the previous chunk's reads of xs are done
+      // x staged by cp.async: every 16-byte copy of the CTA in flight at once, beside the
+      // first sub-step's weights, with no registers held (one round trip for the staging).
+      const int q_per_tok = static_cast<int>(p.kc / 4);
+      for (int i = threadIdx.x; i < NT * q_per_tok; i += blockDim.x) {
+        const int t = i / q_per_tok;
+        const int kk = (i % q_per_tok) * 4;
+        const bool valid = t < nt && kk < klen;
+        const float* src = p.x;
+        if (valid) {
+          const int64_t pos = pg + t;
+          int64_t xr = pos;
+          if (p.x_rows != nullptr)
+            xr = extra ? pos - p.extra_p0 : p.route_ids ? route_tok[pos] : p.x_rows[pos];
+          src = p.x + xr * p.k + kc + kk;
+        }
+        const int s = kk / static_cast<int>(kSeg), o = kk % static_cast<int>(kSeg);
+        cp_async16(xs + t * p.kc + s * kSeg + smem_slot<W>(o), src, valid);
+      }
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      __syncthreads();
+      for (int64_t sub = 0; sub < klen; sub += kIt * kSeg) {
+        if (sub > 0 || !hoist_first(NT)) load_sub(sub);
 #pragma unroll
         for (int it = 0; it < kIt; ++it) {
           if (sub + it * kSeg >= klen) break;  // uniform: a short last chunk
@@ -304,6 +426,23 @@ inline int balanced_warps(int64_t warp_tasks, int sms, int max_warps = kThreads 
   return best;
 }
 
+// Tuning switches for measurements (read once): M3_GEMV_BALANCE=0 keeps linear's dense GEMV
+// at 8-warp CTAs (no balanced_warps); M3_GEMV_EXPERT_WARPS (8, 4 or 2; default 8) sizes the
+// grouped expert GEMVs' CTAs.
+inline bool balance_on() {
+  static const bool on = env_switch("M3_GEMV_BALANCE", true);
+  return on;
+}
+inline int expert_warps() {
+  static const int w = [] {
+    const char* v = std::getenv("M3_GEMV_EXPERT_WARPS");
+    if (v == nullptr) return 8;
+    const int got = std::atoi(v);
+    return got == 4 || got == 2 ? got : 8;
+  }();
+  return w;
+}
+
 // Token-group size for up to n positions per group: 1, 2, 4, 8 or 16 (more loop).
 inline int nt_bucket(int64_t n) {
   return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : n <= 8 ? 8 : 16;
@@ -322,8 +461,9 @@ template <class W, int NT, bool kFused>
 void launch_nt(const Params& p, dim3 grid, int threads, cudaStream_t stream) {
   auto kernel = gemv_kernel<W, NT, kFused>;
   const size_t smem = static_cast<size_t>(NT) * p.kc * sizeof(float);
-  if (smem > 48 * 1024) {
-    // Above 48 KiB the dynamic limit must be raised (per function; cheap, and idempotent).
+  if (smem + 1024 > 48 * 1024) {
+    // Above 48 KiB with the kernel's static shared memory (< 1 KiB: the routing's) the dynamic
+    // limit must be raised (per function; cheap, and idempotent).
     M3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kSmemBudget)));
   }

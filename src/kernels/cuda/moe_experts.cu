@@ -333,11 +333,13 @@ cpu::MatRef expert_mat(const void* base, DType dt, int64_t e, int64_t rows, int6
 }
 
 // The grouped GEMVs: gate|up with SwiGLU-OAI fused, then down, over every active expert; with
-// `s`, the shared expert too, as one more slot over all n tokens at positions [P, P + n).
+// `s`, the shared expert too, as one more slot over all n tokens at positions [P, P + n). With
+// `route` (P <= gemv::kRouteMaxPicks) the gate|up GEMV groups the picks ids / weights itself
+// and writes the routing arrays for the down GEMV and the combine (no grouping kernel ran).
 template <class W>
 void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& w,
                   const MoeSharedExpert* s, const SwigluParams& act, const Layout& l,
-                  cudaStream_t stream) {
+                  const int32_t* ids, const float* weights, bool route, cudaStream_t stream) {
   const int64_t P = n * k;
   const unsigned slots = static_cast<unsigned>(std::min(P, w.num_experts)) + (s ? 1 : 0);
   // Token groups sized for twice the mean tokens per expert, at most 8 (registers): most
@@ -347,7 +349,7 @@ void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
   // moe_fuses_shared), so its weights are read once.
   const int nt =
       std::max(gemv::nt_bucket(std::min<int64_t>({n, mean2, 8})), s ? gemv::nt_bucket(n) : 1);
-  const int warps = gemv::kThreads / 32;
+  const int warps = gemv::expert_warps();
   {
     gemv::Params p;
     p.x = x;
@@ -370,8 +372,16 @@ void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
       p.extra_p0 = P;
       p.extra_n = n;
     }
+    if (route) {
+      p.route_ids = ids;
+      p.route_wts = weights;
+      p.route_p = static_cast<int>(P);
+      p.route_k = static_cast<int>(k);
+      p.route_ne = static_cast<int>(w.num_experts);
+      p.route_out = {l.offsets, l.active, l.num_active, l.pair_token, l.pair_weight, l.pair_pos};
+    }
     const unsigned tiles = ceil_div(w.inter, warps * gemv::kLoadRows / 2);
-    gemv::launch<W, true>(p, nt, dim3(tiles, slots, 1), gemv::kThreads, stream);
+    gemv::launch<W, true>(p, nt, dim3(tiles, slots, 1), warps * 32, stream);
   }
   {
     gemv::Params p;
@@ -392,7 +402,7 @@ void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
       p.extra_n = n;
     }
     const unsigned tiles = ceil_div(w.hidden, warps * gemv::kLoadRows);
-    gemv::launch<W, false>(p, nt, dim3(tiles, slots, 1), gemv::kThreads, stream);
+    gemv::launch<W, false>(p, nt, dim3(tiles, slots, 1), warps * 32, stream);
   }
 }
 
@@ -611,10 +621,14 @@ void run_moe(MoePath path, const float* x, int64_t n, const int32_t* ids, const 
   const Layout l = layout_for(workspace, n, k, w);
   const int ne = static_cast<int>(w.num_experts);
 
-  const size_t smem = 2 * ne * sizeof(int32_t) + 32 * ne;
-  detail::launch_pdl(moe_route_kernel, dim3(1), dim3(kRouteThreads), smem, stream, ids, weights,
-                     static_cast<int>(P), static_cast<int>(k), ne, l.offsets, l.active,
-                     l.num_active, l.pair_token, l.pair_weight, l.pair_pos);
+  // A decode step's few picks on the GEMVs are grouped by the gate|up GEMV itself (experts_gemv).
+  const bool route_in_gemv = path == MoePath::kGemv && !quant && P <= gemv::kRouteMaxPicks;
+  if (!route_in_gemv) {
+    const size_t smem = 2 * ne * sizeof(int32_t) + 32 * ne;
+    detail::launch_pdl(moe_route_kernel, dim3(1), dim3(kRouteThreads), smem, stream, ids, weights,
+                       static_cast<int>(P), static_cast<int>(k), ne, l.offsets, l.active,
+                       l.num_active, l.pair_token, l.pair_weight, l.pair_pos);
+  }
 
   if (path == MoePath::kGroupedWgmma) {
     moe_grouped::sm90_experts(x, l.pair_token, P, l.offsets, w, act, l.xg, l.gu, l.wact16, l.wye,
@@ -650,9 +664,9 @@ void run_moe(MoePath path, const float* x, int64_t n, const int32_t* ids, const 
     if (quant)
       experts_gemv_quant(x, n, k, w, act, l, stream);
     else if (w.dtype == DType::kBF16)
-      experts_gemv<uint16_t>(x, n, k, w, sx, act, l, stream);
+      experts_gemv<uint16_t>(x, n, k, w, sx, act, l, ids, weights, route_in_gemv, stream);
     else
-      experts_gemv<float>(x, n, k, w, sx, act, l, stream);
+      experts_gemv<float>(x, n, k, w, sx, act, l, ids, weights, route_in_gemv, stream);
     // With the shared expert inside, its outputs are ye's positions [P, P + n): token t's at
     // row P + t, the `shared` term of the combine.
     const float* sh = sx ? l.ye + P * w.hidden : shared;
