@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 #include "core/env.h"
 #include "kernels/cuda/common.cuh"
@@ -436,9 +437,10 @@ inline bool balance_on() {
 inline int expert_warps() {
   static const int w = [] {
     const char* v = std::getenv("M3_GEMV_EXPERT_WARPS");
-    if (v == nullptr) return 8;
-    const int got = std::atoi(v);
-    return got == 4 || got == 2 ? got : 8;
+    if (v == nullptr || *v == '\0') return 8;
+    const std::string s = v;
+    M3_CHECK(s == "8" || s == "4" || s == "2", "M3_GEMV_EXPERT_WARPS=%s: 8 (default), 4 or 2", v);
+    return std::atoi(v);
   }();
   return w;
 }

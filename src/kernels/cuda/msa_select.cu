@@ -1352,12 +1352,13 @@ const FsConfig& fs_config() {
     FsConfig c;
     if (const char* e = std::getenv("M3_MSA_FS_CFG")) {
       int a = 0, b = 0, d = 0;
-      if (std::sscanf(e, "%d,%d,%d", &a, &b, &d) == 3 && a >= 1 && b >= 1 && d >= 1 &&
-          b <= kFsMaxStages && d <= kFsMaxStages) {
-        c.cps = a;
-        c.st_bf16 = b;
-        c.st_fp8 = d;
-      }
+      M3_CHECK(std::sscanf(e, "%d,%d,%d", &a, &b, &d) == 3 && a >= 1 && b >= 1 && d >= 1 &&
+                   b <= kFsMaxStages && d <= kFsMaxStages,
+               "M3_MSA_FS_CFG=%s: want \"CTAs per SM,bf16 stages,fp8 stages\" (stages 1 to %d)", e,
+               kFsMaxStages);
+      c.cps = a;
+      c.st_bf16 = b;
+      c.st_fp8 = d;
     }
     return c;
   }();
