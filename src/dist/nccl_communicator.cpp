@@ -81,6 +81,10 @@ NcclCommunicator::~NcclCommunicator() {
 }
 
 void NcclCommunicator::all_reduce_sum(float* data, int64_t n) {
+  if (one_shot_ != nullptr && n <= one_shot_->max_floats()) {
+    one_shot_->all_reduce_sum(rank_, data, n, stream_);
+    return;
+  }
   M3_NCCL_CHECK(
       ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat32, ncclSum, comm_, stream_));
 }

@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "dist/one_shot_all_reduce.h"
 
 namespace m3::dist {
 
@@ -39,7 +40,12 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream() const { return stream_; }
   int device() const { return device_; }
 
+  // NCCL's all-reduce, or the one-shot group's (attach_one_shot) for up to its capacity.
   void all_reduce_sum(float* data, int64_t n) override;
+  // From now on, all-reduces of at most g->max_floats() floats run g's one-shot kernel (this
+  // communicator's rank is g's rank: the group is this process's ranks, in order). Null: NCCL.
+  void attach_one_shot(std::shared_ptr<const OneShotGroup> g) { one_shot_ = std::move(g); }
+  bool one_shot_attached() const { return one_shot_ != nullptr; }
   void all_gather(const float* send, int64_t n, float* recv) override;
   void all_gather(const int32_t* send, int64_t n, int32_t* recv) override;
   void reduce_scatter_sum(const float* send, int64_t n, float* recv) override;
@@ -64,6 +70,7 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   float* scratch_ = nullptr;  // one device float for barrier()
+  std::shared_ptr<const OneShotGroup> one_shot_;
 };
 
 }  // namespace m3::dist

@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "core/check.h"
+#include "core/env.h"
 #include "core/log.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
@@ -155,11 +156,30 @@ Result<std::vector<CudaRank>> start_nccl_ranks(
   return start_nccl_ranks(world, world, 0, id, build);
 }
 
+// Decode's all-reduces are [batch, hidden]: up to 64 rows of M3's 6144 go one-shot.
+constexpr int64_t kOneShotMaxFloats = 64 * 6144;
+
 Result<std::vector<CudaRank>> start_nccl_ranks(
     int local, int world, int first, const ncclUniqueId& id,
     const std::function<Status(int l, CudaRank& rank)>& build) {
   std::vector<CudaRank> ranks(local);
   std::vector<Status> status(local);
+  // The one-shot all-reduce for decode-sized vectors among this process's GPUs (opt-in until it
+  // is measured against NCCL on several GPUs: docs/MULTI_NODE.md 1b).
+  std::shared_ptr<const dist::OneShotGroup> one_shot;
+  if (local == world && world > 1 && env_switch("M3_ONE_SHOT_ALL_REDUCE", false)) {
+    std::vector<int> devices(local);
+    for (int r = 0; r < local; ++r) devices[r] = r;
+    auto g = dist::OneShotGroup::create(devices, kOneShotMaxFloats);
+    if (g) {
+      one_shot = std::move(*g);
+      M3_LOG_INFO(
+          "one-shot all-reduce on for vectors of up to %lld floats (M3_ONE_SHOT_ALL_REDUCE)",
+          static_cast<long long>(kOneShotMaxFloats));
+    } else {
+      M3_LOG_WARN("M3_ONE_SHOT_ALL_REDUCE=1 is ignored: %s", g.error().message.c_str());
+    }
+  }
   {
     std::vector<std::thread> init;
     for (int r = 0; r < local; ++r) {
@@ -170,6 +190,7 @@ Result<std::vector<CudaRank>> start_nccl_ranks(
           return;
         }
         ranks[r].comm = std::move(*comm);
+        ranks[r].comm->attach_one_shot(one_shot);
         status[r] = build(r, ranks[r]);
       });
     }
