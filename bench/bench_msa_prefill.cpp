@@ -168,9 +168,12 @@ int main(int argc, char** argv) {
                               s);
       };
       // Mean distinct blocks over each 4 consecutive tokens of one kv head (the selection in
-      // sel now).
+      // sel once the stream's work is done: `s` is a non-blocking stream, so a plain cudaMemcpy
+      // on the legacy stream would not wait for the selection just queued and read whatever an
+      // earlier launch left, as it did before this synchronisation).
       auto mean_union = [&] {
         std::vector<int32_t> h(static_cast<size_t>(n * kIndexHeads * kTopk));
+        stream.synchronize();
         M3_CUDA_CHECK(cudaMemcpy(h.data(), sel.data(), h.size() * 4, cudaMemcpyDeviceToHost));
         double sum = 0;
         int64_t groups = 0;
