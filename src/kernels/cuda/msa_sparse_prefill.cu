@@ -45,6 +45,13 @@ constexpr int kSpRows = 16;     // query rows per warp (the MMA's M)
 constexpr int kSpMaxSel = 32;   // selected-list length: 4 tokens x 32 ids = one per thread
 constexpr int kSpSubKeys = 16;  // keys per sub-tile (one MMA k-step of P.V)
 
+// Stages of the T = 1 rings (a build-time knob for the standalone harness): bf16 3 (102 KB per
+// CTA, two CTAs per SM), fp8 5 (90 KB).
+#ifndef M3_SP_T1_STAGES
+#define M3_SP_T1_STAGES (sizeof(T) == 1 ? 5 : 3)
+#endif
+constexpr int kSpT1MaxStages = 8;
+
 template <class T>
 struct SpSmem {
   static constexpr int kRowBytes = kSpDim * int(sizeof(T));
@@ -52,7 +59,14 @@ struct SpSmem {
   // K rows then V rows.
   static constexpr int kStageBytes = 2 * kSpWarps * kSpSubKeys * kRowBytes;
   static constexpr int kStages = sizeof(T) == 1 ? 5 : 3;  // two CTAs per SM
-  static constexpr int kBytes = kStages * kStageBytes;
+  // The T = 1 path (sp_token_loop): per warp a ring of kT1Stages stages of 16 keys, rows padded
+  // by 16 bytes (a row stride of 17 / 9 16-byte units: the 8 rows an ldmatrix phase reads fall
+  // in 8 distinct bank groups), filled by one bulk copy per row.
+  static constexpr int kT1RowStride = kRowBytes + 16;
+  static constexpr int kT1StageBytes = 2 * kSpSubKeys * kT1RowStride;
+  static constexpr int kT1Stages = M3_SP_T1_STAGES;
+  static constexpr int kT1Bytes = kSpWarps * kT1Stages * kT1StageBytes;
+  static constexpr int kBytes = kStages * kStageBytes > kT1Bytes ? kStages* kStageBytes : kT1Bytes;
 };
 
 // The XOR applied to 16-byte chunk indices of key row `key` (its index in its 16-key sub-tile).
@@ -303,6 +317,272 @@ __device__ __forceinline__ void sp_group_loop(
   }
 }
 
+// ---- The T = 1 path: one token per warp, bulk copies into a per-warp ring (sm_90) ----
+__device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also announces `bytes` of bulk copies to come in the barrier's phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared, completing as
+// transaction bytes on `bar`.
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes,
+                                         uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ uint32_t pack_p(float lo, float hi, uint16_t) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // RNE: pack_bf16x2's bits for finite
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t pack_p(float lo, float hi, uint8_t) {
+  return detail::pack_f16x2(lo, hi);
+}
+
+// Warp w alone over its token's entries [e0, e0 + ne) (page size a multiple of 16, so a 16-key
+// tile lies in one entry): lane l copies row l % 16 of the tile's K (l < 16) or V rows with one
+// bulk copy, a key past the token's position copies its block's first row instead (written and
+// finite; masked below), so no stage row is ever stale or NaN. Per tile: S = Q.K^T on 16 MMAs
+// from ldmatrix (bf16: the natural k order; fp8: one 8x8 b16 matrix = 8 keys x 16 codes per
+// k-step, the lane's 4 codes as the k slots {2c, 2c+1}, {2c+8, 2c+9}), the online exp2 softmax
+// of sp_group_loop, O += P.V from ldmatrix.trans (bf16) or the byte-permuted codes (fp8).
+template <class T>
+__device__ __forceinline__ void sp_token_loop(const KvPages& c, int64_t g, int32_t bs32,
+                                              const int32_t* ent_pos, const int64_t* ent_slot,
+                                              int e0, int ne, int32_t tokpos, const float* qg,
+                                              int group, float smul, float vmul,
+                                              unsigned char* smem, uint64_t* bars, float* orow_lo,
+                                              float* orow_hi) {
+  using M = detail::MmaOf<T>;
+  using Sm = SpSmem<T>;
+  using detail::kWarp;
+  constexpr bool kFp8 = sizeof(T) == 1;
+  constexpr int D = kSpDim;
+  constexpr int KSteps = D / 16;
+  constexpr int NT = D / 8;
+  constexpr int S = Sm::kT1Stages;
+  static_assert(S >= 2 && S <= kSpT1MaxStages, "T = 1 ring stages");
+  constexpr int RS = Sm::kT1RowStride, RB = Sm::kRowBytes;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int r = lane / 4, cq = lane % 4;
+  const int mi = lane >> 3, rr = lane & 7;  // ldmatrix: the matrix and row this lane addresses
+  const int64_t nkv = c.num_kv_heads;
+  const int tiles_per_entry = bs32 / kSpSubKeys;
+  const int ntiles = ne * tiles_per_entry;
+  unsigned char* ring_p = smem + warp * S * Sm::kT1StageBytes;
+  const uint32_t ring = detail::smem_addr(ring_p);
+  const uint32_t bar0 = detail::smem_addr(bars + warp * kSpT1MaxStages);
+  const T* kbase = c.k_as<T>();
+  const T* vbase = c.v_as<T>();
+
+  // Q fragments in this path's k order (rows = heads; 0 past the group or for no token).
+  uint32_t qa[KSteps][4];
+  {
+    auto q2 = [&](int h, int d) {
+      return qg != nullptr && h < group ? *reinterpret_cast<const float2*>(qg + h * D + d)
+                                        : make_float2(0.f, 0.f);
+    };
+    auto pk = [&](float2 v) { return M::pack(detail::round_bf16(v.x), detail::round_bf16(v.y)); };
+#pragma unroll
+    for (int ks = 0; ks < KSteps; ++ks) {
+      const int d0 = kFp8 ? 16 * ks + 4 * cq : 16 * ks + 2 * cq;  // k slots 2c, 2c + 1
+      const int d1 = kFp8 ? d0 + 2 : d0 + 8;                      // k slots 2c + 8, 2c + 9
+      qa[ks][0] = pk(q2(r, d0));
+      qa[ks][1] = pk(q2(r + 8, d0));
+      qa[ks][2] = pk(q2(r, d1));
+      qa[ks][3] = pk(q2(r + 8, d1));
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int st = 0; st < S; ++st) mbar_init(bar0 + 8 * st, 1);
+    mbar_fence_init();
+  }
+  __syncwarp();
+
+  auto issue = [&](int i) {
+    if (i >= ntiles) return;
+    const int st = i % S;
+    const int e = i / tiles_per_entry;
+    const int key = lane % kSpSubKeys;
+    const int o = (i - e * tiles_per_entry) * kSpSubKeys + key;
+    const int32_t pos = ent_pos[e0 + e] + o;
+    const int64_t slot = ent_slot[e0 + e] + (pos <= tokpos ? o : 0);
+    const T* src = (lane < kSpSubKeys ? kbase : vbase) + (slot * nkv + g) * D;
+    const uint32_t dst =
+        ring + st * Sm::kT1StageBytes + (lane / kSpSubKeys) * kSpSubKeys * RS + key * RS;
+    const uint32_t bar = bar0 + 8 * st;
+    if (lane == 0) mbar_arrive_expect_tx(bar, 2 * kSpSubKeys * RB);
+    __syncwarp();  // every lane is past its reads of this stage (tile i - S)
+    bulk_g2s(dst, src, RB, bar);
+  };
+
+  const float sl2 = smul * kLog2e;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows r, r + 8 (exp2 domain)
+  float o[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) issue(i);
+  for (int j = 0; j < ntiles; ++j) {
+    issue(j + S - 1);  // into the stage tile j - 1 used
+    const int st = j % S;
+    const int e = j / tiles_per_entry;
+    // Keys 0..lim of the tile are at or before the token's position.
+    const int lim = tokpos - (ent_pos[e0 + e] + (j - e * tiles_per_entry) * kSpSubKeys);
+    mbar_wait(bar0 + 8 * st, static_cast<uint32_t>(j / S) & 1u);
+    if (lim < 0) continue;  // warp-uniform: the local block's keys past the token
+    const uint32_t kst = ring + st * Sm::kT1StageBytes;
+    const uint32_t vst = kst + kSpSubKeys * RS;
+    float x[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e2 = 0; e2 < 4; ++e2) x[nt][e2] = 0.f;
+    if constexpr (!kFp8) {
+      // Matrices: keys 0-7 dims +0 / +8 (b0, b1 of n-tile 0), keys 8-15 dims +0 / +8 (n-tile 1).
+      const uint32_t ka = kst + ((mi >> 1) * 8 + rr) * RS + (mi & 1) * 16;
+#pragma unroll
+      for (int ks = 0; ks < KSteps; ++ks) {
+        uint32_t b0, b1, b2, b3;
+        detail::ldmatrix_x4(ka + ks * 32, b0, b1, b2, b3);
+        M::mma(x[0], qa[ks], b0, b1);
+        M::mma(x[1], qa[ks], b2, b3);
+      }
+    } else {
+      // Matrices: 16-code chunks 4 jj + mi of keys 8 nt + 0..7, one k-step each.
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int jj = 0; jj < KSteps / 4; ++jj) {
+          uint32_t w[4];
+          detail::ldmatrix_x4(kst + (nt * 8 + rr) * RS + (jj * 4 + mi) * 16, w[0], w[1], w[2],
+                              w[3]);
+#pragma unroll
+          for (int u = 0; u < 4; ++u)
+            M::mma(x[nt], qa[jj * 4 + u], detail::fp8x2_to_f16x2(w[u]),
+                   detail::fp8x2_to_f16x2(w[u] >> 16));
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e2 = 0; e2 < 4; ++e2) {
+        const int key = nt * 8 + 2 * cq + (e2 & 1);
+        x[nt][e2] = key <= lim ? x[nt][e2] * sl2 : -INFINITY;
+      }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx =
+          fmaxf(fmaxf(x[0][2 * hh], x[0][2 * hh + 1]), fmaxf(x[1][2 * hh], x[1][2 * hh + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float nm = fmaxf(m[hh], mx);  // finite: key 0 of the tile is visible
+      const float corr = m[hh] == -INFINITY ? 0.f : exp2f(m[hh] - nm);
+      m[hh] = nm;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e2 = 2 * hh; e2 < 2 * hh + 2; ++e2) {
+          const float pr = exp2f(x[nt][e2] - nm);
+          x[nt][e2] = pr;
+          sum += pr;
+        }
+      l[hh] = l[hh] * corr + sum;
+      if (corr != 1.f) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          o[n][2 * hh] *= corr;
+          o[n][2 * hh + 1] *= corr;
+        }
+      }
+    }
+    const uint32_t pa[4] = {pack_p(x[0][0], x[0][1], T{}), pack_p(x[0][2], x[0][3], T{}),
+                            pack_p(x[1][0], x[1][1], T{}), pack_p(x[1][2], x[1][3], T{})};
+    if constexpr (!kFp8) {
+      // Transposed matrices: keys 0-7 / 8-15 (b0 / b1) of dims 16 p + 0..7, then of + 8..15.
+      const uint32_t va = vst + ((mi & 1) * 8 + rr) * RS + (mi >> 1) * 16;
+#pragma unroll
+      for (int p = 0; p < NT / 2; ++p) {
+        uint32_t b0, b1, b2, b3;
+        detail::ldmatrix_x4_trans(va + p * 32, b0, b1, b2, b3);
+        M::mma(o[2 * p], pa, b0, b1);
+        M::mma(o[2 * p + 1], pa, b2, b3);
+      }
+    } else {
+      // Keys 2c, 2c + 1, 2c + 8, 2c + 9, codes 16 r .. 16 r + 15 (dims 16 r + n in n-tile n).
+      const unsigned char* vs = ring_p + st * Sm::kT1StageBytes + kSpSubKeys * RS;
+      uint32_t vv[4][8];
+#pragma unroll
+      for (int uu = 0; uu < 4; ++uu) {
+        const int key = 2 * cq + (uu & 1) + (uu >> 1) * 8;
+        M::unpack(*reinterpret_cast<const uint4*>(vs + key * RS + r * 16), vv[uu]);
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const unsigned selb = (n & 1) ? 0x7632u : 0x5410u;
+        const uint32_t b0 = __byte_perm(vv[0][n / 2], vv[1][n / 2], selb);
+        const uint32_t b1 = __byte_perm(vv[2][n / 2], vv[3][n / 2], selb);
+        M::mma(o[n], pa, b0, b1);
+      }
+    }
+  }
+  if (qg == nullptr) return;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float* orow = hh == 0 ? orow_lo : orow_hi;
+    if (orow == nullptr) continue;
+    const float inv = vmul / l[hh];
+    if constexpr (!kFp8) {
+      // Row r / r + 8, dims 8 n + 2c, + 1.
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+        *reinterpret_cast<float2*>(orow + 8 * n + 2 * cq) =
+            make_float2(o[n][2 * hh] * inv, o[n][2 * hh + 1] * inv);
+    } else {
+      // Dims 32 c + n (o[n][0 | 2]) and 32 c + 16 + n (o[n][1 | 3]).
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float4* dst = reinterpret_cast<float4*>(orow + 32 * cq + 16 * half);
+#pragma unroll
+        for (int n4 = 0; n4 < 4; ++n4)
+          dst[n4] =
+              make_float4(o[4 * n4][2 * hh + half] * inv, o[4 * n4 + 1][2 * hh + half] * inv,
+                          o[4 * n4 + 2][2 * hh + half] * inv, o[4 * n4 + 3][2 * hh + half] * inv);
+      }
+    }
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kSpThreads, 2)
     msa_sparse_prefill_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c,
@@ -324,6 +604,7 @@ __global__ void __launch_bounds__(kSpThreads, 2)
   __shared__ int32_t grp_start[kSpWarps + 1];
   __shared__ uint32_t scan_red[33];
   __shared__ uint16_t smask[SpSmem<T>::kStages][kSpWarps][kSpWarps];
+  __shared__ __align__(8) uint64_t sp_bars[kSpWarps * kSpT1MaxStages];
 
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int r = lane / 4, cq = lane % 4;
@@ -443,6 +724,12 @@ __global__ void __launch_bounds__(kSpThreads, 2)
                           smul, vmul, sp_smem, smask, orow_lo, orow_hi);
       break;
     default:
+      if (bs32 % kSpSubKeys == 0) {
+        const float* qg = tok_ok ? q + ((t0 + warp) * num_heads + g * group) * D : nullptr;
+        sp_token_loop<T>(c, g, bs32, ent_pos, ent_slot, e0, ne, tok_pos[warp], qg, group, smul,
+                         vmul, sp_smem, sp_bars, orow_lo, orow_hi);
+        break;
+      }
       sp_group_loop<T, 1>(c, g, bs32, ent_pos, ent_slot, ent_mask, e0, ne, tok_pos, tok_ok, qa,
                           smul, vmul, sp_smem, smask, orow_lo, orow_hi);
       break;
