@@ -29,6 +29,9 @@
 #include <algorithm>
 #include <atomic>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include "kernels/cuda/attn_common.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kv_format.cuh"
@@ -58,14 +61,17 @@ struct SpSmem {
   // A stage of the whole CTA: 4 sub-tiles of 16 keys (one per warp of the CTA, whatever T),
   // K rows then V rows.
   static constexpr int kStageBytes = 2 * kSpWarps * kSpSubKeys * kRowBytes;
-  static constexpr int kStages = sizeof(T) == 1 ? 5 : 3;  // two CTAs per SM
-  // The T = 1 path (sp_token_loop): per warp a ring of kT1Stages stages of 16 keys, rows padded
-  // by 16 bytes (a row stride of 17 / 9 16-byte units: the 8 rows an ldmatrix phase reads fall
-  // in 8 distinct bank groups), filled by one bulk copy per row.
-  static constexpr int kT1RowStride = kRowBytes + 16;
-  static constexpr int kT1StageBytes = 2 * kSpSubKeys * kT1RowStride;
+  static constexpr int kStages =
+      sizeof(T) == 1 ? 5 : 3;  // two CTAs per SM
+                               // The T = 1 path (sp_token_loop): per warp a ring of kT1Stages
+                               // stages of 16 keys, K then V,
+  // each as boxes of 16 rows x 128 bytes (bf16: two per row, dims 0-63 and 64-127) written by
+  // the tensor-memory accelerator with its 128-byte swizzle (chunk c of row k at c ^ (k % 8)),
+  // 1024-byte aligned (one more KB of dynamic shared memory for the alignment).
+  static constexpr int kT1Box = 16 * 128;
+  static constexpr int kT1StageBytes = 2 * kSpSubKeys * kRowBytes;
   static constexpr int kT1Stages = M3_SP_T1_STAGES;
-  static constexpr int kT1Bytes = kSpWarps * kT1Stages * kT1StageBytes;
+  static constexpr int kT1Bytes = kSpWarps * kT1Stages * kT1StageBytes + 1024;
   static constexpr int kBytes = kStages * kStageBytes > kT1Bytes ? kStages* kStageBytes : kT1Bytes;
 };
 
@@ -100,6 +106,12 @@ __device__ __forceinline__ void group_sync(int T, int q) {
 struct SpParams {
   float w2, w4;  // cost weights of T = 2 and T = 4 against T = 1 (union sizes)
   int force_t;   // 0: decide per CTA; 1, 2, 4: that T everywhere (tests, benches)
+  int t1_tma;    // the tensor maps below are set: T = 1 runs sp_token_loop
+};
+// Tensor maps of the K and V caches as [slots][kv heads][128] (3-d, dims innermost first), box
+// 16 slots x 1 head x 128 bytes, 128-byte swizzle.
+struct SpTma {
+  CUtensorMap k, v;
 };
 
 // The warps' main loop for a group of TT warps (TT = the CTA's T): the group's ring, its union
@@ -340,15 +352,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
   } while (!done);
 }
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared, completing as
-// transaction bytes on `bar`.
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes,
-                                         uint32_t bar) {
+// One box of the 3-d tensor map at (c0, c1, c2) -> shared `dst`, completing as transaction
+// bytes on `bar`.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+      "[%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
+}
+// Generic-proxy writes of shared memory ordered before later async-proxy (TMA) accesses.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 __device__ __forceinline__ uint32_t pack_p(float lo, float hi, uint16_t) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // RNE: pack_bf16x2's bits for finite
@@ -359,19 +375,21 @@ __device__ __forceinline__ uint32_t pack_p(float lo, float hi, uint8_t) {
 }
 
 // Warp w alone over its token's entries [e0, e0 + ne) (page size a multiple of 16, so a 16-key
-// tile lies in one entry): lane l copies row l % 16 of the tile's K (l < 16) or V rows with one
-// bulk copy, a key past the token's position copies its block's first row instead (written and
-// finite; masked below), so no stage row is ever stale or NaN. Per tile: S = Q.K^T on 16 MMAs
-// from ldmatrix (bf16: the natural k order; fp8: one 8x8 b16 matrix = 8 keys x 16 codes per
-// k-step, the lane's 4 codes as the k slots {2c, 2c+1}, {2c+8, 2c+9}), the online exp2 softmax
-// of sp_group_loop, O += P.V from ldmatrix.trans (bf16) or the byte-permuted codes (fp8).
+// tile is 16 consecutive slots of one page): lane 0 loads a tile's K and V as TMA boxes (2 + 2
+// for bf16, 1 + 1 for fp8) into the warp's ring, one mbarrier per stage. Keys past the token's
+// position are masked in S, and in the tile holding the token's position their V rows are
+// zeroed in shared memory after the load (slots past the sequence may hold NaN, and P = 0 times
+// NaN is NaN). Per tile: S = Q.K^T on 16 MMAs from ldmatrix (bf16: the natural k order; fp8:
+// one 8x8 b16 matrix = 8 keys x 16 codes per k-step, the lane's 4 codes as the k slots
+// {2c, 2c+1}, {2c+8, 2c+9}), the online exp2 softmax of sp_group_loop, O += P.V from
+// ldmatrix.trans (bf16) or the byte-permuted codes (fp8).
 template <class T>
 __device__ __forceinline__ void sp_token_loop(const KvPages& c, int64_t g, int32_t bs32,
                                               const int32_t* ent_pos, const int64_t* ent_slot,
                                               int e0, int ne, int32_t tokpos, const float* qg,
                                               int group, float smul, float vmul,
-                                              unsigned char* smem, uint64_t* bars, float* orow_lo,
-                                              float* orow_hi) {
+                                              unsigned char* smem, uint64_t* bars, const SpTma& tma,
+                                              float* orow_lo, float* orow_hi) {
   using M = detail::MmaOf<T>;
   using Sm = SpSmem<T>;
   using detail::kWarp;
@@ -381,19 +399,19 @@ __device__ __forceinline__ void sp_token_loop(const KvPages& c, int64_t g, int32
   constexpr int NT = D / 8;
   constexpr int S = Sm::kT1Stages;
   static_assert(S >= 2 && S <= kSpT1MaxStages, "T = 1 ring stages");
-  constexpr int RS = Sm::kT1RowStride, RB = Sm::kRowBytes;
+  constexpr int RB = Sm::kRowBytes;
+  constexpr int Box = Sm::kT1Box;
+  constexpr int KBytes = kSpSubKeys * RB;  // K (then V) part of a stage
   constexpr float kLog2e = 1.4426950408889634f;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int r = lane / 4, cq = lane % 4;
   const int mi = lane >> 3, rr = lane & 7;  // ldmatrix: the matrix and row this lane addresses
-  const int64_t nkv = c.num_kv_heads;
   const int tiles_per_entry = bs32 / kSpSubKeys;
   const int ntiles = ne * tiles_per_entry;
-  unsigned char* ring_p = smem + warp * S * Sm::kT1StageBytes;
-  const uint32_t ring = detail::smem_addr(ring_p);
+  const uint32_t base = (detail::smem_addr(smem) + 1023u) & ~1023u;
+  const uint32_t ring = base + warp * S * Sm::kT1StageBytes;
+  unsigned char* ring_p = smem + (ring - detail::smem_addr(smem));
   const uint32_t bar0 = detail::smem_addr(bars + warp * kSpT1MaxStages);
-  const T* kbase = c.k_as<T>();
-  const T* vbase = c.v_as<T>();
 
   // Q fragments in this path's k order (rows = heads; 0 past the group or for no token).
   uint32_t qa[KSteps][4];
@@ -422,19 +440,21 @@ __device__ __forceinline__ void sp_token_loop(const KvPages& c, int64_t g, int32
 
   auto issue = [&](int i) {
     if (i >= ntiles) return;
+    __syncwarp();  // every lane is past its reads (and zero fills) of this stage (tile i - S)
+    if (lane != 0) return;
     const int st = i % S;
     const int e = i / tiles_per_entry;
-    const int key = lane % kSpSubKeys;
-    const int o = (i - e * tiles_per_entry) * kSpSubKeys + key;
-    const int32_t pos = ent_pos[e0 + e] + o;
-    const int64_t slot = ent_slot[e0 + e] + (pos <= tokpos ? o : 0);
-    const T* src = (lane < kSpSubKeys ? kbase : vbase) + (slot * nkv + g) * D;
-    const uint32_t dst =
-        ring + st * Sm::kT1StageBytes + (lane / kSpSubKeys) * kSpSubKeys * RS + key * RS;
+    const int slot = static_cast<int>(ent_slot[e0 + e]) + (i - e * tiles_per_entry) * kSpSubKeys;
+    const uint32_t dst = ring + st * Sm::kT1StageBytes;
     const uint32_t bar = bar0 + 8 * st;
-    if (lane == 0) mbar_arrive_expect_tx(bar, 2 * kSpSubKeys * RB);
-    __syncwarp();  // every lane is past its reads of this stage (tile i - S)
-    bulk_g2s(dst, src, RB, bar);
+    mbar_arrive_expect_tx(bar, 2 * KBytes);
+#pragma unroll
+    for (int h = 0; h < RB / 128; ++h) {
+      tma_load_3d(dst + h * Box, &tma.k, h * (128 / int(sizeof(T))), static_cast<int>(g), slot,
+                  bar);
+      tma_load_3d(dst + KBytes + h * Box, &tma.v, h * (128 / int(sizeof(T))), static_cast<int>(g),
+                  slot, bar);
+    }
   };
 
   const float sl2 = smul * kLog2e;
@@ -456,7 +476,18 @@ __device__ __forceinline__ void sp_token_loop(const KvPages& c, int64_t g, int32
     mbar_wait(bar0 + 8 * st, static_cast<uint32_t>(j / S) & 1u);
     if (lim < 0) continue;  // warp-uniform: the local block's keys past the token
     const uint32_t kst = ring + st * Sm::kT1StageBytes;
-    const uint32_t vst = kst + kSpSubKeys * RS;
+    const uint32_t vst = kst + KBytes;
+    if (lim < kSpSubKeys - 1) {  // zero V rows lim + 1 .. 15 (whole rows: the swizzle is within)
+      unsigned char* vz = ring_p + st * Sm::kT1StageBytes + KBytes;
+      constexpr int Chunks = RB / 16;
+      for (int idx = lane; idx < (kSpSubKeys - 1 - lim) * Chunks; idx += kWarp) {
+        const int key = lim + 1 + idx / Chunks, ch = idx % Chunks;
+        *reinterpret_cast<uint4*>(vz + (ch / 8) * Box + key * 128 + (ch % 8) * 16) =
+            make_uint4(0u, 0u, 0u, 0u);
+      }
+      fence_proxy_async_smem();  // before a later TMA refills this stage
+      __syncwarp();
+    }
     float x[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -464,11 +495,12 @@ __device__ __forceinline__ void sp_token_loop(const KvPages& c, int64_t g, int32
       for (int e2 = 0; e2 < 4; ++e2) x[nt][e2] = 0.f;
     if constexpr (!kFp8) {
       // Matrices: keys 0-7 dims +0 / +8 (b0, b1 of n-tile 0), keys 8-15 dims +0 / +8 (n-tile 1).
-      const uint32_t ka = kst + ((mi >> 1) * 8 + rr) * RS + (mi & 1) * 16;
+      const uint32_t ka = kst + ((mi >> 1) * 8 + rr) * 128;
 #pragma unroll
       for (int ks = 0; ks < KSteps; ++ks) {
         uint32_t b0, b1, b2, b3;
-        detail::ldmatrix_x4(ka + ks * 32, b0, b1, b2, b3);
+        const int ch = 2 * (ks % 4) + (mi & 1);  // 16-byte chunk in the half (box) ks / 4
+        detail::ldmatrix_x4(ka + (ks / 4) * Box + ((ch ^ rr) << 4), b0, b1, b2, b3);
         M::mma(x[0], qa[ks], b0, b1);
         M::mma(x[1], qa[ks], b2, b3);
       }
@@ -479,8 +511,8 @@ __device__ __forceinline__ void sp_token_loop(const KvPages& c, int64_t g, int32
 #pragma unroll
         for (int jj = 0; jj < KSteps / 4; ++jj) {
           uint32_t w[4];
-          detail::ldmatrix_x4(kst + (nt * 8 + rr) * RS + (jj * 4 + mi) * 16, w[0], w[1], w[2],
-                              w[3]);
+          detail::ldmatrix_x4(kst + (nt * 8 + rr) * 128 + (((jj * 4 + mi) ^ rr) << 4), w[0], w[1],
+                              w[2], w[3]);
 #pragma unroll
           for (int u = 0; u < 4; ++u)
             M::mma(x[nt], qa[jj * 4 + u], detail::fp8x2_to_f16x2(w[u]),
@@ -525,22 +557,23 @@ __device__ __forceinline__ void sp_token_loop(const KvPages& c, int64_t g, int32
                             pack_p(x[1][0], x[1][1], T{}), pack_p(x[1][2], x[1][3], T{})};
     if constexpr (!kFp8) {
       // Transposed matrices: keys 0-7 / 8-15 (b0 / b1) of dims 16 p + 0..7, then of + 8..15.
-      const uint32_t va = vst + ((mi & 1) * 8 + rr) * RS + (mi >> 1) * 16;
+      const uint32_t va = vst + ((mi & 1) * 8 + rr) * 128;
 #pragma unroll
       for (int p = 0; p < NT / 2; ++p) {
         uint32_t b0, b1, b2, b3;
-        detail::ldmatrix_x4_trans(va + p * 32, b0, b1, b2, b3);
+        const int ch = 2 * (p % 4) + (mi >> 1);
+        detail::ldmatrix_x4_trans(va + (p / 4) * Box + ((ch ^ rr) << 4), b0, b1, b2, b3);
         M::mma(o[2 * p], pa, b0, b1);
         M::mma(o[2 * p + 1], pa, b2, b3);
       }
     } else {
       // Keys 2c, 2c + 1, 2c + 8, 2c + 9, codes 16 r .. 16 r + 15 (dims 16 r + n in n-tile n).
-      const unsigned char* vs = ring_p + st * Sm::kT1StageBytes + kSpSubKeys * RS;
+      const unsigned char* vs = ring_p + st * Sm::kT1StageBytes + KBytes;
       uint32_t vv[4][8];
 #pragma unroll
       for (int uu = 0; uu < 4; ++uu) {
         const int key = 2 * cq + (uu & 1) + (uu >> 1) * 8;
-        M::unpack(*reinterpret_cast<const uint4*>(vs + key * RS + r * 16), vv[uu]);
+        M::unpack(*reinterpret_cast<const uint4*>(vs + key * 128 + ((r ^ (key & 7)) << 4)), vv[uu]);
       }
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
@@ -588,7 +621,7 @@ __global__ void __launch_bounds__(kSpThreads, 2)
     msa_sparse_prefill_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c,
                               TokenLayout L, const int32_t* __restrict__ blocks, int64_t max_blocks,
                               float scale, int64_t max_kv_len, SpParams prm,
-                              float* __restrict__ out) {
+                              const __grid_constant__ SpTma tma, float* __restrict__ out) {
   using M = detail::MmaOf<T>;
   using detail::kWarp;
   constexpr int D = kSpDim;
@@ -724,16 +757,46 @@ __global__ void __launch_bounds__(kSpThreads, 2)
                           smul, vmul, sp_smem, smask, orow_lo, orow_hi);
       break;
     default:
-      if (bs32 % kSpSubKeys == 0) {
+      if (prm.t1_tma != 0) {
         const float* qg = tok_ok ? q + ((t0 + warp) * num_heads + g * group) * D : nullptr;
         sp_token_loop<T>(c, g, bs32, ent_pos, ent_slot, e0, ne, tok_pos[warp], qg, group, smul,
-                         vmul, sp_smem, sp_bars, orow_lo, orow_hi);
+                         vmul, sp_smem, sp_bars, tma, orow_lo, orow_hi);
         break;
       }
       sp_group_loop<T, 1>(c, g, bs32, ent_pos, ent_slot, ent_mask, e0, ne, tok_pos, tok_ok, qa,
                           smul, vmul, sp_smem, smask, orow_lo, orow_hi);
       break;
   }
+}
+
+// The K and V tensor maps of sp_token_loop (SpTma); false where the driver has no
+// cuTensorMapEncodeTiled or rejects the layout (T = 1 then runs sp_group_loop).
+bool sp_encode_maps(const KvPages& c, int esz, SpTma* out) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult st{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &st) != cudaSuccess ||
+        st != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kSpDim),
+                              static_cast<cuuint64_t>(c.num_kv_heads),
+                              static_cast<cuuint64_t>(c.num_pages * c.page_size)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kSpDim * esz),
+                                 static_cast<cuuint64_t>(c.num_kv_heads * kSpDim * esz)};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(128 / esz), 1u, kSpSubKeys};
+  const cuuint32_t estr[3] = {1u, 1u, 1u};
+  const CUtensorMapDataType dt =
+      esz == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16;
+  auto one = [&](void* p, CUtensorMap* m) {
+    return encode(m, dt, 3, p, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  return one(c.k, &out->k) && one(c.v, &out->v);
 }
 
 }  // namespace
@@ -769,14 +832,17 @@ void msa_sparse_prefill(const float* q, int64_t num_heads, const KvPages& cache,
   // at T = 4): T = 4 ran 43.3 / 22.9 / 18.1 ms at mean 4-token unions of 45.7 / 20.8 / 15.5
   // blocks where T = 1 ran 25.5 ms over ~62, T = 2 35.0 / 23.1 / 20.8 ms. So a T = 4 CTA must
   // read under 0.4x (T = 2: 0.65x) the blocks of T = 1: random selections stay T = 1.
-  const SpParams prm{1.55f, 2.5f, tokens_per_tile};
+  SpParams prm{1.55f, 2.5f, tokens_per_tile, 0};
+  SpTma tma{};
   detail::dispatch_kv(cache.kv_dtype, [&]<class T>() {
     if constexpr (sizeof(T) < 4) {
+      if (cache.page_size % kSpSubKeys == 0 && cache.num_pages * cache.page_size <= 0x7fffffff)
+        prm.t1_tma = sp_encode_maps(cache, int(sizeof(T)), &tma) ? 1 : 0;
       constexpr int smem = SpSmem<T>::kBytes;
       static std::atomic<uint64_t> attr_set{0};
       detail::raise_smem_limit_once(attr_set, msa_sparse_prefill_kernel<T>, smem);
       msa_sparse_prefill_kernel<T><<<static_cast<unsigned>(grid), kSpThreads, smem, stream>>>(
-          q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, prm, out);
+          q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, prm, tma, out);
       M3_CUDA_CHECK_LAUNCH("msa_sparse_prefill_kernel");
     }
   });
