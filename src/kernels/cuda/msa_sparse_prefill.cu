@@ -29,6 +29,9 @@
 #include <algorithm>
 #include <atomic>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include "kernels/cuda/attn_common.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kv_format.cuh"
@@ -45,14 +48,41 @@ constexpr int kSpRows = 16;     // query rows per warp (the MMA's M)
 constexpr int kSpMaxSel = 32;   // selected-list length: 4 tokens x 32 ids = one per thread
 constexpr int kSpSubKeys = 16;  // keys per sub-tile (one MMA k-step of P.V)
 
+// Stages of the T = 1 rings (a build-time knob for the standalone harness): bf16 3 (102 KB per
+// CTA, two CTAs per SM), fp8 5 (90 KB).
+// M3_SP_T1_TMA = 1 builds the TMA T = 1 path (sp_token_loop); 0 (the default) keeps T = 1 on
+// sp_group_loop's cp.async ring. The TMA path compiles but was not yet timed or tested on the
+// GPU (session 11 ran out of device time; its per-row bulk-copy predecessor passed
+// attn_cuda_test and the harness and was slower than cp.async): turn it on after
+//   nvcc ... -DM3_SP_T1_TMA=1 tools/perf/msa_sparse_prefill_harness.cu
+// checks and times it against the default build.
+#ifndef M3_SP_T1_TMA
+#define M3_SP_T1_TMA 0
+#endif
+#ifndef M3_SP_T1_STAGES
+#define M3_SP_T1_STAGES (sizeof(T) == 1 ? 5 : 3)
+#endif
+constexpr int kSpT1MaxStages = 8;
+
 template <class T>
 struct SpSmem {
   static constexpr int kRowBytes = kSpDim * int(sizeof(T));
   // A stage of the whole CTA: 4 sub-tiles of 16 keys (one per warp of the CTA, whatever T),
   // K rows then V rows.
   static constexpr int kStageBytes = 2 * kSpWarps * kSpSubKeys * kRowBytes;
-  static constexpr int kStages = sizeof(T) == 1 ? 5 : 3;  // two CTAs per SM
-  static constexpr int kBytes = kStages * kStageBytes;
+  static constexpr int kStages =
+      sizeof(T) == 1 ? 5 : 3;  // two CTAs per SM
+                               // The T = 1 path (sp_token_loop): per warp a ring of kT1Stages
+                               // stages of 16 keys, K then V,
+  // each as boxes of 16 rows x 128 bytes (bf16: two per row, dims 0-63 and 64-127) written by
+  // the tensor-memory accelerator with its 128-byte swizzle (chunk c of row k at c ^ (k % 8)),
+  // 1024-byte aligned (one more KB of dynamic shared memory for the alignment).
+  static constexpr int kT1Box = 16 * 128;
+  static constexpr int kT1StageBytes = 2 * kSpSubKeys * kRowBytes;
+  static constexpr int kT1Stages = M3_SP_T1_STAGES;
+  static constexpr int kT1Bytes = kSpWarps * kT1Stages * kT1StageBytes + 1024;
+  static constexpr int kBytes =
+      M3_SP_T1_TMA && kT1Bytes > kStages* kStageBytes ? kT1Bytes : kStages* kStageBytes;
 };
 
 // The XOR applied to 16-byte chunk indices of key row `key` (its index in its 16-key sub-tile).
@@ -86,6 +116,12 @@ __device__ __forceinline__ void group_sync(int T, int q) {
 struct SpParams {
   float w2, w4;  // cost weights of T = 2 and T = 4 against T = 1 (union sizes)
   int force_t;   // 0: decide per CTA; 1, 2, 4: that T everywhere (tests, benches)
+  int t1_tma;    // the tensor maps below are set: T = 1 runs sp_token_loop
+};
+// Tensor maps of the K and V caches as [slots][kv heads][128] (3-d, dims innermost first), box
+// 16 slots x 1 head x 128 bytes, 128-byte swizzle.
+struct SpTma {
+  CUtensorMap k, v;
 };
 
 // The warps' main loop for a group of TT warps (TT = the CTA's T): the group's ring, its union
@@ -303,12 +339,299 @@ __device__ __forceinline__ void sp_group_loop(
   }
 }
 
+// ---- The T = 1 path: one token per warp, bulk copies into a per-warp ring (sm_90) ----
+__device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also announces `bytes` of bulk copies to come in the barrier's phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// One box of the 3-d tensor map at (c0, c1, c2) -> shared `dst`, completing as transaction
+// bytes on `bar`.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+      "[%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+// Generic-proxy writes of shared memory ordered before later async-proxy (TMA) accesses.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t pack_p(float lo, float hi, uint16_t) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // RNE: pack_bf16x2's bits for finite
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t pack_p(float lo, float hi, uint8_t) {
+  return detail::pack_f16x2(lo, hi);
+}
+
+// Warp w alone over its token's entries [e0, e0 + ne) (page size a multiple of 16, so a 16-key
+// tile is 16 consecutive slots of one page): lane 0 loads a tile's K and V as TMA boxes (2 + 2
+// for bf16, 1 + 1 for fp8) into the warp's ring, one mbarrier per stage. Keys past the token's
+// position are masked in S, and in the tile holding the token's position their V rows are
+// zeroed in shared memory after the load (slots past the sequence may hold NaN, and P = 0 times
+// NaN is NaN). Per tile: S = Q.K^T on 16 MMAs from ldmatrix (bf16: the natural k order; fp8:
+// one 8x8 b16 matrix = 8 keys x 16 codes per k-step, the lane's 4 codes as the k slots
+// {2c, 2c+1}, {2c+8, 2c+9}), the online exp2 softmax of sp_group_loop, O += P.V from
+// ldmatrix.trans (bf16) or the byte-permuted codes (fp8).
+template <class T>
+__device__ __forceinline__ void sp_token_loop(const KvPages& c, int64_t g, int32_t bs32,
+                                              const int32_t* ent_pos, const int64_t* ent_slot,
+                                              int e0, int ne, int32_t tokpos, const float* qg,
+                                              int group, float smul, float vmul,
+                                              unsigned char* smem, uint64_t* bars, const SpTma& tma,
+                                              float* orow_lo, float* orow_hi) {
+  using M = detail::MmaOf<T>;
+  using Sm = SpSmem<T>;
+  using detail::kWarp;
+  constexpr bool kFp8 = sizeof(T) == 1;
+  constexpr int D = kSpDim;
+  constexpr int KSteps = D / 16;
+  constexpr int NT = D / 8;
+  constexpr int S = Sm::kT1Stages;
+  static_assert(S >= 2 && S <= kSpT1MaxStages, "T = 1 ring stages");
+  constexpr int RB = Sm::kRowBytes;
+  constexpr int Box = Sm::kT1Box;
+  constexpr int KBytes = kSpSubKeys * RB;  // K (then V) part of a stage
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int r = lane / 4, cq = lane % 4;
+  const int mi = lane >> 3, rr = lane & 7;  // ldmatrix: the matrix and row this lane addresses
+  const int tiles_per_entry = bs32 / kSpSubKeys;
+  const int ntiles = ne * tiles_per_entry;
+  const uint32_t base = (detail::smem_addr(smem) + 1023u) & ~1023u;
+  const uint32_t ring = base + warp * S * Sm::kT1StageBytes;
+  unsigned char* ring_p = smem + (ring - detail::smem_addr(smem));
+  const uint32_t bar0 = detail::smem_addr(bars + warp * kSpT1MaxStages);
+
+  // Q fragments in this path's k order (rows = heads; 0 past the group or for no token).
+  uint32_t qa[KSteps][4];
+  {
+    auto q2 = [&](int h, int d) {
+      return qg != nullptr && h < group ? *reinterpret_cast<const float2*>(qg + h * D + d)
+                                        : make_float2(0.f, 0.f);
+    };
+    auto pk = [&](float2 v) { return M::pack(detail::round_bf16(v.x), detail::round_bf16(v.y)); };
+#pragma unroll
+    for (int ks = 0; ks < KSteps; ++ks) {
+      const int d0 = kFp8 ? 16 * ks + 4 * cq : 16 * ks + 2 * cq;  // k slots 2c, 2c + 1
+      const int d1 = kFp8 ? d0 + 2 : d0 + 8;                      // k slots 2c + 8, 2c + 9
+      qa[ks][0] = pk(q2(r, d0));
+      qa[ks][1] = pk(q2(r + 8, d0));
+      qa[ks][2] = pk(q2(r, d1));
+      qa[ks][3] = pk(q2(r + 8, d1));
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int st = 0; st < S; ++st) mbar_init(bar0 + 8 * st, 1);
+    mbar_fence_init();
+  }
+  __syncwarp();
+
+  auto issue = [&](int i) {
+    if (i >= ntiles) return;
+    __syncwarp();  // every lane is past its reads (and zero fills) of this stage (tile i - S)
+    if (lane != 0) return;
+    const int st = i % S;
+    const int e = i / tiles_per_entry;
+    const int slot = static_cast<int>(ent_slot[e0 + e]) + (i - e * tiles_per_entry) * kSpSubKeys;
+    const uint32_t dst = ring + st * Sm::kT1StageBytes;
+    const uint32_t bar = bar0 + 8 * st;
+    mbar_arrive_expect_tx(bar, 2 * KBytes);
+#pragma unroll
+    for (int h = 0; h < RB / 128; ++h) {
+      tma_load_3d(dst + h * Box, &tma.k, h * (128 / int(sizeof(T))), static_cast<int>(g), slot,
+                  bar);
+      tma_load_3d(dst + KBytes + h * Box, &tma.v, h * (128 / int(sizeof(T))), static_cast<int>(g),
+                  slot, bar);
+    }
+  };
+
+  const float sl2 = smul * kLog2e;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows r, r + 8 (exp2 domain)
+  float o[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) issue(i);
+  for (int j = 0; j < ntiles; ++j) {
+    issue(j + S - 1);  // into the stage tile j - 1 used
+    const int st = j % S;
+    const int e = j / tiles_per_entry;
+    // Keys 0..lim of the tile are at or before the token's position.
+    const int lim = tokpos - (ent_pos[e0 + e] + (j - e * tiles_per_entry) * kSpSubKeys);
+    mbar_wait(bar0 + 8 * st, static_cast<uint32_t>(j / S) & 1u);
+    if (lim < 0) continue;  // warp-uniform: the local block's keys past the token
+    const uint32_t kst = ring + st * Sm::kT1StageBytes;
+    const uint32_t vst = kst + KBytes;
+    if (lim < kSpSubKeys - 1) {  // zero V rows lim + 1 .. 15 (whole rows: the swizzle is within)
+      unsigned char* vz = ring_p + st * Sm::kT1StageBytes + KBytes;
+      constexpr int Chunks = RB / 16;
+      for (int idx = lane; idx < (kSpSubKeys - 1 - lim) * Chunks; idx += kWarp) {
+        const int key = lim + 1 + idx / Chunks, ch = idx % Chunks;
+        *reinterpret_cast<uint4*>(vz + (ch / 8) * Box + key * 128 + (ch % 8) * 16) =
+            make_uint4(0u, 0u, 0u, 0u);
+      }
+      fence_proxy_async_smem();  // before a later TMA refills this stage
+      __syncwarp();
+    }
+    float x[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e2 = 0; e2 < 4; ++e2) x[nt][e2] = 0.f;
+    if constexpr (!kFp8) {
+      // Matrices: keys 0-7 dims +0 / +8 (b0, b1 of n-tile 0), keys 8-15 dims +0 / +8 (n-tile 1).
+      const uint32_t ka = kst + ((mi >> 1) * 8 + rr) * 128;
+#pragma unroll
+      for (int ks = 0; ks < KSteps; ++ks) {
+        uint32_t b0, b1, b2, b3;
+        const int ch = 2 * (ks % 4) + (mi & 1);  // 16-byte chunk in the half (box) ks / 4
+        detail::ldmatrix_x4(ka + (ks / 4) * Box + ((ch ^ rr) << 4), b0, b1, b2, b3);
+        M::mma(x[0], qa[ks], b0, b1);
+        M::mma(x[1], qa[ks], b2, b3);
+      }
+    } else {
+      // Matrices: 16-code chunks 4 jj + mi of keys 8 nt + 0..7, one k-step each.
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int jj = 0; jj < KSteps / 4; ++jj) {
+          uint32_t w[4];
+          detail::ldmatrix_x4(kst + (nt * 8 + rr) * 128 + (((jj * 4 + mi) ^ rr) << 4), w[0], w[1],
+                              w[2], w[3]);
+#pragma unroll
+          for (int u = 0; u < 4; ++u)
+            M::mma(x[nt], qa[jj * 4 + u], detail::fp8x2_to_f16x2(w[u]),
+                   detail::fp8x2_to_f16x2(w[u] >> 16));
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e2 = 0; e2 < 4; ++e2) {
+        const int key = nt * 8 + 2 * cq + (e2 & 1);
+        x[nt][e2] = key <= lim ? x[nt][e2] * sl2 : -INFINITY;
+      }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx =
+          fmaxf(fmaxf(x[0][2 * hh], x[0][2 * hh + 1]), fmaxf(x[1][2 * hh], x[1][2 * hh + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float nm = fmaxf(m[hh], mx);  // finite: key 0 of the tile is visible
+      const float corr = m[hh] == -INFINITY ? 0.f : exp2f(m[hh] - nm);
+      m[hh] = nm;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e2 = 2 * hh; e2 < 2 * hh + 2; ++e2) {
+          const float pr = exp2f(x[nt][e2] - nm);
+          x[nt][e2] = pr;
+          sum += pr;
+        }
+      l[hh] = l[hh] * corr + sum;
+      if (corr != 1.f) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          o[n][2 * hh] *= corr;
+          o[n][2 * hh + 1] *= corr;
+        }
+      }
+    }
+    const uint32_t pa[4] = {pack_p(x[0][0], x[0][1], T{}), pack_p(x[0][2], x[0][3], T{}),
+                            pack_p(x[1][0], x[1][1], T{}), pack_p(x[1][2], x[1][3], T{})};
+    if constexpr (!kFp8) {
+      // Transposed matrices: keys 0-7 / 8-15 (b0 / b1) of dims 16 p + 0..7, then of + 8..15.
+      const uint32_t va = vst + ((mi & 1) * 8 + rr) * 128;
+#pragma unroll
+      for (int p = 0; p < NT / 2; ++p) {
+        uint32_t b0, b1, b2, b3;
+        const int ch = 2 * (p % 4) + (mi >> 1);
+        detail::ldmatrix_x4_trans(va + (p / 4) * Box + ((ch ^ rr) << 4), b0, b1, b2, b3);
+        M::mma(o[2 * p], pa, b0, b1);
+        M::mma(o[2 * p + 1], pa, b2, b3);
+      }
+    } else {
+      // Keys 2c, 2c + 1, 2c + 8, 2c + 9, codes 16 r .. 16 r + 15 (dims 16 r + n in n-tile n).
+      const unsigned char* vs = ring_p + st * Sm::kT1StageBytes + KBytes;
+      uint32_t vv[4][8];
+#pragma unroll
+      for (int uu = 0; uu < 4; ++uu) {
+        const int key = 2 * cq + (uu & 1) + (uu >> 1) * 8;
+        M::unpack(*reinterpret_cast<const uint4*>(vs + key * 128 + ((r ^ (key & 7)) << 4)), vv[uu]);
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const unsigned selb = (n & 1) ? 0x7632u : 0x5410u;
+        const uint32_t b0 = __byte_perm(vv[0][n / 2], vv[1][n / 2], selb);
+        const uint32_t b1 = __byte_perm(vv[2][n / 2], vv[3][n / 2], selb);
+        M::mma(o[n], pa, b0, b1);
+      }
+    }
+  }
+  if (qg == nullptr) return;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float* orow = hh == 0 ? orow_lo : orow_hi;
+    if (orow == nullptr) continue;
+    const float inv = vmul / l[hh];
+    if constexpr (!kFp8) {
+      // Row r / r + 8, dims 8 n + 2c, + 1.
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+        *reinterpret_cast<float2*>(orow + 8 * n + 2 * cq) =
+            make_float2(o[n][2 * hh] * inv, o[n][2 * hh + 1] * inv);
+    } else {
+      // Dims 32 c + n (o[n][0 | 2]) and 32 c + 16 + n (o[n][1 | 3]).
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float4* dst = reinterpret_cast<float4*>(orow + 32 * cq + 16 * half);
+#pragma unroll
+        for (int n4 = 0; n4 < 4; ++n4)
+          dst[n4] =
+              make_float4(o[4 * n4][2 * hh + half] * inv, o[4 * n4 + 1][2 * hh + half] * inv,
+                          o[4 * n4 + 2][2 * hh + half] * inv, o[4 * n4 + 3][2 * hh + half] * inv);
+      }
+    }
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kSpThreads, 2)
     msa_sparse_prefill_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c,
                               TokenLayout L, const int32_t* __restrict__ blocks, int64_t max_blocks,
                               float scale, int64_t max_kv_len, SpParams prm,
-                              float* __restrict__ out) {
+                              const __grid_constant__ SpTma tma, float* __restrict__ out) {
   using M = detail::MmaOf<T>;
   using detail::kWarp;
   constexpr int D = kSpDim;
@@ -324,6 +647,7 @@ __global__ void __launch_bounds__(kSpThreads, 2)
   __shared__ int32_t grp_start[kSpWarps + 1];
   __shared__ uint32_t scan_red[33];
   __shared__ uint16_t smask[SpSmem<T>::kStages][kSpWarps][kSpWarps];
+  __shared__ __align__(8) uint64_t sp_bars[kSpWarps * kSpT1MaxStages];
 
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int r = lane / 4, cq = lane % 4;
@@ -443,10 +767,46 @@ __global__ void __launch_bounds__(kSpThreads, 2)
                           smul, vmul, sp_smem, smask, orow_lo, orow_hi);
       break;
     default:
+      if (M3_SP_T1_TMA && prm.t1_tma != 0) {
+        const float* qg = tok_ok ? q + ((t0 + warp) * num_heads + g * group) * D : nullptr;
+        sp_token_loop<T>(c, g, bs32, ent_pos, ent_slot, e0, ne, tok_pos[warp], qg, group, smul,
+                         vmul, sp_smem, sp_bars, tma, orow_lo, orow_hi);
+        break;
+      }
       sp_group_loop<T, 1>(c, g, bs32, ent_pos, ent_slot, ent_mask, e0, ne, tok_pos, tok_ok, qa,
                           smul, vmul, sp_smem, smask, orow_lo, orow_hi);
       break;
   }
+}
+
+// The K and V tensor maps of sp_token_loop (SpTma); false where the driver has no
+// cuTensorMapEncodeTiled or rejects the layout (T = 1 then runs sp_group_loop).
+bool sp_encode_maps(const KvPages& c, int esz, SpTma* out) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult st{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &st) != cudaSuccess ||
+        st != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kSpDim),
+                              static_cast<cuuint64_t>(c.num_kv_heads),
+                              static_cast<cuuint64_t>(c.num_pages * c.page_size)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kSpDim * esz),
+                                 static_cast<cuuint64_t>(c.num_kv_heads * kSpDim * esz)};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(128 / esz), 1u, kSpSubKeys};
+  const cuuint32_t estr[3] = {1u, 1u, 1u};
+  const CUtensorMapDataType dt =
+      esz == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16;
+  auto one = [&](void* p, CUtensorMap* m) {
+    return encode(m, dt, 3, p, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  return one(c.k, &out->k) && one(c.v, &out->v);
 }
 
 }  // namespace
@@ -482,14 +842,17 @@ void msa_sparse_prefill(const float* q, int64_t num_heads, const KvPages& cache,
   // at T = 4): T = 4 ran 43.3 / 22.9 / 18.1 ms at mean 4-token unions of 45.7 / 20.8 / 15.5
   // blocks where T = 1 ran 25.5 ms over ~62, T = 2 35.0 / 23.1 / 20.8 ms. So a T = 4 CTA must
   // read under 0.4x (T = 2: 0.65x) the blocks of T = 1: random selections stay T = 1.
-  const SpParams prm{1.55f, 2.5f, tokens_per_tile};
+  SpParams prm{1.55f, 2.5f, tokens_per_tile, 0};
+  SpTma tma{};
   detail::dispatch_kv(cache.kv_dtype, [&]<class T>() {
     if constexpr (sizeof(T) < 4) {
+      if (cache.page_size % kSpSubKeys == 0 && cache.num_pages * cache.page_size <= 0x7fffffff)
+        prm.t1_tma = M3_SP_T1_TMA && sp_encode_maps(cache, int(sizeof(T)), &tma) ? 1 : 0;
       constexpr int smem = SpSmem<T>::kBytes;
       static std::atomic<uint64_t> attr_set{0};
       detail::raise_smem_limit_once(attr_set, msa_sparse_prefill_kernel<T>, smem);
       msa_sparse_prefill_kernel<T><<<static_cast<unsigned>(grid), kSpThreads, smem, stream>>>(
-          q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, prm, out);
+          q, num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, prm, tma, out);
       M3_CUDA_CHECK_LAUNCH("msa_sparse_prefill_kernel");
     }
   });
