@@ -14,9 +14,9 @@ constexpr int kThreads = 512;
 constexpr unsigned long long kSpinLimitNs = 20ull * 1000 * 1000 * 1000;  // a lost peer: trap
 
 struct Args {
-  float* bufs[OneShotGroup::kMaxRanks];       // every rank's staging slots
-  uint32_t* flags[OneShotGroup::kMaxRanks];   // every rank's flags [W][kCtas]
-  uint32_t* epochs;                           // this rank's, [kCtas]
+  float* bufs[OneShotGroup::kMaxRanks];      // every rank's staging slots
+  uint32_t* flags[OneShotGroup::kMaxRanks];  // every rank's flags [W][kCtas]
+  uint32_t* epochs;                          // this rank's, [kCtas]
   float* data;
   int64_t n;
   int64_t max_floats;
@@ -61,8 +61,8 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(Args a, bool vec) {
     const unsigned long long t0 = global_ns();
     while (load_acquire_sys(f) < e) {
       if (global_ns() - t0 > kSpinLimitNs) {
-        printf("one_shot_all_reduce: rank %d CTA %d waited 20 s for rank %d (call %u)\n", a.rank,
-               b, static_cast<int>(threadIdx.x), e);
+        printf("one_shot_all_reduce: rank %d CTA %d waited 20 s for rank %d (call %u)\n", a.rank, b,
+               static_cast<int>(threadIdx.x), e);
         __trap();
       }
     }
@@ -87,7 +87,9 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(Args a, bool vec) {
   if (threadIdx.x == 0) a.epochs[b] = e;
 }
 
-std::string gpu_name(int d) { return "GPU " + std::to_string(d); }
+std::string gpu_name(int d) {
+  return "GPU " + std::to_string(d);
+}
 
 }  // namespace
 
@@ -101,10 +103,9 @@ Result<std::shared_ptr<OneShotGroup>> OneShotGroup::create(const std::vector<int
                       "");
   }
   if (max_floats < 1) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "one-shot all-reduce: a capacity of " + std::to_string(max_floats) +
-                          " floats",
-                      "");
+    return make_error(
+        ErrorCode::kInvalidArgument,
+        "one-shot all-reduce: a capacity of " + std::to_string(max_floats) + " floats", "");
   }
   int before = 0;
   M3_CUDA_CHECK(cudaGetDevice(&before));

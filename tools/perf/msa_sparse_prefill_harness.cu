@@ -11,7 +11,7 @@
 // against N(0, 1) queries). Build and run from the repository root:
 //   nvcc -O3 -std=c++20 -arch=sm_90a --expt-relaxed-constexpr -I src \
 //        tools/perf/msa_sparse_prefill_harness.cu -o msa_sa && ./msa_sa [check|time|all] [iters]
-// (-DM3_SP_T1_TMA=1 builds the kernel's TMA T = 1 path, -DM3_SP_T1_STAGES=N its ring's stages;
+// (-DM3_SP_T1_TMA=0 builds the kernel's T = 1 on the cp.async ring instead of TMA boxes, -DM3_SP_T1_STAGES=N its ring's stages;
 // -I DIR before -I src with DIR/kernels/cuda/msa_sparse_prefill.cu times another version of the
 // kernel, e.g. main's; the 32K cases tile a pool of 4M samples.)
 #include <cstdarg>

@@ -427,11 +427,15 @@ inline int balanced_warps(int64_t warp_tasks, int sms, int max_warps = kThreads 
   return best;
 }
 
-// Tuning switches for measurements (read once): M3_GEMV_BALANCE=0 keeps linear's dense GEMV
-// at 8-warp CTAs (no balanced_warps); M3_GEMV_EXPERT_WARPS (8, 4 or 2; default 8) sizes the
-// grouped expert GEMVs' CTAs.
+// Tuning switches (read once): M3_GEMV_BALANCE=1 sizes linear's dense GEMV CTAs by
+// balanced_warps (even shares per SM: 2-4 warps for M3's 6144-9856 rows); the default keeps
+// them at 8 warps. Measured in one H200 run (2026-12-02, bench_layer 8192 10 bf16, x staged by
+// cp.async): balanced 0.324 / 0.947 / 3.330 / 4.357 ms at batch 1 / 8 / 64 / 256, 8-warp CTAs
+// 0.290 / 0.925 / 3.312 / 4.326 (balanced_warps had come with the earlier per-thread staging, in
+// the changes that took batch 1 from 0.365 to 0.293 ms). M3_GEMV_EXPERT_WARPS (8, 4 or 2; default
+// 8) sizes the grouped expert GEMVs' CTAs.
 inline bool balance_on() {
-  static const bool on = env_switch("M3_GEMV_BALANCE", true);
+  static const bool on = env_switch("M3_GEMV_BALANCE", false);
   return on;
 }
 inline int expert_warps() {

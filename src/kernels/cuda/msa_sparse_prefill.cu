@@ -50,14 +50,15 @@ constexpr int kSpSubKeys = 16;  // keys per sub-tile (one MMA k-step of P.V)
 
 // Stages of the T = 1 rings (a build-time knob for the standalone harness): bf16 3 (102 KB per
 // CTA, two CTAs per SM), fp8 5 (90 KB).
-// M3_SP_T1_TMA = 1 builds the TMA T = 1 path (sp_token_loop); 0 (the default) keeps T = 1 on
-// sp_group_loop's cp.async ring. The TMA path compiles but was not yet timed or tested on the
-// GPU (session 11 ran out of device time; its per-row bulk-copy predecessor passed
-// attn_cuda_test and the harness and was slower than cp.async): turn it on after
-//   nvcc ... -DM3_SP_T1_TMA=1 tools/perf/msa_sparse_prefill_harness.cu
-// checks and times it against the default build.
+// M3_SP_T1_TMA = 1 (the default) builds the TMA T = 1 path (sp_token_loop); 0 keeps T = 1 on
+// sp_group_loop's cp.async ring (also where the tensor maps cannot be made). Measured with the
+// standalone harness on the H200 (2026-12-02, both builds in one run, 32K tokens, random
+// selections): T = 1 bf16 25.7 -> 17.7 ms (83 -> 121 TFLOP/s), fp8 22.0 -> 18.7 ms (97 -> 114);
+// its check against the fp32 reference passed every case (pages 8-128, groups 3-16, partial
+// blocks, NaN past the tail). To compare again:
+//   nvcc ... -DM3_SP_T1_TMA=0 tools/perf/msa_sparse_prefill_harness.cu
 #ifndef M3_SP_T1_TMA
-#define M3_SP_T1_TMA 0
+#define M3_SP_T1_TMA 1
 #endif
 #ifndef M3_SP_T1_STAGES
 #define M3_SP_T1_STAGES (sizeof(T) == 1 ? 5 : 3)
@@ -839,15 +840,21 @@ void msa_sparse_prefill(const float* q, int64_t num_heads, const KvPages& cache,
   M3_CHECK(grid <= 0x7fffffff);
   // Weights: the cost of a union block at T = 2 / 4 against one at T = 1, from the H200 at 32K
   // tokens (standalone harness, 2026-12-02; per-token time ~flat in the union at T = 1, ~linear
-  // at T = 4): T = 4 ran 43.3 / 22.9 / 18.1 ms at mean 4-token unions of 45.7 / 20.8 / 15.5
-  // blocks where T = 1 ran 25.5 ms over ~62, T = 2 35.0 / 23.1 / 20.8 ms. So a T = 4 CTA must
-  // read under 0.4x (T = 2: 0.65x) the blocks of T = 1: random selections stay T = 1.
+  // at T = 4). On the cp.async T = 1 loop: T = 4 ran 43.3 / 22.9 / 18.1 ms at mean 4-token
+  // unions of 45.7 / 20.8 / 15.5 blocks where T = 1 ran 25.5 ms over ~62, T = 2 35.0 / 23.1 /
+  // 20.8 ms: a T = 4 CTA must read under 0.4x (T = 2: 0.65x) the blocks of T = 1. On the TMA
+  // T = 1 path (17.3-17.7 ms whatever the overlap, bf16) a T = 4 union block costs 3.4-4.3 and a
+  // T = 2 one ~2.5 T = 1 blocks: T = 1 serves all but nearly identical neighbours.
   SpParams prm{1.55f, 2.5f, tokens_per_tile, 0};
   SpTma tma{};
   detail::dispatch_kv(cache.kv_dtype, [&]<class T>() {
     if constexpr (sizeof(T) < 4) {
       if (cache.page_size % kSpSubKeys == 0 && cache.num_pages * cache.page_size <= 0x7fffffff)
         prm.t1_tma = M3_SP_T1_TMA && sp_encode_maps(cache, int(sizeof(T)), &tma) ? 1 : 0;
+      if (prm.t1_tma != 0) {
+        prm.w2 = 2.6f;
+        prm.w4 = 4.0f;
+      }
       constexpr int smem = SpSmem<T>::kBytes;
       static std::atomic<uint64_t> attr_set{0};
       detail::raise_smem_limit_once(attr_set, msa_sparse_prefill_kernel<T>, smem);
