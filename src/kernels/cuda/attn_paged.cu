@@ -1428,11 +1428,18 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
   // its sequence (host-known) there is nothing left for them.
   const bool skip_multi = tiled || sparse_tiled;
   if (skip_multi && !layout.single_token_seqs) return;
-  // A bf16 / fp8 cache at head_dim 128 and groups <= 16: the selected blocks of every token in
-  // attention_cta_kernel, a cluster of up to 16 CTAs per (token, kv head) (one round of 128 keys
-  // each at M3's top-16 of 128-token pages). Dense rows (and M3_ATTN_LEGACY=1) below.
-  if (blocks != nullptr && mma_path_supported(cache, group) && !attn_legacy()) {
-    const int64_t units = T * cache.num_kv_heads;
+  // A bf16 / fp8 cache at head_dim 128 and groups <= 16, at most kCtaMaxUnits (token, kv head)
+  // rows: the selected blocks of every token in attention_cta_kernel, a cluster of up to 16 CTAs
+  // per (token, kv head) (one round of 128 keys each at M3's top-16 of 128-token pages). More
+  // rows, dense rows (and M3_ATTN_LEGACY=1) below. The bound, from one H200 run (2026-12-02,
+  // bench_layer 8192 10 bf16, one M3 layer, 4 KV heads): the CTA kernel was faster at batch 8
+  // (0.947 against 0.959 ms per step; MSA attention alone 27 against 47 us), even at batch 1,
+  // slower at 64 (3.330 / 3.299) and 256 (4.357 / 4.211), and a 32K-token prefill through the
+  // per-token path took 60.1 against 38.9 ms.
+  constexpr int64_t kCtaMaxUnits = 32;
+  const int64_t units = T * cache.num_kv_heads;
+  if (blocks != nullptr && mma_path_supported(cache, group) && !attn_legacy() &&
+      units <= kCtaMaxUnits) {
     const int ncl = static_cast<int>(
         std::min<int64_t>(sparse_cluster(units, cache.kv_dtype), cta_rounds(cache, max_blocks)));
     detail::dispatch_kv(cache.kv_dtype, [&]<class TT>() {
