@@ -484,6 +484,54 @@ struct MmaAttnSmem {
       kMmaWarps * kWarpBytes > kAfterBytes ? kMmaWarps* kWarpBytes : kAfterBytes;
 };
 
+// The splits of a (token, KV head) that form one thread-block cluster merge through distributed
+// shared memory (after a cluster barrier): each CTA's Ms / Ls hold its running max and sum per
+// head, its Oc the [group][D] output scaled to that max; CTA `rank` writes one slice of the
+// group's normalised rows to out (the group's first row), with every load of an element in
+// flight at once. The caller syncs the cluster again before any CTA leaves.
+template <int D>
+__device__ __forceinline__ void cluster_merge_splits(cooperative_groups::cluster_group& cl,
+                                                     float* Ms, float* Ls, float* Oc, int group,
+                                                     float* out) {
+  __shared__ float Wc[kMaxClusterSplits][kMmaRows], Lt[kMmaRows];
+  const int ns = static_cast<int>(cl.num_blocks());
+  const int rank = static_cast<int>(cl.block_rank());
+  if (threadIdx.x < group) {
+    const int h = threadIdx.x;
+    float mr[kMaxClusterSplits], lr[kMaxClusterSplits];
+#pragma unroll
+    for (int rk = 0; rk < kMaxClusterSplits; ++rk) {
+      mr[rk] = rk < ns ? cl.map_shared_rank(Ms, rk)[h] : -INFINITY;
+      lr[rk] = rk < ns ? cl.map_shared_rank(Ls, rk)[h] : 0.f;
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int rk = 0; rk < kMaxClusterSplits; ++rk) mx = fmaxf(mx, mr[rk]);
+    float lt = 0.f;
+#pragma unroll
+    for (int rk = 0; rk < kMaxClusterSplits; ++rk) {
+      const float w = mr[rk] == -INFINITY ? 0.f : expf(mr[rk] - mx);
+      Wc[rk][h] = w;
+      lt += w * lr[rk];
+    }
+    Lt[h] = lt;
+  }
+  __syncthreads();
+  const int total = group * D, per_rank = (total + ns - 1) / ns;
+  const int e1 = min(total, (rank + 1) * per_rank);
+  for (int e = rank * per_rank + threadIdx.x; e < e1; e += blockDim.x) {
+    const int h = e / D;
+    float v[kMaxClusterSplits];
+#pragma unroll
+    for (int rk = 0; rk < kMaxClusterSplits; ++rk)
+      v[rk] = rk < ns ? cl.map_shared_rank(Oc, rk)[e] : 0.f;
+    float acc = 0.f;
+#pragma unroll
+    for (int rk = 0; rk < kMaxClusterSplits; ++rk) acc = fmaf(Wc[rk][h], v[rk], acc);
+    out[e] = acc * (1.0f / Lt[h]);
+  }
+}
+
 // kCluster: the splits of a (token, kv head) are one thread-block cluster (gridDim.y <= 16 CTAs);
 // they merge through distributed shared memory and CTA 0 writes the output (no combine kernel,
 // no workspace).
@@ -771,47 +819,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       Oc[e] = acc * vmul;
     }
     cl.sync();
-    // Every CTA merges one slice of the group's outputs, reading all the splits' rows of it
-    // through distributed shared memory (all loads of an element in flight at once).
-    {
-      __shared__ float Wc[kMaxClusterSplits][kMmaRows], Lt[kMmaRows];
-      const int ns = static_cast<int>(cl.num_blocks());
-      const int rank = static_cast<int>(cl.block_rank());
-      if (threadIdx.x < group) {
-        const int h = threadIdx.x;
-        float mr[kMaxClusterSplits], lr[kMaxClusterSplits];
-#pragma unroll
-        for (int rk = 0; rk < kMaxClusterSplits; ++rk) {
-          mr[rk] = rk < ns ? cl.map_shared_rank(Ms, rk)[h] : -INFINITY;
-          lr[rk] = rk < ns ? cl.map_shared_rank(Ls, rk)[h] : 0.f;
-        }
-        float mx = -INFINITY;
-#pragma unroll
-        for (int rk = 0; rk < kMaxClusterSplits; ++rk) mx = fmaxf(mx, mr[rk]);
-        float lt = 0.f;
-#pragma unroll
-        for (int rk = 0; rk < kMaxClusterSplits; ++rk) {
-          const float w = mr[rk] == -INFINITY ? 0.f : expf(mr[rk] - mx);
-          Wc[rk][h] = w;
-          lt += w * lr[rk];
-        }
-        Lt[h] = lt;
-      }
-      __syncthreads();
-      const int total = group * D, per_rank = (total + ns - 1) / ns;
-      const int e1 = min(total, (rank + 1) * per_rank);
-      for (int e = rank * per_rank + threadIdx.x; e < e1; e += blockDim.x) {
-        const int h = e / D;
-        float v[kMaxClusterSplits];
-#pragma unroll
-        for (int rk = 0; rk < kMaxClusterSplits; ++rk)
-          v[rk] = rk < ns ? cl.map_shared_rank(Oc, rk)[e] : 0.f;
-        float acc = 0.f;
-#pragma unroll
-        for (int rk = 0; rk < kMaxClusterSplits; ++rk) acc = fmaf(Wc[rk][h], v[rk], acc);
-        out[(t * num_heads + g * group) * D + e] = acc * (1.0f / Lt[h]);
-      }
-    }
+    cluster_merge_splits<D>(cl, Ms, Ls, Oc, group, out + (t * num_heads + g * group) * D);
     cl.sync();  // every CTA keeps its shared memory until the others have read it
     return;
   }
@@ -1144,45 +1152,7 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
       Ls[r + 8] = l[1];
     }
     cl.sync();
-    // Every CTA merges one slice of the group's outputs, reading all the splits' rows of it
-    // through distributed shared memory (all loads of an element in flight at once).
-    __shared__ float Wc[kMaxClusterSplits][kMmaRows], Lt[kMmaRows];
-    const int ns = static_cast<int>(cl.num_blocks());
-    const int rank = static_cast<int>(cl.block_rank());
-    if (threadIdx.x < group) {
-      const int h = threadIdx.x;
-      float mr2[kMaxClusterSplits], lr[kMaxClusterSplits];
-#pragma unroll
-      for (int rk = 0; rk < kMaxClusterSplits; ++rk) {
-        mr2[rk] = rk < ns ? cl.map_shared_rank(Ms, rk)[h] : -INFINITY;
-        lr[rk] = rk < ns ? cl.map_shared_rank(Ls, rk)[h] : 0.f;
-      }
-      float mx = -INFINITY;
-#pragma unroll
-      for (int rk = 0; rk < kMaxClusterSplits; ++rk) mx = fmaxf(mx, mr2[rk]);
-      float lt = 0.f;
-#pragma unroll
-      for (int rk = 0; rk < kMaxClusterSplits; ++rk) {
-        const float w = mr2[rk] == -INFINITY ? 0.f : expf(mr2[rk] - mx);
-        Wc[rk][h] = w;
-        lt += w * lr[rk];
-      }
-      Lt[h] = lt;
-    }
-    __syncthreads();
-    const int total = group * D, per_rank = (total + ns - 1) / ns;
-    const int e1 = min(total, (rank + 1) * per_rank);
-    for (int e = rank * per_rank + threadIdx.x; e < e1; e += blockDim.x) {
-      const int h = e / D;
-      float v[kMaxClusterSplits];
-#pragma unroll
-      for (int rk = 0; rk < kMaxClusterSplits; ++rk)
-        v[rk] = rk < ns ? cl.map_shared_rank(Oc, rk)[e] : 0.f;
-      float acc = 0.f;
-#pragma unroll
-      for (int rk = 0; rk < kMaxClusterSplits; ++rk) acc = fmaf(Wc[rk][h], v[rk], acc);
-      out[(t * num_heads + g * group) * D + e] = acc * (1.0f / Lt[h]);
-    }
+    cluster_merge_splits<D>(cl, Ms, Ls, Oc, group, out + (t * num_heads + g * group) * D);
     cl.sync();  // every CTA keeps its shared memory until the others have read it
     return;
   }
