@@ -877,8 +877,8 @@ template <class T, bool kCluster>
 __global__ void __launch_bounds__(kCtaThreads, 2)
     attention_cta_kernel(const float* __restrict__ q, int64_t num_heads, KvPages c, TokenLayout L,
                          const int32_t* __restrict__ blocks, int64_t max_blocks, float scale,
-                         int64_t max_kv_len, int num_splits, float* __restrict__ part_o,
-                         float* __restrict__ part_ml, float* __restrict__ out, bool skip_multi) {
+                         int64_t max_kv_len, int num_splits, float* __restrict__ out,
+                         bool skip_multi) {
   using M = detail::MmaOf<T>;
   using Sm = CtaAttnSmem<T>;
   using detail::kWarp;
@@ -1156,7 +1156,7 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
     cl.sync();  // every CTA keeps its shared memory until the others have read it
     return;
   }
-  const int64_t idx = (t * nkv + g) * num_splits + split;
+  // Without a cluster the launch has one split (launch_cta): the rows are final.
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int h = r + 8 * hh;
@@ -1165,18 +1165,8 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int ec = 0; ec < 2; ++ec) {
-        const int i = dim_of(j, ec);
-        const float acc = o[j][2 * hh + ec] * vmul;
-        if (num_splits == 1)
-          out[(t * num_heads + g * group + h) * D + i] = acc * inv;
-        else
-          part_o[(idx * group + h) * D + i] = acc;
-      }
-    if (num_splits > 1 && warp == 0 && cq == 0) {
-      part_ml[(idx * group + h) * 2] = m[hh];
-      part_ml[(idx * group + h) * 2 + 1] = l[hh];
-    }
+      for (int ec = 0; ec < 2; ++ec)
+        out[(t * num_heads + g * group + h) * D + dim_of(j, ec)] = o[j][2 * hh + ec] * vmul * inv;
   }
 }
 
@@ -1234,7 +1224,12 @@ int cluster_limit_of() {
   M3_CUDA_CHECK(cudaGetDevice(&dev));
   const uint64_t bit = uint64_t{1} << (dev & 63);
   if (!(known.load(std::memory_order_acquire) & bit)) {
-    auto kernel = kLegacy ? attention_mma_kernel<TT, true> : attention_cta_kernel<TT, true>;
+    auto kernel = [] {
+      if constexpr (kLegacy)
+        return attention_mma_kernel<TT, true>;
+      else
+        return attention_cta_kernel<TT, true>;
+    }();
     const int smem = kLegacy ? MmaAttnSmem<TT>::kBytes : CtaAttnSmem<TT>::kBytes;
     M3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     bool ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
@@ -1274,8 +1269,9 @@ int cluster_limit(KvDtype kv, bool legacy) {
 template <class TT, bool kCluster>
 void launch_cta(dim3 grid, cudaStream_t stream, const float* q, int64_t num_heads,
                 const KvPages& cache, const TokenLayout& layout, const int32_t* blocks,
-                int64_t max_blocks, float scale, int64_t max_kv_len, int splits, float* part_o,
-                float* part_ml, float* out, bool skip_multi) {
+                int64_t max_blocks, float scale, int64_t max_kv_len, int splits, float* out,
+                bool skip_multi) {
+  M3_CHECK(kCluster || splits == 1, "attention_cta_kernel: %d splits without a cluster", splits);
   constexpr int smem = CtaAttnSmem<TT>::kBytes;
   auto kernel = attention_cta_kernel<TT, kCluster>;
   static std::atomic<uint64_t> attr_set{0};
@@ -1296,11 +1292,11 @@ void launch_cta(dim3 grid, cudaStream_t stream, const float* q, int64_t num_head
     cfg.attrs = attr;
     cfg.numAttrs = launch_overlap() && launch_overlap_attention() ? 2 : 1;
     M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, q, num_heads, cache, layout, blocks, max_blocks,
-                                     scale, max_kv_len, splits, part_o, part_ml, out, skip_multi));
+                                     scale, max_kv_len, splits, out, skip_multi));
   } else {
     detail::launch_pdl_attn(kernel, grid, dim3(kCtaThreads), static_cast<size_t>(smem), stream, q,
                             num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
-                            part_o, part_ml, out, skip_multi);
+                            out, skip_multi);
   }
   M3_CUDA_CHECK_LAUNCH("attention_cta_kernel");
 }
@@ -1417,11 +1413,10 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
         if (ncl >= 2)
           launch_cta<TT, true>(dim3(static_cast<unsigned>(units), static_cast<unsigned>(ncl)),
                                stream, q, num_heads, cache, layout, blocks, max_blocks, scale,
-                               max_kv_len, ncl, nullptr, nullptr, out, skip_multi);
+                               max_kv_len, ncl, out, skip_multi);
         else
           launch_cta<TT, false>(dim3(static_cast<unsigned>(units), 1), stream, q, num_heads, cache,
-                                layout, blocks, max_blocks, scale, max_kv_len, 1, nullptr, nullptr,
-                                out, skip_multi);
+                                layout, blocks, max_blocks, scale, max_kv_len, 1, out, skip_multi);
       }
     });
     return;
