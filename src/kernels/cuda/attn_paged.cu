@@ -11,6 +11,7 @@
 // (8 warps per 128 keys, clusters of up to 16 CTAs). kv_write stores every format with the CPU
 // twin's bytes.
 #include <algorithm>
+#include <utility>
 
 #include <cooperative_groups.h>
 
@@ -1264,6 +1265,29 @@ int cluster_limit(KvDtype kv, bool legacy) {
                              : cluster_limit_of<uint16_t, false>();
 }
 
+// Launches `kernel` over grid with the splits (grid.y) of each (token, kv head) as one
+// thread-block cluster, overlapping the kernel ahead where the attention kernels may
+// (launch_overlap_attention: their pdl_enter()).
+template <class... KArgs, class... Args>
+void launch_split_cluster(void (*kernel)(KArgs...), dim3 grid, int threads, int smem,
+                          cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = grid.y;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // pdl_enter()
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = launch_overlap() && launch_overlap_attention() ? 2 : 1;
+  M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
 // Launches attention_cta_kernel<TT, kCluster> over grid (tokens x kv heads, splits); with
 // kCluster the splits of a (token, kv head) form one cluster.
 template <class TT, bool kCluster>
@@ -1277,22 +1301,8 @@ void launch_cta(dim3 grid, cudaStream_t stream, const float* q, int64_t num_head
   static std::atomic<uint64_t> attr_set{0};
   detail::raise_smem_limit_once(attr_set, kernel, smem);
   if constexpr (kCluster) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kCtaThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = grid.y;
-    attr[0].val.clusterDim.z = 1;
-    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // pdl_enter()
-    attr[1].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = launch_overlap() && launch_overlap_attention() ? 2 : 1;
-    M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, q, num_heads, cache, layout, blocks, max_blocks,
-                                     scale, max_kv_len, splits, out, skip_multi));
+    launch_split_cluster(kernel, grid, kCtaThreads, smem, stream, q, num_heads, cache, layout,
+                         blocks, max_blocks, scale, max_kv_len, splits, out, skip_multi);
   } else {
     detail::launch_pdl_attn(kernel, grid, dim3(kCtaThreads), static_cast<size_t>(smem), stream, q,
                             num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len, splits,
@@ -1451,23 +1461,9 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
           if (cluster) {
             static std::atomic<uint64_t> attr_set{0};
             detail::raise_smem_limit_once(attr_set, attention_mma_kernel<TT, true>, smem);
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = grid;
-            cfg.blockDim = dim3(kMmaThreads);
-            cfg.dynamicSmemBytes = smem;
-            cfg.stream = stream;
-            cudaLaunchAttribute attr[2];
-            attr[0].id = cudaLaunchAttributeClusterDimension;
-            attr[0].val.clusterDim.x = 1;
-            attr[0].val.clusterDim.y = static_cast<unsigned>(splits);
-            attr[0].val.clusterDim.z = 1;
-            attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // pdl_enter()
-            attr[1].val.programmaticStreamSerializationAllowed = 1;
-            cfg.attrs = attr;
-            cfg.numAttrs = launch_overlap() && launch_overlap_attention() ? 2 : 1;
-            M3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention_mma_kernel<TT, true>, q, num_heads,
-                                             cache, layout, blocks, max_blocks, scale, max_kv_len,
-                                             splits, part_o, part_ml, out, skip_multi));
+            launch_split_cluster(attention_mma_kernel<TT, true>, grid, kMmaThreads, smem, stream, q,
+                                 num_heads, cache, layout, blocks, max_blocks, scale, max_kv_len,
+                                 splits, part_o, part_ml, out, skip_multi);
           } else {
             static std::atomic<uint64_t> attr_set{0};
             detail::raise_smem_limit_once(attr_set, attention_mma_kernel<TT, false>, smem);
