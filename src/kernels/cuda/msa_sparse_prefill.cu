@@ -28,6 +28,8 @@
 // twin's bound in tests/kernels/attn_cuda_test.cpp applies).
 #include <algorithm>
 #include <atomic>
+#include <mutex>
+#include <vector>
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -810,6 +812,36 @@ bool sp_encode_maps(const KvPages& c, int esz, SpTma* out) {
   return one(c.k, &out->k) && one(c.v, &out->v);
 }
 
+// sp_encode_maps once per pool: the maps depend only on the pool's arrays and shape, which stay
+// put for a backend's life, so a prefill step's sparse layers reuse them instead of encoding two
+// maps per launch on the host.
+bool sp_maps(const KvPages& c, int esz, SpTma* out) {
+  struct Entry {
+    const void* k;
+    const void* v;
+    int64_t pages, page_size, heads;
+    int esz;
+    bool ok;
+    SpTma maps;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> seen;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Entry& e : seen) {
+    if (e.k == c.k && e.v == c.v && e.pages == c.num_pages && e.page_size == c.page_size &&
+        e.heads == c.num_kv_heads && e.esz == esz) {
+      *out = e.maps;
+      return e.ok;
+    }
+  }
+  Entry e{c.k, c.v, c.num_pages, c.page_size, c.num_kv_heads, esz, false, {}};
+  e.ok = sp_encode_maps(c, esz, &e.maps);
+  if (seen.size() >= 64) seen.erase(seen.begin());  // pools come and go only in tests
+  seen.push_back(e);
+  *out = e.maps;
+  return e.ok;
+}
+
 }  // namespace
 
 bool msa_sparse_prefill_supported(const KvPages& c, int64_t group, int64_t max_blocks) {
@@ -850,7 +882,7 @@ void msa_sparse_prefill(const float* q, int64_t num_heads, const KvPages& cache,
   detail::dispatch_kv(cache.kv_dtype, [&]<class T>() {
     if constexpr (sizeof(T) < 4) {
       if (cache.page_size % kSpSubKeys == 0 && cache.num_pages * cache.page_size <= 0x7fffffff)
-        prm.t1_tma = M3_SP_T1_TMA && sp_encode_maps(cache, int(sizeof(T)), &tma) ? 1 : 0;
+        prm.t1_tma = M3_SP_T1_TMA && sp_maps(cache, int(sizeof(T)), &tma) ? 1 : 0;
       if (prm.t1_tma != 0) {
         prm.w2 = 2.6f;
         prm.w4 = 4.0f;
