@@ -15,7 +15,8 @@ enum class KvRole { kProducer, kConsumer, kBoth };
 struct PdConfig {
   KvRole role = KvRole::kBoth;
   // The side channel: bound on all interfaces at `port`, advertised as `host` (vLLM's
-  // VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT, defaults localhost / 5600).
+  // VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT, defaults localhost / 5600). Port 0: the kernel picks a
+  // free one, and the params hold() hands out name it.
   std::string host = "localhost";
   int port = 5600;
   // Held pages no consumer read within this many seconds are freed (vLLM's

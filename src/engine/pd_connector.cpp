@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <random>
@@ -153,7 +154,9 @@ Result<std::unique_ptr<PdConnector>> PdConnector::create(const PdConfig& config,
     c->side_channel_ = zmq_socket(c->zmq_ctx_, ZMQ_REP);
     const int linger = 0;
     zmq_setsockopt(c->side_channel_, ZMQ_LINGER, &linger, sizeof linger);
-    const std::string ep = "tcp://*:" + std::to_string(config.port);
+    // Port 0 asks the kernel for a free one; the bound port is then the one advertised.
+    const std::string ep =
+        "tcp://*:" + (config.port == 0 ? std::string("*") : std::to_string(config.port));
     if (zmq_bind(c->side_channel_, ep.c_str()) != 0) {
       const std::string why = zmq_strerror(zmq_errno());
       zmq_close(c->side_channel_);
@@ -165,6 +168,13 @@ Result<std::unique_ptr<PdConnector>> PdConnector::create(const PdConfig& config,
                             std::to_string(config.port) + " (" + why +
                             "); set VLLM_NIXL_SIDE_CHANNEL_PORT to a free port",
                         "VLLM_NIXL_SIDE_CHANNEL_PORT");
+    }
+    if (config.port == 0) {
+      char bound[256] = {};
+      size_t len = sizeof bound;
+      zmq_getsockopt(c->side_channel_, ZMQ_LAST_ENDPOINT, bound, &len);
+      const char* colon = std::strrchr(bound, ':');
+      c->cfg_.port = colon != nullptr ? std::atoi(colon + 1) : 0;
     }
     c->producer_thread_ = std::thread([raw = c.get()] { raw->producer_loop(); });
   }

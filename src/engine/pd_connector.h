@@ -51,6 +51,8 @@ class PdConnector {
   ~PdConnector();
 
   const std::string& engine_id() const { return engine_id_; }
+  // The side channel's port (the bound one where the config asked for 0).
+  int port() const { return cfg_.port; }
   const PdConfig& config() const { return cfg_; }
 
   // Producer (engine thread): the request's pages are held; returns the response's params.

@@ -73,10 +73,19 @@ bool wait_for(Pred pred, std::chrono::milliseconds timeout = 10s) {
   return pred();
 }
 
-int free_port() {
-  // The kernel's next ephemeral ports are likely free; collisions show up as a clear bind error.
-  static int next = 20000 + static_cast<int>(::getpid() % 20000);
-  return next++;
+// A port nobody listens on: the kernel hands out a free one, which is closed again at once.
+int unused_port() {
+  const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  int port = 0;
+  if (::bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+      ::getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len) == 0)
+    port = ntohs(addr.sin_port);
+  ::close(s);
+  return port;
 }
 
 class PdPair : public ::testing::Test {
@@ -84,7 +93,7 @@ class PdPair : public ::testing::Test {
   void SetUp() override {
     PdConfig pc;
     pc.role = KvRole::kProducer;
-    pc.port = free_port();
+    pc.port = 0;  // the kernel picks: parallel test processes cannot collide
     pc.host = "127.0.0.1";
     pc.abort_timeout_s =
         2;  // held pages expire (UnreadPagesExpire); long enough for a read under load
@@ -230,7 +239,7 @@ TEST_F(PdPair, BadPeersFailTheLoadOnce) {
   wrong_engine.remote_engine_id = "m3-someone-else";
   KvTransferParams no_peer = good;
   no_peer.remote_engine_id = "m3-gone";
-  no_peer.remote_port = free_port();  // nobody listens: refused at once
+  no_peer.remote_port = unused_port();  // nobody listens: refused at once
   // Something listens but never answers (a hung peer): the metadata request times out.
   const int mute = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -273,11 +282,14 @@ TEST(PdConnector, SideChannelPortInUseIsNamed) {
   FakePool pool(2, 0);
   PdConfig pc;
   pc.role = KvRole::kProducer;
-  pc.port = free_port();
+  pc.port = 0;
   auto a = PdConnector::create(pc, pool.regions, 16, [] {});
   if (!a && a.error().message.find("pip install nixl-cu13") != std::string::npos)
     GTEST_SKIP() << a.error().message;
   ASSERT_TRUE(a.has_value()) << a.error().message;
+  ASSERT_GT((*a)->port(), 0);
+  EXPECT_EQ((*a)->hold(1, {0}).remote_port, (*a)->port());
+  pc.port = (*a)->port();
   auto b = PdConnector::create(pc, pool.regions, 16, [] {});
   ASSERT_FALSE(b.has_value());
   EXPECT_NE(b.error().message.find("set VLLM_NIXL_SIDE_CHANNEL_PORT to a free port"),
