@@ -184,7 +184,7 @@ Result<std::unique_ptr<PdConnector>> PdConnector::create(const PdConfig& config,
               kv_role_name(config.role), c->engine_id_.c_str(), NixlAgent::library_path().c_str(),
               c->regions_.size(),
               config.produces()
-                  ? (", side channel " + config.host + ":" + std::to_string(config.port)).c_str()
+                  ? (", side channel " + config.host + ":" + std::to_string(c->cfg_.port)).c_str()
                   : "");
   return c;
 }
