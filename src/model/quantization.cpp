@@ -33,8 +33,8 @@ bool known_method(const std::string& m) {
 // The checkpoint methods a --quantization value names (empty: fp8_per_channel / none).
 std::vector<std::string> methods_of_flag(const std::string& v) {
   if (v == "mxfp8" || v == "fp8") return {"mxfp8"};
-  if (v == "modelopt" || v == "modelopt_fp4" || v == "modelopt_mixed" || v == "nvfp4")
-    return {"modelopt"};
+  if (v == "modelopt" || v == "modelopt_fp4" || v == "modelopt_mixed") return {"modelopt"};
+  if (v == "nvfp4") return {"modelopt", "compressed-tensors"};
   if (v == "quark") return {"quark"};
   if (v == "mxfp4") return {"quark", "compressed-tensors"};
   if (v == "compressed-tensors" || v == "compressed_tensors") return {"compressed-tensors"};
@@ -84,12 +84,13 @@ Result<QuantPlan> resolve_quantization(const std::string& flag, const Checkpoint
   const std::string declared = ckpt.method.empty() ? std::string("none (a bf16 checkpoint)")
                                                    : "'" + ckpt.method + "' (" + ckpt.source + ")";
   if (!known_method(ckpt.method)) {
-    return make_error(ErrorCode::kUnsupported,
-                      "the checkpoint's quantization method '" + ckpt.method + "' (" + ckpt.source +
-                          ") is not supported; m3serve reads bf16 checkpoints and the mxfp8, "
-                          "modelopt (NVFP4), quark (MXFP4) and compressed-tensors (MXFP4, MXFP8) "
-                          "ones",
-                      "--quantization");
+    return make_error(
+        ErrorCode::kUnsupported,
+        "the checkpoint's quantization method '" + ckpt.method + "' (" + ckpt.source +
+            ") is not supported; m3serve reads bf16 checkpoints and the mxfp8, "
+            "modelopt (NVFP4), quark (MXFP4) and compressed-tensors (MXFP4, NVFP4, MXFP8, "
+            "fp8 per channel) ones",
+        "--quantization");
   }
   if (v.empty() || v == "none" || v == "auto") return plan;
   if (v == "fp8_per_channel") {
@@ -129,7 +130,8 @@ bool method_allows(const std::string& method, WeightQuant q) {
   if (method == "modelopt") return q == WeightQuant::kNvfp4 || q == WeightQuant::kMxfp8;
   if (method == "quark") return q == WeightQuant::kMxfp4 || q == WeightQuant::kMxfp8;
   if (method == "compressed-tensors")
-    return q == WeightQuant::kMxfp4 || q == WeightQuant::kMxfp8 || q == WeightQuant::kFp8Channel;
+    return q == WeightQuant::kMxfp4 || q == WeightQuant::kNvfp4 || q == WeightQuant::kMxfp8 ||
+           q == WeightQuant::kFp8Channel;
   return false;
 }
 

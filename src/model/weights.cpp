@@ -27,13 +27,6 @@ class Loader {
  public:
   Loader(const Checkpoint& ckpt, M3Weights& w, const QuantPlan& qp) : ckpt_(ckpt), w_(w), qp_(qp) {}
 
-  // The first of `names` present in the checkpoint (alternative spellings of one tensor).
-  std::string pick(const std::vector<std::string>& names) const {
-    for (const auto& n : names)
-      if (ckpt_.has(n)) return n;
-    return names.front();
-  }
-
   // A linear weight `name` ("<module>.weight") in whatever format the checkpoint stores it
   // (docs/QUANTIZATION.md lists the tensor sets); `quantizable`: fp8_per_channel applies.
   Result<MatRef> matrix(const std::string& name, int64_t rows, int64_t cols, bool quantizable) {
@@ -179,8 +172,8 @@ class Loader {
   }
 
   // Packed E2M1 (two codes per byte, low nibble first): NVFP4 (fp8 `weight_scale` per 16 +
-  // f32 `weight_scale_2`) or MXFP4 (u8 E8M0 `weight_scale` per 32; Quark's `weight` or
-  // compressed-tensors' `weight_packed`).
+  // f32 `weight_scale_2`, or compressed-tensors' `weight_packed` + `weight_global_scale`) or MXFP4
+  // (u8 E8M0 `weight_scale` per 32; Quark's `weight` or compressed-tensors' `weight_packed`).
   Result<MatRef> fp4_matrix(const TensorInfo& t, const std::string& base, int64_t rows,
                             int64_t cols) {
     const std::vector<int64_t> packed = {rows, ceil_div(cols, 2)};
@@ -194,25 +187,32 @@ class Loader {
     if (s != nullptr && s->dtype == DType::kF8E4M3) {
       M3_TRY(s, scales(ws, t, "nvfp4", DType::kF8E4M3, {rows, ceil_div(cols, 16)},
                        "float8_e4m3 scales, one per 16"));
-      const std::string gs = base + ".weight_scale_2";
+      // The global scale: ModelOpt's `weight_scale_2` multiplies; compressed-tensors'
+      // `weight_global_scale` divides (W = e2m1 * fp8(s) / global), held as its reciprocal.
+      const std::string mo = base + ".weight_scale_2", ct = base + ".weight_global_scale";
+      const bool inverse = !ckpt_.has(mo) && ckpt_.has(ct);
+      const std::string gs = inverse ? ct : mo;
       const TensorInfo* g = ckpt_.find(gs);
       if (g == nullptr || g->dtype != DType::kF32 || g->numel() != 1) {
-        return make_error(ErrorCode::kFormat,
-                          "tensor '" + t.name + "' is nvfp4 but its global scale '" + gs + "' " +
-                              (g == nullptr ? std::string("is missing")
-                                            : "has dtype " + std::string(dtype_name(g->dtype)) +
-                                                  " and shape " + g->shape_str()) +
-                              "; expected one F32 value (shape [] or [1])",
-                          gs);
+        return make_error(
+            ErrorCode::kFormat,
+            "tensor '" + t.name + "' is nvfp4 but its global scale " +
+                (g == nullptr
+                     ? "('" + mo + "' for ModelOpt, '" + ct + "' for compressed-tensors) is missing"
+                     : "'" + gs + "' has dtype " + std::string(dtype_name(g->dtype)) +
+                           " and shape " + g->shape_str()) +
+                "; expected one F32 value (shape [] or [1])",
+            gs);
       }
       float v;
       std::memcpy(&v, g->data, sizeof(float));
-      if (!(v > 0.f) || !std::isfinite(v)) {
+      if (!(v > 0.f) || !std::isfinite(v) || (inverse && !std::isfinite(1.f / v))) {
         return make_error(ErrorCode::kFormat,
                           "tensor '" + gs + "' (the nvfp4 global scale of '" + t.name + "') is " +
                               std::to_string(v) + "; it must be a positive finite number",
                           gs);
       }
+      if (inverse) v = 1.f / v;
       m.quant = WeightQuant::kNvfp4;
       m.scale = s->data;
       m.global_scale = v;
@@ -302,7 +302,9 @@ Result<std::unique_ptr<M3Weights>> load_weights(std::shared_ptr<Checkpoint> ckpt
   for (size_t i = 0; i < table.size();) {
     const TensorSpec& t = table[i];
     for (size_t s = 0; s < t.names.size() && t.spelling_from < 0; ++s) {
-      if (ckpt->has(t.name(root, s))) {
+      // "<module>.weight" is present as compressed-tensors' "<module>.weight_packed" too.
+      const std::string n = t.name(root, s);
+      if (ckpt->has(n) || (!t.vector && ckpt->has(n + "_packed"))) {
         spelling[i] = s;
         break;
       }

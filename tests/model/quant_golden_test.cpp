@@ -51,17 +51,19 @@ constexpr double kShardTol = 1e-3;
 
 // The formats of the script (and --quantization fp8_per_channel, made by m3serve at load from
 // the bf16 checkpoint: its reference is the script's "fp8-channel" dequantisation).
-const std::vector<std::string> kFormats = {"mxfp8", "nvfp4", "mxfp4", "mxfp4-ct", "fp8-channel"};
+const std::vector<std::string> kFormats = {"mxfp8",    "nvfp4",    "mxfp4",
+                                           "mxfp4-ct", "nvfp4-ct", "fp8-channel"};
 const std::vector<std::string> kModels = {"msa_small_blocks", "m3_ratio"};
 
 // Mean |logprob - transformers fp32 logprob| of the bf16 model over every prompt token allowed
 // per format. These tiny random models are very sensitive (transformers' own bf16 moves single
 // logprobs by up to 2.7-5.8 on them: docs/PERFORMANCE.md); measured means: 8-bit 0.43-0.67,
-// 4-bit experts 0.43-0.98 (docs/QUANTIZATION.md). The bounds are ~1.5x the largest measured;
-// a misread format (scale off by 2^k, nibbles swapped, a block index shifted) gives means of
-// several units.
+// 4-bit experts 0.43-0.98, every linear NVFP4 1.23-1.64 (docs/QUANTIZATION.md). The bounds are
+// ~1.5x the largest measured; a misread format (scale off by 2^k, nibbles swapped, a block index
+// shifted) gives means of several units.
 double drift_bound(const std::string& fmt) {
   if (fmt == "mxfp8" || fmt == "fp8-channel") return 1.0;
+  if (fmt == "nvfp4-ct") return 2.5;  // every linear 4-bit: measured 1.23-1.64
   return 1.5;  // 4-bit experts (nvfp4 and mxfp4-ct with MXFP8 elsewhere, mxfp4 with bf16)
 }
 
@@ -280,8 +282,9 @@ TEST_F(QuantLoad, EachFormatIsHeldInItsOwnBytes) {
     size_t mxfp8, nvfp4, mxfp4, fp8c;
   };
   // 113 linears: 20 attention + 6 index + 6 dense + 72 routed + 9 shared.
-  for (const Want& w : {Want{"mxfp8", 113, 0, 0, 0}, Want{"nvfp4", 41, 72, 0, 0},
-                        Want{"mxfp4", 0, 0, 72, 0}, Want{"mxfp4-ct", 41, 0, 72, 0}}) {
+  for (const Want& w :
+       {Want{"mxfp8", 113, 0, 0, 0}, Want{"nvfp4", 41, 72, 0, 0}, Want{"mxfp4", 0, 0, 72, 0},
+        Want{"mxfp4-ct", 41, 0, 72, 0}, Want{"nvfp4-ct", 0, 113, 0, 0}}) {
     auto m = load(fixture("msa_small_blocks", w.fmt, false));
     ASSERT_TRUE(m);
     const M3Weights& qw = m->weights();
@@ -383,6 +386,26 @@ TEST_F(QuantLoad, Nvfp4AndMxfp4TensorSetsAreChecked) {
   tensors_[e + "weight"].bytes.resize(64 * 32);
   expect_error("", {e + "weight", "has shape [64, 32], expected [64, 16]", "two E2M1 codes"});
 
+  // compressed-tensors' NVFP4: the global scale `weight_global_scale` divides, so the view
+  // holds its reciprocal; missing or not positive, it is named.
+  open("nvfp4-ct");
+  const std::string n = kL2 + "self_attn.o_proj.";
+  ASSERT_TRUE(tensors_.count(n + "weight_packed") && tensors_.count(n + "weight_global_scale"));
+  {
+    auto m = load_rewritten();
+    ASSERT_TRUE(m.has_value()) << m.error().message;
+    float stored;
+    std::memcpy(&stored, tensors_[n + "weight_global_scale"].bytes.data(), sizeof stored);
+    const MatRef& o = (*m)->weights().layers[2].o_proj;
+    EXPECT_EQ(o.quant, WeightQuant::kNvfp4);
+    EXPECT_EQ(o.global_scale, 1.f / stored);
+  }
+  std::memset(tensors_[n + "weight_global_scale"].bytes.data(), 0, 4);
+  expect_error("", {n + "weight_global_scale", "must be a positive finite number"});
+  tensors_.erase(n + "weight_global_scale");
+  expect_error("", {n + "weight_scale_2' for ModelOpt",
+                    n + "weight_global_scale' for compressed-tensors", "is missing"});
+
   open("mxfp4-ct");
   const std::string c = kL2 + "block_sparse_moe.experts.0.w1.";
   ASSERT_TRUE(tensors_.count(c + "weight_packed"));
@@ -425,6 +448,10 @@ TEST_F(QuantLoad, QuantizationFlagMustMatchTheCheckpoint) {
   open("mxfp4-ct");
   ASSERT_TRUE(load_rewritten("compressed-tensors").has_value());
   ASSERT_TRUE(load_rewritten("mxfp4").has_value());
+  open("nvfp4-ct");  // nvfp4 names ModelOpt's and compressed-tensors' NVFP4
+  ASSERT_TRUE(load_rewritten("nvfp4").has_value());
+  ASSERT_TRUE(load_rewritten("compressed-tensors").has_value());
+  expect_error("modelopt", {"--quantization modelopt does not match", "'compressed-tensors'"});
   // A bf16 checkpoint with a quantized method named: refused, pointing at fp8_per_channel.
   auto m = M3Model::load(golden::root() + "/msa_small_blocks", LoadOptions{true, "mxfp8"});
   ASSERT_FALSE(m.has_value());

@@ -95,7 +95,7 @@ void PrintTo(const Case& c, std::ostream* os) {
 std::vector<Case> cases() {
   std::vector<Case> r;
   for (const char* m : {"msa_small_blocks", "m3_ratio"})
-    for (const char* f : {"mxfp8", "nvfp4", "mxfp4", "mxfp4-ct", "fp8-channel"})
+    for (const char* f : {"mxfp8", "nvfp4", "mxfp4", "mxfp4-ct", "nvfp4-ct", "fp8-channel"})
       r.push_back({m, f});
   return r;
 }

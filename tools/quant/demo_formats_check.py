@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """The demo model (models/demo) served by `m3serve serve` in each weight format: bf16 as shipped,
-`--quantization fp8_per_channel`, and the MXFP8 / NVFP4 / MXFP4 (Quark) / MXFP4
-(compressed-tensors) checkpoints tools/quant/quantize_checkpoint.py makes of it. Scores, greedy,
+`--quantization fp8_per_channel`, and the MXFP8 / NVFP4 (ModelOpt) / MXFP4 (Quark) / MXFP4 and
+NVFP4 (compressed-tensors) checkpoints tools/quant/quantize_checkpoint.py makes of it. Scores, greedy,
 thinking disabled: arithmetic, lookup (docs/DEMO_MODEL.md's tasks), tool calls (exact name and
 arguments) and passkeys at 1K tokens of filler; prints one markdown row per format with the
 weight bytes the server reports at start-up (what docs/QUANTIZATION.md quotes).
 
 Usage, from the repository root:
   python3 tools/quant/demo_formats_check.py [BINARY] [--device cpu|cuda] [--n 20] [--work DIR]
+      [--formats bf16,nvfp4-ct,...]
 """
 import argparse
 import json
@@ -29,6 +30,8 @@ def main():
     ap.add_argument("--n", type=int, default=20, help="items per task kind")
     ap.add_argument("--work", default="/tmp/m3_demo_formats")
     ap.add_argument("--port", type=int, default=18779)
+    ap.add_argument("--formats", default="bf16,fp8_per_channel,mxfp8,nvfp4,mxfp4,mxfp4-ct,nvfp4-ct",
+                    help="comma-separated subset")
     args = ap.parse_args()
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(os.path.join(REPO, "models", "demo", "tokenizer.json"))
@@ -41,8 +44,12 @@ def main():
         if len(pick.setdefault(key, [])) < args.n:
             pick[key].append(it)
     demo = os.path.join(REPO, "models", "demo")
+    wanted = args.formats.split(",")
     runs = [("bf16", demo, [])] + [("fp8_per_channel", demo, ["--quantization", "fp8_per_channel"])]
-    for fmt in ("mxfp8", "nvfp4", "mxfp4", "mxfp4-ct"):
+    runs = [r for r in runs if r[0] in wanted]
+    for fmt in ("mxfp8", "nvfp4", "mxfp4", "mxfp4-ct", "nvfp4-ct"):
+        if fmt not in wanted:
+            continue
         out = os.path.join(args.work, fmt)
         subprocess.run([sys.executable, os.path.join(REPO, "tools", "quant", "quantize_checkpoint.py"),
                         demo, out, "--format", fmt], check=True, stdout=subprocess.DEVNULL)

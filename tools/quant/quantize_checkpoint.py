@@ -13,8 +13,15 @@ real tensor names, dtypes, scale shapes and quantization_config of the published
              hf_quant_config.json + quantization_config {quant_method: modelopt}.
   mxfp4      AMD Quark: routed experts MXFP4 (uint8 `weight` [out, in/2] + uint8 E8M0
              `weight_scale` [out, ceil(in/32)]), the rest bf16; quant_method quark.
-  mxfp4-ct   compressed-tensors: routed experts MXFP4 as `weight_packed` + `weight_scale`, the
-             other linears MXFP8 (as in the MXFP8 checkpoint); quant_method compressed-tensors.
+  mxfp4-ct   compressed-tensors: routed experts MXFP4 (format mxfp4-pack-quantized:
+             `weight_packed` + uint8 E8M0 `weight_scale`), the other linears MXFP8 (format
+             mxfp8-quantized: float8_e4m3fn `weight` + uint8 E8M0 `weight_scale`);
+             quant_method compressed-tensors.
+  nvfp4-ct   compressed-tensors NVFP4 (llm-compressor's NVFP4 scheme, format
+             nvfp4-pack-quantized) on every quantized linear: `weight_packed`, float8_e4m3fn
+             `weight_scale` [out, in/16], f32 `weight_global_scale` [1] = 448 * 6 / amax (the
+             reciprocal of ModelOpt's weight_scale_2: W = e2m1 * fp8(s) / global), f32
+             `input_global_scale` [1].
   fp8-channel  what `--quantization fp8_per_channel` makes at load (every linear, e4m3 with one
              f32 scale per output row: scale = amax_row / 448 in float32, 1 for a zero row,
              codes e4m3(w / scale)): only its --dequant-out reference is meaningful (m3serve
@@ -22,6 +29,9 @@ real tensor names, dtypes, scale shapes and quantization_config of the published
              form (F8_E4M3 `weight` + F32 `weight_scale` [out, 1]).
 
 Scale rules (no value saturates):
+  nvfp4-ct             global = f32(448 * 6 / amax); block scale fp8(amax_block / 6 * global);
+                       codes e2m1(w / (fp8(s) / global)); m3serve holds the global scale as
+                       f32(1 / global), so the dequantised reference is e2m1 * (fp8(s) * that).
   E8M0 block exponent  e = clamp(ceil(log2(amax / emax)), -127, 127), stored e + 127, with emax
                        448 (e4m3) or 6 (e2m1); an all-zero block stores 127 (scale 1).
   NVFP4                weight_scale_2 = amax(tensor) / (448 * 6); block scale
@@ -33,8 +43,8 @@ Scale rules (no value saturates):
 dequantisation in float32 (W = code * scale, computed in float32 in the order above): the
 reference the golden tests compare m3serve's quantized forward against.
 
-Usage: python3 tools/quant/quantize_checkpoint.py SRC_DIR OUT_DIR --format mxfp8|nvfp4|mxfp4|mxfp4-ct
-           [--dequant-out DIR]
+Usage: python3 tools/quant/quantize_checkpoint.py SRC_DIR OUT_DIR
+           --format mxfp8|nvfp4|mxfp4|mxfp4-ct|nvfp4-ct|fp8-channel [--dequant-out DIR]
 Needs numpy only (safetensors is read and written by hand: numpy has no bfloat16 or fp8).
 """
 
@@ -49,7 +59,7 @@ import sys
 
 import numpy as np
 
-FORMATS = ("mxfp8", "nvfp4", "mxfp4", "mxfp4-ct", "fp8-channel")
+FORMATS = ("mxfp8", "nvfp4", "mxfp4", "mxfp4-ct", "nvfp4-ct", "fp8-channel")
 
 # ---- safetensors by hand ----
 
@@ -213,6 +223,25 @@ def quant_nvfp4(w):
     return pack_e2m1(q), s, g, deq
 
 
+def quant_nvfp4_ct(w):
+    """compressed-tensors' NVFP4: (packed codes, fp8 block scales, stored global scale, the
+    dequantised f32 as m3serve reads it: e2m1 * (fp8(s) * f32(1 / global)))."""
+    rows, cols = w.shape
+    amax = np.float32(np.abs(w).max())
+    G = np.float32(np.float32(448.0 * 6.0) / amax) if amax > 0 else np.float32(1.0)
+    b, nblk = blocks(w, 16)
+    s = to_e4m3((np.abs(b).max(axis=2) / np.float32(6.0) * G).astype(np.float32))
+    bs = (e4m3_to_f32(s) / G).astype(np.float32)[:, :, None]  # what the codes are made against
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.where(bs > 0, b / np.where(bs > 0, bs, 1), 0).astype(np.float32)
+    q = to_e2m1(scaled)
+    g_held = np.float32(np.float32(1.0) / G)
+    deq = (e2m1_to_f32(q) * (e4m3_to_f32(s) * g_held).astype(np.float32)[:, :, None]).astype(np.float32)
+    q = q.reshape(rows, -1)[:, :cols]
+    deq = deq.reshape(rows, -1)[:, :cols]
+    return pack_e2m1(q), s, G, deq
+
+
 def pack_e2m1(q):
     """[rows, cols] codes -> [rows, cols / 2] bytes, low nibble = even column."""
     assert q.shape[1] % 2 == 0, "4-bit formats need an even number of columns"
@@ -230,7 +259,8 @@ EXPERT = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
 
 
 def kind_of(name, fmt):
-    """How `name` is stored in `fmt`: None (as is), 'mxfp8', 'nvfp4', 'mxfp4', 'mxfp4-ct'."""
+    """How `name` is stored in `fmt`: None (as is), 'mxfp8', 'mxfp8-ct', 'nvfp4', 'nvfp4-ct',
+    'mxfp4', 'mxfp4-ct', 'fp8-channel'."""
     if not LINEAR.search(name):
         return None
     expert = bool(EXPERT.search(name))
@@ -242,7 +272,9 @@ def kind_of(name, fmt):
         return "mxfp4" if expert else None
     if fmt == "fp8-channel":
         return "fp8-channel"
-    return "mxfp4-ct" if expert else "mxfp8"
+    if fmt == "nvfp4-ct":
+        return "nvfp4-ct"
+    return "mxfp4-ct" if expert else "mxfp8-ct"
 
 
 def quant_config(fmt, names, root):
@@ -265,14 +297,24 @@ def quant_config(fmt, names, root):
         return {"quant_method": "quark", "export": {"pack_method": "reorder", "weight_format": "real_quantized"},
                 "global_quant_config": {"weight": mx, "input_tensors": None, "output_tensors": None},
                 "layer_quant_config": {}, "exclude": ignored + ["*self_attn*", "*mlp*", "*shared_experts*"]}
+    if fmt == "nvfp4-ct":
+        fp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+               "symmetric": True, "dynamic": False, "observer": "minmax"}
+        return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                "quantization_status": "compressed",
+                "config_groups": {"group_0": {
+                    "format": "nvfp4-pack-quantized", "targets": ["Linear"], "weights": fp4,
+                    "input_activations": dict(fp4, dynamic="local")}},
+                "ignore": ignored}
     return {"quant_method": "compressed-tensors", "format": "mixed-precision",
+            "quantization_status": "compressed",
             "config_groups": {
                 "group_0": {"format": "mxfp4-pack-quantized", "targets": ["re:.*experts\\.\\d+\\.w[123]$"],
                             "weights": {"num_bits": 4, "type": "float", "strategy": "group",
-                                        "group_size": 32, "scale_dtype": "uint8"}},
-                "group_1": {"format": "float-quantized", "targets": ["Linear"],
+                                        "group_size": 32, "symmetric": True, "scale_dtype": "uint8"}},
+                "group_1": {"format": "mxfp8-quantized", "targets": ["Linear"],
                             "weights": {"num_bits": 8, "type": "float", "strategy": "group",
-                                        "group_size": 32, "scale_dtype": "uint8"}}},
+                                        "group_size": 32, "symmetric": True, "scale_dtype": "uint8"}}},
             "ignore": ignored}
 
 
@@ -311,10 +353,11 @@ def main():
         counts[kind] = counts.get(kind, 0) + 1
         w = to_f32(dtype, shape, raw)
         base = name[: -len(".weight")]
-        if kind == "mxfp8":
+        if kind in ("mxfp8", "mxfp8-ct"):
             q, s, deq = quant_mx(w, "e4m3")
             out[name] = ("F8_E4M3", shape, q.tobytes())
-            out[name + "_scale_inv"] = ("U8", list(s.shape), s.tobytes())
+            key = base + ".weight_scale" if kind == "mxfp8-ct" else name + "_scale_inv"
+            out[key] = ("U8", list(s.shape), s.tobytes())
         elif kind == "fp8-channel":
             q, sc, deq = quant_fp8_channel(w)
             out[name] = ("F8_E4M3", shape, q.tobytes())
@@ -325,6 +368,12 @@ def main():
             key = base + (".weight_packed" if kind == "mxfp4-ct" else ".weight")
             out[key] = ("U8", list(p.shape), p.tobytes())
             out[base + ".weight_scale"] = ("U8", list(s.shape), s.tobytes())
+        elif kind == "nvfp4-ct":
+            p, s, G, deq = quant_nvfp4_ct(w)
+            out[base + ".weight_packed"] = ("U8", list(p.shape), p.tobytes())
+            out[base + ".weight_scale"] = ("F8_E4M3", list(s.shape), s.tobytes())
+            out[base + ".weight_global_scale"] = ("F32", [1], np.float32(G).tobytes())
+            out[base + ".input_global_scale"] = ("F32", [1], np.float32(1.0).tobytes())
         else:
             p, s, g, deq = quant_nvfp4(w)
             out[name] = ("U8", list(p.shape), p.tobytes())
