@@ -38,7 +38,7 @@ def items():
 def quant_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant_demo")
     out = {}
-    for fmt in ("mxfp8", "nvfp4"):
+    for fmt in ("mxfp8", "nvfp4", "nvfp4-ct"):
         d = str(root / fmt)
         subprocess.run([sys.executable, SCRIPT, DEMO, d, "--format", fmt], check=True,
                        stdout=subprocess.DEVNULL)
@@ -74,7 +74,7 @@ def bf16_scores(binary, items):
     return a, names
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "fp8_per_channel"])
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "nvfp4-ct", "fp8_per_channel"])
 def test_quantized_demo_serves_and_keeps_its_answers(binary, items, quant_dirs, bf16_scores, fmt):
     model = DEMO if fmt == "fp8_per_channel" else quant_dirs[fmt]
     flags = ["--tool-call-parser", "minimax_m3", "--enable-auto-tool-choice"]
@@ -88,6 +88,8 @@ def test_quantized_demo_serves_and_keeps_its_answers(binary, items, quant_dirs, 
             assert "were 13.98 MiB" in log, log
         elif fmt == "mxfp8":
             assert "weights kept as stored (quant_method mxfp8): 106 mxfp8 linears" in log, log
+        elif fmt == "nvfp4-ct":
+            assert "(quant_method compressed-tensors): 106 nvfp4 linears" in log, log
         else:
             assert "(quant_method modelopt): 34 mxfp8, 72 nvfp4 linears" in log, log
         a, names, client = scores(s, items)
