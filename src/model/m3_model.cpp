@@ -136,23 +136,14 @@ Result<std::unique_ptr<M3Model>> M3Model::load(const std::string& model_dir,
                             "are generated on the GPU in bf16: drop --quantization",
                         "--quantization");
     }
-    if (spec.weights != kernels::WeightQuant::kNone) {
-      return make_error(ErrorCode::kUnsupported,
-                        "--model " + model_dir +
-                            ": synthetic weights=" + kernels::weight_quant_name(spec.weights) +
-                            " is not served yet: serve/generate generate synthetic weights in "
-                            "bf16 only (bench/bench_layer measures the stored formats, "
-                            "docs/QUANTIZATION.md); use weights=bf16 (the format's sizes are in "
-                            "`m3serve plan --model " +
-                            model_dir + "`)",
-                        "--model");
-    }
     M3Config cfg = synthetic_m3_config(spec.layers);
     if (spec.vision && !opts.language_model_only) {
       cfg.has_vision_config = true;  // M3's vision_config (model/config.h defaults)
       cfg.vision.present = true;
     }
-    return config_only(std::move(cfg));
+    std::unique_ptr<M3Model> m = config_only(std::move(cfg));
+    m->synthetic_weights_ = spec.weights;  // generated in that format by the GPU backend
+    return m;
   }
   M3_TRY(M3Config cfg, load_config(model_dir));
   // The checkpoint's declared quantization against --quantization, before any tensor is read.

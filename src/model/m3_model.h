@@ -114,6 +114,9 @@ class M3Model {
   // A model with a config and no weights (forward() must not be called).
   static std::unique_ptr<M3Model> config_only(M3Config cfg);
   bool has_weights() const { return !w_->layers.empty(); }
+  // A config-only synthetic model's weight format (SyntheticSpec::weights): the GPU backend
+  // generates the linears in it. kNone (bf16) otherwise.
+  kernels::WeightQuant synthetic_weights() const { return synthetic_weights_; }
 
   // Rank spec.rank of a sharded group over this model's weights (shared, not copied, except the
   // column slices shard.h lists). The shard keeps the weights alive; this model may go away.
@@ -172,6 +175,7 @@ class M3Model {
   std::unique_ptr<CpuOps> ops_;
   std::unique_ptr<M3Forward<CpuOps>> fw_;
   std::shared_ptr<const VisionTower> vision_;
+  kernels::WeightQuant synthetic_weights_ = kernels::WeightQuant::kNone;
 };
 
 }  // namespace m3::model

@@ -241,9 +241,10 @@ TEST(SyntheticCuda, TooManyLayersForTheGpuAreRefusedWithTheNumbers) {
   EXPECT_NE(m.error().message.find("or fewer"), std::string::npos) << m.error().message;
 }
 
-engine::EngineConfig synthetic_engine(int64_t kv_bytes, int max_model_len) {
+engine::EngineConfig synthetic_engine(int64_t kv_bytes, int max_model_len,
+                                      const std::string& spec = "synthetic:layers=4,seed=3") {
   engine::EngineConfig ec;
-  ec.model_dir = "synthetic:layers=4,seed=3";
+  ec.model_dir = spec;
   ec.max_model_len = max_model_len;
   ec.max_num_seqs = 8;
   ec.num_sampleable_tokens = 2688;  // the demo tokenizer's vocabulary, as serve sets it
@@ -294,6 +295,48 @@ TEST(SyntheticCuda, EngineServesTheSyntheticModelAndRefusesATooLongMaxModelLen) 
     ASSERT_EQ(got.size(), 6u);
     for (int32_t t : got) EXPECT_TRUE(t >= 0 && t < 2688) << t;  // inside the tokenizer's vocab
   }
+}
+
+// `serve --model synthetic:layers=4,weights=nvfp4`: the backend generates the linears in the
+// stored format (M3ModelCuda::synthetic's quantize_bf16_rows) and the engine serves them; the
+// fewer weight bytes leave more KV pages at the same memory budget than bf16.
+TEST(SyntheticCuda, EngineServesASyntheticModelInAStoredFormat) {
+  SKIP_WITHOUT_GPU();
+  auto host = M3Model::load("synthetic:layers=4,seed=3,weights=nvfp4");
+  ASSERT_TRUE(host) << host.error().message;
+  ASSERT_EQ((*host)->synthetic_weights(), kernels::WeightQuant::kNvfp4);
+  CudaBackendOptions opts;
+  opts.max_model_len = 2048;
+  opts.synthetic_seed = 3;
+  auto bq = make_cuda_backend(std::move(*host), opts);
+  ASSERT_TRUE(bq) << bq.error().message;
+  const int64_t pages_nvfp4 = (*bq)->num_pages();
+  bq->reset();
+  auto bf = make_cuda_backend(*M3Model::load("synthetic:layers=4,seed=3"), opts);
+  ASSERT_TRUE(bf) << bf.error().message;
+  EXPECT_GT(pages_nvfp4, (*bf)->num_pages());
+  bf->reset();
+  const int64_t page = KvCache::page_bytes(synthetic_m3_config(4));
+  auto e = engine::Engine::create(
+      synthetic_engine(64 * page, 2048, "synthetic:layers=4,seed=3,weights=nvfp4"));
+  ASSERT_TRUE(e) << e.error().message;
+  engine::GenerateRequest r;
+  for (int t = 0; t < 24; ++t) r.prompt_token_ids.push_back(100 + 31 * t);
+  r.params.temperature = 0;
+  r.params.max_tokens = 6;
+  r.params.ignore_eos = true;
+  auto s = (*e)->submit(r);
+  ASSERT_TRUE(s) << s.error().message;
+  std::vector<int32_t> got;
+  for (;;) {
+    auto o = (*s)->next(std::chrono::milliseconds(120000));
+    ASSERT_TRUE(o.has_value()) << "stream timed out";
+    ASSERT_NE(o->finish_reason, "error") << o->error;
+    got.insert(got.end(), o->new_token_ids.begin(), o->new_token_ids.end());
+    if (o->finished) break;
+  }
+  ASSERT_EQ(got.size(), 6u);
+  for (int32_t t : got) EXPECT_TRUE(t >= 0 && t < 2688) << t;
 }
 
 }  // namespace

@@ -163,6 +163,7 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg,
     m->fuse_attention_projections();
     m->reserve_quant_workspace();
     m->init_forward();
+    m->add_synthetic_vision(seed, device);
     return m;
   }
   if (shard != nullptr && shard->sharded()) {
@@ -211,12 +212,15 @@ Result<std::unique_ptr<M3ModelCuda>> M3ModelCuda::synthetic(const M3Config& cfg,
   m->generate_weights(seed, WeightQuant::kNone);
   m->fuse_attention_projections();
   m->init_forward();
-  if (cfg.vision.present) {
-    m->vision_ = VisionTowerCuda::synthetic(m->cfg_, seed, m->stream_.get());
-    M3_LOG_INFO("synthetic vision tower on cuda:%d: %s", device,
-                gib(m->vision_->device_bytes()).c_str());
-  }
+  m->add_synthetic_vision(seed, device);
   return m;
+}
+
+void M3ModelCuda::add_synthetic_vision(uint64_t seed, int device) {
+  if (!cfg_.vision.present) return;
+  vision_ = VisionTowerCuda::synthetic(cfg_, seed, stream_.get());
+  M3_LOG_INFO("synthetic vision tower on cuda:%d: %s", device,
+              gib(vision_->device_bytes()).c_str());
 }
 
 void M3ModelCuda::encode_images(std::span<const VisionImage> images, std::vector<float>* embeds) {

@@ -185,6 +185,8 @@ class M3ModelCuda {
   void reserve_quant_workspace();
   // synthetic(): fills dev_ on the device (linears quantized to `weights` unless kNone).
   void generate_weights(uint64_t seed, kernels::WeightQuant weights);
+  // synthetic(): the vision tower of a config with vision (SyntheticSpec::vision), from `seed`.
+  void add_synthetic_vision(uint64_t seed, int device);
   void* alloc_weight(size_t bytes);  // one weight allocation, counted in weight_bytes_
   // Stores each layer's q|k|v(|index q|index k) projections as one matrix (fused_proj_), bf16
   // or one quantized format; the per-projection views become its row slices.

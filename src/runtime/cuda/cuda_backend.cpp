@@ -176,10 +176,14 @@ Result<std::unique_ptr<ForwardBackend>> make_cuda_backend(std::unique_ptr<M3Mode
   if (host->has_weights()) {
     M3_TRY(model, M3ModelCuda::from_host(std::move(host), opts.device));
   } else {
-    M3_TRY(model, M3ModelCuda::synthetic(host->config(), opts.synthetic_seed, opts.device));
-    M3_LOG_INFO("synthetic weights on cuda:%d: %.2f GiB generated from seed %llu", opts.device,
-                static_cast<double>(model->weight_bytes()) / (1 << 30),
-                static_cast<unsigned long long>(opts.synthetic_seed));
+    const kernels::WeightQuant weights = host->synthetic_weights();
+    M3_TRY(model, M3ModelCuda::synthetic(host->config(), opts.synthetic_seed, opts.device, nullptr,
+                                         nullptr, nullptr, weights));
+    M3_LOG_INFO(
+        "synthetic weights on cuda:%d: %.2f GiB generated from seed %llu (linears %s)", opts.device,
+        static_cast<double>(model->weight_bytes()) / (1 << 30),
+        static_cast<unsigned long long>(opts.synthetic_seed),
+        weights == kernels::WeightQuant::kNone ? "bf16" : kernels::weight_quant_name(weights));
   }
   return make_cuda_backend(std::move(model), opts);
 }

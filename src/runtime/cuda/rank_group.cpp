@@ -135,8 +135,10 @@ Status make_rank_model(const M3Model& whole, ShardSpec spec, const CudaBackendOp
   Result<std::unique_ptr<M3ModelCuda>> model = tl::unexpected(Error{});
   if (!whole.has_weights()) {
     M3_TRY(ShardPlan plan, make_shard_plan(whole.config(), spec));
+    // A stored format (whole.synthetic_weights()) is generated unsharded only: synthetic()
+    // refuses it for a sharded plan with the reason.
     model = M3ModelCuda::synthetic(whole.config(), opts.synthetic_seed, r, &plan, rank.comm.get(),
-                                   rank.comm->stream());
+                                   rank.comm->stream(), whole.synthetic_weights());
   } else {
     M3_TRY(auto shard, whole.make_shard(spec));
     model = M3ModelCuda::from_host(std::move(shard), r, rank.comm.get(), rank.comm->stream());

@@ -124,11 +124,18 @@ TEST(SyntheticSpec, WeightFormatsAndTheirBytes) {
   EXPECT_NEAR(nv4 / 1e9, 257.0, 12.0);  // the issue's ~257 GB for the 4-bit checkpoints
   EXPECT_LT(mx4, nv4);                  // one E8M0 per 32 < one e4m3 per 16
   EXPECT_LT(nv4, 0.33 * bf16);
-  // serve/generate do not generate a stored format yet: refused with the reason (bench_layer
-  // takes it), not silently served as bf16.
-  auto m = model::M3Model::load("synthetic:layers=2,weights=nvfp4");
-  ASSERT_FALSE(m);
-  EXPECT_NE(m.error().message.find("bench_layer"), std::string::npos) << m.error().message;
+  // serve/generate: the config-only model carries the format to the GPU backend, which
+  // generates the linears in it (M3ModelCuda::synthetic); bf16 when not given.
+  for (const auto& [spec, want] :
+       {std::pair{"synthetic:layers=2,weights=nvfp4", WeightQuant::kNvfp4},
+        std::pair{"synthetic:layers=2,weights=fp8", WeightQuant::kFp8Channel},
+        std::pair{"synthetic:layers=2,weights=mxfp4", WeightQuant::kMxfp4},
+        std::pair{"synthetic:layers=2", WeightQuant::kNone}}) {
+    auto m = model::M3Model::load(spec);
+    ASSERT_TRUE(m) << spec << ": " << m.error().message;
+    EXPECT_FALSE((*m)->has_weights());
+    EXPECT_EQ((*m)->synthetic_weights(), want) << spec;
+  }
 }
 
 TEST(SyntheticConfig, HasM3Geometry) {
