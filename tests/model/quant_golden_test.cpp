@@ -58,12 +58,12 @@ const std::vector<std::string> kModels = {"msa_small_blocks", "m3_ratio"};
 // Mean |logprob - transformers fp32 logprob| of the bf16 model over every prompt token allowed
 // per format. These tiny random models are very sensitive (transformers' own bf16 moves single
 // logprobs by up to 2.7-5.8 on them: docs/PERFORMANCE.md); measured means: 8-bit 0.43-0.67,
-// 4-bit experts 0.43-0.98, every linear NVFP4 1.23-1.64 (docs/QUANTIZATION.md). The bounds are
+// 4-bit experts 0.43-0.98, every linear NVFP4 1.18-1.69 (docs/QUANTIZATION.md). The bounds are
 // ~1.5x the largest measured; a misread format (scale off by 2^k, nibbles swapped, a block index
 // shifted) gives means of several units.
 double drift_bound(const std::string& fmt) {
   if (fmt == "mxfp8" || fmt == "fp8-channel") return 1.0;
-  if (fmt == "nvfp4-ct") return 2.5;  // every linear 4-bit: measured 1.23-1.64
+  if (fmt == "nvfp4-ct") return 2.5;  // every linear 4-bit: measured 1.18-1.69
   return 1.5;  // 4-bit experts (nvfp4 and mxfp4-ct with MXFP8 elsewhere, mxfp4 with bf16)
 }
 

@@ -29,7 +29,8 @@ real tensor names, dtypes, scale shapes and quantization_config of the published
              form (F8_E4M3 `weight` + F32 `weight_scale` [out, 1]).
 
 Scale rules (no value saturates):
-  nvfp4-ct             global = f32(448 * 6 / amax); block scale fp8(amax_block / 6 * global);
+  nvfp4-ct             global = f32(448 * 6 / amax), shared (the smallest) by q | k | v and by
+                       gate | up as llm-compressor does; block scale fp8(amax_block / 6 * global);
                        codes e2m1(w / (fp8(s) / global)); m3serve holds the global scale as
                        f32(1 / global), so the dequantised reference is e2m1 * (fp8(s) * that).
   E8M0 block exponent  e = clamp(ceil(log2(amax / emax)), -127, 127), stored e + 127, with emax
@@ -223,12 +224,15 @@ def quant_nvfp4(w):
     return pack_e2m1(q), s, g, deq
 
 
-def quant_nvfp4_ct(w):
-    """compressed-tensors' NVFP4: (packed codes, fp8 block scales, stored global scale, the
-    dequantised f32 as m3serve reads it: e2m1 * (fp8(s) * f32(1 / global)))."""
-    rows, cols = w.shape
+def nvfp4_ct_global(w):
     amax = np.float32(np.abs(w).max())
-    G = np.float32(np.float32(448.0 * 6.0) / amax) if amax > 0 else np.float32(1.0)
+    return np.float32(np.float32(448.0 * 6.0) / amax) if amax > 0 else np.float32(1.0)
+
+
+def quant_nvfp4_ct(w, G):
+    """compressed-tensors' NVFP4 with global scale G: (packed codes, fp8 block scales, G, the
+    dequantised f32 as m3serve reads it: e2m1 * (fp8(s) * f32(1 / G)))."""
+    rows, cols = w.shape
     b, nblk = blocks(w, 16)
     s = to_e4m3((np.abs(b).max(axis=2) / np.float32(6.0) * G).astype(np.float32))
     bs = (e4m3_to_f32(s) / G).astype(np.float32)[:, :, None]  # what the codes are made against
@@ -240,6 +244,28 @@ def quant_nvfp4_ct(w):
     q = q.reshape(rows, -1)[:, :cols]
     deq = deq.reshape(rows, -1)[:, :cols]
     return pack_e2m1(q), s, G, deq
+
+
+# llm-compressor gives the linears vLLM fuses one global scale (the smallest, i.e. that of the
+# largest amax): q | k | v of an attention, gate | up of an MLP. The MSA index projections and
+# the routed experts (w1 / w3) keep their own.
+FUSED_GLOBAL = re.compile(r"^(.*\.)(self_attn\.(q|k|v)_proj|"
+                          r"(mlp|block_sparse_moe|block_sparse_moe\.shared_experts)\.(gate|up)_proj)\.weight$")
+
+
+def nvfp4_ct_globals(tensors):
+    own = {n: nvfp4_ct_global(to_f32(*tensors[n])) for n in tensors if kind_of(n, "nvfp4-ct")}
+    group = {}
+    for n in own:
+        m = FUSED_GLOBAL.match(n)
+        key = (m.group(1) + ("attn" if m.group(2).startswith("self_attn") else m.group(4))) if m else n
+        group.setdefault(key, []).append(n)
+    out = {}
+    for names in group.values():
+        g = min(own[n] for n in names)
+        for n in names:
+            out[n] = g
+    return out
 
 
 def pack_e2m1(q):
@@ -345,6 +371,7 @@ def main():
 
     out, deq_out = {}, {}
     counts = {}
+    ct_globals = nvfp4_ct_globals(tensors) if args.format == "nvfp4-ct" else {}
     for name, (dtype, shape, raw) in tensors.items():
         kind = kind_of(name, args.format)
         if kind is None:
@@ -369,7 +396,7 @@ def main():
             out[key] = ("U8", list(p.shape), p.tobytes())
             out[base + ".weight_scale"] = ("U8", list(s.shape), s.tobytes())
         elif kind == "nvfp4-ct":
-            p, s, G, deq = quant_nvfp4_ct(w)
+            p, s, G, deq = quant_nvfp4_ct(w, ct_globals[name])
             out[base + ".weight_packed"] = ("U8", list(p.shape), p.tobytes())
             out[base + ".weight_scale"] = ("F8_E4M3", list(s.shape), s.tobytes())
             out[base + ".weight_global_scale"] = ("F32", [1], np.float32(G).tobytes())
