@@ -41,6 +41,29 @@ std::vector<std::string> methods_of_flag(const std::string& v) {
   return {};
 }
 
+// Why m3serve cannot read a compressed-tensors group ("" when it can): the schemes it reads are
+// the ones whose tensors load_weights knows (docs/QUANTIZATION.md).
+std::string unreadable_group(const CheckpointQuant::Group& g) {
+  const std::string& f = g.format;
+  const bool fp = g.type.empty() || g.type == "float";
+  if (f == "mxfp4-pack-quantized" && fp && g.num_bits == 4 && g.group_size == 32) return "";
+  if (f == "nvfp4-pack-quantized" && fp && g.num_bits == 4 && g.group_size == 16) return "";
+  if (f == "mxfp8-quantized" && fp && g.num_bits == 8 && g.group_size == 32) return "";
+  if (f == "float-quantized" && fp && g.num_bits == 8 &&
+      (g.strategy == "channel" || (g.strategy == "group" && g.group_size == 32)))
+    return "";
+  if (f == "dense") return "";  // stored unquantized
+  if (!fp || f == "int-quantized" || f == "pack-quantized")
+    return "integer weights (W" + std::to_string(g.num_bits) +
+           "A16 / W8A8 int schemes) are not read";
+  if (f == "float-quantized" && g.strategy == "block")
+    return "fp8 with 2-D block scales is not read (the per-output-channel and 1x32 forms are)";
+  if (f == "float-quantized" && g.strategy == "tensor")
+    return "fp8 with one per-tensor scale is not read (serve the bf16 checkpoint with "
+           "--quantization fp8_per_channel instead)";
+  return "this scheme is not one m3serve reads";
+}
+
 }  // namespace
 
 CheckpointQuant read_checkpoint_quant(const std::string& model_dir) {
@@ -57,6 +80,27 @@ CheckpointQuant read_checkpoint_quant(const std::string& model_dir) {
         q.source = std::string("config.json ") + (node == &cfg ? "" : "text_config.") +
                    "quantization_config";
         if (q.method == "compressed_tensors") q.method = "compressed-tensors";
+        if (q.method == "compressed-tensors" && qc.contains("config_groups") &&
+            qc["config_groups"].is_object()) {
+          const std::string top = qc.value("format", std::string());
+          for (const auto& [name, g] : qc["config_groups"].items()) {
+            CheckpointQuant::Group grp;
+            grp.name = name;
+            grp.format = g.is_object() && g.contains("format") && g["format"].is_string()
+                             ? g["format"].get<std::string>()
+                             : top;
+            const json w = g.is_object() && g.contains("weights") ? g["weights"] : json();
+            if (w.is_object()) {
+              grp.type = w.value("type", std::string());
+              grp.strategy = w.value("strategy", std::string());
+              if (w.contains("num_bits") && w["num_bits"].is_number_integer())
+                grp.num_bits = w["num_bits"].get<int>();
+              if (w.contains("group_size") && w["group_size"].is_number_integer())
+                grp.group_size = w["group_size"].get<int>();
+            }
+            q.groups.push_back(std::move(grp));
+          }
+        }
         break;
       }
     }
@@ -90,6 +134,20 @@ Result<QuantPlan> resolve_quantization(const std::string& flag, const Checkpoint
             ") is not supported; m3serve reads bf16 checkpoints and the mxfp8, "
             "modelopt (NVFP4), quark (MXFP4) and compressed-tensors (MXFP4, NVFP4, MXFP8, "
             "fp8 per channel) ones",
+        "--quantization");
+  }
+  for (const CheckpointQuant::Group& g : ckpt.groups) {
+    const std::string why = unreadable_group(g);
+    if (why.empty()) continue;
+    return make_error(
+        ErrorCode::kUnsupported,
+        "the checkpoint's compressed-tensors group '" + g.name + "' (" + ckpt.source +
+            ") has format '" + g.format + "' with " + (g.type.empty() ? "?" : g.type) + " " +
+            std::to_string(g.num_bits) + "-bit weights, strategy '" + g.strategy +
+            "', group_size " + std::to_string(g.group_size) + ": " + why +
+            "; m3serve reads mxfp4-pack-quantized (group 32), nvfp4-pack-quantized (group 16), "
+            "mxfp8-quantized (group 32) and float-quantized fp8 per channel: serve one of those, "
+            "or the bf16 checkpoint (with --quantization fp8_per_channel for fp8 weights)",
         "--quantization");
   }
   if (v.empty() || v == "none" || v == "auto") return plan;

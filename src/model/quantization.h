@@ -21,6 +21,14 @@ struct CheckpointQuant {
   // other method name as written (refused by resolve_quantization).
   std::string method;
   std::string source;  // where it was read: "config.json quantization_config", ...
+  // compressed-tensors' config_groups, as declared: the group's name, its format (the group's
+  // own, else the config's), and its weights' type ("float" / "int"), num_bits, strategy and
+  // group_size (0 when absent). resolve_quantization refuses the schemes m3serve cannot read.
+  struct Group {
+    std::string name, format, type, strategy;
+    int num_bits = 0, group_size = 0;
+  };
+  std::vector<Group> groups;
 };
 
 // Reads config.json (top level, or text_config) and hf_quant_config.json of `model_dir`. A
@@ -44,7 +52,8 @@ bool is_quantization_value(const std::string& v);
 // `flag` is --quantization's value ("" or none/auto: read the checkpoint as it is). Errors: an
 // unknown value (naming the accepted ones), a value that does not match the checkpoint's
 // declaration (naming both), fp8_per_channel of an already quantized checkpoint, and a
-// checkpoint method m3serve cannot read (naming the ones it can).
+// checkpoint method m3serve cannot read (naming the ones it can), and a compressed-tensors group
+// whose scheme it cannot read (naming the group, its scheme and the schemes it reads).
 Result<QuantPlan> resolve_quantization(const std::string& flag, const CheckpointQuant& ckpt);
 
 // Whether a tensor stored in `q` may appear in a checkpoint declaring `method` ("" allows every

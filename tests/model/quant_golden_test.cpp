@@ -429,6 +429,27 @@ TEST_F(QuantLoad, TensorsMustFitTheDeclaredMethod) {
   expect_error("", {"quantization method 'gptq'", "not supported", "mxfp8, modelopt (NVFP4)"});
 }
 
+TEST_F(QuantLoad, CompressedTensorsSchemesNotReadAreRefusedByGroup) {
+  // The groups of quantization_config are checked before any tensor is read: each scheme
+  // m3serve cannot read is named with the group, and the ones it reads are listed.
+  open("fp8-channel");
+  ASSERT_TRUE(load_rewritten().has_value());
+  json& w = cfg_["quantization_config"]["config_groups"]["group_0"]["weights"];
+  w["strategy"] = "block";
+  w["block_structure"] = {128, 128};
+  expect_error("", {"compressed-tensors group 'group_0'", "strategy 'block'",
+                    "2-D block scales is not read", "float-quantized fp8 per channel"});
+  w["strategy"] = "tensor";
+  expect_error("", {"one per-tensor scale", "--quantization fp8_per_channel"});
+  w = {{"num_bits", 4}, {"type", "int"}, {"strategy", "group"}, {"group_size", 128}};
+  cfg_["quantization_config"]["format"] = "pack-quantized";
+  expect_error("", {"format 'pack-quantized' with int 4-bit weights", "integer weights",
+                    "mxfp4-pack-quantized (group 32)"});
+  open("nvfp4-ct");
+  cfg_["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32;
+  expect_error("", {"'nvfp4-pack-quantized' with float 4-bit weights", "group_size 32"});
+}
+
 TEST_F(QuantLoad, QuantizationFlagMustMatchTheCheckpoint) {
   open("mxfp8");
   ASSERT_TRUE(load_rewritten("mxfp8").has_value());
