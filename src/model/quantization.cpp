@@ -53,6 +53,12 @@ std::string unreadable_group(const CheckpointQuant::Group& g) {
       (g.strategy == "channel" || (g.strategy == "group" && g.group_size == 32)))
     return "";
   if (f == "dense") return "";  // stored unquantized
+  // No format of its own (older configs, or a mixed-precision config without per-group ones):
+  // the weights' scheme decides, and load_weights identifies each tensor's form.
+  if ((f.empty() || f == "mixed-precision") && fp &&
+      ((g.num_bits == 4 && (g.group_size == 32 || g.group_size == 16)) ||
+       (g.num_bits == 8 && (g.strategy == "channel" || g.group_size == 32))))
+    return "";
   if (!fp || f == "int-quantized" || f == "pack-quantized")
     return "integer weights (W" + std::to_string(g.num_bits) +
            "A16 / W8A8 int schemes) are not read";

@@ -446,6 +446,11 @@ TEST_F(QuantLoad, CompressedTensorsSchemesNotReadAreRefusedByGroup) {
   expect_error("", {"format 'pack-quantized' with int 4-bit weights", "integer weights",
                     "mxfp4-pack-quantized (group 32)"});
   open("nvfp4-ct");
+  // A group without a format of its own and no config-wide one: its weights' scheme decides.
+  cfg_["quantization_config"]["config_groups"]["group_0"].erase("format");
+  cfg_["quantization_config"].erase("format");
+  ASSERT_TRUE(load_rewritten().has_value());
+  cfg_["quantization_config"]["config_groups"]["group_0"]["format"] = "nvfp4-pack-quantized";
   cfg_["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32;
   expect_error("", {"'nvfp4-pack-quantized' with float 4-bit weights", "group_size 32"});
 }
