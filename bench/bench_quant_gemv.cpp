@@ -1,7 +1,8 @@
 // Quantized-weight GEMV and the dequantise-then-bf16-GEMM prefill path (kernels/cuda/quant.h) at
 // M3's linear shapes, with the ceilings of the same run: the device copy bandwidth (bytes read +
 // written per second, bench_util.h), cuBLAS bf16 (GEMM at the same n; at n = 1 its GEMV) and, for
-// prefill, cuBLASLt's plain FP8 GEMM (e4m3 x e4m3 -> bf16, no block scales) at the same shape.
+// prefill, cuBLASLt's plain FP8 GEMM (e4m3 x e4m3 -> bf16, no block scales) at the same shape,
+// beside fp8_per_channel's FP8-activation GEMM (kernels/cuda/quant.h fp8_linear).
 // Weights rotate over enough copies (>= 512 MB) that L2 (50 MB) holds none of them, so every call
 // reads its weights from HBM. Prints markdown tables (docs/PERFORMANCE.md quotes them).
 // Usage: bench_quant_gemv [--quick]
@@ -223,10 +224,11 @@ int main(int argc, char** argv) {
     std::printf(
         "\nPrefill: dequantize_bf16 into a scratch + cuBLAS bf16 GEMM, against cuBLAS bf16 "
         "on bf16 weights and cuBLASLt's plain FP8 GEMM (e4m3 weights and activations, "
-        "bf16 out; TFLOP/s = 2 m k n / time):\n\n| n | cuBLAS bf16 TFLOP/s | cuBLASLt "
-        "fp8 TFLOP/s |");
+        "bf16 out; TFLOP/s = 2 m k n / time), and fp8_per_channel with per-token FP8 "
+        "activations (fp8_linear: quantize x, cuBLASLt FP8 with the token and channel "
+        "scales):\n\n| n | cuBLAS bf16 TFLOP/s | cuBLASLt fp8 TFLOP/s | fp8_linear TFLOP/s |");
     for (WeightQuant q : formats) std::printf(" %s dequant us | total TFLOP/s |", fmt_name(q));
-    std::printf("\n|---|---|---|");
+    std::printf("\n|---|---|---|---|");
     for (size_t i = 0; i < 4; ++i) std::printf("---|---|");
     std::printf("\n");
     for (int64_t n : prefill_n) {
@@ -236,9 +238,18 @@ int main(int argc, char** argv) {
       // The fp8 weights of the copies (each copy's codes are a valid e4m3 matrix).
       const double t8 = lt_fp8_ms(lt, stream, copies[1].mats[0].data, x8.data(), d16.data(), sh.m,
                                   n, sh.k, ws.data(), ws_bytes);
+      // copies[0] is fp8_per_channel (formats[0]).
+      bool f8ok = true;
+      int jf = 0;
+      const double tf = m3::bench::time_ms(stream, 10, [&] {
+        const Copies& c = copies[0];
+        f8ok = f8ok && m3::kernels::cuda::fp8_linear(x.data(), n, c.mats[jf++ % c.mats.size()],
+                                                     y.data(), stream);
+      });
       std::printf(
-          "| %lld | %.0f | %s |", static_cast<long long>(n), flop / (tb * 1e-3) / 1e12,
-          t8 > 0 ? std::to_string(static_cast<int>(flop / (t8 * 1e-3) / 1e12)).c_str() : "n/a");
+          "| %lld | %.0f | %s | %s |", static_cast<long long>(n), flop / (tb * 1e-3) / 1e12,
+          t8 > 0 ? std::to_string(static_cast<int>(flop / (t8 * 1e-3) / 1e12)).c_str() : "n/a",
+          f8ok ? std::to_string(static_cast<int>(flop / (tf * 1e-3) / 1e12)).c_str() : "n/a");
       for (size_t f = 0; f < 4; ++f) {
         const Copies& c = copies[f];
         int j = 0;

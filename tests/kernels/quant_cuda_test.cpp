@@ -14,6 +14,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/dtype.h"
@@ -287,6 +289,110 @@ TEST(QuantCuda, LinearQuantBf16MatchesTheCpuLinearOnBf16X) {
         }
       }
     }
+}
+
+// Per-token FP8 activations: the GPU's codes and scales are the CPU twin's, bit for bit (rows of
+// normal values, a zero row, a row with one huge value and subnormal codes, a NaN).
+TEST(QuantCuda, Fp8PerTokenQuantizeIsTheCpuTwin) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 g(41);
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{5, 96}, {64, 6144}, {3, 1000}}) {
+    auto x = m3::testing::randn(static_cast<size_t>(n * k), g, 3.f);
+    for (int64_t c = 0; c < k; ++c) x[static_cast<size_t>(k + c)] = 0.f;  // row 1: zeros
+    x[static_cast<size_t>(2 * k)] = 1e6f;                                 // row 2: one outlier
+    if (n > 3) x[static_cast<size_t>(3 * k + 7)] = std::nanf("");
+    std::vector<uint8_t> wq(static_cast<size_t>(n * k));
+    std::vector<float> ws(static_cast<size_t>(n));
+    cpu::quantize_fp8_per_token(x.data(), n, k, wq.data(), ws.data());
+    DeviceBuffer<float> dx(x), dsc(static_cast<size_t>(n));
+    DeviceBuffer<uint8_t> dq(static_cast<size_t>(n * k));
+    cuda::quantize_fp8_per_token(dx.data(), n, k, dq.data(), dsc.data(), nullptr);
+    M3_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint8_t> gq(wq.size());
+    std::vector<float> gs(ws.size());
+    dq.copy_to(gq.data(), gq.size());
+    dsc.copy_to(gs.data(), gs.size());
+    EXPECT_EQ(std::memcmp(gs.data(), ws.data(), ws.size() * 4), 0) << "n " << n << " k " << k;
+    EXPECT_EQ(gq, wq) << "n " << n << " k " << k;
+    EXPECT_EQ(ws[1], 1.f);
+  }
+}
+
+// fp8_linear = the FP8 GEMM on the quantized activations: against the exact product of the
+// same codes (each x row's e4m3 codes times its scale, each weight row's codes times its
+// channel scale, summed in double), within the accumulation's rounding; then linear_quant
+// with FP8 activations on sends prefill-sized calls there (the same bits) and, off, does not.
+TEST(QuantCuda, Fp8LinearMatchesTheExactProductOfItsCodes) {
+  SKIP_WITHOUT_GPU();
+  struct Guard {
+    cuda::GemmPrecision saved = cuda::gemm_precision();
+    bool fp8 = cuda::fp8_activations();
+    ~Guard() {
+      cuda::set_gemm_precision(saved);
+      cuda::set_fp8_activations(fp8);
+    }
+  } guard;
+  cuda::set_gemm_precision(cuda::GemmPrecision::kBf16);
+  std::mt19937 g(43);
+  for (auto [m, k, n] : {std::tuple<int64_t, int64_t, int64_t>{256, 512, 300},
+                         {1024, 2048, 520},
+                         {96, 6144, 257},
+                         {8192, 6144, 1024}}) {
+    const HostQ h = make(WeightQuant::kFp8Channel, m, k, g);
+    DeviceBuffer<uint8_t> dd(h.data), ds(h.scale);
+    MatRef dw = h.m;
+    dw.data = dd.data();
+    dw.scale = ds.data();
+    ASSERT_TRUE(cuda::fp8_linear_supported(dw));
+    const auto x = m3::testing::randn(static_cast<size_t>(n * k), g);
+    std::vector<uint8_t> q(static_cast<size_t>(n * k));
+    std::vector<float> sx(static_cast<size_t>(n));
+    cpu::quantize_fp8_per_token(x.data(), n, k, q.data(), sx.data());
+    DeviceBuffer<float> dx(x), dy(static_cast<size_t>(n * m)), dy2(static_cast<size_t>(n * m));
+    ASSERT_TRUE(cuda::fp8_linear(dx.data(), n, dw, dy.data(), nullptr))
+        << "cuBLASLt has no FP8 algorithm for m " << m << " k " << k << " n " << n;
+    M3_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> got(static_cast<size_t>(n * m));
+    dy.copy_to(got.data(), got.size());
+    const std::string what =
+        "m " + std::to_string(m) + " k " + std::to_string(k) + " n " + std::to_string(n);
+    std::vector<float> row(static_cast<size_t>(k));
+    int bad = 0;
+    // Every row for the small shapes; a strided sample of the 8192 x 1024 one.
+    const int64_t rstep = m > 1024 ? 61 : 1, tstep = n > 600 ? 37 : 1;
+    for (int64_t r = 0; r < m; r += rstep) {
+      cpu::dequantize_row(h.m, r, row.data());
+      for (int64_t t = 0; t < n; t += tstep) {
+        double exact = 0, mag = 0;
+        for (int64_t c = 0; c < k; ++c) {
+          const double a = static_cast<double>(fp8_e4m3_to_f32(q[t * k + c])) * sx[t];
+          exact += a * row[c];
+          mag += std::fabs(a * row[c]);
+        }
+        // fp32 summation order, plus Hopper's FP8 MMA accumulating at reduced precision inside
+        // cuBLASLt's fp32-promoted chunks (about 14 bits): 2^-12 of the magnitude.
+        const double tol = (4 * k * kU + 1.0 / 4096) * mag + 1e-30;
+        if (!(std::fabs(got[t * m + r] - exact) <= tol) && ++bad <= 3)
+          ADD_FAILURE() << what << " row " << r << " token " << t << ": " << got[t * m + r]
+                        << " vs " << exact << " (tol " << tol << ")";
+      }
+    }
+    EXPECT_EQ(bad, 0) << what;
+    // Through linear_quant: on, the same bits; off, the bf16 path (other bits).
+    const size_t wsb = cuda::linear_quant_workspace_bytes(n, dw);
+    DeviceBuffer<uint8_t> ws(std::max<size_t>(wsb, 1));
+    std::vector<float> via(got.size());
+    cuda::set_fp8_activations(true);
+    cuda::linear_quant(dx.data(), n, dw, dy2.data(), cuda::Workspace{ws.data(), wsb}, nullptr);
+    M3_CUDA_CHECK(cudaDeviceSynchronize());
+    dy2.copy_to(via.data(), via.size());
+    EXPECT_EQ(std::memcmp(via.data(), got.data(), got.size() * 4), 0) << what;
+    cuda::set_fp8_activations(false);
+    cuda::linear_quant(dx.data(), n, dw, dy2.data(), cuda::Workspace{ws.data(), wsb}, nullptr);
+    M3_CUDA_CHECK(cudaDeviceSynchronize());
+    dy2.copy_to(via.data(), via.size());
+    EXPECT_NE(std::memcmp(via.data(), got.data(), got.size() * 4), 0) << what;
+  }
 }
 
 // ne quantized experts of one format (w1, w3 [inter, hidden], w2 [hidden, inter]) on the host

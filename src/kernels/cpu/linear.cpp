@@ -100,6 +100,17 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 }  // namespace
 
+void quantize_fp8_per_token(const float* x, int64_t n, int64_t k, uint8_t* q, float* scale) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* xr = x + t * k;
+    float amax = 0.f;
+    for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(xr[c]));
+    const float s = amax > 0.f ? amax / 448.f : 1.f;
+    scale[t] = s;
+    for (int64_t c = 0; c < k; ++c) q[t * k + c] = f32_to_fp8_e4m3(xr[c] / s);
+  }
+}
+
 void linear(const float* x, int64_t n, const MatRef& w, float* y) {
   M3_CHECK(w.quantized() || w.dtype == DType::kBF16 || w.dtype == DType::kF32,
            "linear: weight dtype %s", dtype_name(w.dtype));

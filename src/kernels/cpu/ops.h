@@ -34,6 +34,12 @@ void linear(const float* x, int64_t n, const MatRef& w, float* y);
 // reference dequantisation every quantized op is compared against.
 void dequantize_row(const MatRef& w, int64_t r, float* out);
 
+// Per-token dynamic FP8 activations (the input of the GPU's FP8 GEMM, kernels/cuda/quant.h
+// fp8_linear): row t of x [n, k] gets scale[t] = amax_t / 448 (1 for an all-zero row) and codes
+// q[t, c] = e4m3(x[t, c] / scale[t]), rounded to nearest even and saturating (f32_to_fp8_e4m3),
+// so q[t, c] * scale[t] is x to 2^-4 relative (e4m3's 3 mantissa bits) above e4m3's normals.
+void quantize_fp8_per_token(const float* x, int64_t n, int64_t k, uint8_t* q, float* scale);
+
 // out[i, :] = table[ids[i], :] (converted to fp32). An id outside the table aborts.
 void embedding(const MatRef& table, const int32_t* ids, int64_t n, float* out);
 

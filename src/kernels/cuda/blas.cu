@@ -315,6 +315,101 @@ bool gemm_strided_batched(const BatchedGemm& g, const void* a, const void* b, fl
   return true;
 }
 
+namespace {
+
+// FP8 plans: `mode` 0 = cuBLASLt scales by the outer vectors (fp32 out), 1 = unscaled fp32 out,
+// 2 = unscaled bf16 out (each scaled by scale_outer after).
+struct Fp8Key {
+  int device;
+  int64_t m, n, k;
+  int mode;
+  uint32_t align_a, align_b, align_c;
+  auto tie() const { return std::tie(device, m, n, k, mode, align_a, align_b, align_c); }
+  bool operator<(const Fp8Key& o) const { return tie() < o.tie(); }
+};
+std::map<Fp8Key, Plan> g_fp8_plans;
+
+const Plan& fp8_plan_for(const Fp8Key& key, cublasLtHandle_t lt) {
+  // g_plan_mutex is held by the caller.
+  auto it = g_fp8_plans.find(key);
+  if (it != g_fp8_plans.end()) return it->second;
+  Plan p;
+  M3_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;  // FP8 needs the "TN" layout
+  M3_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  M3_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  if (key.mode == 0) {
+    const int32_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    // An unsupported attribute (an older cuBLASLt) leaves the plan without an algorithm.
+    if (cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer,
+                                       sizeof outer) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer,
+                                       sizeof outer) != CUBLAS_STATUS_SUCCESS)
+      return g_fp8_plans.emplace(key, p).first->second;
+  }
+  M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, key.k, key.m, key.k));
+  M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, key.k, key.n, key.k));
+  M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, key.mode == 2 ? CUDA_R_16BF : CUDA_R_32F, key.m,
+                                             key.n, key.m));
+  if (key.mode == 0) {
+    // The heuristic needs the scale pointers' presence, not their values: any aligned address.
+    static const float* const kAnyScale = reinterpret_cast<const float*>(uintptr_t{256});
+    M3_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                   &kAnyScale, sizeof kAnyScale));
+    M3_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                   &kAnyScale, sizeof kAnyScale));
+  }
+  pick_algo(p, lt, key.align_a, key.align_b, key.align_c);
+  return g_fp8_plans.emplace(key, p).first->second;
+}
+
+}  // namespace
+
+bool gemm_fp8(const void* qx, const float* sx, int64_t n, const cpu::MatRef& w, float* y,
+              cudaStream_t stream) {
+  M3_CHECK(w.quant == WeightQuant::kFp8Channel, "gemm_fp8: %s weights", weight_quant_name(w.quant));
+  if (n == 0 || w.rows == 0) return true;
+  if (w.cols == 0 || w.cols % 16 != 0) return false;
+  DeviceState& ds = device_state();
+  const int dev = current_device();
+  const float* sw = static_cast<const float*>(w.scale);
+  for (int mode = 0; mode < 3; ++mode) {
+    std::unique_lock<std::mutex> lock(g_plan_mutex);
+    const Fp8Key key{dev,
+                     w.rows,
+                     n,
+                     w.cols,
+                     mode,
+                     alignment(w.data),
+                     alignment(qx),
+                     mode == 2 ? 256u : alignment(y)};
+    const Plan& p = fp8_plan_for(key, ds.lt);
+    if (!p.ok) continue;
+    if (mode == 0) {
+      // The plan's descriptor is shared: its scale pointers are set and read under the lock.
+      M3_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                     &sw, sizeof sw));
+      M3_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                     &sx, sizeof sx));
+    }
+    void* ws = p.workspace > 0 ? pool_alloc(p.workspace, stream) : nullptr;
+    void* out = mode == 2 ? pool_alloc(static_cast<size_t>(n * w.rows) * 2, stream) : y;
+    const float alpha = 1.f, beta = 0.f;
+    M3_CUBLAS_CHECK(cublasLtMatmul(ds.lt, p.desc, &alpha, w.data, p.a, qx, p.b, &beta, out, p.c,
+                                   out, p.c, &p.algo, ws, p.workspace, stream));
+    lock.unlock();
+    if (ws) pool_free(ws, stream);
+    if (mode > 0)
+      scale_outer(y, mode == 2 ? static_cast<const uint16_t*>(out) : nullptr, n, w.rows, sx, sw,
+                  stream);
+    if (mode == 2) pool_free(out, stream);
+    return true;
+  }
+  return false;
+}
+
 bool gemm_bf16(const void* xb, int64_t n, const cpu::MatRef& w, float* y, float beta,
                cudaStream_t stream) {
   M3_CHECK(w.dtype == DType::kBF16);

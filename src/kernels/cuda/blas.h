@@ -77,6 +77,21 @@ struct BatchedGemm {
 bool gemm_strided_batched(const BatchedGemm& g, const void* a, const void* b, float* c,
                           cudaStream_t stream);
 
+// One cuBLASLt FP8 GEMM: y[n, w.rows] (fp32) = (qx . codes(w)^T) scaled by sx[t] * sw[r], with
+// qx [n, w.cols] e4m3 codes of per-token scales sx [n] (f32, device) and w a kFp8Channel matrix
+// (e4m3 codes, f32 per-row scales sw), fp32 accumulation (no fast accumulation). cuBLASLt
+// applies the two scale vectors itself where it has an algorithm for its outer-vector scale
+// mode, else the unscaled product (fp32, or bf16 when that is all it offers) is scaled by
+// scale_outer below. Returns false, enqueuing nothing, where cuBLASLt has no FP8 algorithm for
+// the shape (k a multiple of 16 and 16-byte aligned rows are needed).
+bool gemm_fp8(const void* qx, const float* sx, int64_t n, const cpu::MatRef& w, float* y,
+              cudaStream_t stream);
+
+// y[t, r] = (src_bf16 ? bf16 src[t, r] : y[t, r]) * sx[t] * sw[r] for t < n, r < m (fp8_linear.cu;
+// gemm_fp8's epilogue where cuBLASLt does not scale).
+void scale_outer(float* y, const uint16_t* src_bf16, int64_t n, int64_t m, const float* sx,
+                 const float* sw, cudaStream_t stream);
+
 // Multiprocessors of the current device (cached).
 int num_sms();
 

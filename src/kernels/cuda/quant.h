@@ -44,6 +44,26 @@ bool has_row_factor(const MatRef& w);
 // y[t, r] *= w's row factor for t < n, r < w.rows (nothing where it has none).
 void apply_row_factor(float* y, int64_t n, const MatRef& w, cudaStream_t stream);
 
+// ---- FP8 activations (fp8_linear.cu) ----
+// Per-token dynamic FP8: q [n, k] e4m3 codes and scale [n] f32 of x [n, k] (device), by
+// kernels::cpu::quantize_fp8_per_token's rule, bit for bit.
+void quantize_fp8_per_token(const float* x, int64_t n, int64_t k, uint8_t* q, float* scale,
+                            cudaStream_t stream);
+// Whether fp8_linear takes `w`: fp8_per_channel codes (kFp8Channel), cols a multiple of 16,
+// 16-byte aligned codes.
+bool fp8_linear_supported(const MatRef& w);
+// y[n, w.rows] = fp8(x) . w^T on the FP8 tensor cores: x quantized per token
+// (quantize_fp8_per_token, into stream-ordered scratch), then cuBLASLt's FP8 GEMM with the
+// token and channel scales (blas::gemm_fp8). The activations' rounding (2^-4 relative) is the
+// price of twice the bf16 GEMM rate, as in other engines' fp8 serving. Returns false where the
+// weights or cuBLASLt do not allow it (the caller falls back; the quantization may have run).
+bool fp8_linear(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream);
+// Whether linear_quant sends fp8_per_channel prefill GEMMs (above kQuantGemmMaxTokens tokens,
+// bf16 GEMM precision) to fp8_linear: M3_FP8_ACTIVATIONS=1 (default 0 until measured on the
+// GPU: docs/QUANTIZATION.md), or set_fp8_activations (tests, bench).
+bool fp8_activations();
+void set_fp8_activations(bool on);
+
 // One projection (w1, w3 or w2) of an MoE layer's routed experts, quantized, laid out back to
 // back: expert e's codes at first.data + e * data_stride, its scales at first.scale +
 // e * scale_stride, its NVFP4 global scale global_scales[e] (device f32 [experts]; null: all

@@ -5,7 +5,8 @@
 // larger ones (and the exact precision) dequantise the matrix into the caller's workspace
 // without its row factor (exact in bf16), run linear()'s tensor-core GEMM under the GEMM
 // precision, then apply the factor, so the result is the fp32 product up to summation order, as
-// for bf16 weights.
+// for bf16 weights. With FP8 activations on (quant.h fp8_activations), fp8_per_channel prefill
+// GEMMs run on the FP8 tensor cores instead (fp8_linear.cu).
 #include "core/check.h"
 #include "kernels/cuda/blas.h"
 #include "kernels/cuda/moe_grouped_quant.cuh"
@@ -35,6 +36,10 @@ void linear_quant(const float* x, int64_t n, const MatRef& w, float* y, Workspac
     gemv_quant(x, n, w, y, stream);
     return;
   }
+  if (n > kQuantGemmMaxTokens && w.quant == WeightQuant::kFp8Channel &&
+      gemm_precision() == GemmPrecision::kBf16 && fp8_activations() &&
+      fp8_linear(x, n, w, y, stream))
+    return;
   if (n <= kQuantGemmMaxTokens && gemm_precision() == GemmPrecision::kBf16 && ws.data != nullptr &&
       moe_grouped::dense_quant_ok(n, w, y, ws.bytes)) {
     moe_grouped::dense_quant(x, n, w, y, ws.data, ws.bytes, stream);

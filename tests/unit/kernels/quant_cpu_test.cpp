@@ -154,6 +154,36 @@ TEST(QuantWeights, LinearMatchesNaiveAndSlicedRowsMatchTheWhole) {
   }
 }
 
+// Per-token FP8 activations (the GPU FP8 GEMM's input; quant_cuda_test checks the GPU twin bit
+// for bit): the row's largest magnitude maps to 448 exactly, codes round to nearest even, a zero
+// row gets scale 1, and codes x scale reconstruct x to 2^-4 relative in e4m3's normal range.
+TEST(QuantActivations, Fp8PerTokenScalesRoundAndReconstruct) {
+  const int64_t n = 3, k = 64;
+  std::vector<float> x(static_cast<size_t>(n * k));
+  std::mt19937 g(5);
+  std::normal_distribution<float> nd(0.f, 2.f);
+  for (auto& v : x) v = nd(g);
+  for (int64_t c = 0; c < k; ++c) x[static_cast<size_t>(k + c)] = 0.f;
+  x[5] = -9.f;  // row 0's largest magnitude (|N(0, 2)| < 9 here)
+  std::vector<uint8_t> q(x.size());
+  std::vector<float> s(static_cast<size_t>(n));
+  cpu::quantize_fp8_per_token(x.data(), n, k, q.data(), s.data());
+  EXPECT_EQ(s[0], 9.f / 448.f);
+  EXPECT_EQ(q[5], 0x80 | 0x7e);  // -448
+  EXPECT_EQ(s[1], 1.f);
+  for (int64_t c = 0; c < k; ++c) EXPECT_EQ(q[static_cast<size_t>(k + c)], 0);
+  for (int64_t t : {int64_t{0}, int64_t{2}}) {
+    for (int64_t c = 0; c < k; ++c) {
+      const float v = x[static_cast<size_t>(t * k + c)];
+      EXPECT_EQ(q[static_cast<size_t>(t * k + c)], f32_to_fp8_e4m3(v / s[t]));
+      const float back = fp8_e4m3_to_f32(q[static_cast<size_t>(t * k + c)]) * s[t];
+      if (std::fabs(v / s[t]) >= 1.f / 64) {  // e4m3's smallest normal is 2^-6
+        EXPECT_LE(std::fabs(back - v), std::fabs(v) / 16) << t << " " << c;
+      }
+    }
+  }
+}
+
 TEST(QuantWeights, BytesCountCodesAndScales) {
   std::mt19937 g(9);
   const QMat f = make(WeightQuant::kFp8Channel, 4, 64, g);
