@@ -141,6 +141,8 @@ def main():
     ap.add_argument("--url", help="connect to a running server instead of starting one")
     ap.add_argument("--m3serve", default="build/gpu/bin/m3serve")
     ap.add_argument("--layers", type=int, default=4, help="synthetic:layers=N")
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "mxfp8", "nvfp4", "mxfp4"],
+                    help="synthetic:...,weights=W: the linears in a stored format")
     ap.add_argument("--port", type=int, default=8124)
     ap.add_argument("--lengths", default="8192,32768,131072", help="comma-separated prompt lengths")
     ap.add_argument("--repeat", type=int, default=2, help="requests per length (each its own prompt)")
@@ -162,7 +164,8 @@ def main():
     else:
         # Room for the prompt and its output token, within M3's 1M positions.
         max_len = min(max(lengths) + 4096 + 128, 1 << 20)
-        cmd = [args.m3serve, "serve", "--model", f"synthetic:layers={args.layers}", "--device",
+        spec = f"synthetic:layers={args.layers}" + ("" if args.weights == "bf16" else f",weights={args.weights}")
+        cmd = [args.m3serve, "serve", "--model", spec, "--device",
                "cuda", "--port", str(port), "--max-model-len", str(max_len)] + args.extra_args.split()
         print("starting:", " ".join(cmd), flush=True)
         proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)

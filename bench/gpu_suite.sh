@@ -80,6 +80,20 @@ if [[ -n "${VLLM_MSA_VENDOR:-}" ]] && before $((LIM - 60)); then
     > "$OUT/vllm.txt" 2>&1
   grep -E "DECODE|PREFILL|done" "$OUT/vllm.txt"
 fi
+if before $((LIM - 60)); then
+  log "bench_quant_gemv --quick (with fp8_linear: FP8 activations)"
+  timeout 90 $B/bench_quant_gemv --quick > "$OUT/quant_gemv.txt" 2>&1
+  grep -E "^###|^\| (64|1024) \|" "$OUT/quant_gemv.txt" | head -24
+fi
+if before $((LIM - 60)); then
+  log "bench_ttft.py, synthetic weights=fp8, bf16 vs FP8 activations"
+  for a in 0 1; do
+    M3_FP8_ACTIVATIONS=$a PYTHONUNBUFFERED=1 timeout 80 python3 bench/bench_ttft.py \
+      --m3serve build/gpu/bin/m3serve --layers 4 --weights fp8 --lengths 8192,32768 --repeat 1 \
+      > "$OUT/ttft_fp8_act$a.txt" 2>&1
+    tail -3 "$OUT/ttft_fp8_act$a.txt"
+  done
+fi
 if before $((LIM - 40)); then
   log "bench_gemm_moe"
   timeout 60 $B/bench_gemm_moe 10 quick > "$OUT/gemm_moe.txt" 2>&1
