@@ -105,7 +105,8 @@ bool fp8_linear(const float* x, int64_t n, const MatRef& w, float* y, cudaStream
   if (n <= 0) return true;
   const size_t codes = static_cast<size_t>(n) * static_cast<size_t>(w.cols);
   const size_t scale_at = (codes + 255) / 256 * 256;
-  auto* buf = static_cast<uint8_t*>(blas::pool_alloc(scale_at + static_cast<size_t>(n) * 4, stream));
+  auto* buf =
+      static_cast<uint8_t*>(blas::pool_alloc(scale_at + static_cast<size_t>(n) * 4, stream));
   auto* sx = reinterpret_cast<float*>(buf + scale_at);
   quantize_fp8_per_token(x, n, w.cols, buf, sx, stream);
   const bool ok = blas::gemm_fp8(buf, sx, n, w, y, stream);
