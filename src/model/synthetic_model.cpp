@@ -236,16 +236,24 @@ int64_t synthetic_weight_bytes(const M3Config& cfg, const ShardPlan& plan,
 }
 
 std::string synthetic_needs_cuda_message(std::string_view model) {
-  // One MoE layer's bytes, to show the scale: 128 experts x 3 x 3072 x 6144 bf16 = 14.5 GB.
-  M3Config one = synthetic_m3_config(4);
-  const double moe_gb = static_cast<double>(synthetic_weight_bytes(one) -
-                                            synthetic_weight_bytes(synthetic_m3_config(3))) /
+  // One MoE layer's bytes in the spec's format, to show the scale: 128 experts x 3 x 3072 x
+  // 6144 bf16 = 14.5 GB.
+  const auto spec = parse_synthetic_spec(model);
+  const kernels::WeightQuant wq = spec ? spec->weights : kernels::WeightQuant::kNone;
+  const M3Config c4 = synthetic_m3_config(4), c3 = synthetic_m3_config(3);
+  const auto p4 = make_shard_plan(c4, ShardSpec{}), p3 = make_shard_plan(c3, ShardSpec{});
+  M3_CHECK(p4.has_value() && p3.has_value(), "the unsharded plan of a synthetic model");
+  const double moe_gb = static_cast<double>(synthetic_weight_bytes(c4, *p4, wq) -
+                                            synthetic_weight_bytes(c3, *p3, wq)) /
                         1e9;
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.1f GB", moe_gb);
+  const std::string fmt =
+      wq == kernels::WeightQuant::kNone ? "bf16" : kernels::weight_quant_name(wq);
   return "--model " + std::string(model) + " is a synthetic MiniMax-M3 at the real shapes (" + buf +
-         " of weights per MoE layer), "
-         "generated on the GPU; it is too big for the CPU path: use --device cuda";
+         " of " + fmt +
+         " weights per MoE layer), generated on the GPU; it is too big for the CPU path: use "
+         "--device cuda";
 }
 
 }  // namespace m3::model
