@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The style check CI runs (.ci/run): every tracked C++ and CUDA source must be formatted as
+# The style check CI runs (.ci/run): every C++ and CUDA source must be formatted as
 # .clang-format says. Prints each file that is not, and how to fix it; exits 1 if any.
 # Usage: tools/check_format.sh [--fix]   (--fix rewrites the files in place)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLANG_FORMAT=${CLANG_FORMAT:-clang-format}
-mapfile -t files < <(git ls-files 'src/*.h' 'src/*.cpp' 'src/*.cu' 'src/*.cuh' 'tests/*.h' \
-                                  'tests/*.cpp' 'bench/*.h' 'bench/*.cpp' 'bench/*.cu')
+# Tracked files and new ones not yet added (not ignored), so a new source is formatted before
+# its first commit.
+mapfile -t files < <(git ls-files --cached --others --exclude-standard 'src/*.h' 'src/*.cpp' \
+                       'src/*.cu' 'src/*.cuh' 'tests/*.h' 'tests/*.cpp' 'bench/*.h' 'bench/*.cpp' \
+                       'bench/*.cu')
 if [[ "${1:-}" == --fix ]]; then
   "$CLANG_FORMAT" -i "${files[@]}"
   exit 0
