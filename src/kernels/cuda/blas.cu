@@ -87,7 +87,10 @@ struct PlanKey {
   int64_t m, n, k;
   bool f32;
   uint32_t align_a, align_b, align_c;
-  auto tie() const { return std::tie(device, m, n, k, f32, align_a, align_b, align_c); }
+  // gemm_fp8's plans: 0 = cuBLASLt scales by the outer vectors (fp32 out), 1 = unscaled fp32
+  // out, 2 = unscaled bf16 out (each scaled by scale_outer after); -1: not an FP8 plan.
+  int fp8_mode = -1;
+  auto tie() const { return std::tie(device, m, n, k, f32, align_a, align_b, align_c, fp8_mode); }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
 };
 
@@ -317,22 +320,10 @@ bool gemm_strided_batched(const BatchedGemm& g, const void* a, const void* b, fl
 
 namespace {
 
-// FP8 plans: `mode` 0 = cuBLASLt scales by the outer vectors (fp32 out), 1 = unscaled fp32 out,
-// 2 = unscaled bf16 out (each scaled by scale_outer after).
-struct Fp8Key {
-  int device;
-  int64_t m, n, k;
-  int mode;
-  uint32_t align_a, align_b, align_c;
-  auto tie() const { return std::tie(device, m, n, k, mode, align_a, align_b, align_c); }
-  bool operator<(const Fp8Key& o) const { return tie() < o.tie(); }
-};
-std::map<Fp8Key, Plan> g_fp8_plans;
-
-const Plan& fp8_plan_for(const Fp8Key& key, cublasLtHandle_t lt) {
+const Plan& fp8_plan_for(const PlanKey& key, cublasLtHandle_t lt) {
   // g_plan_mutex is held by the caller.
-  auto it = g_fp8_plans.find(key);
-  if (it != g_fp8_plans.end()) return it->second;
+  auto it = g_plans.find(key);
+  if (it != g_plans.end()) return it->second;
   Plan p;
   M3_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;  // FP8 needs the "TN" layout
@@ -340,20 +331,20 @@ const Plan& fp8_plan_for(const Fp8Key& key, cublasLtHandle_t lt) {
       cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
   M3_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-  if (key.mode == 0) {
+  if (key.fp8_mode == 0) {
     const int32_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
     // An unsupported attribute (an older cuBLASLt) leaves the plan without an algorithm.
     if (cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer,
                                        sizeof outer) != CUBLAS_STATUS_SUCCESS ||
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer,
                                        sizeof outer) != CUBLAS_STATUS_SUCCESS)
-      return g_fp8_plans.emplace(key, p).first->second;
+      return g_plans.emplace(key, p).first->second;
   }
   M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, key.k, key.m, key.k));
   M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, key.k, key.n, key.k));
-  M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, key.mode == 2 ? CUDA_R_16BF : CUDA_R_32F, key.m,
-                                             key.n, key.m));
-  if (key.mode == 0) {
+  M3_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, key.fp8_mode == 2 ? CUDA_R_16BF : CUDA_R_32F,
+                                             key.m, key.n, key.m));
+  if (key.fp8_mode == 0) {
     // The heuristic needs the scale pointers' presence, not their values: any aligned address.
     static const float* const kAnyScale = reinterpret_cast<const float*>(uintptr_t{256});
     M3_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
@@ -362,7 +353,7 @@ const Plan& fp8_plan_for(const Fp8Key& key, cublasLtHandle_t lt) {
                                                    &kAnyScale, sizeof kAnyScale));
   }
   pick_algo(p, lt, key.align_a, key.align_b, key.align_c);
-  return g_fp8_plans.emplace(key, p).first->second;
+  return g_plans.emplace(key, p).first->second;
 }
 
 }  // namespace
@@ -377,14 +368,15 @@ bool gemm_fp8(const void* qx, const float* sx, int64_t n, const cpu::MatRef& w, 
   const float* sw = static_cast<const float*>(w.scale);
   for (int mode = 0; mode < 3; ++mode) {
     std::unique_lock<std::mutex> lock(g_plan_mutex);
-    const Fp8Key key{dev,
-                     w.rows,
-                     n,
-                     w.cols,
-                     mode,
-                     alignment(w.data),
-                     alignment(qx),
-                     mode == 2 ? 256u : alignment(y)};
+    const PlanKey key{dev,
+                      w.rows,
+                      n,
+                      w.cols,
+                      false,
+                      alignment(w.data),
+                      alignment(qx),
+                      mode == 2 ? 256u : alignment(y),
+                      mode};
     const Plan& p = fp8_plan_for(key, ds.lt);
     if (!p.ok) continue;
     if (mode == 0) {

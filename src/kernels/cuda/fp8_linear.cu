@@ -2,6 +2,7 @@
 // per-token dynamic quantization of x (the CPU twin is kernels::cpu::quantize_fp8_per_token, bit
 // for bit), cuBLASLt's FP8 GEMM (blas::gemm_fp8) and the outer-vector scaling of its result
 // where cuBLASLt does not apply the scales itself.
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -62,17 +63,21 @@ bool env_fp8_activations() {
   return true;
 }
 
-int g_fp8_activations = -1;  // -1: not read yet
+std::atomic<int> g_fp8_activations{-1};  // -1: not read yet (rank threads read it)
 
 }  // namespace
 
 bool fp8_activations() {
-  if (g_fp8_activations < 0) g_fp8_activations = env_fp8_activations() ? 1 : 0;
-  return g_fp8_activations == 1;
+  int v = g_fp8_activations.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = env_fp8_activations() ? 1 : 0;
+    g_fp8_activations.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
 }
 
 void set_fp8_activations(bool on) {
-  g_fp8_activations = on ? 1 : 0;
+  g_fp8_activations.store(on ? 1 : 0, std::memory_order_relaxed);
 }
 
 void quantize_fp8_per_token(const float* x, int64_t n, int64_t k, uint8_t* q, float* scale,

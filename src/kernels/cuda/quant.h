@@ -54,8 +54,9 @@ void quantize_fp8_per_token(const float* x, int64_t n, int64_t k, uint8_t* q, fl
 bool fp8_linear_supported(const MatRef& w);
 // y[n, w.rows] = fp8(x) . w^T on the FP8 tensor cores: x quantized per token
 // (quantize_fp8_per_token, into stream-ordered scratch), then cuBLASLt's FP8 GEMM with the
-// token and channel scales (blas::gemm_fp8). The activations' rounding (2^-4 relative) is the
-// price of twice the bf16 GEMM rate, as in other engines' fp8 serving. Returns false where the
+// token and channel scales (blas::gemm_fp8). The activations' rounding (2^-4 relative) buys the
+// FP8 tensor cores (twice bf16's peak on Hopper; the rate reached is bench_quant_gemv's to
+// measure). Returns false where the
 // weights or cuBLASLt do not allow it (the caller falls back; the quantization may have run).
 bool fp8_linear(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream);
 // Whether linear_quant sends fp8_per_channel prefill GEMMs (above kQuantGemmMaxTokens tokens,
