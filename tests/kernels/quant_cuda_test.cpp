@@ -71,6 +71,20 @@ HostQ make(WeightQuant q, int64_t rows, int64_t cols, std::mt19937& g) {
   return h;
 }
 
+// The bf16 GEMM precision for one test; the process-wide quantized-path settings it may change
+// (precision, quantized GEMM variant, FP8 activations) are restored after it.
+struct Bf16Settings {
+  cuda::GemmPrecision precision = cuda::gemm_precision();
+  int variant = cuda::quant_gemm_variant();
+  bool fp8 = cuda::fp8_activations();
+  Bf16Settings() { cuda::set_gemm_precision(cuda::GemmPrecision::kBf16); }
+  ~Bf16Settings() {
+    cuda::set_gemm_precision(precision);
+    cuda::set_quant_gemm_variant(variant);
+    cuda::set_fp8_activations(fp8);
+  }
+};
+
 const WeightQuant kAll[] = {WeightQuant::kFp8Channel, WeightQuant::kMxfp8, WeightQuant::kNvfp4,
                             WeightQuant::kMxfp4};
 
@@ -235,15 +249,7 @@ TEST(QuantCuda, LinearQuantMatchesTheCpuLinear) {
 // weights, so the reference is cpu::linear on bf16(x) and the tolerance linear's fp32-order one.
 TEST(QuantCuda, LinearQuantBf16MatchesTheCpuLinearOnBf16X) {
   SKIP_WITHOUT_GPU();
-  struct Guard {
-    cuda::GemmPrecision saved = cuda::gemm_precision();
-    int variant = cuda::quant_gemm_variant();
-    ~Guard() {
-      cuda::set_gemm_precision(saved);
-      cuda::set_quant_gemm_variant(variant);
-    }
-  } guard;
-  cuda::set_gemm_precision(cuda::GemmPrecision::kBf16);
+  const Bf16Settings settings;
   std::mt19937 g(37);
   for (int variant = 0; variant < cuda::quant_gemm_variants(); ++variant)
     for (WeightQuant q : kAll) {
@@ -324,15 +330,7 @@ TEST(QuantCuda, Fp8PerTokenQuantizeIsTheCpuTwin) {
 // with FP8 activations on sends prefill-sized calls there (the same bits) and, off, does not.
 TEST(QuantCuda, Fp8LinearMatchesTheExactProductOfItsCodes) {
   SKIP_WITHOUT_GPU();
-  struct Guard {
-    cuda::GemmPrecision saved = cuda::gemm_precision();
-    bool fp8 = cuda::fp8_activations();
-    ~Guard() {
-      cuda::set_gemm_precision(saved);
-      cuda::set_fp8_activations(fp8);
-    }
-  } guard;
-  cuda::set_gemm_precision(cuda::GemmPrecision::kBf16);
+  const Bf16Settings settings;
   std::mt19937 g(43);
   for (auto [m, k, n] : {std::tuple<int64_t, int64_t, int64_t>{256, 512, 300},
                          {1024, 2048, 520},
@@ -528,15 +526,7 @@ TEST(QuantCuda, MoeExpertsOverQuantizedWeightsMatchTheCpu) {
 // nibble swap, a wrong expert or row factor) moves outputs by O(1) of mag.
 TEST(QuantCuda, MoeGroupedQuantGemmMatchesTheCpu) {
   SKIP_WITHOUT_GPU();
-  struct Guard {
-    cuda::GemmPrecision saved = cuda::gemm_precision();
-    int variant = cuda::quant_gemm_variant();
-    ~Guard() {
-      cuda::set_gemm_precision(saved);
-      cuda::set_quant_gemm_variant(variant);
-    }
-  } guard;
-  cuda::set_gemm_precision(cuda::GemmPrecision::kBf16);
+  const Bf16Settings settings;
   std::mt19937 g(36);
   const int64_t ne = 8, topk = 2;
   const SwigluParams act{1.702f, 7.0f, 1.0f};
