@@ -114,13 +114,25 @@ void log_weight_formats(const M3Weights& w, const M3Config& cfg, const QuantPlan
                 quant.checkpoint.method.empty() ? "none" : quant.checkpoint.method.c_str(),
                 formats.c_str(), bytes / mib);
   }
-  // NVFP4 checkpoints are W4A4 (ModelOpt's input_scale, compressed-tensors' input_global_scale):
-  // said once, since the activations are not quantized here.
-  if (w.num_quantized[static_cast<size_t>(kernels::WeightQuant::kNvfp4)] > 0)
+  // Checkpoints that quantize activations too (NVFP4 is W4A4: ModelOpt's input_scale,
+  // compressed-tensors' input_global_scale; compressed-tensors groups declaring
+  // input_activations): said once, since the activations are not quantized here.
+  std::string declared;
+  for (const CheckpointQuant::Group& g : quant.checkpoint.groups)
+    if (g.activations) declared += (declared.empty() ? "'" : ", '") + g.name + "'";
+  if (!declared.empty()) {
+    M3_LOG_INFO(
+        "compressed-tensors group %s declares quantized input activations; m3serve runs the "
+        "linears weight-only: the activations stay unquantized (bf16 on the GPU, f32 on the "
+        "CPU; M3_FP8_ACTIVATIONS=1 quantizes fp8_per_channel prefill activations per token on "
+        "the GPU)",
+        declared.c_str());
+  } else if (w.num_quantized[static_cast<size_t>(kernels::WeightQuant::kNvfp4)] > 0) {
     M3_LOG_INFO(
         "NVFP4 linears run weight-only: the checkpoint's activation scales are not used and the "
         "activations stay unquantized (bf16 on the GPU, f32 on the CPU; Hopper has no FP4 "
         "tensor cores)");
+  }
 }
 
 }  // namespace

@@ -104,6 +104,8 @@ CheckpointQuant read_checkpoint_quant(const std::string& model_dir) {
               if (w.contains("group_size") && w["group_size"].is_number_integer())
                 grp.group_size = w["group_size"].get<int>();
             }
+            grp.activations = g.is_object() && g.contains("input_activations") &&
+                              g["input_activations"].is_object();
             q.groups.push_back(std::move(grp));
           }
         }

@@ -27,6 +27,7 @@ struct CheckpointQuant {
   struct Group {
     std::string name, format, type, strategy;
     int num_bits = 0, group_size = 0;
+    bool activations = false;  // declares quantized input activations (W4A4 / W8A8)
   };
   std::vector<Group> groups;
 };

@@ -92,8 +92,10 @@ def test_quantized_demo_serves_and_keeps_its_answers(binary, items, quant_dirs, 
             assert "(quant_method compressed-tensors): 106 nvfp4 linears" in log, log
         else:
             assert "(quant_method modelopt): 34 mxfp8, 72 nvfp4 linears" in log, log
-        # NVFP4 checkpoints carry activation scales (W4A4); the log says they are not used.
-        assert ("NVFP4 linears run weight-only" in log) == fmt.startswith("nvfp4"), log
+        # NVFP4 checkpoints carry activation scales (W4A4), the compressed-tensors one declares
+        # them in its config group: the log says they are not used.
+        assert ("NVFP4 linears run weight-only" in log) == (fmt == "nvfp4"), log
+        assert ("group 'group_0' declares quantized input activations" in log) == (fmt == "nvfp4-ct"), log
         a, names, client = scores(s, items)
         want_a, want_names = bf16_scores
         assert abs(a - want_a) <= 1, f"{fmt}: arithmetic {a}/{N_ARITH}, bf16 {want_a}/{N_ARITH}"

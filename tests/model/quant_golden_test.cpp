@@ -429,6 +429,23 @@ TEST_F(QuantLoad, TensorsMustFitTheDeclaredMethod) {
   expect_error("", {"quantization method 'gptq'", "not supported", "mxfp8, modelopt (NVFP4)"});
 }
 
+TEST_F(QuantLoad, CompressedTensorsGroupsAreReadFromTheConfig) {
+  const CheckpointQuant nv = read_checkpoint_quant(fixture("msa_small_blocks", "nvfp4-ct", false));
+  ASSERT_EQ(nv.method, "compressed-tensors");
+  ASSERT_EQ(nv.groups.size(), 1u);
+  EXPECT_EQ(nv.groups[0].name, "group_0");
+  EXPECT_EQ(nv.groups[0].format, "nvfp4-pack-quantized");
+  EXPECT_EQ(nv.groups[0].type, "float");
+  EXPECT_EQ(nv.groups[0].num_bits, 4);
+  EXPECT_EQ(nv.groups[0].strategy, "tensor_group");
+  EXPECT_EQ(nv.groups[0].group_size, 16);
+  EXPECT_TRUE(nv.groups[0].activations);  // W4A4: the start-up log says they are not applied
+  const CheckpointQuant mx = read_checkpoint_quant(fixture("msa_small_blocks", "mxfp4-ct", false));
+  ASSERT_EQ(mx.groups.size(), 2u);
+  for (const auto& g : mx.groups) EXPECT_FALSE(g.activations) << g.name;
+  EXPECT_TRUE(read_checkpoint_quant(fixture("msa_small_blocks", "mxfp8", false)).groups.empty());
+}
+
 TEST_F(QuantLoad, CompressedTensorsSchemesNotReadAreRefusedByGroup) {
   // The groups of quantization_config are checked before any tensor is read: each scheme
   // m3serve cannot read is named with the group, and the ones it reads are listed.
