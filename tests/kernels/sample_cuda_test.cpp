@@ -121,4 +121,37 @@ TEST(SampleCuda, TopKKeepsTiesInIdOrder) {
   check_same(l, V, V, rows, "ties");
 }
 
+// Greedy rows at M3's vocabulary whose maximum is shared by several ids (in different threads,
+// different unrolled loads of one thread, and the scalar tail past the last float4): the lowest
+// id wins, as on the CPU; ids at or past num_valid never do. Rows 1 and 2 start off a 16-byte
+// boundary (vocab 200063: the scalar path), row 0 on one.
+TEST(SampleCuda, GreedyTiesGoToTheLowestIdOnBothPaths) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t V : {int64_t{200064}, int64_t{200063}}) {
+    const int64_t valid = V - 2;
+    std::vector<float> l(3 * V, 0.f);
+    std::mt19937 g(3);
+    std::normal_distribution<float> d(0.f, 1.f);
+    for (auto& x : l) x = d(g);
+    const std::vector<std::vector<int64_t>> tied = {
+        {150001, 4099, 1024 * 4 + 7, 200000}, {V - 3, 6000}, {valid - 1, 17, 17 + 4096}};
+    for (int64_t r = 0; r < 3; ++r) {
+      for (int64_t id : tied[r]) l[r * V + id] = 50.f;
+      l[r * V + V - 1] = 1e4f;  // padding: never chosen
+    }
+    std::vector<SampleRow> rows(3);
+    for (int r = 0; r < 3; ++r) {
+      rows[r].row = r;
+      rows[r].temperature = 0.f;
+    }
+    check_same(l, V, valid, rows, "greedy ties V=" + std::to_string(V));
+    // The CPU twin's answers, stated: the lowest tied id of each row.
+    std::vector<int32_t> want(3);
+    m3::kernels::cpu::sample_rows(l.data(), V, valid, rows.data(), 3, want.data());
+    EXPECT_EQ(want[0], 4099);
+    EXPECT_EQ(want[1], 6000);
+    EXPECT_EQ(want[2], 17);
+  }
+}
+
 }  // namespace
