@@ -107,7 +107,9 @@ void log_weight_formats(const M3Weights& w, const M3Config& cfg, const QuantPlan
     }
     M3_LOG_INFO(
         "--quantization fp8_per_channel: %s linears quantized at load to e4m3 + one f32 scale "
-        "per output channel: %.2f MiB (were %.2f MiB); weights %.2f MiB in all",
+        "per output channel: %.2f MiB (were %.2f MiB); weights %.2f MiB in all. On the GPU, "
+        "prefill steps above 256 tokens also quantize the activations per token to e4m3 for "
+        "FP8 tensor-core GEMMs (M3_FP8_ACTIVATIONS=0: bf16 activations)",
         formats.c_str(), static_cast<double>(now) / mib, fp8 / mib, bytes / mib);
   } else {
     M3_LOG_INFO("weights kept as stored (quant_method %s): %s linears, %.2f MiB in all",
@@ -124,8 +126,8 @@ void log_weight_formats(const M3Weights& w, const M3Config& cfg, const QuantPlan
     M3_LOG_INFO(
         "compressed-tensors group %s declares quantized input activations; m3serve runs the "
         "linears weight-only: the activations stay unquantized (bf16 on the GPU, f32 on the "
-        "CPU; M3_FP8_ACTIVATIONS=1 quantizes fp8_per_channel prefill activations per token on "
-        "the GPU)",
+        "CPU; on the GPU only fp8_per_channel linears quantize their prefill activations per "
+        "token, M3_FP8_ACTIVATIONS=0 turns that off)",
         declared.c_str());
   } else if (w.num_quantized[static_cast<size_t>(kernels::WeightQuant::kNvfp4)] > 0) {
     M3_LOG_INFO(

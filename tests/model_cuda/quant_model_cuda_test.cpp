@@ -31,6 +31,8 @@
 #include <vector>
 
 #include "gpu/device.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/quant.h"
 #include "model/cuda/m3_model_cuda.h"
 #include "model/golden_util.h"
 #include "model/m3_model.h"
@@ -256,6 +258,61 @@ TEST_P(QuantModelCuda, BatchedStepsMatchTheCpu) {
   }
   std::printf("  %s/%s: 8 sequences, steps of 40 and 8 tokens: max |logprob diff| %.3g\n",
               GetParam().model.c_str(), GetParam().fmt.c_str(), worst);
+}
+
+// FP8 activations (the default under the bf16 GEMM precision; M3_FP8_ACTIVATIONS=0 turns them
+// off): a prefill above kQuantGemmMaxTokens (256) sends every fp8_per_channel linear whose widths
+// cuBLASLt's FP8 GEMM takes (multiples of 16: msa_small_blocks) to fp8_linear. The prompt (the
+// longest golden prompt twice, 380-400 tokens) runs with them on and off, both under bf16 GEMMs;
+// on must differ from off where they engage (they ran), and stay as close to the CPU's exact
+// result as the bf16 GEMMs do, within the rounding of x to e4m3 per token (2^-4 relative, 16x
+// bf16's 2^-8): mean |logprob diff| over the vocabulary at most 16x bf16's plus 0.05, and the
+// largest at most 16x plus 0.5.
+TEST_P(QuantModelCuda, Fp8ActivationsPrefillStaysNearTheCpu) {
+  if (GetParam().fmt != "fp8-channel") GTEST_SKIP() << "FP8 activations: fp8_per_channel only";
+  namespace cuda = kernels::cuda;
+  struct Restore {
+    cuda::GemmPrecision p = cuda::gemm_precision();
+    bool a = cuda::fp8_activations();
+    ~Restore() {
+      cuda::set_gemm_precision(p);
+      cuda::set_fp8_activations(a);
+    }
+  } restore;
+  auto ids = golden::longest_prompt(golden_);
+  const auto once = ids;
+  ids.insert(ids.end(), once.begin(), once.end());
+  if (ids.size() > 400) ids.resize(400);
+  ASSERT_GT(ids.size(), 256u);
+  const int64_t n = static_cast<int64_t>(ids.size());
+  SequenceRunner cpu(*model_->host(), n + 1, 1);
+  const auto c = cpu.step({{cpu.add_sequence(), ids, true}});
+  const auto ref = golden::log_softmax_rows(c.logits, vocab());
+  cuda::set_gemm_precision(cuda::GemmPrecision::kBf16);
+  auto run = [&](bool fp8) {
+    cuda::set_fp8_activations(fp8);
+    SequenceRunner gpu(borrow_cuda_backend(*model_, n + 1, 1));
+    const auto g = gpu.step({{gpu.add_sequence(), ids, true}});
+    return golden::log_softmax_rows(g.logits, vocab());
+  };
+  const auto off = run(false), on = run(true);
+  auto mean_diff = [&](const std::vector<float>& a) {
+    double sum = 0;
+    for (size_t i = 0; i < a.size(); ++i) sum += std::fabs(a[i] - ref[i]);
+    return sum / static_cast<double>(a.size());
+  };
+  const double off_mean = mean_diff(off), on_mean = mean_diff(on);
+  const double off_max = max_abs_diff(off, ref), on_max = max_abs_diff(on, ref);
+  std::printf(
+      "  %s/%s: prefill %lld tokens vs the CPU, |logprob diff| mean / max: bf16 activations "
+      "%.3g / %.3g, FP8 activations %.3g / %.3g\n",
+      GetParam().model.c_str(), GetParam().fmt.c_str(), static_cast<long long>(n), off_mean,
+      off_max, on_mean, on_max);
+  if (GetParam().model == "msa_small_blocks") {
+    EXPECT_GT(max_abs_diff(on, off), 0.0);
+  }
+  EXPECT_LE(on_mean, 16 * off_mean + 0.05);
+  EXPECT_LE(on_max, 16 * off_max + 0.5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, QuantModelCuda, ::testing::ValuesIn(cases()),

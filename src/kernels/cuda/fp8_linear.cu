@@ -56,11 +56,13 @@ __global__ void scale_outer_kernel(float* __restrict__ y, const uint16_t* __rest
   }
 }
 
+// On unless M3_FP8_ACTIVATIONS=0 (measured on the H200, 2026-12-02: TTFT of a 32K-token prompt
+// on synthetic:layers=4,weights=fp8 0.303 s against 0.359 s with bf16 activations).
 bool env_fp8_activations() {
   const char* v = std::getenv("M3_FP8_ACTIVATIONS");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
-  M3_CHECK(std::strcmp(v, "1") == 0, "M3_FP8_ACTIVATIONS=%s: use 0 or 1", v);
-  return true;
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "1") == 0) return true;
+  M3_CHECK(std::strcmp(v, "0") == 0, "M3_FP8_ACTIVATIONS=%s: use 0 or 1", v);
+  return false;
 }
 
 std::atomic<int> g_fp8_activations{-1};  // -1: not read yet (rank threads read it)

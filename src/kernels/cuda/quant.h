@@ -60,8 +60,8 @@ bool fp8_linear_supported(const MatRef& w);
 // weights or cuBLASLt do not allow it (the caller falls back; the quantization may have run).
 bool fp8_linear(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream);
 // Whether linear_quant sends fp8_per_channel prefill GEMMs (above kQuantGemmMaxTokens tokens,
-// bf16 GEMM precision) to fp8_linear: M3_FP8_ACTIVATIONS=1 (default 0 until measured on the
-// GPU: docs/QUANTIZATION.md), or set_fp8_activations (tests, bench).
+// bf16 GEMM precision) to fp8_linear: on by default (docs/QUANTIZATION.md has the measurement),
+// off with M3_FP8_ACTIVATIONS=0 in the environment or set_fp8_activations(false) (tests, bench).
 bool fp8_activations();
 void set_fp8_activations(bool on);
 
