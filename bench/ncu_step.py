@@ -5,6 +5,8 @@ each kernel of one step (the second step in the range, so the first graph replay
 left out): grid, time, DRAM bytes read + written and their rate against a given copy bandwidth.
 
   python3 bench/ncu_step.py --bench build/gpu/bench/bench_layer [--batch 1] [--bw 4180]
+  python3 bench/ncu_step.py --bench build/gpu/bench/bench_step --args "4 2048 6 1" \
+      --launch-count 160      # the whole step of synthetic:layers=4 (LM head, sampling)
   python3 bench/ncu_step.py --csv saved.csv [--bw 4180]
 
 ncu's times are per kernel alone with the caches flushed between kernels (its default), so the
@@ -22,10 +24,12 @@ METRICS = ("gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,"
            "launch__grid_size,launch__block_size")
 
 
-def run_ncu(bench, batch, ncu):
-    cmd = [ncu, "--nvtx", "--nvtx-include", f"decode b={batch}/", "--launch-count", "80",
-           "--clock-control", "none", "--metrics", METRICS, "--csv",
-           bench, "8192", "10", "bf16", "bfloat16", "bfloat16", "bf16", "0"]
+LAYER_ARGS = "8192 10 bf16 bfloat16 bfloat16 bf16 0"  # bench_layer: decode only, bf16
+
+
+def run_ncu(bench, batch, ncu, args, count):
+    cmd = [ncu, "--nvtx", "--nvtx-include", f"decode b={batch}/", "--launch-count", str(count),
+           "--clock-control", "none", "--metrics", METRICS, "--csv", bench] + args.split()
     return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
 
 
@@ -57,10 +61,12 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--bw", type=float, default=4180.0, help="copy bandwidth, GB/s")
     ap.add_argument("--ncu", default="ncu")
+    ap.add_argument("--args", default=LAYER_ARGS, help="the bench's arguments")
+    ap.add_argument("--launch-count", type=int, default=80, help="kernels ncu profiles")
     a = ap.parse_args()
     if bool(a.bench) == bool(a.csv):
         sys.exit("ncu_step.py: give one of --bench or --csv")
-    text = open(a.csv).read() if a.csv else run_ncu(a.bench, a.batch, a.ncu)
+    text = open(a.csv).read() if a.csv else run_ncu(a.bench, a.batch, a.ncu, a.args, a.launch_count)
     ks = kernels(text)
     # A step starts at the embedding; take the second one in the range.
     starts = [i for i, k in enumerate(ks) if "embedding" in k["name"]]

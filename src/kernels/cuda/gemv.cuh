@@ -438,6 +438,22 @@ inline bool balance_on() {
   static const bool on = env_switch("M3_GEMV_BALANCE", false);
   return on;
 }
+// M3_GEMV_WARPS (2-8; unset: the choice above) fixes the warps per CTA of linear's dense GEMV where
+// its rows fill the SMs (M3's 6144-9856-row projections: 8 warps give 192-308 CTAs, 1.2-1.5 of
+// the 264 two-per-SM slots, so some SMs carry twice the rows of others): a tuning switch for
+// bench_step / bench_layer. The result does not depend on it (a lane's k positions and the
+// summation order are the same for every CTA shape).
+inline int linear_warps() {
+  static const int w = [] {
+    const char* v = std::getenv("M3_GEMV_WARPS");
+    if (v == nullptr || *v == '\0') return 0;
+    const int n = std::atoi(v);
+    M3_CHECK(n >= 2 && n <= kThreads / 32 && std::to_string(n) == v,
+             "M3_GEMV_WARPS=%s: a warp count from 2 to 8", v);
+    return n;
+  }();
+  return w;
+}
 inline int expert_warps() {
   static const int w = [] {
     const char* v = std::getenv("M3_GEMV_EXPERT_WARPS");

@@ -158,8 +158,12 @@ void linear_gemv(const float* x, int64_t n, const MatRef& w, float* y, cudaStrea
   // choice depends on (m, k) only, so a token's result does not depend on n.
   int warps = gemv::kThreads / 32;
   while (warps > 2 && static_cast<int64_t>(ceil_div(m, warps * kRows)) < sms) warps /= 2;
-  if (static_cast<int64_t>(ceil_div(m, warps * kRows)) >= sms && gemv::balance_on())
-    warps = gemv::balanced_warps(ceil_div(m, kRows), sms, warps);
+  if (static_cast<int64_t>(ceil_div(m, warps * kRows)) >= sms) {
+    if (gemv::linear_warps() > 0)
+      warps = gemv::linear_warps();
+    else if (gemv::balance_on())
+      warps = gemv::balanced_warps(ceil_div(m, kRows), sms, warps);
+  }
   const int64_t ctas = ceil_div(m, warps * kRows);
   int64_t splits = 1;
   if (ctas < sms)
