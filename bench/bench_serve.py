@@ -4,8 +4,10 @@
 Starts `m3serve serve --model synthetic:layers=N --device cuda` (or connects to --url), sends C
 concurrent streaming requests of a fixed token-id prompt with max_tokens output tokens and
 ignore_eos, for each C in --concurrency, and prints per C: output tokens/s over the whole run,
-mean time per output token (TPOT, per request: (last token - first token) / (tokens - 1)), mean
-time to first token (TTFT), and the bandwidth ceiling of a decode step: the weight bytes one
+mean time per output token (TPOT, per request: (last token - first token) / (tokens - 1)), the
+decode TPOT (the same over only the tokens that arrived after every stream of the level had its
+first token: steps that carry no other stream's prompt; tokens counted by the running usage of
+continuous_usage_stats; "nan" when fewer than 8 such tokens came per request), mean time to first token (TTFT), and the bandwidth ceiling of a decode step: the weight bytes one
 step of C sequences must read (all non-expert weights + the expected distinct routed experts)
 divided by the measured device copy bandwidth (torch, else bench_cuda_ops, else --bandwidth-gbs).
 
@@ -123,6 +125,7 @@ class Result:
     def __init__(self):
         self.ttft = None
         self.token_times = []
+        self.token_counts = []  # completion tokens so far at each of token_times (running usage)
         self.tokens = 0
         self.retries = 0
         self.error = None
@@ -131,7 +134,8 @@ class Result:
 def one_request(host, port, model, prompt_ids, max_tokens, res, t_start):
     body = json.dumps({"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
                        "temperature": 0, "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}})
+                       "stream_options": {"include_usage": True,
+                                          "continuous_usage_stats": True}})
     # A burst of connects can overflow the server's listen queue (cpp-httplib 0.11 listens with a
     # backlog of 5) and the kernel then resets some; such a request never reached the server, so
     # it is sent again, and the wait counts in its TTFT.
@@ -167,11 +171,14 @@ def one_request(host, port, model, prompt_ids, max_tokens, res, t_start):
             if j.get("usage"):
                 res.tokens = j["usage"]["completion_tokens"]
             if j.get("choices"):
-                # One chunk per engine step that produced tokens for this request (its text may
-                # be empty while a UTF-8 character is incomplete; the chunk still marks the step).
+                # A chunk per engine step that produced text for this request; its running usage
+                # (continuous_usage_stats) says how many tokens have come, so steps whose text
+                # was held back (an incomplete UTF-8 character) still count.
                 if res.ttft is None:
                     res.ttft = now - t_start
                 res.token_times.append(now)
+                res.token_counts.append((j.get("usage") or {}).get("completion_tokens",
+                                                                   len(res.token_times)))
         conn.close()
     except Exception as e:
         res.error = repr(e)
@@ -208,10 +215,22 @@ def run_level(host, port, model, prompt_ids, max_tokens, c, first_stream=0):
     for r in results:
         if len(r.token_times) >= 2 and r.tokens >= 2:
             tpots.append((r.token_times[-1] - r.token_times[0]) / (r.tokens - 1))
+    # Decode TPOT: the same per-request mean over only the tokens that arrived once every stream
+    # had its first token, i.e. the steps with no prompt of this level left to prefill (the
+    # mean TPOT above also counts the steps that carried other streams' prefill chunks).
+    firsts = [r.token_times[0] for r in results if r.token_times]
+    t_all = max(firsts) if len(firsts) == c else None
+    dec = []
+    for r in results:
+        late = [(t, n) for t, n in zip(r.token_times, r.token_counts)
+                if t_all is not None and t >= t_all]
+        if len(late) >= 2 and late[-1][1] - late[0][1] >= 7:  # at least 7 token gaps
+            dec.append((late[-1][0] - late[0][0]) / (late[-1][1] - late[0][1]))
     ttfts = [r.ttft for r in results if r.ttft is not None]
     return {"concurrency": c, "requests": c, "output_tokens": total, "wall_s": wall,
             "output_tok_per_s": total / wall,
             "mean_tpot_ms": 1e3 * sum(tpots) / len(tpots) if tpots else float("nan"),
+            "decode_tpot_ms": 1e3 * sum(dec) / len(dec) if dec else float("nan"),
             "mean_ttft_ms": 1e3 * sum(ttfts) / len(ttfts) if ttfts else float("nan"),
             "connect_retries": sum(r.retries for r in results)}
 
@@ -302,14 +321,17 @@ def main():
         if label:
             print(f"-- {label}")
         print(f"{'C':>4} {'out tok/s':>10} {'TPOT ms':>9} {'TTFT ms':>9} {'GB/cycle':>8} "
-              f"{'ceil tok/s':>11} {'ceil TPOT ms':>13} {'TPOT/ceil':>10} {'retries':>8}")
+              f"{'ceil tok/s':>11} {'ceil TPOT ms':>13} {'TPOT/ceil':>10} {'dec TPOT':>9} "
+              f"{'dec/ceil':>9} {'retries':>8}")
         for r in rows:
-            ratio = r["mean_tpot_ms"] / r["ceiling_tpot_ms"] if r.get("ceiling_tpot_ms") else float("nan")
+            ceil = r.get("ceiling_tpot_ms")
+            ratio = r["mean_tpot_ms"] / ceil if ceil else float("nan")
+            dratio = r["decode_tpot_ms"] / ceil if ceil else float("nan")
             print(f"{r['concurrency']:>4} {r['output_tok_per_s']:>10.1f} {r['mean_tpot_ms']:>9.2f} "
                   f"{r['mean_ttft_ms']:>9.1f} {r['step_gb']:>8.2f} "
                   f"{r.get('ceiling_tok_per_s', float('nan')):>11.1f} "
                   f"{r.get('ceiling_tpot_ms', float('nan')):>13.2f} {ratio:>10.2f} "
-                  f"{r['connect_retries']:>8}")
+                  f"{r['decode_tpot_ms']:>9.2f} {dratio:>9.2f} {r['connect_retries']:>8}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"layers": a.layers, "bandwidth_gbs": bw,
