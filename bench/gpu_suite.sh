@@ -50,6 +50,11 @@ if before $((LIM - 40)); then
   $B/bench_layer 8192 10 bf16 bfloat16 bfloat16 bf16 0 > "$OUT/layer.txt" 2>&1
   tail -6 "$OUT/layer.txt"
 fi
+if before $((LIM - 40)); then
+  log "bench_step (the whole decode step of synthetic:layers=4, 2K context)"
+  $B/bench_step 4 2048 20 1,16,64 > "$OUT/step.txt" 2>&1
+  tail -4 "$OUT/step.txt"
+fi
 if before $((LIM - 60)); then
   log "bench_serve.py"
   PYTHONUNBUFFERED=1 timeout 150 python3 bench/bench_serve.py --m3serve build/gpu/bin/m3serve \
