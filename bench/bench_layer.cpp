@@ -21,6 +21,7 @@
 
 #include <nvtx3/nvToolsExt.h>
 
+#include "bench_batch.h"
 #include "bench_util.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
@@ -33,30 +34,12 @@
 namespace {
 
 using m3::bench::copy_bandwidth;
+using m3::bench::make_batch;
 using m3::bench::now_s;
 using m3::model::ForwardBatch;
 using m3::model::KvCacheCuda;
 using m3::model::M3Config;
 using m3::model::M3ModelCuda;
-
-// `num_seqs` sequences, each owning `pages_per_seq` consecutive pages from `first_page`, with
-// `new_tokens` tokens each at positions [ctx, ctx + new_tokens).
-ForwardBatch make_batch(int num_seqs, int64_t ctx, int new_tokens, int64_t pages_per_seq,
-                        int64_t vocab) {
-  ForwardBatch b;
-  b.block_table_offsets.push_back(0);
-  for (int s = 0; s < num_seqs; ++s) {
-    for (int64_t p = 0; p < pages_per_seq; ++p)
-      b.block_table.push_back(static_cast<int32_t>(s * pages_per_seq + p));
-    b.block_table_offsets.push_back(static_cast<int32_t>(b.block_table.size()));
-    for (int j = 0; j < new_tokens; ++j) {
-      b.token_ids.push_back(static_cast<int32_t>((s * 7919 + j * 104729) % vocab));
-      b.positions.push_back(static_cast<int32_t>(ctx + j));
-      b.seq_ids.push_back(s);
-    }
-  }
-  return b;
-}
 
 int run_format(const M3Config& cfg, const std::string& fmt, m3::kernels::WeightQuant weights,
                double bw, int64_t ctx, int iters, int64_t max_prefill,

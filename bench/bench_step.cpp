@@ -17,6 +17,7 @@
 
 #include <nvtx3/nvToolsExt.h>
 
+#include "bench_batch.h"
 #include "bench_util.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
@@ -47,18 +48,11 @@ std::vector<int> parse_list(const std::string& s) {
   return out;
 }
 
-// `num_seqs` sequences of one token each at position ctx, each owning `pages_per_seq` pages;
-// every row's logits sampled greedily on the device.
+// make_batch's decode batch (one token per sequence at position ctx) with every row's logits
+// sampled greedily on the device.
 ForwardBatch decode_batch(int num_seqs, int64_t ctx, int64_t pages_per_seq, int64_t vocab) {
-  ForwardBatch b;
-  b.block_table_offsets.push_back(0);
+  ForwardBatch b = m3::bench::make_batch(num_seqs, ctx, 1, pages_per_seq, vocab);
   for (int s = 0; s < num_seqs; ++s) {
-    for (int64_t p = 0; p < pages_per_seq; ++p)
-      b.block_table.push_back(static_cast<int32_t>(s * pages_per_seq + p));
-    b.block_table_offsets.push_back(static_cast<int32_t>(b.block_table.size()));
-    b.token_ids.push_back(static_cast<int32_t>((s * 7919 + 104729) % vocab));
-    b.positions.push_back(static_cast<int32_t>(ctx));
-    b.seq_ids.push_back(s);
     b.logits_indices.push_back(s);
     m3::kernels::cpu::SampleRow row;
     row.row = s;
