@@ -61,6 +61,12 @@ if before $((LIM - 60)); then
     --layers 4 --concurrency 1,16,64 --max-tokens 128 > "$OUT/serve.txt" 2>&1
   tail -5 "$OUT/serve.txt"
 fi
+if before $((LIM - 60)); then
+  log "bench_serve.py, 2K-token prompts (decode TPOT beside the mean)"
+  PYTHONUNBUFFERED=1 timeout 100 python3 bench/bench_serve.py --m3serve build/gpu/bin/m3serve \
+    --layers 4 --concurrency 1,16,64 --max-tokens 256 --prompt-len 2048 > "$OUT/serve2k.txt" 2>&1
+  tail -4 "$OUT/serve2k.txt"
+fi
 if before $((LIM - 40)); then
   log "bench_msa_prefill"
   $B/bench_msa_prefill 3 8192,32768 > "$OUT/msa_prefill.txt" 2>&1
