@@ -266,8 +266,9 @@ TEST_P(QuantModelCuda, BatchedStepsMatchTheCpu) {
 // longest golden prompt twice, 380-400 tokens) runs with them on and off, both under bf16 GEMMs;
 // on must differ from off where they engage (they ran), and stay as close to the CPU's exact
 // result as the bf16 GEMMs do, within the rounding of x to e4m3 per token (2^-4 relative, 16x
-// bf16's 2^-8): mean |logprob diff| over the vocabulary at most 16x bf16's plus 0.05, and the
-// largest at most 16x plus 0.5.
+// bf16's 2^-8): mean |logprob diff| over every entry of every row at most 16x bf16's plus 0.05.
+// The largest entry (far-tail logprobs of a tiny random model, 12.5 under bf16 activations on the
+// H200) may grow by at most 4.
 TEST_P(QuantModelCuda, Fp8ActivationsPrefillStaysNearTheCpu) {
   if (GetParam().fmt != "fp8-channel") GTEST_SKIP() << "FP8 activations: fp8_per_channel only";
   namespace cuda = kernels::cuda;
@@ -312,7 +313,7 @@ TEST_P(QuantModelCuda, Fp8ActivationsPrefillStaysNearTheCpu) {
     EXPECT_GT(max_abs_diff(on, off), 0.0);
   }
   EXPECT_LE(on_mean, 16 * off_mean + 0.05);
-  EXPECT_LE(on_max, 16 * off_max + 0.5);
+  EXPECT_LE(on_max, off_max + 4.0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, QuantModelCuda, ::testing::ValuesIn(cases()),
