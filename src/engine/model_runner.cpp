@@ -235,24 +235,53 @@ void ModelRunner::prepare(LaunchedStep& step, const sched::SchedulerOutput& out,
       if (host_row[r]) b.host_logits_rows.push_back(static_cast<int32_t>(r));
   }
   // The constraints' allowed sets for the rows sampled this step: they depend only on the tokens
-  // accepted so far, so a helper thread fills them while the forward runs. One bitmask of
-  // mask_words per request that samples with a constraint (mask_at[i] indexes it).
+  // accepted so far (and, for verify rows, the drafts before them), so a helper thread fills
+  // them while the forward runs. One bitmask of mask_words per sampled row of a request with a
+  // constraint: its sampling row at mask_at[i], verify row j at mask_at[i] + j.
   step.mask_words = (backend_->config().vocab_size + 31) / 32;
   step.mask_at.assign(out.requests.size(), -1);
+  size_t num_masks = 0;
   for (size_t i = 0; i < out.requests.size(); ++i) {
     if (want[i].sample_row < 0) continue;
-    RunnerRequestState& st = states.at(out.requests[i].request_id);
+    const sched::ScheduledRequest& r = out.requests[i];
+    RunnerRequestState& st = states.at(r.request_id);
     if (!st.constraint || st.constraint->is_terminated()) continue;
-    step.mask_at[i] = static_cast<int32_t>(step.constrained.size());
-    step.constrained.push_back(st.constraint);
+    LaunchedStep::Constrained c{st.constraint, {}};
+    if (!want[i].verify_rows.empty()) {
+      const int k = r.num_spec_tokens, n = r.num_new_tokens();
+      M3_CHECK(st.constraint->can_rollback(), "runner: drafts for a constraint without rollback");
+      c.drafts.assign(r.token_ids.begin() + (n - k), r.token_ids.begin() + n);
+    }
+    step.mask_at[i] = static_cast<int32_t>(num_masks);
+    num_masks += 1 + c.drafts.size();
+    step.constrained.push_back(std::move(c));
   }
-  step.masks.assign(step.constrained.size() * static_cast<size_t>(step.mask_words), 0u);
+  step.masks.assign(num_masks * static_cast<size_t>(step.mask_words), 0u);
   if (!step.constrained.empty()) {
     LaunchedStep* sp = &step;
     step.filler = std::thread([sp] {
-      for (size_t k = 0; k < sp->constrained.size(); ++k)
-        sp->constrained[k]->fill_allowed(
-            std::span<uint32_t>(sp->masks.data() + k * sp->mask_words, sp->mask_words));
+      uint32_t* m = sp->masks.data();
+      const size_t w = static_cast<size_t>(sp->mask_words);
+      for (const LaunchedStep::Constrained& c : sp->constrained) {
+        c.constraint->fill_allowed(std::span<uint32_t>(m, w));
+        m += w;
+        // Verify rows: the state after drafts 1..j (checked against the constraint when they
+        // were proposed); a draft it refuses leaves the rows after it with no allowed token.
+        int taken = 0;
+        for (int32_t d : c.drafts) {
+          const bool ok = !c.constraint->is_terminated() && c.constraint->accept(d);
+          if (ok) {
+            ++taken;
+            c.constraint->fill_allowed(std::span<uint32_t>(m, w));
+          }
+          m += w;
+          if (!ok) {
+            m += w * (c.drafts.size() - static_cast<size_t>(taken) - 1);
+            break;
+          }
+        }
+        if (taken > 0) c.constraint->rollback(taken);
+      }
     });
   }
 }
@@ -300,8 +329,14 @@ sched::RunnerOutput ModelRunner::finish_with(
     if (!want[i].verify_rows.empty()) {
       // Device-verified: the draw of each verify row came back (consecutive samples).
       const int32_t* drawn = device_slot[i] >= 0 ? res.sampled.data() + device_slot[i] : nullptr;
-      ro.sampled.push_back(
-          {r.request_id, verify(r, want[i].verify_rows, st, logits_row, drawn, V)});
+      auto allowed = [&](int j) {
+        if (mask_at[i] < 0) return std::span<const uint32_t>();
+        return std::span<const uint32_t>(step.masks.data() + (mask_at[i] + j) * mask_words,
+                                         mask_words);
+      };
+      bool stop = false;
+      auto toks = verify(r, want[i].verify_rows, st, logits_row, drawn, V, allowed, &stop);
+      ro.sampled.push_back({r.request_id, std::move(toks), stop});
       continue;
     }
     if (device_slot[i] >= 0) {
@@ -342,15 +377,16 @@ bool ModelRunner::device_verifies(const SamplingParams& p) const {
   return spec_ != nullptr && (p.temperature <= 0.f || spec_->config().synthetic);
 }
 
-std::vector<int32_t> ModelRunner::verify(const sched::ScheduledRequest& r,
-                                         const std::vector<int32_t>& rows, RunnerRequestState& st,
-                                         const std::function<float*(int32_t)>& logits_row,
-                                         const int32_t* drawn, int64_t V) {
+std::vector<int32_t> ModelRunner::verify(
+    const sched::ScheduledRequest& r, const std::vector<int32_t>& rows, RunnerRequestState& st,
+    const std::function<float*(int32_t)>& logits_row, const int32_t* drawn, int64_t V,
+    const std::function<std::span<const uint32_t>(int)>& allowed, bool* stop) {
   const int k = r.num_spec_tokens, n = r.num_new_tokens();
   const SamplingParams& p = st.params;
   std::vector<int32_t> toks;
   std::vector<double> probs;
   int accepted = 0;
+  *stop = false;
   for (int j = 0; j <= k; ++j) {
     std::span<const int32_t> gen(st.history.data() + st.num_prompt_tokens,
                                  st.history.size() - st.num_prompt_tokens);
@@ -361,6 +397,9 @@ std::vector<int32_t> ModelRunner::verify(const sched::ScheduledRequest& r,
         draft >= 0 && spec_->config().synthetic &&
         kernels::cpu::sample_uniform(st.seed, step, V + 1) < spec_->accept_probability();
     int32_t tok = 0;
+    bool none_allowed = false;
+    // The constraint's allowed set at this row (empty without one).
+    const std::span<const uint32_t> mask = allowed(j);
     if (drawn != nullptr) {
       // Sampled on the device with this row's draw (seed, step) (prepare()).
       tok = synthetic_accept ? draft : drawn[j];
@@ -375,11 +414,11 @@ std::vector<int32_t> ModelRunner::verify(const sched::ScheduledRequest& r,
         // output is exactly the one without speculation) or a synthetic rejection: the draw the
         // request would make without drafts.
         SampleRng rng{st.seed, step};
-        tok = Sampler::sample(lr, p, st.history, gen, rng, num_sampleable_);
+        tok = Sampler::sample(lr, p, st.history, gen, rng, num_sampleable_, mask, &none_allowed);
       } else {
         // Rejection sampling against the greedy draft (one-hot): the token is distributed as
-        // the target's processed distribution (penalties, temperature, top_k/top_p/min_p).
-        Sampler::prepare(lr, p, st.history, gen, num_sampleable_);
+        // the target's processed distribution (penalties, masks, temperature, top_k/top_p/min_p).
+        Sampler::prepare(lr, p, st.history, gen, num_sampleable_, mask, &none_allowed);
         Sampler::probs(lr, p, num_sampleable_, &probs);
         bool ok = false;
         tok = Sampler::rejection_sample(probs, {}, draft,
@@ -391,7 +430,13 @@ std::vector<int32_t> ModelRunner::verify(const sched::ScheduledRequest& r,
     }
     st.history.push_back(tok);
     toks.push_back(tok);
-    if (tok != draft) break;
+    // A constraint that refuses the token, completes, or whose masks left nothing ends the
+    // request after it, as without drafts.
+    if (st.constraint)
+      *stop = !st.constraint->accept(tok) || st.constraint->is_terminated() || none_allowed;
+    else
+      *stop = none_allowed;
+    if (*stop || tok != draft) break;
     ++accepted;
   }
   spec_->count(k, accepted);
@@ -425,10 +470,12 @@ void ModelRunner::propose(const sched::SchedulerOutput& out,
       const int num_tokens = static_cast<int>(st.history.size());
       const int outputs = num_tokens - st.num_prompt_tokens;
       // Drafts beyond max_tokens or the model length could never be used; none under a
-      // constraint (its state cannot step back over a rejected draft).
+      // constraint that cannot step back over a rejected draft (or is complete).
       int np = std::min(K, st.params.max_tokens - outputs - 1);
       if (max_model_len_ > 0) np = std::min(np, max_model_len_ - num_tokens);
-      if (st.constraint || ro.sampled[it->second].stop) np = 0;
+      if (st.constraint && (!st.constraint->can_rollback() || st.constraint->is_terminated()))
+        np = 0;
+      if (ro.sampled[it->second].stop) np = 0;
       s.num_propose = std::max(0, np);
     }
     s.num_valid = num_valid;
@@ -438,10 +485,23 @@ void ModelRunner::propose(const sched::SchedulerOutput& out,
       s.next_tokens.push_back(st.history[next]);
     }
   }
-  const auto proposals = spec_->propose(seqs, res.aux_hidden);
+  auto proposals = spec_->propose(seqs, res.aux_hidden);
   for (size_t i = 0; i < out.requests.size(); ++i) {
     auto it = sampled_at.find(out.requests[i].request_id);
-    if (it != sampled_at.end()) ro.sampled[it->second].spec_token_ids = proposals[i];
+    if (it == sampled_at.end()) continue;
+    // Under a constraint only the drafts it takes, up to the first it refuses (a draft it
+    // refuses could never be accepted); the constraint steps back to where it was.
+    const std::shared_ptr<TokenConstraint>& c = states.at(out.requests[i].request_id).constraint;
+    if (c && !proposals[i].empty()) {
+      int taken = 0;
+      for (int32_t d : proposals[i]) {
+        if (c->is_terminated() || !c->accept(d)) break;
+        ++taken;
+      }
+      if (taken > 0) c->rollback(taken);
+      proposals[i].resize(static_cast<size_t>(taken));
+    }
+    ro.sampled[it->second].spec_token_ids = proposals[i];
   }
 }
 

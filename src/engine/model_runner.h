@@ -72,11 +72,17 @@ struct LaunchedStep {
   model::ForwardBatch batch;
   std::vector<Want> want;
   std::vector<int32_t> device_slot;  // per request: its entry of batch.device_samples, or -1
-  // Constrained rows: their allowed-token bitmasks (mask_at[i] indexes them), filled on `filler`
-  // while the forward runs; the constraints are held so an abort cannot free one under it.
+  // Constrained rows: their allowed-token bitmasks, filled on `filler` while the forward runs
+  // (request i's sampling row has mask mask_at[i], its verify row j mask mask_at[i] + j); the
+  // constraints are held so an abort cannot free one under it. A drafting request's row j is
+  // filled with its constraint advanced over drafts 1..j, then stepped back (rollback).
   int64_t mask_words = 0;
   std::vector<int32_t> mask_at;
-  std::vector<std::shared_ptr<TokenConstraint>> constrained;
+  struct Constrained {
+    std::shared_ptr<TokenConstraint> constraint;
+    std::vector<int32_t> drafts;  // the verified drafts, in order (none: one row)
+  };
+  std::vector<Constrained> constrained;
   std::vector<uint32_t> masks;
   std::thread filler;
   bool launched = false;  // through ForwardBackend::launch (else forward)
@@ -140,11 +146,15 @@ class ModelRunner {
   // Verifies a request's drafts against its logits rows (the last known token's, then one per
   // draft), or against `drawn` (not null: the device's draw of each of those rows, for a request
   // device_verifies() takes): returns 1 + the accepted drafts' count tokens, appended to
-  // st.history.
+  // st.history. With a constraint, row j is drawn under `allowed(j)` (its bitmask with drafts
+  // 1..j taken) and each token decided is accepted into it; `*stop` is set (and no token follows)
+  // where the constraint refuses or completes, or its masks leave no token.
   std::vector<int32_t> verify(const sched::ScheduledRequest& r, const std::vector<int32_t>& rows,
                               RunnerRequestState& st,
                               const std::function<float*(int32_t)>& logits_row,
-                              const int32_t* drawn, int64_t V);
+                              const int32_t* drawn, int64_t V,
+                              const std::function<std::span<const uint32_t>(int)>& allowed,
+                              bool* stop);
   // The draft over the step's verified positions; sets each sampled request's proposals.
   void propose(const sched::SchedulerOutput& out,
                std::unordered_map<uint64_t, RunnerRequestState>& states,

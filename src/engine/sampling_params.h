@@ -30,6 +30,14 @@ class TokenConstraint {
   virtual bool accept(int32_t token_id) = 0;
   // True once the constraint is complete and takes no more tokens: the request stops.
   virtual bool is_terminated() const = 0;
+  // Speculative decoding: whether rollback() works. When it does, the runner checks a request's
+  // drafts against the constraint (accept, then rollback) and fills the allowed set of every
+  // verify row; otherwise the request gets no drafts.
+  virtual bool can_rollback() const { return false; }
+  // Steps back over the last `n` accepted tokens (n at most those accepted since the last
+  // rollback and at most kMaxSpeculativeTokens + 1), undoing termination. Only when
+  // can_rollback().
+  virtual void rollback(int n) { (void)n; }
 };
 
 // Immutable and shared by the choices of a request (and by requests with the same grammar).

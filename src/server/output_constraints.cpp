@@ -18,6 +18,8 @@ class MatcherConstraint final : public engine::TokenConstraint {
   void fill_allowed(std::span<uint32_t> allowed) override { m_->fill_allowed(allowed); }
   bool accept(int32_t token_id) override { return m_->accept(token_id); }
   bool is_terminated() const override { return m_->is_terminated(); }
+  bool can_rollback() const override { return true; }
+  void rollback(int n) override { m_->rollback(n); }
 
  private:
   std::unique_ptr<text::TokenMatcher> m_;
@@ -55,7 +57,12 @@ class ThinkingBudget final : public engine::TokenConstraint {
     if (inner_) return inner_->fill_allowed(allowed);
     std::fill(allowed.begin(), allowed.end(), ~0u);
   }
+  // The budget's state moves only with a token the inner constraint takes (a refused token
+  // leaves both unchanged); each accepted token's state before it is kept for rollback().
   bool accept(int32_t token_id) override {
+    if (inner_ && !inner_->accept(token_id)) return false;
+    undo_.push_back({state_, count_});
+    if (undo_.size() > kUndo) undo_.erase(undo_.begin());
     if (state_ == State::kBefore && token_id == start_id_) {
       state_ = State::kInside;
     } else if (state_ == State::kInside) {
@@ -64,16 +71,34 @@ class ThinkingBudget final : public engine::TokenConstraint {
       else
         ++count_;
     }
-    return inner_ ? inner_->accept(token_id) : true;
+    return true;
   }
   bool is_terminated() const override { return inner_ && inner_->is_terminated(); }
+  bool can_rollback() const override { return !inner_ || inner_->can_rollback(); }
+  void rollback(int n) override {
+    M3_CHECK(n >= 0 && static_cast<size_t>(n) <= undo_.size(),
+             "thinking budget: rollback of %d tokens, %zu kept", n, undo_.size());
+    if (n == 0) return;
+    const Snapshot s = undo_[undo_.size() - static_cast<size_t>(n)];
+    undo_.resize(undo_.size() - static_cast<size_t>(n));
+    state_ = s.state;
+    count_ = s.count;
+    if (inner_) inner_->rollback(n);
+  }
 
  private:
   enum class State { kBefore, kInside, kAfter };
+  struct Snapshot {
+    State state;
+    int32_t count;
+  };
+  // Enough for a verify step's drafts and its bonus token (engine::kMaxSpeculativeTokens + 1).
+  static constexpr size_t kUndo = 16;
   std::unique_ptr<engine::TokenConstraint> inner_;
   int32_t start_id_, end_id_, budget_;
   State state_;
   int32_t count_ = 0;
+  std::vector<Snapshot> undo_;
 };
 
 class ThinkingBudgetFactory final : public engine::TokenConstraintFactory {

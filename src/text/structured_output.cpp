@@ -379,6 +379,9 @@ class XgMatcher final : public TokenMatcher {
     }
   }
   bool is_terminated() const override { return m_.IsTerminated(); }
+  void rollback(int n) override {
+    if (n > 0) m_.Rollback(n);
+  }
 
  private:
   xgrammar::GrammarMatcher m_;

@@ -75,6 +75,9 @@ class TokenMatcher {
   // False when `token_id` does not continue the output (the matcher is then unchanged).
   virtual bool accept(int32_t token_id) = 0;
   virtual bool is_terminated() const = 0;
+  // Steps back over the last `n` accepted tokens (speculative decoding's drafts), undoing
+  // termination; `n` at most the tokens accepted so far.
+  virtual void rollback(int n) = 0;
 };
 
 class CompiledStructure {

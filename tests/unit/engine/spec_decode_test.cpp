@@ -4,7 +4,8 @@
 // output with drafts is exactly the output without them, through the scheduler + runner with
 // drafts that are partly right (accepted prefixes, rejections, a bonus token, drafts cut by the
 // budget and the pages) and through the engine with a random draft read from disk; penalties,
-// logprobs, stop ids and max_tokens see exactly the accepted tokens; bad drafts are refused at
+// logprobs, stop ids and max_tokens see exactly the accepted tokens; constrained requests draft
+// only what their constraint takes and verify under its masks; bad drafts are refused at
 // start-up with both numbers.
 #include <gtest/gtest.h>
 
@@ -159,6 +160,7 @@ class Driver {
     ASSERT_TRUE(sched_->add_request(std::make_unique<sched::Request>(id, prompt, stop)));
     RunnerRequestState st;
     st.params = p;
+    if (p.constraint) st.constraint = p.constraint->make();
     st.seed = p.seed.value_or(1);
     st.history = prompt;
     st.num_prompt_tokens = static_cast<int>(prompt.size());
@@ -347,6 +349,157 @@ TEST(SpecDecode, PenaltiesLogprobsStopsAndMaxTokensSeeExactlyTheAcceptedTokens) 
           EXPECT_NEAR(a.top[t].second, b.top[t].second, 1e-4);
         }
       }
+    }
+  }
+}
+
+// A constraint for the runner's tests: a token may not share the previous token's residue mod 4
+// (the first is free), and the output is complete after `len` tokens. It counts the tokens it
+// refused and those rolled back; `rollback` says whether it can step back.
+struct AltStats {
+  int refused = 0, rolled_back = 0;
+};
+class AltConstraint final : public TokenConstraint {
+ public:
+  AltConstraint(int len, int vocab, bool rollback, std::shared_ptr<AltStats> s)
+      : len_(len), vocab_(vocab), rollback_(rollback), s_(std::move(s)) {}
+  void fill_allowed(std::span<uint32_t> allowed) override {
+    if (is_terminated()) return;
+    for (int32_t t = 0; t < vocab_; ++t)
+      if (fits(t)) allowed[t / 32] |= 1u << (t % 32);
+  }
+  bool accept(int32_t t) override {
+    if (is_terminated() || !fits(t)) {
+      ++s_->refused;
+      return false;
+    }
+    seen_.push_back(t);
+    return true;
+  }
+  bool is_terminated() const override { return static_cast<int>(seen_.size()) >= len_; }
+  bool can_rollback() const override { return rollback_; }
+  void rollback(int n) override {
+    ASSERT_TRUE(rollback_);
+    ASSERT_LE(static_cast<size_t>(n), seen_.size());
+    seen_.resize(seen_.size() - static_cast<size_t>(n));
+    s_->rolled_back += n;
+  }
+  static bool follows(int32_t prev, int32_t t) { return t % 4 != prev % 4; }
+
+ private:
+  bool fits(int32_t t) const { return seen_.empty() || follows(seen_.back(), t); }
+  int len_, vocab_;
+  bool rollback_;
+  std::shared_ptr<AltStats> s_;
+  std::vector<int32_t> seen_;
+};
+class AltFactory final : public TokenConstraintFactory {
+ public:
+  AltFactory(int len, int vocab, bool rollback, std::shared_ptr<AltStats> s)
+      : len_(len), vocab_(vocab), rollback_(rollback), s_(std::move(s)) {}
+  std::unique_ptr<TokenConstraint> make() const override {
+    return std::make_unique<AltConstraint>(len_, vocab_, rollback_, s_);
+  }
+
+ private:
+  int len_, vocab_;
+  bool rollback_;
+  std::shared_ptr<AltStats> s_;
+};
+
+// Structured outputs with drafts: the runner proposes only the drafts the constraint takes (a
+// draft it refuses is cut with those after it, the constraint stepped back), draws every verify
+// row under the allowed set with the drafts before it, and accepts the decided tokens into the
+// constraint; greedy output is exactly the output without drafts, sampled output keeps to the
+// constraint, and both end where it completes. A constraint without rollback gets no drafts.
+TEST(SpecDecode, ConstrainedRequestsDraftWhatTheConstraintTakes) {
+  auto m = model::M3Model::load(kModel);
+  ASSERT_TRUE(m.has_value()) << m.error().message;
+  const int V = static_cast<int>((*m)->config().vocab_size);
+  ASSERT_EQ(V % 4, 0);  // t + 4 keeps t's residue
+  std::map<uint64_t, std::vector<int32_t>> prompts;
+  for (uint64_t id = 1; id <= 3; ++id)
+    prompts[id] = testing::random_prompt(8 + 5 * static_cast<int>(id), 500 + id, V);
+  auto len = [](uint64_t id) { return 17 + static_cast<int>(id); };
+  auto params = [&](uint64_t id, bool rollback, std::shared_ptr<AltStats> st) {
+    SamplingParams p;
+    p.temperature = id == 3 ? 1.f : 0.f;  // request 3 samples
+    p.seed = 40 + id;
+    p.max_tokens = 40;
+    p.constraint = std::make_shared<AltFactory>(len(id), V, rollback, std::move(st));
+    return p;
+  };
+  auto keeps = [&](const std::vector<int32_t>& t) {
+    for (size_t i = 1; i < t.size(); ++i)
+      if (!AltConstraint::follows(t[i - 1], t[i])) return false;
+    return true;
+  };
+  auto plain_stats = std::make_shared<AltStats>();
+  Driver plain(**m, nullptr, 64, 64);
+  for (const auto& [id, pr] : prompts) plain.add(id, pr, params(id, true, plain_stats));
+  auto base = plain.run();
+  std::map<uint64_t, std::vector<int32_t>> full;
+  for (const auto& [id, pr] : prompts) {
+    ASSERT_EQ(static_cast<int>(base[id].tokens.size()), len(id)) << id;
+    EXPECT_TRUE(keeps(base[id].tokens)) << id;
+    EXPECT_EQ(base[id].reason, sched::FinishReason::kStop) << id;
+    full[id] = pr;
+    full[id].insert(full[id].end(), base[id].tokens.begin(), base[id].tokens.end());
+  }
+  EXPECT_EQ(plain_stats->refused, 0);
+  // Drafts from the reference, except: every 5th position one the constraint refuses (the
+  // previous token's residue), every 7th a wrong one it takes.
+  auto drafts = [&full, V](const std::vector<DraftSeq>& seqs,
+                           const std::vector<std::vector<int32_t>>& drafted) {
+    std::vector<std::vector<int32_t>> out(seqs.size());
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const int known = seqs[i].start_pos + seqs[i].num_valid + 1;
+      const auto& f = full.at(seqs[i].request_id);
+      int32_t prev = f[known - 1];
+      for (size_t j = 0; j < drafted[i].size() && known + j < f.size(); ++j) {
+        const int idx = known + static_cast<int>(j);
+        int32_t t = f[idx];
+        if (idx % 5 == 3) {
+          t = (prev + 4) % V;
+        } else if (idx % 7 == 2) {
+          t = (f[idx] + 1) % V;
+          if (!AltConstraint::follows(prev, t)) t = (t + 1) % V;
+        }
+        out[i].push_back(t);
+        prev = t;
+      }
+    }
+    return out;
+  };
+  for (bool rollback : {true, false}) {
+    SCOPED_TRACE(rollback ? "with rollback" : "without rollback");
+    auto st = std::make_shared<AltStats>();
+    auto spec = random_spec(**m, 3, 64, ::testing::TempDir() + "/draft_constrained");
+    ASSERT_NE(spec, nullptr);
+    spec->set_proposal_override(drafts);
+    SpecDecoder* sd = spec.get();
+    Driver d(**m, std::move(spec), 64, 64);
+    for (const auto& [id, pr] : prompts) d.add(id, pr, params(id, rollback, st));
+    auto out = d.run();
+    for (const auto& [id, pr] : prompts) {
+      SCOPED_TRACE("request " + std::to_string(id));
+      if (id != 3) {
+        EXPECT_EQ(out[id].tokens, base[id].tokens);
+      }
+      EXPECT_EQ(static_cast<int>(out[id].tokens.size()), len(id));
+      EXPECT_TRUE(keeps(out[id].tokens));
+      EXPECT_EQ(out[id].reason, sched::FinishReason::kStop);
+    }
+    const SpecDecodeStats s = sd->stats();
+    if (rollback) {
+      EXPECT_GT(s.num_draft_tokens, 0);
+      EXPECT_GT(s.num_accepted_tokens, 0);
+      EXPECT_LT(s.num_accepted_tokens, s.num_draft_tokens);
+      EXPECT_GT(st->refused, 0);      // drafts were checked and cut
+      EXPECT_GT(st->rolled_back, 0);  // and the constraint stepped back
+    } else {
+      EXPECT_EQ(s.num_draft_tokens, 0);
+      EXPECT_EQ(st->rolled_back, 0);
     }
   }
 }

@@ -99,6 +99,33 @@ TEST_F(Structured, JsonSchemaAcceptsValidAndRejectsInvalid) {
   EXPECT_FALSE(m2->is_terminated());
 }
 
+// Speculative decoding's drafts: rollback(n) steps back over the last n accepted tokens, to the
+// same allowed set as before them, undoing termination too.
+TEST_F(Structured, RollbackReturnsToTheEarlierState) {
+  auto c = compile({Kind::kJsonSchema, kPersonSchema});
+  ASSERT_TRUE(c);
+  auto m = c->make_matcher();
+  const auto head = tok_->encode(R"({"name": "Ada", )");
+  for (int32_t t : head) ASSERT_TRUE(m->accept(t));
+  auto mask = [&] {
+    std::vector<uint32_t> bits((kModelVocab + 31) / 32, 0u);
+    m->fill_allowed(bits);
+    return bits;
+  };
+  const auto before = mask();
+  const auto tail = tok_->encode(R"("age": 36})");
+  for (int32_t t : tail) ASSERT_TRUE(m->accept(t));
+  ASSERT_TRUE(m->accept(kEos));
+  EXPECT_TRUE(m->is_terminated());
+  m->rollback(static_cast<int>(tail.size()) + 1);
+  EXPECT_FALSE(m->is_terminated());
+  EXPECT_EQ(mask(), before);
+  // The same continuation is accepted again; a different valid one too after a second rollback.
+  for (int32_t t : tail) ASSERT_TRUE(m->accept(t));
+  m->rollback(static_cast<int>(tail.size()));
+  EXPECT_EQ(feed(*m, R"("age": 7})"), tok_->encode(R"("age": 7})").size());
+}
+
 TEST_F(Structured, JsonObjectTakesAnyObjectOnly) {
   auto c = compile({Kind::kJsonObject});
   ASSERT_TRUE(c);
