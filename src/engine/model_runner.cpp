@@ -272,7 +272,10 @@ void ModelRunner::prepare(LaunchedStep& step, const sched::SchedulerOutput& out,
           const bool ok = !c.constraint->is_terminated() && c.constraint->accept(d);
           if (ok) {
             ++taken;
-            c.constraint->fill_allowed(std::span<uint32_t>(m, w));
+            // A draft that completes the constraint (its end token) leaves the row after it
+            // empty: verification stops at that token.
+            if (!c.constraint->is_terminated())
+              c.constraint->fill_allowed(std::span<uint32_t>(m, w));
           }
           m += w;
           if (!ok) {
