@@ -1,7 +1,8 @@
 """EAGLE-3 speculative decoding through the real server (issue #19): the demo model served with
 and without its trained draft head (models/demo-eagle3) gives identical greedy text, reasoning,
 tool calls, finish reasons, usage and logprobs, streaming or not, with stop strings and short
-max_tokens; the acceptance length read from /metrics (vLLM's spec_decode counters) is at least
+max_tokens, under grammars and thinking budgets (drafts checked against the constraint); the
+acceptance length read from /metrics (vLLM's spec_decode counters) is at least
 2 at K=3; the start-up line names the draft; bad configs are refused at start-up."""
 
 import json
@@ -179,6 +180,28 @@ def test_structured_outputs_draft_and_match(servers):
         ch = both(it, response_format=fmt)
         if ch.finish_reason == "stop":
             assert set(json.loads(ch.message.content)) == {"answer"}
+
+
+def test_thinking_budget_with_drafts_matches(servers):
+    # thinking_token_budget wraps the request in a budget constraint (alone, or around a regex):
+    # with drafts it checks and steps back over them too, so the reasoning is cut at the same
+    # token and the text is the same as without drafts, and such requests still draft.
+    plain, spec = servers
+    cp, cs = client_of(plain), client_of(spec)
+    before = spec_counters(spec)
+    for it in items()[:3]:
+        for extra in ({"thinking_token_budget": 5},
+                      {"thinking_token_budget": 9, "structured_outputs": {"regex": "[ -~\\n]*"}}):
+            extra = dict(extra, chat_template_kwargs={"thinking_mode": "enabled"})
+            kw = dict(model="m3-e2e", messages=it["messages"], temperature=0, max_tokens=64,
+                      extra_body=extra)
+            a, b = cp.chat.completions.create(**kw), cs.chat.completions.create(**kw)
+            for r in (a, b):
+                assert r.usage.completion_tokens_details.reasoning_tokens == \
+                    extra["thinking_token_budget"] + 1, (it["id"], extra)
+            assert summary(a) == summary(b), (it["id"], extra)
+    after = spec_counters(spec)
+    assert after["num_drafts"] > before["num_drafts"]
 
 
 @pytest.mark.parametrize("cfg,needle", [
