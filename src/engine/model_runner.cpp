@@ -16,6 +16,17 @@ TokenLogprobOut to_out(const TokenLogprob& lp) {
   o.top = lp.top;
   return o;
 }
+
+// Speculative decoding under a constraint: feeds `drafts` to `c` in order up to the first it
+// refuses (or once it is complete), calling taken(j) after draft j went in, then steps `c` back
+// over them. Returns how many it took. `c` must be able to roll back.
+template <class F>
+size_t take_drafts(TokenConstraint& c, const std::vector<int32_t>& drafts, F taken) {
+  size_t n = 0;
+  while (n < drafts.size() && !c.is_terminated() && c.accept(drafts[n])) taken(n++);
+  if (n > 0) c.rollback(static_cast<int>(n));
+  return n;
+}
 }  // namespace
 
 ModelRunner::ModelRunner(std::unique_ptr<runtime::ForwardBackend> backend, int64_t num_sampleable,
@@ -260,30 +271,18 @@ void ModelRunner::prepare(LaunchedStep& step, const sched::SchedulerOutput& out,
   if (!step.constrained.empty()) {
     LaunchedStep* sp = &step;
     step.filler = std::thread([sp] {
-      uint32_t* m = sp->masks.data();
       const size_t w = static_cast<size_t>(sp->mask_words);
+      uint32_t* m = sp->masks.data();
       for (const LaunchedStep::Constrained& c : sp->constrained) {
-        c.constraint->fill_allowed(std::span<uint32_t>(m, w));
-        m += w;
-        // Verify rows: the state after drafts 1..j (checked against the constraint when they
-        // were proposed); a draft it refuses leaves the rows after it with no allowed token.
-        int taken = 0;
-        for (int32_t d : c.drafts) {
-          const bool ok = !c.constraint->is_terminated() && c.constraint->accept(d);
-          if (ok) {
-            ++taken;
-            // A draft that completes the constraint (its end token) leaves the row after it
-            // empty: verification stops at that token.
-            if (!c.constraint->is_terminated())
-              c.constraint->fill_allowed(std::span<uint32_t>(m, w));
-          }
-          m += w;
-          if (!ok) {
-            m += w * (c.drafts.size() - static_cast<size_t>(taken) - 1);
-            break;
-          }
-        }
-        if (taken > 0) c.constraint->rollback(taken);
+        TokenConstraint& tc = *c.constraint;
+        tc.fill_allowed(std::span<uint32_t>(m, w));
+        // Verify row j + 1: the state after drafts 1..j + 1 (checked against the constraint when
+        // they were proposed). Rows after a draft it refuses, or after one that completes it (its
+        // end token: verification stops there), keep no allowed token.
+        take_drafts(tc, c.drafts, [&](size_t j) {
+          if (!tc.is_terminated()) tc.fill_allowed(std::span<uint32_t>(m + (j + 1) * w, w));
+        });
+        m += (1 + c.drafts.size()) * w;
       }
     });
   }
@@ -495,15 +494,8 @@ void ModelRunner::propose(const sched::SchedulerOutput& out,
     // Under a constraint only the drafts it takes, up to the first it refuses (a draft it
     // refuses could never be accepted); the constraint steps back to where it was.
     const std::shared_ptr<TokenConstraint>& c = states.at(out.requests[i].request_id).constraint;
-    if (c && !proposals[i].empty()) {
-      int taken = 0;
-      for (int32_t d : proposals[i]) {
-        if (c->is_terminated() || !c->accept(d)) break;
-        ++taken;
-      }
-      if (taken > 0) c->rollback(taken);
-      proposals[i].resize(static_cast<size_t>(taken));
-    }
+    if (c && !proposals[i].empty())
+      proposals[i].resize(take_drafts(*c, proposals[i], [](size_t) {}));
     ro.sampled[it->second].spec_token_ids = proposals[i];
   }
 }
