@@ -14,7 +14,9 @@
 // (and as a fresh pool hands them out); `shuffled` scatters them over the whole pool instead.
 // Usage: bench_msa_decode [iters=20] [max_context=1048576] [shuffled]. Exits 1 where no GPU is
 // usable. M3_BENCH_FORMATS=float32,bfloat16,fp8_e4m3 (a subset, by KV format name) and
-// M3_BENCH_CONTEXTS=8192,1048576 (a subset of the contexts) narrow a run (profiling, quick reruns).
+// M3_BENCH_CONTEXTS=8192,1048576 (a subset of the contexts) narrow a run (profiling, quick reruns);
+// M3_BENCH_DENSE_ONLY=1 times the dense attention alone; M3_BENCH_LAYOUT_PROBE=1 adds the layout
+// probe below.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -229,21 +231,24 @@ int main(int argc, char** argv) {
           select();
           sparse();
         };
-        const double t_sel = time_ms(s, iters, select) * 1e3;
-        const double t_att = time_ms(s, iters, sparse) * 1e3;
-        const double t_msa = time_ms(s, iters, msa) * 1e3;
-        const double t_graph = graph_ms(s, iters, msa) * 1e3;
-        // Bytes that must be read: every block's index-K (+ fp8 scales; the top-k reads only
-        // the small score rows) plus the selected pages' K and V.
-        const double ik_row = kIndexDim * kv_dtype_size(m.ik) + (m.ik == KvDtype::kFp8 ? 4 : 0);
         const double kv_row = 2.0 * kKvHeads * kDim * kv_dtype_size(m.kv);
-        const double bytes =
-            batch * (ctx * ik_row + std::min<int64_t>(ctx, kTopk * kPage) * kv_row);
-        char name[32];
-        std::snprintf(name, sizeof name, "%s/%s", kv_dtype_name(m.kv), kv_dtype_name(m.ik));
-        std::printf("%-14s %5lld %8lld | %9.1f %9.1f %9.1f %9.1f | %9.1f %9.1f %8.0f\n", name,
-                    (long long)batch, (long long)ctx, t_sel, t_att, t_msa, t_graph, bytes / 1e6,
-                    ceil_us(bytes), bytes / t_graph / 1e3);
+        // M3_BENCH_DENSE_ONLY=1: the dense rows alone (profiling the dense kernel).
+        if (std::getenv("M3_BENCH_DENSE_ONLY") == nullptr) {
+          const double t_sel = time_ms(s, iters, select) * 1e3;
+          const double t_att = time_ms(s, iters, sparse) * 1e3;
+          const double t_msa = time_ms(s, iters, msa) * 1e3;
+          const double t_graph = graph_ms(s, iters, msa) * 1e3;
+          // Bytes that must be read: every block's index-K (+ fp8 scales; the top-k reads only
+          // the small score rows) plus the selected pages' K and V.
+          const double ik_row = kIndexDim * kv_dtype_size(m.ik) + (m.ik == KvDtype::kFp8 ? 4 : 0);
+          const double bytes =
+              batch * (ctx * ik_row + std::min<int64_t>(ctx, kTopk * kPage) * kv_row);
+          char name[32];
+          std::snprintf(name, sizeof name, "%s/%s", kv_dtype_name(m.kv), kv_dtype_name(m.ik));
+          std::printf("%-14s %5lld %8lld | %9.1f %9.1f %9.1f %9.1f | %9.1f %9.1f %8.0f\n", name,
+                      (long long)batch, (long long)ctx, t_sel, t_att, t_msa, t_graph, bytes / 1e6,
+                      ceil_us(bytes), bytes / t_graph / 1e3);
+        }
         if (ctx >= 131072) {
           auto dense = [&] {
             gk::attention_paged(st.q.data(), kHeads, cache, layout, nullptr, 0, scale, ctx, w,
@@ -252,6 +257,43 @@ int main(int argc, char** argv) {
           dense_rows.push_back({m.kv, batch, ctx, time_ms(s, std::max(2, iters / 4), dense) * 1e3,
                                 batch * ctx * kv_row});
         }
+      }
+    }
+  }
+  // Layout probe (M3_BENCH_LAYOUT_PROBE=1): the same dense attention grid and per-CTA work over
+  // two layouts of the same bytes. A: batch 1 at 1M over 4 KV heads interleaved per key (a key's
+  // rows of head g at stride 4 x 256 B, the cache's layout). B: batch 4 at 1M over 1 KV head of
+  // 16 q heads (each CTA column streams contiguous 256-byte rows). Same grid (4 x splits).
+  if (std::getenv("M3_BENCH_LAYOUT_PROBE") != nullptr) {
+    const int64_t ctx = std::min<int64_t>(max_ctx, int64_t{1} << 20);
+    for (const Mode& m : modes) {
+      if (m.kv == KvDtype::kF32 || !listed("M3_BENCH_FORMATS", kv_dtype_name(m.kv))) continue;
+      fill(m);
+      const gk::KvPages ca = view(m);
+      gk::KvPages cb = ca;
+      cb.num_kv_heads = 1;
+      cb.num_pages = pages * kKvHeads;
+      const double bytes = 2.0 * ctx * kKvHeads * kDim * kv_dtype_size(m.kv);
+      for (int variant = 0; variant < 2; ++variant) {
+        const int64_t batch = variant == 0 ? 1 : kKvHeads;
+        const int64_t heads = variant == 0 ? kHeads : kHeads / kKvHeads;
+        const gk::KvPages& c = variant == 0 ? ca : cb;
+        Step st = make_step(batch, ctx);
+        const gk::TokenLayout layout{batch, st.pos.data(), st.seq.data(), st.off.data(),
+                                     st.perm.data()};
+        const size_t ws_bytes = gk::attention_workspace_bytes(batch, heads, c, 0, ctx);
+        DeviceBuffer<uint8_t> ws(ws_bytes);
+        const gk::Workspace w{ws.data(), ws_bytes};
+        const double us = time_ms(s, std::max(4, iters / 2),
+                                  [&] {
+                                    gk::attention_paged(st.q.data(), heads, c, layout, nullptr, 0,
+                                                        scale, ctx, w, st.out.data(), s);
+                                  }) *
+                          1e3;
+        std::printf(
+            "layout probe %s %s: %.1f us, %.0f GB/s\n", kv_dtype_name(m.kv),
+            variant == 0 ? "A (4 heads interleaved, batch 1)" : "B (1 head contiguous, batch 4)",
+            us, bytes / us / 1e3);
       }
     }
   }
