@@ -48,6 +48,15 @@ __device__ __forceinline__ bool in_multi_run(const TokenLayout& L, int64_t t) {
 // The query-tiled dense attention (attn_prefill.cu): whether it takes this cache and GQA group,
 // and its launch, which writes the output rows of every token in_multi_run (others untouched).
 bool prefill_tiled_supported(const KvPages& c, int64_t group);
+// Dense split-KV decode attention (attention_paged's rows without a block list) on the TMA rings
+// of msa_sparse_prefill.cu: grid (tokens x kv heads, splits), the split format of the combine
+// kernel (part_o / part_ml; the output itself when splits == 1). False, launching nothing, where
+// it does not serve the cache (fp32, head_dim != 128, group > 16, pages not a multiple of 16
+// slots, no tensor maps) or M3_ATTN_TMA_DECODE=0.
+bool attention_decode_tma(const float* q, int64_t num_heads, const KvPages& c,
+                          const TokenLayout& layout, float scale, int64_t max_kv_len, int splits,
+                          float* part_o, float* part_ml, float* out, bool skip_multi,
+                          cudaStream_t stream);
 void attention_prefill_tiled(const float* q, int64_t num_heads, const KvPages& c,
                              const TokenLayout& L, float scale, int64_t max_kv_len, float* out,
                              cudaStream_t stream);

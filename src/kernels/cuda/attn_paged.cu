@@ -7,7 +7,9 @@
 // (token, kv head), 32-key chunks. Those two read an fp32 cache; a bf16 / fp8 cache (every format
 // of docs/KV_CACHE.md) takes attention_mma_kernel at head_dim 128 and groups <= 16 (tensor
 // cores, q and P rounded as the doc allows) and the generic kernel, templated on the element
-// type, elsewhere; the selected rows of decode tokens over such a cache take attention_cta_kernel
+// type, elsewhere; its dense rows go to attention_decode_tma_kernel (msa_sparse_prefill.cu:
+// per-warp rings filled by TMA boxes, the same split format) where the pages are a multiple of
+// 16 slots and the tensor maps can be made; the selected rows of decode tokens over such a cache take attention_cta_kernel
 // (8 warps per 128 keys, clusters of up to 16 CTAs). kv_write stores every format with the CPU
 // twin's bytes.
 #include <algorithm>
@@ -1453,7 +1455,15 @@ void attention_paged(const float* q, int64_t num_heads, const KvPages& cache,
       part_o = static_cast<float*>(ws.data);
       part_ml = part_o + T * num_heads * splits * cache.head_dim;
     }
-    if (cache.kv_dtype != KvDtype::kF32) {
+    // Dense rows of a bf16 / fp8 cache: the TMA kernel where it serves the cache, else the
+    // cp.async one below.
+    const bool tma_dense =
+        blocks == nullptr &&
+        detail::attention_decode_tma(q, num_heads, cache, layout, scale, max_kv_len, splits, part_o,
+                                     part_ml, out, skip_multi, stream);
+    if (tma_dense) {
+      // launched; the combine below merges its splits
+    } else if (cache.kv_dtype != KvDtype::kF32) {
       const dim3 grid(static_cast<unsigned>(T * cache.num_kv_heads), static_cast<unsigned>(splits));
       detail::dispatch_kv(cache.kv_dtype, [&]<class TT>() {
         if constexpr (sizeof(TT) < 4) {
