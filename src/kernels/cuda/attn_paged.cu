@@ -9,9 +9,9 @@
 // cores, q and P rounded as the doc allows) and the generic kernel, templated on the element
 // type, elsewhere; its dense rows go to attention_decode_tma_kernel (msa_sparse_prefill.cu:
 // per-warp rings filled by TMA boxes, the same split format) where the pages are a multiple of
-// 16 slots and the tensor maps can be made; the selected rows of decode tokens over such a cache take attention_cta_kernel
-// (8 warps per 128 keys, clusters of up to 16 CTAs). kv_write stores every format with the CPU
-// twin's bytes.
+// 16 slots and the tensor maps can be made; the selected rows of decode tokens over such a cache
+// take attention_cta_kernel (8 warps per 128 keys, clusters of up to 16 CTAs). kv_write stores
+// every format with the CPU twin's bytes.
 #include <algorithm>
 #include <utility>
 
