@@ -744,6 +744,26 @@ TEST(AttnCudaKvDtype, AttentionMatchesCpuTwin) {
   }
 }
 
+// The dense decode rows of M3's geometry over a bf16 / fp8 cache take the TMA-ring kernel (the
+// cases above then check it against the CPU twin); fp32, short pages and large groups keep the
+// other kernels (checked above too).
+TEST(AttnCudaKvDtype, DenseDecodeTakesTheTmaKernelWhereItServes) {
+  gk::KvPages c = gk::KvPages::fp32(nullptr, nullptr, nullptr, 64, 128, 4, 128, 128);
+  for (KvDtype kvd : kTyped) {
+    c.kv_dtype = kvd;
+    c.page_size = 128;
+    EXPECT_TRUE(gk::attention_decode_tma_supported(c, 64)) << m3::kernels::kv_dtype_name(kvd);
+    c.page_size = 32;
+    EXPECT_TRUE(gk::attention_decode_tma_supported(c, 8));
+    c.page_size = 8;
+    EXPECT_FALSE(gk::attention_decode_tma_supported(c, 64));
+    c.page_size = 128;
+    EXPECT_FALSE(gk::attention_decode_tma_supported(c, 4 * 32));  // group 32
+  }
+  c.kv_dtype = KvDtype::kF32;
+  EXPECT_FALSE(gk::attention_decode_tma_supported(c, 64));
+}
+
 TEST(AttnCudaKvDtype, MsaSparsePrefillMatchesCpuTwin) {
   SKIP_WITHOUT_GPU();
   // The block-sparse prefill kernel (msa_sparse_prefill.cu) at M3's geometry and odd ones, each

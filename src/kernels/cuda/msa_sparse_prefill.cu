@@ -996,6 +996,13 @@ __global__ void __launch_bounds__(kSpThreads, 2)
 
 }  // namespace
 
+bool attention_decode_tma_supported(const KvPages& c, int64_t num_heads) {
+  return M3_SP_T1_TMA && c.kv_dtype != KvDtype::kF32 && c.head_dim == kSpDim &&
+         c.num_kv_heads > 0 && num_heads % c.num_kv_heads == 0 &&
+         num_heads / c.num_kv_heads <= kSpRows && c.page_size >= kSpSubKeys &&
+         c.page_size % kSpSubKeys == 0 && c.num_pages * c.page_size <= 0x7fffffff;
+}
+
 namespace detail {
 
 bool attention_decode_tma(const float* q, int64_t num_heads, const KvPages& c,
@@ -1003,11 +1010,7 @@ bool attention_decode_tma(const float* q, int64_t num_heads, const KvPages& c,
                           float* part_o, float* part_ml, float* out, bool skip_multi,
                           cudaStream_t stream) {
   static const bool on = env_switch("M3_ATTN_TMA_DECODE", true);
-  if (!on || !M3_SP_T1_TMA || c.kv_dtype == KvDtype::kF32 || c.head_dim != kSpDim ||
-      c.num_kv_heads <= 0 || num_heads % c.num_kv_heads != 0 ||
-      num_heads / c.num_kv_heads > kSpRows || c.page_size < kSpSubKeys ||
-      c.page_size % kSpSubKeys != 0 || c.num_pages * c.page_size > 0x7fffffff)
-    return false;
+  if (!on || !attention_decode_tma_supported(c, num_heads)) return false;
   M3_CHECK(splits >= 1 && (splits == 1 || (part_o != nullptr && part_ml != nullptr)));
   bool launched = false;
   dispatch_kv(c.kv_dtype, [&]<class T>() {

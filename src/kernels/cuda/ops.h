@@ -118,6 +118,10 @@ size_t attention_workspace_bytes(int64_t num_tokens, int64_t num_heads, const Kv
 // (T = 4), per pair (T = 2) or per token (T = 1), decided per CTA from the ids;
 // tokens_per_tile forces one T everywhere (tests and benches; 0 = decide).
 bool msa_sparse_prefill_supported(const KvPages& cache, int64_t group, int64_t max_blocks);
+// Whether attention_paged's dense decode rows over this cache take the TMA-ring kernel
+// (msa_sparse_prefill.cu): bf16 / fp8, head_dim 128, group <= 16, pages of a multiple of 16 slots
+// (unless M3_ATTN_TMA_DECODE=0 or the driver cannot make the tensor maps).
+bool attention_decode_tma_supported(const KvPages& cache, int64_t num_heads);
 void msa_sparse_prefill(const float* q, int64_t num_heads, const KvPages& cache,
                         const TokenLayout& layout, const int32_t* blocks, int64_t max_blocks,
                         float scale, int64_t max_kv_len, float* out, cudaStream_t stream,
