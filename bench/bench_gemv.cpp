@@ -26,21 +26,6 @@ namespace gk = m3::kernels::cuda;
 using m3::DType;
 using m3::gpu::DeviceBuffer;
 
-// Times `launches` captured once into a graph.
-template <class F>
-double graph_ms(cudaStream_t s, int iters, F fn) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  M3_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  fn();
-  M3_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  M3_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const double ms = m3::bench::time_ms(s, iters, [&] { M3_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
-  M3_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  M3_CUDA_CHECK(cudaGraphDestroy(graph));
-  return ms;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -111,7 +96,7 @@ int main(int argc, char** argv) {
                    s);
       }
     };
-    const double us = graph_ms(s, iters, launches) * 1e3 / copies;
+    const double us = m3::bench::graph_ms(s, iters, launches) * 1e3 / copies;
     const double mb = bytes / 1e6;
     rows.push_back({sh.m, sh.k, us, mb});
     std::printf("%-24s %6lld %9.1f %9.2f %9.0f %6.1f%%\n", sh.name, static_cast<long long>(copies),

@@ -44,6 +44,7 @@ using m3::kernels::KvDtype;
 
 using namespace m3::bench::msa;  // the layer's shapes
 
+using m3::bench::graph_ms;
 using m3::bench::time_ms;
 
 // Fills `bytes` bytes of device memory by tiling a seed block.
@@ -58,21 +59,6 @@ void fill_tiled(void* dst, size_t bytes, const DeviceBuffer<uint8_t>& seed, cuda
 // 64 MiB of N(0, 1) values stored as `dt` (fp8: divided by `scale` first).
 DeviceBuffer<uint8_t> seed_block(KvDtype dt, float scale, std::mt19937& g) {
   return DeviceBuffer<uint8_t>(m3::bench::normal_kv_bytes(dt, scale, size_t{64} << 20, g));
-}
-
-// Times fn captured once into a CUDA graph (one launch per decode step, as the engine runs it).
-template <class F>
-double graph_ms(cudaStream_t s, int iters, F fn) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  M3_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  fn();
-  M3_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  M3_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const double ms = time_ms(s, iters, [&] { M3_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
-  M3_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  M3_CUDA_CHECK(cudaGraphDestroy(graph));
-  return ms;
 }
 
 // Whether `item` is in the comma-separated list of environment variable `var` (unset: every item).

@@ -50,6 +50,21 @@ double time_ms(cudaStream_t stream, int iters, F fn) {
   return ms / iters;
 }
 
+// Times fn captured once into a CUDA graph (one launch per decode step, as the engine runs it).
+template <class F>
+double graph_ms(cudaStream_t s, int iters, F fn) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  M3_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  fn();
+  M3_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  M3_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const double ms = time_ms(s, iters, [&] { M3_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
+  M3_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  M3_CUDA_CHECK(cudaGraphDestroy(graph));
+  return ms;
+}
+
 inline double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
