@@ -128,4 +128,53 @@ void raise_smem_limit_once(std::atomic<uint64_t>& done, Kernel kernel, int bytes
   done.fetch_or(bit, std::memory_order_acq_rel);
 }
 
+// The warp merge of a split-KV CTA (attention_mma_kernel, attention_decode_tma_kernel): after
+// every warp parked its rows' running maxima / sums in Wm / Wl, threads h < kRows set the merged
+// maximum Ms[h], sum Ls[h] and each warp's weight Wt[w][h] (0 for a warp that saw no key). kExp2:
+// the maxima are in the exp2 domain. The caller syncs the CTA after it.
+template <int kWarps, int kRows, bool kExp2>
+__device__ __forceinline__ void merge_warp_stats(const float (&Wm)[kWarps][kRows],
+                                                 const float (&Wl)[kWarps][kRows],
+                                                 float (&Wt)[kWarps][kRows], float* Ms, float* Ls) {
+  if (threadIdx.x >= kRows) return;
+  const int h = threadIdx.x;
+  float mx = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, Wm[w][h]);
+  float lt = 0.f;
+  for (int w = 0; w < kWarps; ++w) {
+    const float d = Wm[w][h] - mx;
+    const float wt = Wm[w][h] == -INFINITY ? 0.f : (kExp2 ? exp2f(d) : expf(d));
+    Wt[w][h] = wt;
+    lt += wt * Wl[w][h];
+  }
+  Ms[h] = mx;
+  Ls[h] = lt;
+}
+
+// The merged rows of that CTA (Ow [kWarps][kRows][D], weighted by Wt, times vmul): normalised into
+// out_rows (the group's first row) when there is one split, else into the combine kernel's
+// partials of split index idx (part_ml's maxima in the natural-log domain: times ln 2 for kExp2).
+template <int kWarps, int kRows, int D, bool kExp2>
+__device__ __forceinline__ void write_split_rows(const float* Ow, const float (&Wt)[kWarps][kRows],
+                                                 const float* Ms, const float* Ls, int group,
+                                                 float vmul, int num_splits, int64_t idx,
+                                                 float* out_rows, float* part_o, float* part_ml) {
+  for (int e = threadIdx.x; e < group * D; e += blockDim.x) {
+    const int h = e / D, i = e % D;
+    float acc = 0.f;
+    for (int w = 0; w < kWarps; ++w) acc = fmaf(Wt[w][h], Ow[(w * kRows + h) * D + i], acc);
+    acc *= vmul;
+    if (num_splits == 1)
+      out_rows[h * D + i] = acc * (1.0f / Ls[h]);
+    else
+      part_o[(idx * group + h) * D + i] = acc;
+  }
+  if (num_splits > 1 && threadIdx.x < group) {
+    const float mx = Ms[threadIdx.x];
+    part_ml[(idx * group + threadIdx.x) * 2] =
+        kExp2 && mx != -INFINITY ? mx * 0.6931471805599453f : mx;
+    part_ml[(idx * group + threadIdx.x) * 2 + 1] = Ls[threadIdx.x];
+  }
+}
+
 }  // namespace m3::kernels::cuda::detail

@@ -796,19 +796,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     Wl[warp][r + 8] = l[1];
   }
   __syncthreads();
-  if (threadIdx.x < kMmaRows) {
-    const int h = threadIdx.x;
-    float mx = -INFINITY;
-    for (int w = 0; w < kMmaWarps; ++w) mx = fmaxf(mx, Wm[w][h]);
-    float lt = 0.f;
-    for (int w = 0; w < kMmaWarps; ++w) {
-      const float wt = Wm[w][h] == -INFINITY ? 0.f : expf(Wm[w][h] - mx);
-      Wt[w][h] = wt;
-      lt += wt * Wl[w][h];
-    }
-    Ms[h] = mx;
-    Ls[h] = lt;
-  }
+  detail::merge_warp_stats<kMmaWarps, kMmaRows, false>(Wm, Wl, Wt, Ms, Ls);
   __syncthreads();
   const float vmul = kFp8 ? c.v_scale : 1.f;
   if constexpr (kCluster) {
@@ -826,22 +814,9 @@ __global__ void __launch_bounds__(kMmaThreads)
     cl.sync();  // every CTA keeps its shared memory until the others have read it
     return;
   }
-  const int64_t idx = (t * nkv + g) * num_splits + split;
-  for (int e = threadIdx.x; e < group * D; e += blockDim.x) {
-    const int h = e / D, i = e % D;
-    float acc = 0.f;
-    for (int w = 0; w < kMmaWarps; ++w) acc = fmaf(Wt[w][h], Ow[(w * kMmaRows + h) * D + i], acc);
-    acc *= vmul;
-    if (num_splits == 1) {
-      out[(t * num_heads + g * group + h) * D + i] = acc * (1.0f / Ls[h]);
-    } else {
-      part_o[(idx * group + h) * D + i] = acc;
-    }
-  }
-  if (num_splits > 1 && threadIdx.x < group) {
-    part_ml[(idx * group + threadIdx.x) * 2] = Ms[threadIdx.x];
-    part_ml[(idx * group + threadIdx.x) * 2 + 1] = Ls[threadIdx.x];
-  }
+  detail::write_split_rows<kMmaWarps, kMmaRows, D, false>(
+      Ow, Wt, Ms, Ls, group, vmul, num_splits, (t * nkv + g) * num_splits + split,
+      out + (t * num_heads + g * group) * D, part_o, part_ml);
 }
 
 // ---- CTA-cooperative tensor-core path (bf16 / fp8 cache, head_dim 128, group <= 16) ----

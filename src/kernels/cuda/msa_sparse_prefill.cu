@@ -897,7 +897,6 @@ __global__ void __launch_bounds__(kSpThreads, 2)
   constexpr int D = kSpDim;
   constexpr int NT = D / 8;
   constexpr bool kFp8 = sizeof(T) == 1;
-  constexpr float kLn2 = 0.6931471805599453f;
   extern __shared__ __align__(128) unsigned char sp_smem[];
   __shared__ __align__(8) uint64_t bars[kSpWarps * kSpT1MaxStages];
   __shared__ int32_t pages_s[kDecMaxPages];
@@ -961,37 +960,11 @@ __global__ void __launch_bounds__(kSpThreads, 2)
     Wl[warp][r + 8] = l[1];
   }
   __syncthreads();
-  if (threadIdx.x < kSpRows) {
-    const int h = threadIdx.x;
-    float mx = -INFINITY;
-    for (int w = 0; w < kSpWarps; ++w) mx = fmaxf(mx, Wm[w][h]);
-    float lt = 0.f;
-    for (int w = 0; w < kSpWarps; ++w) {
-      const float wt = Wm[w][h] == -INFINITY ? 0.f : exp2f(Wm[w][h] - mx);
-      Wt[w][h] = wt;
-      lt += wt * Wl[w][h];
-    }
-    Ms[h] = mx;
-    Ls[h] = lt;
-  }
+  detail::merge_warp_stats<kSpWarps, kSpRows, true>(Wm, Wl, Wt, Ms, Ls);
   __syncthreads();
-  const float vmul = kFp8 ? c.v_scale : 1.f;
-  const int64_t idx = (t * nkv + g) * num_splits + split;
-  for (int e = threadIdx.x; e < group * D; e += blockDim.x) {
-    const int h = e / D, i = e % D;
-    float acc = 0.f;
-    for (int w = 0; w < kSpWarps; ++w) acc = fmaf(Wt[w][h], Ow[(w * kSpRows + h) * D + i], acc);
-    acc *= vmul;
-    if (num_splits == 1)
-      out[(t * num_heads + g * group + h) * D + i] = acc * (1.0f / Ls[h]);
-    else
-      part_o[(idx * group + h) * D + i] = acc;
-  }
-  if (num_splits > 1 && threadIdx.x < group) {
-    const float mx = Ms[threadIdx.x];
-    part_ml[(idx * group + threadIdx.x) * 2] = mx == -INFINITY ? -INFINITY : mx * kLn2;
-    part_ml[(idx * group + threadIdx.x) * 2 + 1] = Ls[threadIdx.x];
-  }
+  detail::write_split_rows<kSpWarps, kSpRows, D, true>(
+      Ow, Wt, Ms, Ls, group, kFp8 ? c.v_scale : 1.f, num_splits, (t * nkv + g) * num_splits + split,
+      out + (t * num_heads + g * group) * D, part_o, part_ml);
 }
 
 }  // namespace
