@@ -741,6 +741,9 @@ TEST(AttnCudaKvDtype, AttentionMatchesCpuTwin) {
     run_attn(AttnCase{128, 4, 64, 128, 40, {9000, 2500}, AttnCase::kLast}, 521, AttnWs::kFull, kvd);
     run_attn(AttnCase{128, 4, 64, 128, 16, {40000, 70001}, AttnCase::kLast}, 522, AttnWs::kFull,
              kvd);
+    // One split (no workspace) over 1063 pages of 16 slots: more than the TMA decode kernel
+    // stages in shared memory (1024), so lane 0 reads the block table per tile.
+    run_attn(AttnCase{16, 4, 64, 128, 0, {17000}, AttnCase::kLast}, 523, AttnWs::kNone, kvd);
   }
 }
 

@@ -128,27 +128,40 @@ void raise_smem_limit_once(std::atomic<uint64_t>& done, Kernel kernel, int bytes
   done.fetch_or(bit, std::memory_order_acq_rel);
 }
 
-// The warp merge of a split-KV CTA (attention_mma_kernel, attention_decode_tma_kernel): after
-// every warp parked its rows' running maxima / sums in Wm / Wl, threads h < kRows set the merged
-// maximum Ms[h], sum Ls[h] and each warp's weight Wt[w][h] (0 for a warp that saw no key). kExp2:
-// the maxima are in the exp2 domain. The caller syncs the CTA after it.
+// The warp merge of a split-KV CTA (attention_mma_kernel, attention_decode_tma_kernel), called by
+// every thread once each warp's rows sit in shared memory: the quad leaders park their rows'
+// running maxima / sums (rows lane / 4 and lane / 4 + 8: m[0], m[1], l[0], l[1]) in Wm / Wl, then
+// threads h < kRows set the merged maximum Ms[h], sum Ls[h] and each warp's weight Wt[w][h] (0
+// for a warp that saw no key), with a CTA barrier before and after. kExp2: the maxima are in the
+// exp2 domain.
 template <int kWarps, int kRows, bool kExp2>
-__device__ __forceinline__ void merge_warp_stats(const float (&Wm)[kWarps][kRows],
-                                                 const float (&Wl)[kWarps][kRows],
+__device__ __forceinline__ void merge_warp_stats(int warp, int lane, const float (&m)[2],
+                                                 const float (&l)[2], float (&Wm)[kWarps][kRows],
+                                                 float (&Wl)[kWarps][kRows],
                                                  float (&Wt)[kWarps][kRows], float* Ms, float* Ls) {
-  if (threadIdx.x >= kRows) return;
-  const int h = threadIdx.x;
-  float mx = -INFINITY;
-  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, Wm[w][h]);
-  float lt = 0.f;
-  for (int w = 0; w < kWarps; ++w) {
-    const float d = Wm[w][h] - mx;
-    const float wt = Wm[w][h] == -INFINITY ? 0.f : (kExp2 ? exp2f(d) : expf(d));
-    Wt[w][h] = wt;
-    lt += wt * Wl[w][h];
+  if (lane % 4 == 0) {
+    const int r = lane / 4;
+    Wm[warp][r] = m[0];
+    Wm[warp][r + 8] = m[1];
+    Wl[warp][r] = l[0];
+    Wl[warp][r + 8] = l[1];
   }
-  Ms[h] = mx;
-  Ls[h] = lt;
+  __syncthreads();
+  if (threadIdx.x < kRows) {
+    const int h = threadIdx.x;
+    float mx = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, Wm[w][h]);
+    float lt = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float d = Wm[w][h] - mx;
+      const float wt = Wm[w][h] == -INFINITY ? 0.f : (kExp2 ? exp2f(d) : expf(d));
+      Wt[w][h] = wt;
+      lt += wt * Wl[w][h];
+    }
+    Ms[h] = mx;
+    Ls[h] = lt;
+  }
+  __syncthreads();
 }
 
 // The merged rows of that CTA (Ow [kWarps][kRows][D], weighted by Wt, times vmul): normalised into

@@ -789,15 +789,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     ow[(r + 8) * D + (2 * cq) * 16 + n] = o[n][2];
     ow[(r + 8) * D + (2 * cq + 1) * 16 + n] = o[n][3];
   }
-  if (cq == 0) {
-    Wm[warp][r] = m[0];
-    Wm[warp][r + 8] = m[1];
-    Wl[warp][r] = l[0];
-    Wl[warp][r + 8] = l[1];
-  }
-  __syncthreads();
-  detail::merge_warp_stats<kMmaWarps, kMmaRows, false>(Wm, Wl, Wt, Ms, Ls);
-  __syncthreads();
+  detail::merge_warp_stats<kMmaWarps, kMmaRows, false>(warp, lane, m, l, Wm, Wl, Wt, Ms, Ls);
   const float vmul = kFp8 ? c.v_scale : 1.f;
   if constexpr (kCluster) {
     namespace cg = cooperative_groups;

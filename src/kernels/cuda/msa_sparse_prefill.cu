@@ -953,15 +953,7 @@ __global__ void __launch_bounds__(kSpThreads, 2)
       }
     }
   }
-  if (cq == 0) {
-    Wm[warp][r] = m[0];
-    Wm[warp][r + 8] = m[1];
-    Wl[warp][r] = l[0];
-    Wl[warp][r + 8] = l[1];
-  }
-  __syncthreads();
-  detail::merge_warp_stats<kSpWarps, kSpRows, true>(Wm, Wl, Wt, Ms, Ls);
-  __syncthreads();
+  detail::merge_warp_stats<kSpWarps, kSpRows, true>(warp, lane, m, l, Wm, Wl, Wt, Ms, Ls);
   detail::write_split_rows<kSpWarps, kSpRows, D, true>(
       Ow, Wt, Ms, Ls, group, kFp8 ? c.v_scale : 1.f, num_splits, (t * nkv + g) * num_splits + split,
       out + (t * num_heads + g * group) * D, part_o, part_ml);
