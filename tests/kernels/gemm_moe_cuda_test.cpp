@@ -263,11 +263,17 @@ TEST(CudaGemm, EveryPathForcedMatchesOnExactData) {
 
 TEST(CudaGemm, GemvRowsDoNotDependOnTokenCount) {
   // A token's GEMV output is the same whether it runs alone or with others (the GEMV's order
-  // depends on the weight shape only), so grouped MoE results do not depend on the batch.
+  // depends on the weight shape only), so grouped MoE results do not depend on the batch. One
+  // token over a bf16 matrix whose rows fill the SMs takes the streaming kernel (gemv.cuh
+  // stream_kernel), 16 tokens gemv_kernel: the shapes below cover its even row shares (q_proj,
+  // o_proj), a row count no warp count divides with a k tail past the last 256-wide segment
+  // (4999 x 1000), and the widest x it stages (dense down, k = 12288).
   SKIP_WITHOUT_GPU();
   Stream stream;
   std::mt19937 g(3);
-  for (const Shape& s : {kShapes[0], kShapes[4]}) {
+  const Shape odd{4999, 1000, DType::kBF16, "4999 rows, 1000 cols"};
+  const Shape down{6144, 12288, DType::kBF16, "dense down"};
+  for (const Shape& s : {kShapes[0], kShapes[1], kShapes[4], odd, down}) {
     const Weight w = make_weight(s.m, s.k, s.dt, false, 77);
     const auto x = randn(16 * s.k, g);
     DeviceBuffer<float> dx(x);

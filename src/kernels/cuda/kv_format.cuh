@@ -145,9 +145,6 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
 }
 
 // ---- shared-memory fragment loads (ldmatrix) ----
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 // Four 8x8 16-bit matrices; lane L gives the row address of matrix L / 8, row L % 8; register i
 // of a lane holds matrix i's row (lane / 4), elements 2 (lane % 4), +1 (the MMA's A / B layout).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,

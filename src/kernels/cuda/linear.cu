@@ -3,6 +3,7 @@
 // arithmetic), above it cuBLASLt (blas.cu, under the GEMM precision); a tiled SIMT GEMM serves
 // every layout neither can read (cols not a multiple of the 16-byte vector, misaligned data).
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/cuda/blas.h"
 #include "kernels/cuda/common.cuh"
@@ -149,6 +150,31 @@ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
+// The streaming GEMV (gemv.cuh stream_kernel) for one token over a bf16 matrix whose rows fill
+// the SMs; false where it does not apply (the caller runs gemv_kernel).
+bool linear_stream(const float* x, const MatRef& w, float* y, cudaStream_t stream) {
+  const int64_t k = w.cols;
+  if (!gemv::stream_on() || k > gemv::kStreamMaxK) return false;
+  gemv::StreamParams p;
+  p.x = x;
+  p.w = static_cast<const uint16_t*>(w.data);
+  p.y = y;
+  p.m = w.rows;
+  p.k = k;
+  p.kpad = static_cast<int>((k + gemv::kStreamChunk - 1) / gemv::kStreamChunk * gemv::kStreamChunk);
+  const int rows = gemv::stream_rows();
+  p.stages = gemv::stream_stages(p.kpad, rows, 1);
+  if (p.stages == 0) return false;
+  const size_t smem = gemv::stream_smem(p.kpad, rows, p.stages);
+  if (rows == 1)
+    gemv::stream_launch<gemv::stream_kernel<1>>(smem, stream, p);
+  else if (rows == 2)
+    gemv::stream_launch<gemv::stream_kernel<2>>(smem, stream, p);
+  else
+    gemv::stream_launch<gemv::stream_kernel<4>>(smem, stream, p);
+  return true;
+}
+
 template <class W>
 void linear_gemv(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream) {
   constexpr int kRows = gemv::kLoadRows;
@@ -172,6 +198,9 @@ void linear_gemv(const float* x, int64_t n, const MatRef& w, float* y, cudaStrea
   k_split = (k_split + unit - 1) / unit * unit;
   splits = (k + k_split - 1) / k_split;
 
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (n == 1 && splits == 1 && linear_stream(x, w, y, stream)) return;
+  }
   const int nt = gemv::nt_bucket(n);
   gemv::Params p;
   p.x = x;

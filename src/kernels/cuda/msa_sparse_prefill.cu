@@ -353,28 +353,12 @@ __device__ __forceinline__ void sp_group_loop(
 }
 
 // ---- The T = 1 path: one token per warp, bulk copies into a per-warp ring (sm_90) ----
-__device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_fence_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// One arrival that also announces `bytes` of bulk copies to come in the barrier's phase.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
+using detail::fence_proxy_async_smem;
+using detail::mbar_arrive_expect_tx;
+using detail::mbar_fence_init;
+using detail::mbar_init;
+using detail::mbar_wait;
+
 // One box of the 3-d tensor map at (c0, c1, c2) -> shared `dst`, completing as transaction
 // bytes on `bar`.
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
@@ -384,10 +368,6 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       "[%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
-}
-// Generic-proxy writes of shared memory ordered before later async-proxy (TMA) accesses.
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 __device__ __forceinline__ uint32_t pack_p(float lo, float hi, uint16_t) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // RNE: pack_bf16x2's bits for finite
