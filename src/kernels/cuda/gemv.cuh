@@ -11,7 +11,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
-#include <utility>
 
 #include "core/env.h"
 #include "kernels/cuda/blas.h"
@@ -175,9 +174,8 @@ __device__ __forceinline__ void prefetch_first(const void* w, const void* wu, co
 // position is the number of valid picks of lower experts plus those of its expert at lower
 // lanes (the grouping kernel's order: experts ascending, then pick order), its expert's slot the
 // number of distinct lower experts. Leaves the token of every position in tok, and slot `slot`'s
-// expert (-1: no such slot) and position range in *se, *sp0, *sp1 (kRouteAllSlots: every slot's,
-// se, sp0 and sp1 arrays of route_p entries); with `write`, the routing arrays in p.route_out.
-inline constexpr int kRouteAllSlots = -2;
+// expert (-1: no such slot) and position range in *se, *sp0, *sp1; with `write`, the routing
+// arrays in p.route_out.
 __device__ __forceinline__ void route_warp(const Params& p, int slot, bool write, int32_t* tok,
                                            int32_t* se, int32_t* sp0, int32_t* sp1) {
   const int lane = threadIdx.x % 32;
@@ -200,19 +198,13 @@ __device__ __forceinline__ void route_warp(const Params& p, int slot, bool write
     }
   }
   const int pos = less + rank;
-  const bool all = slot == kRouteAllSlots;
-  if (!all) {
-    if (lane == 0) *se = -1;
-  } else if (lane < p.route_p) {
-    se[lane] = -1;
-  }
+  if (lane == 0) *se = -1;
   __syncwarp();
   if (valid) tok[pos] = lane / p.route_k;
-  if (leader && (all || distinct_less == slot)) {
-    const int d = all ? distinct_less : 0;
-    se[d] = e;
-    sp0[d] = less;
-    sp1[d] = less + __popc(peers);
+  if (leader && distinct_less == slot) {
+    *se = e;
+    *sp0 = less;
+    *sp1 = less + __popc(peers);
   }
   if (!write) return;
   const Params::RouteOut& o = p.route_out;
@@ -418,15 +410,18 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
 // One CTA per SM, resident for the whole matrix: its x is staged once, and each warp streams its
 // own contiguous run of rows (m / warps, differing by at most one between warps) through a ring of
 // shared-memory stages filled by bulk copies (lane 0 issues them; one mbarrier per stage). A stage
-// holds R rows x kStreamChunk k elements (R = stream_rows(): 2, or 1 / 4 as a tuning switch); the
-// ring's first stages are issued before
+// holds kStreamRows rows x kStreamChunk k elements; the ring's first stages are issued before
 // pdl_enter (weights are no earlier kernel's output), so the stream starts under the kernel ahead.
 // Numerics: lane l owns the same k positions and sums them in the same order as gemv_kernel, then
 // the same warp_sum, so a row's result is bit for bit gemv_kernel's (and so every token count's).
+// Measured (H200, bench_gemv): 1 row per stage ran at 3.0 TB/s on the largest shapes against 4.2
+// for 2 rows (more waits per byte), 4 rows as fast as 2 with half the stages.
 inline constexpr int kStreamWarps = 8;
+inline constexpr int kStreamRows = 2;
 inline constexpr int kStreamChunk = 4 * 32 * 8;  // 1024 k elements = gemv_kernel's sub-step
 inline constexpr int kStreamRowBytes = kStreamChunk * 2;  // one row's share of a stage
-inline constexpr int kStreamMaxStages = 16;
+inline constexpr int kStreamStageBytes = kStreamRows * kStreamRowBytes;
+inline constexpr int kStreamMaxStages = 8;
 inline constexpr int64_t kStreamMaxK = 16384;  // x staged whole: at most 64 KiB
 
 struct StreamParams {
@@ -435,50 +430,32 @@ struct StreamParams {
   float* y = nullptr;           // [m]
   int64_t m = 0, k = 0;
   int kpad = 0;    // x elements staged: k rounded up to kStreamChunk (zeros past k)
-  int stages = 0;  // ring stages per warp, 2..kStreamMaxStages, of R * kStreamRowBytes each
+  int stages = 0;  // ring stages per warp, 2..kStreamMaxStages
 };
 
-// Dynamic shared memory of the streaming kernels: x (xrows rows of kpad), the barriers, then the
-// rings (128-byte aligned).
-__host__ __device__ inline size_t stream_ring_offset(int kpad, int xrows = 1) {
-  return (static_cast<size_t>(xrows) * kpad * 4 + kStreamWarps * kStreamMaxStages * 8 + 127) / 128 *
-         128;
+// Dynamic shared memory of stream_kernel: x, the barriers, then the rings (128-byte aligned).
+__host__ __device__ inline size_t stream_ring_offset(int kpad) {
+  return (static_cast<size_t>(kpad) * 4 + kStreamWarps * kStreamMaxStages * 8 + 127) / 128 * 128;
 }
-// The dynamic shared memory a streaming kernel may take: the device's per-block opt-in limit less
-// 1 KiB for the kernels' static shared memory (the grouped kernel's slot tables).
+inline size_t stream_smem(int kpad, int stages) {
+  return stream_ring_offset(kpad) + static_cast<size_t>(kStreamWarps) * stages * kStreamStageBytes;
+}
+// The dynamic shared memory stream_kernel may take: the device's per-block opt-in limit.
 inline int64_t stream_smem_limit() {
   static const int64_t v = [] {
     int dev = 0, optin = 0;
     M3_CUDA_CHECK(cudaGetDevice(&dev));
     M3_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    return static_cast<int64_t>(optin) - 1024;
+    return static_cast<int64_t>(optin);
   }();
   return v;
 }
-// Ring stages per warp of `rows` rows each in what stream_smem_limit leaves past x and the
-// barriers (0: too few).
-inline int stream_stages(int kpad, int rows, int xrows) {
-  const int64_t left = stream_smem_limit() - static_cast<int64_t>(stream_ring_offset(kpad, xrows));
+// Ring stages per warp in what stream_smem_limit leaves past x and the barriers (0: too few).
+inline int stream_stages(int kpad) {
+  const int64_t left = stream_smem_limit() - static_cast<int64_t>(stream_ring_offset(kpad));
   const int64_t s = std::min<int64_t>(
-      kStreamMaxStages, left / (static_cast<int64_t>(kStreamWarps) * rows * kStreamRowBytes));
+      kStreamMaxStages, left / (static_cast<int64_t>(kStreamWarps) * kStreamStageBytes));
   return s >= 2 ? static_cast<int>(s) : 0;
-}
-// Launches streaming kernel K (its dynamic shared memory limit raised to stream_smem_limit, once
-// per kernel) over one CTA per SM.
-template <auto K, class... A>
-void stream_launch(size_t smem, cudaStream_t stream, A&&... args) {
-  static const bool allowed = [] {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(stream_smem_limit())));
-    return true;
-  }();
-  (void)allowed;
-  detail::launch_pdl(K, dim3(static_cast<unsigned>(blas::num_sms())), dim3(kStreamWarps * 32), smem,
-                     stream, std::forward<A>(args)...);
-}
-inline size_t stream_smem(int kpad, int rows, int stages, int xrows = 1) {
-  return stream_ring_offset(kpad, xrows) +
-         static_cast<size_t>(kStreamWarps) * stages * rows * kStreamRowBytes;
 }
 
 // acc[j] += row j (< nr) of a ring stage (R rows of kStreamRowBytes: k elements kk0 ..
@@ -531,9 +508,9 @@ __device__ __forceinline__ void stream_stage_x(float* xs, const float* x, int64_
   }
 }
 
-template <int R>
 __global__ void __launch_bounds__(kStreamWarps * 32, 1) stream_kernel(StreamParams p) {
-  constexpr int kStageBytes = R * kStreamRowBytes;
+  constexpr int R = kStreamRows;
+  constexpr int kStageBytes = kStreamStageBytes;
   extern __shared__ float4 gemv_smem[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(gemv_smem);
   float* xs = reinterpret_cast<float*>(smem);
@@ -604,210 +581,22 @@ __global__ void __launch_bounds__(kStreamWarps * 32, 1) stream_kernel(StreamPara
   }
 }
 
-// ---- The streaming grouped expert GEMVs of one token (a decode step's MoE at batch 1) ----
-// stream_kernel's streams over the experts one token picked: slot 0 the extra (shared) expert
-// where there is one, then the routed experts in gemv_kernel's slot order. A unit is one output
-// row (kFused: gate row r and up row r of the slot's expert, SwiGLU-OAI of the two sums) or two
-// (down: rows 2u and 2u + 1). Every warp takes the same share of units [a, b) in each slot, slot
-// after slot, so the whole grid moves through the experts together: at any time it reads about
-// one expert's matrices (streaming all slots at once, each warp in one of them, ran at half the
-// bandwidth: 2.1 TB/s against 3.5 for gemv_kernel, ncu, the same experts). The extra slot comes
-// first and is no earlier kernel's output, so every warp's first stages go out before pdl_enter;
-// the routed slots' once the routing is known: the gate|up kernel groups the picks itself
-// (Params::route_ids; CTA 0 writes the routing arrays), the down kernel reads those arrays. x is
-// staged once per CTA: the token's row (gate|up) or every slot's position's row (down: x holds
-// positions). Every position of a slot (one token: more than one only where it picks an expert
-// twice) gets the slot's row, as gemv_kernel computes for each; per row, the sums are
-// gemv_kernel's.
-struct StreamGrouped {
-  int kpad = 0, stages = 0;  // as StreamParams
-  int slots = 0;             // the extra slot (if any) + the routed slots
-  int64_t units = 0;         // units per slot
-};
-inline constexpr int kStreamMaxSlots = kRouteMaxPicks + 1;
-// x rows the grouped kernel stages: one (gate|up: the token's) or one per slot (down).
-constexpr int stream_grouped_xrows(bool fused, int slots) {
-  return fused ? 1 : slots;
-}
-
-template <bool kFused>
-__global__ void __launch_bounds__(kStreamWarps * 32, 1)
-    stream_grouped_kernel(Params p, StreamGrouped g) {
-  constexpr int kStageBytes = 2 * kStreamRowBytes;
-  extern __shared__ float4 gemv_smem[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(gemv_smem);
-  float* xs = reinterpret_cast<float*>(smem);  // [xrows][kpad]
-  __shared__ int32_t route_tok[kRouteMaxPicks];
-  __shared__ int32_t slot_e[kStreamMaxSlots], slot_p0[kStreamMaxSlots], slot_p1[kStreamMaxSlots];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int S = g.stages;
-  const int xrows = stream_grouped_xrows(kFused, g.slots);
-  const uint32_t bar0 = detail::smem_addr(smem + static_cast<size_t>(xrows) * g.kpad * 4) +
-                        warp * kStreamMaxStages * 8;
-  const unsigned char* ring_p =
-      smem + stream_ring_offset(g.kpad, xrows) + static_cast<size_t>(warp) * S * kStageBytes;
-  const uint32_t ring = detail::smem_addr(ring_p);
-  const int extra = p.w_extra != nullptr ? 1 : 0;  // slot 0 is the extra expert's
-  const int64_t W = static_cast<int64_t>(gridDim.x) * kStreamWarps;
-  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kStreamWarps + warp;
-  const int64_t ua = gw * g.units / W, ub = (gw + 1) * g.units / W;  // this warp's units per slot
-  const int nch = static_cast<int>((p.k + kStreamChunk - 1) / kStreamChunk);
-  const int per_slot = static_cast<int>(ub - ua) * nch;  // items per slot
-  const int items = per_slot * g.slots;                  // (slot, unit, chunk)
-  const uint16_t* w = static_cast<const uint16_t*>(p.w);
-  const uint16_t* wu = static_cast<const uint16_t*>(p.w_up);
-
-  if (lane == 0) {
-    for (int st = 0; st < S; ++st) detail::mbar_init(bar0 + 8 * st, 1);
-    detail::mbar_fence_init();
-  }
-  __syncwarp();
-  // The two weight rows of unit ur of `slot`; false for a routed slot with no expert.
-  auto rows_of = [&](int slot, int64_t ur, const uint16_t*& ra, const uint16_t*& rb) {
-    const uint16_t *base, *base_up;
-    if (slot < extra) {
-      base = static_cast<const uint16_t*>(p.w_extra);
-      base_up = static_cast<const uint16_t*>(p.w_up_extra);
-    } else {
-      const int e = slot_e[slot];
-      if (e < 0) return false;
-      base = w + e * p.w_stride;
-      base_up = kFused ? wu + e * p.w_stride : nullptr;
-    }
-    if (kFused) {
-      ra = base + ur * p.k;
-      rb = base_up + ur * p.k;
-    } else {
-      ra = base + 2 * ur * p.k;
-      rb = ra + p.k;
-    }
-    return true;
-  };
-  auto issue = [&](int i) {  // lane 0
-    const int slot = i / per_slot, rem = i - slot * per_slot;
-    const int c = rem % nch;
-    const uint32_t bar = bar0 + 8 * (i % S);
-    const uint16_t *ra, *rb;
-    if (!rows_of(slot, ua + rem / nch, ra, rb)) {
-      detail::mbar_arrive_expect_tx(bar, 0);  // nothing to read: the phase completes at once
-      return;
-    }
-    const int64_t kk0 = static_cast<int64_t>(c) * kStreamChunk;
-    const uint32_t bytes =
-        static_cast<uint32_t>(min(static_cast<int64_t>(kStreamChunk), p.k - kk0) * 2);
-    const uint32_t dst = ring + (i % S) * kStageBytes;
-    detail::mbar_arrive_expect_tx(bar, 2 * bytes);
-    detail::bulk_copy_g2s(dst, ra + kk0, bytes, bar);
-    detail::bulk_copy_g2s(dst + kStreamRowBytes, rb + kk0, bytes, bar);
-  };
-  int next = 0;  // the next item to issue
-  auto fill = [&](int limit, bool routed_known) {
-    limit = min(limit, routed_known ? items : extra * per_slot);
-    while (next < limit) {
-      __syncwarp();  // every lane is past its reads of this stage (item next - S)
-      if (lane == 0) issue(next);
-      ++next;
-    }
-  };
-  fill(S, false);
-
-  detail::pdl_enter();  // the routing, x and y belong to earlier kernels
-  const int routed = g.slots - extra;
-  if (p.route_ids != nullptr) {
-    if (warp == 0)
-      route_warp(p, kRouteAllSlots, blockIdx.x == 0, route_tok, slot_e + extra, slot_p0 + extra,
-                 slot_p1 + extra);
-  } else {
-    for (int sl = threadIdx.x; sl < routed; sl += blockDim.x) {
-      const int e = sl < *p.num_active ? p.active[sl] : -1;
-      slot_e[extra + sl] = e;
-      if (e >= 0) {
-        slot_p0[extra + sl] = p.offsets[e];
-        slot_p1[extra + sl] = p.offsets[e + 1];
-      }
-    }
-  }
-  if (extra && threadIdx.x == 0) {
-    slot_e[0] = 0;
-    slot_p0[0] = static_cast<int32_t>(p.extra_p0);
-    slot_p1[0] = static_cast<int32_t>(p.extra_p0 + p.extra_n);
-  }
-  __syncthreads();
-  // x: the token's row (gate|up: x holds tokens; one token, the slots' first position's) or each
-  // live slot's position's row (down).
-  for (int r = 0; r < xrows; ++r) {
-    int slot = r;
-    if (kFused) {  // the first live slot names the token
-      slot = -1;
-      for (int q = 0; q < g.slots && slot < 0; ++q)
-        if (q < extra || slot_e[q] >= 0) slot = q;
-      if (slot < 0) break;
-    } else if (slot >= extra && slot_e[slot] < 0) {
-      continue;
-    }
-    const int32_t pos = slot_p0[slot];
-    int64_t xr = pos;
-    if (kFused) xr = slot < extra ? pos - p.extra_p0 : p.route_ids ? route_tok[pos] : p.x_rows[pos];
-    stream_stage_x(xs + r * g.kpad, p.x + xr * p.k, p.k, g.kpad);
-  }
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
-
-  fill(S, true);
-  float acc[2] = {0.f, 0.f};
-  for (int i = 0; i < items; ++i) {
-    const int slot = i / per_slot, rem = i - slot * per_slot;
-    const int c = rem % nch;
-    const int64_t ur = ua + rem / nch;
-    const bool live = slot < extra || slot_e[slot] >= 0;  // warp-uniform
-    detail::mbar_wait(bar0 + 8 * (i % S), static_cast<uint32_t>(i / S) & 1u);
-    if (live)
-      stream_accumulate<2>(ring_p + (i % S) * kStageBytes, xs + (kFused ? 0 : slot) * g.kpad,
-                           static_cast<int64_t>(c) * kStreamChunk, p.k, 2, lane, acc);
-    fill(i + 1 + S, true);  // into the stage just read
-    if (c == nch - 1) {
-      if (live) {
-        acc[0] = detail::warp_sum(acc[0]);
-        acc[1] = detail::warp_sum(acc[1]);
-        if (lane == 0) {
-          for (int32_t pos = slot_p0[slot]; pos < slot_p1[slot]; ++pos) {
-            float* yp = p.y + static_cast<int64_t>(pos) * p.m;
-            if (kFused) {
-              yp[ur] = swiglu_oai(acc[0], acc[1], p.act);
-            } else {
-              yp[2 * ur] = acc[0];
-              yp[2 * ur + 1] = acc[1];
-            }
-          }
-        }
-      }
-      acc[0] = acc[1] = 0.f;
-    }
-  }
-}
-
 // Whether linear's batch-1 bf16 GEMV streams (stream_kernel; M3_GEMV_STREAM=0: gemv_kernel).
 inline bool stream_on() {
   static const bool on = env_switch("M3_GEMV_STREAM", true);
   return on;
 }
-// Whether the batch-1 grouped expert GEMVs stream too (stream_grouped_kernel with
-// M3_GEMV_STREAM_MOE=1; default gemv_kernel, which measured faster there).
-inline bool stream_moe_on() {
-  static const bool on = stream_on() && env_switch("M3_GEMV_STREAM_MOE", false);
-  return on;
-}
-// Rows per stage (M3_GEMV_STREAM_ROWS: 1, 2 or 4; default 2), a tuning switch: each row's sum is
-// the same whatever the choice.
-inline int stream_rows() {
-  static const int r = [] {
-    const char* v = std::getenv("M3_GEMV_STREAM_ROWS");
-    if (v == nullptr || *v == '\0') return 2;
-    const std::string s = v;
-    M3_CHECK(s == "1" || s == "2" || s == "4", "M3_GEMV_STREAM_ROWS=%s: 1, 2 (default) or 4", v);
-    return std::atoi(v);
+
+// Launches stream_kernel over one CTA per SM (its dynamic shared memory limit raised once).
+inline void stream_launch(const StreamParams& p, cudaStream_t stream) {
+  static const bool allowed = [] {
+    M3_CUDA_CHECK(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(stream_smem_limit())));
+    return true;
   }();
-  return r;
+  (void)allowed;
+  detail::launch_pdl(stream_kernel, dim3(static_cast<unsigned>(blas::num_sms())),
+                     dim3(kStreamWarps * 32), stream_smem(p.kpad, p.stages), stream, p);
 }
 
 // Warps per CTA (max_warps, its halves, down to 2) for `warp_tasks` row groups (kLoadRows rows

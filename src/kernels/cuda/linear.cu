@@ -162,16 +162,9 @@ bool linear_stream(const float* x, const MatRef& w, float* y, cudaStream_t strea
   p.m = w.rows;
   p.k = k;
   p.kpad = static_cast<int>((k + gemv::kStreamChunk - 1) / gemv::kStreamChunk * gemv::kStreamChunk);
-  const int rows = gemv::stream_rows();
-  p.stages = gemv::stream_stages(p.kpad, rows, 1);
+  p.stages = gemv::stream_stages(p.kpad);
   if (p.stages == 0) return false;
-  const size_t smem = gemv::stream_smem(p.kpad, rows, p.stages);
-  if (rows == 1)
-    gemv::stream_launch<gemv::stream_kernel<1>>(smem, stream, p);
-  else if (rows == 2)
-    gemv::stream_launch<gemv::stream_kernel<2>>(smem, stream, p);
-  else
-    gemv::stream_launch<gemv::stream_kernel<4>>(smem, stream, p);
+  gemv::stream_launch(p, stream);
   return true;
 }
 

@@ -7,7 +7,6 @@
 // expert over its gathered tokens. All end in the CPU model's combine order: routed = 0, then
 // += weight * out per expert in ascending id; out = shared + routed.
 #include <algorithm>
-#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/blas.h"
@@ -337,35 +336,6 @@ cpu::MatRef expert_mat(const void* base, DType dt, int64_t e, int64_t rows, int6
 // `s`, the shared expert too, as one more slot over all n tokens at positions [P, P + n). With
 // `route` (P <= gemv::kRouteMaxPicks) the gate|up GEMV groups the picks ids / weights itself
 // and writes the routing arrays for the down GEMV and the combine (no grouping kernel ran).
-// One token's grouped GEMVs on the streaming kernels (gemv.cuh stream_grouped_kernel), given
-// the two launches' Params as experts_gemv fills them; false where they do not apply (bf16 only,
-// the routing inside the gate|up kernel, x staged whole beside at least two ring stages).
-bool experts_stream(const gemv::Params& gu, const gemv::Params& dn, int slots,
-                    cudaStream_t stream) {
-  if (!gemv::stream_moe_on() || gu.route_ids == nullptr || slots > gemv::kStreamMaxSlots)
-    return false;
-  const int64_t inter = gu.m, hidden = dn.m;
-  if (gu.k > gemv::kStreamMaxK || dn.k > gemv::kStreamMaxK || hidden % 2 != 0) return false;
-  gemv::StreamGrouped g[2];
-  size_t smem[2] = {0, 0};
-  const gemv::Params* ps[2] = {&gu, &dn};
-  const int64_t units[2] = {inter, hidden / 2};
-  for (int i = 0; i < 2; ++i) {
-    const int64_t kk = ps[i]->k;
-    g[i].kpad =
-        static_cast<int>((kk + gemv::kStreamChunk - 1) / gemv::kStreamChunk * gemv::kStreamChunk);
-    g[i].slots = slots;
-    g[i].units = units[i];
-    const int xrows = gemv::stream_grouped_xrows(i == 0, slots);
-    g[i].stages = gemv::stream_stages(g[i].kpad, 2, xrows);
-    if (g[i].stages == 0) return false;
-    smem[i] = gemv::stream_smem(g[i].kpad, 2, g[i].stages, xrows);
-  }
-  gemv::stream_launch<gemv::stream_grouped_kernel<true>>(smem[0], stream, gu, g[0]);
-  gemv::stream_launch<gemv::stream_grouped_kernel<false>>(smem[1], stream, dn, g[1]);
-  return true;
-}
-
 template <class W>
 void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& w,
                   const MoeSharedExpert* s, const SwigluParams& act, const Layout& l,
@@ -380,7 +350,6 @@ void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
   const int nt =
       std::max(gemv::nt_bucket(std::min<int64_t>({n, mean2, 8})), s ? gemv::nt_bucket(n) : 1);
   const int warps = gemv::expert_warps();
-  gemv::Params gu, dn;
   {
     gemv::Params p;
     p.x = x;
@@ -411,7 +380,8 @@ void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
       p.route_ne = static_cast<int>(w.num_experts);
       p.route_out = {l.offsets, l.active, l.num_active, l.pair_token, l.pair_weight, l.pair_pos};
     }
-    gu = p;
+    const unsigned tiles = ceil_div(w.inter, warps * gemv::kLoadRows / 2);
+    gemv::launch<W, true>(p, nt, dim3(tiles, slots, 1), warps * 32, stream);
   }
   {
     gemv::Params p;
@@ -431,15 +401,9 @@ void experts_gemv(const float* x, int64_t n, int64_t k, const MoeExpertWeights& 
       p.extra_p0 = P;
       p.extra_n = n;
     }
-    dn = p;
+    const unsigned tiles = ceil_div(w.hidden, warps * gemv::kLoadRows);
+    gemv::launch<W, false>(p, nt, dim3(tiles, slots, 1), warps * 32, stream);
   }
-  if constexpr (std::is_same_v<W, uint16_t>) {
-    if (n == 1 && experts_stream(gu, dn, static_cast<int>(slots), stream)) return;
-  }
-  gemv::launch<W, true>(gu, nt, dim3(ceil_div(w.inter, warps * gemv::kLoadRows / 2), slots, 1),
-                        warps * 32, stream);
-  gemv::launch<W, false>(dn, nt, dim3(ceil_div(w.hidden, warps * gemv::kLoadRows), slots, 1),
-                         warps * 32, stream);
 }
 
 bool aligned16(const void* p) {
