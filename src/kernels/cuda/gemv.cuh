@@ -633,11 +633,12 @@ inline bool balance_on() {
   return on;
 }
 // M3_GEMV_WARPS (2-8; unset: the choice above) fixes the warps per CTA of linear's dense GEMV where
-// its rows fill the SMs: a tuning switch for bench_step / bench_layer. The result does not depend
-// on it (a lane's k positions and the summation order are the same for every CTA shape). M3's
-// 6144-9856-row projections get 192-308 CTAs of 8 warps, so some SMs carry twice the rows of
-// others, yet evener shares lost (one H200 run, 2026-12-02, bench_step 4 2048 batch 1: 8 warps
-// 1.542 ms, 6 1.561, 5 1.658, 4 1.781; docs/PERFORMANCE.md "Session 13").
+// its rows fill the SMs: a tuning switch for bench_step / bench_layer (like M3_GEMV_BALANCE, for
+// 2+ tokens, or one token with M3_GEMV_STREAM=0: one token otherwise streams, stream_kernel). The
+// result does not depend on it (a lane's k positions and the summation order are the same for every
+// CTA shape). M3's 6144-9856-row projections get 192-308 CTAs of 8 warps, so some SMs carry twice
+// the rows of others, yet evener shares lost (one H200 run, 2026-12-02, bench_step 4 2048 batch 1:
+// 8 warps 1.542 ms, 6 1.561, 5 1.658, 4 1.781; docs/PERFORMANCE.md "Session 13").
 inline int linear_warps() {
   static const int w = [] {
     const char* v = std::getenv("M3_GEMV_WARPS");
