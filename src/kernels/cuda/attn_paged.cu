@@ -1124,19 +1124,19 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
     cl.sync();
     cluster_merge_splits<D>(cl, Ms, Ls, Oc, group, out + (t * num_heads + g * group) * D);
     cl.sync();  // every CTA keeps its shared memory until the others have read it
-    return;
-  }
-  // Without a cluster the launch has one split (launch_cta): the rows are final.
+  } else {
+    // Without a cluster the launch has one split (launch_cta): the rows are final.
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int h = r + 8 * hh;
-    if (h >= group) continue;
-    const float inv = 1.0f / l[hh];
+    for (int hh = 0; hh < 2; ++hh) {
+      const int h = r + 8 * hh;
+      if (h >= group) continue;
+      const float inv = 1.0f / l[hh];
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+      for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int ec = 0; ec < 2; ++ec)
-        out[(t * num_heads + g * group + h) * D + dim_of(j, ec)] = o[j][2 * hh + ec] * vmul * inv;
+        for (int ec = 0; ec < 2; ++ec)
+          out[(t * num_heads + g * group + h) * D + dim_of(j, ec)] = o[j][2 * hh + ec] * vmul * inv;
+    }
   }
 }
 
