@@ -147,6 +147,20 @@ __device__ __forceinline__ int smem_slot(int o) {
   return ((o % V) / 4) * 128 + (o / V) * 4;
 }
 
+// A lane's V staged x elements of one segment (smem_slot layout: its 16-byte quarters 128 floats
+// apart), from xt = the segment's base + lane * 4.
+template <int V>
+__device__ __forceinline__ void load_x(const float* xt, float (&xv)[V]) {
+#pragma unroll
+  for (int q = 0; q < V / 4; ++q) {
+    const float4 f = *reinterpret_cast<const float4*>(xt + q * 128);
+    xv[4 * q] = f.x;
+    xv[4 * q + 1] = f.y;
+    xv[4 * q + 2] = f.z;
+    xv[4 * q + 3] = f.w;
+  }
+}
+
 // The first sub-step's weights of rows row0.. (w: the gate or only matrix, wu: up) towards L2:
 // what a CTA issues before it waits for the kernel ahead (pdl_enter), for a matrix no routing
 // decides (the dense one, or the grouped launch's extra slot).
@@ -371,15 +385,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
           for (int t = 0; t < NT; ++t) {
             if (t >= nt) break;  // uniform
             float xv[V];
-            const float* xt = xs + t * p.kc + sub + it * kSeg + lane * 4;
-#pragma unroll
-            for (int q = 0; q < V / 4; ++q) {
-              const float4 f = *reinterpret_cast<const float4*>(xt + q * 128);
-              xv[4 * q] = f.x;
-              xv[4 * q + 1] = f.y;
-              xv[4 * q + 2] = f.z;
-              xv[4 * q + 3] = f.w;
-            }
+            load_x<V>(xs + t * p.kc + sub + it * kSeg + lane * 4, xv);
 #pragma unroll
             for (int r = 0; r < kLoadRows; ++r)
 #pragma unroll
@@ -474,15 +480,7 @@ __device__ __forceinline__ void stream_accumulate(const unsigned char* stage, co
     if (seg0 >= k) break;  // uniform: a short last chunk
     const bool valid = seg0 + lane * V < k;
     float xv[V];
-    const float* xt = xs + seg0 + lane * 4;
-#pragma unroll
-    for (int q = 0; q < V / 4; ++q) {
-      const float4 f = *reinterpret_cast<const float4*>(xt + q * 128);
-      xv[4 * q] = f.x;
-      xv[4 * q + 1] = f.y;
-      xv[4 * q + 2] = f.z;
-      xv[4 * q + 3] = f.w;
-    }
+    load_x<V>(xs + seg0 + lane * 4, xv);
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       uint4 raw = make_uint4(0u, 0u, 0u, 0u);
