@@ -424,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas(NT)) gemv_kernel(Params p) 
 // for 2 rows (more waits per byte), 4 rows as fast as 2 with half the stages.
 inline constexpr int kStreamWarps = 8;
 inline constexpr int kStreamRows = 2;
-inline constexpr int kStreamChunk = 4 * 32 * 8;  // 1024 k elements = gemv_kernel's sub-step
+inline constexpr int kStreamChunk = k_unit<uint16_t>();   // 1024 k: gemv_kernel's sub-step
 inline constexpr int kStreamRowBytes = kStreamChunk * 2;  // one row's share of a stage
 inline constexpr int kStreamStageBytes = kStreamRows * kStreamRowBytes;
 inline constexpr int kStreamMaxStages = 8;
@@ -508,7 +508,6 @@ __device__ __forceinline__ void stream_stage_x(float* xs, const float* x, int64_
 
 __global__ void __launch_bounds__(kStreamWarps * 32, 1) stream_kernel(StreamParams p) {
   constexpr int R = kStreamRows;
-  constexpr int kStageBytes = kStreamStageBytes;
   extern __shared__ float4 gemv_smem[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(gemv_smem);
   float* xs = reinterpret_cast<float*>(smem);
@@ -516,7 +515,8 @@ __global__ void __launch_bounds__(kStreamWarps * 32, 1) stream_kernel(StreamPara
   const int S = p.stages;
   const uint32_t bar0 =
       detail::smem_addr(smem + static_cast<size_t>(p.kpad) * 4) + warp * kStreamMaxStages * 8;
-  const size_t ring_off = stream_ring_offset(p.kpad) + static_cast<size_t>(warp) * S * kStageBytes;
+  const size_t ring_off =
+      stream_ring_offset(p.kpad) + static_cast<size_t>(warp) * S * kStreamStageBytes;
   const unsigned char* ring_p = smem + ring_off;
   const uint32_t ring = detail::smem_addr(ring_p);
 
@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32, 1) stream_kernel(StreamPara
     const uint32_t bar = bar0 + 8 * st;
     detail::mbar_arrive_expect_tx(bar, nr * bytes);
     for (int j = 0; j < nr; ++j)
-      detail::bulk_copy_g2s(ring + st * kStageBytes + j * kStreamRowBytes,
+      detail::bulk_copy_g2s(ring + st * kStreamStageBytes + j * kStreamRowBytes,
                             p.w + (row + j) * p.k + kk0, bytes, bar);
   };
   for (int i = 0; i < S; ++i) issue(i);
@@ -565,8 +565,8 @@ __global__ void __launch_bounds__(kStreamWarps * 32, 1) stream_kernel(StreamPara
     const int64_t row = r0 + static_cast<int64_t>(pass) * R;
     const int nr = static_cast<int>(min(static_cast<int64_t>(R), r1 - row));
     detail::mbar_wait(bar0 + 8 * st, static_cast<uint32_t>(i / S) & 1u);
-    stream_accumulate<R>(ring_p + st * kStageBytes, xs, static_cast<int64_t>(c) * kStreamChunk, p.k,
-                         nr, lane, acc);
+    stream_accumulate<R>(ring_p + st * kStreamStageBytes, xs,
+                         static_cast<int64_t>(c) * kStreamChunk, p.k, nr, lane, acc);
     issue(i + S);  // into the stage just read
     if (c == nch - 1) {
 #pragma unroll
