@@ -1,6 +1,7 @@
 // The bandwidth-bound GEMV behind linear() for a few tokens and behind the MoE experts (grouped:
-// one weight matrix per expert, each applied to that expert's tokens). Included by linear.cu and
-// moe_experts.cu only.
+// one weight matrix per expert, each applied to that expert's tokens), and linear()'s streaming
+// kernel for one token. Included by linear.cu and the MoE sources (moe_experts.cu, moe_grouped*.cu:
+// they share swiglu_oai) only.
 // Invariant: each weight element is read from memory once per group of up to NT tokens; lane l
 // of a warp always owns the k positions {s * 32 * kVec + l * kVec + i}, so a token's result
 // depends on neither the other tokens, nor the chunking of k through shared memory, nor n: only
