@@ -507,8 +507,10 @@ __device__ __forceinline__ void stream_stage_x(float* xs, const float* x, int64_
   }
 }
 
+// A template (R = kStreamRows) so that every .cu file including this header may hold the
+// kernel: a plain __global__ function defined here is defined once per object and fails to link.
+template <int R>
 __global__ void __launch_bounds__(kStreamWarps * 32, 1) stream_kernel(StreamParams p) {
-  constexpr int R = kStreamRows;
   extern __shared__ float4 gemv_smem[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(gemv_smem);
   float* xs = reinterpret_cast<float*>(smem);
@@ -589,12 +591,13 @@ inline bool stream_on() {
 // Launches stream_kernel over one CTA per SM (its dynamic shared memory limit raised once).
 inline void stream_launch(const StreamParams& p, cudaStream_t stream) {
   static const bool allowed = [] {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    M3_CUDA_CHECK(cudaFuncSetAttribute(stream_kernel<kStreamRows>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(stream_smem_limit())));
     return true;
   }();
   (void)allowed;
-  detail::launch_pdl(stream_kernel, dim3(static_cast<unsigned>(blas::num_sms())),
+  detail::launch_pdl(stream_kernel<kStreamRows>, dim3(static_cast<unsigned>(blas::num_sms())),
                      dim3(kStreamWarps * 32), stream_smem(p.kpad, p.stages), stream, p);
 }
 
