@@ -25,6 +25,7 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
+#include "kernels/cuda/quant_stream.cuh"
 
 namespace m3::kernels {
 namespace {
@@ -85,6 +86,13 @@ struct Bf16Settings {
   }
 };
 
+// qstream's opt-in tensor-core fp8_per_channel kernel on for one scope (restored after).
+struct MmaOn {
+  bool was = cuda::qstream::mma_on();
+  explicit MmaOn(bool on) { cuda::qstream::set_mma_on(on); }
+  ~MmaOn() { cuda::qstream::set_mma_on(was); }
+};
+
 const WeightQuant kAll[] = {WeightQuant::kFp8Channel, WeightQuant::kMxfp8, WeightQuant::kNvfp4,
                             WeightQuant::kMxfp4};
 
@@ -92,14 +100,29 @@ TEST(QuantCuda, GemvMatchesTheCpuLinear) {
   SKIP_WITHOUT_GPU();
   std::mt19937 g(31);
   for (WeightQuant q : kAll) {
-    for (auto [m, k] : {std::pair<int64_t, int64_t>{5, 16}, {37, 96}, {300, 512}, {3072, 6144}}) {
+    // For the 4-bit formats the last three take the streaming one-token kernel at n = 1
+    // (quant_stream.cu: rows for every warp of the grid, k a multiple of 512; 2560 ends in a
+    // chunk of 512, half a warp segment; 1999 rows give uneven warp shares and a partial row
+    // group; the last, 16384: x staged whole at the kernels' largest k).
+    for (auto [m, k] : {std::pair<int64_t, int64_t>{5, 16},
+                        {37, 96},
+                        {300, 512},
+                        {1999, 2560},
+                        {3072, 6144},
+                        {1056, 16384}}) {
       const HostQ h = make(q, m, k, g);
       DeviceBuffer<uint8_t> dd(h.data), ds(h.scale);
       MatRef dw = h.m;
       dw.data = dd.data();
       dw.scale = ds.data();
       ASSERT_TRUE(cuda::quant_op_supported(dw));
-      for (int64_t n : {1, 2, 3, 4, 5, 9}) {
+      // n = 0 stands for n = 1 with qstream's opt-in tensor-core kernel (fp8_per_channel, rows
+      // in 8-row groups: 3072 x 6144).
+      for (int64_t n_or_mma : {1, 2, 3, 4, 5, 9, 0}) {
+        const bool mma = n_or_mma == 0;
+        const int64_t n = mma ? 1 : n_or_mma;
+        if (mma && !(q == WeightQuant::kFp8Channel && m % 8 == 0 && k % 512 == 0)) continue;
+        const MmaOn mma_scope(mma);
         if (m * k > 1000000 && n > 4) continue;  // the big shape at decode sizes only
         const auto x = m3::testing::randn(static_cast<size_t>(n * k), g);
         std::vector<float> want(static_cast<size_t>(n * m));
@@ -119,13 +142,15 @@ TEST(QuantCuda, GemvMatchesTheCpuLinear) {
             for (int64_t c = 0; c < k; ++c) mag += std::fabs(x[t * k + c] * row[c]);
             const double tol = 4 * k * kU * mag + 1e-30;
             if (std::fabs(got[t * m + r] - want[t * m + r]) > tol && ++bad <= 3) {
-              ADD_FAILURE() << weight_quant_name(q) << " m " << m << " k " << k << " n " << n
-                            << " row " << r << " token " << t << ": " << got[t * m + r] << " vs "
-                            << want[t * m + r] << " (tol " << tol << ")";
+              ADD_FAILURE() << weight_quant_name(q) << (mma ? " (mma)" : "") << " m " << m << " k "
+                            << k << " n " << n << " row " << r << " token " << t << ": "
+                            << got[t * m + r] << " vs " << want[t * m + r] << " (tol " << tol
+                            << ")";
             }
           }
         }
-        EXPECT_EQ(bad, 0) << weight_quant_name(q) << " m " << m << " k " << k << " n " << n;
+        EXPECT_EQ(bad, 0) << weight_quant_name(q) << (mma ? " (mma)" : "") << " m " << m << " k "
+                          << k << " n " << n;
       }
     }
   }
@@ -462,14 +487,25 @@ TEST(QuantCuda, MoeExpertsOverQuantizedWeightsMatchTheCpu) {
   const int64_t ne = 8, topk = 2;
   const SwigluParams act{1.702f, 7.0f, 1.0f};
   for (WeightQuant q : kAll) {
-    for (auto [hidden, inter] : {std::pair<int64_t, int64_t>{128, 256}, {64, 32}}) {
+    // {512, 1024}: at n = 1 the 4-bit formats' gate|up and down take the streaming kernel
+    // (quant_stream.cuh).
+    for (auto [hidden, inter] : {std::pair<int64_t, int64_t>{128, 256}, {64, 32}, {512, 1024}}) {
       const QExperts ex(q, ne, hidden, inter, g);
       const MoeExpertWeights &wh = ex.wh, &wd = ex.wd;
-      for (int64_t n :
-           {int64_t{1}, int64_t{3}, int64_t{5}, int64_t{40}, cuda::kMoeGemvMaxTokens + 44}) {
-        const std::string what = std::string(weight_quant_name(q)) + " hidden " +
-                                 std::to_string(hidden) + " inter " + std::to_string(inter) +
-                                 " n " + std::to_string(n);
+      // n = 0: n = 1 with qstream's opt-in tensor-core kernel (fp8_per_channel, the big shape).
+      for (int64_t n_or_mma : {int64_t{1}, int64_t{3}, int64_t{5}, int64_t{40},
+                               cuda::kMoeGemvMaxTokens + 44, int64_t{0}}) {
+        const bool mma = n_or_mma == 0;
+        const int64_t n = mma ? 1 : n_or_mma;
+        if (mma && !(q == WeightQuant::kFp8Channel && hidden == 512)) continue;
+        const MmaOn mma_scope(mma);
+        // The big shape at a few tokens only: its fp32 order differences grow with k and the
+        // MXFP8 scales' range (up to 2^7 x 448 per weight) until a token whose gate lands near
+        // swiglu's clamp moves by more than the bound (measured: 0.3-0.7% at n = 40 and 300).
+        if (hidden == 512 && n > 5) continue;
+        const std::string what = std::string(weight_quant_name(q)) + (mma ? " (mma)" : "") +
+                                 " hidden " + std::to_string(hidden) + " inter " +
+                                 std::to_string(inter) + " n " + std::to_string(n);
         const auto x = m3::testing::randn(static_cast<size_t>(n * hidden), g);
         const auto shared = m3::testing::randn(static_cast<size_t>(n * hidden), g, 0.5f);
         const auto logits = m3::testing::randn(static_cast<size_t>(n * ne), g, 2.f);

@@ -16,6 +16,7 @@
 #include "kernels/cuda/moe_grouped_quant.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
+#include "kernels/cuda/quant_stream.cuh"
 
 namespace m3::kernels::cuda {
 
@@ -486,14 +487,24 @@ void experts_gemv_quant(const float* x, int64_t n, int64_t k, const MoeExpertWei
   const int64_t mean2 = (2 * P + w.num_experts - 1) / w.num_experts;
   const int nt = gemv::nt_bucket(std::min<int64_t>({n, mean2, kGemvTokens}));
   const QuantExperts w1 = quant_experts(w, 0), w3 = quant_experts(w, 1), w2 = quant_experts(w, 2);
-  gemv_quant_grouped(x, l.pair_token, w1, l.act, l.offsets, l.active, l.num_active, slots, nt,
-                     stream);
-  gemv_quant_grouped(x, l.pair_token, w3, l.uq, l.offsets, l.active, l.num_active, slots, nt,
-                     stream);
+  // One token (one position per active expert): the streaming kernel, gate and up in one launch
+  // over every active expert (quant_stream.cuh); the group kernels where it does not take them.
+  const QuantExperts gu[2] = {w1, w3};
+  float* const gu_y[2] = {l.act, l.uq};
+  if (n != 1 || !qstream::grouped(x, l.pair_token, /*x_one_row=*/true, gu, gu_y, 2, l.offsets,
+                                  l.active, l.num_active, slots, stream)) {
+    gemv_quant_grouped(x, l.pair_token, w1, l.act, l.offsets, l.active, l.num_active, slots, nt,
+                       stream);
+    gemv_quant_grouped(x, l.pair_token, w3, l.uq, l.offsets, l.active, l.num_active, slots, nt,
+                       stream);
+  }
   swiglu_kernel<<<grid_for(P * w.inter), 256, 0, stream>>>(l.act, l.uq, P * w.inter, act);
   M3_CUDA_CHECK_LAUNCH("swiglu_kernel");
-  gemv_quant_grouped(l.act, nullptr, w2, l.ye, l.offsets, l.active, l.num_active, slots, nt,
-                     stream);
+  float* const down_y[1] = {l.ye};
+  if (n != 1 || !qstream::grouped(l.act, nullptr, /*x_one_row=*/false, &w2, down_y, 1, l.offsets,
+                                  l.active, l.num_active, slots, stream))
+    gemv_quant_grouped(l.act, nullptr, w2, l.ye, l.offsets, l.active, l.num_active, slots, nt,
+                       stream);
 }
 
 }  // namespace
