@@ -219,6 +219,17 @@ void launch_pdl_attn(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, c
                   std::forward<A>(args)...);
 }
 
+// The dynamic shared memory one block may take on this device (its opt-in limit), read once.
+inline int64_t smem_optin_limit() {
+  static const int64_t v = [] {
+    int dev = 0, optin = 0;
+    M3_CUDA_CHECK(cudaGetDevice(&dev));
+    M3_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    return static_cast<int64_t>(optin);
+  }();
+  return v;
+}
+
 // ---- shared memory addresses, mbarriers and bulk (TMA) copies (sm_90) ----
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

@@ -449,13 +449,7 @@ inline size_t stream_smem(int kpad, int stages) {
 }
 // The dynamic shared memory stream_kernel may take: the device's per-block opt-in limit.
 inline int64_t stream_smem_limit() {
-  static const int64_t v = [] {
-    int dev = 0, optin = 0;
-    M3_CUDA_CHECK(cudaGetDevice(&dev));
-    M3_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    return static_cast<int64_t>(optin);
-  }();
-  return v;
+  return detail::smem_optin_limit();
 }
 // Ring stages per warp in what stream_smem_limit leaves past x and the barriers (0: too few).
 inline int stream_stages(int kpad) {

@@ -145,6 +145,26 @@ __device__ __forceinline__ void stage_x(float* dst, const float* x, int64_t k, i
   }
 }
 
+// The launch's active expert slots (grouped: the router's output, after pdl_enter) into the slot
+// table: slot s's expert and position; returns their count (1 for a dense matrix). Every thread
+// of the CTA calls it.
+__device__ __forceinline__ int load_slots(const Params& p, bool grouped, int* slot_e, int* slot_p,
+                                          int* active_n) {
+  if (grouped) {
+    detail::pdl_enter();
+    if (threadIdx.x == 0) *active_n = min(*p.num_active, kMaxSlots);
+    if (threadIdx.x < kMaxSlots) {
+      const int s = threadIdx.x;
+      const int e = s < *p.num_active ? p.active[s] : 0;
+      slot_e[s] = e;
+      slot_p[s] = s < *p.num_active ? p.offsets[e] : 0;
+    }
+    __syncthreads();
+  }
+  __syncwarp();
+  return grouped ? *active_n : 1;
+}
+
 // A warp's walk over its rows: row group (v: first virtual row, nr rows of one matrix) and
 // chunk c. Issue and consume walk it alike, S items apart.
 struct Cursor {
@@ -175,19 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1) qstream_kernel(Params p) {
     for (int st = 0; st < S; ++st) detail::mbar_init(bar0 + 8 * st, 1);
     detail::mbar_fence_init();
   }
-  if (grouped) {
-    detail::pdl_enter();  // the slots are the router's output
-    if (threadIdx.x == 0) *active_n = min(*p.num_active, kMaxSlots);
-    if (threadIdx.x < kMaxSlots) {
-      const int s = threadIdx.x;
-      const int e = s < *p.num_active ? p.active[s] : 0;
-      slot_e[s] = e;
-      slot_p[s] = s < *p.num_active ? p.offsets[e] : 0;
-    }
-    __syncthreads();
-  }
-  __syncwarp();
-  const int A = grouped ? *active_n : 1;
+  const int A = load_slots(p, grouped, slot_e, slot_p, active_n);
 
   // This warp's virtual rows [v0, v1) of nproj x A matrices of m rows: an even share.
   const int64_t V = static_cast<int64_t>(p.nproj) * A * p.m;
@@ -435,19 +443,7 @@ __global__ void __launch_bounds__(kThreads, 1) qmma_kernel(Params p) {
     for (int st = 0; st < S; ++st) detail::mbar_init(bar0 + 8 * st, 1);
     detail::mbar_fence_init();
   }
-  if (grouped) {
-    detail::pdl_enter();
-    if (threadIdx.x == 0) *active_n = min(*p.num_active, kMaxSlots);
-    if (threadIdx.x < kMaxSlots) {
-      const int s = threadIdx.x;
-      const int e = s < *p.num_active ? p.active[s] : 0;
-      slot_e[s] = e;
-      slot_p[s] = s < *p.num_active ? p.offsets[e] : 0;
-    }
-    __syncthreads();
-  }
-  __syncwarp();
-  const int A = grouped ? *active_n : 1;
+  const int A = load_slots(p, grouped, slot_e, slot_p, active_n);
 
   // This CTA's 8-row groups [q0, q1) of nproj x A matrices; this warp's k slice.
   const int64_t gpm = p.m / 8;
@@ -565,13 +561,7 @@ int num_sms() {
 }
 
 int64_t smem_limit() {
-  static const int64_t v = [] {
-    int dev = 0, optin = 0;
-    M3_CUDA_CHECK(cudaGetDevice(&dev));
-    M3_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    return static_cast<int64_t>(optin);
-  }();
-  return v;
+  return detail::smem_optin_limit();
 }
 
 template <WeightQuant Q>
@@ -668,16 +658,21 @@ int kpad_of(int64_t k) {
 
 std::atomic<int> g_on{-1};
 
+// A process-wide switch: the environment's value (or `def`) until set.
+bool switch_value(std::atomic<int>& v, const char* env, bool def) {
+  int x = v.load(std::memory_order_relaxed);
+  if (x < 0) {
+    int expected = -1;
+    v.compare_exchange_strong(expected, env_switch(env, def) ? 1 : 0);
+    x = v.load(std::memory_order_relaxed);
+  }
+  return x == 1;
+}
+
 }  // namespace
 
 bool on() {
-  int v = g_on.load(std::memory_order_relaxed);
-  if (v < 0) {
-    int expected = -1;
-    g_on.compare_exchange_strong(expected, env_switch("M3_QUANT_STREAM", true) ? 1 : 0);
-    v = g_on.load(std::memory_order_relaxed);
-  }
-  return v == 1;
+  return switch_value(g_on, "M3_QUANT_STREAM", true);
 }
 
 void set_on(bool v) {
@@ -685,13 +680,7 @@ void set_on(bool v) {
 }
 
 bool mma_on() {
-  int v = g_mma.load(std::memory_order_relaxed);
-  if (v < 0) {
-    int expected = -1;
-    g_mma.compare_exchange_strong(expected, env_switch("M3_QUANT_MMA", false) ? 1 : 0);
-    v = g_mma.load(std::memory_order_relaxed);
-  }
-  return v == 1;
+  return switch_value(g_mma, "M3_QUANT_MMA", false);
 }
 
 void set_mma_on(bool v) {
