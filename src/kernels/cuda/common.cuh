@@ -230,6 +230,17 @@ inline int64_t smem_optin_limit() {
   return v;
 }
 
+// Lets `Kernel` take up to smem_optin_limit() of dynamic shared memory (set once per kernel).
+template <auto Kernel>
+void allow_optin_smem() {
+  static const bool done = [] {
+    M3_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem_optin_limit())));
+    return true;
+  }();
+  (void)done;
+}
+
 // ---- shared memory addresses, mbarriers and bulk (TMA) copies (sm_90) ----
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

@@ -447,13 +447,10 @@ __host__ __device__ inline size_t stream_ring_offset(int kpad) {
 inline size_t stream_smem(int kpad, int stages) {
   return stream_ring_offset(kpad) + static_cast<size_t>(kStreamWarps) * stages * kStreamStageBytes;
 }
-// The dynamic shared memory stream_kernel may take: the device's per-block opt-in limit.
-inline int64_t stream_smem_limit() {
-  return detail::smem_optin_limit();
-}
-// Ring stages per warp in what stream_smem_limit leaves past x and the barriers (0: too few).
+// Ring stages per warp in what the device's opt-in shared memory (detail::smem_optin_limit)
+// leaves past x and the barriers (0: too few).
 inline int stream_stages(int kpad) {
-  const int64_t left = stream_smem_limit() - static_cast<int64_t>(stream_ring_offset(kpad));
+  const int64_t left = detail::smem_optin_limit() - static_cast<int64_t>(stream_ring_offset(kpad));
   const int64_t s = std::min<int64_t>(
       kStreamMaxStages, left / (static_cast<int64_t>(kStreamWarps) * kStreamStageBytes));
   return s >= 2 ? static_cast<int>(s) : 0;
@@ -584,13 +581,7 @@ inline bool stream_on() {
 
 // Launches stream_kernel over one CTA per SM (its dynamic shared memory limit raised once).
 inline void stream_launch(const StreamParams& p, cudaStream_t stream) {
-  static const bool allowed = [] {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(stream_kernel<kStreamRows>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(stream_smem_limit())));
-    return true;
-  }();
-  (void)allowed;
+  detail::allow_optin_smem<stream_kernel<kStreamRows>>();
   detail::launch_pdl(stream_kernel<kStreamRows>, dim3(static_cast<unsigned>(blas::num_sms())),
                      dim3(kStreamWarps * 32), stream_smem(p.kpad, p.stages), stream, p);
 }

@@ -337,18 +337,19 @@ __global__ void __launch_bounds__(kThreads, 1) qstream_kernel(Params p) {
 }
 
 // ---- fp8_per_channel on the tensor cores ----
-// The CUDA-core loop above spends ~4 instructions per fp8 byte (the decode, then one FMA per
-// code) and with 8 warps per SM cannot issue them at the bandwidth: it ran at 40-45% of the copy
-// bandwidth. Here each e4m3 pair converts once to an f16 pair (exact) that is the B operand of an
-// m16n8k16 MMA as it stands, so a warp spends ~10 instructions per 512 bytes. B = 8 weight rows
-// (its 8 columns) x 16 codes; A = the x terms: row 0 x_hi, row 1 x_lo, with x scaled by 2^-E
-// (E from x's largest magnitude, so it sits in [2^14, 2^15)) and x_hi = f16(x), x_lo = f16(x -
-// x_hi): 22 bits of x, fp32 accumulation. A lane's k slots map to 16 consecutive codes of its
-// row (the k order inside a 64-code window is free: A uses the same map), so it reads them as
-// one 16-byte load. A CTA works through 8-row groups (an even share of all groups of the
-// launch), one CTA-wide ring stage per group (thread 0 issues it, one mbarrier per stage); its 8
-// warps split k (k / 8 each), and after a barrier warp 0 sums the warps' partials in warp order
-// (deterministic) while thread 0 refills the stage. The first form (per-warp rings of 8 rows x
+// The CUDA-core loop above, run over fp8 rows (a form since removed), spent ~4 instructions per
+// code byte (the decode, then one FMA per code) and with 8 warps per SM could not issue them at
+// the bandwidth: it ran at 40-45% of the copy bandwidth. Here each e4m3 pair converts once to an
+// f16 pair (exact) that is the B operand of an m16n8k16 MMA as it stands, so a warp spends ~10
+// instructions per 512 bytes. B = 8 weight rows (its 8 columns) x 16 codes; A = the x terms: row 0
+// x_hi, row 1 x_lo, with x scaled by 2^-E (E from x's largest magnitude, so it sits in [2^14,
+// 2^15)) and x_hi = f16(x), x_lo = f16(x - x_hi): 22 bits of x, fp32 accumulation. A lane's k slots
+// map to 16 consecutive codes of its row (the k order inside a 64-code window is free: A uses the
+// same map), so it reads them as one 16-byte load. A CTA works through 8-row groups (an even share
+// of all groups of the launch), one CTA-wide ring stage per group (thread 0 issues it, one mbarrier
+// per stage); its 8 warps split k (k / 8 each), and after a barrier warp 0 sums the warps' partials
+// in warp order (deterministic) while thread 0 refills the stage. The first form (per-warp rings of
+// 8 rows x
 // <= 512 bytes, 8 bulk copies per 4.5 KB stage) measured 38.3 us on q_proj against the group
 // kernel's 22.8; this one has not run on the GPU yet at the time of writing.
 // A stage is one 8-row group, whole rows (8 bulk copies of k bytes), at a row pitch of k + 64 so
@@ -552,13 +553,10 @@ int num_sms() {
   return v;
 }
 
-int64_t smem_limit() {
-  return detail::smem_optin_limit();
-}
-
 template <WeightQuant Q>
 int stages_for(int xcopies, int kpad) {
-  const int64_t left = smem_limit() - static_cast<int64_t>(ring_offset(xcopies, kpad));
+  const int64_t left =
+      detail::smem_optin_limit() - static_cast<int64_t>(ring_offset(xcopies, kpad));
   const int64_t s =
       std::min<int64_t>(kMaxStages, left / (static_cast<int64_t>(kWarps) * Fmt<Q>::kStage));
   return s >= 2 ? static_cast<int>(s) : 0;
@@ -566,13 +564,7 @@ int stages_for(int xcopies, int kpad) {
 
 template <WeightQuant Q>
 void launch(const Params& p, cudaStream_t stream) {
-  static const bool allowed = [] {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(qstream_kernel<Q>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem_limit())));
-    return true;
-  }();
-  (void)allowed;
+  detail::allow_optin_smem<qstream_kernel<Q>>();
   const size_t smem =
       ring_offset(p.xcopies, p.kpad) + static_cast<size_t>(kWarps) * p.stages * Fmt<Q>::kStage;
   detail::launch_pdl(qstream_kernel<Q>, dim3(static_cast<unsigned>(num_sms())), dim3(kThreads),
@@ -604,16 +596,11 @@ bool mma_takes(const MatRef& w) {
 
 bool run_mma(Params p, cudaStream_t stream) {
   const size_t off = mma_ring_offset(p.xcopies, p.k);
-  const int64_t left = smem_limit() - static_cast<int64_t>(off);
+  const int64_t left = detail::smem_optin_limit() - static_cast<int64_t>(off);
   const int64_t stage = 8 * mma_pitch(p.k);
   p.stages = static_cast<int>(std::min<int64_t>(kMaxStages, left / stage));
   if (p.stages < 2) return false;
-  static const bool allowed = [] {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(qmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem_limit())));
-    return true;
-  }();
-  (void)allowed;
+  detail::allow_optin_smem<qmma_kernel>();
   detail::launch_pdl(qmma_kernel, dim3(static_cast<unsigned>(num_sms())), dim3(kThreads),
                      off + static_cast<size_t>(p.stages * stage), stream, p);
   return true;
