@@ -5,12 +5,13 @@
 // as a fraction of the device copy bandwidth measured in the same run; per prefill, the FLOPs of
 // the GEMM and MoE parts over the layer time (a lower bound on their rate: attention, norms and
 // routing share the time). Usage: bench_layer [ctx=8192] [iters=20] [bf16|exact] [kv] [index]
-// [weights=bf16] [prefill=32768]
+// [weights=bf16] [prefill=32768] [batches=1,8,64,256]
 // (the GEMM precision, `--gemm-precision` of serve, default bf16; the KV and index-K formats,
 // float32|bfloat16|fp8, default bfloat16 and the KV's, as `serve --device cuda` defaults; the
 // weight formats, a comma list of synthetic:...,weights= values (bf16, fp8, mxfp8, nvfp4,
 // mxfp4), each measured in turn in the same run, with its weight bytes from the device views;
-// prefill: the longest prefill measured of 8K and 32K tokens, 0 none).
+// prefill: the longest prefill measured of 8K and 32K tokens, 0 none; batches: the decode
+// batches, a comma list).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -43,7 +44,8 @@ using m3::model::M3ModelCuda;
 
 int run_format(const M3Config& cfg, const std::string& fmt, m3::kernels::WeightQuant weights,
                double bw, int64_t ctx, int iters, int64_t max_prefill,
-               m3::kernels::KvDtype kv_dtype, m3::kernels::KvDtype ik_dtype);
+               m3::kernels::KvDtype kv_dtype, m3::kernels::KvDtype ik_dtype,
+               const std::vector<int>& batches);
 
 }  // namespace
 
@@ -71,6 +73,21 @@ int main(int argc, char** argv) {
   }
   const std::string formats = argc > 6 ? argv[6] : "bf16";
   const int64_t max_prefill = argc > 7 ? std::atoll(argv[7]) : 32768;
+  std::vector<int> batches;
+  {
+    const std::string list = argc > 8 ? argv[8] : "1,8,64,256";
+    size_t at = 0;
+    while (at <= list.size()) {
+      const size_t end = std::min(list.find(',', at), list.size());
+      const int b = std::atoi(list.substr(at, end - at).c_str());
+      if (b < 1) {
+        std::fprintf(stderr, "bench_layer: batches '%s': each a positive integer\n", list.c_str());
+        return 2;
+      }
+      batches.push_back(b);
+      at = end + 1;
+    }
+  }
   // One layer that is both MoE and MSA (M3's layers 3..59).
   M3Config cfg = m3::model::synthetic_m3_config(1);
   cfg.layer_is_moe.assign(1, true);
@@ -94,7 +111,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "bench_layer: %s\n", spec.error().message.c_str());
       return 1;
     }
-    rc |= run_format(cfg, fmt, spec->weights, bw, ctx, iters, max_prefill, kv_dtype, ik_dtype);
+    rc |= run_format(cfg, fmt, spec->weights, bw, ctx, iters, max_prefill, kv_dtype, ik_dtype,
+                     batches);
   }
   return rc;
 }
@@ -103,7 +121,8 @@ namespace {
 
 int run_format(const M3Config& cfg, const std::string& fmt, m3::kernels::WeightQuant weights,
                double bw, int64_t ctx, int iters, int64_t max_prefill,
-               m3::kernels::KvDtype kv_dtype, m3::kernels::KvDtype ik_dtype) {
+               m3::kernels::KvDtype kv_dtype, m3::kernels::KvDtype ik_dtype,
+               const std::vector<int>& batches) {
   auto model = M3ModelCuda::synthetic(cfg, 1, 0, nullptr, nullptr, nullptr, weights);
   if (!model) {
     std::fprintf(stderr, "bench_layer: %s\n", model.error().message.c_str());
@@ -144,7 +163,7 @@ int run_format(const M3Config& cfg, const std::string& fmt, m3::kernels::WeightQ
               static_cast<long long>(ctx));
   std::printf("%6s %10s %12s %12s %10s %8s\n", "batch", "ms/step", "weights MB", "KV MB", "GB/s",
               "of bw");
-  for (int B : {1, 8, 64, 256}) {
+  for (int B : batches) {
     const int64_t pages_per_seq = (ctx + 1 + page - 1) / page;
     KvCacheCuda cache(cfg, B * pages_per_seq);
     ForwardBatch b = make_batch(B, ctx, 1, pages_per_seq, cfg.vocab_size);

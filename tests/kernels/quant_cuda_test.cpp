@@ -86,11 +86,19 @@ struct Bf16Settings {
   }
 };
 
-// qstream's opt-in tensor-core fp8_per_channel kernel on for one scope (restored after).
+// qstream's tensor-core kernel for fp8_per_channel (on by default) set for one scope (restored
+// after), for up to 4 tokens of a dense matrix (the default is 1).
 struct MmaOn {
   bool was = cuda::qstream::mma_on();
-  explicit MmaOn(bool on) { cuda::qstream::set_mma_on(on); }
-  ~MmaOn() { cuda::qstream::set_mma_on(was); }
+  int tokens = cuda::qstream::mma_tokens();
+  explicit MmaOn(bool on) {
+    cuda::qstream::set_mma_on(on);
+    cuda::qstream::set_mma_tokens(4);
+  }
+  ~MmaOn() {
+    cuda::qstream::set_mma_on(was);
+    cuda::qstream::set_mma_tokens(tokens);
+  }
 };
 
 const WeightQuant kAll[] = {WeightQuant::kFp8Channel, WeightQuant::kMxfp8, WeightQuant::kNvfp4,
@@ -116,12 +124,14 @@ TEST(QuantCuda, GemvMatchesTheCpuLinear) {
       dw.data = dd.data();
       dw.scale = ds.data();
       ASSERT_TRUE(cuda::quant_op_supported(dw));
-      // n = 0 stands for n = 1 with qstream's opt-in tensor-core kernel (fp8_per_channel, rows
-      // in 8-row groups: 3072 x 6144).
+      // fp8_per_channel takes qstream's tensor-core kernel where the rows are whole 8-row
+      // groups for every SM (3072 x 6144, 1056 x 16384), here at 1-4 tokens (MmaOn; 4 tokens of
+      // k = 16384 do not fit and take the group kernel); n = 0 stands for n = 1 with it off
+      // (quant_gemv.cu's group kernel).
       for (int64_t n_or_mma : {1, 2, 3, 4, 5, 9, 0}) {
-        const bool mma = n_or_mma == 0;
-        const int64_t n = mma ? 1 : n_or_mma;
-        if (mma && !(q == WeightQuant::kFp8Channel && m % 8 == 0 && k % 512 == 0)) continue;
+        const bool mma = n_or_mma != 0;
+        const int64_t n = mma ? n_or_mma : 1;
+        if (!mma && q != WeightQuant::kFp8Channel) continue;
         const MmaOn mma_scope(mma);
         if (m * k > 1000000 && n > 4) continue;  // the big shape at decode sizes only
         const auto x = m3::testing::randn(static_cast<size_t>(n * k), g);
@@ -142,15 +152,15 @@ TEST(QuantCuda, GemvMatchesTheCpuLinear) {
             for (int64_t c = 0; c < k; ++c) mag += std::fabs(x[t * k + c] * row[c]);
             const double tol = 4 * k * kU * mag + 1e-30;
             if (std::fabs(got[t * m + r] - want[t * m + r]) > tol && ++bad <= 3) {
-              ADD_FAILURE() << weight_quant_name(q) << (mma ? " (mma)" : "") << " m " << m << " k "
-                            << k << " n " << n << " row " << r << " token " << t << ": "
+              ADD_FAILURE() << weight_quant_name(q) << (mma ? "" : " (mma off)") << " m " << m
+                            << " k " << k << " n " << n << " row " << r << " token " << t << ": "
                             << got[t * m + r] << " vs " << want[t * m + r] << " (tol " << tol
                             << ")";
             }
           }
         }
-        EXPECT_EQ(bad, 0) << weight_quant_name(q) << (mma ? " (mma)" : "") << " m " << m << " k "
-                          << k << " n " << n;
+        EXPECT_EQ(bad, 0) << weight_quant_name(q) << (mma ? "" : " (mma off)") << " m " << m
+                          << " k " << k << " n " << n;
       }
     }
   }
@@ -487,23 +497,23 @@ TEST(QuantCuda, MoeExpertsOverQuantizedWeightsMatchTheCpu) {
   const int64_t ne = 8, topk = 2;
   const SwigluParams act{1.702f, 7.0f, 1.0f};
   for (WeightQuant q : kAll) {
-    // {512, 1024}: at n = 1 the 4-bit formats' gate|up and down take the streaming kernel
-    // (quant_stream.cuh).
+    // {512, 1024}: at n = 1 gate|up and down take qstream's kernels (quant_stream.cuh): the
+    // CUDA-core stream for the 4-bit formats, the tensor-core kernel for fp8_per_channel.
     for (auto [hidden, inter] : {std::pair<int64_t, int64_t>{128, 256}, {64, 32}, {512, 1024}}) {
       const QExperts ex(q, ne, hidden, inter, g);
       const MoeExpertWeights &wh = ex.wh, &wd = ex.wd;
-      // n = 0: n = 1 with qstream's opt-in tensor-core kernel (fp8_per_channel, the big shape).
+      // n = 0: n = 1 with qstream's tensor-core kernel off (fp8_per_channel, the big shape).
       for (int64_t n_or_mma : {int64_t{1}, int64_t{3}, int64_t{5}, int64_t{40},
                                cuda::kMoeGemvMaxTokens + 44, int64_t{0}}) {
-        const bool mma = n_or_mma == 0;
-        const int64_t n = mma ? 1 : n_or_mma;
-        if (mma && !(q == WeightQuant::kFp8Channel && hidden == 512)) continue;
+        const bool mma = n_or_mma != 0;
+        const int64_t n = mma ? n_or_mma : 1;
+        if (!mma && (q != WeightQuant::kFp8Channel || hidden != 512)) continue;
         const MmaOn mma_scope(mma);
         // The big shape at a few tokens only: its fp32 order differences grow with k and the
         // MXFP8 scales' range (up to 2^7 x 448 per weight) until a token whose gate lands near
         // swiglu's clamp moves by more than the bound (measured: 0.3-0.7% at n = 40 and 300).
         if (hidden == 512 && n > 5) continue;
-        const std::string what = std::string(weight_quant_name(q)) + (mma ? " (mma)" : "") +
+        const std::string what = std::string(weight_quant_name(q)) + (mma ? "" : " (mma off)") +
                                  " hidden " + std::to_string(hidden) + " inter " +
                                  std::to_string(inter) + " n " + std::to_string(n);
         const auto x = m3::testing::randn(static_cast<size_t>(n * hidden), g);

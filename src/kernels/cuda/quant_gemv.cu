@@ -494,7 +494,7 @@ void gemv_quant(const float* x, int64_t n, const MatRef& w, float* y, cudaStream
   M3_CHECK(quant_op_supported(w), "gemv_quant: %s weights of %lld columns (a multiple of 16)",
            weight_quant_name(w.quant), static_cast<long long>(w.cols));
   if (n <= 0) return;
-  if (n == 1 && qstream::dense(x, w, y, stream)) return;  // quant_stream.cu
+  if (n <= 4 && qstream::dense(x, n, w, y, stream)) return;  // quant_stream.cu
   const Args a = args_of(x, w, y);
   switch (w.quant) {
     case WeightQuant::kFp8Channel:

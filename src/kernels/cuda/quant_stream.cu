@@ -12,13 +12,14 @@
 //   sums their products with x in fp32, multiplies that by the block's scale (MXFP4: one per 32,
 //   NVFP4: one per 16) and the warp's sum by NVFP4's global scale: the CPU twin's exact products
 //   in another fp32 order, within quant_cuda_test's gemv_quant bound.
-// - qmma_kernel, fp8_per_channel on the tensor cores, opt-in (comment below: slower as it
-//   stands).
+// - qdirect_kernel, fp8_per_channel on the tensor cores (comment below).
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 
 #include "core/check.h"
 #include "core/env.h"
@@ -72,6 +73,9 @@ struct Params {
   int xcopies = 1;  // x rows staged: 1 (dense, or every position's x is one row), else one per slot
   int kpad = 0;     // x elements staged per row: k rounded up to 1024 (zeros past k)
   int stages = 0;   // ring stages per warp
+  int slots = 1;    // qdirect_kernel: matrices per projection (grouped: the expert slots)
+  int cpm = 0;      // qdirect_kernel: CTAs per matrix
+  int ntok = 1;     // qdirect_kernel: tokens (dense: x rows, y rows; grouped: 1)
 };
 
 // Shared memory: x (xcopies x kpad f32), the slot table (expert, position per slot; the active
@@ -336,45 +340,35 @@ __global__ void __launch_bounds__(kThreads, 1) qstream_kernel(Params p) {
   }
 }
 
-// ---- fp8_per_channel on the tensor cores ----
+// ---- fp8_per_channel on the tensor cores: qdirect_kernel ----
 // The CUDA-core loop above, run over fp8 rows (a form since removed), spent ~4 instructions per
-// code byte (the decode, then one FMA per code) and with 8 warps per SM could not issue them at
-// the bandwidth: it ran at 40-45% of the copy bandwidth. Here each e4m3 pair converts once to an
-// f16 pair (exact) that is the B operand of an m16n8k16 MMA as it stands, so a warp spends ~10
-// instructions per 512 bytes. B = 8 weight rows (its 8 columns) x 16 codes; A = the x terms: row 0
-// x_hi, row 1 x_lo, with x scaled by 2^-E (E from x's largest magnitude, so it sits in [2^14,
-// 2^15)) and x_hi = f16(x), x_lo = f16(x - x_hi): 22 bits of x, fp32 accumulation. A lane's k slots
-// map to 16 consecutive codes of its row (the k order inside a 64-code window is free: A uses the
-// same map), so it reads them as one 16-byte load. A CTA works through 8-row groups (an even share
-// of all groups of the launch), one CTA-wide ring stage per group (thread 0 issues it, one mbarrier
-// per stage); its 8 warps split k (k / 8 each), and after a barrier warp 0 sums the warps' partials
-// in warp order (deterministic) while thread 0 refills the stage. The first form (per-warp rings of
-// 8 rows x
-// <= 512 bytes, 8 bulk copies per 4.5 KB stage) measured 38.3 us on q_proj against the group
-// kernel's 22.8; this one has not run on the GPU yet at the time of writing.
-// A stage is one 8-row group, whole rows (8 bulk copies of k bytes), at a row pitch of k + 64 so
-// that the lanes' 16-byte loads of two rows fall in different banks.
-__host__ __device__ inline int64_t mma_pitch(int64_t k) {
-  return k + 64;
-}
-
-// Shared memory of qmma_kernel: x_hi, x_lo (f16, xcopies x k each), the x factors, the slot
-// table, the warps' partials (two groups), the stage barriers, the ring of stages.
-__host__ __device__ inline size_t mma_fac_offset(int xcopies, int64_t k) {
-  return static_cast<size_t>(xcopies) * k * 4;  // two f16 arrays
-}
-__host__ __device__ inline size_t mma_table_offset(int xcopies, int64_t k) {
-  return mma_fac_offset(xcopies, k) + kMaxSlots * 4;
-}
-__host__ __device__ inline size_t mma_part_offset(int xcopies, int64_t k) {
-  return mma_table_offset(xcopies, k) + (2 * kMaxSlots + 2) * 4 + 8 * 4;  // + red[8]
-}
-__host__ __device__ inline size_t mma_bar_offset(int xcopies, int64_t k) {
-  return (mma_part_offset(xcopies, k) + 2 * kWarps * 8 * 4 + 7) / 8 * 8;
-}
-__host__ __device__ inline size_t mma_ring_offset(int xcopies, int64_t k) {
-  return (mma_bar_offset(xcopies, k) + kMaxStages * 8 + 127) / 128 * 128;
-}
+// code byte and could not issue them at the bandwidth (40-45% of the copy bandwidth). Here each
+// e4m3 pair converts once to an f16 pair (exact) that is the B operand of an m16n8k16 MMA as it
+// stands: ~14 instructions per 16 code bytes per lane, MMAs included. B = the 8 rows of a warp's
+// row group (its 8 columns) x 16 codes; A = the x terms: row 0 x_hi, row 1 x_lo, with x scaled
+// by 2^-E (E from x's largest magnitude, so that it sits below 2^15) and x_hi = f16(x), x_lo =
+// f16(x - x_hi): 22 bits of x, fp32 accumulation; A's rows 2-15 are zero. A lane's k slots map
+// to consecutive codes of its row (the k order inside an MMA is free: A uses the same map): a
+// piece is a lane's 16 bytes at 64j + 16t of its row (t = lane % 4), its four MMAs accumulate in
+// four chains, and the row's channel scale applies at the end.
+// No shared-memory ring: each warp streams its rows straight into registers (U pieces in flight
+// per lane, the first U issued before pdl_enter for a dense matrix); the CTA's warps share x,
+// staged once as f16 hi / lo. One CTA per 4 / KS row groups of one matrix (dense: the matrix;
+// grouped: each projection of each expert slot), KS warps splitting a group's k. A row's sum
+// adds its partial sums in one fixed order: deterministic.
+// Measured against it (H200, bench_quant_gemv --quick, n = 1): qmma_kernel, the form before
+// (8-row groups through a CTA-wide ring of bulk copies, k split over 8 warps, a CTA barrier per
+// group: q_proj 38.3 us first, 27 us rewritten); the same kernel over MXFP8 (8-byte pieces so
+// that a row's four lanes cover one 32-code block, each piece's two MMAs in a zeroed tile scaled
+// by the block's E8M0): 12.9 / 15.2 / 28.1 / 32.1 us on expert w1 / w2 / q_proj / dense gate
+// against the group kernel's 12.1 / 13.5 / 27.0 / 36.1 (twice the instructions per byte), so
+// MXFP8 stays on the group kernel.
+constexpr int kPieceBytes = 16;  // a lane's bytes per piece
+constexpr int kPieceStep = 64;   // row bytes per piece index
+constexpr int kInFlight = 16;    // pieces in flight per lane
+constexpr int kLoPad = 8;        // f16 between x_hi and x_lo (the lo reads' bank offset)
+constexpr int kDirectWarps = 4;  // warps per CTA
+constexpr int kDirectThreads = 32 * kDirectWarps;
 
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t v) {
   const __half2_raw h =
@@ -391,155 +385,176 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a2,
       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
 }
 
-// x row (k f32) -> hi / lo f16 arrays scaled by 2^-E, *fac = 2^E; by every thread of the CTA
-// (`red`: 8 floats of shared memory); ends with a barrier.
-__device__ __forceinline__ void mma_stage_x(__half* hi, __half* lo, float* fac, const float* x,
-                                            int64_t k, float* red) {
-  float mx = 0.f;
-  for (int64_t i = threadIdx.x * 4; i < k; i += kThreads * 4) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(x + i));
-    mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-  }
-  mx = detail::warp_max(mx);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
-  __syncthreads();
-  mx = red[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
-  int e = 0;
-  if (mx > 0.f && mx < INFINITY) frexpf(mx, &e);  // mx < 2^e
-  const float down = ldexpf(1.f, 15 - e);
-  for (int64_t i = threadIdx.x * 4; i < k; i += kThreads * 4) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(x + i));
-    const float f[4] = {v.x * down, v.y * down, v.z * down, v.w * down};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const __half h = __float2half_rn(f[j]);
-      hi[i + j] = h;
-      lo[i + j] = __float2half_rn(f[j] - __half2float(h));
-    }
-  }
-  if (threadIdx.x == 0) *fac = ldexpf(1.f, e - 15);
-  __syncthreads();
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
 }
 
-__global__ void __launch_bounds__(kThreads, 1) qmma_kernel(Params p) {
-  extern __shared__ float4 qmma_smem[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(qmma_smem);
-  const int64_t K = p.k;
-  __half* xh = reinterpret_cast<__half*>(smem);
-  __half* xl = xh + static_cast<size_t>(p.xcopies) * K;
-  float* xfac = reinterpret_cast<float*>(smem + mma_fac_offset(p.xcopies, K));
-  int* slot_e = reinterpret_cast<int*>(smem + mma_table_offset(p.xcopies, K));
-  int* slot_p = slot_e + kMaxSlots;
-  int* active_n = slot_p + kMaxSlots;
-  float* red = reinterpret_cast<float*>(active_n + 2);
-  float* part = reinterpret_cast<float*>(smem + mma_part_offset(p.xcopies, K));  // [2][8][8]
+// Shared memory of qdirect_kernel: per token x_hi [k], kLoPad, x_lo [k], kLoPad (f16), then the
+// tokens' x factors, the max-reduction slots and the warps' partial sums.
+__host__ __device__ inline int64_t direct_token_stride(int64_t k) {  // f16 elements
+  return 2 * (k + kLoPad);
+}
+__host__ __device__ inline size_t direct_fac_offset(int64_t k, int nt) {
+  return static_cast<size_t>(nt * direct_token_stride(k)) * 2;
+}
+__host__ __device__ inline size_t direct_smem(int64_t k, int nt) {
+  return direct_fac_offset(k, nt) + (nt + kDirectWarps + 8 * kDirectWarps * nt) * 4;
+}
+
+// NT tokens (1, 2 or 4; p.ntok <= NT of them real): A row 2i is token i's x_hi, 2i + 1 its
+// x_lo, so one read of the weights serves up to 4 tokens. KS warps share an 8-row group, each a
+// contiguous k slice of it (more warps in flight for matrices with few rows); their partial sums
+// add in slice order.
+template <int NT, int KS>
+__global__ void __launch_bounds__(kDirectThreads) qdirect_kernel(Params p) {
+  constexpr int U = kInFlight;
+  constexpr int kGroups = kDirectWarps / KS;  // 8-row groups per CTA
+  extern __shared__ float4 qdirect_smem[];
+  __half* xs = reinterpret_cast<__half*>(qdirect_smem);
+  const int64_t K = p.k, TS = direct_token_stride(K);
+  float* xfac = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(qdirect_smem) +
+                                         direct_fac_offset(K, NT));
+  float* red = xfac + NT;
+  float* part = red + kDirectWarps;  // [warp][NT][8]
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
-  const int S = p.stages;
-  const int64_t pitch = mma_pitch(K);
-  const size_t stage_bytes = static_cast<size_t>(8 * pitch);
-  const uint32_t bar0 = detail::smem_addr(smem + mma_bar_offset(p.xcopies, K));
-  const unsigned char* ring_p = smem + mma_ring_offset(p.xcopies, K);
-  const uint32_t ring = detail::smem_addr(ring_p);
+  const int ks = warp % KS;
+  const int mat = static_cast<int>(blockIdx.x / p.cpm);
+  const int64_t group = static_cast<int64_t>(blockIdx.x % p.cpm) * kGroups + warp / KS;
+  const int proj = mat / p.slots, slot = mat % p.slots;
+  const Proj& pr = proj == 0 ? p.proj[0] : p.proj[1];
   const bool grouped = p.active != nullptr;
-
-  if (threadIdx.x == 0) {
-    for (int st = 0; st < S; ++st) detail::mbar_init(bar0 + 8 * st, 1);
-    detail::mbar_fence_init();
+  int64_t e = 0, pos = 0;
+  if (grouped) {
+    detail::pdl_enter();                // the router's output
+    if (slot >= *p.num_active) return;  // the whole CTA: one slot
+    e = p.active[slot];
+    pos = p.offsets[e];
   }
-  const int A = load_slots(p, grouped, slot_e, slot_p, active_n);
+  const bool has = group * 8 < p.m;
+  const int64_t row0 = group * 8;
+  const int np = static_cast<int>(K / kPieceStep / KS);  // this warp's pieces
+  const int j0 = ks * np;
+  constexpr int kStride = kPieceStep / kPieceBytes;  // in uint4s
+  const uint4* wp = reinterpret_cast<const uint4*>(pr.w + e * p.w_stride +
+                                                   (row0 + g) * p.row_bytes + t * kPieceBytes) +
+                    static_cast<int64_t>(j0) * kStride;
+  uint4 buf[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    buf[u] = make_uint4(0u, 0u, 0u, 0u);
+    if (has && u < np) buf[u] = ld_stream(wp + u * kStride);
+  }
+  // The channel scales of rows 2t, 2t + 1 (the D fragment's columns), loaded now.
+  float cs0 = 1.f, cs1 = 1.f;
+  if (has && g % 2 == 0) {
+    const float* sc = reinterpret_cast<const float*>(pr.scale + e * p.scale_stride) + row0 + 2 * t;
+    cs0 = __ldg(sc);
+    cs1 = __ldg(sc + 1);
+  }
+  if (!grouped) detail::pdl_enter();  // x and y belong to earlier kernels
 
-  // This CTA's 8-row groups [q0, q1) of nproj x A matrices, one stage each; this warp's k slice.
-  const int64_t gpm = p.m / 8;
-  const int64_t G = static_cast<int64_t>(p.nproj) * A * gpm;
-  const int64_t q0 = blockIdx.x * G / gridDim.x, q1 = (blockIdx.x + 1) * G / gridDim.x;
-  const int items = static_cast<int>(q1 - q0);
-  const int64_t slice = K / kWarps, kw0 = warp * slice;
-  auto where = [&](int64_t q, int* proj, int* slot, int64_t* row0) {
-    const int64_t mat = q / gpm;
-    *proj = static_cast<int>(mat / A);
-    *slot = static_cast<int>(mat % A);
-    *row0 = (q % gpm) * 8;
-  };
-  auto issue = [&](int i) {  // thread 0: group q0 + i's 8 whole rows into stage i % S
-    if (i >= items) return;
-    int proj, slot;
-    int64_t row0;
-    where(q0 + i, &proj, &slot, &row0);
-    const Proj& pr = proj == 0 ? p.proj[0] : p.proj[1];
-    const int64_t e = grouped ? slot_e[slot] : 0;
-    const uint8_t* src = pr.w + e * p.w_stride + row0 * p.row_bytes;
-    const int st = i % S;
-    const uint32_t bar = bar0 + 8 * st;
-    detail::mbar_arrive_expect_tx(bar, static_cast<uint32_t>(8 * K));
-    for (int j = 0; j < 8; ++j)
-      detail::bulk_copy_g2s(ring + static_cast<uint32_t>(st * stage_bytes + j * pitch),
-                            src + j * p.row_bytes, static_cast<uint32_t>(K), bar);
-  };
-  if (threadIdx.x == 0)
-    for (int i = 0; i < S; ++i) issue(i);
-  if (!grouped) {
-    detail::pdl_enter();  // x and y belong to earlier kernels
-    mma_stage_x(xh, xl, xfac, p.x, K, red);
-  } else {
-    for (int c = 0; c < p.xcopies && c < A; ++c) {
-      const int pos = slot_p[c];
-      const float* xr = p.x + (p.x_rows != nullptr ? static_cast<int64_t>(p.x_rows[pos]) : pos) * K;
-      mma_stage_x(xh + static_cast<size_t>(c) * K, xl + static_cast<size_t>(c) * K, xfac + c, xr, K,
-                  red);
+  // x (the slot's row; dense: the tokens' rows) -> x_hi / x_lo, by every thread of the CTA.
+  const float* xr =
+      p.x + (grouped ? (p.x_rows != nullptr ? static_cast<int64_t>(p.x_rows[pos]) : pos) : 0) * K;
+#pragma unroll 1
+  for (int tk = 0; tk < NT; ++tk) {
+    const bool real = tk < p.ntok;
+    const float* xt = xr + tk * K;
+    __half* xh = xs + tk * TS;
+    __half* xl = xh + K + kLoPad;
+    float mx = 0.f;
+    for (int64_t i = threadIdx.x * 4; real && i < K; i += kDirectThreads * 4) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(xt + i));
+      mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
     }
+    mx = detail::warp_max(mx);
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    mx = red[0];
+#pragma unroll
+    for (int w = 1; w < kDirectWarps; ++w) mx = fmaxf(mx, red[w]);
+    int ex = 0;
+    if (mx > 0.f && mx < INFINITY) frexpf(mx, &ex);  // mx < 2^ex
+    const float down = ldexpf(1.f, 15 - ex);
+    for (int64_t i = threadIdx.x * 4; i < K; i += kDirectThreads * 4) {
+      const float4 v =
+          real ? __ldg(reinterpret_cast<const float4*>(xt + i)) : make_float4(0, 0, 0, 0);
+      const float2 a = make_float2(v.x * down, v.y * down), b = make_float2(v.z * down, v.w * down);
+      const __half2 ha = __float22half2_rn(a), hb = __float22half2_rn(b);
+      const float2 ra = __half22float2(ha), rb = __half22float2(hb);
+      const __half2 la = __float22half2_rn(make_float2(a.x - ra.x, a.y - ra.y));
+      const __half2 lb = __float22half2_rn(make_float2(b.x - rb.x, b.y - rb.y));
+      *reinterpret_cast<__half2*>(xh + i) = ha;
+      *reinterpret_cast<__half2*>(xh + i + 2) = hb;
+      *reinterpret_cast<__half2*>(xl + i) = la;
+      *reinterpret_cast<__half2*>(xl + i + 2) = lb;
+    }
+    if (threadIdx.x == 0) xfac[tk] = ldexpf(1.f, ex - 15);
+    __syncthreads();  // also: every warp is past red before the next token's max
   }
+  if (KS == 1 && !has) return;
 
-  const int windows = static_cast<int>(slice / 64);
-  for (int i = 0; i < items; ++i) {
-    int proj, slot;
-    int64_t row0;
-    where(q0 + i, &proj, &slot, &row0);
-    const Proj& pr = proj == 0 ? p.proj[0] : p.proj[1];
-    const int64_t e = grouped ? slot_e[slot] : 0;
-    const int xc = p.xcopies == 1 ? 0 : slot;
-    float rf = 0.f;  // warp 0, lane r < 8: row row0 + r's per-channel scale (loaded ahead)
-    if (warp == 0 && lane < 8)
-      rf = __ldg(reinterpret_cast<const float*>(pr.scale + e * p.scale_stride) + row0 + lane);
-    const int st = i % S;
-    detail::mbar_wait(bar0 + 8 * st, static_cast<uint32_t>(i / S) & 1u);
-    const unsigned char* arow = ring_p + st * stage_bytes + g * pitch + kw0 + 16 * t;
-    const __half* xsrc = (g == 0 ? xh : xl) + static_cast<size_t>(xc) * K + kw0 + 16 * t;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-    for (int w = 0; w < windows; ++w) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(arow + w * 64);
+  // Lanes of A rows 2i (token i's x_hi) and 2i + 1 (its x_lo) read x; rows from 2 NT on are zero.
+  const bool arow = g < 2 * NT;
+  const __half* xa_base = xs + (g / 2) * TS + (g % 2) * (K + kLoPad) + t * kPieceBytes +
+                          static_cast<int64_t>(j0) * kPieceStep;
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+  for (int c = 0; has && c < np; c += U) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = c + u;
+      const uint4 w = buf[u];
+      if (j + U < np) buf[u] = ld_stream(wp + (j + U) * kStride);
       uint4 xa = make_uint4(0u, 0u, 0u, 0u), xb = make_uint4(0u, 0u, 0u, 0u);
-      if (g < 2) {
-        xa = *reinterpret_cast<const uint4*>(xsrc + w * 64);
-        xb = *reinterpret_cast<const uint4*>(xsrc + w * 64 + 8);
+      if (arow && j < np) {
+        xa = *reinterpret_cast<const uint4*>(xa_base + j * kPieceStep);
+        xb = *reinterpret_cast<const uint4*>(xa_base + j * kPieceStep + 8);
       }
-      const uint32_t wd[4] = {raw.x, raw.y, raw.z, raw.w};
-      const uint32_t xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+      if (j < np) {
+        mma_f16(acc[0], xa.x, xa.y, e4m3x2_to_f16x2(w.x), e4m3x2_to_f16x2(w.x >> 16));
+        mma_f16(acc[1], xa.z, xa.w, e4m3x2_to_f16x2(w.y), e4m3x2_to_f16x2(w.y >> 16));
+        mma_f16(acc[2], xb.x, xb.y, e4m3x2_to_f16x2(w.z), e4m3x2_to_f16x2(w.z >> 16));
+        mma_f16(acc[3], xb.z, xb.w, e4m3x2_to_f16x2(w.w), e4m3x2_to_f16x2(w.w >> 16));
+      }
+    }
+  }
+  // D row 2i (token i's x_hi . W) is in lanes 8i + t, row 2i + 1 (x_lo . W) in lanes 8i + 4 + t;
+  // columns 2t, 2t + 1.
+  float v0 = (acc[0][0] + acc[1][0]) + (acc[2][0] + acc[3][0]);
+  float v1 = (acc[0][1] + acc[1][1]) + (acc[2][1] + acc[3][1]);
+  v0 += __shfl_down_sync(0xffffffffu, v0, 4);
+  v1 += __shfl_down_sync(0xffffffffu, v1, 4);
+  const int tk = g / 2;
+  const bool out = g % 2 == 0 && tk < NT;
+  if constexpr (KS > 1) {
+    if (out) {
+      part[(warp * NT + tk) * 8 + 2 * t] = v0;
+      part[(warp * NT + tk) * 8 + 2 * t + 1] = v1;
+    }
+    __syncthreads();
+    if (ks != 0 || !has) return;
+    if (out) {
 #pragma unroll
-      for (int s4 = 0; s4 < 4; ++s4)
-        mma_f16(acc, xv[2 * s4], xv[2 * s4 + 1], e4m3x2_to_f16x2(wd[s4]),
-                e4m3x2_to_f16x2(wd[s4] >> 16));
+      for (int s = 1; s < KS; ++s) {
+        v0 += part[((warp + s) * NT + tk) * 8 + 2 * t];
+        v1 += part[((warp + s) * NT + tk) * 8 + 2 * t + 1];
+      }
     }
-    // D row 0 (x_hi) is in lanes 0-3, row 1 (x_lo) in lanes 4-7, columns 2t and 2t + 1.
-    const float v0 = acc[0] + __shfl_down_sync(0xffffffffu, acc[0], 4);
-    const float v1 = acc[1] + __shfl_down_sync(0xffffffffu, acc[1], 4);
-    const int par = i & 1;
-    if (lane < 4) {
-      part[(par * kWarps + warp) * 8 + 2 * t] = v0;
-      part[(par * kWarps + warp) * 8 + 2 * t + 1] = v1;
-    }
-    __syncthreads();  // every warp is past stage st and its partials are in
-    if (threadIdx.x == 0) issue(i + S);
-    if (warp == 0 && lane < 8) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += part[(par * kWarps + w) * 8 + lane];
-      const int64_t pos = grouped ? slot_p[slot] : 0;
-      pr.y[pos * p.m + row0 + lane] = sum * xfac[xc] * rf;
-    }
+  }
+  if (out && tk < p.ntok) {
+    const float f = xfac[tk];
+    float* y = pr.y + (pos + tk) * p.m + row0 + 2 * t;
+    y[0] = v0 * f * cs0;
+    y[1] = v1 * f * cs1;
   }
 }
 
@@ -587,22 +602,72 @@ bool run_any(WeightQuant q, const Params& p, cudaStream_t stream) {
   return false;
 }
 
-// fp8_per_channel with rows in whole 8-row groups: qmma_kernel, opt-in (M3_QUANT_MMA=1): it
-// measured slower than the group kernel (see its comment).
+// fp8_per_channel with rows in whole 8-row groups: qdirect_kernel (on by default; M3_QUANT_MMA=0
+// turns it off: the group kernel).
 std::atomic<int> g_mma{-1};
 bool mma_takes(const MatRef& w) {
-  return mma_on() && w.quant == WeightQuant::kFp8Channel && w.rows % 8 == 0;
+  return mma_on() && w.quant == WeightQuant::kFp8Channel && w.rows % 8 == 0 && w.cols % 64 == 0;
 }
 
-bool run_mma(Params p, cudaStream_t stream) {
-  const size_t off = mma_ring_offset(p.xcopies, p.k);
-  const int64_t left = detail::smem_optin_limit() - static_cast<int64_t>(off);
-  const int64_t stage = 8 * mma_pitch(p.k);
-  p.stages = static_cast<int>(std::min<int64_t>(kMaxStages, left / stage));
-  if (p.stages < 2) return false;
-  detail::allow_optin_smem<qmma_kernel>();
-  detail::launch_pdl(qmma_kernel, dim3(static_cast<unsigned>(num_sms())), dim3(kThreads),
-                     off + static_cast<size_t>(p.stages * stage), stream, p);
+template <int NT, int KS>
+void launch_direct(Params p, cudaStream_t stream) {
+  constexpr int kGroups = kDirectWarps / KS;
+  p.cpm = static_cast<int>((p.m / 8 + kGroups - 1) / kGroups);
+  detail::allow_optin_smem<qdirect_kernel<NT, KS>>();
+  const unsigned grid = static_cast<unsigned>(p.cpm) * p.nproj * p.slots;
+  detail::launch_pdl(qdirect_kernel<NT, KS>, dim3(grid), dim3(kDirectThreads), direct_smem(p.k, NT),
+                     stream, p);
+}
+
+// k split over KS = 1, 2 or 4 warps: the fewest that give the launch >= 11 warps per SM (the
+// kernel keeps up to 16 resident at its <= 128 registers).
+// Measured (bench_quant_gemv --quick, n = 1, us for KS = 1 / 2 / 4): expert w1 [3072, 6144]
+// 14.7 / 11.2 / 9.6, w2 [6144, 3072] 10.9 / 9.0 / 10.8, q_proj [8192, 6144] 19.9 / 17.1 / 21.2,
+// dense gate [12288, 6144] 24.1 / 27.7 / 31.0: the rule picks 4, 2, 2, 1. M3_QUANT_MMA_KS forces
+// one (benchmarks).
+int direct_ks(const Params& p) {
+  const int64_t np = p.k / kPieceStep;
+  static const int forced = [] {
+    const char* v = std::getenv("M3_QUANT_MMA_KS");
+    if (v == nullptr || *v == '\0') return 0;
+    const int n = std::atoi(v);
+    if (n != 1 && n != 2 && n != 4) {
+      std::fprintf(stderr, "m3serve: M3_QUANT_MMA_KS=%s ignored (accepted: 1, 2, 4)\n", v);
+      return 0;
+    }
+    return n;
+  }();
+  if (forced != 0 && np % forced == 0) return forced;
+  const int64_t groups = p.m / 8 * p.nproj * p.slots;
+  int ks = 1;
+  while (ks < 4 && groups * ks < 11 * static_cast<int64_t>(num_sms()) && np % (2 * ks) == 0)
+    ks *= 2;
+  return ks;
+}
+
+template <int NT>
+void launch_direct_ks(const Params& p, cudaStream_t stream) {
+  switch (direct_ks(p)) {
+    case 4:
+      return launch_direct<NT, 4>(p, stream);
+    case 2:
+      return launch_direct<NT, 2>(p, stream);
+    default:
+      return launch_direct<NT, 1>(p, stream);
+  }
+}
+
+// False where the tokens' x does not fit in shared memory (4 tokens: k <= ~14000).
+bool run_mma(const Params& p, cudaStream_t stream) {
+  const int nt = p.ntok <= 1 ? 1 : p.ntok <= 2 ? 2 : 4;
+  if (p.ntok > 4 || static_cast<int64_t>(direct_smem(p.k, nt)) > detail::smem_optin_limit())
+    return false;
+  if (nt == 1)
+    launch_direct_ks<1>(p, stream);
+  else if (nt == 2)
+    launch_direct_ks<2>(p, stream);
+  else
+    launch_direct_ks<4>(p, stream);
   return true;
 }
 
@@ -660,14 +725,41 @@ void set_on(bool v) {
 }
 
 bool mma_on() {
-  return switch_value(g_mma, "M3_QUANT_MMA", false);
+  return switch_value(g_mma, "M3_QUANT_MMA", true);
 }
 
 void set_mma_on(bool v) {
   g_mma.store(v ? 1 : 0, std::memory_order_relaxed);
 }
 
-bool dense(const float* x, const MatRef& w, float* y, cudaStream_t stream) {
+namespace {
+std::atomic<int> g_mma_tokens{0};
+}  // namespace
+
+int mma_tokens() {
+  int v = g_mma_tokens.load(std::memory_order_relaxed);
+  if (v == 0) {
+    const char* e = std::getenv("M3_QUANT_MMA_TOKENS");
+    int n = 1;
+    if (e != nullptr && *e != '\0') {
+      n = std::atoi(e);
+      if (n < 1 || n > 4) {
+        std::fprintf(stderr, "m3serve: M3_QUANT_MMA_TOKENS=%s ignored (accepted: 1-4)\n", e);
+        n = 1;
+      }
+    }
+    int expected = 0;
+    g_mma_tokens.compare_exchange_strong(expected, n);
+    v = g_mma_tokens.load(std::memory_order_relaxed);
+  }
+  return v;
+}
+
+void set_mma_tokens(int n) {
+  g_mma_tokens.store(std::clamp(n, 1, 4), std::memory_order_relaxed);
+}
+
+bool dense(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream) {
   // Rows for every warp of the grid: fewer leave SMs idle, where the group kernel's CTAs of 4-8
   // rows spread better.
   if (!on() || !takes(w) || !aligned16(x) || w.rows < static_cast<int64_t>(num_sms()) * kWarps)
@@ -680,8 +772,9 @@ bool dense(const float* x, const MatRef& w, float* y, cudaStream_t stream) {
   p.k = w.cols;
   p.row_bytes = w.row_bytes();
   p.scale_row_bytes = w.scale_row_bytes();
-  if (mma_takes(w)) return run_mma(p, stream);
-  if (!stream_takes(w.quant)) return false;
+  p.ntok = static_cast<int>(std::min<int64_t>(n, 5));
+  if (mma_takes(w) && n <= mma_tokens()) return run_mma(p, stream);
+  if (n != 1 || !stream_takes(w.quant)) return false;
   p.kpad = kpad_of(w.cols);
   return run_any(w.quant, p, stream);
 }
@@ -719,6 +812,7 @@ bool grouped(const float* x, const int32_t* x_rows, bool x_one_row, const QuantE
   p.active = active;
   p.num_active = num_active;
   p.xcopies = x_one_row ? 1 : static_cast<int>(slots);
+  p.slots = static_cast<int>(slots);
   if (mma_takes(f)) return run_mma(p, stream);
   if (!stream_takes(f.quant)) return false;
   p.kpad = kpad_of(f.cols);

@@ -20,15 +20,22 @@ namespace m3::kernels::cuda::qstream {
 // quant_gemv.cu).
 bool on();
 void set_on(bool v);
-// Whether fp8_per_channel takes qmma_kernel (off by default: slower than the group kernel as it
-// stands; M3_QUANT_MMA=1 or set_mma_on(true)).
+// Whether fp8_per_channel takes the tensor-core kernel (on by default; M3_QUANT_MMA=0 or
+// set_mma_on(false): the group kernel).
 bool mma_on();
 void set_mma_on(bool v);
+// The most tokens a dense fp8_per_channel call takes it for: 1 by default (at 2-4 tokens it ran
+// one M3 layer slower than the group kernel, docs/PERFORMANCE.md session 17); up to 4 with
+// M3_QUANT_MMA_TOKENS or set_mma_tokens (tests, benchmarks).
+int mma_tokens();
+void set_mma_tokens(int n);
 
-// y[0, w.rows) = x[0, w.cols) . w^T for one token, if the streaming kernel takes the matrix
-// (cols a multiple of 512 and at most 16384, rows that give every warp of the grid one, 16-byte
-// aligned x, codes and scales); false (nothing launched) otherwise.
-bool dense(const float* x, const MatRef& w, float* y, cudaStream_t stream);
+// y[t, 0..w.rows) = x[t, 0..w.cols) . w^T for n tokens (t < n), if a kernel here takes the matrix:
+// cols a multiple of 512 and at most 16384, rows that give every warp of the grid one, 16-byte
+// aligned x, codes and scales; one token for the 4-bit stream, up to mma_tokens() for
+// fp8_per_channel on the tensor cores (x of 4 tokens in shared memory: k <= ~14000). False
+// (nothing launched) otherwise.
+bool dense(const float* x, int64_t n, const MatRef& w, float* y, cudaStream_t stream);
 
 // The experts' GEMVs of one token: for every active expert slot s (< *num_active) and each of
 // the `nproj` projections j, y[j][p, :] = x_p . W_{j,e}^T with e = active[s], p = offsets[e] (one
