@@ -25,6 +25,7 @@
 #include "core/env.h"
 #include "gpu/cuda_check.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kv_format.cuh"
 #include "kernels/cuda/quant_stream.cuh"
 
 namespace m3::kernels::cuda::qstream {
@@ -385,14 +386,6 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a2,
       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // Shared memory of qdirect_kernel: per token x_hi [k], kLoPad, x_lo [k], kLoPad (f16), then the
 // tokens' x factors, the max-reduction slots and the warps' partial sums.
 __host__ __device__ inline int64_t direct_token_stride(int64_t k) {  // f16 elements
@@ -447,7 +440,7 @@ __global__ void __launch_bounds__(kDirectThreads) qdirect_kernel(Params p) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     buf[u] = make_uint4(0u, 0u, 0u, 0u);
-    if (has && u < np) buf[u] = ld_stream(wp + u * kStride);
+    if (has && u < np) buf[u] = detail::ldg_nc16(wp + u * kStride);
   }
   // The channel scales of rows 2t, 2t + 1 (the D fragment's columns), loaded now.
   float cs0 = 1.f, cs1 = 1.f;
@@ -513,7 +506,7 @@ __global__ void __launch_bounds__(kDirectThreads) qdirect_kernel(Params p) {
     for (int u = 0; u < U; ++u) {
       const int j = c + u;
       const uint4 w = buf[u];
-      if (j + U < np) buf[u] = ld_stream(wp + (j + U) * kStride);
+      if (j + U < np) buf[u] = detail::ldg_nc16(wp + (j + U) * kStride);
       uint4 xa = make_uint4(0u, 0u, 0u, 0u), xb = make_uint4(0u, 0u, 0u, 0u);
       if (arow && j < np) {
         xa = *reinterpret_cast<const uint4*>(xa_base + j * kPieceStep);
