@@ -595,6 +595,21 @@ bool run_any(WeightQuant q, const Params& p, cudaStream_t stream) {
   return false;
 }
 
+// A small count from the environment (benchmark knobs): `def` when unset or empty; a value that
+// is not a whole number `ok` accepts keeps `def` and says so, naming the accepted values.
+int env_count(const char* name, int def, bool (*ok)(long), const char* accepted) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return def;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || !ok(n)) {
+    std::fprintf(stderr, "m3serve: %s=%s ignored (accepted: %s); using %d\n", name, v, accepted,
+                 def);
+    return def;
+  }
+  return static_cast<int>(n);
+}
+
 // fp8_per_channel with rows in whole 8-row groups: qdirect_kernel (on by default; M3_QUANT_MMA=0
 // turns it off: the group kernel).
 std::atomic<int> g_mma{-1};
@@ -620,16 +635,8 @@ void launch_direct(Params p, cudaStream_t stream) {
 // one (benchmarks).
 int direct_ks(const Params& p) {
   const int64_t np = p.k / kPieceStep;
-  static const int forced = [] {
-    const char* v = std::getenv("M3_QUANT_MMA_KS");
-    if (v == nullptr || *v == '\0') return 0;
-    const int n = std::atoi(v);
-    if (n != 1 && n != 2 && n != 4) {
-      std::fprintf(stderr, "m3serve: M3_QUANT_MMA_KS=%s ignored (accepted: 1, 2, 4)\n", v);
-      return 0;
-    }
-    return n;
-  }();
+  static const int forced = env_count(
+      "M3_QUANT_MMA_KS", 0, [](long n) { return n == 1 || n == 2 || n == 4; }, "1, 2, 4");
   if (forced != 0 && np % forced == 0) return forced;
   const int64_t groups = p.m / 8 * p.nproj * p.slots;
   int ks = 1;
@@ -726,23 +733,16 @@ void set_mma_on(bool v) {
 }
 
 namespace {
-std::atomic<int> g_mma_tokens{0};
+std::atomic<int> g_mma_tokens{-1};
 }  // namespace
 
 int mma_tokens() {
   int v = g_mma_tokens.load(std::memory_order_relaxed);
-  if (v == 0) {
-    const char* e = std::getenv("M3_QUANT_MMA_TOKENS");
-    int n = 1;
-    if (e != nullptr && *e != '\0') {
-      n = std::atoi(e);
-      if (n < 1 || n > 4) {
-        std::fprintf(stderr, "m3serve: M3_QUANT_MMA_TOKENS=%s ignored (accepted: 1-4)\n", e);
-        n = 1;
-      }
-    }
-    int expected = 0;
-    g_mma_tokens.compare_exchange_strong(expected, n);
+  if (v < 0) {
+    int expected = -1;
+    g_mma_tokens.compare_exchange_strong(
+        expected, env_count(
+                      "M3_QUANT_MMA_TOKENS", 1, [](long n) { return n >= 1 && n <= 4; }, "1-4"));
     v = g_mma_tokens.load(std::memory_order_relaxed);
   }
   return v;
